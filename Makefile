@@ -1,0 +1,28 @@
+# Set-up and entry points. `make train` and `make test` work on a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
+
+.PHONY: setup test train bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@rm -f $(VENV)/.stamp-*
+	@touch $@
+
+test: setup
+	$(BIN)/python -m pytest
+
+train: setup
+	$(BIN)/dpfleet eps --dataset-size 60000 --batch-size 250 --noise-multiplier 1.3 --epochs 15 --delta 1e-5 --accountant all
+
+bench: setup
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Privacy accounting: event records, accountants (PLD, RDP, GDP), calibration and the ledger."""

@@ -1,0 +1,225 @@
+"""Accountants: interpret event records as (epsilon, delta).
+
+Three interpreters of the same records:
+
+- ``pld``: privacy-loss distributions (dp-accounting, pessimistic
+  discretisation). A rigorous upper bound and the tightest of the three; the
+  default.
+- ``rdp``: Renyi DP over a wide order grid, converted to (epsilon, delta).
+  Rigorous, looser than PLD.
+- ``gdp``: the central-limit approximation of Bu et al. (Gaussian DP for
+  Poisson-sampled SGD). Approximate: it can fall below the true epsilon, so it
+  is never used for budgets and is always labelled approximate.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Protocol
+
+import numpy as np
+from dp_accounting import pld, rdp
+from scipy import optimize, special
+
+from accounting.events import Composition, EventsLike, as_composition
+
+DEFAULT_ACCOUNTANT = "pld"
+
+# dp-accounting's default grid, widened at both ends: orders just above 1
+# matter for very large epsilon, orders in the thousands for tiny ones.
+RDP_ORDERS = np.array(
+    sorted(
+        set([1.01, 1.02, 1.03, 1.05, 1.07])
+        | set(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+        | set(range(64, 128, 8))
+        | {1536, 2048, 4096, 8192}
+    ),
+    dtype=np.float64,
+)
+
+
+class AccountingError(ValueError):
+    """A query to an accountant is outside its valid range."""
+
+
+class RdpOrderWarning(UserWarning):
+    """The best RDP order lies at the edge of the grid, so epsilon may be loose."""
+
+
+class Accountant(Protocol):
+    """What every accountant offers: epsilon at a delta, and delta at an epsilon."""
+
+    name: str
+    rigorous: bool
+
+    def epsilon(self, events: EventsLike, delta: float) -> float:
+        """Smallest epsilon such that the events are (epsilon, delta)-DP."""
+
+    def delta(self, events: EventsLike, epsilon: float) -> float:
+        """Smallest delta such that the events are (epsilon, delta)-DP."""
+
+
+def _check_delta(delta: float) -> float:
+    delta = float(delta)
+    if not (math.isfinite(delta) and 0.0 < delta < 1.0):
+        raise AccountingError(f"delta must be in (0, 1) (got {delta!r})")
+    return delta
+
+
+def _check_epsilon(epsilon: float) -> float:
+    epsilon = float(epsilon)
+    if not (math.isfinite(epsilon) and epsilon >= 0.0):
+        raise AccountingError(f"epsilon must be a finite number >= 0 (got {epsilon!r})")
+    return epsilon
+
+
+@functools.lru_cache(maxsize=256)
+def _pld_of(composition: Composition) -> pld.PLDAccountant:
+    accountant = pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(composition.to_dp_event())
+    return accountant
+
+
+class PldAccountant:
+    """Privacy-loss-distribution accounting with pessimistic discretisation (rigorous)."""
+
+    name = "pld"
+    rigorous = True
+
+    def epsilon(self, events: EventsLike, delta: float) -> float:
+        """Upper bound on epsilon at `delta`."""
+        delta = _check_delta(delta)
+        composition = as_composition(events)
+        if composition.steps == 0:
+            return 0.0
+        return float(_pld_of(composition).get_epsilon(delta))
+
+    def delta(self, events: EventsLike, epsilon: float) -> float:
+        """Upper bound on delta at `epsilon`."""
+        epsilon = _check_epsilon(epsilon)
+        composition = as_composition(events)
+        if composition.steps == 0:
+            return 0.0
+        return float(_pld_of(composition).get_delta(epsilon))
+
+
+def rdp_vector(events: EventsLike) -> np.ndarray:
+    """Renyi divergences of the composition at every order of RDP_ORDERS.
+
+    RDP composes by addition, so a ledger can keep one running vector per
+    dataset and add each job's vector to it.
+    """
+    composition = as_composition(events)
+    accountant = rdp.RdpAccountant(orders=RDP_ORDERS)
+    if composition.steps:
+        accountant.compose(composition.to_dp_event())
+    return np.array(accountant.rdp, dtype=np.float64)
+
+
+def epsilon_from_rdp(rdp_values: np.ndarray, delta: float, warn: bool = True) -> float:
+    """Epsilon at `delta` from an RDP vector over RDP_ORDERS (warns at the grid's edge)."""
+    delta = _check_delta(delta)
+    rdp_values = np.asarray(rdp_values, dtype=np.float64)
+    if not np.any(rdp_values):
+        return 0.0
+    epsilon, order = rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, rdp_values, delta)
+    if warn and epsilon > 0 and order in (RDP_ORDERS[0], RDP_ORDERS[-1]):
+        warnings.warn(
+            f"the best RDP order ({order:g}) is at the edge of the grid "
+            f"[{RDP_ORDERS[0]:g}, {RDP_ORDERS[-1]:g}]; the RDP epsilon may be loose, prefer --accountant pld",
+            RdpOrderWarning,
+            stacklevel=2,
+        )
+    return float(epsilon)
+
+
+class RdpAccountant:
+    """Renyi-DP accounting over RDP_ORDERS, converted to (epsilon, delta) (rigorous)."""
+
+    name = "rdp"
+    rigorous = True
+
+    def epsilon(self, events: EventsLike, delta: float) -> float:
+        """Upper bound on epsilon at `delta`."""
+        return epsilon_from_rdp(rdp_vector(events), delta)
+
+    def delta(self, events: EventsLike, epsilon: float) -> float:
+        """Upper bound on delta at `epsilon`."""
+        epsilon = _check_epsilon(epsilon)
+        composition = as_composition(events)
+        if composition.steps == 0:
+            return 0.0
+        delta, _ = rdp.rdp_privacy_accountant.compute_delta(RDP_ORDERS, rdp_vector(composition), epsilon)
+        return float(delta)
+
+
+def gdp_mu(events: EventsLike) -> float:
+    """Gaussian-DP parameter mu of the composition by the Poisson CLT of Bu et al.
+
+    Per record: mu^2 = steps * q^2 * (e^(1/s^2) - 1), with s the effective noise
+    multiplier; records compose as the root of the sum of squares.
+    """
+    total = 0.0
+    for event in as_composition(events).events:
+        exponent = event.effective_noise_multiplier**-2
+        growth = math.expm1(exponent) if exponent < 700.0 else math.inf
+        total += event.steps * event.sampling_rate**2 * growth
+    return math.sqrt(total)
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+    """delta(epsilon) of mu-GDP: Phi(-eps/mu + mu/2) - e^eps * Phi(-eps/mu - mu/2)."""
+    if mu == 0.0:
+        return 0.0
+    first = special.ndtr(-epsilon / mu + mu / 2.0)
+    second = math.exp(epsilon + special.log_ndtr(-epsilon / mu - mu / 2.0))
+    return max(0.0, float(first - second))
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """Smallest epsilon with gdp_delta(mu, epsilon) <= delta."""
+    if mu == 0.0 or gdp_delta(mu, 0.0) <= delta:
+        return 0.0
+    if not math.isfinite(mu):
+        return math.inf
+    upper = 1.0
+    while gdp_delta(mu, upper) > delta:
+        upper *= 2.0
+    return float(optimize.brentq(lambda eps: gdp_delta(mu, eps) - delta, 0.0, upper, xtol=1e-12))
+
+
+class GdpAccountant:
+    """Central-limit Gaussian-DP approximation (Bu et al.); NOT a rigorous bound."""
+
+    name = "gdp"
+    rigorous = False
+
+    def epsilon(self, events: EventsLike, delta: float) -> float:
+        """Approximate epsilon at `delta`; may be below the true value."""
+        return gdp_epsilon(gdp_mu(events), _check_delta(delta))
+
+    def delta(self, events: EventsLike, epsilon: float) -> float:
+        """Approximate delta at `epsilon`; may be below the true value."""
+        return gdp_delta(gdp_mu(events), _check_epsilon(epsilon))
+
+
+ACCOUNTANTS: dict[str, Accountant] = {
+    accountant.name: accountant for accountant in (PldAccountant(), RdpAccountant(), GdpAccountant())
+}
+
+
+def get_accountant(name: str) -> Accountant:
+    """The accountant called `name` (pld, rdp or gdp)."""
+    try:
+        return ACCOUNTANTS[name]
+    except KeyError:
+        raise AccountingError(
+            f"unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)}"
+        ) from None
+
+
+def label(accountant: Accountant) -> str:
+    """How a figure from this accountant is shown: its name, marked when approximate."""
+    return accountant.name if accountant.rigorous else f"{accountant.name} (approximate)"

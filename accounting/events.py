@@ -1,0 +1,206 @@
+"""DP event records: what ran, described as data.
+
+A training step of DP-SGD is a Poisson-sampled Gaussian mechanism. A run is a
+composition of such mechanisms, possibly with different parameters (noise
+schedules, sensitivity changes). The trainer emits these records, the ledger
+stores them (as versioned JSON), and every accountant interprets the same
+records. Nothing here knows about models, Ray or any particular accountant.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from dataclasses import dataclass
+from typing import Iterable, Sequence, Union
+
+import dp_accounting
+
+SCHEMA_NAME = "dpfleet.events"
+SCHEMA_VERSION = 1
+
+
+class EventError(ValueError):
+    """An event record has a value outside its valid range."""
+
+
+def _check_finite(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        raise EventError(f"{name} must be a finite number (got {value!r})")
+    return value
+
+
+@dataclass(frozen=True)
+class SampledGaussian:
+    """`steps` steps of a Gaussian sum query on a Poisson-sampled batch.
+
+    Each example joins a step independently with probability `sampling_rate`;
+    the sum of per-example contributions, each of L2 norm at most C, gets
+    Gaussian noise of standard deviation `noise_multiplier` * C. A
+    `sensitivity_factor` k > 1 says one example can move the sum by k*C (for
+    example 2 with microbatches), which accountants treat as a noise
+    multiplier of `noise_multiplier / k`.
+    """
+
+    sampling_rate: float
+    noise_multiplier: float
+    steps: int
+    sensitivity_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        rate = _check_finite("sampling_rate", self.sampling_rate)
+        if not 0.0 < rate <= 1.0:
+            raise EventError(f"sampling_rate must be in (0, 1] (got {rate!r})")
+        sigma = _check_finite("noise_multiplier", self.noise_multiplier)
+        if sigma <= 0.0:
+            raise EventError(f"noise_multiplier must be > 0 (got {sigma!r})")
+        if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
+            raise EventError(f"steps must be an integer >= 0 (got {self.steps!r})")
+        factor = _check_finite("sensitivity_factor", self.sensitivity_factor)
+        if factor <= 0.0:
+            raise EventError(f"sensitivity_factor must be > 0 (got {factor!r})")
+        object.__setattr__(self, "sampling_rate", rate)
+        object.__setattr__(self, "noise_multiplier", sigma)
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "sensitivity_factor", factor)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """Noise standard deviation in units of one example's largest effect on the sum."""
+        return self.noise_multiplier / self.sensitivity_factor
+
+    def with_steps(self, steps: int) -> "SampledGaussian":
+        """The same mechanism run for a different number of steps."""
+        return SampledGaussian(self.sampling_rate, self.noise_multiplier, steps, self.sensitivity_factor)
+
+    def same_mechanism(self, other: "SampledGaussian") -> bool:
+        """True when both records describe the same per-step mechanism."""
+        return (
+            self.sampling_rate == other.sampling_rate
+            and self.noise_multiplier == other.noise_multiplier
+            and self.sensitivity_factor == other.sensitivity_factor
+        )
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict; floats keep their exact value through json."""
+        return {
+            "kind": "sampled_gaussian",
+            "sampling_rate": self.sampling_rate,
+            "noise_multiplier": self.noise_multiplier,
+            "steps": self.steps,
+            "sensitivity_factor": self.sensitivity_factor,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SampledGaussian":
+        """Inverse of `to_dict`; refuses unknown kinds and missing fields."""
+        if data.get("kind") != "sampled_gaussian":
+            raise EventError(f"unknown event kind {data.get('kind')!r}; expected 'sampled_gaussian'")
+        try:
+            return cls(
+                sampling_rate=data["sampling_rate"],
+                noise_multiplier=data["noise_multiplier"],
+                steps=data["steps"],
+                sensitivity_factor=data.get("sensitivity_factor", 1.0),
+            )
+        except KeyError as missing:
+            raise EventError(f"event is missing the field {missing}") from None
+
+    def to_dp_event(self) -> dp_accounting.DpEvent:
+        """The equivalent dp-accounting event (sensitivity folded into the noise)."""
+        step = dp_accounting.PoissonSampledDpEvent(
+            self.sampling_rate, dp_accounting.GaussianDpEvent(self.effective_noise_multiplier)
+        )
+        return dp_accounting.SelfComposedDpEvent(step, self.steps)
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A sequence of mechanisms run one after another on the same dataset.
+
+    Adjacent records of the same mechanism are merged, so a long run of one
+    configuration stays one record however many times steps are appended.
+    """
+
+    events: tuple[SampledGaussian, ...] = ()
+
+    def __post_init__(self) -> None:
+        merged: list[SampledGaussian] = []
+        for event in self.events:
+            if not isinstance(event, SampledGaussian):
+                raise EventError(f"a composition holds SampledGaussian records (got {type(event).__name__})")
+            if event.steps == 0:
+                continue
+            if merged and merged[-1].same_mechanism(event):
+                merged[-1] = merged[-1].with_steps(merged[-1].steps + event.steps)
+            else:
+                merged.append(event)
+        object.__setattr__(self, "events", tuple(merged))
+
+    @property
+    def steps(self) -> int:
+        """Total number of steps over all records."""
+        return sum(event.steps for event in self.events)
+
+    def then(self, other: "EventsLike") -> "Composition":
+        """This composition followed by `other`."""
+        return Composition(self.events + as_composition(other).events)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict carrying the schema name and version."""
+        return {
+            "schema": SCHEMA_NAME,
+            "version": SCHEMA_VERSION,
+            "events": [event.to_dict() for event in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Composition":
+        """Inverse of `to_dict`; refuses other schemas and newer versions."""
+        if data.get("schema") != SCHEMA_NAME:
+            raise EventError(f"not a dpfleet event list (schema {data.get('schema')!r})")
+        version = data.get("version")
+        if version != SCHEMA_VERSION:
+            raise EventError(
+                f"event schema version {version!r} is not supported; this dpfleet reads version {SCHEMA_VERSION}"
+            )
+        return cls(tuple(SampledGaussian.from_dict(item) for item in data.get("events", [])))
+
+    def to_json(self) -> str:
+        """Serialise exactly (Python floats round-trip through their repr)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Composition":
+        """Inverse of `to_json`."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise EventError(f"event list is not valid JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise EventError("event list JSON must be an object")
+        return cls.from_dict(data)
+
+    def to_dp_event(self) -> dp_accounting.DpEvent:
+        """The equivalent dp-accounting event."""
+        return dp_accounting.ComposedDpEvent([event.to_dp_event() for event in self.events])
+
+
+EventsLike = Union[SampledGaussian, Composition, Sequence[SampledGaussian]]
+
+
+def as_composition(events: EventsLike | Iterable[SampledGaussian]) -> Composition:
+    """Accept one record, a list of records or a composition; return a composition."""
+    if isinstance(events, Composition):
+        return events
+    if isinstance(events, SampledGaussian):
+        return Composition((events,))
+    return Composition(tuple(events))
+
+
+def steps_for_epochs(epochs: float, dataset_size: int, batch_size: int) -> int:
+    """Steps in `epochs` passes at expected batch `batch_size`: ceil(epochs * N / B)."""
+    # Fraction(str(...)) keeps 15 * 60000 / 250 exactly 3600, not 3600.0000001.
+    return math.ceil(Fraction(str(float(epochs))) * dataset_size / batch_size)

@@ -1,0 +1,1 @@
+"""The driver side of dpfleet: configuration, sampling, aggregation, training loop and CLI."""

@@ -1,0 +1,45 @@
+"""The `dpfleet` command: one parser, one subcommand per concern."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from orchestrator.errors import BudgetRefusedError, UsageError
+from orchestrator.privacy_cli import add_privacy_parsers
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line on stderr and exit status 2."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse's hook
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full `dpfleet` parser."""
+    parser = _Parser(
+        prog="dpfleet",
+        description="Differentially private training across a Ray cluster, with a global privacy ledger.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    add_privacy_parsers(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one `dpfleet` command and return its exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (UsageError, BudgetRefusedError) as error:
+        print(f"dpfleet {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_status
+    except KeyboardInterrupt:
+        print(f"dpfleet {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Errors the command line turns into exit statuses, without a traceback."""
+
+
+class UsageError(ValueError):
+    """Bad input from the user: a flag or config key outside its valid range (exit status 2)."""
+
+    exit_status = 2
+
+
+class BudgetRefusedError(RuntimeError):
+    """The privacy ledger refused the job's reservation (exit status 3)."""
+
+    exit_status = 3

@@ -1,0 +1,180 @@
+"""Accountants against published reference values, inverse calibration, and properties."""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from accounting.accountants import (
+    RDP_ORDERS,
+    RdpOrderWarning,
+    epsilon_from_rdp,
+    get_accountant,
+    rdp_vector,
+)
+from accounting.calibration import max_steps_for, noise_multiplier_for
+from accounting.events import Composition, EventError, SampledGaussian, steps_for_epochs
+
+MNIST_Q = 250 / 60000
+DELTA = 1e-5
+
+
+def epsilon(name, events, delta=DELTA):
+    return get_accountant(name).epsilon(events, delta)
+
+
+def test_steps_for_epochs_is_exact():
+    assert steps_for_epochs(15, 60000, 250) == 3600
+    assert steps_for_epochs(3, 60000, 250) == 720
+    assert steps_for_epochs(60, 60000, 256) == 14063
+    assert steps_for_epochs(0.5, 10, 3) == 2
+
+
+@pytest.mark.parametrize(
+    "name, steps, expected, tolerance",
+    [
+        ("rdp", 3600, 0.9422, 5e-5),
+        ("gdp", 3600, 0.8237, 5e-5),
+        ("pld", 3600, 0.853, 0.002),
+        ("rdp", 720, 0.5632, 5e-5),
+    ],
+)
+def test_seed_configuration_reference_values(name, steps, expected, tolerance):
+    assert epsilon(name, SampledGaussian(MNIST_Q, 1.3, steps)) == pytest.approx(expected, abs=tolerance)
+
+
+def test_sixty_epochs_at_sigma_1_1():
+    event = SampledGaussian(256 / 60000, 1.1, steps_for_epochs(60, 60000, 256))
+    assert epsilon("rdp", event) == pytest.approx(2.5967, abs=5e-5)
+    assert epsilon("pld", event) == pytest.approx(2.3818, abs=0.002)
+
+
+def test_heterogeneous_composition():
+    events = Composition((SampledGaussian(0.004, 1.1, 1000), SampledGaussian(0.008, 0.9, 1000)))
+    assert epsilon("rdp", events) == pytest.approx(2.2937, abs=5e-5)
+    assert epsilon("pld", events) == pytest.approx(1.914, abs=0.002)
+
+
+def test_pld_is_tighter_than_rdp_and_gdp_is_flagged_approximate():
+    event = SampledGaussian(MNIST_Q, 1.3, 3600)
+    assert epsilon("pld", event) < epsilon("rdp", event)
+    assert get_accountant("pld").rigorous and get_accountant("rdp").rigorous
+    assert not get_accountant("gdp").rigorous
+
+
+@pytest.mark.parametrize("name", ["pld", "rdp", "gdp"])
+def test_delta_inverts_epsilon(name):
+    event = SampledGaussian(MNIST_Q, 1.3, 3600)
+    eps = epsilon(name, event)
+    assert get_accountant(name).delta(event, eps) == pytest.approx(DELTA, rel=0.02)
+
+
+def test_sensitivity_factor_acts_as_smaller_noise():
+    doubled = SampledGaussian(MNIST_Q, 2.6, 720, sensitivity_factor=2.0)
+    plain = SampledGaussian(MNIST_Q, 1.3, 720)
+    for name in ("pld", "rdp", "gdp"):
+        assert epsilon(name, doubled) == pytest.approx(epsilon(name, plain), rel=1e-9)
+
+
+def test_empty_composition_costs_nothing():
+    for name in ("pld", "rdp", "gdp"):
+        assert epsilon(name, Composition()) == 0.0
+
+
+def test_rdp_vector_adds_up_across_jobs():
+    first, second = SampledGaussian(0.004, 1.1, 1000), SampledGaussian(0.008, 0.9, 1000)
+    together = rdp_vector(Composition((first, second)))
+    np.testing.assert_allclose(rdp_vector(first) + rdp_vector(second), together, rtol=1e-12)
+    assert epsilon_from_rdp(together, DELTA) == pytest.approx(2.2937, abs=5e-5)
+
+
+def test_rdp_warns_when_best_order_is_at_grid_edge():
+    with pytest.warns(RdpOrderWarning):
+        epsilon("rdp", SampledGaussian(1.0, 5000.0, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        epsilon("rdp", SampledGaussian(MNIST_Q, 1.3, 3600))
+    assert RDP_ORDERS[0] < 1.1 and RDP_ORDERS[-1] >= 4096
+
+
+@pytest.mark.parametrize("name", ["pld", "rdp", "gdp"])
+def test_noise_multiplier_round_trip(name):
+    sigma = noise_multiplier_for(1.0, DELTA, MNIST_Q, 3600, name)
+    assert epsilon(name, SampledGaussian(MNIST_Q, sigma, 3600)) <= 1.0
+    assert epsilon(name, SampledGaussian(MNIST_Q, 0.999 * sigma, 3600)) > 1.0
+
+
+def test_max_steps_fits_and_one_more_does_not():
+    steps = max_steps_for(0.5, DELTA, MNIST_Q, 1.3, "rdp")
+    assert epsilon("rdp", SampledGaussian(MNIST_Q, 1.3, steps)) <= 0.5
+    assert epsilon("rdp", SampledGaussian(MNIST_Q, 1.3, steps + 1)) > 0.5
+    assert 200 < steps < 720  # 720 steps cost 0.5632
+    assert max_steps_for(0.01, DELTA, 1.0, 0.5, "rdp") == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(sampling_rate=0.0, noise_multiplier=1.0, steps=1),
+        dict(sampling_rate=1.5, noise_multiplier=1.0, steps=1),
+        dict(sampling_rate=0.1, noise_multiplier=0.0, steps=1),
+        dict(sampling_rate=0.1, noise_multiplier=math.nan, steps=1),
+        dict(sampling_rate=0.1, noise_multiplier=1.0, steps=-1),
+        dict(sampling_rate=0.1, noise_multiplier=1.0, steps=1.5),
+        dict(sampling_rate=0.1, noise_multiplier=1.0, steps=1, sensitivity_factor=math.inf),
+    ],
+)
+def test_event_refuses_values_out_of_range(kwargs):
+    with pytest.raises(EventError):
+        SampledGaussian(**kwargs)
+
+
+def test_json_refuses_other_versions():
+    data = Composition((SampledGaussian(0.1, 1.0, 3),)).to_dict()
+    data["version"] = 99
+    with pytest.raises(EventError, match="version 99"):
+        Composition.from_dict(data)
+
+
+events_strategy = st.lists(
+    st.builds(
+        SampledGaussian,
+        sampling_rate=st.floats(min_value=1e-6, max_value=1.0, exclude_min=True),
+        noise_multiplier=st.floats(min_value=1e-3, max_value=1e3),
+        steps=st.integers(min_value=0, max_value=10**6),
+        sensitivity_factor=st.sampled_from([1.0, 2.0, 1.4142135623730951]),
+    ),
+    max_size=8,
+)
+
+
+@given(events_strategy)
+def test_json_round_trip_is_exact(events):
+    composition = Composition(tuple(events))
+    assert Composition.from_json(composition.to_json()) == composition
+    assert composition.steps == sum(event.steps for event in events)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    sigma=st.floats(min_value=0.5, max_value=5.0),
+    factor=st.floats(min_value=1.01, max_value=2.0),
+    steps=st.integers(min_value=1, max_value=2000),
+    rate=st.floats(min_value=1e-3, max_value=0.1),
+)
+def test_epsilon_falls_with_noise_and_rises_with_steps(sigma, factor, steps, rate):
+    for name in ("rdp", "gdp"):
+        base = epsilon(name, SampledGaussian(rate, sigma, steps))
+        assert epsilon(name, SampledGaussian(rate, sigma * factor, steps)) <= base + 1e-12
+        assert epsilon(name, SampledGaussian(rate, sigma, steps * 2)) >= base - 1e-12
+
+
+@settings(max_examples=6, deadline=None)
+@given(sigma=st.floats(min_value=0.6, max_value=3.0), steps=st.integers(min_value=10, max_value=500))
+def test_pld_epsilon_falls_with_noise_and_rises_with_steps(sigma, steps):
+    base = epsilon("pld", SampledGaussian(0.01, sigma, steps))
+    assert epsilon("pld", SampledGaussian(0.01, sigma * 1.2, steps)) <= base
+    assert epsilon("pld", SampledGaussian(0.01, sigma, steps * 2)) >= base
