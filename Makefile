@@ -19,7 +19,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 train: setup
-	$(BIN)/dpfleet eps --dataset-size 60000 --batch-size 250 --noise-multiplier 1.3 --epochs 15 --delta 1e-5 --accountant all
+	$(BIN)/dpfleet train --config examples/mnist.toml --workers 2
 
 bench: setup
 	$(BIN)/python -m bench

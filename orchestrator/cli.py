@@ -7,6 +7,7 @@ import sys
 
 from orchestrator.errors import BudgetRefusedError, UsageError
 from orchestrator.privacy_cli import add_privacy_parsers
+from orchestrator.train_cli import add_train_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_privacy_parsers(subparsers)
+    add_train_parser(subparsers)
     return parser
 
 

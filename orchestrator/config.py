@@ -1,0 +1,212 @@
+"""Training configuration: a TOML file plus command-line overrides, validated before Ray starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from accounting.accountants import ACCOUNTANTS
+from orchestrator import checks
+from orchestrator.errors import UsageError
+
+DATASETS = ("mnist", "fashion-mnist")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+_OPTIMIZER_PARAMETERS = {
+    "sgd": {"weight_decay"},
+    "momentum": {"momentum", "nesterov", "weight_decay"},
+    "adam": {"betas", "eps", "weight_decay"},
+    "adamw": {"betas", "eps", "weight_decay"},
+}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which torch optimizer post-processes the noisy mean gradient, and its parameters."""
+
+    name: str = "sgd"
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a DP-SGD run needs; units are per-example unless stated."""
+
+    dataset: str = "mnist"
+    model: str = "gdp_cnn"
+    workers: int = 2
+    cpus_per_worker: int = 1
+    gpus_per_worker: float = 0.0
+    epochs: float | None = None
+    steps: int | None = None
+    batch_size: int = 250
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    clip_norm: float = 1.0
+    optimizer: OptimizerConfig = OptimizerConfig()
+    learning_rate: float = 0.1
+    delta: float = 1e-5
+    accountant: str = "pld"
+    seed: int | None = None
+    run_dir: str = "runs/latest"
+    max_physical_batch: int = 128
+    train_subset: int | None = None
+    test_subset: int | None = None
+    data_root: str | None = None
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every key."""
+        data = dataclasses.asdict(self)
+        data["optimizer"] = {"name": self.optimizer.name, **dict(self.optimizer.parameters)}
+        return data
+
+
+KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _optimizer(value: Any) -> OptimizerConfig:
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise UsageError(f"optimizer must be a name or a table with a 'name' key (got {value!r})")
+    parameters = dict(value)
+    name = checks.one_of("optimizer.name", parameters.pop("name", "sgd"), OPTIMIZERS)
+    unknown = set(parameters) - _OPTIMIZER_PARAMETERS[name]
+    if unknown:
+        allowed = ", ".join(sorted(_OPTIMIZER_PARAMETERS[name]))
+        raise UsageError(f"optimizer {name!r} takes {allowed}; unknown: {', '.join(sorted(unknown))}")
+    for key, item in parameters.items():
+        if key == "betas":
+            if not (isinstance(item, list) and len(item) == 2):
+                raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {item!r})")
+            for beta in item:
+                if not 0.0 <= checks.non_negative_number("optimizer.betas", beta) < 1.0:
+                    raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {item!r})")
+        elif key == "nesterov":
+            if not isinstance(item, bool):
+                raise UsageError(f"optimizer.nesterov must be true or false (got {item!r})")
+        elif key == "momentum" and not 0.0 <= checks.non_negative_number("optimizer.momentum", item) < 1.0:
+            raise UsageError(f"optimizer.momentum must be in [0, 1) (got {item!r})")
+        else:
+            checks.non_negative_number(f"optimizer.{key}", item)
+    if name == "momentum":
+        parameters.setdefault("momentum", 0.9)
+    return OptimizerConfig(name, parameters)
+
+
+def _optional(values: dict, key: str, check) -> Any:
+    return None if values.get(key) is None else check(key, values[key])
+
+
+def build_config(values: Mapping[str, Any]) -> TrainConfig:
+    """Validate raw key/value pairs into a TrainConfig; the first bad key raises UsageError."""
+    unknown = set(values) - KEYS
+    if unknown:
+        raise UsageError(
+            f"unknown config key(s): {', '.join(sorted(unknown))}; valid keys: {', '.join(sorted(KEYS))}"
+        )
+    values = dict(values)
+    if (values.get("epochs") is None) == (values.get("steps") is None):
+        raise UsageError("give exactly one of epochs (> 0) or steps (integer >= 1)")
+    if (values.get("noise_multiplier") is None) == (values.get("target_epsilon") is None):
+        raise UsageError("give exactly one of noise_multiplier (> 0) or target_epsilon (> 0)")
+    config = TrainConfig(
+        dataset=checks.one_of("dataset", values.get("dataset", "mnist"), DATASETS),
+        model=_model_spec(values.get("model", "gdp_cnn")),
+        workers=checks.integer_at_least("workers", values.get("workers", 2), 1),
+        cpus_per_worker=checks.integer_at_least("cpus_per_worker", values.get("cpus_per_worker", 1), 1),
+        gpus_per_worker=checks.non_negative_number("gpus_per_worker", values.get("gpus_per_worker", 0)),
+        epochs=_optional(values, "epochs", checks.positive_number),
+        steps=_optional(values, "steps", lambda key, v: checks.integer_at_least(key, v, 1)),
+        batch_size=checks.integer_at_least("batch_size", values.get("batch_size", 250), 1),
+        noise_multiplier=_optional(values, "noise_multiplier", checks.positive_number),
+        target_epsilon=_optional(values, "target_epsilon", checks.positive_number),
+        clip_norm=checks.positive_number("clip_norm", values.get("clip_norm", 1.0)),
+        optimizer=_optimizer(values.get("optimizer", "sgd")),
+        learning_rate=checks.positive_number("learning_rate", values.get("learning_rate", 0.1)),
+        delta=checks.open_unit_interval("delta", values.get("delta", 1e-5)),
+        accountant=checks.one_of("accountant", values.get("accountant", "pld"), ACCOUNTANTS),
+        seed=_optional(values, "seed", lambda key, v: checks.integer_at_least(key, v, 0)),
+        run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
+        max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
+        train_subset=_optional(values, "train_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
+        test_subset=_optional(values, "test_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
+        data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
+    )
+    checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
+    return config
+
+
+def _model_spec(value: Any) -> str:
+    from workers.models import MODEL_NAMES
+
+    if not isinstance(value, str) or not (value in MODEL_NAMES or ":" in value):
+        raise UsageError(
+            f"model must be one of {', '.join(MODEL_NAMES)} or 'package.module:function' (got {value!r})"
+        )
+    return value
+
+
+def _path(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{key} must be a non-empty path (got {value!r})")
+    return os.path.expanduser(value)
+
+
+def training_set_size(config: TrainConfig) -> int:
+    """N: the number of training examples the run samples from."""
+    from workers.data import dataset_size
+
+    full = dataset_size(config.dataset, "train")
+    if config.train_subset is not None and config.train_subset > full:
+        raise UsageError(f"train_subset must be <= {full} for {config.dataset} (got {config.train_subset})")
+    return config.train_subset or full
+
+
+def sampling_rate(config: TrainConfig) -> float:
+    """q = expected batch size / N."""
+    return config.batch_size / training_set_size(config)
+
+
+def total_steps(config: TrainConfig) -> int:
+    """Planned steps: `steps`, or ceil(epochs * N / batch_size)."""
+    from accounting.events import steps_for_epochs
+
+    if config.steps is not None:
+        return config.steps
+    return steps_for_epochs(config.epochs, training_set_size(config), config.batch_size)
+
+
+def load_config(path: str | None, overrides: Mapping[str, Any]) -> TrainConfig:
+    """Read a TOML file (if given), apply non-None overrides, validate everything."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                values = tomllib.load(handle)
+        except FileNotFoundError:
+            raise UsageError(f"config file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise UsageError(f"config file {path!r} is not valid TOML: {error}") from None
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        values[key] = value
+        # A length or noise given on the command line replaces the file's, whichever form it used.
+        for pair in (("epochs", "steps"), ("noise_multiplier", "target_epsilon")):
+            if key in pair:
+                values.pop(pair[1 - pair.index(key)], None)
+    return build_config(values)
+
+
+def expected_batch_size(config: TrainConfig) -> float:
+    """q * N, the divisor of the noisy sum (never the realised batch size)."""
+    return sampling_rate(config) * training_set_size(config)
+

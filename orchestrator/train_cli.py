@@ -1,0 +1,64 @@
+"""`dpfleet train`: run DP-SGD from a config file with command-line overrides."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.config import load_config
+from orchestrator.display import format_table, print_json
+from orchestrator.errors import UsageError
+from orchestrator.trainer import Trainer
+
+
+def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `train` on the top-level subcommands."""
+    train = subparsers.add_parser(
+        "train",
+        help="train a model with DP-SGD on Ray workers",
+        description=(
+            "Train with DP-SGD. Without a cluster address a local Ray starts in-process; "
+            "RAY_ADDRESS, when set, is used instead."
+        ),
+    )
+    train.add_argument("--config", required=True, help="TOML file with the run's keys (see examples/)")
+    train.add_argument("--workers", help="number of gradient worker actors (overrides the config)")
+    length = train.add_mutually_exclusive_group()
+    length.add_argument("--epochs", help="passes over the data (overrides the config)")
+    length.add_argument("--steps", help="number of steps (overrides the config)")
+    train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
+    train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
+    train.add_argument("--show-train-loss", action="store_true",
+                       help="also print the training loss after each epoch (NOT private)")
+    train.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    train.set_defaults(handler=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Validate the config, train, print the summary."""
+    config = load_config(
+        args.config,
+        {"workers": args.workers, "epochs": args.epochs, "steps": args.steps,
+         "run_dir": args.run_dir, "seed": args.seed},
+    )
+    try:
+        trainer = Trainer(config, show_progress=not args.no_progress, show_train_loss=args.show_train_loss)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    summary = trainer.run()
+    if args.json:
+        print_json({key: value for key, value in summary.items() if key != "events"})
+        return 0
+    rows = [
+        ["test accuracy", summary["test_accuracy"]],
+        [f"epsilon ({summary['accountant']}{'' if summary['epsilon_rigorous'] else ', approximate'})",
+         summary["epsilon"]],
+        ["delta", summary["delta"]],
+        ["steps", summary["steps"]],
+        ["noise multiplier", summary["noise_multiplier"]],
+        ["wall seconds", summary["wall_seconds"]],
+        ["samples/s", summary["samples_per_second"]],
+        ["run dir", config.run_dir],
+    ]
+    print(format_table(["summary", "value"], rows))
+    return 0

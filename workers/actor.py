@@ -1,0 +1,117 @@
+"""The Ray shell around the clipping core: one actor holds a model and its shard of data.
+
+The driver sends flat weights and example indices; the actor answers with the
+sum of the clipped per-example gradients of those examples. Training data is
+loaded by the actor from its own cache and never crosses from the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import ray
+import torch
+
+from workers.clipping import per_example_clipped_sum
+from workers.data import dataset_size, load_split
+from workers.models import build_model, load_flat_parameters, parameter_count
+from workers.validation import check_model
+
+
+class GradientWorker:
+    """Computes clipped per-example gradient sums for one model over a local training split.
+
+    ``train_subset`` keeps only the first that many training examples (all when
+    None); example indices sent to ``clipped_grad_sum`` refer to those.
+    ``max_physical_batch`` caps how many per-example gradients are in memory at
+    once; ``threads`` is the torch intra-op thread count, which should match
+    the CPUs Ray gave the actor.
+    """
+
+    def __init__(
+        self,
+        model_spec: str,
+        dataset: str,
+        train_subset: int | None,
+        max_physical_batch: int,
+        threads: int = 1,
+        data_root: str | None = None,
+    ) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1 (got {threads}); match it to the actor's num_cpus")
+        if max_physical_batch < 1:
+            raise ValueError(
+                f"max_physical_batch must be >= 1 (got {max_physical_batch}); it caps per-example "
+                "gradients held in memory at once"
+            )
+        full_size = dataset_size(dataset, "train")
+        if train_subset is not None and not 1 <= train_subset <= full_size:
+            raise ValueError(
+                f"train_subset must be between 1 and {full_size} for {dataset!r} (got {train_subset}); "
+                "use None for the whole training split"
+            )
+        torch.set_num_threads(threads)
+        self.max_physical_batch = max_physical_batch
+        self.device = _assigned_device()
+        self.model = build_model(model_spec)
+        check_model(self.model)
+        self.model.to(self.device).train()
+        images, labels = load_split(dataset, "train", data_root)
+        if train_subset is not None:
+            # clone() so the rest of the split can be freed.
+            images, labels = images[:train_subset].clone(), labels[:train_subset].clone()
+        self.images = images.to(self.device)
+        self.labels = labels.to(self.device)
+
+    def clipped_grad_sum(self, weights: np.ndarray, indices: np.ndarray, clip_norm: float) -> np.ndarray:
+        """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
+
+        ``weights`` is the flat float32 parameter vector; ``indices`` are
+        positions in this worker's training examples. Returns a flat float32
+        array of the same length as ``weights`` (zeros for no indices).
+        """
+        indices = np.asarray(indices)
+        example_count = len(self.labels)
+        if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
+            raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
+        if indices.size and (indices.min() < 0 or indices.max() >= example_count):
+            raise ValueError(
+                f"indices must lie in 0..{example_count - 1} for this worker's {example_count} examples "
+                f"(got {indices.min()}..{indices.max()})"
+            )
+        # Ray's object store hands out read-only buffers, which torch refuses to wrap without a warning.
+        flat_weights = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
+        # The sum is computed from flat_weights alone; loading them too keeps the
+        # held model equal to the point its gradients were last taken at.
+        load_flat_parameters(self.model, flat_weights)
+        selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
+        clipped_sum = per_example_clipped_sum(
+            self.model,
+            flat_weights,
+            self.images[selected],
+            self.labels[selected],
+            clip_norm,
+            self.max_physical_batch,
+        )
+        return clipped_sum.cpu().numpy()
+
+    def parameter_count(self) -> int:
+        """Length of the flat parameter vector this worker expects and returns."""
+        return parameter_count(self.model)
+
+    def ping(self) -> str:
+        """``hostname:pid`` of the process holding this worker, for health checks."""
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _assigned_device() -> torch.device:
+    # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigned, so "cuda" is ours;
+    # an actor given no GPU stays on the CPU even on a GPU host.
+    if torch.cuda.is_available() and ray.is_initialized() and ray.get_gpu_ids():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+GradientWorkerActor = ray.remote(GradientWorker)

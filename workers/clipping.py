@@ -1,0 +1,122 @@
+"""Per-example gradient clipping and summation: the pure core of a worker's step.
+
+Each example's gradient (all trainable parameters flattened together, in
+``named_parameters()`` order) is scaled to L2 norm at most ``clip_norm`` and
+the clipped gradients are summed. The driver adds noise to the sum over all
+workers, so the sensitivity of that sum to one example is ``clip_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from workers.models import parameter_count
+
+LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def clip_factors(per_example_norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
+    """Scale factors min(1, clip_norm / ||g_i||) for per-example gradient norms; 1 for a zero gradient."""
+    # The division is evaluated for every entry, but torch.where takes 1 for
+    # norms at or below clip_norm, so a zero norm never yields inf or nan.
+    return torch.where(per_example_norms > clip_norm, clip_norm / per_example_norms, 1.0)
+
+
+def per_example_clipped_sum(
+    model: nn.Module,
+    flat_weights: torch.Tensor,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    clip_norm: float,
+    max_physical_batch: int,
+    loss_fn: LossFunction = F.cross_entropy,
+) -> torch.Tensor:
+    """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``.
+
+    The gradient of example i is that of ``loss_fn(model(x_i[None]), y_i[None])``
+    at the parameters ``flat_weights`` (laid out as by
+    ``workers.models.flat_parameters``); the model's own parameters and their
+    ``.grad`` are neither used nor touched, only its buffers and structure.
+    Examples are processed ``max_physical_batch`` at a time to bound memory.
+
+    Returns a 1-D float32 tensor of length ``parameter_count(model)`` on the
+    model's device; zeros when there are no examples.
+    """
+    _check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
+    device = _device_of(model)
+    trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    if not trainable:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    sizes = [parameter.numel() for _, parameter in trainable]
+    weights = flat_weights.detach().to(device=device, dtype=torch.float32)
+    params = {
+        name: chunk.reshape(parameter.shape).to(parameter.dtype)
+        for (name, parameter), chunk in zip(trainable, torch.split(weights, sizes), strict=True)
+    }
+    # Frozen parameters and buffers stay as the model holds them.
+    fixed = {name: parameter for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    fixed.update(dict(model.named_buffers()))
+
+    def example_loss(trainable_params, example, label):
+        logits = functional_call(model, (trainable_params, fixed), (example.unsqueeze(0),))
+        return loss_fn(logits, label.unsqueeze(0))
+
+    # randomness="different" gives each example its own dropout mask, as a
+    # plain per-example loop would.
+    per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
+
+    sums = {name: torch.zeros(parameter.shape, dtype=torch.float32, device=device) for name, parameter in trainable}
+    inputs = inputs.to(device)
+    labels = labels.to(device)
+    for start in range(0, inputs.shape[0], max_physical_batch):
+        grads = per_example_grads(
+            params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
+        )
+        squared_norms = sum(g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for g in grads.values())
+        factors = clip_factors(squared_norms.sqrt(), clip_norm)
+        for name, g in grads.items():
+            sums[name] += torch.tensordot(factors, g.to(torch.float32), dims=1)
+    return torch.cat([sums[name].reshape(-1) for name, _ in trainable])
+
+
+def _check_arguments(
+    model: nn.Module,
+    flat_weights: torch.Tensor,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    clip_norm: float,
+    max_physical_batch: int,
+) -> None:
+    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+        raise ValueError(f"clip_norm must be a finite number > 0 (got {clip_norm}); it is the per-example L2 bound")
+    if (
+        isinstance(max_physical_batch, bool)
+        or not isinstance(max_physical_batch, numbers.Integral)
+        or max_physical_batch < 1
+    ):
+        raise ValueError(
+            f"max_physical_batch must be an integer >= 1 (got {max_physical_batch!r}); "
+            "it caps how many examples' gradients are held in memory at once"
+        )
+    expected = parameter_count(model)
+    if flat_weights.dim() != 1 or flat_weights.numel() != expected:
+        raise ValueError(
+            f"flat_weights must be 1-D with {expected} entries for this model (got shape "
+            f"{tuple(flat_weights.shape)}); build it with workers.models.flat_parameters"
+        )
+    if inputs.shape[0] != labels.shape[0]:
+        raise ValueError(
+            f"inputs and labels must hold the same number of examples (got {inputs.shape[0]} and {labels.shape[0]})"
+        )
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")

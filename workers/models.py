@@ -1,0 +1,194 @@
+"""Model registry and the flat-vector view of a model's trainable parameters.
+
+Built-in models take MNIST-shaped input [B,1,28,28] and return logits [B,10].
+A job names a model by a registry name or by ``package.module:function``, a
+factory that takes no arguments and returns an ``nn.Module``.
+
+The driver and workers exchange parameters as one flat float32 vector in
+``model.named_parameters()`` order (trainable parameters only); that order is
+the contract between ``flat_parameters``, ``load_flat_parameters`` and the
+per-example clipped gradient sums.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+ModelFactory = Callable[[], nn.Module]
+
+_FACTORIES: dict[str, ModelFactory] = {}
+
+
+def _register(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    def add(factory: ModelFactory) -> ModelFactory:
+        _FACTORIES[name] = factory
+        return factory
+
+    return add
+
+
+@_register("gdp_cnn")
+def gdp_cnn() -> nn.Module:
+    """The CNN of the GDP tutorial (Bu et al.): the TF Privacy MNIST CNN with tanh.
+
+    Keras layers mapped to PyTorch, with Keras' default initialisation
+    (Glorot-uniform kernels, zero biases).
+    """
+    # TF 'same' for a 28x28 input, kernel 8, stride 2: output ceil(28/2) = 14
+    # needs (14-1)*2 + 8 - 28 = 6 rows of padding, split 3 before and 3 after,
+    # which is PyTorch's symmetric padding=3.
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=2, padding=3),
+        nn.Tanh(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.Tanh(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.Tanh(),
+        nn.Linear(32, 10),
+    )
+    for layer in model:
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
+    return model
+
+
+@_register("opacus_cnn")
+def opacus_cnn() -> nn.Module:
+    """The CNN of the Opacus MNIST tutorial: same shape as ``gdp_cnn`` with ReLU, PyTorch init."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=2, padding=3),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
+
+
+@_register("lenet5")
+def lenet5() -> nn.Module:
+    """MindArmour's LeNet5 (bias-free valid convolutions, truncated-normal(0.05) init).
+
+    The seed resizes MNIST to 32x32; this pads 28x28 with two zero pixels on each
+    side instead, as classic LeNet-5 does, so it takes MNIST as stored.
+    """
+    model = nn.Sequential(
+        nn.ZeroPad2d(2),
+        nn.Conv2d(1, 6, 5, bias=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=2),
+        nn.Conv2d(6, 16, 5, bias=False),
+        nn.ReLU(),
+        nn.MaxPool2d(2, stride=2),
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, 10),
+    )
+    # MindSpore's TruncatedNormal(sigma) draws within two sigma of zero.
+    sigma = 0.05
+    for parameter in model.parameters():
+        nn.init.trunc_normal_(parameter, std=sigma, a=-2 * sigma, b=2 * sigma)
+    return model
+
+
+MODEL_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
+
+
+def build_model(spec: str) -> nn.Module:
+    """Build a fresh model from a registry name (see ``MODEL_NAMES``) or ``package.module:function``."""
+    if spec in _FACTORIES:
+        return _FACTORIES[spec]()
+    if spec.count(":") != 1 or not all(spec.split(":")) or spec.startswith("."):
+        raise ValueError(_bad_spec_message(spec, "it is neither a registered name nor module:function"))
+    module_name, function_name = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # Only a missing spec module is the spec's fault; a dependency the
+        # module itself lacks should surface as the import error it is.
+        missing = error.name or ""
+        if not (module_name == missing or module_name.startswith(missing + ".")):
+            raise
+        raise ValueError(_bad_spec_message(spec, f"module {module_name!r} cannot be imported")) from error
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise ValueError(_bad_spec_message(spec, f"{module_name!r} has no function {function_name!r}"))
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module; make it return the model"
+        )
+    return model
+
+
+def _bad_spec_message(spec: str, reason: str) -> str:
+    return (
+        f"bad model spec {spec!r}: {reason}; use one of {list(MODEL_NAMES)} or "
+        "'package.module:function' naming a function that takes no arguments and "
+        "returns an nn.Module"
+    )
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Number of trainable scalars, i.e. the length of ``flat_parameters(model)``."""
+    return sum(parameter.numel() for _, parameter in _trainable(model))
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    """All trainable parameters as one detached 1-D float32 tensor, in ``named_parameters()`` order."""
+    trainable = _trainable(model)
+    if not trainable:
+        return torch.zeros(0, dtype=torch.float32)
+    return torch.cat([parameter.detach().reshape(-1).to(torch.float32) for _, parameter in trainable])
+
+
+def _split_flat(
+    model: nn.Module, flat: torch.Tensor | np.ndarray, what: str
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """Pair each trainable parameter with its slice of a vector laid out as by ``flat_parameters``."""
+    flat = torch.as_tensor(flat)
+    expected = parameter_count(model)
+    if flat.dim() != 1 or flat.numel() != expected:
+        raise ValueError(
+            f"flat {what} vector must be 1-D with {expected} entries for this model "
+            f"(got shape {tuple(flat.shape)}); build it with flat_parameters() on the same model spec"
+        )
+    pairs, offset = [], 0
+    for _, parameter in _trainable(model):
+        size = parameter.numel()
+        pairs.append((parameter, flat[offset : offset + size].reshape(parameter.shape)))
+        offset += size
+    return pairs
+
+
+def load_flat_parameters(model: nn.Module, flat: torch.Tensor | np.ndarray) -> None:
+    """Copy a vector laid out as by ``flat_parameters`` into the model's trainable parameters, in place."""
+    with torch.no_grad():
+        for parameter, values in _split_flat(model, flat, "parameter"):
+            parameter.copy_(values)
+
+
+def load_flat_gradient(model: nn.Module, flat: torch.Tensor | np.ndarray) -> None:
+    """Set each trainable parameter's ``.grad`` from a vector laid out as by ``flat_parameters``."""
+    for parameter, values in _split_flat(model, flat, "gradient"):
+        parameter.grad = values.to(device=parameter.device, dtype=parameter.dtype).clone()
