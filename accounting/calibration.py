@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from accounting.accountants import DEFAULT_ACCOUNTANT, AccountingError, get_accountant
-from accounting.events import SampledGaussian
+from accounting.events import EventsLike, SampledGaussian
 
 # Bisection stops when the bracket is this tight (relative), well inside the
 # promised 0.1% of the smallest noise multiplier that meets the target.
@@ -36,15 +37,33 @@ def noise_multiplier_for(
 ) -> float:
     """Smallest noise multiplier (to 0.1%) whose run is (target_epsilon, delta)-DP.
 
-    Bracketed bisection in log space: the result meets the target, and a noise
-    multiplier 0.1% smaller does not.
+    The result meets the target, and a noise multiplier 0.1% smaller does not.
+    """
+    return scale_for_target(
+        target_epsilon,
+        delta,
+        lambda noise_multiplier: SampledGaussian(sampling_rate, noise_multiplier, steps, sensitivity_factor),
+        accountant,
+    )
+
+
+def scale_for_target(
+    target_epsilon: float,
+    delta: float,
+    events_at: Callable[[float], EventsLike],
+    accountant: str = DEFAULT_ACCOUNTANT,
+) -> float:
+    """Smallest scale s (to 0.1%) such that `events_at(s)` is (target_epsilon, delta)-DP.
+
+    `events_at` maps a base noise multiplier to the run's events (a constant
+    sigma, or a whole noise schedule scaled by it); epsilon must fall as s
+    grows. Bracketed bisection in log space.
     """
     target_epsilon = _check_target(target_epsilon)
     interpreter = get_accountant(accountant)
 
-    def epsilon_at(noise_multiplier: float) -> float:
-        event = SampledGaussian(sampling_rate, noise_multiplier, steps, sensitivity_factor)
-        return interpreter.epsilon(event, delta)
+    def epsilon_at(scale: float) -> float:
+        return interpreter.epsilon(events_at(scale), delta)
 
     upper = 1.0
     while epsilon_at(upper) > target_epsilon:

@@ -144,6 +144,20 @@ class Composition:
         """Total number of steps over all records."""
         return sum(event.steps for event in self.events)
 
+    def split(self, steps: int) -> tuple["Composition", "Composition"]:
+        """(the first `steps` steps, the rest), cutting a record in two where needed."""
+        if isinstance(steps, bool) or int(steps) != steps or not 0 <= steps <= self.steps:
+            raise EventError(f"can split a composition of {self.steps} steps at 0..{self.steps} (got {steps!r})")
+        first: list[SampledGaussian] = []
+        rest: list[SampledGaussian] = []
+        remaining = int(steps)
+        for event in self.events:
+            taken = min(remaining, event.steps)
+            first.append(event.with_steps(taken))
+            rest.append(event.with_steps(event.steps - taken))
+            remaining -= taken
+        return Composition(tuple(first)), Composition(tuple(rest))
+
     def then(self, other: "EventsLike") -> "Composition":
         """This composition followed by `other`."""
         return Composition(self.events + as_composition(other).events)

@@ -16,6 +16,7 @@ else:  # pragma: no cover - Python 3.10
 from accounting.accountants import ACCOUNTANTS
 from orchestrator import checks
 from orchestrator.errors import UsageError
+from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
 
 DATASETS = ("mnist", "fashion-mnist")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -52,11 +53,16 @@ class TrainConfig:
     clip_norm: float = 1.0
     optimizer: OptimizerConfig = OptimizerConfig()
     learning_rate: float = 0.1
+    lr_schedule: LearningRateSchedule = LearningRateSchedule()
+    noise_schedule: NoiseSchedule = NoiseSchedule()
+    secure_noise: bool = True
     delta: float = 1e-5
     accountant: str = "pld"
     seed: int | None = None
     run_dir: str = "runs/latest"
     max_physical_batch: int = 128
+    checkpoint_every: int = 0
+    commit_every: int | None = None
     train_subset: int | None = None
     test_subset: int | None = None
     data_root: str | None = None
@@ -66,6 +72,12 @@ class TrainConfig:
         data = dataclasses.asdict(self)
         data["optimizer"] = {"name": self.optimizer.name, **dict(self.optimizer.parameters)}
         return data
+
+
+def _boolean(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise UsageError(f"{key} must be true or false (got {value!r})")
+    return value
 
 
 KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -131,11 +143,16 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         clip_norm=checks.positive_number("clip_norm", values.get("clip_norm", 1.0)),
         optimizer=_optimizer(values.get("optimizer", "sgd")),
         learning_rate=checks.positive_number("learning_rate", values.get("learning_rate", 0.1)),
+        lr_schedule=parse_lr_schedule(values.get("lr_schedule", "constant")),
+        noise_schedule=parse_noise_schedule(values.get("noise_schedule", "constant")),
+        secure_noise=_boolean("secure_noise", values.get("secure_noise", True)),
         delta=checks.open_unit_interval("delta", values.get("delta", 1e-5)),
         accountant=checks.one_of("accountant", values.get("accountant", "pld"), ACCOUNTANTS),
         seed=_optional(values, "seed", lambda key, v: checks.integer_at_least(key, v, 0)),
         run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
+        checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
+        commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
         train_subset=_optional(values, "train_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
         test_subset=_optional(values, "test_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),

@@ -11,3 +11,9 @@ class BudgetRefusedError(RuntimeError):
     """The privacy ledger refused the job's reservation (exit status 3)."""
 
     exit_status = 3
+
+
+class LedgerTimeoutError(RuntimeError):
+    """The ledger stayed unreachable past ledger_timeout; the run stopped at a resumable checkpoint (exit 4)."""
+
+    exit_status = 4

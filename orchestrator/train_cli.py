@@ -7,7 +7,7 @@ import argparse
 from orchestrator.config import load_config
 from orchestrator.display import format_table, print_json
 from orchestrator.errors import UsageError
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import Trainer, resume_trainer
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,7 +20,10 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
             "RAY_ADDRESS, when set, is used instead."
         ),
     )
-    train.add_argument("--config", required=True, help="TOML file with the run's keys (see examples/)")
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="TOML file with the run's keys (see examples/)")
+    source.add_argument("--resume", metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR from its newest intact checkpoint")
     train.add_argument("--workers", help="number of gradient worker actors (overrides the config)")
     length = train.add_mutually_exclusive_group()
     length.add_argument("--epochs", help="passes over the data (overrides the config)")
@@ -35,16 +38,21 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Validate the config, train, print the summary."""
-    config = load_config(
-        args.config,
-        {"workers": args.workers, "epochs": args.epochs, "steps": args.steps,
-         "run_dir": args.run_dir, "seed": args.seed},
-    )
+    """Validate the config (or find the run to resume), train, print the summary."""
+    options = {"show_progress": not args.no_progress, "show_train_loss": args.show_train_loss}
     try:
-        trainer = Trainer(config, show_progress=not args.no_progress, show_train_loss=args.show_train_loss)
+        if args.resume:
+            trainer = resume_trainer(args.resume, **options)
+        else:
+            config = load_config(
+                args.config,
+                {"workers": args.workers, "epochs": args.epochs, "steps": args.steps,
+                 "run_dir": args.run_dir, "seed": args.seed},
+            )
+            trainer = Trainer(config, **options)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    config = trainer.config
     summary = trainer.run()
     if args.json:
         print_json({key: value for key, value in summary.items() if key != "events"})

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 import numpy as np
 import ray
@@ -25,19 +25,25 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from accounting.accountants import get_accountant, label
-from accounting.calibration import noise_multiplier_for
-from accounting.events import Composition, SampledGaussian
+from accounting.calibration import scale_for_target
+from accounting.events import Composition
+from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import TrainConfig, expected_batch_size, sampling_rate, total_steps, training_set_size
+from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.noise import GaussianNoise, noisy_mean_gradient
 from orchestrator.optimizers import build_optimizer
 from orchestrator.report import plot_curves
 from orchestrator.sampling import make_generator, partition, poisson_sample
+from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from workers.actor import GradientWorkerActor
 from workers.data import load_split
 from workers.models import build_model, flat_parameters, load_flat_gradient
 from workers.validation import check_model
 
 SAMPLER_STREAM = 0
+CHECKPOINT_VERSION = 1
+WORKER_RESTARTS = 2
+WORKER_REPLACEMENTS = 2
 _EVALUATION_BATCH = 1000
 _TRAIN_LOSS_EXAMPLES = 10_000
 
@@ -51,30 +57,55 @@ class RunPlan:
     expected_batch_size: float
     steps: int
     noise_multiplier: float
+    noise_blocks: tuple[tuple[float, int], ...]
     epoch_ends: tuple[int, ...]
-
-    def step_event(self, steps: int = 1) -> SampledGaussian:
-        """The DP event of `steps` steps of this run."""
-        return SampledGaussian(self.sampling_rate, self.noise_multiplier, steps)
+    charge_ends: tuple[int, ...]
 
     @property
     def planned_events(self) -> Composition:
-        """The events of the whole planned run."""
-        return Composition((self.step_event(self.steps),))
+        """The events of the whole planned run, in order."""
+        return schedule_events(list(self.noise_blocks), self.sampling_rate)
+
+    def events_between(self, start: int, end: int) -> Composition:
+        """The events of steps start..end-1 (0-based) of the plan."""
+        before_end, _ = self.planned_events.split(end)
+        return before_end.split(start)[1]
+
+    def sigma_at(self, step: int) -> float:
+        """The noise multiplier of step `step` (0-based)."""
+        for sigma, steps in self.noise_blocks:
+            if step < steps:
+                return sigma
+            step -= steps
+        raise IndexError(f"step {step} is past the planned run")
 
 
 def plan_run(config: TrainConfig) -> RunPlan:
-    """Derive N, q, steps, sigma (from target_epsilon if asked) and the epoch boundaries."""
+    """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends."""
     dataset_size = training_set_size(config)
     rate = sampling_rate(config)
     steps = total_steps(config)
+    steps_per_epoch = dataset_size / config.batch_size
+
+    def blocks_at(noise_multiplier: float) -> list[tuple[float, int]]:
+        return noise_blocks(config.noise_schedule, noise_multiplier, steps, steps_per_epoch)
+
     noise_multiplier = config.noise_multiplier
     if noise_multiplier is None:
-        noise_multiplier = noise_multiplier_for(config.target_epsilon, config.delta, rate, steps, config.accountant)
-    steps_per_epoch = dataset_size / config.batch_size
+        noise_multiplier = scale_for_target(
+            config.target_epsilon, config.delta, lambda sigma: schedule_events(blocks_at(sigma), rate),
+            config.accountant,
+        )
     epoch_ends = sorted({min(steps, math.ceil(epoch * steps_per_epoch - 1e-9))
                          for epoch in range(1, math.ceil(steps / steps_per_epoch - 1e-9) + 1)} | {steps})
-    return RunPlan(dataset_size, rate, expected_batch_size(config), steps, noise_multiplier, tuple(epoch_ends))
+    if config.commit_every:
+        charge_ends = sorted(set(range(config.commit_every, steps, config.commit_every)) | {steps})
+    else:
+        charge_ends = epoch_ends
+    return RunPlan(
+        dataset_size, rate, expected_batch_size(config), steps, noise_multiplier,
+        tuple(blocks_at(noise_multiplier)), tuple(epoch_ends), tuple(charge_ends),
+    )
 
 
 def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
@@ -107,12 +138,20 @@ def start_ray(config: TrainConfig) -> bool:
     return True
 
 
-class Trainer:
-    """One DP-SGD run over Ray gradient workers.
+class LedgerSession(Protocol):
+    """What the trainer needs from the privacy ledger: charge a block before running it."""
 
-    `noise` replaces the driver's noise source (tests observe it);
-    `on_block` is called with the events of each block of steps before the
-    block runs (the ledger charges there).
+    reservation_id: str
+
+    def charge(self, sequence: int, events: Composition) -> None:
+        """Commit `events` (block number `sequence`) durably; idempotent per sequence."""
+
+
+class Trainer:
+    """One DP-SGD run over Ray gradient workers, resumable from its checkpoints.
+
+    `noise` replaces the driver's noise source (tests observe it); `ledger`
+    is charged for each block of steps before the block runs.
     """
 
     def __init__(
@@ -121,23 +160,34 @@ class Trainer:
         noise: GaussianNoise | None = None,
         show_progress: bool = True,
         show_train_loss: bool = False,
-        on_block: Callable[[Composition], None] | None = None,
+        ledger: LedgerSession | None = None,
         out=sys.stdout,
     ):
         self.config = config
         self.plan = plan_run(config)
-        self.noise = noise or GaussianNoise(config.seed)
+        self.noise = noise or GaussianNoise(config.seed, secure=config.secure_noise)
         self.sampler = make_generator(config.seed, SAMPLER_STREAM)
         self.show_progress = show_progress
         self.show_train_loss = show_train_loss
-        self.on_block = on_block
+        self.ledger = ledger
         self.out = out
         self.accountant = get_accountant(config.accountant)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
         self.model = build_model(config.model)
         check_model(self.model)
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
+        self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         self.events = Composition()
+        self.metrics: list[dict] = []
+        self.charged_blocks = 0
+        self.wall_seconds_before = 0.0
         self.run_dir = Path(config.run_dir)
+
+    @property
+    def step(self) -> int:
+        """Steps run so far."""
+        return self.events.steps
 
     def epsilon(self) -> float:
         """Epsilon of the steps run so far, at the config's delta, by the config's accountant."""
@@ -146,8 +196,52 @@ class Trainer:
     def _say(self, text: str) -> None:
         print(text, file=self.out, flush=True)
 
+    # --- checkpoints -------------------------------------------------------
+
+    def state(self) -> dict:
+        """Everything needed to continue this run exactly where it stands."""
+        return {
+            "version": CHECKPOINT_VERSION,
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "sampler": self.sampler.bit_generator.state,
+            "noise": self.noise.state,
+            "events": self.events.to_dict(),
+            "metrics": self.metrics,
+            "charged_blocks": self.charged_blocks,
+            "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
+            "noise_multiplier": self.plan.noise_multiplier,
+            "wall_seconds": self._wall_seconds(),
+        }
+
+    def load_state(self, state: dict) -> None:
+        """Continue from a checkpoint's state (see `state`)."""
+        if state.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.sampler.bit_generator.state = state["sampler"]
+        self.noise.state = state["noise"]
+        self.events = Composition.from_dict(state["events"])
+        self.metrics = list(state["metrics"])
+        self.charged_blocks = state["charged_blocks"]
+        self.wall_seconds_before = state["wall_seconds"]
+
+    def _save_checkpoint(self) -> None:
+        self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
+        save_checkpoint(self.run_dir, self.step, self.state())
+
+    def _wall_seconds(self) -> float:
+        return self.wall_seconds_before + (time.perf_counter() - self.started if hasattr(self, "started") else 0.0)
+
+    # --- the run -------------------------------------------------------------
+
     def run(self) -> dict:
-        """Train for the planned steps and return the summary (also written to run_dir)."""
+        """Train the remaining planned steps and return the summary (also written to run_dir)."""
         config, plan = self.config, self.plan
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
@@ -156,20 +250,21 @@ class Trainer:
         self._say(
             f"dpfleet: {config.model} on {config.dataset} (N={plan.dataset_size}), {plan.steps} steps, "
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
-            f"{config.workers} worker(s)"
+            f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
         test_images, test_labels = load_split(config.dataset, "test", config.data_root)
         if config.test_subset is not None:
             test_images, test_labels = test_images[: config.test_subset], test_labels[: config.test_subset]
-        train_probe = self._train_probe()
+        evaluation = (test_images, test_labels, self._train_probe())
         started_ray = start_ray(config)
         try:
-            workers = self._start_workers()
-            metrics = self._train(workers, test_images, test_labels, train_probe)
+            workers = [self._new_worker() for _ in range(config.workers)]
+            ray.get([worker.ping.remote() for worker in workers])
+            self._train(workers, evaluation)
         finally:
             if started_ray:
                 ray.shutdown()
-        return self._finish(metrics)
+        return self._finish()
 
     def _train_probe(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.show_train_loss:
@@ -178,93 +273,126 @@ class Trainer:
         limit = min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size)
         return images[:limit], labels[:limit]
 
-    def _start_workers(self) -> list:
+    def _new_worker(self):
         config = self.config
-        workers = [
-            GradientWorkerActor.options(num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker).remote(
-                config.model,
-                config.dataset,
-                config.train_subset,
-                config.max_physical_batch,
-                threads=config.cpus_per_worker,
-                data_root=config.data_root,
-            )
-            for _ in range(config.workers)
-        ]
-        ray.get([worker.ping.remote() for worker in workers])
-        return workers
+        # A killed worker is restarted by Ray, which re-runs its interrupted call: the call is a
+        # pure function of (weights, indices, clip norm), so the retry returns the same sum.
+        return GradientWorkerActor.options(
+            num_cpus=config.cpus_per_worker,
+            num_gpus=config.gpus_per_worker,
+            max_restarts=WORKER_RESTARTS,
+            max_task_retries=WORKER_RESTARTS,
+        ).remote(
+            config.model,
+            config.dataset,
+            config.train_subset,
+            config.max_physical_batch,
+            threads=config.cpus_per_worker,
+            data_root=config.data_root,
+        )
+
+    def _partial_sums(self, workers: list, weights, shards: list[np.ndarray]) -> list[np.ndarray]:
+        """Each worker's clipped sum of its shard; a worker that is gone for good is replaced."""
+        clip_norm = self.config.clip_norm
+        calls = [worker.clipped_grad_sum.remote(weights, shard, clip_norm) for worker, shard in zip(workers, shards)]
+        sums = []
+        for index, call in enumerate(calls):
+            for attempt in range(WORKER_REPLACEMENTS + 1):
+                try:
+                    sums.append(ray.get(call))
+                    break
+                except ray.exceptions.RayActorError:
+                    if attempt == WORKER_REPLACEMENTS:
+                        raise
+                    self._say(f"worker {index} is gone; replacing it and recomputing its shard")
+                    workers[index] = self._new_worker()
+                    call = workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm)
+        return sums
 
     def _step(self, workers: list) -> None:
         """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step."""
         config, plan = self.config, self.plan
+        step = self.step
         indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
         weights = ray.put(flat_parameters(self.model).numpy())
-        partial_sums = ray.get(
-            [
-                worker.clipped_grad_sum.remote(weights, shard, config.clip_norm)
-                for worker, shard in zip(workers, partition(indices, len(workers)))
-            ]
-        )
+        partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
         clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
-        noise = self.noise.draw(clipped_sum.size, plan.noise_multiplier * config.clip_norm)
+        # Drawn after every shard is in: a recomputed shard never causes a second draw.
+        noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * config.clip_norm)
         gradient = noisy_mean_gradient(clipped_sum, noise, plan.expected_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         load_flat_gradient(self.model, gradient)
         self.optimizer.step()
-        self.events = self.events.then(plan.step_event())
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.events = self.events.then(plan.events_between(step, step + 1))
 
-    def _train(self, workers, test_images, test_labels, train_probe) -> list[dict]:
+    def _charge_block_at(self, step: int) -> None:
+        """Commit the block that starts at `step` to the ledger before any of its steps run."""
+        plan = self.plan
+        block_index = plan.charge_ends.index(next(end for end in plan.charge_ends if end > step))
+        if block_index < self.charged_blocks:
+            return
+        block_start = plan.charge_ends[block_index - 1] if block_index else 0
+        if self.ledger is not None:
+            try:
+                self.ledger.charge(block_index, plan.events_between(block_start, plan.charge_ends[block_index]))
+            except LedgerTimeoutError:
+                self._save_checkpoint()
+                raise
+        self.charged_blocks = block_index + 1
+
+    def _train(self, workers: list, evaluation) -> None:
         plan, config = self.plan, self.config
-        metrics: list[dict] = []
-        metrics_path = self.run_dir / "metrics.jsonl"
         self.started = time.perf_counter()
-        metrics.append(self._epoch_metrics(0, 0, test_images, test_labels, train_probe))
-        metrics_path.write_text(json.dumps(metrics[-1], sort_keys=True) + "\n")
-        step = 0
+        if not self.metrics:
+            self._record_epoch(0, evaluation)
         for epoch, epoch_end in enumerate(plan.epoch_ends, start=1):
-            block = epoch_end - step
-            if self.on_block is not None:
-                self.on_block(Composition((plan.step_event(block),)))
+            if epoch_end <= self.step:
+                continue
             bar = tqdm(
-                total=block,
+                total=epoch_end - self.step,
                 desc=f"epoch {epoch}/{len(plan.epoch_ends)}",
                 unit="step",
                 disable=not self.show_progress,
                 file=sys.stderr,
                 dynamic_ncols=True,
             )
-            epoch_started = time.perf_counter()
-            refresh_every = max(1, block // 4)
-            for index in range(block):
+            bar_started, bar_steps = time.perf_counter(), 0
+            refresh_every = max(1, (epoch_end - self.step) // 4)
+            while self.step < epoch_end:
+                self._charge_block_at(self.step)
                 self._step(workers)
                 bar.update(1)
-                if (index + 1) % refresh_every == 0:
-                    elapsed = time.perf_counter() - epoch_started
+                bar_steps += 1
+                if bar_steps % refresh_every == 0:
                     bar.set_postfix(
                         eps=f"{self.epsilon():.3f}",
-                        samples_s=f"{(index + 1) * plan.expected_batch_size / elapsed:.0f}",
+                        samples_s=f"{bar_steps * plan.expected_batch_size / (time.perf_counter() - bar_started):.0f}",
                     )
+                if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
+                    self._save_checkpoint()
             bar.close()
-            step = epoch_end
-            metrics.append(self._epoch_metrics(epoch, step, test_images, test_labels, train_probe))
-            with metrics_path.open("a") as handle:
-                handle.write(json.dumps(metrics[-1], sort_keys=True) + "\n")
-            self._say(self._epoch_line(metrics[-1]))
-        return metrics
+            self._record_epoch(epoch, evaluation)
+            self._save_checkpoint()
 
-    def _epoch_metrics(self, epoch, step, test_images, test_labels, train_probe) -> dict:
+    def _record_epoch(self, epoch: int, evaluation) -> None:
+        test_images, test_labels, train_probe = evaluation
         test_loss, test_accuracy = evaluate(self.model, test_images, test_labels)
         row = {
             "epoch": epoch,
-            "step": step,
+            "step": self.step,
             "test_loss": test_loss,
             "test_accuracy": test_accuracy,
             "epsilon": self.epsilon(),
-            "wall_seconds": time.perf_counter() - self.started,
+            "wall_seconds": self._wall_seconds(),
         }
         if train_probe is not None:
             row["train_loss_non_private"] = evaluate(self.model, *train_probe)[0]
-        return row
+        self.metrics.append(row)
+        (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
+        if epoch:
+            self._say(self._epoch_line(row))
 
     def _epoch_line(self, row: dict) -> str:
         line = (
@@ -275,10 +403,10 @@ class Trainer:
             line += f", train loss {row['train_loss_non_private']:.4f} (non-private)"
         return line
 
-    def _finish(self, metrics: list[dict]) -> dict:
+    def _finish(self) -> dict:
         config, plan = self.config, self.plan
-        wall_seconds = time.perf_counter() - self.started
-        last = metrics[-1]
+        wall_seconds = self._wall_seconds()
+        last = self.metrics[-1]
         summary = {
             "test_accuracy": last["test_accuracy"],
             "test_loss": last["test_loss"],
@@ -286,22 +414,44 @@ class Trainer:
             "epsilon_rigorous": self.accountant.rigorous,
             "delta": config.delta,
             "accountant": config.accountant,
-            "steps": self.events.steps,
+            "steps": self.step,
             "noise_multiplier": plan.noise_multiplier,
             "sampling_rate": plan.sampling_rate,
             "clip_norm": config.clip_norm,
             "batch_size": config.batch_size,
-            "epochs": self.events.steps * config.batch_size / plan.dataset_size,
+            "epochs": self.step * config.batch_size / plan.dataset_size,
             "dataset": config.dataset,
             "dataset_size": plan.dataset_size,
             "model": config.model,
             "workers": config.workers,
             "wall_seconds": wall_seconds,
             # From the expected batch size: the realised sizes are raw counts and stay inside the driver.
-            "samples_per_second": self.events.steps * plan.expected_batch_size / wall_seconds,
+            "samples_per_second": self.step * plan.expected_batch_size / wall_seconds,
             "seeded": config.seed is not None,
+            "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
             "events": self.events.to_dict(),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-        plot_curves(metrics, self.run_dir / "curves.png", f"{label(self.accountant)} epsilon at delta={config.delta:g}")
+        plot_curves(self.metrics, self.run_dir / "curves.png",
+                    f"{label(self.accountant)} epsilon at delta={config.delta:g}")
         return summary
+
+
+def resume_trainer(run_dir: str, **options) -> Trainer:
+    """A Trainer for the run in `run_dir`, at its newest intact checkpoint."""
+    from orchestrator.config import build_config
+
+    config_path = Path(run_dir) / "config.json"
+    if not config_path.exists():
+        raise UsageError(f"{run_dir!r} holds no config.json; --resume takes the run_dir of an earlier run")
+    found = latest_checkpoint(Path(run_dir))
+    if found is None:
+        raise UsageError(f"{run_dir!r} holds no intact checkpoint to resume from")
+    values = json.loads(config_path.read_text())
+    values["run_dir"] = run_dir
+    _, state = found
+    # The checkpoint fixes sigma: recalibrating from target_epsilon could drift by a rounding step.
+    values["noise_multiplier"], values["target_epsilon"] = state["noise_multiplier"], None
+    trainer = Trainer(build_config(values), **options)
+    trainer.load_state(state)
+    return trainer

@@ -1,0 +1,117 @@
+"""Faults: torn checkpoints, resumed runs and killed workers change nothing that was computed."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from orchestrator.checkpoint import checkpoint_files, latest_checkpoint, read_checkpoint, save_checkpoint
+from orchestrator.config import build_config
+from orchestrator.errors import UsageError
+from orchestrator.trainer import Trainer, resume_trainer
+from workers.models import flat_parameters
+
+
+def test_checkpoints_round_trip_and_keep_the_newest_two(tmp_path):
+    for step in (5, 10, 15):
+        save_checkpoint(tmp_path, step, {"step": step, "weights": torch.arange(3.0) * step})
+    assert [path.name for path in checkpoint_files(tmp_path)] == ["checkpoint-000000010.pt", "checkpoint-000000015.pt"]
+    path, state = latest_checkpoint(tmp_path)
+    assert state["step"] == 15 and torch.equal(state["weights"], torch.arange(3.0) * 15)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_torn_checkpoint_is_never_loaded_and_the_previous_one_is_used(tmp_path):
+    save_checkpoint(tmp_path, 5, {"step": 5})
+    newest = save_checkpoint(tmp_path, 10, {"step": 10, "blob": torch.zeros(1000)})
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    assert read_checkpoint(newest) is None
+    assert latest_checkpoint(tmp_path)[1]["step"] == 5
+
+
+def test_a_checkpoint_with_flipped_bytes_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, 1, {"step": 1, "blob": torch.ones(100)})
+    data = bytearray(path.read_bytes())
+    data[-50] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert read_checkpoint(path) is None and latest_checkpoint(tmp_path) is None
+
+
+def test_resume_without_a_checkpoint_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="no config.json"):
+        resume_trainer(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def fault_config(tmp_path, name, **overrides):
+    values = dict(
+        dataset="mnist", model="gdp_cnn", workers=2, steps=12, batch_size=60, train_subset=600,
+        test_subset=200, noise_multiplier=1.0, clip_norm=1.0, learning_rate=0.5, seed=8,
+        run_dir=str(tmp_path / name), max_physical_batch=32, optimizer={"name": "momentum"},
+    )
+    values.update(overrides)
+    return build_config(values)
+
+
+class KillFirstWorkerDuring(Trainer):
+    """A trainer that kills one worker process with SIGKILL while step `at_step` is in flight."""
+
+    at_step = 4
+
+    def _partial_sums(self, workers, weights, shards):
+        if self.step == self.at_step and not getattr(self, "killed", False):
+            self.killed = True
+            pid = int(ray.get(workers[0].ping.remote()).rsplit(":", 1)[1])
+            # Let the call start, then kill the process in the middle of it.
+            threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
+        return super()._partial_sums(workers, weights, shards)
+
+
+def test_a_killed_worker_changes_neither_weights_nor_epsilon(local_ray, tmp_path):
+    calm = Trainer(fault_config(tmp_path, "calm"), show_progress=False)
+    calm_summary = calm.run()
+    disturbed = KillFirstWorkerDuring(fault_config(tmp_path, "disturbed"), show_progress=False)
+    disturbed_summary = disturbed.run()
+    assert disturbed.killed
+    np.testing.assert_allclose(flat_parameters(disturbed.model), flat_parameters(calm.model), atol=1e-6, rtol=0)
+    assert disturbed_summary["epsilon"] == calm_summary["epsilon"]
+    assert disturbed_summary["steps"] == calm_summary["steps"] == 12
+
+
+class DriverCrash(Exception):
+    pass
+
+
+class CrashAfterCheckpoint(Trainer):
+    """A driver that dies right after writing the checkpoint of step `crash_at`."""
+
+    crash_at = 5
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.step == self.crash_at:
+            raise DriverCrash
+
+
+def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run(local_ray, tmp_path):
+    whole = Trainer(fault_config(tmp_path, "whole", checkpoint_every=5), show_progress=False)
+    whole_summary = whole.run()
+    with pytest.raises(DriverCrash):
+        CrashAfterCheckpoint(fault_config(tmp_path, "split", checkpoint_every=5), show_progress=False).run()
+    resumed = resume_trainer(str(tmp_path / "split"), show_progress=False)
+    assert resumed.step == 5
+    summary = resumed.run()
+    assert summary["steps"] == 12 and summary["epsilon"] == whole_summary["epsilon"]
+    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
