@@ -22,7 +22,7 @@ train: setup
 	$(BIN)/dpfleet train --config examples/mnist.toml --workers 2
 
 bench: setup
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(BENCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from fractions import Fraction
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
@@ -56,8 +57,10 @@ class SampledGaussian:
         sigma = _check_finite("noise_multiplier", self.noise_multiplier)
         if sigma <= 0.0:
             raise EventError(f"noise_multiplier must be > 0 (got {sigma!r})")
-        if isinstance(self.steps, bool) or int(self.steps) != self.steps or self.steps < 0:
-            raise EventError(f"steps must be an integer >= 0 (got {self.steps!r})")
+        steps = self.steps
+        if isinstance(steps, bool) or not isinstance(steps, (int, float)) or not math.isfinite(steps) \
+                or int(steps) != steps or steps < 0:
+            raise EventError(f"steps must be an integer >= 0 (got {steps!r})")
         factor = _check_finite("sensitivity_factor", self.sensitivity_factor)
         if factor <= 0.0:
             raise EventError(f"sensitivity_factor must be > 0 (got {factor!r})")
@@ -146,7 +149,7 @@ class Composition:
 
     def split(self, steps: int) -> tuple["Composition", "Composition"]:
         """(the first `steps` steps, the rest), cutting a record in two where needed."""
-        if isinstance(steps, bool) or int(steps) != steps or not 0 <= steps <= self.steps:
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 0 <= steps <= self.steps:
             raise EventError(f"can split a composition of {self.steps} steps at 0..{self.steps} (got {steps!r})")
         first: list[SampledGaussian] = []
         rest: list[SampledGaussian] = []

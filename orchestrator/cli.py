@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from orchestrator.errors import BudgetRefusedError, UsageError
+from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
+from orchestrator.ledger_cli import add_ledger_parser
 from orchestrator.privacy_cli import add_privacy_parsers
 from orchestrator.train_cli import add_train_parser
 
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     add_privacy_parsers(subparsers)
     add_train_parser(subparsers)
+    add_ledger_parser(subparsers)
     return parser
 
 
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (UsageError, BudgetRefusedError) as error:
+    except (UsageError, BudgetRefusedError, LedgerTimeoutError) as error:
         print(f"dpfleet {args.command}: error: {error}", file=sys.stderr)
         return error.exit_status
     except KeyboardInterrupt:

@@ -63,6 +63,10 @@ class TrainConfig:
     max_physical_batch: int = 128
     checkpoint_every: int = 0
     commit_every: int | None = None
+    ledger: str | None = None
+    dataset_name: str | None = None
+    ledger_timeout: float = 300.0
+    dataset_budget_epsilon: float = 10.0
     train_subset: int | None = None
     test_subset: int | None = None
     data_root: str | None = None
@@ -153,6 +157,12 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
+        ledger=_optional(values, "ledger", _address),
+        dataset_name=_optional(values, "dataset_name", _name),
+        ledger_timeout=checks.positive_number("ledger_timeout", values.get("ledger_timeout", 300.0)),
+        dataset_budget_epsilon=checks.positive_number(
+            "dataset_budget_epsilon", values.get("dataset_budget_epsilon", 10.0)
+        ),
         train_subset=_optional(values, "train_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
         test_subset=_optional(values, "test_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
@@ -168,6 +178,19 @@ def _model_spec(value: Any) -> str:
         raise UsageError(
             f"model must be one of {', '.join(MODEL_NAMES)} or 'package.module:function' (got {value!r})"
         )
+    return value
+
+
+def _address(key: str, value: Any) -> str:
+    host, _, port = str(value).rpartition(":")
+    if not (isinstance(value, str) and host and port.isdigit() and 0 < int(port) < 65536):
+        raise UsageError(f"{key} must be HOST:PORT with a port in 1..65535 (got {value!r})")
+    return value
+
+
+def _name(key: str, value: Any) -> str:
+    if not (isinstance(value, str) and 0 < len(value) <= 128):
+        raise UsageError(f"{key} must be a name of 1 to 128 characters (got {value!r})")
     return value
 
 

@@ -6,7 +6,8 @@ import argparse
 
 from orchestrator.config import load_config
 from orchestrator.display import format_table, print_json
-from orchestrator.errors import UsageError
+from orchestrator.errors import LedgerTimeoutError, UsageError
+from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
 from orchestrator.trainer import Trainer, resume_trainer
 
 
@@ -30,6 +31,10 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     length.add_argument("--steps", help="number of steps (overrides the config)")
     train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
     train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
+    train.add_argument("--ledger", metavar="HOST:PORT",
+                       help="privacy ledger server (default: the config's ledger, DPFLEET_LEDGER, else embedded)")
+    train.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
+    train.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
     train.add_argument("--show-train-loss", action="store_true",
                        help="also print the training loss after each epoch (NOT private)")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bars")
@@ -38,7 +43,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Validate the config (or find the run to resume), train, print the summary."""
+    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
     options = {"show_progress": not args.no_progress, "show_train_loss": args.show_train_loss}
     try:
         if args.resume:
@@ -53,9 +58,20 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     config = trainer.config
-    summary = trainer.run()
+    trainer.ledger = _job_ledger(args, trainer)
+    try:
+        summary = trainer.run()
+    except LedgerTimeoutError as error:
+        raise LedgerTimeoutError(
+            f"{error}. The run stopped before any uncharged step, at a checkpoint; "
+            f"continue with: dpfleet train --resume {config.run_dir}"
+        ) from None
+    trainer.ledger.release()
+    budget = trainer.ledger.status()
     if args.json:
-        print_json({key: value for key, value in summary.items() if key != "events"})
+        summary = {key: value for key, value in summary.items() if key != "events"}
+        summary["dataset_remaining_epsilon"] = budget.remaining_epsilon
+        print_json(summary)
         return 0
     rows = [
         ["test accuracy", summary["test_accuracy"]],
@@ -67,6 +83,27 @@ def run_train(args: argparse.Namespace) -> int:
         ["wall seconds", summary["wall_seconds"]],
         ["samples/s", summary["samples_per_second"]],
         ["run dir", config.run_dir],
+        [f"ledger: {trainer.ledger.dataset!r} budget", f"epsilon {budget.budget_epsilon:g} at delta {budget.delta:g}"],
+        ["ledger: spent (pld)", budget.spent_epsilon],
+        ["ledger: remaining", budget.remaining_epsilon],
     ]
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
+    """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
+    config = trainer.config
+    ledger = open_ledger(args.ledger or config.ledger, args.token)
+    dataset = args.dataset_name or config.dataset_name or config.dataset
+    say = trainer.say
+    if trainer.resumed_reservation_id is not None:
+        say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
+        return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
+    if is_embedded(ledger):
+        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say)
+    job = JobLedger.reserve(
+        ledger, dataset, new_job_id(config.run_dir), trainer.plan.planned_events, config.ledger_timeout, say
+    )
+    say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
+    return job

@@ -182,6 +182,7 @@ class Trainer:
         self.metrics: list[dict] = []
         self.charged_blocks = 0
         self.wall_seconds_before = 0.0
+        self.resumed_reservation_id: str | None = None
         self.run_dir = Path(config.run_dir)
 
     @property
@@ -193,7 +194,8 @@ class Trainer:
         """Epsilon of the steps run so far, at the config's delta, by the config's accountant."""
         return self.accountant.epsilon(self.events, self.config.delta)
 
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
+        """Print one line of the run's log."""
         print(text, file=self.out, flush=True)
 
     # --- checkpoints -------------------------------------------------------
@@ -230,6 +232,7 @@ class Trainer:
         self.metrics = list(state["metrics"])
         self.charged_blocks = state["charged_blocks"]
         self.wall_seconds_before = state["wall_seconds"]
+        self.resumed_reservation_id = state["reservation_id"]
 
     def _save_checkpoint(self) -> None:
         self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
@@ -246,8 +249,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
         if config.seed is not None:
-            self._say(f"seeded: not for production use (seed {config.seed})")
-        self._say(
+            self.say(f"seeded: not for production use (seed {config.seed})")
+        self.say(
             f"dpfleet: {config.model} on {config.dataset} (N={plan.dataset_size}), {plan.steps} steps, "
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
@@ -304,7 +307,7 @@ class Trainer:
                 except ray.exceptions.RayActorError:
                     if attempt == WORKER_REPLACEMENTS:
                         raise
-                    self._say(f"worker {index} is gone; replacing it and recomputing its shard")
+                    self.say(f"worker {index} is gone; replacing it and recomputing its shard")
                     workers[index] = self._new_worker()
                     call = workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm)
         return sums
@@ -392,7 +395,7 @@ class Trainer:
         self.metrics.append(row)
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
         if epoch:
-            self._say(self._epoch_line(row))
+            self.say(self._epoch_line(row))
 
     def _epoch_line(self, row: dict) -> str:
         line = (

@@ -3,7 +3,6 @@
 import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest

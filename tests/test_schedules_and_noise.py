@@ -10,7 +10,6 @@ from dp_accounting import pld, rdp
 from scipy import stats
 
 from accounting.accountants import RDP_ORDERS, get_accountant
-from accounting.calibration import scale_for_target
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.noise import GaussianNoise

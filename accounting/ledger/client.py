@@ -1,0 +1,170 @@
+"""`RemoteLedger`: the ledger server through the same interface as the embedded `Ledger`.
+
+Each call is one RPC with a deadline and no retries: the caller decides
+whether to retry (a commit retried with the same sequence is charged once).
+Status codes come back as the core's exceptions; UNAVAILABLE and
+DEADLINE_EXCEEDED become LedgerUnavailable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from accounting.events import EventsLike
+from accounting.ledger import ledger_pb2 as pb
+from accounting.ledger import ledger_pb2_grpc
+from accounting.ledger import messages
+from accounting.ledger.core import (
+    BudgetExceeded,
+    CommitResult,
+    DatasetStatus,
+    HistoryEntry,
+    InvalidArgument,
+    LedgerError,
+    LedgerUnavailable,
+    Reservation,
+    TenantCreated,
+    check_history_limit,
+    check_plan,
+    check_sequence,
+    check_steps,
+)
+from accounting.ledger.messages import (
+    DATASET_KEY,
+    DELTA_KEY,
+    NEEDED_EPSILON_KEY,
+    REMAINING_EPSILON_KEY,
+    STATUS_CODES,
+)
+
+_ERRORS_BY_CODE = {code: error for error, code in STATUS_CODES.items() if error is not BudgetExceeded}
+# History and job lists can be long; requests stay small.
+_MAX_REPLY_BYTES = 256 * 1024 * 1024
+
+
+def _ledger_error(address: str, error: grpc.RpcError) -> LedgerError:
+    """The core exception for a failed RPC."""
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        trailers = dict(error.trailing_metadata() or ())
+        if REMAINING_EPSILON_KEY in trailers:
+            return BudgetExceeded(
+                trailers[DATASET_KEY],
+                float(trailers[REMAINING_EPSILON_KEY]),
+                float(trailers[NEEDED_EPSILON_KEY]),
+                float(trailers[DELTA_KEY]),
+            )
+        return InvalidArgument(f"the ledger at {address} refused the request as too large: {details}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return LedgerUnavailable(
+            f"the ledger at {address} did not answer ({code.name}: {details}); "
+            "check that dpfleet ledger serve runs there and the address is right"
+        )
+    error_class = _ERRORS_BY_CODE.get(code, LedgerError)
+    return error_class(details if error_class is not LedgerError else f"{code.name}: {details}")
+
+
+class RemoteLedger:
+    """A client of `dpfleet ledger serve` with the methods of the embedded `Ledger`.
+
+    `address` is host:port; `token` a tenant or admin token; `tls_ca` a PEM
+    file of the CA that signed the server's certificate (None: plaintext);
+    `timeout_seconds` the deadline of each call.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        tls_ca: str | Path | None = None,
+        timeout_seconds: float = 10.0,
+    ) -> None:
+        self.address = address
+        self.timeout_seconds = timeout_seconds
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        options = [("grpc.max_receive_message_length", _MAX_REPLY_BYTES)]
+        if tls_ca is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        self._stub = ledger_pb2_grpc.LedgerStub(self._channel)
+
+    def __enter__(self) -> "RemoteLedger":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    @staticmethod
+    def _request(message_class: type, **fields: object) -> object:
+        try:
+            return message_class(**fields)
+        except (TypeError, ValueError) as error:
+            raise InvalidArgument(f"{message_class.__name__}: {error}; check the arguments' types") from None
+
+    def _call(self, method: Callable, request: object) -> object:
+        try:
+            return method(request, timeout=self.timeout_seconds, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise _ledger_error(self.address, error) from None
+
+    def create_tenant(self, tenant: str) -> TenantCreated:
+        """Create a tenant and return its token, shown this once (admin token only)."""
+        reply = self._call(self._stub.CreateTenant, self._request(pb.CreateTenantRequest, tenant=tenant))
+        return messages.tenant_from_proto(reply)
+
+    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
+        """Create a dataset with a budget of `epsilon` at `delta`."""
+        request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta)
+        return messages.status_from_proto(self._call(self._stub.CreateDataset, request))
+
+    def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
+        """Set a dataset's budget epsilon (admin token only)."""
+        request = self._request(pb.RaiseBudgetRequest, dataset=dataset, epsilon=epsilon)
+        return messages.status_from_proto(self._call(self._stub.RaiseBudget, request))
+
+    def get_budget(self, dataset: str) -> DatasetStatus:
+        """One dataset's budget, spent, reserved and remaining epsilon, and its active jobs."""
+        request = self._request(pb.GetBudgetRequest, dataset=dataset)
+        return messages.status_from_proto(self._call(self._stub.GetBudget, request))
+
+    def list_datasets(self) -> list[DatasetStatus]:
+        """Every dataset the token may see."""
+        reply = self._call(self._stub.ListDatasets, self._request(pb.ListDatasetsRequest))
+        return [messages.status_from_proto(status) for status in reply.datasets]
+
+    def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
+        """Reservations on the token's datasets, oldest first; optionally of one dataset or state."""
+        request = self._request(pb.ListJobsRequest, dataset=dataset or "", state=messages.state_to_proto(state))
+        return [messages.reservation_from_proto(job) for job in self._call(self._stub.ListJobs, request).jobs]
+
+    def reserve(self, dataset: str, job_id: str, planned: EventsLike) -> Reservation:
+        """Hold budget for a job's planned events, or raise BudgetExceeded."""
+        planned_json = check_plan(planned).to_json()
+        request = self._request(pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json)
+        return messages.reservation_from_proto(self._call(self._stub.Reserve, request))
+
+    def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
+        """Charge the next `steps` planned steps; the same `sequence` twice charges once."""
+        request = self._request(
+            pb.CommitRequest, reservation_id=reservation_id, steps=check_steps(steps), sequence=check_sequence(sequence)
+        )
+        return messages.commit_from_proto(self._call(self._stub.Commit, request))
+
+    def release(self, reservation_id: str) -> Reservation:
+        """Free the reservation's unrun steps; committed steps stay spent."""
+        request = self._request(pb.ReleaseRequest, reservation_id=reservation_id)
+        return messages.reservation_from_proto(self._call(self._stub.Release, request))
+
+    def history(self, dataset: str | None = None, limit: int = 1000) -> list[HistoryEntry]:
+        """The newest `limit` changes the token may see, oldest first."""
+        request = self._request(pb.HistoryRequest, dataset=dataset or "", limit=check_history_limit(limit))
+        return [messages.history_from_proto(entry) for entry in self._call(self._stub.History, request).entries]

@@ -1,0 +1,717 @@
+"""Budget arithmetic of the privacy ledger: pure functions over event records.
+
+No storage and no network here. The store and the gRPC service call these.
+
+Admission. Each dataset keeps a running RDP tally of everything committed or
+reserved-but-unrun. A reservation is admitted when the RDP epsilon of
+(tally + the job's plan) at the dataset's delta fits the budget, so a reserve
+costs O(orders), not O(history). RDP composes by addition, so the tally is a
+sum; it is kept in exact integers (see `RdpTally`) so that adding a plan and
+later subtracting its unrun part leaves no floating drift, and nothing needs
+recomputing when the store is reopened.
+
+Safe rounding. Every per-step Renyi divergence is rounded up to a multiple of
+2**-60 nats; a sum is converted back to a float rounded up; and a total fits a
+budget only with a relative margin of `ADMISSION_MARGIN`, which covers the
+last-bit error of the RDP-to-epsilon conversion. Each step can only make the
+ledger refuse something at the exact edge, never admit something over it.
+
+Reports. `spent_epsilon` is the PLD epsilon of the committed events (tight);
+`spent_epsilon_rdp` the RDP epsilon of the same events; `remaining_epsilon`
+is the budget minus the RDP epsilon of committed + reserved, which is the view
+admission uses; `reserved_epsilon` is what the reservations add to the RDP
+epsilon of the committed events, so spent_rdp + reserved + remaining = budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import math
+import re
+import secrets
+from dataclasses import dataclass, field
+from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
+from typing import Protocol
+
+import numpy as np
+
+from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
+from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition
+
+# Renyi divergences are tallied in integer units of 2**-60 nats: exact under
+# addition and subtraction, and finer than any float we would compare.
+_UNIT_BITS = 60
+_UNITS_PER_NAT = 2**_UNIT_BITS
+
+# Relative margin a total must clear below the budget; covers the few-ulp
+# error of the RDP-to-epsilon conversion (about 1e-15) by a wide factor.
+ADMISSION_MARGIN = 1e-9
+
+NAME_LENGTH = (1, 128)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+MAX_PLAN_RECORDS = 1000
+MAX_SEQUENCE = 2**63 - 1
+MAX_STEPS = 2**63 - 1
+HISTORY_LIMIT = (1, 100_000)
+
+ACTIVE = "active"
+RELEASED = "released"
+RESERVATION_STATES = (ACTIVE, RELEASED)
+
+ADMIN_ACTOR = "admin"
+LOCAL_TENANT = "local"
+
+
+class LedgerError(Exception):
+    """Base of every error the ledger reports; each subclass maps to one gRPC status code."""
+
+
+class InvalidArgument(LedgerError):
+    """A request value is outside its valid range (gRPC INVALID_ARGUMENT)."""
+
+
+class NotFound(LedgerError):
+    """An admin named a tenant, dataset or reservation that does not exist (gRPC NOT_FOUND)."""
+
+
+class AlreadyExists(LedgerError):
+    """A tenant or dataset of that name exists already (gRPC ALREADY_EXISTS)."""
+
+
+class FailedPrecondition(LedgerError):
+    """The request is well formed but the ledger's state does not allow it (gRPC FAILED_PRECONDITION)."""
+
+
+class PermissionDenied(LedgerError):
+    """The caller may not do this, or may not see the thing named (gRPC PERMISSION_DENIED)."""
+
+
+class Unauthenticated(LedgerError):
+    """No token, or a token the ledger does not know (gRPC UNAUTHENTICATED)."""
+
+
+class LedgerUnavailable(LedgerError):
+    """The remote ledger did not answer in time or could not be reached (gRPC UNAVAILABLE)."""
+
+
+class BudgetExceeded(LedgerError):
+    """A job does not fit the dataset's budget (gRPC RESOURCE_EXHAUSTED).
+
+    `remaining_epsilon` is the budget minus the RDP epsilon of what is
+    committed and reserved; `needed_epsilon` is how much the job would add to
+    that RDP epsilon. Both at the dataset's `delta`.
+    """
+
+    def __init__(self, dataset: str, remaining_epsilon: float, needed_epsilon: float, delta: float) -> None:
+        self.dataset = dataset
+        self.remaining_epsilon = remaining_epsilon
+        self.needed_epsilon = needed_epsilon
+        self.delta = delta
+        shown_remaining, shown_needed = _shown_shortfall(remaining_epsilon, needed_epsilon)
+        super().__init__(
+            f"dataset {dataset!r} has ε {shown_remaining} left at δ={delta:g}; this job needs ε {shown_needed}. "
+            "Run fewer steps or more noise, release reservations that are no longer needed "
+            "(dpfleet ledger jobs, dpfleet ledger release), or ask an admin to raise the budget"
+        )
+
+
+def _shown_shortfall(remaining: float, needed: float) -> tuple[str, str]:
+    """Remaining rounded down and needed rounded up, to two significant digits of the smaller."""
+    smallest = min((value for value in (remaining, needed) if 0.0 < value < math.inf), default=1.0)
+    quantum = Decimal(10) ** -min(12, max(2, 1 - math.floor(math.log10(smallest))))
+
+    def shown(value: float, rounding: str) -> str:
+        if not math.isfinite(value):
+            return "inf"
+        # repr: the shortest decimal that reads back as this float, so 0.31 shows as 0.31.
+        return str(Decimal(repr(value)).quantize(quantum, rounding=rounding, context=Context(prec=400)))
+
+    return shown(remaining, ROUND_FLOOR), shown(needed, ROUND_CEILING)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_name(kind: str, value: object) -> str:
+    """A tenant or dataset name, job id or reservation id.
+
+    1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit.
+
+    `kind` names the thing in the error, e.g. "dataset name".
+    """
+    if not isinstance(value, str) or not (NAME_LENGTH[0] <= len(value) <= NAME_LENGTH[1]) or not _NAME.match(value):
+        if isinstance(value, str) and len(value) > 40:
+            shown = f"{value[:40]!r}... ({len(value)} characters)"
+        else:
+            shown = repr(value)
+        raise InvalidArgument(
+            f"{kind} must be {NAME_LENGTH[0]} to {NAME_LENGTH[1]} characters of letters, digits, "
+            f"'.', '_' or '-', starting with a letter or digit (got {shown})"
+        )
+    return value
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{name} must be a number (got {value!r})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{name} must be a finite number (got {value!r})")
+    return value
+
+
+def check_budget_epsilon(value: object) -> float:
+    """A budget epsilon: a finite number > 0."""
+    epsilon = _finite("budget epsilon", value)
+    if epsilon <= 0.0:
+        raise InvalidArgument(f"budget epsilon must be > 0 (got {epsilon:g})")
+    return epsilon
+
+
+def check_delta(value: object) -> float:
+    """A budget delta: a number in (0, 1), usually below 1/(dataset size)."""
+    delta = _finite("delta", value)
+    if not 0.0 < delta < 1.0:
+        raise InvalidArgument(f"delta must be in (0, 1) (got {delta:g})")
+    return delta
+
+
+def _integer(name: str, value: object, least: int, most: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+        raise InvalidArgument(f"{name} must be an integer in [{least}, {most}] (got {value!r})")
+    return value
+
+
+def check_steps(value: object) -> int:
+    """Steps of one commit: an integer >= 1."""
+    return _integer("steps", value, 1, MAX_STEPS)
+
+
+def check_sequence(value: object) -> int:
+    """A commit's sequence number: an integer in [0, 2**63 - 1], unique per reservation."""
+    return _integer("sequence", value, 0, MAX_SEQUENCE)
+
+
+def check_history_limit(value: object) -> int:
+    """How many history entries to return: an integer in HISTORY_LIMIT."""
+    return _integer("history limit", value, *HISTORY_LIMIT)
+
+
+def check_state(value: object) -> str | None:
+    """A reservation state filter: None (any), 'active' or 'released'."""
+    if value is not None and value not in RESERVATION_STATES:
+        raise InvalidArgument(f"job state must be one of {', '.join(RESERVATION_STATES)} (got {value!r})")
+    return value
+
+
+def check_plan(planned: EventsLike) -> Composition:
+    """A job's planned events: at least one step, at most MAX_PLAN_RECORDS distinct records."""
+    try:
+        composition = as_composition(planned)
+    except EventError as error:
+        raise InvalidArgument(f"planned events: {error}") from None
+    if composition.steps == 0:
+        raise InvalidArgument("planned events must hold at least one step (got none)")
+    if any(event.steps > MAX_STEPS for event in composition.events):
+        raise InvalidArgument(f"planned events may hold at most {MAX_STEPS} steps per record")
+    if len(composition.events) > MAX_PLAN_RECORDS:
+        raise InvalidArgument(
+            f"planned events may hold at most {MAX_PLAN_RECORDS} records after merging equal neighbours "
+            f"(got {len(composition.events)}); group steps of the same mechanism together"
+        )
+    return composition
+
+
+def parse_plan(text: object) -> Composition:
+    """A job's planned events from their versioned JSON (Composition.to_json)."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"planned events must be a JSON string (got {type(text).__name__})")
+    try:
+        composition = Composition.from_json(text)
+    except (EventError, TypeError, AttributeError, ValueError, OverflowError, RecursionError) as error:
+        # OverflowError: events.py turns an infinite "steps" into an int before range-checking it.
+        raise InvalidArgument(f"planned events: {error}") from None
+    return check_plan(composition)
+
+
+# ------------------------------------------------------------ event algebra
+
+
+def split_steps(composition: Composition, steps: int) -> tuple[Composition, Composition]:
+    """The first `steps` steps of a composition and the rest, in the composition's order."""
+    try:
+        return as_composition(composition).split(steps)
+    except EventError as error:
+        raise InvalidArgument(str(error)) from None
+
+
+def canonical(composition: EventsLike) -> Composition:
+    """The same multiset of steps, one record per mechanism in a fixed order.
+
+    Composition of DP mechanisms does not depend on their order, so a
+    dataset's committed events can be kept in this bounded form however many
+    jobs interleave on it.
+    """
+    steps_by_mechanism: dict[tuple[float, float, float], int] = {}
+    for event in as_composition(composition).events:
+        key = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+        steps_by_mechanism[key] = steps_by_mechanism.get(key, 0) + event.steps
+    return Composition(
+        tuple(
+            SampledGaussian(rate, sigma, steps, factor)
+            for (rate, sigma, factor), steps in sorted(steps_by_mechanism.items())
+        )
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_units(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Per-order RDP of one step in units, rounded up, and which orders are unbounded."""
+    divergences = rdp_vector(SampledGaussian(sampling_rate, noise_multiplier, 1, sensitivity_factor))
+    units = []
+    unbounded = []
+    for divergence in divergences:
+        scaled = float(divergence) * _UNITS_PER_NAT  # exact: a power-of-two scaling
+        if math.isfinite(scaled):
+            units.append(max(0, math.ceil(scaled)))
+            unbounded.append(False)
+        else:
+            # dp-accounting reports inf (or gives up) at orders it cannot bound.
+            units.append(0)
+            unbounded.append(True)
+    return tuple(units), tuple(unbounded)
+
+
+@dataclass(frozen=True)
+class RdpTally:
+    """Renyi divergences at every order of RDP_ORDERS, summed exactly.
+
+    `units[i]` is the divergence at order i in units of 2**-60 nats (each
+    step rounded up); `unbounded_steps[i]` counts the steps whose divergence
+    at order i is unbounded, which makes the total infinite there. The tally
+    of a composition is linear in its steps, so the tally of the first k
+    steps plus the tally of the rest equals the tally of the whole, exactly.
+    """
+
+    units: tuple[int, ...]
+    unbounded_steps: tuple[int, ...]
+
+    @classmethod
+    def zero(cls) -> "RdpTally":
+        """The tally of no events."""
+        return cls((0,) * len(RDP_ORDERS), (0,) * len(RDP_ORDERS))
+
+    @classmethod
+    def of(cls, events: EventsLike) -> "RdpTally":
+        """The tally of a composition (one dp-accounting call per distinct mechanism, cached)."""
+        units = [0] * len(RDP_ORDERS)
+        unbounded = [0] * len(RDP_ORDERS)
+        for event in as_composition(events).events:
+            step_units, step_unbounded = _step_units(
+                event.sampling_rate, event.noise_multiplier, event.sensitivity_factor
+            )
+            for order, (unit, infinite) in enumerate(zip(step_units, step_unbounded)):
+                units[order] += event.steps * unit
+                unbounded[order] += event.steps if infinite else 0
+        return cls(tuple(units), tuple(unbounded))
+
+    def __add__(self, other: "RdpTally") -> "RdpTally":
+        return RdpTally(
+            tuple(a + b for a, b in zip(self.units, other.units)),
+            tuple(a + b for a, b in zip(self.unbounded_steps, other.unbounded_steps)),
+        )
+
+    def __sub__(self, other: "RdpTally") -> "RdpTally":
+        units = tuple(a - b for a, b in zip(self.units, other.units))
+        unbounded = tuple(a - b for a, b in zip(self.unbounded_steps, other.unbounded_steps))
+        if min(units) < 0 or min(unbounded) < 0:
+            raise ValueError("cannot take from an RDP tally more than was added to it; the ledger file is inconsistent")
+        return RdpTally(units, unbounded)
+
+    def divergences(self) -> np.ndarray:
+        """The per-order Renyi divergences in nats, each rounded up to the next float."""
+        return np.array(
+            [
+                math.inf if infinite else (math.nextafter(units / _UNITS_PER_NAT, math.inf) if units else 0.0)
+                for units, infinite in zip(self.units, self.unbounded_steps)
+            ],
+            dtype=np.float64,
+        )
+
+    def epsilon(self, delta: float) -> float:
+        """RDP epsilon at `delta` (best order of RDP_ORDERS)."""
+        return epsilon_from_rdp(self.divergences(), delta, warn=False)
+
+    def to_json(self) -> str:
+        """Exact JSON (integers of any size)."""
+        return json.dumps({"units": list(self.units), "unbounded_steps": list(self.unbounded_steps)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RdpTally":
+        """Inverse of `to_json`; refuses a tally over a different order grid."""
+        data = json.loads(text)
+        if len(data["units"]) != len(RDP_ORDERS) or len(data["unbounded_steps"]) != len(RDP_ORDERS):
+            raise ValueError(
+                f"stored RDP tally has {len(data['units'])} orders but this dpfleet uses {len(RDP_ORDERS)}; "
+                "open the ledger with the dpfleet version that wrote it"
+            )
+        return cls(tuple(data["units"]), tuple(data["unbounded_steps"]))
+
+
+# ------------------------------------------------------------------ budgets
+
+
+def fits_budget(epsilon: float, budget_epsilon: float) -> bool:
+    """True when `epsilon` is below `budget_epsilon` by the safety margin (so equality is refused)."""
+    return epsilon * (1.0 + ADMISSION_MARGIN) <= budget_epsilon
+
+
+def check_admission(dataset: str, budget_epsilon: float, delta: float, held: RdpTally, planned: RdpTally) -> float:
+    """Return the RDP epsilon of held + planned, or raise BudgetExceeded if it does not fit the budget.
+
+    `held` is the dataset's tally of committed and reserved steps; `planned`
+    the tally of the job asking for a reservation.
+    """
+    total_epsilon = (held + planned).epsilon(delta)
+    if not fits_budget(total_epsilon, budget_epsilon):
+        held_epsilon = held.epsilon(delta)
+        raise BudgetExceeded(dataset, max(0.0, budget_epsilon - held_epsilon), total_epsilon - held_epsilon, delta)
+    return total_epsilon
+
+
+def check_new_budget(dataset: str, budget_epsilon: float, delta: float, held: RdpTally) -> float:
+    """A new budget for a dataset; refused when it would not cover what is committed and reserved."""
+    budget_epsilon = check_budget_epsilon(budget_epsilon)
+    held_epsilon = held.epsilon(delta)
+    if not fits_budget(held_epsilon, budget_epsilon):
+        raise FailedPrecondition(
+            f"dataset {dataset!r} already has ε {held_epsilon:.6g} committed or reserved at δ={delta:g}; "
+            f"a budget of ε {budget_epsilon:g} would not cover it. Choose a budget above {held_epsilon:.6g}, "
+            "or release reservations first"
+        )
+    return budget_epsilon
+
+
+@dataclass(frozen=True)
+class BudgetFigures:
+    """A dataset's budget in epsilon at its delta (see the module docstring for each figure)."""
+
+    spent_epsilon: float
+    spent_epsilon_rdp: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+
+
+@functools.lru_cache(maxsize=1024)
+def _spent_pld_epsilon(committed_events: Composition, delta: float) -> float:
+    # Reading epsilon off a long PLD takes tens of ms; a dataset's committed events change only on commit.
+    return get_accountant("pld").epsilon(committed_events, delta)
+
+
+@functools.lru_cache(maxsize=1024)
+def budget_figures(budget_epsilon: float, delta: float, committed_events: Composition, held: RdpTally) -> BudgetFigures:
+    """Spent (PLD and RDP), reserved and remaining epsilon of one dataset.
+
+    `committed_events` are the dataset's committed steps; `held` the tally
+    of committed and reserved-unrun steps. Cached: a status of an unchanged
+    dataset costs no accounting.
+    """
+    spent_rdp = RdpTally.of(committed_events).epsilon(delta)
+    held_epsilon = held.epsilon(delta)
+    return BudgetFigures(
+        spent_epsilon=_spent_pld_epsilon(committed_events, delta),
+        spent_epsilon_rdp=spent_rdp,
+        reserved_epsilon=max(0.0, held_epsilon - spent_rdp),
+        remaining_epsilon=max(0.0, budget_epsilon - held_epsilon),
+    )
+
+
+# ----------------------------------------------------------- who is asking
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a request: `actor` is written to the history; `tenant` owns bare dataset names.
+
+    An admin sees and changes every tenant's datasets; a tenant only its own.
+    """
+
+    actor: str
+    tenant: str | None
+    admin: bool = False
+
+
+def tenant_caller(tenant: str) -> Caller:
+    """A tenant acting on its own datasets."""
+    return Caller(actor=tenant, tenant=tenant)
+
+
+ADMIN = Caller(actor=ADMIN_ACTOR, tenant=None, admin=True)
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """A dataset's full name: the tenant that owns it and its name within that tenant."""
+
+    tenant: str
+    name: str
+
+
+def no_access(reference: str) -> PermissionDenied:
+    """The one error for a dataset that is someone else's or does not exist (existence is never revealed)."""
+    return PermissionDenied(
+        f"no dataset {reference!r} that this token may use; a tenant sees only its own datasets "
+        "(dpfleet ledger status lists them)"
+    )
+
+
+def no_reservation(reservation_id: str) -> PermissionDenied:
+    """The one error for a reservation that is someone else's or does not exist."""
+    return PermissionDenied(
+        f"no reservation {reservation_id!r} that this token may use (dpfleet ledger jobs lists yours)"
+    )
+
+
+def resolve_dataset(caller: Caller, reference: object) -> DatasetRef:
+    """The dataset a caller means by `reference`: 'name' in its own tenant, or 'tenant/name'.
+
+    A tenant naming another tenant's dataset gets PermissionDenied; an admin
+    with no tenant of its own must write 'tenant/name'.
+    """
+    if not isinstance(reference, str):
+        raise InvalidArgument(f"dataset must be a name (got {reference!r})")
+    tenant, slash, name = reference.rpartition("/")
+    if slash:
+        check_name("tenant name", tenant)
+    check_name("dataset name", name)
+    if not slash:
+        if caller.tenant is None:
+            raise InvalidArgument(
+                f"the admin owns no datasets; name a tenant's dataset as TENANT/NAME (got {reference!r})"
+            )
+        tenant = caller.tenant
+    if not caller.admin and tenant != caller.tenant:
+        raise no_access(reference)
+    return DatasetRef(tenant, name)
+
+
+def display_name(caller: Caller, dataset: DatasetRef) -> str:
+    """A dataset's name as the caller writes it: bare in its own tenant, 'tenant/name' otherwise."""
+    return dataset.name if dataset.tenant == caller.tenant else f"{dataset.tenant}/{dataset.name}"
+
+
+# ------------------------------------------------------------------ tokens
+
+_TOKEN_PREFIX = "dpf"
+_SCRYPT = {"n": 2**14, "r": 8, "p": 1, "dklen": 32}
+
+
+def new_token() -> tuple[str, str]:
+    """A fresh tenant token and its key id: (key_id, token). The token is shown once and never stored."""
+    key_id = secrets.token_hex(8)
+    return key_id, f"{_TOKEN_PREFIX}_{key_id}_{secrets.token_urlsafe(32)}"
+
+
+def token_key_id(token: str) -> str:
+    """The key id a tenant token starts with, used to find its salted hash."""
+    prefix, _, rest = token.partition("_")
+    key_id, _, secret = rest.partition("_")
+    if prefix != _TOKEN_PREFIX or len(key_id) != 16 or not secret:
+        raise Unauthenticated(
+            "the token is not a dpfleet ledger token; use the token printed by dpfleet ledger tenant create"
+        )
+    return key_id
+
+
+def hash_token(token: str, salt: bytes) -> bytes:
+    """Salted scrypt hash of a token, as stored."""
+    return hashlib.scrypt(token.encode(), salt=salt, **_SCRYPT)
+
+
+def token_matches(token: str, salt: bytes, stored_hash: bytes) -> bool:
+    """True when `token` hashes to `stored_hash` under `salt` (constant-time comparison)."""
+    return hmac.compare_digest(hash_token(token, salt), stored_hash)
+
+
+# ---------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class TenantCreated:
+    """A new tenant and its token, which is shown this once and stored only as a salted hash."""
+
+    tenant: str
+    token: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {"tenant": self.tenant, "token": self.token}
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A job's hold on a dataset: its planned events and how many of their steps are committed."""
+
+    reservation_id: str
+    dataset: str
+    job_id: str
+    state: str
+    planned: Composition
+    committed_steps: int
+    created_at: str
+    released_at: str | None = None
+
+    @property
+    def planned_steps(self) -> int:
+        """Steps in the plan."""
+        return self.planned.steps
+
+    @property
+    def unrun_steps(self) -> int:
+        """Planned steps still held: not committed, and the reservation not released."""
+        return self.planned.steps - self.committed_steps if self.state == ACTIVE else 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "reservation_id": self.reservation_id,
+            "dataset": self.dataset,
+            "job_id": self.job_id,
+            "state": self.state,
+            "planned_steps": self.planned_steps,
+            "committed_steps": self.committed_steps,
+            "unrun_steps": self.unrun_steps,
+            "planned_events": self.planned.to_dict(),
+            "created_at": self.created_at,
+            "released_at": self.released_at,
+        }
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What one commit charged; a retry with the same sequence returns the same result."""
+
+    reservation_id: str
+    sequence: int
+    steps: int
+    committed_steps: int
+    planned_steps: int
+
+    @property
+    def unrun_steps(self) -> int:
+        """Planned steps not committed yet after this commit."""
+        return self.planned_steps - self.committed_steps
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "reservation_id": self.reservation_id,
+            "sequence": self.sequence,
+            "steps": self.steps,
+            "committed_steps": self.committed_steps,
+            "planned_steps": self.planned_steps,
+        }
+
+
+@dataclass(frozen=True)
+class DatasetStatus:
+    """A dataset's budget and where it went, in epsilon at `delta`.
+
+    `jobs` are the reservations still active (holding budget);
+    `released_jobs` counts the finished ones (dpfleet ledger jobs lists them).
+    """
+
+    name: str
+    tenant: str
+    budget_epsilon: float
+    delta: float
+    spent_epsilon: float
+    spent_epsilon_rdp: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+    jobs: tuple[Reservation, ...] = ()
+    released_jobs: int = 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the `dpfleet ledger status --json` shape)."""
+        return {
+            "name": self.name,
+            "tenant": self.tenant,
+            "budget_epsilon": self.budget_epsilon,
+            "delta": self.delta,
+            "spent_epsilon": self.spent_epsilon,
+            "spent_epsilon_rdp": self.spent_epsilon_rdp,
+            "reserved_epsilon": self.reserved_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+            "jobs": [job.to_dict() for job in self.jobs],
+            "released_jobs": self.released_jobs,
+        }
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One change to the ledger: when (UTC, ISO 8601), who, what, on which dataset, and the details."""
+
+    entry_id: int
+    at: str
+    actor: str
+    action: str
+    dataset: str | None
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "entry_id": self.entry_id,
+            "at": self.at,
+            "actor": self.actor,
+            "action": self.action,
+            "dataset": self.dataset,
+            "details": self.details,
+        }
+
+
+class PrivacyLedger(Protocol):
+    """What the embedded `Ledger` and the `RemoteLedger` both offer; the trainer uses either.
+
+    Datasets are named 'name' within the caller's tenant or 'tenant/name'
+    (admins). Every method raises a LedgerError subclass on refusal.
+    """
+
+    def create_tenant(self, tenant: str) -> TenantCreated:
+        """Create a tenant and return its token (admin only)."""
+
+    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
+        """Create a dataset with a budget of (epsilon, delta)."""
+
+    def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
+        """Set a dataset's budget epsilon (admin only; never below what is committed and reserved)."""
+
+    def get_budget(self, dataset: str) -> DatasetStatus:
+        """One dataset's budget, spending and active jobs."""
+
+    def list_datasets(self) -> list[DatasetStatus]:
+        """Every dataset the caller may see."""
+
+    def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
+        """Reservations on the caller's datasets, oldest first, optionally of one dataset or state."""
+
+    def reserve(self, dataset: str, job_id: str, planned: EventsLike) -> Reservation:
+        """Hold budget for a job's planned events, or raise BudgetExceeded."""
+
+    def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
+        """Charge the next `steps` planned steps; the same `sequence` twice charges once."""
+
+    def release(self, reservation_id: str) -> Reservation:
+        """Free the reservation's unrun steps; what was committed stays spent."""
+
+    def history(self, dataset: str | None = None, limit: int = 1000) -> list[HistoryEntry]:
+        """The newest `limit` changes the caller may see, oldest first."""
+
+    def close(self) -> None:
+        """Release files or channels."""

@@ -1,0 +1,181 @@
+"""The ledger's wire format: records (core) to protobuf messages and back, and error codes.
+
+Events travel as the versioned Composition JSON (see accounting/ledger.proto).
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+
+from accounting.events import Composition
+from accounting.ledger import ledger_pb2 as pb
+from accounting.ledger.core import (
+    ACTIVE,
+    RELEASED,
+    AlreadyExists,
+    BudgetExceeded,
+    CommitResult,
+    DatasetStatus,
+    FailedPrecondition,
+    HistoryEntry,
+    InvalidArgument,
+    LedgerError,
+    NotFound,
+    PermissionDenied,
+    Reservation,
+    TenantCreated,
+    Unauthenticated,
+    check_state,
+)
+
+STATUS_CODES: dict[type[LedgerError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+}
+
+# Trailing metadata of a RESOURCE_EXHAUSTED refusal for budget.
+REMAINING_EPSILON_KEY = "dpfleet-remaining-epsilon"
+NEEDED_EPSILON_KEY = "dpfleet-needed-epsilon"
+DELTA_KEY = "dpfleet-delta"
+DATASET_KEY = "dpfleet-dataset"
+
+_STATE_TO_PROTO = {None: pb.JOB_STATE_UNSPECIFIED, ACTIVE: pb.JOB_STATE_ACTIVE, RELEASED: pb.JOB_STATE_RELEASED}
+_STATE_FROM_PROTO = {value: state for state, value in _STATE_TO_PROTO.items()}
+
+
+def state_to_proto(state: str | None) -> int:
+    """A reservation state ('active', 'released' or None for any) as a JobState value."""
+    return _STATE_TO_PROTO[check_state(state)]
+
+
+def state_from_proto(value: int) -> str | None:
+    """A JobState value as a reservation state; an unknown value is InvalidArgument."""
+    try:
+        return _STATE_FROM_PROTO[value]
+    except KeyError:
+        raise InvalidArgument(
+            f"job state {value} is not a JobState; use 0 (any), 1 (active) or 2 (released)"
+        ) from None
+
+
+def tenant_to_proto(created: TenantCreated) -> pb.CreateTenantReply:
+    """TenantCreated as its reply."""
+    return pb.CreateTenantReply(tenant=created.tenant, token=created.token)
+
+
+def tenant_from_proto(message: pb.CreateTenantReply) -> TenantCreated:
+    """Inverse of tenant_to_proto."""
+    return TenantCreated(message.tenant, message.token)
+
+
+def reservation_to_proto(reservation: Reservation) -> pb.Reservation:
+    """A Reservation as its message."""
+    return pb.Reservation(
+        reservation_id=reservation.reservation_id,
+        dataset=reservation.dataset,
+        job_id=reservation.job_id,
+        state=state_to_proto(reservation.state),
+        planned_events_json=reservation.planned.to_json(),
+        committed_steps=reservation.committed_steps,
+        created_at=reservation.created_at,
+        released_at=reservation.released_at or "",
+    )
+
+
+def reservation_from_proto(message: pb.Reservation) -> Reservation:
+    """Inverse of reservation_to_proto."""
+    return Reservation(
+        reservation_id=message.reservation_id,
+        dataset=message.dataset,
+        job_id=message.job_id,
+        state=state_from_proto(message.state),
+        planned=Composition.from_json(message.planned_events_json),
+        committed_steps=message.committed_steps,
+        created_at=message.created_at,
+        released_at=message.released_at or None,
+    )
+
+
+def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
+    """A DatasetStatus as its message."""
+    return pb.DatasetStatus(
+        name=status.name,
+        tenant=status.tenant,
+        budget_epsilon=status.budget_epsilon,
+        delta=status.delta,
+        spent_epsilon=status.spent_epsilon,
+        spent_epsilon_rdp=status.spent_epsilon_rdp,
+        reserved_epsilon=status.reserved_epsilon,
+        remaining_epsilon=status.remaining_epsilon,
+        jobs=[reservation_to_proto(job) for job in status.jobs],
+        released_jobs=status.released_jobs,
+    )
+
+
+def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
+    """Inverse of status_to_proto."""
+    return DatasetStatus(
+        name=message.name,
+        tenant=message.tenant,
+        budget_epsilon=message.budget_epsilon,
+        delta=message.delta,
+        spent_epsilon=message.spent_epsilon,
+        spent_epsilon_rdp=message.spent_epsilon_rdp,
+        reserved_epsilon=message.reserved_epsilon,
+        remaining_epsilon=message.remaining_epsilon,
+        jobs=tuple(reservation_from_proto(job) for job in message.jobs),
+        released_jobs=message.released_jobs,
+    )
+
+
+def commit_to_proto(result: CommitResult) -> pb.CommitReply:
+    """A CommitResult as its reply."""
+    return pb.CommitReply(
+        reservation_id=result.reservation_id,
+        sequence=result.sequence,
+        steps=result.steps,
+        committed_steps=result.committed_steps,
+        planned_steps=result.planned_steps,
+    )
+
+
+def commit_from_proto(message: pb.CommitReply) -> CommitResult:
+    """Inverse of commit_to_proto."""
+    return CommitResult(
+        reservation_id=message.reservation_id,
+        sequence=message.sequence,
+        steps=message.steps,
+        committed_steps=message.committed_steps,
+        planned_steps=message.planned_steps,
+    )
+
+
+def history_to_proto(entry: HistoryEntry) -> pb.HistoryEntry:
+    """A HistoryEntry as its message."""
+    return pb.HistoryEntry(
+        entry_id=entry.entry_id,
+        at=entry.at,
+        actor=entry.actor,
+        action=entry.action,
+        dataset=entry.dataset or "",
+        details_json=json.dumps(entry.details, sort_keys=True),
+    )
+
+
+def history_from_proto(message: pb.HistoryEntry) -> HistoryEntry:
+    """Inverse of history_to_proto."""
+    return HistoryEntry(
+        entry_id=message.entry_id,
+        at=message.at,
+        actor=message.actor,
+        action=message.action,
+        dataset=message.dataset or None,
+        details=json.loads(message.details_json),
+    )

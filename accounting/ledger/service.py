@@ -1,0 +1,272 @@
+"""The ledger's gRPC server: a thin adapter from RPCs to the embedded `Ledger`.
+
+Authentication is a bearer token in the `authorization` metadata: the admin
+token the server was started with, or a tenant token. Ledger errors become
+status codes (see `messages.STATUS_CODES`); a refusal for budget also carries the
+remaining and needed epsilon as trailing metadata, so a client can rebuild
+`BudgetExceeded` exactly. Requests above `MAX_REQUEST_BYTES` are refused by
+gRPC itself with RESOURCE_EXHAUSTED before any handler runs.
+
+The standard health service (grpc.health.v1) answers SERVING for "" and for
+the ledger service, and NOT_SERVING once a graceful stop begins.
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from accounting.ledger import ledger_pb2 as pb
+from accounting.ledger import ledger_pb2_grpc
+from accounting.ledger import messages
+from accounting.ledger.messages import (
+    DATASET_KEY,
+    DELTA_KEY,
+    NEEDED_EPSILON_KEY,
+    REMAINING_EPSILON_KEY,
+    STATUS_CODES,
+)
+from accounting.ledger.core import (
+    ADMIN,
+    BudgetExceeded,
+    Caller,
+    InvalidArgument,
+    LedgerError,
+    Unauthenticated,
+    parse_plan,
+)
+from accounting.ledger.store import Ledger
+
+LOG = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Ledger"].full_name
+# Large enough for a plan of MAX_PLAN_RECORDS records many times over; a
+# 10 MB request is refused by gRPC before it reaches the ledger.
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+DEFAULT_HISTORY_LIMIT = 1000
+MIN_ADMIN_TOKEN_LENGTH = 16
+
+def bearer_token(metadata: tuple) -> str | None:
+    """The token of an `authorization: Bearer <token>` entry, or None."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            scheme, _, token = value.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    return None
+
+
+def _rpc(method: Callable) -> Callable:
+    """Authenticate, call the ledger, and turn a LedgerError into its status code."""
+
+    @functools.wraps(method)
+    def handler(self: "LedgerServicer", request: object, context: grpc.ServicerContext) -> object:
+        try:
+            return method(self, request, self.caller(context))
+        except BudgetExceeded as error:
+            context.set_trailing_metadata(
+                (
+                    (REMAINING_EPSILON_KEY, repr(error.remaining_epsilon)),
+                    (NEEDED_EPSILON_KEY, repr(error.needed_epsilon)),
+                    (DELTA_KEY, repr(error.delta)),
+                    (DATASET_KEY, error.dataset),
+                )
+            )
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except LedgerError as error:
+            context.abort(STATUS_CODES.get(type(error), grpc.StatusCode.UNKNOWN), str(error))
+        except Exception:  # noqa: BLE001 - a client gets a status, the log gets the traceback
+            LOG.exception("ledger request %s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, "the ledger server failed on this request; see its log")
+
+    return handler
+
+
+class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
+    """The Ledger gRPC service over one `Ledger`."""
+
+    def __init__(self, ledger: Ledger, admin_token: str | None) -> None:
+        self._ledger = ledger
+        self._admin_token = admin_token
+
+    def caller(self, context: grpc.ServicerContext) -> Caller:
+        """Who sent the request, from its bearer token."""
+        token = bearer_token(context.invocation_metadata())
+        if token is None:
+            raise Unauthenticated(
+                "no token: send metadata 'authorization: Bearer <token>' (dpfleet ledger --token or DPFLEET_TOKEN)"
+            )
+        if self._admin_token is not None and hmac.compare_digest(token.encode(), self._admin_token.encode()):
+            return ADMIN
+        return self._ledger.authenticate(token)
+
+    @_rpc
+    def CreateTenant(self, request: pb.CreateTenantRequest, caller: Caller) -> pb.CreateTenantReply:
+        """Create a tenant (admin)."""
+        return messages.tenant_to_proto(self._ledger.create_tenant(request.tenant, caller=caller))
+
+    @_rpc
+    def CreateDataset(self, request: pb.CreateDatasetRequest, caller: Caller) -> pb.DatasetStatus:
+        """Create a dataset with its budget."""
+        return messages.status_to_proto(
+            self._ledger.create_dataset(request.dataset, request.epsilon, request.delta, caller=caller)
+        )
+
+    @_rpc
+    def RaiseBudget(self, request: pb.RaiseBudgetRequest, caller: Caller) -> pb.DatasetStatus:
+        """Set a dataset's budget epsilon (admin)."""
+        return messages.status_to_proto(self._ledger.raise_budget(request.dataset, request.epsilon, caller=caller))
+
+    @_rpc
+    def GetBudget(self, request: pb.GetBudgetRequest, caller: Caller) -> pb.DatasetStatus:
+        """One dataset's status."""
+        return messages.status_to_proto(self._ledger.get_budget(request.dataset, caller=caller))
+
+    @_rpc
+    def ListDatasets(self, request: pb.ListDatasetsRequest, caller: Caller) -> pb.ListDatasetsReply:
+        """Every dataset the caller may see."""
+        statuses = self._ledger.list_datasets(caller=caller)
+        return pb.ListDatasetsReply(datasets=[messages.status_to_proto(status) for status in statuses])
+
+    @_rpc
+    def ListJobs(self, request: pb.ListJobsRequest, caller: Caller) -> pb.ListJobsReply:
+        """Reservations on the caller's datasets."""
+        state = messages.state_from_proto(request.state)
+        jobs = self._ledger.list_jobs(request.dataset or None, state, caller=caller)
+        return pb.ListJobsReply(jobs=[messages.reservation_to_proto(job) for job in jobs])
+
+    @_rpc
+    def Reserve(self, request: pb.ReserveRequest, caller: Caller) -> pb.Reservation:
+        """Hold budget for a job's plan."""
+        planned = parse_plan(request.planned_events_json)
+        reservation = self._ledger.reserve(request.dataset, request.job_id, planned, caller=caller)
+        return messages.reservation_to_proto(reservation)
+
+    @_rpc
+    def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitReply:
+        """Charge a block of steps, idempotently per sequence."""
+        result = self._ledger.commit(request.reservation_id, request.steps, request.sequence, caller=caller)
+        return messages.commit_to_proto(result)
+
+    @_rpc
+    def Release(self, request: pb.ReleaseRequest, caller: Caller) -> pb.Reservation:
+        """Free a reservation's unrun steps."""
+        return messages.reservation_to_proto(self._ledger.release(request.reservation_id, caller=caller))
+
+    @_rpc
+    def History(self, request: pb.HistoryRequest, caller: Caller) -> pb.HistoryReply:
+        """The newest changes the caller may see."""
+        entries = self._ledger.history(request.dataset or None, request.limit or DEFAULT_HISTORY_LIMIT, caller=caller)
+        return pb.HistoryReply(entries=[messages.history_to_proto(entry) for entry in entries])
+
+
+@dataclass
+class LedgerServer:
+    """A running ledger server; `port` is the port actually bound."""
+
+    server: grpc.Server
+    ledger: Ledger
+    health: health.HealthServicer
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        """host:port for clients (IPv6 hosts in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def stop(self, grace_seconds: float = 5.0) -> None:
+        """Report NOT_SERVING, finish requests in flight (up to the grace period), close the file."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_seconds).wait()
+        self.ledger.close()
+
+
+def check_admin_token(admin_token: str | None) -> str | None:
+    """The admin token, refused when too short to resist guessing."""
+    if admin_token is not None and len(admin_token) < MIN_ADMIN_TOKEN_LENGTH:
+        raise InvalidArgument(
+            f"the admin token must be at least {MIN_ADMIN_TOKEN_LENGTH} characters (got {len(admin_token)}); "
+            "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+    return admin_token
+
+
+def start_server(
+    db_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    admin_token: str | None = None,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
+    max_workers: int = 16,
+) -> LedgerServer:
+    """Open the ledger file and start serving it on host:port (0 picks a free port); returns at once.
+
+    Without `admin_token` no admin RPC can succeed. TLS is used when both
+    `tls_cert` and `tls_key` (PEM files) are given.
+    """
+    admin_token = check_admin_token(admin_token)
+    if (tls_cert is None) != (tls_key is None):
+        raise InvalidArgument("TLS needs both a certificate and its key (--tls-cert and --tls-key), or neither")
+    ledger = Ledger(db_path)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger"),
+        options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
+    )
+    ledger_pb2_grpc.add_LedgerServicer_to_server(LedgerServicer(ledger, admin_token), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if tls_cert is None:
+            bound = server.add_insecure_port(bind)
+        else:
+            credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            bound = server.add_secure_port(bind, credentials)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        ledger.close()
+        raise OSError(f"cannot listen on {bind}; is the port in use? Choose another --port (0 picks a free one)")
+    server.start()
+    return LedgerServer(server, ledger, health_servicer, host, bound)
+
+
+def serve(
+    db_path: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    admin_token: str | None = None,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
+    announce: Callable[[LedgerServer], None] | None = None,
+) -> None:
+    """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
+
+    `announce` is called with the running server once it accepts requests.
+    """
+    running = start_server(db_path, host, port, admin_token, tls_cert, tls_key)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if announce is not None:
+            announce(running)
+        stop.wait()
+    finally:
+        running.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,1 @@
+"""Benchmarks of dpfleet; each module runs with `python -m bench.<name>`."""

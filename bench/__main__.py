@@ -1,0 +1,27 @@
+"""`python -m bench` (`make bench`): every benchmark in turn, each writing bench/results/*.json."""
+
+from __future__ import annotations
+
+import sys
+
+from bench import ledger, mnist
+
+BENCHMARKS = {"ledger": ledger.main, "mnist": mnist.main}
+
+
+def main(argv: list[str]) -> int:
+    """Run the named benchmarks (all by default) with --json; return the worst exit status."""
+    names = argv or list(BENCHMARKS)
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    status = 0
+    for name in names:
+        print(f"== bench.{name}", flush=True)
+        status = max(status, BENCHMARKS[name](["--json"]))
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

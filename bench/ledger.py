@@ -1,0 +1,214 @@
+"""Ledger throughput and latency on loopback: `python -m bench.ledger [--json]`.
+
+A ledger server runs in its own process on a fresh file (WAL, synchronous=FULL).
+Client processes (1, then 8) each run one workload for a fixed time:
+
+- commit: commits of 1 step on the client's own long reservation; every
+  commit is durable (fsync'd) before its reply.
+- reserve+commit: reserve a 10-step job, then commit its 10 steps; the
+  throughput counts pairs, the latency each RPC.
+- status: GetBudget of a dataset with 10,000 finished jobs in its history
+  (prepared beforehand through the embedded ledger).
+
+Targets: >= 1,000 durable commits/s, p99 < 10 ms per RPC, status < 20 ms at
+10,000 jobs. `--json` also writes bench/results/ledger.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import platform
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from accounting.events import SampledGaussian
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.store import open_embedded_ledger
+
+ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
+DELTA = 1e-5
+STEP = SampledGaussian(0.001, 1.0, 1)
+HISTORY_JOBS = 10_000
+TARGET_COMMITS_PER_SECOND = 1000.0
+TARGET_P99_MS = 10.0
+TARGET_STATUS_MS = 20.0
+RESULTS = Path(__file__).resolve().parent / "results" / "ledger.json"
+_SERVE = (
+    "import sys\n"
+    "from accounting.ledger.service import serve\n"
+    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True))\n"
+)
+
+
+def prepare_history(db_path: Path, jobs: int) -> str:
+    """Fill a ledger file with a tenant and a dataset of `jobs` finished jobs; return the tenant's token."""
+    with open_embedded_ledger(db_path) as ledger:
+        token = ledger.create_tenant("bench").token
+        ledger.create_dataset("bench/history", 1e9, DELTA)
+        ledger.create_dataset("bench/writes", 1e9, DELTA)
+
+        def finished_job(index: int) -> None:
+            reservation = ledger.reserve("bench/history", f"finished-{index}", STEP.with_steps(10))
+            ledger.commit(reservation.reservation_id, 10, 0)
+            ledger.release(reservation.reservation_id)
+
+        # Threads let the ledger group their commits, as it does for concurrent RPCs.
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            list(pool.map(finished_job, range(jobs)))
+    return token
+
+
+def _client(address: str, token: str, workload: str, seconds: float, index: int, barrier, results) -> None:
+    """One client process: warm up, wait for the others, run the workload, report latencies."""
+    with RemoteLedger(address, token, timeout_seconds=30) as ledger:
+        if workload == "commit":
+            long_job = ledger.reserve("writes", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12))
+            reservation_id = long_job.reservation_id
+        ledger.get_budget("history")
+        latencies: list[float] = []
+        operations = 0
+        barrier.wait()
+        start = time.perf_counter()
+        deadline = start + seconds
+        while time.perf_counter() < deadline:
+            operations += 1
+            if workload == "commit":
+                began = time.perf_counter()
+                ledger.commit(reservation_id, 1, operations)
+                latencies.append(time.perf_counter() - began)
+            elif workload == "reserve+commit":
+                began = time.perf_counter()
+                reservation = ledger.reserve("writes", f"job-{index}-{os.getpid()}-{operations}", STEP.with_steps(10))
+                middle = time.perf_counter()
+                ledger.commit(reservation.reservation_id, 10, 0)
+                latencies += [middle - began, time.perf_counter() - middle]
+            else:
+                began = time.perf_counter()
+                ledger.get_budget("history")
+                latencies.append(time.perf_counter() - began)
+        results.put((operations, time.perf_counter() - start, latencies))
+
+
+def run_workload(address: str, token: str, workload: str, clients: int, seconds: float) -> dict:
+    """Run `clients` processes of one workload at once; return throughput and latency figures."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(clients)
+    results = context.Queue()
+    processes = [
+        context.Process(target=_client, args=(address, token, workload, seconds, index, barrier, results))
+        for index in range(clients)
+    ]
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=seconds + 120) for _ in processes]
+    for process in processes:
+        process.join()
+    operations = sum(report[0] for report in reports)
+    elapsed = max(report[1] for report in reports)
+    latencies_ms = np.array([latency for report in reports for latency in report[2]]) * 1000.0
+    return {
+        "workload": workload,
+        "clients": clients,
+        "operations": operations,
+        "seconds": elapsed,
+        "per_second": operations / elapsed,
+        "p50_ms": float(np.percentile(latencies_ms, 50)),
+        "p99_ms": float(np.percentile(latencies_ms, 99)),
+    }
+
+
+def _ratios(rows: list[dict]) -> dict:
+    """Each target over the measured figure (commits: figure over target); 1 or more means met."""
+
+    def worst_p99(clients: int, workload: str | None = None) -> float:
+        return max(
+            row["p99_ms"] for row in rows if row["clients"] == clients and workload in (None, row["workload"])
+        )
+
+    best_commits = max(row["per_second"] for row in rows if row["workload"] == "commit")
+    return {
+        "durable commits/s (best) / 1000": best_commits / TARGET_COMMITS_PER_SECOND,
+        "10 ms / worst p99, 1 client": TARGET_P99_MS / worst_p99(1),
+        "10 ms / worst p99, 8 clients": TARGET_P99_MS / worst_p99(8),
+        "20 ms / status p99 at 10k jobs, 1 client": TARGET_STATUS_MS / worst_p99(1, "status"),
+        "20 ms / status p99 at 10k jobs, 8 clients": TARGET_STATUS_MS / worst_p99(8, "status"),
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'workload':<15} {'clients':>7} {'ops':>8} {'ops/s':>9} {'p50 ms':>8} {'p99 ms':>8}"]
+    for row in rows:
+        lines.append(
+            f"{row['workload']:<15} {row['clients']:>7} {row['operations']:>8} {row['per_second']:>9.0f} "
+            f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every workload with 1 and 8 clients, print the table and the ratios to the targets."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=5.0, help="length of each measurement (default 5)")
+    parser.add_argument("--history-jobs", type=int, default=HISTORY_JOBS, help="finished jobs in the status dataset")
+    parser.add_argument("--json", action="store_true", help="also write bench/results/ledger.json")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()  # other work on the machine skews every figure; recorded with them
+    with tempfile.TemporaryDirectory(prefix="dpfleet-bench-") as folder:
+        db_path = Path(folder) / "ledger.db"
+        began = time.perf_counter()
+        token = prepare_history(db_path, args.history_jobs)
+        print(f"prepared {args.history_jobs} finished jobs in {time.perf_counter() - began:.1f} s", flush=True)
+        server = subprocess.Popen(
+            [sys.executable, "-c", _SERVE, str(db_path), ADMIN_TOKEN], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            address = server.stdout.readline().strip()
+            rows = []
+            for workload in ("commit", "reserve+commit", "status"):
+                for clients in (1, 8):
+                    rows.append(run_workload(address, token, workload, clients, args.seconds))
+                    print(_table(rows[-1:]).splitlines()[1], flush=True)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    ratios = _ratios(rows)
+    print()
+    print(_table(rows))
+    print()
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}{'' if ratio >= 1 else '  (target missed)'}")
+    if args.json:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        machine = {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "sqlite": sqlite3.sqlite_version,
+            "platform": platform.platform(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        }
+        targets = {
+            "commits_per_second": TARGET_COMMITS_PER_SECOND,
+            "p99_ms": TARGET_P99_MS,
+            "status_ms": TARGET_STATUS_MS,
+        }
+        RESULTS.write_text(
+            json.dumps({"machine": machine, "history_jobs": args.history_jobs, "seconds": args.seconds,
+                        "targets": targets, "results": rows, "ratios": ratios}, indent=2) + "\n"
+        )
+        print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""`dpfleet ledger ...`: the privacy ledger from the command line.
+
+Client commands talk to `--ledger HOST:PORT` (or DPFLEET_LEDGER) with
+`--token` (or DPFLEET_TOKEN); with no address they open the embedded ledger
+file ($DPFLEET_HOME/ledger.db or ~/.local/share/dpfleet/ledger.db) as its
+local admin, whose own datasets live in the tenant 'local'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
+from accounting.ledger.service import LedgerServer, serve
+from accounting.ledger.store import default_ledger_path, open_embedded_ledger
+from orchestrator import checks
+from orchestrator.display import format_table, print_json
+from orchestrator.errors import BudgetRefusedError, UsageError
+
+_ADDRESS_HELP = "ledger server HOST:PORT (default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
+
+
+def _ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn ledger refusals into the command line's errors: a budget refusal exits 3, the rest 2."""
+
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except BudgetExceeded as error:
+            raise BudgetRefusedError(str(error)) from None
+        except (LedgerError, OSError) as error:
+            raise UsageError(str(error)) from None
+
+    return run
+
+
+def _open(args: argparse.Namespace) -> PrivacyLedger:
+    """The remote ledger named by --ledger / DPFLEET_LEDGER, else the embedded one."""
+    address = args.ledger or os.environ.get("DPFLEET_LEDGER")
+    if address:
+        token = args.token or os.environ.get("DPFLEET_TOKEN")
+        if not token:
+            raise UsageError(f"--token (or DPFLEET_TOKEN) is needed to use the ledger at {address}")
+        timeout = checks.positive_number("--timeout", args.timeout)
+        return RemoteLedger(address, token, tls_ca=args.tls_ca, timeout_seconds=timeout)
+    if args.token:
+        raise UsageError(
+            f"--token needs --ledger HOST:PORT (or DPFLEET_LEDGER); without them the embedded ledger "
+            f"{default_ledger_path()} is used and needs no token"
+        )
+    return open_embedded_ledger()
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ledger", help=_ADDRESS_HELP)
+    parser.add_argument("--token", help="tenant or admin token (default: $DPFLEET_TOKEN)")
+    parser.add_argument("--tls-ca", help="PEM file of the CA that signed the server's certificate (enables TLS)")
+    parser.add_argument("--timeout", default="10", help="seconds to wait for each answer (default 10)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _status_table(statuses: list[DatasetStatus]) -> str:
+    headers = [
+        "dataset", "budget ε", "δ", "spent ε (pld)", "spent ε (rdp)", "reserved ε", "remaining ε",
+        "active jobs", "released jobs",
+    ]
+    rows = [
+        [
+            status.name,
+            status.budget_epsilon,
+            status.delta,
+            status.spent_epsilon,
+            status.spent_epsilon_rdp,
+            status.reserved_epsilon,
+            status.remaining_epsilon,
+            len(status.jobs),
+            status.released_jobs,
+        ]
+        for status in statuses
+    ]
+    text = format_table(headers, rows)
+    jobs = [job for status in statuses for job in status.jobs]
+    if jobs:
+        text += "\n\njobs holding budget:\n" + _jobs_table(jobs)
+    return text + "\n\nremaining ε = budget ε - RDP ε of committed and reserved steps (what admission checks)."
+
+
+def _jobs_table(jobs: list) -> str:
+    headers = ["reservation", "dataset", "job", "state", "committed steps", "planned steps", "created"]
+    rows = [
+        [job.reservation_id, job.dataset, job.job_id, job.state, job.committed_steps, job.planned_steps, job.created_at]
+        for job in jobs
+    ]
+    return format_table(headers, rows)
+
+
+@_ledger_command
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve a ledger file over gRPC until SIGTERM or SIGINT."""
+    port = checks.integer_at_least("--port", args.port, 0)
+    if port > 65535:
+        raise UsageError(f"--port must be in [0, 65535] (got {port}); 0 picks a free port")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together; give both, or neither for plaintext")
+    if args.admin_token_file:
+        try:
+            admin_token = Path(args.admin_token_file).read_text().strip()
+        except OSError as error:
+            raise UsageError(f"--admin-token-file: cannot read {args.admin_token_file}: {error.strerror}") from None
+    else:
+        admin_token = os.environ.get("DPFLEET_ADMIN_TOKEN") or None
+    if admin_token is None:
+        print(
+            "warning: no admin token (--admin-token-file or DPFLEET_ADMIN_TOKEN); admin commands will be refused",
+            file=sys.stderr,
+        )
+
+    def announce(server: LedgerServer) -> None:
+        if args.json:
+            print_json({"listening": server.address})
+        else:
+            print(f"listening on {server.address}", flush=True)
+
+    serve(args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce)
+    return 0
+
+
+@_ledger_command
+def run_tenant_create(args: argparse.Namespace) -> int:
+    """Create a tenant and print its token once."""
+    with _open(args) as ledger:
+        created = ledger.create_tenant(args.name)
+    if args.json:
+        print_json(created.to_dict())
+    else:
+        print(f"tenant {created.tenant} created. Its token, shown only now (keep it secret):\n{created.token}")
+    return 0
+
+
+def _print_statuses(statuses: list[DatasetStatus], as_json: bool) -> None:
+    if as_json:
+        print_json({"datasets": [status.to_dict() for status in statuses]})
+    else:
+        print(_status_table(statuses))
+
+
+@_ledger_command
+def run_dataset_create(args: argparse.Namespace) -> int:
+    """Create a dataset with its (epsilon, delta) budget."""
+    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    delta = checks.open_unit_interval("--delta", args.delta)
+    with _open(args) as ledger:
+        status = ledger.create_dataset(args.name, epsilon, delta)
+    _print_statuses([status], args.json)
+    return 0
+
+
+@_ledger_command
+def run_dataset_raise(args: argparse.Namespace) -> int:
+    """Set a dataset's budget epsilon (admin)."""
+    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    with _open(args) as ledger:
+        status = ledger.raise_budget(args.name, epsilon)
+    _print_statuses([status], args.json)
+    return 0
+
+
+@_ledger_command
+def run_status(args: argparse.Namespace) -> int:
+    """Print budget, spent, reserved and remaining epsilon of one or every visible dataset."""
+    with _open(args) as ledger:
+        statuses = [ledger.get_budget(args.dataset)] if args.dataset else ledger.list_datasets()
+    _print_statuses(statuses, args.json)
+    return 0
+
+
+@_ledger_command
+def run_history(args: argparse.Namespace) -> int:
+    """Print the newest changes to the ledger, oldest first."""
+    limit = checks.integer_at_least("--limit", args.limit, 1)
+    with _open(args) as ledger:
+        entries = ledger.history(args.dataset, limit)
+    if args.json:
+        print_json({"history": [entry.to_dict() for entry in entries]})
+    else:
+        rows = [
+            [entry.entry_id, entry.at, entry.actor, entry.action, entry.dataset or "", _details(entry.details)]
+            for entry in entries
+        ]
+        print(format_table(["#", "at (UTC)", "who", "what", "dataset", "details"], rows))
+    return 0
+
+
+def _details(details: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in sorted(details.items()) if not isinstance(value, dict))
+
+
+@_ledger_command
+def run_release(args: argparse.Namespace) -> int:
+    """Free a reservation's unrun steps."""
+    with _open(args) as ledger:
+        reservation = ledger.release(args.reservation_id)
+    if args.json:
+        print_json(reservation.to_dict())
+    else:
+        freed = reservation.planned_steps - reservation.committed_steps
+        print(
+            f"released {reservation.reservation_id} (job {reservation.job_id} on {reservation.dataset}): "
+            f"{reservation.committed_steps} of {reservation.planned_steps} steps stay spent, {freed} freed"
+        )
+    return 0
+
+
+@_ledger_command
+def run_jobs(args: argparse.Namespace) -> int:
+    """List reservations, oldest first."""
+    with _open(args) as ledger:
+        jobs = ledger.list_jobs(args.dataset, "active" if args.active else None)
+    if args.json:
+        print_json({"jobs": [job.to_dict() for job in jobs]})
+    else:
+        print(_jobs_table(jobs))
+    return 0
+
+
+def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `ledger` and its commands on the top-level subcommands."""
+    ledger = subparsers.add_parser(
+        "ledger",
+        help="the global privacy ledger: budgets, jobs, history, server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="COMMAND")
+
+    serve_parser = commands.add_parser(
+        "serve",
+        help="serve a ledger file over gRPC",
+        description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
+        "prints 'listening on HOST:PORT' when ready.",
+    )
+    serve_parser.add_argument("--db", required=True, help="the SQLite ledger file (created if missing)")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
+    serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
+    serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
+    serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
+    serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
+    serve_parser.set_defaults(handler=run_serve)
+
+    tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
+        dest="tenant_command", required=True, metavar="COMMAND"
+    )
+    tenant_create = tenant.add_parser("create", help="create a tenant and print its token once (admin)")
+    tenant_create.add_argument("name", help="tenant name: 1-128 letters, digits, '.', '_' or '-'")
+    _add_client_flags(tenant_create)
+    tenant_create.set_defaults(handler=run_tenant_create)
+
+    dataset = commands.add_parser("dataset", help="datasets and their budgets").add_subparsers(
+        dest="dataset_command", required=True, metavar="COMMAND"
+    )
+    dataset_create = dataset.add_parser("create", help="create a dataset with an (epsilon, delta) budget")
+    dataset_create.add_argument("name", help="dataset name (admins: TENANT/NAME)")
+    dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
+    dataset_create.add_argument(
+        "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
+    )
+    _add_client_flags(dataset_create)
+    dataset_create.set_defaults(handler=run_dataset_create)
+    dataset_raise = dataset.add_parser("raise", help="set a dataset's budget epsilon (admin)")
+    dataset_raise.add_argument("name", help="dataset name (admins: TENANT/NAME)")
+    dataset_raise.add_argument(
+        "--epsilon", required=True, help="new budget epsilon; not below what is committed and reserved"
+    )
+    _add_client_flags(dataset_raise)
+    dataset_raise.set_defaults(handler=run_dataset_raise)
+
+    status = commands.add_parser("status", help="budget, spent, reserved and remaining epsilon per dataset")
+    status.add_argument("--dataset", help="only this dataset")
+    _add_client_flags(status)
+    status.set_defaults(handler=run_status)
+
+    history = commands.add_parser("history", help="every change to the ledger: who, when, what")
+    history.add_argument("--dataset", help="only changes to this dataset")
+    history.add_argument("--limit", default="1000", help="show the newest N changes (default 1000)")
+    _add_client_flags(history)
+    history.set_defaults(handler=run_history)
+
+    release = commands.add_parser("release", help="free a reservation's unrun steps (e.g. of a job that died)")
+    release.add_argument("reservation_id", help="the reservation, as listed by dpfleet ledger jobs")
+    _add_client_flags(release)
+    release.set_defaults(handler=run_release)
+
+    jobs = commands.add_parser("jobs", help="reservations, oldest first")
+    jobs.add_argument("--dataset", help="only jobs on this dataset")
+    jobs.add_argument("--active", action="store_true", help="only jobs still holding budget")
+    _add_client_flags(jobs)
+    jobs.set_defaults(handler=run_jobs)

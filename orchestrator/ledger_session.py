@@ -1,0 +1,128 @@
+"""A training job's side of the privacy ledger: reserve the plan, charge blocks before they run, release the rest.
+
+The ledger is either a `dpfleet ledger serve` server (`--ledger HOST:PORT`,
+or DPFLEET_LEDGER) or, by default, the embedded SQLite ledger used in-process
+through the same core.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Callable
+
+from accounting.events import Composition
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerUnavailable, NotFound, PermissionDenied
+from accounting.ledger.store import open_embedded_ledger
+from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
+
+_FIRST_BACKOFF_SECONDS = 0.5
+_LONGEST_BACKOFF_SECONDS = 10.0
+
+
+def open_ledger(address: str | None, token: str | None):
+    """The ledger at `address` (or DPFLEET_LEDGER) with `token` (or DPFLEET_TOKEN); else the embedded one."""
+    address = address or os.environ.get("DPFLEET_LEDGER")
+    if not address:
+        return open_embedded_ledger()
+    token = token or os.environ.get("DPFLEET_TOKEN")
+    if not token:
+        raise UsageError(
+            f"the ledger at {address} needs a token: pass --token or set DPFLEET_TOKEN "
+            "(dpfleet ledger tenant create prints one)"
+        )
+    return RemoteLedger(address, token)
+
+
+def is_embedded(ledger) -> bool:
+    """True for the in-process SQLite ledger."""
+    return not isinstance(ledger, RemoteLedger)
+
+
+def new_job_id(run_dir: str) -> str:
+    """A job id that names the run and is unique."""
+    return f"{os.path.basename(os.path.normpath(run_dir)) or 'run'}-{uuid.uuid4().hex[:8]}"
+
+
+def with_retries(call: Callable, timeout_seconds: float, say: Callable[[str], None], what: str):
+    """`call()`, retried with exponential backoff while the ledger is unreachable, for up to `timeout_seconds`."""
+    deadline = time.monotonic() + timeout_seconds
+    backoff = _FIRST_BACKOFF_SECONDS
+    warned = False
+    while True:
+        try:
+            result = call()
+        except LedgerUnavailable as error:
+            if time.monotonic() + backoff > deadline:
+                raise LedgerTimeoutError(
+                    f"the ledger stayed unreachable for {timeout_seconds:g} s while {what}: {error}"
+                ) from None
+            if not warned:
+                say(f"ledger unreachable while {what}; retrying for up to {timeout_seconds:g} s (no step runs uncharged)")
+                warned = True
+            time.sleep(backoff)
+            backoff = min(2 * backoff, _LONGEST_BACKOFF_SECONDS)
+            continue
+        if warned:
+            say("ledger reachable again; carrying on")
+        return result
+
+
+class JobLedger:
+    """One job's reservation: the trainer's LedgerSession."""
+
+    def __init__(self, ledger, dataset: str, reservation_id: str, timeout_seconds: float, say: Callable[[str], None]):
+        self.ledger = ledger
+        self.dataset = dataset
+        self.reservation_id = reservation_id
+        self.timeout_seconds = timeout_seconds
+        self.say = say
+
+    @classmethod
+    def reserve(
+        cls, ledger, dataset: str, job_id: str, planned: Composition, timeout_seconds: float,
+        say: Callable[[str], None],
+    ) -> "JobLedger":
+        """Hold the whole planned run on `dataset`, or raise BudgetRefusedError (exit 3)."""
+        try:
+            reservation = with_retries(
+                lambda: ledger.reserve(dataset, job_id, planned), timeout_seconds, say, "reserving budget"
+            )
+        except BudgetExceeded as error:
+            raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
+        except PermissionDenied as error:
+            raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
+        return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
+
+    def charge(self, sequence: int, events: Composition) -> None:
+        """Commit block `sequence` before it runs; a repeat of the same block charges nothing more."""
+        with_retries(
+            lambda: self.ledger.commit(self.reservation_id, events.steps, sequence),
+            self.timeout_seconds,
+            self.say,
+            f"charging block {sequence}",
+        )
+
+    def release(self) -> None:
+        """Free the planned steps that never ran."""
+        with_retries(lambda: self.ledger.release(self.reservation_id), self.timeout_seconds, self.say,
+                     "releasing unused budget")
+
+    def status(self) -> DatasetStatus:
+        """The dataset's budget as the ledger sees it now."""
+        return with_retries(lambda: self.ledger.get_budget(self.dataset), self.timeout_seconds, self.say,
+                            "reading the budget")
+
+
+def ensure_embedded_dataset(ledger, dataset: str, budget_epsilon: float, delta: float, say) -> None:
+    """Register `dataset` in the embedded ledger on first use, with the given budget."""
+    try:
+        ledger.get_budget(dataset)
+    except (NotFound, PermissionDenied):
+        ledger.create_dataset(dataset, budget_epsilon, delta)
+        say(
+            f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g} "
+            f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
+        )

@@ -1,0 +1,135 @@
+"""`dpfleet ledger ...` against the embedded ledger file and against a server on loopback."""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from accounting.accountants import get_accountant
+from accounting.events import SampledGaussian
+from accounting.ledger.service import start_server
+from accounting.ledger.store import open_embedded_ledger
+from orchestrator.errors import BudgetRefusedError, UsageError
+from orchestrator.ledger_cli import add_ledger_parser
+
+ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+DELTA = 1e-5
+STATUS_KEYS = {
+    "name", "tenant", "budget_epsilon", "delta", "spent_epsilon", "spent_epsilon_rdp",
+    "reserved_epsilon", "remaining_epsilon", "jobs", "released_jobs",
+}
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv):
+    """Run one ledger command the way `dpfleet` does; return (exit status, stdout, stderr)."""
+    if "ledger_cli" in (REPOSITORY / "orchestrator" / "cli.py").read_text():
+        from orchestrator.cli import main
+
+        status = main(list(argv))
+    else:
+        parser = argparse.ArgumentParser(prog="dpfleet")
+        add_ledger_parser(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(list(argv))
+        try:
+            status = args.handler(args)
+        except (UsageError, BudgetRefusedError) as error:
+            print(f"dpfleet ledger: error: {error}", file=sys.stderr)
+            status = error.exit_status
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def run_json(capsys, *argv):
+    status, out, err = run(capsys, *argv, "--json")
+    assert status == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture
+def embedded(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPFLEET_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DPFLEET_LEDGER", raising=False)
+    monkeypatch.delenv("DPFLEET_TOKEN", raising=False)
+    return tmp_path / "home" / "ledger.db"
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPFLEET_LEDGER", raising=False)
+    monkeypatch.delenv("DPFLEET_TOKEN", raising=False)
+    running = start_server(tmp_path / "served.db", "127.0.0.1", 0, ADMIN_TOKEN)
+    yield running
+    running.stop(grace_seconds=1.0)
+
+
+def test_embedded_ledger_needs_no_server_and_shows_spending(capsys, embedded):
+    created = run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5")
+    assert created["datasets"][0]["remaining_epsilon"] == 2.0
+    with open_embedded_ledger(embedded) as ledger:
+        reservation = ledger.reserve("mnist", "job-1", SampledGaussian(0.004, 1.1, 500))
+        ledger.commit(reservation.reservation_id, 200, 0)
+
+    (dataset,) = run_json(capsys, "ledger", "status")["datasets"]
+    assert set(dataset) == STATUS_KEYS
+    assert (dataset["name"], dataset["tenant"]) == ("mnist", "local")
+    assert (dataset["budget_epsilon"], dataset["delta"]) == (2.0, DELTA)
+    assert dataset["spent_epsilon"] == get_accountant("pld").epsilon(SampledGaussian(0.004, 1.1, 200), DELTA)
+    assert dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"]
+    accounted = dataset["spent_epsilon_rdp"] + dataset["reserved_epsilon"] + dataset["remaining_epsilon"]
+    assert accounted == pytest.approx(2.0)
+    jobs = [(job["job_id"], job["committed_steps"], job["unrun_steps"]) for job in dataset["jobs"]]
+    assert jobs == [("job-1", 200, 300)]
+
+    status, table, _ = run(capsys, "ledger", "status", "--dataset", "mnist")
+    assert status == 0
+    assert table.splitlines()[0].split()[:3] == ["dataset", "budget", "ε"]
+    assert "job-1" in table and reservation.reservation_id in table
+
+    released = run_json(capsys, "ledger", "release", reservation.reservation_id)
+    assert (released["state"], released["committed_steps"], released["unrun_steps"]) == ("released", 200, 0)
+    assert run_json(capsys, "ledger", "jobs", "--active")["jobs"] == []
+    assert [job["state"] for job in run_json(capsys, "ledger", "jobs")["jobs"]] == ["released"]
+    actions = [entry["action"] for entry in run_json(capsys, "ledger", "history", "--dataset", "mnist")["history"]]
+    assert actions == ["create_dataset", "reserve", "commit", "release"]
+
+
+def test_bad_flags_exit_2_and_write_nothing(capsys, embedded):
+    run(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "1", "--delta", "1e-5")
+    before = run_json(capsys, "ledger", "history")["history"]
+    for argv, complaint in [
+        (("dataset", "create", "cifar", "--epsilon", "nan", "--delta", "1e-5"), "--epsilon must be a finite number"),
+        (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "2"), "--delta must be in (0, 1)"),
+        (("dataset", "create", "x" * 10_000, "--epsilon", "1", "--delta", "1e-5"), "dataset name must be 1 to 128"),
+        (("dataset", "create", "mnist", "--epsilon", "1", "--delta", "1e-5"), "already exists"),
+        (("dataset", "raise", "mnist", "--epsilon", "inf"), "--epsilon must be a finite number"),
+        (("status", "--token", "t"), "--token needs --ledger"),
+        (("release", "r-0000000000000000"), "does not exist"),
+        (("history", "--limit", "0"), "--limit must be an integer >= 1"),
+    ]:
+        status, out, err = run(capsys, "ledger", *argv)
+        assert (status, out) == (2, ""), argv
+        assert complaint in err
+    assert run_json(capsys, "ledger", "history")["history"] == before
+
+
+def test_remote_ledger_through_flags_and_environment(capsys, server, monkeypatch):
+    created = run_json(capsys, "ledger", "tenant", "create", "acme", "--ledger", server.address, "--token", ADMIN_TOKEN)
+    assert set(created) == {"tenant", "token"} and created["tenant"] == "acme"
+    monkeypatch.setenv("DPFLEET_LEDGER", server.address)
+    monkeypatch.setenv("DPFLEET_TOKEN", created["token"])
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5")
+    assert [dataset["name"] for dataset in run_json(capsys, "ledger", "status")["datasets"]] == ["mnist"]
+
+    status, _, err = run(capsys, "ledger", "dataset", "raise", "mnist", "--epsilon", "5")
+    assert status == 2 and "needs the admin token" in err
+    raised = run_json(capsys, "ledger", "dataset", "raise", "acme/mnist", "--epsilon", "5", "--token", ADMIN_TOKEN)
+    assert raised["datasets"][0]["budget_epsilon"] == 5.0
+
+    monkeypatch.setenv("DPFLEET_TOKEN", "not-a-token")
+    status, _, err = run(capsys, "ledger", "status")
+    assert status == 2 and "not a dpfleet ledger token" in err
+    status, _, err = run(capsys, "ledger", "status", "--ledger", "127.0.0.1:1", "--timeout", "1")
+    assert status == 2 and "did not answer" in err

@@ -1,0 +1,261 @@
+"""The ledger's pure core: splitting plans, exact RDP tallies, safe admission, validation, tokens."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from accounting.accountants import epsilon_from_rdp, get_accountant, rdp_vector
+from accounting.events import Composition, SampledGaussian
+from accounting.ledger.core import (
+    ADMIN,
+    ADMISSION_MARGIN,
+    BudgetExceeded,
+    Caller,
+    DatasetRef,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    RdpTally,
+    Unauthenticated,
+    canonical,
+    check_admission,
+    check_name,
+    check_new_budget,
+    fits_budget,
+    hash_token,
+    new_token,
+    parse_plan,
+    resolve_dataset,
+    split_steps,
+    tenant_caller,
+    token_key_id,
+    token_matches,
+)
+
+DELTA = 1e-5
+# Few distinct mechanisms: each costs one dp-accounting RDP evaluation (~0.1 s), then is cached.
+MECHANISMS = [
+    SampledGaussian(0.004, 1.1, 1),
+    SampledGaussian(0.008, 0.9, 1),
+    SampledGaussian(0.01, 1.3, 1, sensitivity_factor=2.0),
+]
+
+compositions = st.lists(
+    st.tuples(st.sampled_from(MECHANISMS), st.integers(1, 60)), min_size=1, max_size=5
+).map(lambda records: Composition(tuple(mechanism.with_steps(steps) for mechanism, steps in records)))
+
+
+def test_split_steps_consumes_a_heterogeneous_plan_in_order():
+    first_kind, second_kind = MECHANISMS[0], MECHANISMS[1]
+    plan = Composition((first_kind.with_steps(5), second_kind.with_steps(3)))
+    first, rest = split_steps(plan, 6)
+    assert first == Composition((first_kind.with_steps(5), second_kind.with_steps(1)))
+    assert rest == Composition((second_kind.with_steps(2),))
+    assert split_steps(plan, 0) == (Composition(), plan)
+    assert split_steps(plan, 8) == (plan, Composition())
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan=compositions, data=st.data())
+def test_split_steps_then_rejoin_is_the_plan(plan, data):
+    steps = data.draw(st.integers(0, plan.steps))
+    first, rest = split_steps(plan, steps)
+    assert first.steps == steps
+    assert rest.steps == plan.steps - steps
+    assert first.then(rest) == plan
+
+
+@pytest.mark.parametrize("steps", [-1, 9, 2.0, True, None])
+def test_split_steps_refuses_a_split_outside_the_plan(steps):
+    plan = Composition((MECHANISMS[0].with_steps(5), MECHANISMS[1].with_steps(3)))
+    with pytest.raises(InvalidArgument, match=r"at 0\.\.8"):
+        split_steps(plan, steps)
+
+
+@settings(max_examples=100, deadline=None)
+@given(plan=compositions, data=st.data())
+def test_tally_is_exactly_additive_over_a_split(plan, data):
+    first, rest = split_steps(plan, data.draw(st.integers(0, plan.steps)))
+    assert RdpTally.of(first) + RdpTally.of(rest) == RdpTally.of(plan)
+    assert RdpTally.of(plan) - RdpTally.of(rest) == RdpTally.of(first)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        Composition((MECHANISMS[0].with_steps(1),)),
+        Composition((MECHANISMS[0].with_steps(3600), MECHANISMS[1].with_steps(7))),
+        Composition((MECHANISMS[2].with_steps(12), MECHANISMS[0].with_steps(5), MECHANISMS[2].with_steps(100_000))),
+    ],
+)
+def test_tally_rounds_up_and_only_by_float_noise(plan):
+    exact = rdp_vector(plan)
+    tallied = RdpTally.of(plan).divergences()
+    assert np.all(tallied >= exact)
+    np.testing.assert_allclose(tallied, exact, rtol=1e-12, atol=0)
+    assert RdpTally.of(plan).epsilon(DELTA) >= epsilon_from_rdp(exact, DELTA, warn=False)
+
+
+def test_tally_of_canonical_form_equals_tally_of_interleaved_events():
+    a, b = MECHANISMS[0], MECHANISMS[1]
+    interleaved = Composition((a.with_steps(3), b.with_steps(4), a.with_steps(5)))
+    assert canonical(interleaved) == Composition((a.with_steps(8), b.with_steps(4)))
+    assert RdpTally.of(canonical(interleaved)) == RdpTally.of(interleaved)
+
+
+def test_tally_keeps_orders_where_the_divergence_is_unbounded():
+    # dp-accounting gives up on the smallest orders for this mechanism and reports them unbounded.
+    wild = SampledGaussian(0.5, 0.3, 7)
+    tally = RdpTally.of(wild)
+    unbounded = np.isinf(rdp_vector(wild))
+    assert unbounded.any()
+    assert [count == 7 for count in tally.unbounded_steps] == list(unbounded)
+    assert np.isinf(tally.divergences()[unbounded]).all()
+    assert math.isfinite(tally.epsilon(DELTA))
+    assert tally - tally == RdpTally.zero()
+    assert RdpTally.from_json(tally.to_json()) == tally
+
+
+def test_tally_refuses_to_go_negative():
+    with pytest.raises(ValueError, match="inconsistent"):
+        RdpTally.zero() - RdpTally.of(MECHANISMS[0].with_steps(1))
+
+
+def test_a_total_equal_to_the_budget_is_refused_and_one_just_below_is_admitted():
+    assert not fits_budget(1.0, 1.0)
+    assert not fits_budget(1.0, 1.0 + ADMISSION_MARGIN / 2)
+    assert fits_budget(1.0, 1.0 + 2 * ADMISSION_MARGIN)
+
+
+def test_admission_at_the_exact_edge_is_refused():
+    job = RdpTally.of(MECHANISMS[0].with_steps(500))
+    epsilon = job.epsilon(DELTA)
+    with pytest.raises(BudgetExceeded):
+        check_admission("mnist", epsilon, DELTA, RdpTally.zero(), job)
+    assert check_admission("mnist", epsilon * (1 + 1e-6), DELTA, RdpTally.zero(), job) == epsilon
+
+
+def test_budget_refusal_reports_remaining_and_needed_epsilon():
+    held = RdpTally.of(MECHANISMS[0].with_steps(500))
+    job = RdpTally.of(MECHANISMS[1].with_steps(2000))
+    budget = 2.0
+    with pytest.raises(BudgetExceeded) as refusal:
+        check_admission("mnist", budget, DELTA, held, job)
+    error = refusal.value
+    assert error.remaining_epsilon == pytest.approx(budget - held.epsilon(DELTA), rel=1e-12)
+    assert error.needed_epsilon == pytest.approx((held + job).epsilon(DELTA) - held.epsilon(DELTA), rel=1e-12)
+    assert error.needed_epsilon > error.remaining_epsilon
+    remaining = math.floor(error.remaining_epsilon * 100) / 100
+    needed = math.ceil(error.needed_epsilon * 100) / 100
+    assert str(error).startswith(
+        f"dataset 'mnist' has ε {remaining:.2f} left at δ=1e-05; this job needs ε {needed:.2f}."
+    )
+
+
+@pytest.mark.parametrize(
+    "remaining, needed, shown",
+    [
+        (0.31, 0.85, "ε 0.31 left at δ=1e-05; this job needs ε 0.85."),
+        (0.3149, 0.3141, "ε 0.31 left at δ=1e-05; this job needs ε 0.32."),
+        (0.0, 0.0123, "ε 0.000 left at δ=1e-05; this job needs ε 0.013."),
+        (0.00129, 2.5, "ε 0.0012 left at δ=1e-05; this job needs ε 2.5000."),
+    ],
+)
+def test_budget_message_shows_remaining_rounded_down_and_needed_rounded_up(remaining, needed, shown):
+    assert str(BudgetExceeded("mnist", remaining, needed, 1e-5)).startswith(f"dataset 'mnist' has {shown}")
+
+
+def test_two_jobs_compose_to_less_than_the_sum_of_their_epsilons():
+    first = MECHANISMS[0].with_steps(3000)
+    second = MECHANISMS[1].with_steps(1000)
+    pld = get_accountant("pld")
+    both = Composition((first, second))
+    assert pld.epsilon(both, DELTA) < pld.epsilon(first, DELTA) + pld.epsilon(second, DELTA)
+    first_tally, second_tally = RdpTally.of(first), RdpTally.of(second)
+    assert (first_tally + second_tally).epsilon(DELTA) < first_tally.epsilon(DELTA) + second_tally.epsilon(DELTA)
+
+
+def test_a_budget_cannot_drop_below_what_is_held():
+    held = RdpTally.of(MECHANISMS[0].with_steps(500))
+    held_epsilon = held.epsilon(DELTA)
+    assert check_new_budget("mnist", held_epsilon * 1.01, DELTA, held) == held_epsilon * 1.01
+    with pytest.raises(FailedPrecondition, match="would not cover it"):
+        check_new_budget("mnist", held_epsilon * 0.99, DELTA, held)
+    with pytest.raises(InvalidArgument, match="finite"):
+        check_new_budget("mnist", math.inf, DELTA, held)
+
+
+@pytest.mark.parametrize("name", ["", "x" * 129, "x" * 10_000, "a/b", "-lead", "spa ce", "naïve", "a\x00b", None, 7])
+def test_bad_names_are_refused_with_the_rule(name):
+    with pytest.raises(InvalidArgument, match="1 to 128 characters of letters, digits"):
+        check_name("dataset name", name)
+
+
+def test_good_names_pass():
+    for name in ("mnist", "a", "x" * 128, "cifar-10_v2.1"):
+        assert check_name("dataset name", name) == name
+
+
+def test_a_long_bad_name_is_not_echoed_whole():
+    with pytest.raises(InvalidArgument) as refusal:
+        check_name("dataset name", "x" * 10_000)
+    assert "(10000 characters)" in str(refusal.value)
+    assert len(str(refusal.value)) < 400
+
+
+def test_dataset_names_resolve_within_the_callers_tenant():
+    acme = tenant_caller("acme")
+    assert resolve_dataset(acme, "mnist") == DatasetRef("acme", "mnist")
+    assert resolve_dataset(acme, "acme/mnist") == DatasetRef("acme", "mnist")
+    assert resolve_dataset(ADMIN, "globex/mnist") == DatasetRef("globex", "mnist")
+    with pytest.raises(PermissionDenied, match="no dataset 'globex/mnist' that this token may use"):
+        resolve_dataset(acme, "globex/mnist")
+    with pytest.raises(InvalidArgument, match="TENANT/NAME"):
+        resolve_dataset(ADMIN, "mnist")
+    embedded = Caller(actor="me", tenant="local", admin=True)
+    assert resolve_dataset(embedded, "mnist") == DatasetRef("local", "mnist")
+
+
+@pytest.mark.parametrize(
+    "text, complaint",
+    [
+        ('{"schema": "dpfleet.events", "version": 1, "events": [{"kind": "sampled_gaussian", '
+         '"sampling_rate": 0.01, "noise_multiplier": NaN, "steps": 10}]}', "finite"),
+        ('{"schema": "dpfleet.events", "version": 1, "events": [{"kind": "sampled_gaussian", '
+         '"sampling_rate": Infinity, "noise_multiplier": 1.0, "steps": 10}]}', "finite"),
+        (
+            '{"schema": "dpfleet.events", "version": 1, "events": [{"kind": "laplace", "steps": 1}]}',
+            "unknown event kind",
+        ),
+        ('{"schema": "dpfleet.events", "version": 99, "events": []}', "version 99"),
+        ('{"schema": "dpfleet.events", "version": 1, "events": []}', "at least one step"),
+        ('{"schema": "dpfleet.events", "version": 1, "events": 5}', "planned events"),
+        ("[1, 2]", "object"),
+        ("not json", "not valid JSON"),
+    ],
+)
+def test_bad_plans_are_invalid_arguments(text, complaint):
+    with pytest.raises(InvalidArgument, match=complaint):
+        parse_plan(text)
+
+
+def test_a_plan_with_too_many_records_is_refused():
+    alternating = tuple(MECHANISMS[i % 2].with_steps(1) for i in range(1001))
+    with pytest.raises(InvalidArgument, match="at most 1000 records"):
+        parse_plan(Composition(alternating).to_json())
+
+
+def test_tokens_verify_against_their_salted_hash_only():
+    key_id, token = new_token()
+    _, other = new_token()
+    salt = b"0123456789abcdef"
+    stored = hash_token(token, salt)
+    assert token_key_id(token) == key_id
+    assert token_matches(token, salt, stored)
+    assert not token_matches(other, salt, stored)
+    assert hash_token(token, b"fedcba9876543210") != stored
+    with pytest.raises(Unauthenticated):
+        token_key_id("Bearer nonsense")

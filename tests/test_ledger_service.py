@@ -1,0 +1,319 @@
+"""The ledger's gRPC service on loopback, against a real SQLite file."""
+
+import math
+import shutil
+import sqlite3
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from accounting.accountants import get_accountant
+from accounting.events import Composition, SampledGaussian
+from accounting.ledger import generate
+from accounting.ledger import ledger_pb2 as pb
+from accounting.ledger import ledger_pb2_grpc
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.core import (
+    AlreadyExists,
+    BudgetExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    LedgerUnavailable,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
+from accounting.ledger.service import SERVICE_NAME, start_server
+
+ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+DELTA = 1e-5
+STEP = SampledGaussian(0.004, 1.1, 1)
+TABLES = ("tenants", "datasets", "reservations", "commits", "history")
+VALID_PLAN = '{"schema": "dpfleet.events", "version": 1, "events": [%s]}'
+
+
+def event_json(sampling_rate="0.01", noise_multiplier="1.0", steps="10", kind='"sampled_gaussian"'):
+    return VALID_PLAN % (
+        f'{{"kind": {kind}, "sampling_rate": {sampling_rate}, "noise_multiplier": {noise_multiplier}, '
+        f'"steps": {steps}}}'
+    )
+
+
+@pytest.fixture
+def server(tmp_path):
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
+    yield running
+    running.stop(grace_seconds=1.0)
+
+
+@pytest.fixture
+def admin(server):
+    with RemoteLedger(server.address, ADMIN_TOKEN) as client:
+        yield client
+
+
+@pytest.fixture
+def acme_token(admin):
+    return admin.create_tenant("acme").token
+
+
+@pytest.fixture
+def acme(server, acme_token):
+    with RemoteLedger(server.address, acme_token) as client:
+        client.create_dataset("mnist", 2.0, DELTA)
+        yield client
+
+
+def bearer(token):
+    return (("authorization", f"Bearer {token}"),)
+
+
+def row_counts(server):
+    with sqlite3.connect(server.ledger.path) as connection:
+        return {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in TABLES}
+
+
+def test_checked_in_stubs_equal_freshly_generated_ones():
+    stubs = generate.generate_stubs()
+    assert set(stubs) == {"ledger_pb2.py", "ledger_pb2_grpc.py"}
+    for name, text in stubs.items():
+        stale = f"{name} is stale; run python -m accounting.ledger.generate"
+        assert (generate.PACKAGE_DIR / name).read_text() == text, stale
+    assert "from . import ledger_pb2" in stubs["ledger_pb2_grpc.py"]
+
+
+def test_health_check_answers_serving(server):
+    with grpc.insecure_channel(server.address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_remote_ledger_round_trip_matches_the_embedded_records(server, acme, acme_token):
+    reservation = acme.reserve("mnist", "job-1", STEP.with_steps(100))
+    assert reservation.planned == Composition((STEP.with_steps(100),))
+    assert (reservation.dataset, reservation.job_id, reservation.state) == ("mnist", "job-1", "active")
+    result = acme.commit(reservation.reservation_id, 40, 1)
+    assert (result.committed_steps, result.unrun_steps) == (40, 60)
+    remote = acme.get_budget("mnist")
+    embedded = server.ledger.get_budget("mnist", caller=server.ledger.authenticate(acme_token))
+    assert remote == embedded
+    assert remote.spent_epsilon == get_accountant("pld").epsilon(STEP.with_steps(40), DELTA)
+    assert [job.reservation_id for job in acme.list_jobs(state="active")] == [reservation.reservation_id]
+    released = acme.release(reservation.reservation_id)
+    assert (released.state, released.committed_steps) == ("released", 40)
+    assert acme.list_jobs(state="active") == []
+    assert [entry.action for entry in acme.history("mnist")] == ["create_dataset", "reserve", "commit", "release"]
+    assert [status.name for status in acme.list_datasets()] == ["mnist"]
+
+
+def test_a_commit_retried_after_a_lost_reply_is_charged_once(server, acme):
+    reservation = acme.reserve("mnist", "job-1", STEP.with_steps(100))
+    first = acme.commit(reservation.reservation_id, 25, 3)
+    before = row_counts(server)
+    assert acme.commit(reservation.reservation_id, 25, 3) == first  # the retry of a reply that never arrived
+    assert row_counts(server) == before
+    assert acme.get_budget("mnist").jobs[0].committed_steps == 25
+
+
+def test_a_reservation_that_does_not_fit_is_refused_with_remaining_and_needed_epsilon(server, acme, acme_token):
+    acme.reserve("mnist", "job-1", STEP.with_steps(2000))
+    status = acme.get_budget("mnist")
+    before = row_counts(server)
+    with pytest.raises(BudgetExceeded) as refusal:
+        acme.reserve("mnist", "job-2", SampledGaussian(0.02, 0.8, 5000))
+    error = refusal.value
+    assert error.remaining_epsilon == status.remaining_epsilon
+    assert error.needed_epsilon > error.remaining_epsilon
+    assert (error.dataset, error.delta) == ("mnist", DELTA)
+    shown_remaining = f"{math.floor(status.remaining_epsilon * 100) / 100:.2f}"
+    assert f"dataset 'mnist' has ε {shown_remaining} left at δ=1e-05; this job needs ε " in str(error)
+    assert row_counts(server) == before
+    with grpc.insecure_channel(server.address) as channel:
+        request = reserve_request(job_id="job-3", sampling_rate="0.02", noise_multiplier="0.8", steps="5000")
+        with pytest.raises(grpc.RpcError) as raw:
+            ledger_pb2_grpc.LedgerStub(channel).Reserve(request, metadata=bearer(acme_token), timeout=10)
+    assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(raw.value.trailing_metadata())["dpfleet-remaining-epsilon"] == repr(status.remaining_epsilon)
+    assert row_counts(server) == before
+
+
+def test_tenants_are_isolated_and_existence_is_never_revealed(server, admin, acme):
+    globex = RemoteLedger(server.address, admin.create_tenant("globex").token)
+    reservation = acme.reserve("mnist", "job-1", STEP.with_steps(10))
+    before = row_counts(server)
+
+    def refused(call):
+        with pytest.raises(PermissionDenied) as raised:
+            call()
+        return str(raised.value)
+
+    existing = refused(lambda: globex.get_budget("acme/mnist"))
+    missing = refused(lambda: globex.get_budget("acme/nosuch"))
+    assert existing.replace("mnist", "X") == missing.replace("nosuch", "X")
+    assert refused(lambda: globex.reserve("acme/mnist", "job-2", STEP.with_steps(1))).replace("mnist", "X") == (
+        refused(lambda: globex.reserve("acme/nosuch", "job-2", STEP.with_steps(1))).replace("nosuch", "X")
+    )
+    other = refused(lambda: globex.commit(reservation.reservation_id, 1, 0))
+    bogus = refused(lambda: globex.commit("r-0000000000000000", 1, 0))
+    assert other.replace(reservation.reservation_id, "X") == bogus.replace("r-0000000000000000", "X")
+    refused(lambda: globex.release(reservation.reservation_id))
+    refused(lambda: globex.history("acme/mnist"))
+    refused(lambda: globex.list_jobs("acme/mnist"))
+    assert globex.list_datasets() == [] and globex.list_jobs() == []
+    assert [entry.action for entry in globex.history()] == ["create_tenant"]
+    assert row_counts(server) == before
+    assert [status.name for status in admin.list_datasets()] == ["acme/mnist"]
+    with pytest.raises(NotFound):
+        admin.get_budget("acme/nosuch")
+
+
+def test_admin_actions_need_the_admin_token(server, admin, acme):
+    before = row_counts(server)
+    with pytest.raises(PermissionDenied, match="admin token"):
+        acme.create_tenant("sneaky")
+    with pytest.raises(PermissionDenied, match="admin token"):
+        acme.raise_budget("mnist", 100.0)
+    assert row_counts(server) == before
+    assert admin.raise_budget("acme/mnist", 3.0).budget_epsilon == 3.0
+    assert admin.history("acme/mnist")[-1].details == {"from": 2.0, "to": 3.0}
+    with pytest.raises(AlreadyExists):
+        admin.create_tenant("acme")
+    acme.reserve("mnist", "job-1", STEP.with_steps(3000))
+    with pytest.raises(FailedPrecondition, match="would not cover it"):
+        admin.raise_budget("acme/mnist", 0.5)
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [(), (("authorization", "Bearer wrong"),), (("authorization", "Basic " + ADMIN_TOKEN),),
+     (("authorization", "Bearer dpf_0123456789abcdef_guessedsecret"),)],
+)
+def test_requests_without_a_valid_token_are_unauthenticated(server, acme, metadata):
+    before = row_counts(server)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as refusal:
+            ledger_pb2_grpc.LedgerStub(channel).CreateDataset(
+                pb.CreateDatasetRequest(dataset="acme/x", epsilon=1.0, delta=DELTA), metadata=metadata, timeout=10
+            )
+    assert refusal.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert row_counts(server) == before
+    with pytest.raises(Unauthenticated):
+        RemoteLedger(server.address, "wrong").list_datasets()
+
+
+TEN_MEGABYTES = "x" * (10 * 1024 * 1024)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def dataset_request(dataset="cifar", epsilon=1.0, delta=DELTA):
+    return pb.CreateDatasetRequest(dataset=dataset, epsilon=epsilon, delta=delta)
+
+
+def reserve_request(job_id="j", planned_events_json=None, **event):
+    planned_events_json = planned_events_json or event_json(**event)
+    return pb.ReserveRequest(dataset="mnist", job_id=job_id, planned_events_json=planned_events_json)
+
+
+# case: (RPC, request, sent by, expected code). Commit requests get the test's reservation id.
+BAD_REQUESTS = {
+    "empty tenant name": ("CreateTenant", pb.CreateTenantRequest(tenant=""), "admin", INVALID),
+    "10k-character tenant name": ("CreateTenant", pb.CreateTenantRequest(tenant="t" * 10_000), "admin", INVALID),
+    "tenant name with a slash": ("CreateTenant", pb.CreateTenantRequest(tenant="a/b"), "admin", INVALID),
+    "empty dataset name": ("CreateDataset", dataset_request(dataset=""), "acme", INVALID),
+    "10k-character dataset name": ("CreateDataset", dataset_request(dataset="d" * 10_000), "acme", INVALID),
+    "NaN budget": ("CreateDataset", dataset_request(epsilon=math.nan), "acme", INVALID),
+    "infinite budget": ("CreateDataset", dataset_request(epsilon=math.inf), "acme", INVALID),
+    "negative budget": ("CreateDataset", dataset_request(epsilon=-1.0), "acme", INVALID),
+    "NaN delta": ("CreateDataset", dataset_request(delta=math.nan), "acme", INVALID),
+    "infinite delta": ("CreateDataset", dataset_request(delta=-math.inf), "acme", INVALID),
+    "delta of 1": ("CreateDataset", dataset_request(delta=1.0), "acme", INVALID),
+    "NaN raised budget": (
+        "RaiseBudget", pb.RaiseBudgetRequest(dataset="acme/mnist", epsilon=math.nan), "admin", INVALID
+    ),
+    "infinite raised budget": (
+        "RaiseBudget", pb.RaiseBudgetRequest(dataset="acme/mnist", epsilon=math.inf), "admin", INVALID
+    ),
+    "empty job id": ("Reserve", reserve_request(job_id=""), "acme", INVALID),
+    "10k-character job id": ("Reserve", reserve_request(job_id="j" * 10_000), "acme", INVALID),
+    "NaN noise multiplier": ("Reserve", reserve_request(noise_multiplier="NaN"), "acme", INVALID),
+    "infinite sampling rate": ("Reserve", reserve_request(sampling_rate="Infinity"), "acme", INVALID),
+    "infinite steps": ("Reserve", reserve_request(steps="1e400"), "acme", INVALID),
+    "unknown event kind": ("Reserve", reserve_request(kind='"laplace"'), "acme", INVALID),
+    "event schema from the future": (
+        "Reserve", reserve_request(planned_events_json=event_json().replace('"version": 1', '"version": 2')), "acme",
+        INVALID,
+    ),
+    "events that are not JSON": ("Reserve", reserve_request(planned_events_json="{"), "acme", INVALID),
+    "10 MB request": (
+        "Reserve", reserve_request(planned_events_json=TEN_MEGABYTES), "acme", grpc.StatusCode.RESOURCE_EXHAUSTED
+    ),
+    "zero steps": ("Commit", pb.CommitRequest(steps=0, sequence=1), "acme", INVALID),
+    "negative steps": ("Commit", pb.CommitRequest(steps=-5, sequence=1), "acme", INVALID),
+    "negative sequence": ("Commit", pb.CommitRequest(steps=1, sequence=-1), "acme", INVALID),
+    "more steps than planned": ("Commit", pb.CommitRequest(steps=11, sequence=1), "acme", INVALID),
+    "10k-character reservation id": ("Release", pb.ReleaseRequest(reservation_id="r" * 10_000), "acme", INVALID),
+    "unknown job state": ("ListJobs", pb.ListJobsRequest(state=7), "acme", INVALID),
+    "negative history limit": ("History", pb.HistoryRequest(limit=-5), "acme", INVALID),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_refused_with_its_code_and_nothing_is_written(server, acme, acme_token, case):
+    method, template, who, code = BAD_REQUESTS[case]
+    request = type(template)()
+    request.CopyFrom(template)
+    reservation = acme.reserve("mnist", "job-1", STEP.with_steps(10))
+    if method == "Commit":
+        request.reservation_id = reservation.reservation_id
+    metadata = bearer(ADMIN_TOKEN if who == "admin" else acme_token)
+    before = row_counts(server)
+    with grpc.insecure_channel(server.address) as channel:
+        with pytest.raises(grpc.RpcError) as refusal:
+            getattr(ledger_pb2_grpc.LedgerStub(channel), method)(request, metadata=metadata, timeout=10)
+    assert refusal.value.code() == code, refusal.value.details()
+    assert row_counts(server) == before
+    assert acme.get_budget("mnist").jobs[0].reservation_id == reservation.reservation_id  # still serving
+
+
+def test_client_maps_refusals_back_to_the_core_exceptions(server, acme):
+    with pytest.raises(InvalidArgument, match="dataset name must be 1 to 128"):
+        acme.create_dataset("x" * 10_000, 1.0, DELTA)
+    alternating = [SampledGaussian(0.004 + (i % 2) * 1e-3, 1.1, 1) for i in range(1001)]
+    with pytest.raises(InvalidArgument, match="at most 1000 records"):
+        acme.reserve("mnist", "j", alternating)
+    with pytest.raises(InvalidArgument, match=r"steps must be an integer in \[1, 9223372036854775807\]"):
+        acme.commit("r-0", 2**70, 1)
+    with pytest.raises(InvalidArgument, match="CreateDatasetRequest: .*types"):
+        acme.create_dataset(17, 1.0, DELTA)
+    with pytest.raises(LedgerUnavailable, match="did not answer"):
+        RemoteLedger("127.0.0.1:1", "token", timeout_seconds=2).list_datasets()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_serves_clients_that_trust_the_certificate_only(tmp_path):
+    certificate, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(certificate), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=certificate, tls_key=key)
+    try:
+        with RemoteLedger(running.address, ADMIN_TOKEN, tls_ca=certificate) as secure:
+            assert secure.create_tenant("acme").tenant == "acme"
+        with pytest.raises(LedgerUnavailable):
+            RemoteLedger(running.address, ADMIN_TOKEN, timeout_seconds=2).list_datasets()
+    finally:
+        running.stop(grace_seconds=1.0)
+
+
+def test_server_refuses_a_short_admin_token_and_half_a_tls_pair(tmp_path):
+    with pytest.raises(InvalidArgument, match="at least 16 characters"):
+        start_server(tmp_path / "ledger.db", "127.0.0.1", 0, "short")
+    with pytest.raises(InvalidArgument, match="both a certificate and its key"):
+        start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=tmp_path / "cert.pem")

@@ -1,0 +1,316 @@
+"""The embedded ledger on a real SQLite file: reservations, commits, releases, tenants, history."""
+
+import json
+import math
+import random
+import sqlite3
+import threading
+
+import pytest
+
+from accounting.accountants import get_accountant
+from accounting.events import Composition, SampledGaussian
+from accounting.ledger.core import (
+    ADMIN,
+    AlreadyExists,
+    BudgetExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    RdpTally,
+    Unauthenticated,
+    canonical,
+    split_steps,
+)
+from accounting.ledger.store import SCHEMA_VERSION, Ledger, default_ledger_path, open_embedded_ledger
+
+DELTA = 1e-5
+FIRST = SampledGaussian(0.004, 1.1, 1)
+SECOND = SampledGaussian(0.008, 0.9, 1)
+TABLES = ("tenants", "datasets", "reservations", "commits", "history")
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    with open_embedded_ledger(tmp_path / "ledger.db") as opened:
+        yield opened
+
+
+def row_counts(ledger):
+    with sqlite3.connect(ledger.path) as connection:
+        return {table: connection.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] for table in TABLES}
+
+
+def rdp_epsilon(events):
+    return RdpTally.of(events).epsilon(DELTA)
+
+
+def test_embedded_ledger_lives_under_dpfleet_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPFLEET_HOME", str(tmp_path / "home"))
+    assert default_ledger_path() == tmp_path / "home" / "ledger.db"
+    with open_embedded_ledger() as opened:
+        opened.create_dataset("mnist", 1.0, DELTA)
+    assert (tmp_path / "home" / "ledger.db").exists()
+    monkeypatch.delenv("DPFLEET_HOME")
+    assert str(default_ledger_path()).endswith(".local/share/dpfleet/ledger.db")
+
+
+def test_file_is_wal_with_a_schema_version_and_refuses_other_versions(ledger, tmp_path):
+    with sqlite3.connect(ledger.path) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert connection.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+        connection.execute("UPDATE schema_version SET version = 99")
+    with pytest.raises(FailedPrecondition, match="schema version 99; this dpfleet reads version 1"):
+        Ledger(ledger.path)
+
+
+def test_history_is_append_only(ledger):
+    ledger.create_dataset("mnist", 1.0, DELTA)
+    with sqlite3.connect(ledger.path) as connection:
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            connection.execute("UPDATE history SET actor = 'someone else'")
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            connection.execute("DELETE FROM history")
+
+
+def test_commits_consume_a_heterogeneous_plan_in_order(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    plan = Composition((FIRST.with_steps(5), SECOND.with_steps(3)))
+    reservation = ledger.reserve("mnist", "job-1", plan)
+    assert ledger.commit(reservation.reservation_id, 4, 0).committed_steps == 4
+    result = ledger.commit(reservation.reservation_id, 2, 1)
+    assert (result.committed_steps, result.unrun_steps) == (6, 2)
+    charges = [entry.details["events"] for entry in ledger.history("mnist") if entry.action == "commit"]
+    assert [Composition.from_dict(charge) for charge in charges] == [
+        Composition((FIRST.with_steps(4),)),
+        Composition((FIRST.with_steps(1), SECOND.with_steps(1))),
+    ]
+    status = ledger.get_budget("mnist")
+    spent = Composition((FIRST.with_steps(5), SECOND.with_steps(1)))
+    assert status.spent_epsilon_rdp == rdp_epsilon(spent)
+    assert status.spent_epsilon == get_accountant("pld").epsilon(spent, DELTA)
+    assert status.remaining_epsilon == pytest.approx(10.0 - rdp_epsilon(plan), rel=1e-12)
+
+
+def test_a_commit_with_the_same_sequence_charges_once(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    reservation = ledger.reserve("mnist", "job-1", FIRST.with_steps(100))
+    first = ledger.commit(reservation.reservation_id, 10, 7)
+    before = row_counts(ledger)
+    assert ledger.commit(reservation.reservation_id, 10, 7) == first
+    assert row_counts(ledger) == before
+    assert ledger.list_jobs("mnist")[0].committed_steps == 10
+    with pytest.raises(InvalidArgument, match="sequence 7 .* was committed with 10 steps \\(got 11\\)"):
+        ledger.commit(reservation.reservation_id, 11, 7)
+
+
+def test_commit_refuses_more_steps_than_planned_and_after_release(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    reservation = ledger.reserve("mnist", "job-1", FIRST.with_steps(10))
+    first = ledger.commit(reservation.reservation_id, 8, 0)
+    with pytest.raises(InvalidArgument, match="has 2 unrun steps of 10 \\(got 3\\)"):
+        ledger.commit(reservation.reservation_id, 3, 1)
+    ledger.release(reservation.reservation_id)
+    with pytest.raises(FailedPrecondition, match="was released"):
+        ledger.commit(reservation.reservation_id, 1, 1)
+    assert ledger.commit(reservation.reservation_id, 8, 0) == first  # a late retry still gets its answer
+
+
+def test_release_frees_only_what_never_ran(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    reservation = ledger.reserve("mnist", "job-1", FIRST.with_steps(1000))
+    ledger.commit(reservation.reservation_id, 400, 0)
+    released = ledger.release(reservation.reservation_id)
+    assert (released.state, released.committed_steps, released.unrun_steps) == ("released", 400, 0)
+    status = ledger.get_budget("mnist")
+    assert status.reserved_epsilon == 0.0
+    assert status.remaining_epsilon == 10.0 - rdp_epsilon(FIRST.with_steps(400))
+    assert status.released_jobs == 1 and status.jobs == ()
+    before = row_counts(ledger)
+    assert ledger.release(reservation.reservation_id) == released
+    assert row_counts(ledger) == before
+
+
+def test_a_reservation_stays_held_until_released(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    reservation = ledger.reserve("mnist", "job-that-died", FIRST.with_steps(1000))
+    remaining = ledger.get_budget("mnist").remaining_epsilon
+    ledger.close()
+    with open_embedded_ledger(ledger.path) as reopened:
+        status = reopened.get_budget("mnist")
+        assert [job.reservation_id for job in status.jobs] == [reservation.reservation_id]
+        assert status.remaining_epsilon == remaining
+
+
+def test_a_job_that_does_not_fit_is_refused_and_nothing_is_written(ledger):
+    ledger.create_dataset("mnist", 1.5, DELTA)
+    ledger.reserve("mnist", "job-1", FIRST.with_steps(2000))
+    before = row_counts(ledger)
+    status = ledger.get_budget("mnist")
+    big = SECOND.with_steps(3000)
+    with pytest.raises(BudgetExceeded) as refusal:
+        ledger.reserve("mnist", "job-2", big)
+    assert refusal.value.remaining_epsilon == status.remaining_epsilon
+    held = RdpTally.of(FIRST.with_steps(2000))
+    assert refusal.value.needed_epsilon == (held + RdpTally.of(big)).epsilon(DELTA) - held.epsilon(DELTA)
+    shown_remaining = math.floor(status.remaining_epsilon * 100) / 100
+    shown_needed = math.ceil(refusal.value.needed_epsilon * 100) / 100
+    assert f"has ε {shown_remaining:.2f} left at δ=1e-05; this job needs ε {shown_needed:.2f}" in str(refusal.value)
+    assert row_counts(ledger) == before
+
+
+def test_two_jobs_that_fit_together_are_both_admitted_though_their_epsilons_add_up_to_more(ledger):
+    job = FIRST.with_steps(3000)
+    alone = rdp_epsilon(job)
+    together = rdp_epsilon(Composition((job, job)))
+    assert together < 2 * alone
+    budget = together * (1 + 1e-6)
+    ledger.create_dataset("mnist", budget, DELTA)
+    for job_id in ("job-1", "job-2"):
+        reservation = ledger.reserve("mnist", job_id, job)
+        ledger.commit(reservation.reservation_id, job.steps, 0)
+    status = ledger.get_budget("mnist")
+    assert status.spent_epsilon_rdp == together
+    assert status.spent_epsilon < 2 * get_accountant("pld").epsilon(job, DELTA)
+    with pytest.raises(BudgetExceeded):
+        ledger.reserve("mnist", "job-3", job)
+
+
+def test_reserving_again_for_the_same_job_holds_budget_once(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    first = ledger.reserve("mnist", "job-1", FIRST.with_steps(100))
+    before = row_counts(ledger)
+    assert ledger.reserve("mnist", "job-1", FIRST.with_steps(100)) == first
+    assert row_counts(ledger) == before
+    with pytest.raises(FailedPrecondition, match="already holds reservation"):
+        ledger.reserve("mnist", "job-1", FIRST.with_steps(200))
+
+
+def test_budgets_are_raised_by_admins_only_never_below_what_is_held_and_recorded(ledger):
+    tenant = ledger.create_tenant("acme")
+    acme = ledger.authenticate(tenant.token)
+    ledger.create_dataset("mnist", 2.0, DELTA, caller=acme)
+    ledger.reserve("mnist", "job-1", FIRST.with_steps(2000), caller=acme)
+    with pytest.raises(PermissionDenied, match="needs the admin token"):
+        ledger.raise_budget("mnist", 5.0, caller=acme)
+    held = rdp_epsilon(FIRST.with_steps(2000))
+    with pytest.raises(FailedPrecondition, match="would not cover it"):
+        ledger.raise_budget("acme/mnist", held * 0.9)
+    assert ledger.raise_budget("acme/mnist", 5.0).budget_epsilon == 5.0
+    assert ledger.raise_budget("acme/mnist", held * 1.1).budget_epsilon == held * 1.1
+    changes = [entry.details for entry in ledger.history("acme/mnist") if entry.action == "raise_budget"]
+    assert changes == [{"from": 2.0, "to": 5.0}, {"from": 5.0, "to": held * 1.1}]
+
+
+def test_tenants_see_and_charge_only_their_own_datasets(ledger):
+    acme = ledger.authenticate(ledger.create_tenant("acme").token)
+    globex = ledger.authenticate(ledger.create_tenant("globex").token)
+    ledger.create_dataset("secret", 5.0, DELTA, caller=acme)
+    reservation = ledger.reserve("secret", "job-1", FIRST.with_steps(10), caller=acme)
+    before = row_counts(ledger)
+
+    def refusal(call):
+        with pytest.raises(PermissionDenied) as raised:
+            call()
+        return str(raised.value)
+
+    existing_status = refusal(lambda: ledger.get_budget("acme/secret", caller=globex))
+    missing_status = refusal(lambda: ledger.get_budget("acme/nosuch", caller=globex))
+    assert existing_status.replace("secret", "X") == missing_status.replace("nosuch", "X")
+    existing = refusal(lambda: ledger.reserve("acme/secret", "job-2", FIRST.with_steps(1), caller=globex))
+    missing = refusal(lambda: ledger.reserve("acme/nosuch", "job-2", FIRST.with_steps(1), caller=globex))
+    assert existing.replace("secret", "X") == missing.replace("nosuch", "X")
+    assert refusal(lambda: ledger.get_budget("secret", caller=globex)) == refusal(
+        lambda: ledger.get_budget("secret", caller=ledger.authenticate(ledger.create_tenant("initech").token))
+    )
+    other = refusal(lambda: ledger.commit(reservation.reservation_id, 1, 0, caller=globex))
+    bogus = refusal(lambda: ledger.commit("r-0000000000000000", 1, 0, caller=globex))
+    assert other.replace(reservation.reservation_id, "X") == bogus.replace("r-0000000000000000", "X")
+    refusal(lambda: ledger.release(reservation.reservation_id, caller=globex))
+    assert ledger.list_datasets(caller=globex) == []
+    assert ledger.list_jobs(caller=globex) == []
+    assert [entry.action for entry in ledger.history(caller=globex)] == ["create_tenant"]
+    assert [status.name for status in ledger.list_datasets(caller=acme)] == ["secret"]
+    assert row_counts(ledger)["commits"] == before["commits"]
+    with pytest.raises(NotFound):
+        ledger.get_budget("acme/nosuch", caller=ADMIN)
+
+
+def test_names_and_tokens_are_checked(ledger):
+    with pytest.raises(AlreadyExists):
+        ledger.create_tenant("local")
+    with pytest.raises(InvalidArgument):
+        ledger.create_tenant("")
+    with pytest.raises(NotFound, match="tenant 'ghost' does not exist"):
+        ledger.create_dataset("ghost/mnist", 1.0, DELTA)
+    ledger.create_dataset("mnist", 1.0, DELTA)
+    with pytest.raises(AlreadyExists):
+        ledger.create_dataset("mnist", 1.0, DELTA)
+    with pytest.raises(Unauthenticated):
+        ledger.authenticate("dpf_0123456789abcdef_guessed")
+
+
+def test_running_tallies_equal_a_recomputation_from_stored_events_after_random_work(ledger):
+    """Adding plans and subtracting their unrun parts leaves no drift in the running RDP tallies."""
+    generator = random.Random(4)
+    ledger.create_dataset("mnist", 1e6, DELTA)
+    mechanisms = [FIRST, SECOND, SampledGaussian(0.02, 2.0, 1)]
+    active, sequence = [], 0
+    for round_number in range(150):
+        action = generator.random()
+        if action < 0.35 or not active:
+            plan = Composition(
+                tuple(generator.choice(mechanisms).with_steps(generator.randint(1, 50)) for _ in range(3))
+            )
+            active.append(ledger.reserve("mnist", f"job-{round_number}", plan))
+        elif action < 0.8:
+            reservation = generator.choice(active)
+            jobs = {job.reservation_id: job for job in ledger.list_jobs("mnist", "active")}
+            unrun = jobs[reservation.reservation_id].unrun_steps
+            if unrun:
+                sequence += 1
+                ledger.commit(reservation.reservation_id, generator.randint(1, unrun), sequence)
+        else:
+            ledger.release(active.pop(generator.randrange(len(active))).reservation_id)
+    held, committed, committed_events = RdpTally.zero(), RdpTally.zero(), Composition()
+    for job in ledger.list_jobs("mnist"):
+        ran, _ = split_steps(job.planned, job.committed_steps)
+        committed = committed + RdpTally.of(ran)
+        committed_events = committed_events.then(ran)
+        held = held + (RdpTally.of(job.planned) if job.state == "active" else RdpTally.of(ran))
+    with sqlite3.connect(ledger.path) as connection:
+        stored_held, stored_committed = connection.execute("SELECT held_rdp, committed_events FROM datasets").fetchone()
+    assert RdpTally.from_json(stored_held) == held
+    assert Composition.from_json(stored_committed) == canonical(committed_events)
+    assert RdpTally.of(canonical(committed_events)) == committed
+    history = ledger.history("mnist", limit=100_000)
+    assert sum(1 for entry in history if entry.action == "commit") == row_counts(ledger)["commits"]
+    assert json.loads(json.dumps([entry.to_dict() for entry in history]))  # history is plain JSON
+
+
+def test_concurrent_changes_are_each_applied_once_or_not_at_all(ledger):
+    """Threads share transactions (group commit); a refused change must not disturb the others."""
+    ledger.create_dataset("mnist", 1e6, DELTA)
+    reservations = [ledger.reserve("mnist", f"job-{index}", FIRST.with_steps(10_000)) for index in range(4)]
+    refusals = []
+
+    def work(reservation):
+        for sequence in range(60):
+            ledger.commit(reservation.reservation_id, 2, sequence)
+            try:
+                ledger.commit(reservation.reservation_id, 10**6, 1000 + sequence)  # more than planned
+            except InvalidArgument:
+                refusals.append(sequence)
+
+    threads = [threading.Thread(target=work, args=(reservation,)) for reservation in reservations]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(refusals) == 4 * 60
+    assert [job.committed_steps for job in ledger.list_jobs("mnist")] == [120] * 4
+    assert row_counts(ledger)["commits"] == 240
+    with sqlite3.connect(ledger.path) as connection:
+        (stored,) = connection.execute("SELECT committed_events FROM datasets").fetchone()
+    assert Composition.from_json(stored) == Composition((FIRST.with_steps(480),))

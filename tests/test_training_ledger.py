@@ -1,0 +1,173 @@
+"""Training charges the ledger: reserve before the first step, charge before compute, survive outages and crashes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from accounting.accountants import get_accountant
+from accounting.events import SampledGaussian
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.store import open_embedded_ledger
+from orchestrator.cli import main
+from orchestrator.checkpoint import checkpoint_files
+from servers import DPFLEET, REPOSITORY, start_serve_process
+
+ADMIN_TOKEN = "admin-token-for-training-tests-0123"
+TINY = """
+dataset = "mnist"
+model = "gdp_cnn"
+workers = 2
+batch_size = 30
+train_subset = 600
+test_subset = 200
+noise_multiplier = 1.0
+clip_norm = 1.0
+learning_rate = 0.5
+max_physical_batch = 64
+"""
+
+
+def write_config(tmp_path, extra, name="job.toml"):
+    path = tmp_path / name
+    path.write_text(TINY + extra)
+    return str(path)
+
+
+def epsilon_of(steps, noise_multiplier=1.0, rate=30 / 600):
+    return get_accountant("pld").epsilon(SampledGaussian(rate, noise_multiplier, steps), 1e-5)
+
+
+def test_embedded_ledger_charges_exactly_what_dpfleet_eps_reports(tmp_path, capsys):
+    config = write_config(tmp_path, f'steps = 25\nrun_dir = "{tmp_path / "run"}"\nseed = 1\n')
+    assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["eps", "--dataset-size", "600", "--batch-size", "30", "--noise-multiplier", "1.0",
+                 "--steps", "25", "--delta", "1e-5", "--json"]) == 0
+    reported = json.loads(capsys.readouterr().out)["epsilon"]
+    with open_embedded_ledger() as ledger:
+        status = ledger.get_budget("mnist")
+        (job,) = ledger.list_jobs()
+    assert status.spent_epsilon == pytest.approx(reported, rel=1e-9) == pytest.approx(summary["epsilon"], rel=1e-9)
+    assert job.state == "released" and job.committed_steps == 25
+    assert summary["dataset_remaining_epsilon"] == pytest.approx(status.remaining_epsilon)
+
+
+def test_a_job_that_does_not_fit_is_refused_before_it_trains(tmp_path, capsys):
+    run_dir = tmp_path / "refused"
+    config = write_config(tmp_path, f'steps = 500\ndataset_budget_epsilon = 1.0\nrun_dir = "{run_dir}"\n')
+    assert main(["train", "--config", config, "--no-progress"]) == 3
+    err = capsys.readouterr().err
+    assert "left at δ=1e-05" in err and "this job needs ε" in err
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(tmp_path, capsys):
+    for name in ("first", "second"):
+        config = write_config(tmp_path, f'steps = 20\nrun_dir = "{tmp_path / name}"\n', f"{name}.toml")
+        assert main(["train", "--config", config, "--no-progress"]) == 0
+    with open_embedded_ledger() as ledger:
+        status = ledger.get_budget("mnist")
+    assert status.spent_epsilon < 2 * epsilon_of(20)
+    assert status.spent_epsilon == pytest.approx(epsilon_of(40), rel=1e-6)
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def ledger_server(tmp_path):
+    """A real `dpfleet ledger serve` on a fixed loopback port, with tenant 'acme' owning dataset 'digits'."""
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(ADMIN_TOKEN)
+    port = free_port()
+    db_path = tmp_path / "ledger.db"
+    process, address = start_serve_process(db_path, token_file, port)
+    with RemoteLedger(address, ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("acme").token
+    with RemoteLedger(address, token) as acme:
+        acme.create_dataset("digits", 50.0, 1e-5)
+    server = {"process": process, "address": address, "token": token, "db": db_path, "token_file": token_file,
+              "port": port}
+    yield server
+    server["process"].terminate()
+    server["process"].wait(timeout=30)
+
+
+def start_training(tmp_path, extra, *flags):
+    return subprocess.Popen(
+        [*DPFLEET, "train", "--config", write_config(tmp_path, extra), "--no-progress", *flags],
+        cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_for_line(process, fragment, timeout=180):
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line and process.poll() is not None:
+            break
+        seen.append(line)
+        if fragment in line:
+            return seen
+    pytest.fail(f"never saw {fragment!r}; output: {''.join(seen)[-3000:]}")
+
+
+def test_a_ledger_outage_pauses_training_which_then_completes(tmp_path, ledger_server):
+    run_dir = tmp_path / "outage"
+    training = start_training(
+        tmp_path, f'steps = 150\ncommit_every = 5\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
+        f'ledger = "{ledger_server["address"]}"\nledger_timeout = 120\n', "--token", ledger_server["token"],
+    )
+    # 20 steps an epoch: after epoch 1, 130 steps and 26 charges remain to fall into the outage.
+    wait_for_line(training, "epoch 1:")
+    ledger_server["process"].send_signal(signal.SIGKILL)
+    ledger_server["process"].wait(timeout=30)
+    time.sleep(10.0)
+    ledger_server["process"], _ = start_serve_process(ledger_server["db"], ledger_server["token_file"],
+                                                      ledger_server["port"])
+    output, _ = training.communicate(timeout=600)
+    assert training.returncode == 0, output[-3000:]
+    assert "ledger unreachable" in output and "ledger reachable again" in output
+    with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
+        (job,) = acme.list_jobs()
+        assert job.committed_steps == 150 and job.state == "released"
+        assert acme.get_budget("digits").spent_epsilon == pytest.approx(epsilon_of(150), rel=1e-9)
+
+
+def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_path, ledger_server):
+    run_dir = tmp_path / "crash"
+    extra = (f'steps = 80\ncommit_every = 10\ncheckpoint_every = 10\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
+             f'ledger = "{ledger_server["address"]}"\nseed = 3\n')
+    training = start_training(tmp_path, extra, "--token", ledger_server["token"])
+    deadline = time.monotonic() + 300
+    while not any(path.name >= "checkpoint-000000030.pt" for path in checkpoint_files(run_dir)):
+        assert training.poll() is None and time.monotonic() < deadline, "training ended before it could be killed"
+        time.sleep(0.2)
+    training.send_signal(signal.SIGKILL)
+    training.wait(timeout=30)
+    with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
+        (job,) = acme.list_jobs()
+    last_checkpoint_step = int(checkpoint_files(run_dir)[-1].stem.split("-")[1])
+    # Charged before compute: at least every step that ran, at most one block more.
+    assert last_checkpoint_step <= job.committed_steps <= last_checkpoint_step + 10
+    resumed = subprocess.run(
+        [*DPFLEET, "train", "--resume", str(run_dir), "--no-progress", "--json", "--token", ledger_server["token"]],
+        cwd=REPOSITORY, capture_output=True, text=True, timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 80 and summary["reservation_id"] == job.reservation_id
+    with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
+        jobs = acme.list_jobs()
+        spent = acme.get_budget("digits").spent_epsilon
+    assert len(jobs) == 1 and jobs[0].committed_steps == 80
+    assert epsilon_of(80) - 1e-9 <= spent <= epsilon_of(80 + 10) + 1e-9
