@@ -47,10 +47,10 @@ class GaussianNoise:
         return draws.sum(axis=0)
 
 
-def noisy_mean_gradient(clipped_sum: np.ndarray, noise: np.ndarray, expected_batch_size: float) -> np.ndarray:
-    """(sum of clipped per-example gradients + noise) / (q * N), as float32.
+def average_noisy_sum(noisy_sum: np.ndarray, expected_batch_size: float) -> np.ndarray:
+    """The noisy sum of clipped gradients divided by q * N, as float32.
 
     Dividing by the expected batch size, not the realised one, keeps the
     realised count (a raw, un-noised statistic) out of what is released.
     """
-    return ((clipped_sum.astype(np.float64) + noise) / expected_batch_size).astype(np.float32)
+    return (np.asarray(noisy_sum, dtype=np.float64) / expected_batch_size).astype(np.float32)

@@ -30,7 +30,7 @@ from accounting.events import Composition
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import TrainConfig, expected_batch_size, sampling_rate, total_steps, training_set_size
 from orchestrator.errors import LedgerTimeoutError, UsageError
-from orchestrator.noise import GaussianNoise, noisy_mean_gradient
+from orchestrator.noise import GaussianNoise, average_noisy_sum
 from orchestrator.optimizers import build_optimizer
 from orchestrator.report import plot_curves
 from orchestrator.sampling import make_generator, partition, poisson_sample
@@ -322,13 +322,17 @@ class Trainer:
         clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
         # Drawn after every shard is in: a recomputed shard never causes a second draw.
         noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * config.clip_norm)
-        gradient = noisy_mean_gradient(clipped_sum, noise, plan.expected_batch_size)
+        self._apply_noisy_sum(clipped_sum + noise)
+        self.events = self.events.then(plan.events_between(step, step + 1))
+
+    def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
+        """Post-processing of the step's noisy sum: average by q*N, optimizer step, LR schedule."""
+        gradient = average_noisy_sum(noisy_sum, self.plan.expected_batch_size)
         self.optimizer.zero_grad(set_to_none=True)
         load_flat_gradient(self.model, gradient)
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self.events = self.events.then(plan.events_between(step, step + 1))
 
     def _charge_block_at(self, step: int) -> None:
         """Commit the block that starts at `step` to the ledger before any of its steps run."""

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.noise import GaussianNoise, noisy_mean_gradient
+from orchestrator.noise import GaussianNoise, average_noisy_sum
 from orchestrator.sampling import make_generator, partition, poisson_sample
 
 
@@ -62,8 +62,7 @@ def test_unseeded_noise_differs_between_sources():
 
 
 def test_noisy_mean_divides_by_the_expected_batch_size():
-    clipped_sum = np.array([3.0, -6.0], dtype=np.float32)
-    noise = np.array([1.0, 2.0])
-    result = noisy_mean_gradient(clipped_sum, noise, expected_batch_size=4.0)
+    noisy_sum = np.array([3.0, -6.0], dtype=np.float32) + np.array([1.0, 2.0])
+    result = average_noisy_sum(noisy_sum, expected_batch_size=4.0)
     assert result.dtype == np.float32
     np.testing.assert_allclose(result, [1.0, -1.0])
