@@ -22,6 +22,7 @@ train: setup
 	$(BIN)/dpfleet train --config examples/mnist.toml --workers 2
 
 bench: setup
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench $(BENCH)
 
 clean:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from bench import ledger, mnist
+from bench import ledger, mnist, throughput
 
-BENCHMARKS = {"ledger": ledger.main, "mnist": mnist.main}
+BENCHMARKS = {"throughput": throughput.main, "ledger": ledger.main, "mnist": mnist.main}
 
 
 def main(argv: list[str]) -> int:

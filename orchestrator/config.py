@@ -14,6 +14,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from accounting.accountants import ACCOUNTANTS
+from workers.clipping import ENGINES
 from orchestrator import checks
 from orchestrator.errors import UsageError
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
@@ -61,6 +62,7 @@ class TrainConfig:
     seed: int | None = None
     run_dir: str = "runs/latest"
     max_physical_batch: int = 128
+    engine: str = "fast"
     checkpoint_every: int = 0
     commit_every: int | None = None
     ledger: str | None = None
@@ -155,6 +157,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         seed=_optional(values, "seed", lambda key, v: checks.integer_at_least(key, v, 0)),
         run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
+        engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
         ledger=_optional(values, "ledger", _address),

@@ -292,6 +292,7 @@ class Trainer:
             config.max_physical_batch,
             threads=config.cpus_per_worker,
             data_root=config.data_root,
+            engine=config.engine,
         )
 
     def _partial_sums(self, workers: list, weights, shards: list[np.ndarray]) -> list[np.ndarray]:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 
 import numpy as np
 import ray
 import torch
 
-from workers.clipping import per_example_clipped_sum
+from workers.clipping import check_engine, clipped_sum
 from workers.data import dataset_size, load_split
-from workers.models import build_model, load_flat_parameters, parameter_count
+from workers.models import build_model, parameter_count
 from workers.validation import check_model
 
 
@@ -27,7 +28,8 @@ class GradientWorker:
     None); example indices sent to ``clipped_grad_sum`` refer to those.
     ``max_physical_batch`` caps how many per-example gradients are in memory at
     once; ``threads`` is the torch intra-op thread count, which should match
-    the CPUs Ray gave the actor.
+    the CPUs Ray gave the actor; ``engine`` names the clipping engine
+    (``workers.clipping.ENGINES``).
     """
 
     def __init__(
@@ -38,7 +40,9 @@ class GradientWorker:
         max_physical_batch: int,
         threads: int = 1,
         data_root: str | None = None,
+        engine: str = "fast",
     ) -> None:
+        check_engine(engine)
         if threads < 1:
             raise ValueError(f"threads must be >= 1 (got {threads}); match it to the actor's num_cpus")
         if max_physical_batch < 1:
@@ -53,6 +57,7 @@ class GradientWorker:
                 "use None for the whole training split"
             )
         torch.set_num_threads(threads)
+        self.engine = engine
         self.max_physical_batch = max_physical_batch
         self.device = _assigned_device()
         self.model = build_model(model_spec)
@@ -81,13 +86,10 @@ class GradientWorker:
                 f"indices must lie in 0..{example_count - 1} for this worker's {example_count} examples "
                 f"(got {indices.min()}..{indices.max()})"
             )
-        # Ray's object store hands out read-only buffers, which torch refuses to wrap without a warning.
-        flat_weights = torch.from_numpy(np.array(weights, dtype=np.float32, copy=True))
-        # The sum is computed from flat_weights alone; loading them too keeps the
-        # held model equal to the point its gradients were last taken at.
-        load_flat_parameters(self.model, flat_weights)
+        flat_weights = _as_tensor(weights)
         selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
-        clipped_sum = per_example_clipped_sum(
+        summed = clipped_sum(
+            self.engine,
             self.model,
             flat_weights,
             self.images[selected],
@@ -95,7 +97,8 @@ class GradientWorker:
             clip_norm,
             self.max_physical_batch,
         )
-        return clipped_sum.cpu().numpy()
+        # On the CPU both calls return views of the sum itself; Ray then ships that one buffer.
+        return summed.cpu().numpy()
 
     def parameter_count(self) -> int:
         """Length of the flat parameter vector this worker expects and returns."""
@@ -104,6 +107,21 @@ class GradientWorker:
     def ping(self) -> str:
         """``hostname:pid`` of the process holding this worker, for health checks."""
         return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _as_tensor(weights: np.ndarray) -> torch.Tensor:
+    """The flat float32 weights as a tensor over the same memory when they already are float32.
+
+    Ray hands arrays out of its object store read-only and zero-copy; torch
+    warns when it wraps a read-only array because writes through the tensor
+    would be undefined. The engines only read the weights (they never load
+    them into the model), so the warning is silenced rather than paid for
+    with a copy.
+    """
+    weights = np.asarray(weights, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(weights)
 
 
 def _assigned_device() -> torch.device:

@@ -37,8 +37,9 @@ def per_example_clipped_sum(
     clip_norm: float,
     max_physical_batch: int,
     loss_fn: LossFunction = F.cross_entropy,
-) -> torch.Tensor:
-    """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``.
+    return_norms: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``: the vmap engine.
 
     The gradient of example i is that of ``loss_fn(model(x_i[None]), y_i[None])``
     at the parameters ``flat_weights`` (laid out as by
@@ -47,13 +48,17 @@ def per_example_clipped_sum(
     Examples are processed ``max_physical_batch`` at a time to bound memory.
 
     Returns a 1-D float32 tensor of length ``parameter_count(model)`` on the
-    model's device; zeros when there are no examples.
+    model's device; zeros when there are no examples. With ``return_norms`` it
+    also returns, per trainable parameter name, the [n] per-example L2 norms of
+    that parameter's gradient before clipping (an example's total norm is the
+    root of the sum of their squares).
     """
-    _check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
-    device = _device_of(model)
+    check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
+    device = device_of(model)
     trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
     if not trainable:
-        return torch.zeros(0, dtype=torch.float32, device=device)
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return (empty, {}) if return_norms else empty
     sizes = [parameter.numel() for _, parameter in trainable]
     weights = flat_weights.detach().to(device=device, dtype=torch.float32)
     params = {
@@ -73,20 +78,61 @@ def per_example_clipped_sum(
     per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
 
     sums = {name: torch.zeros(parameter.shape, dtype=torch.float32, device=device) for name, parameter in trainable}
+    norms: dict[str, list[torch.Tensor]] = {name: [] for name, _ in trainable}
     inputs = inputs.to(device)
     labels = labels.to(device)
     for start in range(0, inputs.shape[0], max_physical_batch):
         grads = per_example_grads(
             params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
         )
-        squared_norms = sum(g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for g in grads.values())
-        factors = clip_factors(squared_norms.sqrt(), clip_norm)
+        squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
+        factors = clip_factors(sum(squared.values()).sqrt(), clip_norm)
         for name, g in grads.items():
             sums[name] += torch.tensordot(factors, g.to(torch.float32), dims=1)
-    return torch.cat([sums[name].reshape(-1) for name, _ in trainable])
+            norms[name].append(squared[name].sqrt())
+    flat = torch.cat([sums[name].reshape(-1) for name, _ in trainable])
+    if not return_norms:
+        return flat
+    return flat, {name: torch.cat(values) if values else weights.new_zeros(0) for name, values in norms.items()}
 
 
-def _check_arguments(
+ENGINES: tuple[str, ...] = ("fast", "vmap")
+"""Clipping engines by name: "fast" (book-keeping, ``workers.engines``) and "vmap" (torch.func, above)."""
+
+
+def check_engine(engine: str) -> None:
+    """Raise ValueError unless ``engine`` names one of ``ENGINES``."""
+    if engine not in ENGINES:
+        raise ValueError(
+            f"engine must be one of {', '.join(repr(name) for name in ENGINES)} (got {engine!r}); "
+            "'fast' is the default, 'vmap' the slower reference engine"
+        )
+
+
+def clipped_sum(
+    engine: str,
+    model: nn.Module,
+    flat_weights: torch.Tensor,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    clip_norm: float,
+    max_physical_batch: int,
+    loss_fn: LossFunction = F.cross_entropy,
+    return_norms: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``per_example_clipped_sum`` computed by the named engine (see ``ENGINES``); same arguments and result."""
+    check_engine(engine)
+    if engine == "vmap":
+        return per_example_clipped_sum(
+            model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms
+        )
+    # Imported here because workers.engines builds on this module.
+    from workers.engines import fast_clipped_sum
+
+    return fast_clipped_sum(model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms)
+
+
+def check_arguments(
     model: nn.Module,
     flat_weights: torch.Tensor,
     inputs: torch.Tensor,
@@ -94,6 +140,7 @@ def _check_arguments(
     clip_norm: float,
     max_physical_batch: int,
 ) -> None:
+    """Raise ValueError, saying what is wrong and what is valid, for arguments no engine can use."""
     if not (clip_norm > 0 and math.isfinite(clip_norm)):
         raise ValueError(f"clip_norm must be a finite number > 0 (got {clip_norm}); it is the per-example L2 bound")
     if (
@@ -117,6 +164,7 @@ def _check_arguments(
         )
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter; the CPU for a model without parameters."""
     first = next(iter(model.parameters()), None)
     return first.device if first is not None else torch.device("cpu")

@@ -1,0 +1,26 @@
+"""Every shipped example configuration validates and plans a run."""
+
+from pathlib import Path
+
+import pytest
+
+from accounting.accountants import get_accountant
+from orchestrator.config import load_config
+from orchestrator.trainer import plan_run
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = sorted(EXAMPLES_DIR.glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[path.stem for path in EXAMPLES])
+def test_example_validates_and_plans(path):
+    config = load_config(str(path), {})
+    plan = plan_run(config)
+    assert plan.steps >= 1
+    assert get_accountant("pld").epsilon(plan.planned_events, config.delta) > 0
+
+
+def test_the_main_job_is_the_seed_configuration():
+    plan = plan_run(load_config(str(EXAMPLES_DIR / "mnist.toml"), {}))
+    assert (plan.steps, plan.noise_multiplier, plan.sampling_rate) == (3600, 1.3, 250 / 60000)
+    assert get_accountant("pld").epsilon(plan.planned_events, 1e-5) == pytest.approx(0.853, abs=0.002)

@@ -1,0 +1,693 @@
+"""The fast clipping engine: per-example gradient norms by book-keeping, clipped sums in one weighted pass.
+
+Same contract as ``workers.clipping.per_example_clipped_sum`` (the vmap engine),
+computed differently. For each chunk of at most ``max_physical_batch`` examples:
+
+1. One forward pass over the whole chunk records, for every layer with
+   trainable parameters, its input, and (by a hook on its output) the gradient
+   of the summed per-example losses at its output. The parameters are plain
+   tensors that do not require grad, so the one backward pass computes output
+   gradients only: no weight gradients, and no input gradient for a first layer.
+2. The rule registered for the layer's type turns (input, output gradient)
+   into the per-example squared norm of each of its parameters' gradients,
+   either as a ghost norm (from two Gram matrices, never forming the
+   per-example gradients) or by instantiating the per-example gradients,
+   whichever costs less for the layer's shape (``instantiation_is_cheaper``).
+3. Per-parameter norms add up to each example's total norm and clip factor;
+   each parameter's clipped sum is then the weight-gradient half of a backward
+   pass in which example i's loss is weighted by its clip factor, formed from
+   what step 2 kept (a weighted contraction, or a weighted sum of the
+   instantiated per-example gradients).
+
+Layer types without a rule, and modules holding parameters of their own that
+are not a registered layer type (``nn.MultiheadAttention``, custom modules),
+fall back to ``torch.func.vmap`` over that one module's per-example gradients.
+Models the per-layer view cannot serve (tied parameters, a fallback module
+that draws random numbers, a recorded input changed in place afterwards) run
+on the vmap engine whole, with a warning saying why.
+
+Assumption shared with Opacus: every module with trainable parameters sees the
+examples along dimension 0 of its tensor inputs and outputs (for
+``nn.MultiheadAttention``, the dimension its ``batch_first`` says).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from workers import clipping
+
+
+@dataclass(frozen=True)
+class ParameterGradients:
+    """What the engine needs of one parameter's per-example gradients g_i over a chunk of B examples.
+
+    ``squared_norms`` is [B]: ||g_i||^2. ``clipped_sum(factors)`` returns
+    sum_i factors[i] * g_i, shaped like the parameter.
+    """
+
+    squared_norms: Tensor
+    clipped_sum: Callable[[Tensor], Tensor]
+
+
+@dataclass
+class OutputSlot:
+    """One tensor output of a recorded layer call and, after the backward pass, the loss gradient at it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    grad: Tensor | None = None
+
+    def keep(self, gradient: Tensor) -> None:
+        """Tensor-hook callback: remember the gradient, change nothing."""
+        self.grad = gradient
+
+    def gradient(self) -> Tensor:
+        """The recorded gradient; zeros when the loss did not depend on this output."""
+        if self.grad is None:
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.grad
+
+
+@dataclass
+class LayerCall:
+    """One call of a layer in the recorded forward pass: its arguments and, per tensor output, a slot.
+
+    ``outputs`` follows the flattened output (``torch.utils._pytree``); it
+    holds None for outputs that are not floating-point tensors.
+    """
+
+    args: tuple
+    kwargs: dict
+    outputs: list[OutputSlot | None]
+    versions: tuple[int, ...]
+
+    @property
+    def input(self) -> Tensor:
+        """The first positional argument: the input of a single-input layer."""
+        return self.args[0]
+
+    @property
+    def output_grad(self) -> Tensor:
+        """The loss gradient at the first output: that of a single-output layer."""
+        return self.outputs[0].gradient()
+
+
+LayerRule = Callable[[nn.Module, Mapping[str, Tensor], list[LayerCall], int], dict[str, ParameterGradients]]
+"""(layer, its trainable parameters by local name, its calls, batch size) -> per-parameter gradients."""
+
+
+@dataclass(frozen=True)
+class _Registered:
+    rule: LayerRule
+    supports: Callable[[nn.Module], bool]
+
+
+_RULES: dict[type[nn.Module], _Registered] = {}
+
+
+def register_rule(
+    layer_type: type[nn.Module], supports: Callable[[nn.Module], bool] = lambda layer: True
+) -> Callable[[LayerRule], LayerRule]:
+    """Register a rule for exactly ``layer_type`` (subclasses may override forward, so they are not covered).
+
+    ``supports`` can decline a layer whose configuration the rule does not
+    handle; that layer then takes the vmap fallback.
+    """
+
+    def add(rule: LayerRule) -> LayerRule:
+        _RULES[layer_type] = _Registered(rule, supports)
+        return rule
+
+    return add
+
+
+def rule_for(layer: nn.Module) -> LayerRule | None:
+    """The registered rule for this layer, or None when it takes the vmap fallback."""
+    registered = _RULES.get(type(layer))
+    if registered is None or not registered.supports(layer):
+        return None
+    return registered.rule
+
+
+class WholeModelFallback(Exception):
+    """Raised inside the engine when the per-layer view cannot serve this model; carries the reason."""
+
+
+# ---------------------------------------------------------------------------
+# Shared math
+
+
+def instantiation_is_cheaper(positions: int, in_features: int, out_features: int) -> bool:
+    """Whether to form a layer's per-example weight gradients rather than take their ghost norm.
+
+    Per example and per group, a weight gradient is g a with g [p, T] (output
+    gradients at T positions) and a [T, d] (the inputs there). Both paths pay
+    T d p once for the product that yields the clipped sum (the ghost path in
+    one [p, B T] x [B T, d] product, instantiation in forming g a), so they differ by
+    T^2 (d + p) for the two Gram matrices of the ghost norm against 2 p d to
+    take the norm of and weight the instantiated [p, d]. Instantiation also
+    holds p d numbers per example until the clip factors are known, so it is
+    taken only while that stays within twice the layer's windows (T d), i.e.
+    p <= 2 T: that keeps the wide, late layers of deep networks on ghost norms.
+    """
+    return (
+        out_features <= 2 * positions
+        and 2 * in_features * out_features < positions * positions * (in_features + out_features)
+    )
+
+
+def _squared_norms(per_example: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(per_example.flatten(1), dim=1).square()
+
+
+def instantiated(per_example: Tensor, layout: Callable[[Tensor], Tensor] = lambda summed: summed) -> ParameterGradients:
+    """ParameterGradients from per-example gradients [B, ...] held in memory.
+
+    ``layout`` maps a weighted sum over examples [...] to the parameter's shape.
+    """
+    return ParameterGradients(
+        _squared_norms(per_example),
+        lambda factors: layout(torch.tensordot(factors.to(per_example.dtype), per_example, 1)),
+    )
+
+
+def outer_product_gradients(
+    output_grads: Tensor, activations: Tensor, layout: Callable[[Tensor], Tensor]
+) -> ParameterGradients:
+    """Per-example gradients g_i a_i of a weight used in a matrix product, per group.
+
+    ``output_grads`` [B, G, p, T] and ``activations`` [B, G, T, d] (T
+    positions, G groups); ``layout`` maps a [G, p, d] sum to the weight's
+    shape. Without instantiation, the clipped sum is one matrix product per
+    group over all examples and positions, [p, B*T] x [B*T, d].
+    """
+    batch, groups, positions, in_features = activations.shape
+    out_features = output_grads.shape[2]
+    if instantiation_is_cheaper(positions, in_features, out_features):
+        return instantiated(torch.matmul(output_grads, activations), layout)
+    if positions == 1:
+        # g a is an outer product; its norm is ||a|| ||g||.
+        squared = torch.linalg.vector_norm(activations, dim=(2, 3)).square()
+        squared = (squared * torch.linalg.vector_norm(output_grads, dim=(2, 3)).square()).sum(1)
+    else:
+        activation_gram = torch.matmul(activations, activations.transpose(2, 3))
+        gradient_gram = torch.matmul(output_grads.transpose(2, 3), output_grads)
+        squared = torch.linalg.vecdot(activation_gram.flatten(1), gradient_gram.flatten(1))
+
+    def clipped_sum(factors: Tensor) -> Tensor:
+        weighted = _scaled(output_grads, factors).permute(1, 2, 0, 3).reshape(groups, out_features, -1)
+        return layout(torch.bmm(weighted, activations.transpose(0, 1).reshape(groups, -1, in_features)))
+
+    return ParameterGradients(squared, clipped_sum)
+
+
+def _scaled(tensor: Tensor, factors: Tensor) -> Tensor:
+    return tensor * factors.to(tensor.dtype).reshape(-1, *([1] * (tensor.dim() - 1)))
+
+
+# ---------------------------------------------------------------------------
+# Rules, one per layer type
+
+
+@register_rule(nn.Linear)
+def linear_rule(
+    layer: nn.Linear, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """Linear on [B, d] or [B, *, d] inputs: ghost norm or instantiation for the weight, sums for the bias."""
+    inputs = _joined([call.input.reshape(batch_size, -1, layer.in_features) for call in calls], 1)
+    output_grads = _joined([call.output_grad.reshape(batch_size, -1, layer.out_features) for call in calls], 1)
+    result = {}
+    if "weight" in params:
+        result["weight"] = outer_product_gradients(
+            output_grads.transpose(1, 2).unsqueeze(1), inputs.unsqueeze(1),
+            lambda summed: summed.view(layer.out_features, layer.in_features),
+        )
+    if "bias" in params:
+        result["bias"] = instantiated(output_grads.sum(1))
+    return result
+
+
+def _conv_input(layer: nn.Conv2d, inputs: Tensor) -> tuple[Tensor, tuple[int, int]]:
+    """The input as the convolution sees it, with the padding still to apply (zero padding stays implicit)."""
+    if layer.padding_mode == "zeros" and not isinstance(layer.padding, str):
+        return inputs, layer.padding
+    mode = "constant" if layer.padding_mode == "zeros" else layer.padding_mode
+    return F.pad(inputs, layer._reversed_padding_repeated_twice, mode=mode), (0, 0)
+
+
+def patches(layer: nn.Conv2d, inputs: Tensor, padding: tuple[int, int]) -> tuple[Tensor, bool]:
+    """The input windows each output position sees, [B, G, L, d] for G groups and L positions.
+
+    One strided copy. The d entries of a window are ordered (kh, kw, channel)
+    from a channels-last copy, whose contiguous channel runs make the copy
+    fast, unless a group has a single channel, where (channel, kh, kw) keeps
+    the runs along kw. Returns the windows and whether the order is channels-last.
+    """
+    if any(padding):
+        inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]))
+    batch, channels = inputs.shape[:2]
+    groups = layer.groups
+    spans = [layer.dilation[i] * (layer.kernel_size[i] - 1) + 1 for i in range(2)]
+    channels_last = channels // groups > 1
+    if channels_last:
+        inputs = inputs.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    windows = inputs.unfold(2, spans[0], layer.stride[0]).unfold(3, spans[1], layer.stride[1])
+    windows = windows[..., :: layer.dilation[0], :: layer.dilation[1]]
+    rows, columns = windows.shape[2:4]
+    # [B, G, C/G, rows, columns, kh, kw]
+    windows = windows.reshape(batch, groups, channels // groups, rows, columns, *layer.kernel_size)
+    order = (0, 1, 3, 4, 5, 6, 2) if channels_last else (0, 1, 3, 4, 2, 5, 6)
+    return windows.permute(order).reshape(batch, groups, rows * columns, -1), channels_last
+
+
+def _joined(tensors: list[Tensor], dim: int) -> Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
+
+
+@register_rule(nn.Conv2d)
+def conv2d_rule(
+    layer: nn.Conv2d, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """Conv2d (any stride, padding, padding mode, dilation, groups) through its input windows.
+
+    The weight acts as a matrix product on the input windows of each group.
+    """
+    result = {}
+    if "weight" in params:
+        weight = params["weight"]
+        windows = [patches(layer, *_conv_input(layer, call.input)) for call in calls]
+        channels_last = windows[0][1]
+        output_grads = _joined(
+            [call.output_grad.reshape(batch_size, layer.groups, layer.out_channels // layer.groups, -1)
+             for call in calls], 3,
+        )
+
+        def layout(summed: Tensor) -> Tensor:
+            if not channels_last:
+                return summed.view(weight.shape)
+            out_channels, channels, kernel_height, kernel_width = weight.shape
+            return summed.view(out_channels, kernel_height, kernel_width, channels).permute(0, 3, 1, 2).contiguous()
+
+        result["weight"] = outer_product_gradients(
+            output_grads, _joined([window for window, _ in windows], 2), layout
+        )
+    if "bias" in params:
+        result["bias"] = instantiated(sum(call.output_grad.flatten(2).sum(2) for call in calls))
+    return result
+
+
+@register_rule(nn.Embedding, supports=lambda layer: layer.max_norm is None and not layer.scale_grad_by_freq)
+def embedding_rule(
+    layer: nn.Embedding, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """Embedding ghost norm: ||G_i||^2 = sum over position pairs with the same index of g_t . g_s."""
+    indices = _joined([call.input.reshape(batch_size, -1) for call in calls], 1)
+    output_grads = _joined([call.output_grad.reshape(batch_size, -1, layer.embedding_dim) for call in calls], 1)
+    if layer.padding_idx is not None:
+        output_grads = output_grads.masked_fill((indices == layer.padding_idx).unsqueeze(2), 0.0)
+    same_index = indices.unsqueeze(2) == indices.unsqueeze(1)
+    gram = torch.bmm(output_grads, output_grads.transpose(1, 2))
+    squared = torch.where(same_index, gram, 0.0).flatten(1).sum(1)
+
+    def weight_sum(factors: Tensor) -> Tensor:
+        weighted = _scaled(output_grads, factors).reshape(-1, layer.embedding_dim)
+        return torch.zeros_like(params["weight"]).index_add_(0, indices.reshape(-1), weighted)
+
+    return {"weight": ParameterGradients(squared, weight_sum)}
+
+
+def _affine_gradients(
+    params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int, normalize: Callable[[Tensor], Tensor],
+    reduce: Callable[[Tensor], Tensor],
+) -> dict[str, ParameterGradients]:
+    """Per-example gradients of a normalisation layer's elementwise affine: weight sum(g * x_hat), bias sum(g)."""
+    result = {}
+    if "weight" in params:
+        result["weight"] = instantiated(
+            sum(reduce(normalize(call.input) * call.output_grad) for call in calls).reshape(
+                batch_size, *params["weight"].shape
+            )
+        )
+    if "bias" in params:
+        result["bias"] = instantiated(
+            sum(reduce(call.output_grad) for call in calls).reshape(batch_size, *params["bias"].shape)
+        )
+    return result
+
+
+@register_rule(nn.GroupNorm)
+def group_norm_rule(
+    layer: nn.GroupNorm, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """GroupNorm affine parameters, per channel: sums over each example's positions."""
+    return _affine_gradients(
+        params, calls, batch_size,
+        normalize=lambda x: F.group_norm(x, layer.num_groups, eps=layer.eps),
+        reduce=lambda t: t.reshape(batch_size, layer.num_channels, -1).sum(2),
+    )
+
+
+@register_rule(nn.LayerNorm)
+def layer_norm_rule(
+    layer: nn.LayerNorm, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """LayerNorm affine parameters: sums over each example's positions outside the normalised shape."""
+    normalized_size = math.prod(layer.normalized_shape)
+    return _affine_gradients(
+        params, calls, batch_size,
+        normalize=lambda x: F.layer_norm(x, layer.normalized_shape, eps=layer.eps),
+        reduce=lambda t: t.reshape(batch_size, -1, normalized_size).sum(1),
+    )
+
+
+# ---------------------------------------------------------------------------
+# The vmap fallback, per module
+
+BatchDims = tuple[tuple[Any, ...], dict[str, Any], list[int | None]]
+"""Where each positional argument, keyword argument and output has its examples (None: not batched)."""
+
+
+def _leading_batch_dims(layer: nn.Module, call: LayerCall, batch_size: int) -> BatchDims:
+    def dim_of(value: Any) -> int | None:
+        return 0 if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch_size else None
+
+    output_dims = []
+    for slot in call.outputs:
+        if slot is not None and slot.grad is not None and (len(slot.shape) == 0 or slot.shape[0] != batch_size):
+            raise WholeModelFallback(
+                f"{type(layer).__name__} has an output of shape {tuple(slot.shape)} without the batch "
+                f"of {batch_size} along dimension 0"
+            )
+        output_dims.append(0 if slot is not None and slot.grad is not None else None)
+    return (
+        tuple(dim_of(arg) for arg in call.args),
+        {name: dim_of(value) for name, value in call.kwargs.items()},
+        output_dims,
+    )
+
+
+_ATTENTION_ARGUMENTS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+
+
+def _attention_batch_dims(layer: nn.MultiheadAttention, call: LayerCall, batch_size: int) -> BatchDims:
+    sequence_first = {"query": 0, "key": 0, "value": 0} if layer.batch_first else {"query": 1, "key": 1, "value": 1}
+    dims = {**sequence_first, "key_padding_mask": 0}
+    mask = dict(zip(_ATTENTION_ARGUMENTS, call.args)).get("attn_mask", call.kwargs.get("attn_mask"))
+    if mask is not None and mask.dim() == 3:
+        raise WholeModelFallback("nn.MultiheadAttention is given a per-example (3-D) attn_mask")
+
+    def dim_of(name: str, value: Any) -> int | None:
+        return dims.get(name) if isinstance(value, Tensor) else None
+
+    # Outputs: the attention output, then the attention weights [B, L, S] when asked for.
+    output_dims = [dims["query"], 0]
+    return (
+        tuple(dim_of(name, arg) for name, arg in zip(_ATTENTION_ARGUMENTS, call.args)),
+        {name: dim_of(name, value) for name, value in call.kwargs.items()},
+        [dim if slot is not None and slot.grad is not None else None for dim, slot in zip(output_dims, call.outputs)],
+    )
+
+
+def vmap_rule(
+    layer: nn.Module,
+    params: Mapping[str, Tensor],
+    calls: list[LayerCall],
+    batch_size: int,
+    batch_dims: Callable[[nn.Module, LayerCall, int], BatchDims] = _leading_batch_dims,
+) -> dict[str, ParameterGradients]:
+    """Per-example gradients of one module's parameters by torch.func over that module alone.
+
+    For each recorded call, vmap over examples of the gradient of
+    <module(x_i), dL/dy_i>, the vector-Jacobian product of the module's
+    output with the recorded output gradient. Summed over calls, instantiated.
+    """
+    per_example: dict[str, Tensor] = {}
+    for call in calls:
+        argument_dims, keyword_dims, output_dims = batch_dims(layer, call, batch_size)
+        output_grads = [slot.grad if dim is not None else None for slot, dim in zip(call.outputs, output_dims)]
+
+        def output_dot(weights, args, kwargs, grads):
+            args = tuple(arg if dim is None else arg.unsqueeze(dim) for arg, dim in zip(args, argument_dims))
+            kwargs = {name: value if keyword_dims[name] is None else value.unsqueeze(keyword_dims[name])
+                      for name, value in kwargs.items()}
+            outputs = tree_flatten(functional_call(layer, weights, args, kwargs))[0]
+            return sum(
+                (output * gradient.unsqueeze(dim)).sum()
+                for output, gradient, dim in zip(outputs, grads, output_dims)
+                if gradient is not None
+            )
+
+        try:
+            gradients = vmap(
+                grad(output_dot), in_dims=(None, argument_dims, keyword_dims, output_dims), randomness="error"
+            )(dict(params), call.args, call.kwargs, output_grads)
+        except RuntimeError as error:
+            raise WholeModelFallback(
+                f"torch.func cannot take per-example gradients of {type(layer).__name__} alone "
+                f"({str(error).splitlines()[0]})"
+            ) from error
+        for name, gradient in gradients.items():
+            per_example[name] = per_example[name] + gradient if name in per_example else gradient
+    return {name: instantiated(gradient) for name, gradient in per_example.items()}
+
+
+@register_rule(nn.MultiheadAttention, supports=lambda layer: not (layer.training and layer.dropout > 0))
+def attention_rule(
+    layer: nn.MultiheadAttention, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """nn.MultiheadAttention: the vmap fallback, told where ``batch_first`` puts the examples."""
+    return vmap_rule(layer, params, calls, batch_size, _attention_batch_dims)
+
+
+# ---------------------------------------------------------------------------
+# Recording one forward and backward pass
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A module whose trainable parameters (``names``, relative to it) one rule covers."""
+
+    prefix: str
+    layer: nn.Module
+    rule: LayerRule
+    names: tuple[str, ...]
+
+    def qualified(self, name: str) -> str:
+        return f"{self.prefix}.{name}" if self.prefix else name
+
+
+def _units(model: nn.Module) -> list[_Unit]:
+    units: list[_Unit] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        names = tuple(name for name, parameter in module.named_parameters() if parameter.requires_grad)
+        if not names:
+            return
+        rule = rule_for(module)
+        owns_parameters = any(p.requires_grad for p in module.parameters(recurse=False))
+        if rule is not None or owns_parameters:
+            units.append(_Unit(prefix, module, rule or vmap_rule, names))
+            return
+        for child_name, child in module.named_children():
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+
+    visit("", model)
+    return units
+
+
+def _unsupported_reason(model: nn.Module, units: list[_Unit]) -> str | None:
+    named = list(model.named_parameters(remove_duplicate=False))
+    if len({id(parameter) for _, parameter in named}) != len(named):
+        return "the model ties one parameter to several modules"
+    for unit in units:
+        if isinstance(unit.layer, nn.MultiheadAttention) and unit.rule is vmap_rule:
+            return f"{unit.prefix or 'the model'} (nn.MultiheadAttention) uses attention dropout in training mode"
+    return None
+
+
+class _GradientTap(torch.autograd.Function):
+    """Identity on a first layer's output (which needs no grad) that gives it a place in the backward pass.
+
+    The backward pass is asked for the gradient of ``anchor``, the one leaf
+    that requires grad; on the way each tap records the gradient at its output.
+    """
+
+    @staticmethod
+    def forward(ctx, output: Tensor, anchor: Tensor, slot: OutputSlot) -> Tensor:
+        ctx.slot = slot
+        # detach() aliases the storage without copying and without making a view
+        # autograd tracks, so later in-place operations on the result are allowed.
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx, gradient: Tensor) -> tuple[None, Tensor, None]:
+        ctx.slot.keep(gradient)
+        return None, gradient.new_zeros(()), None
+
+
+def _recorder(calls: list[LayerCall], anchor: Tensor) -> Callable:
+    def record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        leaves, spec = tree_flatten(output)
+        slots: list[OutputSlot | None] = []
+        tapped = False
+        for index, leaf in enumerate(leaves):
+            if not (isinstance(leaf, Tensor) and leaf.is_floating_point()):
+                slots.append(None)
+                continue
+            slot = OutputSlot(leaf.shape, leaf.dtype, leaf.device)
+            if leaf.requires_grad:
+                # A hook registered before any in-place change of the output
+                # receives the gradient at the value the layer produced.
+                leaf.register_hook(slot.keep)
+            else:
+                leaves[index] = _GradientTap.apply(leaf, anchor, slot)
+                tapped = True
+            slots.append(slot)
+        versions = tuple(t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
+        calls.append(LayerCall(args, kwargs, slots, versions))
+        return tree_unflatten(leaves, spec) if tapped else None
+
+    return record
+
+
+# F.cross_entropy and F.nll_loss on one example average over a batch of one, so
+# the sum over examples is a single call with reduction="sum"; other losses go
+# through vmap, one example at a time, as the contract defines them.
+_SUMMED_LOSSES = {F.cross_entropy: F.cross_entropy, F.nll_loss: F.nll_loss}
+
+
+def _summed_loss(loss_fn: clipping.LossFunction, logits: Tensor, labels: Tensor) -> Tensor:
+    if loss_fn in _SUMMED_LOSSES:
+        return _SUMMED_LOSSES[loss_fn](logits, labels, reduction="sum")
+    return vmap(lambda logit, label: loss_fn(logit.unsqueeze(0), label.unsqueeze(0)))(logits, labels).sum()
+
+
+def _record(
+    model: nn.Module, units: list[_Unit], params: dict[str, Tensor], inputs: Tensor, labels: Tensor,
+    loss_fn: clipping.LossFunction,
+) -> list[list[LayerCall]]:
+    """Run the forward and the one backward pass; return each unit's recorded calls."""
+    calls: list[list[LayerCall]] = [[] for _ in units]
+    anchor = torch.zeros((), dtype=torch.float32, device=inputs.device, requires_grad=True)
+    handles = [unit.layer.register_forward_hook(_recorder(calls[i], anchor), with_kwargs=True)
+               for i, unit in enumerate(units)]
+    try:
+        with torch.enable_grad():
+            loss = _summed_loss(loss_fn, functional_call(model, params, (inputs,)), labels)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if loss.requires_grad:
+        torch.autograd.grad(loss, anchor)
+    for unit, unit_calls in zip(units, calls, strict=True):
+        for call in unit_calls:
+            now = tuple(t._version for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, Tensor))
+            if now != call.versions:
+                raise WholeModelFallback(
+                    f"an input of {unit.prefix or 'the model'} ({type(unit.layer).__name__}) is changed in place "
+                    "after the layer has run"
+                )
+    return calls
+
+
+# ---------------------------------------------------------------------------
+# The engine
+
+
+def fast_clipped_sum(
+    model: nn.Module,
+    flat_weights: Tensor,
+    inputs: Tensor,
+    labels: Tensor,
+    clip_norm: float,
+    max_physical_batch: int,
+    loss_fn: clipping.LossFunction = F.cross_entropy,
+    return_norms: bool = False,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``, by book-keeping.
+
+    Same arguments, result and guarantees as
+    ``workers.clipping.per_example_clipped_sum``: a 1-D float32 tensor laid out
+    as ``flat_parameters``, zeros when there are no examples; the model's
+    parameters and their ``.grad`` are neither used nor changed (hooks are
+    added to its modules for the duration of the call only). With
+    ``return_norms`` it also returns, per trainable parameter name, the [n]
+    per-example L2 norms of that parameter's gradient, before clipping.
+    """
+    clipping.check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
+    device = clipping.device_of(model)
+    trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    if not trainable:
+        empty = torch.zeros(0, dtype=torch.float32, device=device)
+        return (empty, {}) if return_norms else empty
+    units = _units(model)
+    reason = _unsupported_reason(model, units)
+    if reason is None:
+        try:
+            return _book_keeping(model, units, trainable, flat_weights, inputs, labels, clip_norm,
+                                 max_physical_batch, loss_fn, return_norms, device)
+        except WholeModelFallback as fallback:
+            reason = str(fallback)
+    warnings.warn(f"fast clipping engine: {reason}; computing this model's clipped sum with the vmap engine",
+                  stacklevel=2)
+    return clipping.per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, max_physical_batch,
+                                            loss_fn, return_norms)
+
+
+def _book_keeping(
+    model: nn.Module, units: list[_Unit], trainable: list[tuple[str, nn.Parameter]], flat_weights: Tensor,
+    inputs: Tensor, labels: Tensor, clip_norm: float, max_physical_batch: int, loss_fn: clipping.LossFunction,
+    return_norms: bool, device: torch.device,
+) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
+    weights = flat_weights.detach().to(device=device, dtype=torch.float32)
+    params = {
+        name: chunk.view(parameter.shape).to(parameter.dtype)
+        for (name, parameter), chunk in zip(trainable, torch.split(weights, [p.numel() for _, p in trainable]),
+                                            strict=True)
+    }
+    flat = torch.zeros(weights.shape, dtype=torch.float32, device=device)
+    # Each parameter's sum accumulates in its own slice of the result.
+    sums = {
+        name: chunk.view(parameter.shape)
+        for (name, parameter), chunk in zip(trainable, torch.split(flat, [p.numel() for _, p in trainable]),
+                                            strict=True)
+    }
+    norms: dict[str, list[Tensor]] = {name: [] for name, _ in trainable}
+    inputs, labels = inputs.to(device), labels.to(device)
+    for start in range(0, inputs.shape[0], max_physical_batch):
+        chunk_inputs = inputs[start : start + max_physical_batch]
+        batch_size = chunk_inputs.shape[0]
+        calls = _record(model, units, params, chunk_inputs, labels[start : start + max_physical_batch], loss_fn)
+        # The recorded inputs are part of the forward graph; nothing below is to be differentiated.
+        with torch.no_grad():
+            gradients: dict[str, ParameterGradients] = {}
+            for unit, unit_calls in zip(units, calls, strict=True):
+                if unit_calls:
+                    local = {name: params[unit.qualified(name)] for name in unit.names}
+                    for name, parameter_gradients in unit.rule(unit.layer, local, unit_calls, batch_size).items():
+                        gradients[unit.qualified(name)] = parameter_gradients
+            squared = {
+                name: gradients[name].squared_norms.to(torch.float32) if name in gradients
+                else torch.zeros(batch_size, device=device)
+                for name in sums
+            }
+            factors = clipping.clip_factors(torch.stack(list(squared.values())).sum(0).sqrt(), clip_norm)
+            for name, parameter_gradients in gradients.items():
+                sums[name] += parameter_gradients.clipped_sum(factors)
+            for name, values in squared.items():
+                norms[name].append(values.sqrt())
+    if not return_norms:
+        return flat
+    return flat, {name: torch.cat(values) if values else weights.new_zeros(0) for name, values in norms.items()}
