@@ -78,6 +78,10 @@ class SampledGaussian:
         """The same mechanism run for a different number of steps."""
         return SampledGaussian(self.sampling_rate, self.noise_multiplier, steps, self.sensitivity_factor)
 
+    def with_sensitivity(self, sensitivity_factor: float) -> "SampledGaussian":
+        """The same mechanism with a different sensitivity factor."""
+        return SampledGaussian(self.sampling_rate, self.noise_multiplier, self.steps, sensitivity_factor)
+
     def same_mechanism(self, other: "SampledGaussian") -> bool:
         """True when both records describe the same per-step mechanism."""
         return (

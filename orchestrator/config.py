@@ -63,6 +63,7 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     max_physical_batch: int = 128
     engine: str = "fast"
+    microbatch_size: int | None = None
     checkpoint_every: int = 0
     commit_every: int | None = None
     ledger: str | None = None
@@ -158,6 +159,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
         engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
+        microbatch_size=_optional(values, "microbatch_size", lambda key, v: checks.integer_at_least(key, v, 1)),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
         ledger=_optional(values, "ledger", _address),

@@ -26,3 +26,25 @@ def poisson_sample(generator: np.random.Generator, dataset_size: int, sampling_r
 def partition(indices: np.ndarray, parts: int) -> list[np.ndarray]:
     """Split a batch's indices into `parts` near-equal contiguous shards (sizes differ by <= 1)."""
     return np.array_split(indices, parts)
+
+
+def microbatch_count(expected_batch_size: float, microbatch_size: int) -> int:
+    """G, the fixed number of microbatches a step's examples are spread over: about batch / k."""
+    return max(1, round(expected_batch_size / microbatch_size))
+
+
+def assign_microbatches(generator: np.random.Generator, example_count: int, microbatches: int) -> np.ndarray:
+    """Each sampled example's microbatch, drawn independently and uniformly.
+
+    Independent assignment means adding or removing one example changes
+    exactly one microbatch, which is what the sensitivity factor 2 assumes.
+    """
+    return generator.integers(0, microbatches, size=example_count)
+
+
+def partition_microbatches(
+    indices: np.ndarray, group_ids: np.ndarray, parts: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Split a batch across `parts` workers keeping each microbatch whole (microbatch g goes to worker g mod parts)."""
+    owners = group_ids % parts
+    return ([indices[owners == part] for part in range(parts)], [group_ids[owners == part] for part in range(parts)])

@@ -33,7 +33,14 @@ from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.noise import GaussianNoise, average_noisy_sum
 from orchestrator.optimizers import build_optimizer
 from orchestrator.report import plot_curves
-from orchestrator.sampling import make_generator, partition, poisson_sample
+from orchestrator.sampling import (
+    assign_microbatches,
+    make_generator,
+    microbatch_count,
+    partition,
+    partition_microbatches,
+    poisson_sample,
+)
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from workers.actor import GradientWorkerActor
 from workers.data import load_split
@@ -60,11 +67,22 @@ class RunPlan:
     noise_blocks: tuple[tuple[float, int], ...]
     epoch_ends: tuple[int, ...]
     charge_ends: tuple[int, ...]
+    microbatches: int | None = None
+
+    @property
+    def sensitivity_factor(self) -> float:
+        """2 with microbatches (one example moves one microbatch's clipped gradient by up to 2C), else 1."""
+        return 2.0 if self.microbatches else 1.0
+
+    @property
+    def contributions_per_step(self) -> float:
+        """What the noisy sum is averaged over: q*N examples, or the G microbatches."""
+        return float(self.microbatches) if self.microbatches else self.expected_batch_size
 
     @property
     def planned_events(self) -> Composition:
         """The events of the whole planned run, in order."""
-        return schedule_events(list(self.noise_blocks), self.sampling_rate)
+        return schedule_events(list(self.noise_blocks), self.sampling_rate, self.sensitivity_factor)
 
     def events_between(self, start: int, end: int) -> Composition:
         """The events of steps start..end-1 (0-based) of the plan."""
@@ -87,14 +105,18 @@ def plan_run(config: TrainConfig) -> RunPlan:
     steps = total_steps(config)
     steps_per_epoch = dataset_size / config.batch_size
 
+    microbatches = None if config.microbatch_size is None else microbatch_count(
+        expected_batch_size(config), config.microbatch_size)
+    sensitivity_factor = 2.0 if microbatches else 1.0
+
     def blocks_at(noise_multiplier: float) -> list[tuple[float, int]]:
         return noise_blocks(config.noise_schedule, noise_multiplier, steps, steps_per_epoch)
 
     noise_multiplier = config.noise_multiplier
     if noise_multiplier is None:
         noise_multiplier = scale_for_target(
-            config.target_epsilon, config.delta, lambda sigma: schedule_events(blocks_at(sigma), rate),
-            config.accountant,
+            config.target_epsilon, config.delta,
+            lambda sigma: schedule_events(blocks_at(sigma), rate, sensitivity_factor), config.accountant,
         )
     epoch_ends = sorted({min(steps, math.ceil(epoch * steps_per_epoch - 1e-9))
                          for epoch in range(1, math.ceil(steps / steps_per_epoch - 1e-9) + 1)} | {steps})
@@ -104,7 +126,7 @@ def plan_run(config: TrainConfig) -> RunPlan:
         charge_ends = epoch_ends
     return RunPlan(
         dataset_size, rate, expected_batch_size(config), steps, noise_multiplier,
-        tuple(blocks_at(noise_multiplier)), tuple(epoch_ends), tuple(charge_ends),
+        tuple(blocks_at(noise_multiplier)), tuple(epoch_ends), tuple(charge_ends), microbatches,
     )
 
 
@@ -295,22 +317,29 @@ class Trainer:
             engine=config.engine,
         )
 
-    def _partial_sums(self, workers: list, weights, shards: list[np.ndarray]) -> list[np.ndarray]:
+    def _partial_sums(
+        self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None = None
+    ) -> list[np.ndarray]:
         """Each worker's clipped sum of its shard; a worker that is gone for good is replaced."""
         clip_norm = self.config.clip_norm
-        calls = [worker.clipped_grad_sum.remote(weights, shard, clip_norm) for worker, shard in zip(workers, shards)]
+        groups = group_shards or [None] * len(shards)
+
+        def call(index: int):
+            return workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm, groups[index])
+
+        calls = [call(index) for index in range(len(workers))]
         sums = []
-        for index, call in enumerate(calls):
+        for index, pending in enumerate(calls):
             for attempt in range(WORKER_REPLACEMENTS + 1):
                 try:
-                    sums.append(ray.get(call))
+                    sums.append(ray.get(pending))
                     break
                 except ray.exceptions.RayActorError:
                     if attempt == WORKER_REPLACEMENTS:
                         raise
                     self.say(f"worker {index} is gone; replacing it and recomputing its shard")
                     workers[index] = self._new_worker()
-                    call = workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm)
+                    pending = call(index)
         return sums
 
     def _step(self, workers: list) -> None:
@@ -319,7 +348,11 @@ class Trainer:
         step = self.step
         indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
         weights = ray.put(flat_parameters(self.model).numpy())
-        partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
+        if plan.microbatches:
+            group_ids = assign_microbatches(self.sampler, len(indices), plan.microbatches)
+            partial_sums = self._partial_sums(workers, weights, *partition_microbatches(indices, group_ids, len(workers)))
+        else:
+            partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
         clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
         # Drawn after every shard is in: a recomputed shard never causes a second draw.
         noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * config.clip_norm)
@@ -328,7 +361,7 @@ class Trainer:
 
     def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
         """Post-processing of the step's noisy sum: average by q*N, optimizer step, LR schedule."""
-        gradient = average_noisy_sum(noisy_sum, self.plan.expected_batch_size)
+        gradient = average_noisy_sum(noisy_sum, self.plan.contributions_per_step)
         self.optimizer.zero_grad(set_to_none=True)
         load_flat_gradient(self.model, gradient)
         self.optimizer.step()

@@ -123,6 +123,14 @@ def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, tmp_
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_microbatched_training_runs_on_workers_and_accounts_factor_2(local_ray, tmp_path):
+    config = small_config(tmp_path, steps=3, microbatch_size=6)
+    summary = Trainer(config, show_progress=False).run()
+    expected = get_accountant("pld").epsilon(SampledGaussian(60 / 600, 1.1, 3, sensitivity_factor=2.0), 1e-5)
+    assert summary["epsilon"] == expected
+    assert all(event["sensitivity_factor"] == 2.0 for event in summary["events"]["events"])
+
+
 def test_target_epsilon_sets_sigma_that_meets_it(local_ray, tmp_path):
     config = small_config(tmp_path, noise_multiplier=None, target_epsilon=2.0, steps=3)
     summary = Trainer(config, show_progress=False).run()

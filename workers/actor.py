@@ -15,7 +15,7 @@ import numpy as np
 import ray
 import torch
 
-from workers.clipping import check_engine, clipped_sum
+from workers.clipping import check_engine, clipped_sum, microbatch_clipped_sum
 from workers.data import dataset_size, load_split
 from workers.models import build_model, parameter_count
 from workers.validation import check_model
@@ -70,12 +70,16 @@ class GradientWorker:
         self.images = images.to(self.device)
         self.labels = labels.to(self.device)
 
-    def clipped_grad_sum(self, weights: np.ndarray, indices: np.ndarray, clip_norm: float) -> np.ndarray:
+    def clipped_grad_sum(
+        self, weights: np.ndarray, indices: np.ndarray, clip_norm: float, group_ids: np.ndarray | None = None
+    ) -> np.ndarray:
         """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
 
         ``weights`` is the flat float32 parameter vector; ``indices`` are
-        positions in this worker's training examples. Returns a flat float32
-        array of the same length as ``weights`` (zeros for no indices).
+        positions in this worker's training examples. With ``group_ids`` (one
+        per index), each microbatch's mean-loss gradient is clipped instead of
+        each example's. Returns a flat float32 array of the same length as
+        ``weights`` (zeros for no indices).
         """
         indices = np.asarray(indices)
         example_count = len(self.labels)
@@ -88,15 +92,21 @@ class GradientWorker:
             )
         flat_weights = _as_tensor(weights)
         selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
-        summed = clipped_sum(
-            self.engine,
-            self.model,
-            flat_weights,
-            self.images[selected],
-            self.labels[selected],
-            clip_norm,
-            self.max_physical_batch,
-        )
+        if group_ids is not None:
+            summed = microbatch_clipped_sum(
+                self.model, flat_weights, self.images[selected], self.labels[selected],
+                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm,
+            )
+        else:
+            summed = clipped_sum(
+                self.engine,
+                self.model,
+                flat_weights,
+                self.images[selected],
+                self.labels[selected],
+                clip_norm,
+                self.max_physical_batch,
+            )
         # On the CPU both calls return views of the sum itself; Ray then ships that one buffer.
         return summed.cpu().numpy()
 

@@ -29,6 +29,63 @@ def clip_factors(per_example_norms: torch.Tensor, clip_norm: float) -> torch.Ten
     return torch.where(per_example_norms > clip_norm, clip_norm / per_example_norms, 1.0)
 
 
+def functional_parameters(
+    model: nn.Module, flat_weights: torch.Tensor, device: torch.device
+) -> tuple[list[tuple[str, nn.Parameter]], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(trainable (name, parameter) pairs, their values taken from ``flat_weights``, frozen parameters and buffers).
+
+    The values are what torch.func.functional_call takes; frozen parameters and
+    buffers stay as the model holds them.
+    """
+    trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    weights = flat_weights.detach().to(device=device, dtype=torch.float32)
+    params = {
+        name: chunk.reshape(parameter.shape).to(parameter.dtype)
+        for (name, parameter), chunk in zip(trainable, torch.split(weights, [p.numel() for _, p in trainable]),
+                                            strict=True)
+    }
+    fixed = {name: parameter for name, parameter in model.named_parameters() if not parameter.requires_grad}
+    fixed.update(dict(model.named_buffers()))
+    return trainable, params, fixed
+
+
+def microbatch_clipped_sum(
+    model: nn.Module,
+    flat_weights: torch.Tensor,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    group_ids: torch.Tensor,
+    clip_norm: float,
+    loss_fn: LossFunction = F.cross_entropy,
+) -> torch.Tensor:
+    """Sum over microbatches of the gradient of each microbatch's mean loss, clipped to L2 norm ``clip_norm``.
+
+    ``group_ids`` [n] assigns each example to its microbatch (TF Privacy's and
+    MindArmour's microbatches). Adding or removing one example changes one
+    microbatch, whose clipped gradient can move by up to 2 * clip_norm: the
+    caller accounts with sensitivity factor 2. Same layout and zeros-when-empty
+    contract as ``per_example_clipped_sum``.
+    """
+    check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch=1)
+    if group_ids.shape != labels.shape:
+        raise ValueError(f"group_ids must give one microbatch per example (got {tuple(group_ids.shape)} "
+                         f"for {labels.shape[0]} examples)")
+    device = device_of(model)
+    trainable, params, fixed = functional_parameters(model, flat_weights, device)
+    total = torch.zeros(sum(parameter.numel() for _, parameter in trainable), dtype=torch.float32, device=device)
+    inputs, labels, group_ids = inputs.to(device), labels.to(device), group_ids.to(device)
+
+    def mean_loss(trainable_params, members, member_labels):
+        return loss_fn(functional_call(model, (trainable_params, fixed), (members,)), member_labels)
+
+    for group in torch.unique(group_ids):
+        members = group_ids == group
+        gradients = grad(mean_loss)(params, inputs[members], labels[members])
+        flat = torch.cat([gradients[name].reshape(-1).to(torch.float32) for name, _ in trainable])
+        total += flat * clip_factors(flat.norm(), clip_norm)
+    return total
+
+
 def per_example_clipped_sum(
     model: nn.Module,
     flat_weights: torch.Tensor,
@@ -55,19 +112,10 @@ def per_example_clipped_sum(
     """
     check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
     device = device_of(model)
-    trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
+    trainable, params, fixed = functional_parameters(model, flat_weights, device)
     if not trainable:
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return (empty, {}) if return_norms else empty
-    sizes = [parameter.numel() for _, parameter in trainable]
-    weights = flat_weights.detach().to(device=device, dtype=torch.float32)
-    params = {
-        name: chunk.reshape(parameter.shape).to(parameter.dtype)
-        for (name, parameter), chunk in zip(trainable, torch.split(weights, sizes), strict=True)
-    }
-    # Frozen parameters and buffers stay as the model holds them.
-    fixed = {name: parameter for name, parameter in model.named_parameters() if not parameter.requires_grad}
-    fixed.update(dict(model.named_buffers()))
 
     def example_loss(trainable_params, example, label):
         logits = functional_call(model, (trainable_params, fixed), (example.unsqueeze(0),))
@@ -93,7 +141,7 @@ def per_example_clipped_sum(
     flat = torch.cat([sums[name].reshape(-1) for name, _ in trainable])
     if not return_norms:
         return flat
-    return flat, {name: torch.cat(values) if values else weights.new_zeros(0) for name, values in norms.items()}
+    return flat, {name: torch.cat(values) if values else flat.new_zeros(0) for name, values in norms.items()}
 
 
 ENGINES: tuple[str, ...] = ("fast", "vmap")
