@@ -16,6 +16,7 @@ else:  # pragma: no cover - Python 3.10
 from accounting.accountants import ACCOUNTANTS
 from workers.clipping import ENGINES
 from orchestrator import checks
+from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
 from orchestrator.errors import UsageError
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
 
@@ -64,6 +65,7 @@ class TrainConfig:
     max_physical_batch: int = 128
     engine: str = "fast"
     microbatch_size: int | None = None
+    adaptive_clipping: AdaptiveClipping | None = None
     checkpoint_every: int = 0
     commit_every: int | None = None
     ledger: str | None = None
@@ -160,6 +162,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
         engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
         microbatch_size=_optional(values, "microbatch_size", lambda key, v: checks.integer_at_least(key, v, 1)),
+        adaptive_clipping=parse_adaptive_clipping(values.get("adaptive_clipping")),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
         ledger=_optional(values, "ledger", _address),
@@ -173,6 +176,8 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
     )
     checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
+    if config.adaptive_clipping is not None and config.microbatch_size is not None:
+        raise UsageError("adaptive_clipping counts single examples; it cannot be combined with microbatch_size")
     return config
 
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from accounting.accountants import get_accountant, label
 from accounting.calibration import scale_for_target
 from accounting.events import Composition
+from orchestrator.adaptive_clipping import effective_noise_multiplier, next_clip_norm, noisy_unclipped_fraction
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import TrainConfig, expected_batch_size, sampling_rate, total_steps, training_set_size
 from orchestrator.errors import LedgerTimeoutError, UsageError
@@ -68,6 +69,7 @@ class RunPlan:
     epoch_ends: tuple[int, ...]
     charge_ends: tuple[int, ...]
     microbatches: int | None = None
+    count_noise_multiplier: float | None = None
 
     @property
     def sensitivity_factor(self) -> float:
@@ -81,8 +83,9 @@ class RunPlan:
 
     @property
     def planned_events(self) -> Composition:
-        """The events of the whole planned run, in order."""
-        return schedule_events(list(self.noise_blocks), self.sampling_rate, self.sensitivity_factor)
+        """The events of the whole planned run, in order (with adaptive clipping, of the gradient and count pair)."""
+        return schedule_events(accounted_blocks(self.noise_blocks, self.count_noise_multiplier), self.sampling_rate,
+                               self.sensitivity_factor)
 
     def events_between(self, start: int, end: int) -> Composition:
         """The events of steps start..end-1 (0-based) of the plan."""
@@ -98,6 +101,15 @@ class RunPlan:
         raise IndexError(f"step {step} is past the planned run")
 
 
+def accounted_blocks(
+    blocks: tuple[tuple[float, int], ...] | list[tuple[float, int]], count_noise_multiplier: float | None
+) -> list[tuple[float, int]]:
+    """The (sigma, steps) blocks as accounted: with adaptive clipping, sigma of the gradient and count pair."""
+    if count_noise_multiplier is None:
+        return list(blocks)
+    return [(effective_noise_multiplier(sigma, count_noise_multiplier), steps) for sigma, steps in blocks]
+
+
 def plan_run(config: TrainConfig) -> RunPlan:
     """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends."""
     dataset_size = training_set_size(config)
@@ -108,6 +120,8 @@ def plan_run(config: TrainConfig) -> RunPlan:
     microbatches = None if config.microbatch_size is None else microbatch_count(
         expected_batch_size(config), config.microbatch_size)
     sensitivity_factor = 2.0 if microbatches else 1.0
+    adaptive = config.adaptive_clipping
+    count_noise_multiplier = None if adaptive is None else adaptive.count_noise_multiplier
 
     def blocks_at(noise_multiplier: float) -> list[tuple[float, int]]:
         return noise_blocks(config.noise_schedule, noise_multiplier, steps, steps_per_epoch)
@@ -116,7 +130,9 @@ def plan_run(config: TrainConfig) -> RunPlan:
     if noise_multiplier is None:
         noise_multiplier = scale_for_target(
             config.target_epsilon, config.delta,
-            lambda sigma: schedule_events(blocks_at(sigma), rate, sensitivity_factor), config.accountant,
+            lambda sigma: schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate,
+                                          sensitivity_factor),
+            config.accountant,
         )
     epoch_ends = sorted({min(steps, math.ceil(epoch * steps_per_epoch - 1e-9))
                          for epoch in range(1, math.ceil(steps / steps_per_epoch - 1e-9) + 1)} | {steps})
@@ -127,6 +143,7 @@ def plan_run(config: TrainConfig) -> RunPlan:
     return RunPlan(
         dataset_size, rate, expected_batch_size(config), steps, noise_multiplier,
         tuple(blocks_at(noise_multiplier)), tuple(epoch_ends), tuple(charge_ends), microbatches,
+        count_noise_multiplier,
     )
 
 
@@ -201,6 +218,7 @@ class Trainer:
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         self.events = Composition()
+        self.clip_norm = config.clip_norm
         self.metrics: list[dict] = []
         self.charged_blocks = 0
         self.wall_seconds_before = 0.0
@@ -237,6 +255,7 @@ class Trainer:
             "charged_blocks": self.charged_blocks,
             "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
             "noise_multiplier": self.plan.noise_multiplier,
+            "clip_norm": self.clip_norm,
             "wall_seconds": self._wall_seconds(),
         }
 
@@ -253,6 +272,7 @@ class Trainer:
         self.events = Composition.from_dict(state["events"])
         self.metrics = list(state["metrics"])
         self.charged_blocks = state["charged_blocks"]
+        self.clip_norm = state["clip_norm"]
         self.wall_seconds_before = state["wall_seconds"]
         self.resumed_reservation_id = state["reservation_id"]
 
@@ -320,12 +340,15 @@ class Trainer:
     def _partial_sums(
         self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None = None
     ) -> list[np.ndarray]:
-        """Each worker's clipped sum of its shard; a worker that is gone for good is replaced."""
-        clip_norm = self.config.clip_norm
+        """Each worker's clipped sum of its shard; a worker that is gone for good is replaced.
+
+        With adaptive clipping each sum carries one more entry: the worker's raw unclipped count.
+        """
+        clip_norm, count = self.clip_norm, self.config.adaptive_clipping is not None
         groups = group_shards or [None] * len(shards)
 
         def call(index: int):
-            return workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm, groups[index])
+            return workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm, groups[index], count)
 
         calls = [call(index) for index in range(len(workers))]
         sums = []
@@ -344,7 +367,7 @@ class Trainer:
 
     def _step(self, workers: list) -> None:
         """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step."""
-        config, plan = self.config, self.plan
+        plan = self.plan
         step = self.step
         indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
         weights = ray.put(flat_parameters(self.model).numpy())
@@ -354,10 +377,21 @@ class Trainer:
         else:
             partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
         clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
+        clip_norm = self.clip_norm
+        if self.config.adaptive_clipping is not None:
+            clipped_sum, unclipped = clipped_sum[:-1], clipped_sum[-1]
+            self._adapt_clip_norm(unclipped, len(indices))
         # Drawn after every shard is in: a recomputed shard never causes a second draw.
-        noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * config.clip_norm)
+        noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * clip_norm)
         self._apply_noisy_sum(clipped_sum + noise)
         self.events = self.events.then(plan.events_between(step, step + 1))
+
+    def _adapt_clip_norm(self, unclipped: float, realised_batch: int) -> None:
+        """Move the clip norm for the next step by the noisy unclipped fraction (the raw counts stay here)."""
+        settings = self.config.adaptive_clipping
+        count_noise = self.noise.draw(1, settings.count_noise_multiplier)[0]
+        fraction = noisy_unclipped_fraction(unclipped, realised_batch, count_noise, self.plan.expected_batch_size)
+        self.clip_norm = next_clip_norm(self.clip_norm, fraction, settings)
 
     def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
         """Post-processing of the step's noisy sum: average by q*N, optimizer step, LR schedule."""
@@ -459,6 +493,7 @@ class Trainer:
             "noise_multiplier": plan.noise_multiplier,
             "sampling_rate": plan.sampling_rate,
             "clip_norm": config.clip_norm,
+            "final_clip_norm": self.clip_norm,
             "batch_size": config.batch_size,
             "epochs": self.step * config.batch_size / plan.dataset_size,
             "dataset": config.dataset,

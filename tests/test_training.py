@@ -11,6 +11,7 @@ from torch import nn
 import orchestrator.trainer as trainer_module
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
+from orchestrator.adaptive_clipping import effective_noise_multiplier
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.noise import GaussianNoise
@@ -129,6 +130,16 @@ def test_microbatched_training_runs_on_workers_and_accounts_factor_2(local_ray, 
     expected = get_accountant("pld").epsilon(SampledGaussian(60 / 600, 1.1, 3, sensitivity_factor=2.0), 1e-5)
     assert summary["epsilon"] == expected
     assert all(event["sensitivity_factor"] == 2.0 for event in summary["events"]["events"])
+
+
+def test_adaptive_clipping_moves_the_clip_norm_and_accounts_the_pair(local_ray, tmp_path):
+    config = small_config(tmp_path, steps=6, clip_norm=50.0,
+                          adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
+    summary = Trainer(config, show_progress=False).run()
+    # Every example's norm is far below 50, so the noisy fractions near 1 shrink C geometrically.
+    assert summary["final_clip_norm"] < 50.0 * 0.95
+    sigma = effective_noise_multiplier(1.1, 3.0)
+    assert summary["epsilon"] == get_accountant("pld").epsilon(SampledGaussian(60 / 600, sigma, 6), 1e-5)
 
 
 def test_target_epsilon_sets_sigma_that_meets_it(local_ray, tmp_path):

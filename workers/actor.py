@@ -71,7 +71,12 @@ class GradientWorker:
         self.labels = labels.to(self.device)
 
     def clipped_grad_sum(
-        self, weights: np.ndarray, indices: np.ndarray, clip_norm: float, group_ids: np.ndarray | None = None
+        self,
+        weights: np.ndarray,
+        indices: np.ndarray,
+        clip_norm: float,
+        group_ids: np.ndarray | None = None,
+        count_unclipped: bool = False,
     ) -> np.ndarray:
         """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
 
@@ -79,7 +84,9 @@ class GradientWorker:
         positions in this worker's training examples. With ``group_ids`` (one
         per index), each microbatch's mean-loss gradient is clipped instead of
         each example's. Returns a flat float32 array of the same length as
-        ``weights`` (zeros for no indices).
+        ``weights`` (zeros for no indices); with ``count_unclipped`` one more
+        entry follows: how many examples had a norm <= ``clip_norm`` (a raw
+        count for the driver, which releases only a noisy version of it).
         """
         indices = np.asarray(indices)
         example_count = len(self.labels)
@@ -97,6 +104,14 @@ class GradientWorker:
                 self.model, flat_weights, self.images[selected], self.labels[selected],
                 torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm,
             )
+        elif count_unclipped:
+            summed, norms = clipped_sum(
+                self.engine, self.model, flat_weights, self.images[selected], self.labels[selected],
+                clip_norm, self.max_physical_batch, return_norms=True,
+            )
+            total_norms = torch.stack(list(norms.values())).pow(2).sum(0).sqrt() if norms else summed.new_zeros(0)
+            unclipped = (total_norms <= clip_norm).sum().to(summed.dtype).reshape(1)
+            summed = torch.cat([summed, unclipped])
         else:
             summed = clipped_sum(
                 self.engine,

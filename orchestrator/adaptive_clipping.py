@@ -1,0 +1,78 @@
+"""Adaptive clipping (Andrew et al. 2021): the clip norm follows a target quantile of per-example norms.
+
+Each step the workers also report how many of their examples had a gradient
+norm at or below the current clip norm. The driver centres that raw count
+(count - n/2, whose sensitivity to one example is 1/2), adds N(0, sigma_b^2)
+noise, and only that noisy fraction moves the clip norm. The gradient query
+(sensitivity C, noise sigma*C) and the count query (sensitivity 1/2, noise
+sigma_b) together are exactly a Gaussian mechanism with noise multiplier
+(sigma^-2 + (2 sigma_b)^-2)^(-1/2), which is what the events carry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from orchestrator import checks
+from orchestrator.errors import UsageError
+
+UPDATES = ("geometric", "linear")
+
+
+@dataclass(frozen=True)
+class AdaptiveClipping:
+    """Target quantile gamma, clip learning rate eta, update rule, and the count's noise sigma_b."""
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    update: str = "geometric"
+    count_noise_multiplier: float = 10.0
+
+
+def parse_adaptive_clipping(value: Any) -> AdaptiveClipping | None:
+    """Validate the `adaptive_clipping` config table (None or false: off)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, Mapping):
+        raise UsageError(f"adaptive_clipping must be a table or true/false (got {value!r})")
+    allowed = {"target_quantile", "learning_rate", "update", "count_noise_multiplier"}
+    unknown = set(value) - allowed
+    if unknown:
+        raise UsageError(f"adaptive_clipping takes {', '.join(sorted(allowed))}; unknown: {', '.join(sorted(unknown))}")
+    target = checks.positive_number("adaptive_clipping.target_quantile", value.get("target_quantile", 0.5))
+    if target >= 1.0:
+        raise UsageError(f"adaptive_clipping.target_quantile must be in (0, 1) (got {target:g})")
+    return AdaptiveClipping(
+        target,
+        checks.positive_number("adaptive_clipping.learning_rate", value.get("learning_rate", 0.2)),
+        checks.one_of("adaptive_clipping.update", value.get("update", "geometric"), UPDATES),
+        checks.positive_number("adaptive_clipping.count_noise_multiplier", value.get("count_noise_multiplier", 10.0)),
+    )
+
+
+def effective_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
+    """The noise multiplier of the (gradient, centred count) pair: (sigma^-2 + (2 sigma_b)^-2)^(-1/2)."""
+    return (noise_multiplier**-2 + (2.0 * count_noise_multiplier) ** -2) ** -0.5
+
+
+def noisy_unclipped_fraction(
+    unclipped: float, realised_batch: int, count_noise: float, expected_batch_size: float
+) -> float:
+    """The released estimate of the unclipped fraction: ((unclipped - n/2) + noise) / (q N) + 1/2.
+
+    `unclipped` and `realised_batch` are raw counts; only this noisy result leaves the driver.
+    """
+    return (unclipped - realised_batch / 2.0 + count_noise) / expected_batch_size + 0.5
+
+
+def next_clip_norm(clip_norm: float, unclipped_fraction: float, settings: AdaptiveClipping) -> float:
+    """One step towards the target quantile: geometric C*exp(-eta*(b - gamma)), or linear C - eta*(b - gamma)."""
+    error = unclipped_fraction - settings.target_quantile
+    if settings.update == "geometric":
+        return clip_norm * math.exp(-settings.learning_rate * error)
+    # A linear step could cross zero; a clip norm must stay positive.
+    return max(clip_norm - settings.learning_rate * error, 1e-6)
