@@ -14,7 +14,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from accounting.accountants import ACCOUNTANTS
-from workers.clipping import ENGINES
+from workers.clipping import ENGINES, LayerClipNorms
 from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
 from orchestrator.errors import UsageError
@@ -66,6 +66,7 @@ class TrainConfig:
     engine: str = "fast"
     microbatch_size: int | None = None
     adaptive_clipping: AdaptiveClipping | None = None
+    layer_clip_norms: LayerClipNorms | None = None
     checkpoint_every: int = 0
     commit_every: int | None = None
     ledger: str | None = None
@@ -80,6 +81,8 @@ class TrainConfig:
         """A JSON-ready dict of every key."""
         data = dataclasses.asdict(self)
         data["optimizer"] = {"name": self.optimizer.name, **dict(self.optimizer.parameters)}
+        if self.layer_clip_norms is not None:
+            data["layer_clip_norms"] = dict(self.layer_clip_norms.groups)
         return data
 
 
@@ -163,6 +166,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
         microbatch_size=_optional(values, "microbatch_size", lambda key, v: checks.integer_at_least(key, v, 1)),
         adaptive_clipping=parse_adaptive_clipping(values.get("adaptive_clipping")),
+        layer_clip_norms=_layer_clip_norms(values.get("layer_clip_norms")),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
         ledger=_optional(values, "ledger", _address),
@@ -178,6 +182,9 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
     checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
     if config.adaptive_clipping is not None and config.microbatch_size is not None:
         raise UsageError("adaptive_clipping counts single examples; it cannot be combined with microbatch_size")
+    if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
+        raise UsageError("layer_clip_norms clips single examples with fixed norms; "
+                         "it cannot be combined with microbatch_size or adaptive_clipping")
     return config
 
 
@@ -189,6 +196,19 @@ def _model_spec(value: Any) -> str:
             f"model must be one of {', '.join(MODEL_NAMES)} or 'package.module:function' (got {value!r})"
         )
     return value
+
+
+def _layer_clip_norms(value: Any) -> LayerClipNorms | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise UsageError(
+            f"layer_clip_norms must be a table of parameter-name prefix = clip norm, e.g. "
+            f'{{ "0" = 1.0, "7" = 0.5 }} (got {value!r})'
+        )
+    return LayerClipNorms(tuple(
+        (str(prefix), checks.positive_number(f"layer_clip_norms.{prefix}", norm)) for prefix, norm in value.items()
+    ))
 
 
 def _address(key: str, value: Any) -> str:

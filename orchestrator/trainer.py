@@ -215,10 +215,17 @@ class Trainer:
             torch.manual_seed(config.seed)
         self.model = build_model(config.model)
         check_model(self.model)
+        if config.layer_clip_norms is not None:
+            unmatched = config.layer_clip_norms.unmatched([name for name, p in self.model.named_parameters()
+                                                           if p.requires_grad])
+            if unmatched:
+                raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
+                                 "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         self.events = Composition()
-        self.clip_norm = config.clip_norm
+        # The bound noise is scaled to: the total of the per-layer norms, or the (possibly adaptive) clip norm.
+        self.clip_norm = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm
         self.metrics: list[dict] = []
         self.charged_blocks = 0
         self.wall_seconds_before = 0.0
@@ -344,7 +351,7 @@ class Trainer:
 
         With adaptive clipping each sum carries one more entry: the worker's raw unclipped count.
         """
-        clip_norm, count = self.clip_norm, self.config.adaptive_clipping is not None
+        clip_norm, count = self.config.layer_clip_norms or self.clip_norm, self.config.adaptive_clipping is not None
         groups = group_shards or [None] * len(shards)
 
         def call(index: int):

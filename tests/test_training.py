@@ -142,6 +142,13 @@ def test_adaptive_clipping_moves_the_clip_norm_and_accounts_the_pair(local_ray, 
     assert summary["epsilon"] == get_accountant("pld").epsilon(SampledGaussian(60 / 600, sigma, 6), 1e-5)
 
 
+def test_per_layer_clipping_runs_on_workers_with_noise_at_the_total_norm(local_ray, tmp_path):
+    config = small_config(tmp_path, steps=4, layer_clip_norms={"0": 0.5, "3": 0.5, "7": 0.5, "9": 0.5})
+    noise = RecordingNoise(seed=6)
+    Trainer(config, noise=noise, show_progress=False).run()
+    assert np.concatenate(noise.draws).std() == pytest.approx(1.1 * 1.0, rel=0.03)
+
+
 def test_target_epsilon_sets_sigma_that_meets_it(local_ray, tmp_path):
     config = small_config(tmp_path, noise_multiplier=None, target_epsilon=2.0, steps=3)
     summary = Trainer(config, show_progress=False).run()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,58 @@ def clip_factors(per_example_norms: torch.Tensor, clip_norm: float) -> torch.Ten
     # The division is evaluated for every entry, but torch.where takes 1 for
     # norms at or below clip_norm, so a zero norm never yields inf or nan.
     return torch.where(per_example_norms > clip_norm, clip_norm / per_example_norms, 1.0)
+
+
+@dataclass(frozen=True)
+class LayerClipNorms:
+    """Per-layer clipping: each parameter group, named by a parameter-name prefix, has its own L2 bound.
+
+    A parameter belongs to the longest prefix that equals its name or its name
+    up to a dot. One example then moves the sum by at most
+    sqrt(sum of squared group norms): the total sensitivity.
+    """
+
+    groups: tuple[tuple[str, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("per-layer clipping needs at least one (parameter prefix, clip norm) group")
+        for prefix, norm in self.groups:
+            if not (isinstance(norm, (int, float)) and norm > 0 and math.isfinite(norm)):
+                raise ValueError(f"the clip norm of group {prefix!r} must be a finite number > 0 (got {norm!r})")
+
+    @property
+    def total_norm(self) -> float:
+        """The total sensitivity: the root of the sum of the squared group norms."""
+        return math.sqrt(sum(norm**2 for _, norm in self.groups))
+
+    def group_of(self, parameter_name: str) -> int | None:
+        """Index of the group that owns a parameter, or None."""
+        matches = [
+            (len(prefix), index) for index, (prefix, _) in enumerate(self.groups)
+            if parameter_name == prefix or parameter_name.startswith(prefix + ".")
+        ]
+        return max(matches)[1] if matches else None
+
+    def unmatched(self, parameter_names: list[str]) -> list[str]:
+        """The parameters no group owns."""
+        return [name for name in parameter_names if self.group_of(name) is None]
+
+
+ClipNorm = Union[float, LayerClipNorms]
+
+
+def clip_factors_by_parameter(squared_norms: dict[str, torch.Tensor], clip_norm: ClipNorm) -> dict[str, torch.Tensor]:
+    """Per parameter, the [n] factors that clip each example: over the whole gradient, or within its group."""
+    if not isinstance(clip_norm, LayerClipNorms):
+        factors = clip_factors(torch.stack(list(squared_norms.values())).sum(0).sqrt(), clip_norm)
+        return {name: factors for name in squared_norms}
+    owners = {name: clip_norm.group_of(name) for name in squared_norms}
+    factors_of_group = {}
+    for group in set(owners.values()):
+        members = [squared_norms[name] for name, owner in owners.items() if owner == group]
+        factors_of_group[group] = clip_factors(torch.stack(members).sum(0).sqrt(), clip_norm.groups[group][1])
+    return {name: factors_of_group[owner] for name, owner in owners.items()}
 
 
 def functional_parameters(
@@ -134,9 +188,9 @@ def per_example_clipped_sum(
             params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
         )
         squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
-        factors = clip_factors(sum(squared.values()).sqrt(), clip_norm)
+        factors = clip_factors_by_parameter(squared, clip_norm)
         for name, g in grads.items():
-            sums[name] += torch.tensordot(factors, g.to(torch.float32), dims=1)
+            sums[name] += torch.tensordot(factors[name], g.to(torch.float32), dims=1)
             norms[name].append(squared[name].sqrt())
     flat = torch.cat([sums[name].reshape(-1) for name, _ in trainable])
     if not return_norms:
@@ -189,7 +243,14 @@ def check_arguments(
     max_physical_batch: int,
 ) -> None:
     """Raise ValueError, saying what is wrong and what is valid, for arguments no engine can use."""
-    if not (clip_norm > 0 and math.isfinite(clip_norm)):
+    if isinstance(clip_norm, LayerClipNorms):
+        unmatched = clip_norm.unmatched([name for name, p in model.named_parameters() if p.requires_grad])
+        if unmatched:
+            raise ValueError(
+                f"per-layer clipping leaves parameters without a group: {', '.join(unmatched)}; "
+                "give every trainable parameter a prefix in layer_clip_norms"
+            )
+    elif not (clip_norm > 0 and math.isfinite(clip_norm)):
         raise ValueError(f"clip_norm must be a finite number > 0 (got {clip_norm}); it is the per-example L2 bound")
     if (
         isinstance(max_physical_batch, bool)

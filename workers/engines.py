@@ -683,9 +683,9 @@ def _book_keeping(
                 else torch.zeros(batch_size, device=device)
                 for name in sums
             }
-            factors = clipping.clip_factors(torch.stack(list(squared.values())).sum(0).sqrt(), clip_norm)
+            factors = clipping.clip_factors_by_parameter(squared, clip_norm)
             for name, parameter_gradients in gradients.items():
-                sums[name] += parameter_gradients.clipped_sum(factors)
+                sums[name] += parameter_gradients.clipped_sum(factors[name])
             for name, values in squared.items():
                 norms[name].append(values.sqrt())
     if not return_norms:
