@@ -44,6 +44,10 @@ class AccountingError(ValueError):
     """A query to an accountant is outside its valid range."""
 
 
+class PldFallbackWarning(UserWarning):
+    """PLD was impractical (the privacy loss is enormous); the rigorous RDP bound is reported instead."""
+
+
 class RdpOrderWarning(UserWarning):
     """The best RDP order lies at the edge of the grid, so epsilon may be loose."""
 
@@ -82,6 +86,12 @@ def _pld_of(composition: Composition) -> pld.PLDAccountant:
     return accountant
 
 
+# Below this effective noise multiplier, PLD's grid can grow without bound: check RDP first.
+_PLD_SMALLEST_CHECKED_SIGMA = 0.3
+# Above this epsilon there is no privacy left to measure finely; RDP's rigorous bound is reported.
+_PLD_LARGEST_EPSILON = 100.0
+
+
 class PldAccountant:
     """Privacy-loss-distribution accounting with pessimistic discretisation (rigorous)."""
 
@@ -89,11 +99,21 @@ class PldAccountant:
     rigorous = True
 
     def epsilon(self, events: EventsLike, delta: float) -> float:
-        """Upper bound on epsilon at `delta`."""
+        """Upper bound on epsilon at `delta` (the RDP bound, with a PldFallbackWarning, beyond epsilon 100)."""
         delta = _check_delta(delta)
         composition = as_composition(events)
         if composition.steps == 0:
             return 0.0
+        if min(event.effective_noise_multiplier for event in composition.events) < _PLD_SMALLEST_CHECKED_SIGMA:
+            rdp_epsilon = epsilon_from_rdp(rdp_vector(composition), delta, warn=False)
+            if rdp_epsilon > _PLD_LARGEST_EPSILON:
+                warnings.warn(
+                    f"epsilon exceeds {_PLD_LARGEST_EPSILON:g}, where PLD's grid becomes impractical; "
+                    f"reporting the rigorous RDP bound {rdp_epsilon:.4g} instead",
+                    PldFallbackWarning,
+                    stacklevel=2,
+                )
+                return rdp_epsilon
         return float(_pld_of(composition).get_epsilon(delta))
 
     def delta(self, events: EventsLike, epsilon: float) -> float:

@@ -8,6 +8,7 @@ import sys
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 from orchestrator.ledger_cli import add_ledger_parser
 from orchestrator.privacy_cli import add_privacy_parsers
+from orchestrator.submit_cli import add_submit_parser
 from orchestrator.train_cli import add_train_parser
 
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_privacy_parsers(subparsers)
     add_train_parser(subparsers)
     add_ledger_parser(subparsers)
+    add_submit_parser(subparsers)
     return parser
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from accounting.accountants import (
     RDP_ORDERS,
+    PldFallbackWarning,
     RdpOrderWarning,
     epsilon_from_rdp,
     get_accountant,
@@ -178,3 +179,10 @@ def test_pld_epsilon_falls_with_noise_and_rises_with_steps(sigma, steps):
     base = epsilon("pld", SampledGaussian(0.01, sigma, steps))
     assert epsilon("pld", SampledGaussian(0.01, sigma * 1.2, steps)) <= base
     assert epsilon("pld", SampledGaussian(0.01, sigma, steps * 2)) >= base
+
+
+def test_pld_reports_the_rdp_bound_when_the_loss_is_too_large_to_grid():
+    event = SampledGaussian(0.05, 0.1, 500)
+    with pytest.warns(PldFallbackWarning, match="exceeds 100"):
+        reported = epsilon("pld", event)
+    assert reported == epsilon("rdp", event) > 100
