@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from bench import ledger, mnist, throughput
+from bench import ledger, mnist, seeds, throughput
 
-BENCHMARKS = {"throughput": throughput.main, "ledger": ledger.main, "mnist": mnist.main}
+BENCHMARKS = {
+    "throughput": throughput.main,
+    "ledger": ledger.main,
+    "mnist": mnist.main,
+    "seeds": seeds.main,
+}
 
 
 def main(argv: list[str]) -> int:
