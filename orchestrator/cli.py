@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from orchestrator.audit_cli import add_audit_parser
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 from orchestrator.ledger_cli import add_ledger_parser
 from orchestrator.privacy_cli import add_privacy_parsers
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_privacy_parsers(subparsers)
     add_train_parser(subparsers)
     add_ledger_parser(subparsers)
+    add_audit_parser(subparsers)
     add_submit_parser(subparsers)
     return parser
 

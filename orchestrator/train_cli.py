@@ -8,7 +8,9 @@ from orchestrator.config import load_config
 from orchestrator.display import format_table, print_json
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
+from orchestrator.membership import membership_report
 from orchestrator.trainer import Trainer, resume_trainer
+from workers.data import load_split
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +39,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
     train.add_argument("--show-train-loss", action="store_true",
                        help="also print the training loss after each epoch (NOT private)")
+    train.add_argument("--mia", action="store_true",
+                       help="after training, run a loss-threshold membership-inference attack and report its "
+                            "AUC and TPR at 1%% FPR (training examples against held-out test examples)")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     train.set_defaults(handler=run_train)
@@ -68,6 +73,8 @@ def run_train(args: argparse.Namespace) -> int:
         ) from None
     trainer.ledger.release()
     budget = trainer.ledger.status()
+    if args.mia:
+        summary["membership_inference"] = _membership_inference(trainer)
     if args.json:
         summary = {key: value for key, value in summary.items() if key != "events"}
         summary["dataset_remaining_epsilon"] = budget.remaining_epsilon
@@ -87,8 +94,22 @@ def run_train(args: argparse.Namespace) -> int:
         ["ledger: spent (pld)", budget.spent_epsilon],
         ["ledger: remaining", budget.remaining_epsilon],
     ]
+    if args.mia:
+        attack = summary["membership_inference"]
+        rows.append(["membership inference AUC", attack["auc"]])
+        rows.append(["membership inference TPR at 1% FPR", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:
+    """Loss-threshold attack on the trained model: its training examples against test examples it never saw."""
+    config = trainer.config
+    images, labels = load_split(config.dataset, "train", config.data_root)
+    test_images, test_labels = load_split(config.dataset, "test", config.data_root)
+    members = min(examples, trainer.plan.dataset_size)
+    return membership_report(trainer.model, images[:members], labels[:members],
+                             test_images[:examples], test_labels[:examples])
 
 
 def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:

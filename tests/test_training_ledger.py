@@ -171,3 +171,11 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
         spent = acme.get_budget("digits").spent_epsilon
     assert len(jobs) == 1 and jobs[0].committed_steps == 80
     assert epsilon_of(80) - 1e-9 <= spent <= epsilon_of(80 + 10) + 1e-9
+
+
+def test_train_with_mia_reports_the_membership_attack(tmp_path, capsys):
+    config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\n')
+    assert main(["train", "--config", config, "--no-progress", "--mia", "--json"]) == 0
+    attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference"]
+    assert 0.0 <= attack["auc"] <= 1.0 and 0.0 <= attack["tpr_at_1pct_fpr"] <= 1.0
+    assert attack["members"] == 600 and attack["nonmembers"] == 1000

@@ -1,0 +1,337 @@
+"""`run_audit`: train once through the real pipeline with canaries, and bound epsilon from below.
+
+The accountant's epsilon is an upper bound for DP-SGD as specified. The
+audit measures what the implementation leaks: K canaries extend the index
+space of the training set to N + K (canary k is example N + k); each is in
+the dataset independently with probability 1/2, drawn from a generator the
+scorer never sees. The real Poisson sampler runs over all N + K indices at the
+configured rate q, so a canary joins exactly the steps the sampler picks it
+for, and the accountant's events are those of the plan (same q, sigma,
+steps): ``epsilon_upper`` is the PLD epsilon of what ran. Real indices go to
+the gradient workers unchanged; the canaries' clipped gradients are added at
+the partial-sum stage, before the driver's one noise draw.
+
+- white-box (default): Dirac gradient canaries. Canary k is a per-example
+  gradient of norm exactly C on its own parameter coordinate (already
+  clipped); the coordinates are the K that real examples' gradients touch
+  least at initialisation, since real gradients there only blur the scores.
+  The auditor sees every noisy sum the driver computes and scores each canary
+  by the log-likelihood ratio of its coordinate across the steps
+  (``accounting.auditing.dirac_canary_scores``).
+- black-box: input canaries, K images from the end of the test split with a
+  wrong label. Their gradients are clipped on the driver by
+  ``workers.clipping.per_example_clipped_sum`` (the workers' clipping code):
+  the workers load only their own training split, so the canaries cannot be
+  placed among their examples. The auditor sees only the final model and
+  scores each canary by minus its loss.
+
+The guesses become a lower bound with the one-run bound of Steinke, Nasr and
+Jagielski (``accounting.auditing``). A lower bound above the accountant's
+upper bound means the implementation is less private than claimed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Protocol
+
+import matplotlib
+import numpy as np
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+
+from accounting.accountants import get_accountant  # noqa: E402
+from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
+from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
+from orchestrator.errors import UsageError  # noqa: E402
+from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
+from orchestrator.noise import GaussianNoise  # noqa: E402
+from orchestrator.sampling import make_generator, partition  # noqa: E402
+from orchestrator.trainer import Trainer  # noqa: E402
+from workers.clipping import per_example_clipped_sum  # noqa: E402
+from workers.data import dataset_size, load_split  # noqa: E402
+from workers.models import build_model, flat_parameters, parameter_count  # noqa: E402
+
+MODES = ("white-box", "black-box")
+DEFAULT_CANARIES = {"white-box": 5000, "black-box": 1000}
+MIN_CANARIES = 100
+CANARY_STREAM = 2
+SCORES_PNG = "audit_scores.png"
+AUDIT_JSON = "audit.json"
+_MEMBERSHIP_EXAMPLES = 1000
+PROBE_EXAMPLES = 64
+
+
+class Canaries(Protocol):
+    """K canaries at the sampler's indices N..N+K-1: which are in the dataset, and their clipped gradients."""
+
+    count: int
+    included: np.ndarray
+
+    def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
+        """Sum of the clipped gradients of the `sampled` canaries (0-based) that are in the dataset (float64)."""
+
+
+class DiracCanaries:
+    """Gradient canaries: canary k, when included and sampled, adds `clip_norm` on parameter `coordinates[k]`.
+
+    `included[k]` says whether canary k is in the dataset; the scorer must
+    never see it.
+    """
+
+    def __init__(self, coordinates: np.ndarray, included: np.ndarray):
+        self.coordinates = np.asarray(coordinates, dtype=np.int64)
+        self.included = np.asarray(included, dtype=bool)
+        self.count = len(self.included)
+
+    def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
+        """Sum of the clipped gradients of the sampled canaries that are in the dataset (float64)."""
+        total = np.zeros(parameter_count(model), dtype=np.float64)
+        total[self.coordinates[sampled[self.included[sampled]]]] = clip_norm
+        return total
+
+
+class MislabelledCanaries:
+    """Input canaries: images with a wrong label, clipped on the driver like any worker's examples.
+
+    `included[k]` says whether canary k is in the dataset; the scorer must
+    never see it.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, included: np.ndarray, max_physical_batch: int):
+        self.images = images
+        self.labels = labels
+        self.included = np.asarray(included, dtype=bool)
+        self.count = len(self.included)
+        self.max_physical_batch = max_physical_batch
+
+    def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
+        """Sum of the clipped gradients of the sampled canaries that are in the dataset (float64)."""
+        chosen = torch.as_tensor(sampled[self.included[sampled]], dtype=torch.int64)
+        summed = per_example_clipped_sum(
+            model, flat_parameters(model), self.images[chosen], self.labels[chosen], clip_norm,
+            self.max_physical_batch,
+        )
+        return summed.double().numpy()
+
+
+class CanaryTrainer(Trainer):
+    """The real Trainer over N + K indices: indices >= N are canaries, added at the partial-sum stage.
+
+    With `watch` (parameter coordinates), every noisy sum the driver computes
+    is recorded at those coordinates in `observations`, with the step's
+    noise multiplier in `noise_multipliers`.
+    """
+
+    def __init__(self, config: TrainConfig, canaries: Canaries, watch: np.ndarray | None = None, **options):
+        super().__init__(config, **options)
+        self.canaries = canaries
+        self.real_dataset_size = self.plan.dataset_size
+        # The sampling rate, and so the accountant's events, stay the plan's; the divisor q * N stays too
+        # (post-processing, so it cannot change what leaks).
+        self.plan = dataclasses.replace(self.plan, dataset_size=self.real_dataset_size + canaries.count)
+        self.watch = watch
+        self.observations: list[np.ndarray] = []
+        self.noise_multipliers: list[float] = []
+
+    def _partial_sums(self, workers: list, weights, shards: list[np.ndarray]) -> list[np.ndarray]:
+        indices = np.concatenate(shards)
+        real = indices[indices < self.real_dataset_size]
+        sums = super()._partial_sums(workers, weights, partition(real, len(workers)))
+        sampled_canaries = indices[indices >= self.real_dataset_size] - self.real_dataset_size
+        return sums + [self.canaries.clipped_sum(sampled_canaries, self.model, self.config.clip_norm)]
+
+    def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
+        if self.watch is not None:
+            self.observations.append(np.asarray(noisy_sum, dtype=np.float64)[self.watch])
+            self.noise_multipliers.append(self.plan.sigma_at(self.step))
+        super()._apply_noisy_sum(noisy_sum)
+
+
+def quietest_coordinates(config: TrainConfig, count: int, generator: np.random.Generator) -> np.ndarray:
+    """The `count` parameter coordinates that real examples' clipped gradients touch least, at initialisation.
+
+    Real gradients on a canary's coordinate are noise to its score, so the
+    canaries go where the first PROBE_EXAMPLES training examples put the
+    least total |clipped gradient| (ties broken at random). The choice uses
+    no canary's inclusion, so the bound stays valid whatever it picks.
+    """
+    with torch.random.fork_rng():
+        if config.seed is not None:
+            torch.manual_seed(config.seed)  # the trainer's own initial weights
+        model = build_model(config.model)
+    images, labels = load_split(config.dataset, "train", config.data_root)
+    weights = flat_parameters(model)
+    activity = np.zeros(parameter_count(model), dtype=np.float64)
+    for index in range(min(PROBE_EXAMPLES, training_set_size(config))):
+        gradient = per_example_clipped_sum(
+            model, weights, images[index : index + 1], labels[index : index + 1], config.clip_norm, 1
+        )
+        activity += np.abs(gradient.double().numpy())
+    shuffled = generator.permutation(activity.size)
+    return shuffled[np.argsort(activity[shuffled], kind="stable")[:count]]
+
+
+def mislabelled(
+    images: torch.Tensor, labels: torch.Tensor, generator: np.random.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The images with each label replaced by one of the nine wrong ones, uniformly."""
+    shift = torch.as_tensor(generator.integers(1, 10, size=len(labels)), dtype=labels.dtype)
+    return images, (labels + shift) % 10
+
+
+def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: str) -> None:
+    if mode not in MODES:
+        raise UsageError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+    if isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < MIN_CANARIES:
+        raise UsageError(
+            f"canaries must be an integer >= {MIN_CANARIES} (got {canaries!r}); "
+            "the smallest guess count is 1% of the canaries"
+        )
+    if not 0.0 < confidence < 1.0:
+        raise UsageError(f"confidence must be in (0, 1), e.g. 0.95 (got {confidence!r})")
+    if mode == "white-box":
+        parameters = parameter_count(build_model(config.model))
+        if canaries > parameters:
+            raise UsageError(
+                f"white-box canaries each need their own parameter: at most {parameters} for "
+                f"{config.model} (got {canaries}); lower --canaries"
+            )
+    elif canaries > dataset_size(config.dataset, "test") // 2:
+        raise UsageError(
+            f"black-box canaries come from the second half of the {config.dataset} test split: at most "
+            f"{dataset_size(config.dataset, 'test') // 2} (got {canaries}); lower --canaries"
+        )
+
+
+def verdict(epsilon_lower: float, epsilon_upper: float) -> str:
+    """One line: does the measured leakage stay within the accountant's bound?"""
+    if epsilon_lower > epsilon_upper:
+        return (
+            f"VIOLATION: measured leakage (epsilon >= {epsilon_lower:.3g}) exceeds the accountant's bound "
+            f"{epsilon_upper:.3g}; the implementation is not as private as claimed"
+        )
+    return f"consistent: lower bound {epsilon_lower:.3g} <= accountant {epsilon_upper:.3g}"
+
+
+def plot_scores(
+    scores: np.ndarray, included: np.ndarray, guesses_in: int, guesses_out: int, path: Path, title: str
+) -> None:
+    """Write a PNG with the histograms of the canaries' scores, included against left out.
+
+    Dashed lines mark where the guesses start: "in" above the right one,
+    "out" below the left one.
+    """
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    bins = np.histogram_bin_edges(scores, bins=60)
+    axis.hist(scores[~included], bins=bins, alpha=0.6, label=f"left out ({(~included).sum()})", color="tab:blue")
+    axis.hist(scores[included], bins=bins, alpha=0.6, label=f"included ({included.sum()})", color="tab:red")
+    ranked = np.sort(scores)
+    if guesses_in:
+        axis.axvline(ranked[-guesses_in], color="tab:red", linestyle="--", linewidth=1)
+    if guesses_out:
+        axis.axvline(ranked[guesses_out - 1], color="tab:blue", linestyle="--", linewidth=1)
+    axis.set(xlabel="canary score (higher = guessed included)", ylabel="canaries", title=title)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def run_audit(
+    config: TrainConfig,
+    canaries: int | None = None,
+    confidence: float = 0.95,
+    mode: str = "white-box",
+    noise: GaussianNoise | None = None,
+    trainer_class: type[CanaryTrainer] = CanaryTrainer,
+    seed: int | None = None,
+    show_progress: bool = False,
+    out=sys.stdout,
+) -> dict:
+    """Train `config` once with canaries and return the audit (also written to run_dir/audit.json).
+
+    `canaries` defaults to DEFAULT_CANARIES[mode]; `seed` fixes the canaries'
+    inclusions and coordinates (default: the config's seed; entropy when both
+    are None). `noise` and `trainer_class` are the Trainer's hooks (tests
+    inject faults through them). epsilon_lower holds at `confidence` and the
+    config's delta; epsilon_upper is the PLD epsilon of the steps that ran.
+    The run is not charged to the privacy ledger.
+    """
+    canaries = DEFAULT_CANARIES.get(mode, 0) if canaries is None else canaries
+    _check_request(config, canaries, confidence, mode)
+    generator = make_generator(config.seed if seed is None else seed, CANARY_STREAM)
+    included = generator.random(canaries) < 0.5
+    test_images, test_labels = load_split(config.dataset, "test", config.data_root)
+    if mode == "white-box":
+        watch = quietest_coordinates(config, canaries, generator)
+        canary_set = DiracCanaries(watch, included)
+    else:
+        watch = None
+        canary_set = MislabelledCanaries(
+            *mislabelled(test_images[-canaries:], test_labels[-canaries:], generator), included,
+            config.max_physical_batch,
+        )
+    trainer = trainer_class(config, canary_set, watch=watch, noise=noise, show_progress=show_progress, out=out)
+    trainer.say(
+        f"audit: {canaries} {mode} canaries at indices {trainer.real_dataset_size}..{trainer.plan.dataset_size - 1} "
+        f"of the sampler's {trainer.plan.dataset_size}, each in the dataset with probability 1/2"
+    )
+    summary = trainer.run()
+
+    if mode == "white-box":
+        scores = dirac_canary_scores(
+            np.array(trainer.observations), trainer.plan.sampling_rate, np.array(trainer.noise_multipliers),
+            config.clip_norm,
+        )
+        statistic = "sum over steps of log(1 - q + q exp((x C - C^2/2) / (sigma C)^2)) on the canary's coordinate"
+    else:
+        scores = -example_losses(trainer.model, canary_set.images, canary_set.labels)
+        statistic = "minus the final model's loss on the mislabelled canary"
+    bound = audit_scores(scores, included, config.delta, confidence)
+    epsilon_upper = get_accountant("pld").epsilon(trainer.events, config.delta)
+
+    train_images, train_labels = load_split(config.dataset, "train", config.data_root)
+    members = min(_MEMBERSHIP_EXAMPLES, trainer.real_dataset_size)
+    # Black-box canaries come from the second half of the test split, so the first half is never trained on.
+    nonmembers = min(_MEMBERSHIP_EXAMPLES, len(test_labels) // 2)
+    membership = membership_report(
+        trainer.model, train_images[:members], train_labels[:members],
+        test_images[:nonmembers], test_labels[:nonmembers],
+    )
+    run_dir = Path(config.run_dir)
+    png = run_dir / SCORES_PNG
+    plot_scores(scores, included, bound.guesses_in, bound.guesses_out, png,
+                f"{mode} canaries: epsilon >= {bound.epsilon_lower:.2f} (accountant {epsilon_upper:.2f})")
+    result = {
+        "epsilon_lower": bound.epsilon_lower,
+        "epsilon_upper": epsilon_upper,
+        "confidence": confidence,
+        "delta": config.delta,
+        "canaries": canaries,
+        "guesses": bound.guesses,
+        "correct": bound.correct,
+        "guesses_in": bound.guesses_in,
+        "guesses_out": bound.guesses_out,
+        "guess_counts_tried": bound.tried,
+        "mode": mode,
+        "statistic": statistic,
+        "verdict": verdict(bound.epsilon_lower, epsilon_upper),
+        # Higher score = guessed included, so minus the score plays the part of a loss.
+        "canary_membership": loss_attack_figures(-scores[included], -scores[~included]),
+        "membership": membership,
+        "test_accuracy": summary["test_accuracy"],
+        "steps": summary["steps"],
+        "sampling_rate": trainer.plan.sampling_rate,
+        "noise_multiplier": trainer.plan.noise_multiplier,
+        "clip_norm": config.clip_norm,
+        "run_dir": str(run_dir),
+        "scores_png": str(png),
+    }
+    (run_dir / AUDIT_JSON).write_text(json.dumps(result, indent=2, sort_keys=True))
+    return result
