@@ -32,6 +32,25 @@ def _register(name: str) -> Callable[[ModelFactory], ModelFactory]:
     return add
 
 
+def _tutorial_cnn(activation: Callable[[], nn.Module]) -> nn.Sequential:
+    """The MNIST CNN shared by the TF Privacy, GDP and Opacus tutorials, with the given activation."""
+    # TF 'same' for a 28x28 input, kernel 8, stride 2: output ceil(28/2) = 14
+    # needs (14-1)*2 + 8 - 28 = 6 rows of padding, split 3 before and 3 after,
+    # which is PyTorch's symmetric padding=3.
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 8, stride=2, padding=3),
+        activation(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Conv2d(16, 32, 4, stride=2),
+        activation(),
+        nn.MaxPool2d(2, stride=1),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 32),
+        activation(),
+        nn.Linear(32, 10),
+    )
+
+
 @_register("gdp_cnn")
 def gdp_cnn() -> nn.Module:
     """The CNN of the GDP tutorial (Bu et al.): the TF Privacy MNIST CNN with tanh.
@@ -39,21 +58,7 @@ def gdp_cnn() -> nn.Module:
     Keras layers mapped to PyTorch, with Keras' default initialisation
     (Glorot-uniform kernels, zero biases).
     """
-    # TF 'same' for a 28x28 input, kernel 8, stride 2: output ceil(28/2) = 14
-    # needs (14-1)*2 + 8 - 28 = 6 rows of padding, split 3 before and 3 after,
-    # which is PyTorch's symmetric padding=3.
-    model = nn.Sequential(
-        nn.Conv2d(1, 16, 8, stride=2, padding=3),
-        nn.Tanh(),
-        nn.MaxPool2d(2, stride=1),
-        nn.Conv2d(16, 32, 4, stride=2),
-        nn.Tanh(),
-        nn.MaxPool2d(2, stride=1),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 32),
-        nn.Tanh(),
-        nn.Linear(32, 10),
-    )
+    model = _tutorial_cnn(nn.Tanh)
     for layer in model:
         if isinstance(layer, (nn.Conv2d, nn.Linear)):
             nn.init.xavier_uniform_(layer.weight)
@@ -64,18 +69,7 @@ def gdp_cnn() -> nn.Module:
 @_register("opacus_cnn")
 def opacus_cnn() -> nn.Module:
     """The CNN of the Opacus MNIST tutorial: same shape as ``gdp_cnn`` with ReLU, PyTorch init."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 8, stride=2, padding=3),
-        nn.ReLU(),
-        nn.MaxPool2d(2, stride=1),
-        nn.Conv2d(16, 32, 4, stride=2),
-        nn.ReLU(),
-        nn.MaxPool2d(2, stride=1),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 32),
-        nn.ReLU(),
-        nn.Linear(32, 10),
-    )
+    return _tutorial_cnn(nn.ReLU)
 
 
 @_register("lenet5")
