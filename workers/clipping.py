@@ -145,7 +145,7 @@ def per_example_clipped_sum(
     flat_weights: torch.Tensor,
     inputs: torch.Tensor,
     labels: torch.Tensor,
-    clip_norm: float,
+    clip_norm: ClipNorm,
     max_physical_batch: int,
     loss_fn: LossFunction = F.cross_entropy,
     return_norms: bool = False,
@@ -217,7 +217,7 @@ def clipped_sum(
     flat_weights: torch.Tensor,
     inputs: torch.Tensor,
     labels: torch.Tensor,
-    clip_norm: float,
+    clip_norm: ClipNorm,
     max_physical_batch: int,
     loss_fn: LossFunction = F.cross_entropy,
     return_norms: bool = False,
@@ -239,7 +239,7 @@ def check_arguments(
     flat_weights: torch.Tensor,
     inputs: torch.Tensor,
     labels: torch.Tensor,
-    clip_norm: float,
+    clip_norm: ClipNorm,
     max_physical_batch: int,
 ) -> None:
     """Raise ValueError, saying what is wrong and what is valid, for arguments no engine can use."""

@@ -611,7 +611,7 @@ def fast_clipped_sum(
     flat_weights: Tensor,
     inputs: Tensor,
     labels: Tensor,
-    clip_norm: float,
+    clip_norm: clipping.ClipNorm,
     max_physical_batch: int,
     loss_fn: clipping.LossFunction = F.cross_entropy,
     return_norms: bool = False,
@@ -648,7 +648,7 @@ def fast_clipped_sum(
 
 def _book_keeping(
     model: nn.Module, units: list[_Unit], trainable: list[tuple[str, nn.Parameter]], flat_weights: Tensor,
-    inputs: Tensor, labels: Tensor, clip_norm: float, max_physical_batch: int, loss_fn: clipping.LossFunction,
+    inputs: Tensor, labels: Tensor, clip_norm: clipping.ClipNorm, max_physical_batch: int, loss_fn: clipping.LossFunction,
     return_norms: bool, device: torch.device,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     weights = flat_weights.detach().to(device=device, dtype=torch.float32)
