@@ -9,6 +9,7 @@ steps the optimizer and ships the new weights with the next step.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -81,9 +82,12 @@ class RunPlan:
         """What the noisy sum is averaged over: q*N examples, or the G microbatches."""
         return float(self.microbatches) if self.microbatches else self.expected_batch_size
 
-    @property
+    @functools.cached_property
     def planned_events(self) -> Composition:
-        """The events of the whole planned run, in order (with adaptive clipping, of the gradient and count pair)."""
+        """The events of the whole planned run, in order (with adaptive clipping, of the gradient and count pair).
+
+        Cached: the plan is frozen, and every step slices its own event from this.
+        """
         return schedule_events(accounted_blocks(self.noise_blocks, self.count_noise_multiplier), self.sampling_rate,
                                self.sensitivity_factor)
 
