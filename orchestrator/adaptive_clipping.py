@@ -7,6 +7,14 @@ noise, and only that noisy fraction moves the clip norm. The gradient query
 (sensitivity C, noise sigma*C) and the count query (sensitivity 1/2, noise
 sigma_b) together are exactly a Gaussian mechanism with noise multiplier
 (sigma^-2 + (2 sigma_b)^-2)^(-1/2), which is what the events carry.
+
+With microbatches the count is over the G microbatches of the step instead:
+how many had a clipped-gradient norm at or below C, an empty one counting as
+unclipped (its gradient is zero). G is fixed, and adding or removing one
+example changes one microbatch, so the count moves by at most 1 while the
+gradient sum moves by at most 2C: both sensitivities double, the pair is
+accounted with sensitivity factor 2 and the same effective noise multiplier,
+and the noisy fraction is (count + noise) / G.
 """
 
 from __future__ import annotations
@@ -67,6 +75,14 @@ def noisy_unclipped_fraction(
     `unclipped` and `realised_batch` are raw counts; only this noisy result leaves the driver.
     """
     return (unclipped - realised_batch / 2.0 + count_noise) / expected_batch_size + 0.5
+
+
+def noisy_unclipped_microbatch_fraction(unclipped_microbatches: float, microbatches: int, count_noise: float) -> float:
+    """The released estimate of the unclipped fraction of the G microbatches: (count + noise) / G.
+
+    `unclipped_microbatches` is the raw count, empty microbatches included; only this noisy result leaves the driver.
+    """
+    return (unclipped_microbatches + count_noise) / microbatches
 
 
 def next_clip_norm(clip_norm: float, unclipped_fraction: float, settings: AdaptiveClipping) -> float:

@@ -180,8 +180,6 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
     )
     checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
-    if config.adaptive_clipping is not None and config.microbatch_size is not None:
-        raise UsageError("adaptive_clipping counts single examples; it cannot be combined with microbatch_size")
     if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
         raise UsageError("layer_clip_norms clips single examples with fixed norms; "
                          "it cannot be combined with microbatch_size or adaptive_clipping")

@@ -28,7 +28,12 @@ from tqdm import tqdm
 from accounting.accountants import get_accountant, label
 from accounting.calibration import scale_for_target
 from accounting.events import Composition
-from orchestrator.adaptive_clipping import effective_noise_multiplier, next_clip_norm, noisy_unclipped_fraction
+from orchestrator.adaptive_clipping import (
+    effective_noise_multiplier,
+    next_clip_norm,
+    noisy_unclipped_fraction,
+    noisy_unclipped_microbatch_fraction,
+)
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import TrainConfig, expected_batch_size, sampling_rate, total_steps, training_set_size
 from orchestrator.errors import LedgerTimeoutError, UsageError
@@ -382,6 +387,7 @@ class Trainer:
         step = self.step
         indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
         weights = ray.put(flat_parameters(self.model).numpy())
+        group_ids = None
         if plan.microbatches:
             group_ids = assign_microbatches(self.sampler, len(indices), plan.microbatches)
             partial_sums = self._partial_sums(workers, weights, *partition_microbatches(indices, group_ids, len(workers)))
@@ -391,17 +397,25 @@ class Trainer:
         clip_norm = self.clip_norm
         if self.config.adaptive_clipping is not None:
             clipped_sum, unclipped = clipped_sum[:-1], clipped_sum[-1]
-            self._adapt_clip_norm(unclipped, len(indices))
+            self._adapt_clip_norm(unclipped, len(indices), group_ids)
         # Drawn after every shard is in: a recomputed shard never causes a second draw.
         noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * clip_norm)
         self._apply_noisy_sum(clipped_sum + noise)
         self.events = self.events.then(plan.events_between(step, step + 1))
 
-    def _adapt_clip_norm(self, unclipped: float, realised_batch: int) -> None:
-        """Move the clip norm for the next step by the noisy unclipped fraction (the raw counts stay here)."""
+    def _adapt_clip_norm(self, unclipped: float, realised_batch: int, group_ids: np.ndarray | None) -> None:
+        """Move the clip norm for the next step by the noisy unclipped fraction (the raw counts stay here).
+
+        `unclipped` counts examples, or with microbatches (`group_ids`) the
+        non-empty microbatches; empty ones are added here as unclipped.
+        """
         settings = self.config.adaptive_clipping
         count_noise = self.noise.draw(1, settings.count_noise_multiplier)[0]
-        fraction = noisy_unclipped_fraction(unclipped, realised_batch, count_noise, self.plan.expected_batch_size)
+        if group_ids is None:
+            fraction = noisy_unclipped_fraction(unclipped, realised_batch, count_noise, self.plan.expected_batch_size)
+        else:
+            empty = self.plan.microbatches - np.unique(group_ids).size
+            fraction = noisy_unclipped_microbatch_fraction(unclipped + empty, self.plan.microbatches, count_noise)
         self.clip_norm = next_clip_norm(self.clip_norm, fraction, settings)
 
     def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:

@@ -23,6 +23,14 @@ def tiny_model():
     return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
+def random_batch(seed, examples, groups):
+    """Inputs, labels and microbatch ids of a random batch for tiny_model."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(examples, 6, generator=generator) * 3
+    labels = torch.randint(0, 3, (examples,), generator=generator)
+    return inputs, labels, torch.randint(0, groups, (examples,), generator=generator)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 10**6),
@@ -33,15 +41,30 @@ def tiny_model():
 def test_removing_one_example_moves_the_clipped_sum_by_at_most_2c(seed, examples, groups, clip_norm):
     model = tiny_model()
     weights = flat_parameters(model)
-    generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randn(examples, 6, generator=generator) * 3
-    labels = torch.randint(0, 3, (examples,), generator=generator)
-    group_ids = torch.randint(0, groups, (examples,), generator=generator)
+    inputs, labels, group_ids = random_batch(seed, examples, groups)
     full = microbatch_clipped_sum(model, weights, inputs, labels, group_ids, clip_norm)
     for removed in range(examples):
         keep = torch.arange(examples) != removed
         neighbour = microbatch_clipped_sum(model, weights, inputs[keep], labels[keep], group_ids[keep], clip_norm)
         assert (full - neighbour).norm() <= 2 * clip_norm * (1 + 1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), examples=st.integers(2, 12), groups=st.integers(1, 4), clip_norm=st.floats(0.05, 2.0))
+def test_removing_one_example_moves_the_unclipped_microbatch_count_by_at_most_1(seed, examples, groups, clip_norm):
+    # The count adaptive clipping releases: microbatches with norm <= C, an empty one counting as unclipped.
+    model = tiny_model()
+    weights = flat_parameters(model)
+    inputs, labels, group_ids = random_batch(seed, examples, groups)
+
+    def unclipped_count(keep):
+        _, norms = microbatch_clipped_sum(model, weights, inputs[keep], labels[keep], group_ids[keep], clip_norm,
+                                          return_norms=True)
+        return int((norms <= clip_norm).sum()) + groups - norms.numel()
+
+    full = unclipped_count(torch.ones(examples, dtype=torch.bool))
+    for removed in range(examples):
+        assert abs(full - unclipped_count(torch.arange(examples) != removed)) <= 1
 
 
 def test_each_microbatch_contribution_is_clipped_to_c():

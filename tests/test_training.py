@@ -142,6 +142,17 @@ def test_adaptive_clipping_moves_the_clip_norm_and_accounts_the_pair(local_ray, 
     assert summary["epsilon"] == get_accountant("pld").epsilon(SampledGaussian(60 / 600, sigma, 6), 1e-5)
 
 
+def test_adaptive_clipping_with_microbatches_counts_microbatches_and_accounts_factor_2(local_ray, tmp_path):
+    # A tiny learning rate keeps the model (and so every microbatch's norm) near its start despite noise 1.1 * 50.
+    config = small_config(tmp_path, steps=4, clip_norm=50.0, microbatch_size=6, learning_rate=1e-4,
+                          adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 1.0})
+    summary = Trainer(config, show_progress=False).run()
+    # All 10 microbatches have norms far below 50: fractions near 1 shrink C geometrically.
+    assert summary["final_clip_norm"] < 50.0 * 0.95
+    expected = SampledGaussian(60 / 600, effective_noise_multiplier(1.1, 1.0), 4, sensitivity_factor=2.0)
+    assert summary["epsilon"] == get_accountant("pld").epsilon(expected, 1e-5)
+
+
 def test_per_layer_clipping_runs_on_workers_with_noise_at_the_total_norm(local_ray, tmp_path):
     config = small_config(tmp_path, steps=4, layer_clip_norms={"0": 0.5, "3": 0.5, "7": 0.5, "9": 0.5})
     noise = RecordingNoise(seed=6)

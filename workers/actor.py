@@ -85,8 +85,9 @@ class GradientWorker:
         per index), each microbatch's mean-loss gradient is clipped instead of
         each example's. Returns a flat float32 array of the same length as
         ``weights`` (zeros for no indices); with ``count_unclipped`` one more
-        entry follows: how many examples had a norm <= ``clip_norm`` (a raw
-        count for the driver, which releases only a noisy version of it).
+        entry follows: how many examples (or non-empty microbatches) had a
+        norm <= ``clip_norm`` (a raw count for the driver, which releases only
+        a noisy version of it).
         """
         indices = np.asarray(indices)
         example_count = len(self.labels)
@@ -100,30 +101,23 @@ class GradientWorker:
         flat_weights = _as_tensor(weights)
         selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
         if group_ids is not None:
-            summed = microbatch_clipped_sum(
+            result = microbatch_clipped_sum(
                 self.model, flat_weights, self.images[selected], self.labels[selected],
-                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm,
+                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, return_norms=count_unclipped,
             )
-        elif count_unclipped:
-            summed, norms = clipped_sum(
-                self.engine, self.model, flat_weights, self.images[selected], self.labels[selected],
-                clip_norm, self.max_physical_batch, return_norms=True,
-            )
-            total_norms = torch.stack(list(norms.values())).pow(2).sum(0).sqrt() if norms else summed.new_zeros(0)
-            unclipped = (total_norms <= clip_norm).sum().to(summed.dtype).reshape(1)
-            summed = torch.cat([summed, unclipped])
         else:
-            summed = clipped_sum(
-                self.engine,
-                self.model,
-                flat_weights,
-                self.images[selected],
-                self.labels[selected],
-                clip_norm,
-                self.max_physical_batch,
+            result = clipped_sum(
+                self.engine, self.model, flat_weights, self.images[selected], self.labels[selected],
+                clip_norm, self.max_physical_batch, return_norms=count_unclipped,
             )
-        # On the CPU both calls return views of the sum itself; Ray then ships that one buffer.
-        return summed.cpu().numpy()
+        if count_unclipped:
+            summed, norms = result
+            if isinstance(norms, dict):  # per-layer norms of each example: combine into its total norm
+                norms = torch.stack(list(norms.values())).pow(2).sum(0).sqrt() if norms else summed.new_zeros(0)
+            unclipped = (norms <= clip_norm).sum().to(summed.dtype).reshape(1)
+            result = torch.cat([summed, unclipped])
+        # On the CPU this is a view of the sum itself; Ray then ships that one buffer.
+        return result.cpu().numpy()
 
     def parameter_count(self) -> int:
         """Length of the flat parameter vector this worker expects and returns."""

@@ -111,14 +111,16 @@ def microbatch_clipped_sum(
     group_ids: torch.Tensor,
     clip_norm: float,
     loss_fn: LossFunction = F.cross_entropy,
-) -> torch.Tensor:
+    return_norms: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sum over microbatches of the gradient of each microbatch's mean loss, clipped to L2 norm ``clip_norm``.
 
     ``group_ids`` [n] assigns each example to its microbatch (TF Privacy's and
     MindArmour's microbatches). Adding or removing one example changes one
     microbatch, whose clipped gradient can move by up to 2 * clip_norm: the
     caller accounts with sensitivity factor 2. Same layout and zeros-when-empty
-    contract as ``per_example_clipped_sum``.
+    contract as ``per_example_clipped_sum``. With ``return_norms`` it also
+    returns the unclipped norm of each non-empty microbatch's gradient [groups].
     """
     check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch=1)
     if group_ids.shape != labels.shape:
@@ -132,11 +134,15 @@ def microbatch_clipped_sum(
     def mean_loss(trainable_params, members, member_labels):
         return loss_fn(functional_call(model, (trainable_params, fixed), (members,)), member_labels)
 
+    norms = []
     for group in torch.unique(group_ids):
         members = group_ids == group
         gradients = grad(mean_loss)(params, inputs[members], labels[members])
         flat = torch.cat([gradients[name].reshape(-1).to(torch.float32) for name, _ in trainable])
-        total += flat * clip_factors(flat.norm(), clip_norm)
+        norms.append(flat.norm())
+        total += flat * clip_factors(norms[-1], clip_norm)
+    if return_norms:
+        return total, torch.stack(norms) if norms else total.new_zeros(0)
     return total
 
 
