@@ -33,9 +33,10 @@ examples along dimension 0 of its tensor inputs and outputs (for
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,6 +273,11 @@ def patches(layer: nn.Conv2d, inputs: Tensor, padding: tuple[int, int]) -> tuple
     return windows.permute(order).reshape(batch, groups, rows * columns, -1), channels_last
 
 
+def _summed(tensors: Iterable[Tensor]) -> Tensor:
+    """The sum of one or more tensors (one is returned as it is, not copied by adding it to 0)."""
+    return functools.reduce(torch.add, tensors)
+
+
 def _joined(tensors: list[Tensor], dim: int) -> Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
@@ -283,10 +289,18 @@ def conv2d_rule(
     """Conv2d (any stride, padding, padding mode, dilation, groups) through its input windows.
 
     The weight acts as a matrix product on the input windows of each group.
+    Where instantiation is the cheaper path, the per-example weight gradients
+    come from the native convolution weight-gradient kernel instead, run once
+    with the batch folded into the groups.
     """
     result = {}
     if "weight" in params:
         weight = params["weight"]
+        positions = calls[0].output_grad[0, 0].numel() * len(calls)
+        in_features, out_features = weight[0].numel(), layer.out_channels // layer.groups
+        if instantiation_is_cheaper(positions, in_features, out_features):
+            result["weight"] = instantiated(_summed(per_example_conv_weight_gradients(layer, call) for call in calls))
+            return result | _conv_bias(params, calls)
         windows = [patches(layer, *_conv_input(layer, call.input)) for call in calls]
         channels_last = windows[0][1]
         output_grads = _joined(
@@ -303,9 +317,33 @@ def conv2d_rule(
         result["weight"] = outer_product_gradients(
             output_grads, _joined([window for window, _ in windows], 2), layout
         )
-    if "bias" in params:
-        result["bias"] = instantiated(sum(call.output_grad.flatten(2).sum(2) for call in calls))
-    return result
+    return result | _conv_bias(params, calls)
+
+
+def _conv_bias(params: Mapping[str, Tensor], calls: list[LayerCall]) -> dict[str, ParameterGradients]:
+    if "bias" not in params:
+        return {}
+    return {"bias": instantiated(_summed(call.output_grad.flatten(2).sum(2) for call in calls))}
+
+
+def per_example_conv_weight_gradients(layer: nn.Conv2d, call: LayerCall) -> Tensor:
+    """Each example's gradient of a Conv2d weight for one call, [B, *weight.shape].
+
+    The batch is folded into the channels and the groups (B * groups groups),
+    so one call of the native weight-gradient kernel yields every example's
+    gradient; the weight argument only gives that kernel its shape.
+    """
+    inputs, padding = _conv_input(layer, call.input)
+    batch, channels = inputs.shape[:2]
+    output_grad = call.output_grad
+    weight_shape = (batch * layer.out_channels, channels // layer.groups, *layer.kernel_size)
+    _, gradients, _ = torch.ops.aten.convolution_backward(
+        output_grad.reshape(1, batch * layer.out_channels, *output_grad.shape[2:]),
+        inputs.reshape(1, batch * channels, *inputs.shape[2:]),
+        inputs.new_empty(weight_shape),
+        None, layer.stride, padding, layer.dilation, False, (0, 0), batch * layer.groups, (False, True, False),
+    )
+    return gradients.view(batch, layer.out_channels, channels // layer.groups, *layer.kernel_size)
 
 
 @register_rule(nn.Embedding, supports=lambda layer: layer.max_norm is None and not layer.scale_grad_by_freq)
@@ -336,13 +374,13 @@ def _affine_gradients(
     result = {}
     if "weight" in params:
         result["weight"] = instantiated(
-            sum(reduce(normalize(call.input) * call.output_grad) for call in calls).reshape(
+            _summed(reduce(normalize(call.input) * call.output_grad) for call in calls).reshape(
                 batch_size, *params["weight"].shape
             )
         )
     if "bias" in params:
         result["bias"] = instantiated(
-            sum(reduce(call.output_grad) for call in calls).reshape(batch_size, *params["bias"].shape)
+            _summed(reduce(call.output_grad) for call in calls).reshape(batch_size, *params["bias"].shape)
         )
     return result
 
