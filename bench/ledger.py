@@ -9,6 +9,13 @@ Client processes (1, then 8) each run one workload for a fixed time:
   throughput counts pairs, the latency each RPC.
 - status: GetBudget of a dataset with 10,000 finished jobs in its history
   (prepared beforehand through the embedded ledger).
+- no-op floor: the gRPC health check of the same server, which does no
+  ledger work: what the transport, Python's gRPC and this machine cost alone.
+
+Each runs closed loop (every client sends its next request when the last
+reply arrives: the most load the clients can make, so latency there is
+mostly queueing), and the commit workloads also run open loop, paced at a
+fixed total rate, with latency counted from each request's scheduled start.
 
 Targets: >= 1,000 durable commits/s, p99 < 10 ms per RPC, status < 20 ms at
 10,000 jobs. `--json` also writes bench/results/ledger.json.
@@ -28,8 +35,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
+import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from accounting.events import SampledGaussian
 from accounting.ledger.client import RemoteLedger
@@ -42,6 +52,9 @@ HISTORY_JOBS = 10_000
 TARGET_COMMITS_PER_SECOND = 1000.0
 TARGET_P99_MS = 10.0
 TARGET_STATUS_MS = 20.0
+WORKLOADS = ("commit", "reserve+commit", "status", "no-op floor")
+# Open-loop runs with 8 clients: (workload, operations per second in all).
+PACED = (("commit", 500.0), ("commit", 1000.0), ("reserve+commit", 100.0))
 RESULTS = Path(__file__).resolve().parent / "results" / "ledger.json"
 _SERVE = (
     "import sys\n"
@@ -68,13 +81,67 @@ def prepare_history(db_path: Path, jobs: int) -> str:
     return token
 
 
-def _client(address: str, token: str, workload: str, seconds: float, index: int, barrier, results) -> None:
-    """One client process: warm up, wait for the others, run the workload, report latencies."""
-    with RemoteLedger(address, token, timeout_seconds=30) as ledger:
-        if workload == "commit":
-            long_job = ledger.reserve("writes", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12))
-            reservation_id = long_job.reservation_id
+def disk_floor(folder: Path, transactions: int = 2000) -> dict:
+    """p50/p99 of a one-row SQLite transaction (WAL, synchronous=FULL) beside the ledger file: the disk's share."""
+    connection = sqlite3.connect(folder / "floor.db", isolation_level=None)
+    connection.execute("PRAGMA journal_mode=WAL")
+    connection.execute("PRAGMA synchronous=FULL")
+    connection.execute("CREATE TABLE rows (value INTEGER)")
+    latencies = []
+    for value in range(transactions):
+        began = time.perf_counter()
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("INSERT INTO rows VALUES (?)", (value,))
+        connection.execute("COMMIT")
+        latencies.append(time.perf_counter() - began)
+    connection.close()
+    latencies_ms = np.array(latencies) * 1000.0
+    return {"transactions": transactions, "p50_ms": float(np.percentile(latencies_ms, 50)),
+            "p99_ms": float(np.percentile(latencies_ms, 99)), "max_ms": float(latencies_ms.max())}
+
+
+def _operation(ledger: RemoteLedger, workload: str, index: int, health) -> Callable[[int], list[float]]:
+    """The workload's operation for this client: called with a counter, it returns the latency of each RPC."""
+
+    def timed(call: Callable[[], object]) -> list[float]:
+        began = time.perf_counter()
+        call()
+        return [time.perf_counter() - began]
+
+    if workload == "commit":
+        reservation_id = ledger.reserve("writes", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12)).reservation_id
+        return lambda count: timed(lambda: ledger.commit(reservation_id, 1, count))
+    if workload == "reserve+commit":
+
+        def pair(count: int) -> list[float]:
+            began = time.perf_counter()
+            reservation = ledger.reserve("writes", f"job-{index}-{os.getpid()}-{count}", STEP.with_steps(10))
+            middle = time.perf_counter()
+            ledger.commit(reservation.reservation_id, 10, 0)
+            return [middle - began, time.perf_counter() - middle]
+
+        return pair
+    if workload == "status":
+        return lambda count: timed(lambda: ledger.get_budget("history"))
+    request = health_pb2.HealthCheckRequest(service="")
+    return lambda count: timed(lambda: health.Check(request, timeout=30))
+
+
+def _client(
+    address: str, token: str, workload: str, seconds: float, rate: float | None, index: int, barrier, results
+) -> None:
+    """One client process: warm up, wait for the others, run the workload, report latencies.
+
+    With `rate` (operations per second for this client) operations start on a
+    fixed schedule (open loop) and each latency is counted from its scheduled
+    start, so time spent queueing behind a slow reply is not hidden; without
+    it, each operation starts when the previous one returns (closed loop).
+    """
+    with RemoteLedger(address, token, timeout_seconds=30) as ledger, grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        operation = _operation(ledger, workload, index, health)
         ledger.get_budget("history")
+        health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
         latencies: list[float] = []
         operations = 0
         barrier.wait()
@@ -82,30 +149,29 @@ def _client(address: str, token: str, workload: str, seconds: float, index: int,
         deadline = start + seconds
         while time.perf_counter() < deadline:
             operations += 1
-            if workload == "commit":
-                began = time.perf_counter()
-                ledger.commit(reservation_id, 1, operations)
-                latencies.append(time.perf_counter() - began)
-            elif workload == "reserve+commit":
-                began = time.perf_counter()
-                reservation = ledger.reserve("writes", f"job-{index}-{os.getpid()}-{operations}", STEP.with_steps(10))
-                middle = time.perf_counter()
-                ledger.commit(reservation.reservation_id, 10, 0)
-                latencies += [middle - began, time.perf_counter() - middle]
-            else:
-                began = time.perf_counter()
-                ledger.get_budget("history")
-                latencies.append(time.perf_counter() - began)
+            if rate is None:
+                latencies += operation(operations)
+                continue
+            scheduled = start + (operations - 1) / rate
+            time.sleep(max(0.0, scheduled - time.perf_counter()))
+            waited = time.perf_counter() - scheduled
+            took = operation(operations)
+            latencies += [waited + took[0], *took[1:]]
         results.put((operations, time.perf_counter() - start, latencies))
 
 
-def run_workload(address: str, token: str, workload: str, clients: int, seconds: float) -> dict:
-    """Run `clients` processes of one workload at once; return throughput and latency figures."""
+def run_workload(address: str, token: str, workload: str, clients: int, seconds: float,
+                 total_rate: float | None = None) -> dict:
+    """Run `clients` processes of one workload at once; return throughput and latency figures.
+
+    `total_rate` paces them (open loop) at that many operations per second in all.
+    """
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(clients)
     results = context.Queue()
+    rate = None if total_rate is None else total_rate / clients
     processes = [
-        context.Process(target=_client, args=(address, token, workload, seconds, index, barrier, results))
+        context.Process(target=_client, args=(address, token, workload, seconds, rate, index, barrier, results))
         for index in range(clients)
     ]
     for process in processes:
@@ -119,6 +185,7 @@ def run_workload(address: str, token: str, workload: str, clients: int, seconds:
     return {
         "workload": workload,
         "clients": clients,
+        "offered_per_second": total_rate,
         "operations": operations,
         "seconds": elapsed,
         "per_second": operations / elapsed,
@@ -128,29 +195,41 @@ def run_workload(address: str, token: str, workload: str, clients: int, seconds:
 
 
 def _ratios(rows: list[dict]) -> dict:
-    """Each target over the measured figure (commits: figure over target); 1 or more means met."""
+    """Each target over the measured figure (commits: figure over target); 1 or more means met.
 
-    def worst_p99(clients: int, workload: str | None = None) -> float:
-        return max(
-            row["p99_ms"] for row in rows if row["clients"] == clients and workload in (None, row["workload"])
-        )
+    Also the ledger's closed-loop p99 over the no-op floor's, at the same number of clients.
+    """
+
+    def p99(clients: int, workload: str, offered: float | None = None) -> float:
+        return next(row["p99_ms"] for row in rows if (row["clients"], row["workload"], row["offered_per_second"])
+                    == (clients, workload, offered))
+
+    def worst_ledger_p99(clients: int) -> float:
+        return max(p99(clients, workload) for workload in WORKLOADS[:3])
 
     best_commits = max(row["per_second"] for row in rows if row["workload"] == "commit")
-    return {
+    ratios = {
         "durable commits/s (best) / 1000": best_commits / TARGET_COMMITS_PER_SECOND,
-        "10 ms / worst p99, 1 client": TARGET_P99_MS / worst_p99(1),
-        "10 ms / worst p99, 8 clients": TARGET_P99_MS / worst_p99(8),
-        "20 ms / status p99 at 10k jobs, 1 client": TARGET_STATUS_MS / worst_p99(1, "status"),
-        "20 ms / status p99 at 10k jobs, 8 clients": TARGET_STATUS_MS / worst_p99(8, "status"),
+        "10 ms / worst p99, 1 client": TARGET_P99_MS / worst_ledger_p99(1),
+        "10 ms / worst p99, 8 clients, closed loop": TARGET_P99_MS / worst_ledger_p99(8),
     }
+    for workload, offered in PACED:
+        ratios[f"10 ms / {workload} p99, 8 clients paced at {offered:.0f}/s"] = TARGET_P99_MS / p99(8, workload, offered)
+    ratios["20 ms / status p99 at 10k jobs, 1 client"] = TARGET_STATUS_MS / p99(1, "status")
+    ratios["20 ms / status p99 at 10k jobs, 8 clients"] = TARGET_STATUS_MS / p99(8, "status")
+    for clients in (1, 8):
+        ratios[f"worst ledger p99 / no-op floor p99, {clients} clients (not a target)"] = (
+            worst_ledger_p99(clients) / p99(clients, "no-op floor"))
+    return ratios
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'workload':<15} {'clients':>7} {'ops':>8} {'ops/s':>9} {'p50 ms':>8} {'p99 ms':>8}"]
+    lines = [f"{'workload':<15} {'clients':>7} {'offered/s':>9} {'ops':>8} {'ops/s':>9} {'p50 ms':>8} {'p99 ms':>8}"]
     for row in rows:
+        offered = "closed" if row["offered_per_second"] is None else f"{row['offered_per_second']:.0f}"
         lines.append(
-            f"{row['workload']:<15} {row['clients']:>7} {row['operations']:>8} {row['per_second']:>9.0f} "
-            f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}"
+            f"{row['workload']:<15} {row['clients']:>7} {offered:>9} {row['operations']:>8} "
+            f"{row['per_second']:>9.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}"
         )
     return "\n".join(lines)
 
@@ -173,20 +252,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         try:
             address = server.stdout.readline().strip()
+            runs = [(workload, clients, None) for workload in WORKLOADS for clients in (1, 8)]
+            runs += [(workload, 8, offered) for workload, offered in PACED]
             rows = []
-            for workload in ("commit", "reserve+commit", "status"):
-                for clients in (1, 8):
-                    rows.append(run_workload(address, token, workload, clients, args.seconds))
-                    print(_table(rows[-1:]).splitlines()[1], flush=True)
+            for workload, clients, offered in runs:
+                rows.append(run_workload(address, token, workload, clients, args.seconds, offered))
+                print(_table(rows[-1:]).splitlines()[1], flush=True)
+            disk = disk_floor(Path(folder))
         finally:
             server.terminate()
             server.wait(timeout=30)
     ratios = _ratios(rows)
     print()
     print(_table(rows))
+    print(f"disk floor: one-row durable SQLite transaction, 1 thread: p50 {disk['p50_ms']:.2f} ms, "
+          f"p99 {disk['p99_ms']:.2f} ms, max {disk['max_ms']:.1f} ms")
     print()
     for name, ratio in ratios.items():
-        print(f"{name}: {ratio:.2f}{'' if ratio >= 1 else '  (target missed)'}")
+        missed = ratio < 1 and "not a target" not in name
+        print(f"{name}: {ratio:.2f}{'  (target missed)' if missed else ''}")
     if args.json:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         machine = {
@@ -204,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         RESULTS.write_text(
             json.dumps({"machine": machine, "history_jobs": args.history_jobs, "seconds": args.seconds,
-                        "targets": targets, "results": rows, "ratios": ratios}, indent=2) + "\n"
+                        "targets": targets, "results": rows, "disk_floor": disk, "ratios": ratios}, indent=2) + "\n"
         )
         print(f"wrote {RESULTS}")
     return 0
