@@ -243,3 +243,21 @@ def get_accountant(name: str) -> Accountant:
 def label(accountant: Accountant) -> str:
     """How a figure from this accountant is shown: its name, marked when approximate."""
     return accountant.name if accountant.rigorous else f"{accountant.name} (approximate)"
+
+
+PLD_FALLBACK_LABEL = "rdp bound; pld impractical past epsilon 100"
+
+
+def labelled_epsilon(accountant: Accountant, events: EventsLike, delta: float) -> tuple[float, str]:
+    """Epsilon at `delta` and the label to show it with: ``label(accountant)``, or PLD_FALLBACK_LABEL.
+
+    The PLD accountant answers with the RDP bound where its grid is
+    impractical; the label then says so. Warnings are passed on as raised.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = accountant.epsilon(events, delta)
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    fell_back = any(issubclass(warning.category, PldFallbackWarning) for warning in caught)
+    return value, PLD_FALLBACK_LABEL if fell_back else label(accountant)

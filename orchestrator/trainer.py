@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from accounting.accountants import get_accountant, label
+from accounting.accountants import get_accountant, label, labelled_epsilon
 from accounting.calibration import scale_for_target
 from accounting.events import Composition
 from orchestrator.adaptive_clipping import (
@@ -220,6 +220,7 @@ class Trainer:
         self.ledger = ledger
         self.out = out
         self.accountant = get_accountant(config.accountant)
+        self.epsilon_label = label(self.accountant)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model = build_model(config.model)
@@ -247,8 +248,12 @@ class Trainer:
         return self.events.steps
 
     def epsilon(self) -> float:
-        """Epsilon of the steps run so far, at the config's delta, by the config's accountant."""
-        return self.accountant.epsilon(self.events, self.config.delta)
+        """Epsilon of the steps run so far, at the config's delta, by the config's accountant.
+
+        Also sets ``epsilon_label``: how that figure was obtained, for the log and the plot.
+        """
+        value, self.epsilon_label = labelled_epsilon(self.accountant, self.events, self.config.delta)
+        return value
 
     def say(self, text: str) -> None:
         """Print one line of the run's log."""
@@ -497,7 +502,7 @@ class Trainer:
     def _epoch_line(self, row: dict) -> str:
         line = (
             f"epoch {row['epoch']}: test accuracy {row['test_accuracy']:.4f}, test loss {row['test_loss']:.4f}, "
-            f"epsilon {row['epsilon']:.4f} ({label(self.accountant)}, delta={self.config.delta:g})"
+            f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}, delta={self.config.delta:g})"
         )
         if "train_loss_non_private" in row:
             line += f", train loss {row['train_loss_non_private']:.4f} (non-private)"
@@ -511,6 +516,7 @@ class Trainer:
             "test_accuracy": last["test_accuracy"],
             "test_loss": last["test_loss"],
             "epsilon": self.epsilon(),
+            "epsilon_label": self.epsilon_label,
             "epsilon_rigorous": self.accountant.rigorous,
             "delta": config.delta,
             "accountant": config.accountant,
@@ -534,7 +540,7 @@ class Trainer:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
         plot_curves(self.metrics, self.run_dir / "curves.png",
-                    f"{label(self.accountant)} epsilon at delta={config.delta:g}")
+                    f"{self.epsilon_label} epsilon at delta={config.delta:g}")
         return summary
 
 

@@ -9,11 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting.accountants import (
+    PLD_FALLBACK_LABEL,
     RDP_ORDERS,
     PldFallbackWarning,
     RdpOrderWarning,
     epsilon_from_rdp,
     get_accountant,
+    labelled_epsilon,
     rdp_vector,
 )
 from accounting.calibration import max_steps_for, noise_multiplier_for
@@ -186,3 +188,11 @@ def test_pld_reports_the_rdp_bound_when_the_loss_is_too_large_to_grid():
     with pytest.warns(PldFallbackWarning, match="exceeds 100"):
         reported = epsilon("pld", event)
     assert reported == epsilon("rdp", event) > 100
+
+
+def test_the_label_says_when_pld_fell_back_to_the_rdp_bound():
+    with pytest.warns(PldFallbackWarning):
+        value, shown = labelled_epsilon(get_accountant("pld"), SampledGaussian(0.05, 0.1, 500), 1e-5)
+    assert shown == PLD_FALLBACK_LABEL and value > 100
+    assert labelled_epsilon(get_accountant("pld"), SampledGaussian(0.004, 1.3, 100), 1e-5)[1] == "pld"
+    assert labelled_epsilon(get_accountant("gdp"), SampledGaussian(0.004, 1.3, 100), 1e-5)[1] == "gdp (approximate)"
