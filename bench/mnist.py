@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from accounting.accountants import get_accountant
+from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.config import load_config
 from orchestrator.display import format_table
@@ -29,10 +29,13 @@ def run_config(path: str) -> dict:
     config = load_config(path, {"run_dir": str(ROOT / "runs" / f"bench-{Path(path).stem}")})
     summary = Trainer(config, show_progress=False).run()
     events = Composition.from_dict(summary["events"])
+    epsilon_pld, epsilon_label = labelled_epsilon(get_accountant("pld"), events, config.delta)
     return {
         "config": str(Path(path).relative_to(ROOT)) if Path(path).is_absolute() else path,
         "test_accuracy": summary["test_accuracy"],
-        "epsilon_pld": get_accountant("pld").epsilon(events, config.delta),
+        # Beyond epsilon 100 the PLD accountant reports the rigorous RDP bound instead, and says so.
+        "epsilon_pld": epsilon_pld,
+        "pld_fell_back_to_rdp": epsilon_label == PLD_FALLBACK_LABEL,
         "epsilon_rdp": get_accountant("rdp").epsilon(events, config.delta),
         "delta": config.delta,
         "steps": summary["steps"],
