@@ -252,12 +252,16 @@ def labelled_epsilon(accountant: Accountant, events: EventsLike, delta: float) -
     """Epsilon at `delta` and the label to show it with: ``label(accountant)``, or PLD_FALLBACK_LABEL.
 
     The PLD accountant answers with the RDP bound where its grid is
-    impractical; the label then says so. Warnings are passed on as raised.
+    impractical; the label then says so, in place of its PldFallbackWarning
+    (a training run asks every step). Other warnings are passed on.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         value = accountant.epsilon(events, delta)
+    fell_back = False
     for warning in caught:
-        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    fell_back = any(issubclass(warning.category, PldFallbackWarning) for warning in caught)
+        if issubclass(warning.category, PldFallbackWarning):
+            fell_back = True
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     return value, PLD_FALLBACK_LABEL if fell_back else label(accountant)
