@@ -101,10 +101,14 @@ def ledger_server(tmp_path):
     server["process"].wait(timeout=30)
 
 
-def start_training(tmp_path, extra, *flags):
+def start_training(tmp_path, extra, *flags, log=None):
+    """`dpfleet train` in a process of its own; its output goes to a pipe, or to the open file `log`.
+
+    A pipe nobody reads fills up and stalls the run: tests that do not read the output pass a log file.
+    """
     return subprocess.Popen(
         [*DPFLEET, "train", "--config", write_config(tmp_path, extra), "--no-progress", *flags],
-        cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPOSITORY, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 
@@ -147,18 +151,22 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
     run_dir = tmp_path / "crash"
     extra = (f'steps = 80\ncommit_every = 10\ncheckpoint_every = 10\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
              f'ledger = "{ledger_server["address"]}"\nseed = 3\n')
-    training = start_training(tmp_path, extra, "--token", ledger_server["token"])
-    deadline = time.monotonic() + 300
-    while not any(path.name >= "checkpoint-000000030.pt" for path in checkpoint_files(run_dir)):
-        assert training.poll() is None and time.monotonic() < deadline, "training ended before it could be killed"
-        time.sleep(0.2)
-    training.send_signal(signal.SIGKILL)
-    training.wait(timeout=30)
+    log_path = tmp_path / "crash.log"
+    with open(log_path, "w") as log:
+        training = start_training(tmp_path, extra, "--token", ledger_server["token"], log=log)
+        deadline = time.monotonic() + 300
+        while not any(path.name >= "checkpoint-000000030.pt" for path in checkpoint_files(run_dir)):
+            assert training.poll() is None and time.monotonic() < deadline, (
+                "training ended or stalled before it could be killed: " + log_path.read_text()[-3000:])
+            time.sleep(0.2)
+        training.send_signal(signal.SIGKILL)
+        training.wait(timeout=30)
     with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
         (job,) = acme.list_jobs()
     last_checkpoint_step = int(checkpoint_files(run_dir)[-1].stem.split("-")[1])
     # Charged before compute: at least every step that ran, at most one block more.
-    assert last_checkpoint_step <= job.committed_steps <= last_checkpoint_step + 10
+    assert last_checkpoint_step <= job.committed_steps <= last_checkpoint_step + 10, (
+        job, checkpoint_files(run_dir), log_path.read_text()[-3000:])
     resumed = subprocess.run(
         [*DPFLEET, "train", "--resume", str(run_dir), "--no-progress", "--json", "--token", ledger_server["token"]],
         cwd=REPOSITORY, capture_output=True, text=True, timeout=600,
