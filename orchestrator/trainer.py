@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import ray
@@ -170,10 +170,16 @@ def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor)
     return total_loss / len(labels), correct / len(labels)
 
 
-def start_ray(config: TrainConfig) -> bool:
+LOCAL_RAY_START_ATTEMPTS = 3
+
+
+def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     """Connect to RAY_ADDRESS if set, else start a local Ray sized for the workers.
 
-    Returns True when this call started Ray (and so should shut it down).
+    A local start that times out (a loaded machine, or the processes of a
+    killed run still exiting) is retried, up to LOCAL_RAY_START_ATTEMPTS
+    tries in all, each announced through `say`. Returns True when this call
+    started Ray (and so should shut it down).
     """
     if ray.is_initialized():
         return False
@@ -182,8 +188,18 @@ def start_ray(config: TrainConfig) -> bool:
         return True
     cpus = max(os.cpu_count() or 1, config.workers * config.cpus_per_worker)
     gpus = torch.cuda.device_count() if config.gpus_per_worker else 0
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True)
-    return True
+    attempt = 1
+    while True:
+        try:
+            ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True)
+            return True
+        except Exception as error:  # noqa: BLE001 - Ray reports a node that did not come up as a bare Exception
+            if "timed out" not in str(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
+                raise
+        ray.shutdown()
+        say(f"local Ray did not start in time (try {attempt} of {LOCAL_RAY_START_ATTEMPTS}); trying again")
+        time.sleep(5.0 * attempt)
+        attempt += 1
 
 
 class LedgerSession(Protocol):
@@ -322,7 +338,7 @@ class Trainer:
         if config.test_subset is not None:
             test_images, test_labels = test_images[: config.test_subset], test_labels[: config.test_subset]
         evaluation = (test_images, test_labels, self._train_probe())
-        started_ray = start_ray(config)
+        started_ray = start_ray(config, self.say)
         try:
             workers = [self._new_worker() for _ in range(config.workers)]
             ray.get([worker.ping.remote() for worker in workers])

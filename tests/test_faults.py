@@ -12,7 +12,8 @@ import torch
 from orchestrator.checkpoint import checkpoint_files, latest_checkpoint, read_checkpoint, save_checkpoint
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.trainer import Trainer, resume_trainer
+from orchestrator import trainer as trainer_module
+from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, resume_trainer, start_ray
 from workers.models import flat_parameters
 
 
@@ -114,3 +115,41 @@ def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run(local_ray, 
     summary = resumed.run()
     assert summary["steps"] == 12 and summary["epsilon"] == whole_summary["epsilon"]
     np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+
+
+def fake_ray_init(monkeypatch, failures, message="The current node timed out during startup."):
+    """Make ray.init fail `failures` times with `message`, then succeed; return the list of its calls."""
+    calls = []
+
+    def init(**options):
+        calls.append(options)
+        if len(calls) <= failures:
+            raise Exception(message)  # what Ray raises when its local node does not come up
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(trainer_module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(trainer_module.ray, "init", init)
+    monkeypatch.setattr(trainer_module.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(trainer_module.time, "sleep", lambda seconds: None)
+    return calls
+
+
+def test_a_local_ray_start_that_times_out_is_retried_and_said(monkeypatch):
+    calls = fake_ray_init(monkeypatch, failures=LOCAL_RAY_START_ATTEMPTS - 1)
+    said = []
+    assert start_ray(build_config(dict(steps=1, noise_multiplier=1.0)), said.append) is True
+    assert len(calls) == LOCAL_RAY_START_ATTEMPTS
+    assert said == [f"local Ray did not start in time (try {n} of {LOCAL_RAY_START_ATTEMPTS}); trying again"
+                    for n in range(1, LOCAL_RAY_START_ATTEMPTS)]
+
+
+def test_a_local_ray_start_gives_up_after_its_attempts_and_other_errors_are_not_retried(monkeypatch):
+    calls = fake_ray_init(monkeypatch, failures=LOCAL_RAY_START_ATTEMPTS)
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_ray(build_config(dict(steps=1, noise_multiplier=1.0)), lambda line: None)
+    assert len(calls) == LOCAL_RAY_START_ATTEMPTS
+    calls = fake_ray_init(monkeypatch, failures=1, message="bad argument")
+    with pytest.raises(Exception, match="bad argument"):
+        start_ray(build_config(dict(steps=1, noise_multiplier=1.0)), lambda line: None)
+    assert len(calls) == 1
+
