@@ -1,14 +1,44 @@
-"""Servers that tests start on loopback themselves: the ledger as a real `dpfleet ledger serve` process."""
+"""Servers that tests start on loopback themselves (the ledger as a real `dpfleet ledger serve` process),
+and the tiny training job the tests run against them."""
 
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from accounting.accountants import get_accountant
+from accounting.events import SampledGaussian
+
 REPOSITORY = Path(__file__).resolve().parents[1]
 DPFLEET = [sys.executable, "-m", "orchestrator.cli"]
+# A training job of a few seconds: 600 MNIST examples, expected batch 30 (q = 0.05), sigma 1.
+TINY_JOB = """
+dataset = "mnist"
+model = "gdp_cnn"
+workers = 2
+batch_size = 30
+train_subset = 600
+test_subset = 200
+noise_multiplier = 1.0
+clip_norm = 1.0
+learning_rate = 0.5
+max_physical_batch = 64
+"""
+
+
+def tiny_job_epsilon(steps: int) -> float:
+    """The PLD epsilon at delta 1e-5 of `steps` steps of TINY_JOB."""
+    return get_accountant("pld").epsilon(SampledGaussian(30 / 600, 1.0, steps), 1e-5)
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def start_serve_process(db_path: Path, token_file: Path, port: int = 0) -> tuple[subprocess.Popen, str]:

@@ -15,7 +15,6 @@ import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,44 +31,19 @@ from ray._private.runtime_env.packaging import create_package
 from ray._raylet import AuthenticationTokenLoader
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from accounting.accountants import get_accountant
-from accounting.events import SampledGaussian
 from accounting.ledger.client import RemoteLedger
 from orchestrator.cli import main
 from orchestrator.config import load_config
 from orchestrator.submit_cli import CONFIG_VARIABLE, UPLOAD_EXCLUDES, job_entrypoint
-from servers import DPFLEET, REPOSITORY, start_serve_process
+from servers import DPFLEET, REPOSITORY, TINY_JOB, free_port, start_serve_process, tiny_job_epsilon
 
 DEPLOY = REPOSITORY / "deploy"
 RAY = str(Path(sys.executable).with_name("ray"))
 IMAGE = "ghcr.io/your-org/dpfleet:0.1.0"
 ADMIN_TOKEN = "admin-token-for-submit-tests-0123"
 STEPS = 10
-TINY = f"""
-dataset = "mnist"
-model = "gdp_cnn"
-workers = 2
-cpus_per_worker = 1
-batch_size = 30
-train_subset = 600
-test_subset = 200
-noise_multiplier = 1.0
-clip_norm = 1.0
-learning_rate = 0.5
-max_physical_batch = 64
-steps = {STEPS}
-"""
+TINY = TINY_JOB + f"cpus_per_worker = 1\nsteps = {STEPS}\n"
 DATASETS = ("digits-submit", "digits-plain")
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def epsilon_of(steps, noise_multiplier=1.0, rate=30 / 600):
-    return get_accountant("pld").epsilon(SampledGaussian(rate, noise_multiplier, steps), 1e-5)
 
 
 def clean_env(**extra):
@@ -216,7 +190,7 @@ def assert_charged_once(ledger, dataset, run_name):
     assert len(jobs) == 1, jobs
     (job,) = jobs
     assert job.job_id.startswith(f"{run_name}-") and job.state == "released" and job.committed_steps == STEPS
-    assert spent == pytest.approx(epsilon_of(STEPS), rel=1e-9)
+    assert spent == pytest.approx(tiny_job_epsilon(STEPS), rel=1e-9)
 
 
 def write_tiny(directory, run_name):
@@ -234,7 +208,7 @@ def test_dpfleet_submit_trains_on_the_cluster_and_the_ledger_records_the_charge(
     )
     assert result.returncode == 0, output_of(result)
     assert re.search(r"job raysubmit_\w+ succeeded", result.stderr), output_of(result)
-    assert reported_epsilon(result.stdout) == pytest.approx(epsilon_of(STEPS), rel=1e-3)
+    assert reported_epsilon(result.stdout) == pytest.approx(tiny_job_epsilon(STEPS), rel=1e-3)
     assert_charged_once(ledger, "digits-submit", "submit-dpfleet")
 
 
@@ -250,7 +224,7 @@ def test_plain_ray_job_submit_of_the_same_config_succeeds(ray_head, ledger, tmp_
         capture_output=True, text=True, timeout=400,
     )
     assert result.returncode == 0, output_of(result)
-    assert reported_epsilon(result.stdout) == pytest.approx(epsilon_of(STEPS), rel=1e-3)
+    assert reported_epsilon(result.stdout) == pytest.approx(tiny_job_epsilon(STEPS), rel=1e-3)
     assert_charged_once(ledger, "digits-plain", "submit-plain")
 
 

@@ -1,45 +1,25 @@
 """Training charges the ledger: reserve before the first step, charge before compute, survive outages and crashes."""
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
-from accounting.accountants import get_accountant
-from accounting.events import SampledGaussian
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.checkpoint import checkpoint_files
-from servers import DPFLEET, REPOSITORY, start_serve_process
+from servers import DPFLEET, REPOSITORY, TINY_JOB, free_port, start_serve_process, tiny_job_epsilon
 
 ADMIN_TOKEN = "admin-token-for-training-tests-0123"
-TINY = """
-dataset = "mnist"
-model = "gdp_cnn"
-workers = 2
-batch_size = 30
-train_subset = 600
-test_subset = 200
-noise_multiplier = 1.0
-clip_norm = 1.0
-learning_rate = 0.5
-max_physical_batch = 64
-"""
 
 
 def write_config(tmp_path, extra, name="job.toml"):
     path = tmp_path / name
-    path.write_text(TINY + extra)
+    path.write_text(TINY_JOB + extra)
     return str(path)
-
-
-def epsilon_of(steps, noise_multiplier=1.0, rate=30 / 600):
-    return get_accountant("pld").epsilon(SampledGaussian(rate, noise_multiplier, steps), 1e-5)
 
 
 def test_embedded_ledger_charges_exactly_what_dpfleet_eps_reports(tmp_path, capsys):
@@ -72,14 +52,8 @@ def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(tmp_pat
         assert main(["train", "--config", config, "--no-progress"]) == 0
     with open_embedded_ledger() as ledger:
         status = ledger.get_budget("mnist")
-    assert status.spent_epsilon < 2 * epsilon_of(20)
-    assert status.spent_epsilon == pytest.approx(epsilon_of(40), rel=1e-6)
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    assert status.spent_epsilon < 2 * tiny_job_epsilon(20)
+    assert status.spent_epsilon == pytest.approx(tiny_job_epsilon(40), rel=1e-6)
 
 
 @pytest.fixture
@@ -144,7 +118,7 @@ def test_a_ledger_outage_pauses_training_which_then_completes(tmp_path, ledger_s
     with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
         (job,) = acme.list_jobs()
         assert job.committed_steps == 150 and job.state == "released"
-        assert acme.get_budget("digits").spent_epsilon == pytest.approx(epsilon_of(150), rel=1e-9)
+        assert acme.get_budget("digits").spent_epsilon == pytest.approx(tiny_job_epsilon(150), rel=1e-9)
 
 
 def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_path, ledger_server):
@@ -178,7 +152,7 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
         jobs = acme.list_jobs()
         spent = acme.get_budget("digits").spent_epsilon
     assert len(jobs) == 1 and jobs[0].committed_steps == 80
-    assert epsilon_of(80) - 1e-9 <= spent <= epsilon_of(80 + 10) + 1e-9
+    assert tiny_job_epsilon(80) - 1e-9 <= spent <= tiny_job_epsilon(80 + 10) + 1e-9
 
 
 def test_train_with_mia_reports_the_membership_attack(tmp_path, capsys):
