@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from workers.clipping import clip_factors, per_example_clipped_sum
+from workers.clipping import (
+    FLOAT32_PRECISION_SETTINGS,
+    clip_factors,
+    clipped_sum,
+    ieee_float32,
+    microbatch_clipped_sum,
+    per_example_clipped_sum,
+)
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.models import MODEL_NAMES, build_model, flat_parameters
 
@@ -131,3 +138,34 @@ def test_every_contribution_is_bounded_by_clip_norm(inputs, label_seed, clip_nor
             torch.testing.assert_close(contribution, gradient)
     total = per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, 4)
     assert total.norm().item() <= inputs.shape[0] * bound
+
+
+def test_ieee_float32_switches_tf32_off_and_restores_the_settings_even_on_error():
+    before = [setting.fp32_precision for setting in FLOAT32_PRECISION_SETTINGS]
+    with pytest.raises(RuntimeError, match="inside"):
+        with ieee_float32():
+            assert [setting.fp32_precision for setting in FLOAT32_PRECISION_SETTINGS] == ["ieee"] * 3
+            raise RuntimeError("inside")
+    assert [setting.fp32_precision for setting in FLOAT32_PRECISION_SETTINGS] == before
+
+
+@pytest.mark.parametrize("engine", ["fast", "vmap", "microbatches"])
+def test_every_clipping_engine_computes_in_ieee_float32(engine):
+    """What the loss sees while an engine runs: TF32 is off for convolutions and matrix products."""
+    seen = []
+
+    def recording_loss(logits, labels):
+        seen.append((torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision))
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+    model = build_model("gdp_cnn")
+    inputs, labels = torch.rand(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    before = [setting.fp32_precision for setting in FLOAT32_PRECISION_SETTINGS]
+    if engine == "microbatches":
+        microbatch_clipped_sum(model, flat_parameters(model), inputs, labels, torch.tensor([0, 0, 1, 1]), 1.0,
+                               recording_loss)
+    else:
+        clipped_sum(engine, model, flat_parameters(model), inputs, labels, 1.0, 4, recording_loss)
+
+    assert seen and set(seen) == {("ieee", "ieee")}
+    assert [setting.fp32_precision for setting in FLOAT32_PRECISION_SETTINGS] == before

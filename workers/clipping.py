@@ -8,9 +8,11 @@ workers, so the sensitivity of that sum to one example is ``clip_norm``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Union
 
@@ -22,6 +24,40 @@ from torch.func import functional_call, grad, vmap
 from workers.models import parameter_count
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# The GPU settings that may swap float32 arithmetic for TF32 (10-bit mantissa).
+FLOAT32_PRECISION_SETTINGS = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
+
+
+@contextlib.contextmanager
+def ieee_float32() -> Iterator[None]:
+    """Run float32 matrix products and convolutions in IEEE float32 (no TF32), then restore the settings.
+
+    cuDNN convolutions use TF32 by default on Ampere and later GPUs. A TF32
+    per-example norm can be off by about 1e-3 relative, so an example scaled
+    to "norm C" could contribute more than C and break the sensitivity the
+    noise is calibrated to. With IEEE float32 the bound holds to float32
+    rounding, as on the CPU (where these settings change nothing).
+    """
+    previous = [setting.fp32_precision for setting in FLOAT32_PRECISION_SETTINGS]
+    try:
+        for setting in FLOAT32_PRECISION_SETTINGS:
+            setting.fp32_precision = "ieee"
+        yield
+    finally:
+        for setting, value in zip(FLOAT32_PRECISION_SETTINGS, previous, strict=True):
+            setting.fp32_precision = value
+
+
+def in_ieee_float32(function: Callable) -> Callable:
+    """Decorate a clipping function so that it always runs under ``ieee_float32``."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with ieee_float32():
+            return function(*args, **kwargs)
+
+    return wrapper
 
 
 def clip_factors(per_example_norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
@@ -103,6 +139,7 @@ def functional_parameters(
     return trainable, params, fixed
 
 
+@in_ieee_float32
 def microbatch_clipped_sum(
     model: nn.Module,
     flat_weights: torch.Tensor,
@@ -146,6 +183,7 @@ def microbatch_clipped_sum(
     return total
 
 
+@in_ieee_float32
 def per_example_clipped_sum(
     model: nn.Module,
     flat_weights: torch.Tensor,

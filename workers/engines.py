@@ -644,6 +644,7 @@ def _record(
 # The engine
 
 
+@clipping.in_ieee_float32
 def fast_clipped_sum(
     model: nn.Module,
     flat_weights: Tensor,
