@@ -87,6 +87,19 @@ def test_transformer_text_classifier():
     assert_engines_agree(model, torch.randint(0, 40, (8, 8)), torch.randint(0, 4, (8,)))
 
 
+def test_attention_gradients_are_batched_on_the_math_kernel_not_looped_over_examples():
+    """The fused attention kernels have no vmap batching rule: torch.func would call them once per example."""
+    torch.manual_seed(13)
+    model = TextClassifier(vocab_size=40, sequence_length=8, width=16, heads=2)
+    inputs, labels = torch.randint(0, 40, (8, 8)), torch.randint(0, 4, (8,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        fast_clipped_sum(model, flat_parameters(model), inputs, labels, 1.0, 8)
+    fused_calls = {event.key: event.count for event in profile.key_averages()
+                   if "flash_attention" in event.key or "efficient_attention" in event.key}
+    # The model's own forward and backward pass: once per layer (2 layers), not once per example (8).
+    assert all(count <= 2 for count in fused_calls.values()), fused_calls
+
+
 # --- one tiny model per layer type
 
 

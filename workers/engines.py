@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from workers import clipping
@@ -505,8 +506,14 @@ def vmap_rule(
 def attention_rule(
     layer: nn.MultiheadAttention, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
 ) -> dict[str, ParameterGradients]:
-    """nn.MultiheadAttention: the vmap fallback, told where ``batch_first`` puts the examples."""
-    return vmap_rule(layer, params, calls, batch_size, _attention_batch_dims)
+    """nn.MultiheadAttention: the vmap fallback, told where ``batch_first`` puts the examples.
+
+    Attention runs on PyTorch's math kernel here: the fused kernels (flash,
+    memory-efficient) have no vmap batching rule, so torch.func would run
+    them once per example (on a GPU, one kernel launch per example per layer).
+    """
+    with sdpa_kernel(SDPBackend.MATH):
+        return vmap_rule(layer, params, calls, batch_size, _attention_batch_dims)
 
 
 # ---------------------------------------------------------------------------
