@@ -341,7 +341,8 @@ class Trainer:
         started_ray = start_ray(config, self.say)
         try:
             workers = [self._new_worker() for _ in range(config.workers)]
-            ray.get([worker.ping.remote() for worker in workers])
+            devices = ray.get([worker.device_name.remote() for worker in workers])
+            self.say("gradient workers on " + ", ".join(devices))
             self._train(workers, evaluation)
         finally:
             if started_ray:

@@ -69,6 +69,8 @@ def test_split_sums_from_two_actors_equal_the_in_process_sum(two_workers):
 def test_actors_report_identity_size_and_empty_sums(two_workers):
     identities = ray.get([worker.ping.remote() for worker in two_workers])
     assert len(set(identities)) == 2
+    # No GPU was asked for, so none is used even where one exists.
+    assert ray.get([worker.device_name.remote() for worker in two_workers]) == ["cpu", "cpu"]
     counts = ray.get([worker.parameter_count.remote() for worker in two_workers])
     assert counts == [parameter_count(build_model("gdp_cnn"))] * 2
     weights = np.zeros(counts[0], dtype=np.float32)

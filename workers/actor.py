@@ -123,6 +123,10 @@ class GradientWorker:
         """Length of the flat parameter vector this worker expects and returns."""
         return parameter_count(self.model)
 
+    def device_name(self) -> str:
+        """The device this worker computes on: "cuda" when Ray assigned it a GPU, else "cpu"."""
+        return self.device.type
+
     def ping(self) -> str:
         """``hostname:pid`` of the process holding this worker, for health checks."""
         return f"{socket.gethostname()}:{os.getpid()}"
