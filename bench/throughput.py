@@ -10,14 +10,17 @@ repeat, and reports the median samples/s over the repeats:
 - dpfleet in process: the clipped sum by the fast engine and by the vmap
   engine, then the driver's Gaussian noise and SGD step;
 - dpfleet over Ray with 1 and with 2 gradient workers of 1 thread each (the
-  MNIST models only: workers load their training split by dataset name).
+  MNIST models only: workers load their training split by dataset name); on
+  CUDA the two workers share the one GPU (half each) and the driver stays
+  on the CPU, as in ``dpfleet train``.
 
 Models: ``gdp_cnn`` and ``lenet5`` at batch 256 on MNIST; torchvision's
 ResNet-18 with GroupNorm at batch 64 on synthetic 3x32x32 images; a small
 transformer text classifier at batch 128 on synthetic tokens. Peak memory of a
 ResNet-18-GN step at batch 64 is measured per variant in a fresh process:
 peak resident set on the CPU (also given above the resident set after
-set-up), peak allocated memory on CUDA. ``--json`` writes the figures to bench/results/throughput.json.
+set-up), peak allocated memory on CUDA. ``--json`` writes the figures to
+bench/results/throughput.json (throughput-cuda.json for ``--device cuda``).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch import nn
 from workers.clipping import clipped_sum
 from workers.models import build_model, flat_parameters, load_flat_gradient
 
-RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOISE_MULTIPLIER = 1.0
 CLIP_NORM = 1.0
 LEARNING_RATE = 0.05
@@ -147,9 +150,9 @@ class Setting:
         self.batch_labels = self.labels[self.indices].to(device)
         self.initial = self.case.build()
 
-    def model(self) -> nn.Module:
-        """A fresh copy of the model, with the same initial weights for every variant."""
-        return copy.deepcopy(self.initial).to(self.device).train()
+    def model(self, device: torch.device | None = None) -> nn.Module:
+        """A fresh copy of the model on ``device`` (default: the setting's), same initial weights for every variant."""
+        return copy.deepcopy(self.initial).to(device or self.device).train()
 
 
 def non_private(setting: Setting) -> Callable[[], None]:
@@ -214,17 +217,18 @@ def _out_of_place_residual(block: nn.Module) -> Callable[[torch.Tensor], torch.T
 
 
 class _Driver:
-    """The trainer's side of a DP-SGD step: noise once on the clipped sum, average, SGD step."""
+    """The trainer's side of a DP-SGD step on ``device``: noise once on the clipped sum, average, SGD step."""
 
-    def __init__(self, setting: Setting) -> None:
+    def __init__(self, setting: Setting, device: torch.device) -> None:
         self.setting = setting
-        self.model = setting.model()
+        self.model = setting.model(device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
         self.flat = flat_parameters(self.model)
-        self.generator = torch.Generator().manual_seed(1)
+        self.generator = torch.Generator(device).manual_seed(1)
 
     def apply(self, summed: torch.Tensor) -> None:
-        noisy = summed.cpu().add_(torch.randn(summed.shape, generator=self.generator), alpha=NOISE_MULTIPLIER * CLIP_NORM)
+        noise = torch.randn(summed.shape, generator=self.generator, device=self.generator.device)
+        noisy = summed.to(noise.device).add_(noise, alpha=NOISE_MULTIPLIER * CLIP_NORM)
         self.optimizer.zero_grad(set_to_none=True)
         load_flat_gradient(self.model, noisy.div_(self.setting.case.batch_size))
         self.optimizer.step()
@@ -235,12 +239,12 @@ def in_process(engine: str) -> Callable[[Setting], Callable[[], None]]:
     """One DP-SGD step with dpfleet's ``engine`` computing the clipped sum in this process."""
 
     def make(setting: Setting) -> Callable[[], None]:
-        driver = _Driver(setting)
+        driver = _Driver(setting, setting.device)
         physical = setting.case.batch_size if engine == "fast" else setting.case.vmap_physical_batch
 
         def step() -> None:
             selected = setting.inputs[setting.indices].to(setting.device)
-            summed = clipped_sum(engine, driver.model, driver.flat.to(setting.device), selected,
+            summed = clipped_sum(engine, driver.model, driver.flat, selected,
                                  setting.labels[setting.indices].to(setting.device), CLIP_NORM, physical)
             driver.apply(summed)
 
@@ -267,7 +271,7 @@ def over_ray(workers: int) -> Callable[[Setting], Callable[[], None]]:
     def make(setting: Setting) -> Callable[[], None]:
         import ray
 
-        driver = _Driver(setting)
+        driver = _Driver(setting, torch.device("cpu"))
         actors = _ray_workers(setting)[:workers]
 
         def step() -> None:
@@ -296,7 +300,7 @@ def _ray_workers(setting: Setting) -> list:
                 ray.kill(actor)
         _ACTORS.clear()
         _ACTORS[setting.name] = [
-            GradientWorkerActor.options(num_cpus=1).remote(
+            GradientWorkerActor.options(num_cpus=1, num_gpus=0.5 if setting.device.type == "cuda" else 0).remote(
                 setting.name, "mnist", MNIST_EXAMPLES, setting.case.batch_size, threads=1, engine="fast"
             )
             for _ in range(2)
@@ -333,8 +337,8 @@ def _variants_for(setting: Setting, device: torch.device) -> tuple[dict[str, Cal
         if name.startswith("opacus") and not _opacus_available():
             skipped[name] = "opacus is not installed (pip install opacus==1.6.0)"
             continue
-        if name.startswith("ray") and not (setting.case.on_ray and device.type == "cpu"):
-            skipped[name] = "Ray workers load MNIST by dataset name and run on the CPU here"
+        if name.startswith("ray") and not setting.case.on_ray:
+            skipped[name] = "Ray workers load their training split by dataset name: MNIST models only"
             continue
         try:
             step = make(setting)
@@ -450,9 +454,13 @@ def _format(value: float | None, suffix: str = "x") -> str:
     return "-" if value is None else f"{value:.2f}{suffix}"
 
 
+def _device_label(device: torch.device) -> str:
+    return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else device.type
+
+
 def print_report(results: list[dict], memory: dict, threads: int, device: torch.device) -> None:
     """Print the throughput table (samples/s and ratios) and the memory table."""
-    print(f"device {device.type}, {threads} torch thread(s) in process; medians of alternating repeats")
+    print(f"device {_device_label(device)}, {threads} torch thread(s) in process; medians of alternating repeats")
     header = f"{'model':12s} {'variant':14s} {'samples/s':>10s} {'vs non-priv':>12s} {'vs opacus':>10s} {'other':>16s}"
     print(header)
     print("-" * len(header))
@@ -502,14 +510,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_probe:
         print(json.dumps(_peak_memory_of(MEMORY_MODEL, args.memory_probe, device)))
         return 0
-    needs_ray = device.type == "cpu" and any(CASES[name].on_ray for name in args.models)
+    needs_ray = any(CASES[name].on_ray for name in args.models)
     if needs_ray:
         import ray
 
         # Ray starts workers at niceness 15; on a shared machine they would then lose the CPU to
         # everything else while the in-process variants do not. Same niceness, same terms.
         os.environ["RAY_worker_niceness"] = str(os.nice(0))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=2, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
+                 log_to_driver=False)
     try:
         results = []
         for name in args.models:
@@ -522,9 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     memory = {} if args.no_memory or MEMORY_MODEL not in args.models else peak_memory(device, args.threads)
     print_report(results, memory, args.threads, device)
     if args.json:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({
-            "device": device.type,
+        results_file = RESULTS_DIR / ("throughput.json" if device.type == "cpu" else f"throughput-{device.type}.json")
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        results_file.write_text(json.dumps({
+            "device": _device_label(device),
             "threads": args.threads,
             "repeats": args.repeats,
             "load_average": os.getloadavg(),
