@@ -199,20 +199,27 @@ def outer_product_gradients(
     out_features = output_grads.shape[2]
     if instantiation_is_cheaper(positions, in_features, out_features):
         return instantiated(torch.matmul(output_grads, activations), layout)
-    if positions == 1:
-        # g a is an outer product; its norm is ||a|| ||g||.
-        squared = torch.linalg.vector_norm(activations, dim=(2, 3)).square()
-        squared = (squared * torch.linalg.vector_norm(output_grads, dim=(2, 3)).square()).sum(1)
-    else:
-        activation_gram = torch.matmul(activations, activations.transpose(2, 3))
-        gradient_gram = torch.matmul(output_grads.transpose(2, 3), output_grads)
-        squared = torch.linalg.vecdot(activation_gram.flatten(1), gradient_gram.flatten(1))
 
     def clipped_sum(factors: Tensor) -> Tensor:
         weighted = _scaled(output_grads, factors).permute(1, 2, 0, 3).reshape(groups, out_features, -1)
         return layout(torch.bmm(weighted, activations.transpose(0, 1).reshape(groups, -1, in_features)))
 
-    return ParameterGradients(squared, clipped_sum)
+    return ParameterGradients(ghost_squared_norms(output_grads, activations), clipped_sum)
+
+
+def ghost_squared_norms(output_grads: Tensor, activations: Tensor) -> Tensor:
+    """Per-example squared norms [B] of the gradients g_i a_i (summed over groups), never forming them.
+
+    ``output_grads`` [B, G, p, T], ``activations`` [B, G, T, d]: the norm is
+    the inner product of the two [T, T] Gram matrices, a_i a_i^T and g_i^T g_i.
+    """
+    if activations.shape[2] == 1:
+        # g a is an outer product; its norm is ||a|| ||g||.
+        squared = torch.linalg.vector_norm(activations, dim=(2, 3)).square()
+        return (squared * torch.linalg.vector_norm(output_grads, dim=(2, 3)).square()).sum(1)
+    activation_gram = torch.matmul(activations, activations.transpose(2, 3))
+    gradient_gram = torch.matmul(output_grads.transpose(2, 3), output_grads)
+    return torch.linalg.vecdot(activation_gram.flatten(1), gradient_gram.flatten(1))
 
 
 def _scaled(tensor: Tensor, factors: Tensor) -> Tensor:
@@ -249,13 +256,13 @@ def _conv_input(layer: nn.Conv2d, inputs: Tensor) -> tuple[Tensor, tuple[int, in
     return F.pad(inputs, layer._reversed_padding_repeated_twice, mode=mode), (0, 0)
 
 
-def patches(layer: nn.Conv2d, inputs: Tensor, padding: tuple[int, int]) -> tuple[Tensor, bool]:
+def patches(layer: nn.Conv2d, inputs: Tensor, padding: tuple[int, int]) -> Tensor:
     """The input windows each output position sees, [B, G, L, d] for G groups and L positions.
 
-    One strided copy. The d entries of a window are ordered (kh, kw, channel)
-    from a channels-last copy, whose contiguous channel runs make the copy
-    fast, unless a group has a single channel, where (channel, kh, kw) keeps
-    the runs along kw. Returns the windows and whether the order is channels-last.
+    One strided copy, for Gram matrices, which do not depend on the order of
+    a window's d entries: (kh, kw, channel) from a channels-last copy, whose
+    contiguous channel runs make the copy fast, unless a group has a single
+    channel, where (channel, kh, kw) keeps the runs along kw.
     """
     if any(padding):
         inputs = F.pad(inputs, (padding[1], padding[1], padding[0], padding[0]))
@@ -271,7 +278,7 @@ def patches(layer: nn.Conv2d, inputs: Tensor, padding: tuple[int, int]) -> tuple
     # [B, G, C/G, rows, columns, kh, kw]
     windows = windows.reshape(batch, groups, channels // groups, rows, columns, *layer.kernel_size)
     order = (0, 1, 3, 4, 5, 6, 2) if channels_last else (0, 1, 3, 4, 2, 5, 6)
-    return windows.permute(order).reshape(batch, groups, rows * columns, -1), channels_last
+    return windows.permute(order).reshape(batch, groups, rows * columns, -1)
 
 
 def _summed(tensors: Iterable[Tensor]) -> Tensor:
@@ -287,12 +294,14 @@ def _joined(tensors: list[Tensor], dim: int) -> Tensor:
 def conv2d_rule(
     layer: nn.Conv2d, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
 ) -> dict[str, ParameterGradients]:
-    """Conv2d (any stride, padding, padding mode, dilation, groups) through its input windows.
+    """Conv2d (any stride, padding, padding mode, dilation, groups), per layer by the cheaper path.
 
     The weight acts as a matrix product on the input windows of each group.
-    Where instantiation is the cheaper path, the per-example weight gradients
-    come from the native convolution weight-gradient kernel instead, run once
-    with the batch folded into the groups.
+    Instantiation: the per-example weight gradients come from the native
+    convolution weight-gradient kernel, run once with the batch folded into
+    the groups. Ghost norm: from the Gram matrices of the input windows and
+    output gradients; the clipped sum is then the native weight-gradient
+    kernel on the output gradients scaled by the clip factors.
     """
     result = {}
     if "weight" in params:
@@ -302,23 +311,29 @@ def conv2d_rule(
         if instantiation_is_cheaper(positions, in_features, out_features):
             result["weight"] = instantiated(_summed(per_example_conv_weight_gradients(layer, call) for call in calls))
             return result | _conv_bias(params, calls)
-        windows = [patches(layer, *_conv_input(layer, call.input)) for call in calls]
-        channels_last = windows[0][1]
+        windows = _joined([patches(layer, *_conv_input(layer, call.input)) for call in calls], 2)
         output_grads = _joined(
-            [call.output_grad.reshape(batch_size, layer.groups, layer.out_channels // layer.groups, -1)
-             for call in calls], 3,
+            [call.output_grad.reshape(batch_size, layer.groups, out_features, -1) for call in calls], 3,
         )
-
-        def layout(summed: Tensor) -> Tensor:
-            if not channels_last:
-                return summed.view(weight.shape)
-            out_channels, channels, kernel_height, kernel_width = weight.shape
-            return summed.view(out_channels, kernel_height, kernel_width, channels).permute(0, 3, 1, 2).contiguous()
-
-        result["weight"] = outer_product_gradients(
-            output_grads, _joined([window for window, _ in windows], 2), layout
+        result["weight"] = ParameterGradients(
+            ghost_squared_norms(output_grads, windows),
+            lambda factors: _summed(conv_weight_gradient(layer, call, weight, factors) for call in calls),
         )
     return result | _conv_bias(params, calls)
+
+
+def conv_weight_gradient(layer: nn.Conv2d, call: LayerCall, weight: Tensor, factors: Tensor) -> Tensor:
+    """The sum over examples of factor_i times example i's Conv2d weight gradient, for one call.
+
+    The native weight-gradient kernel on the output gradients scaled by the
+    factors; ``weight`` only gives the kernel its shape.
+    """
+    inputs, padding = _conv_input(layer, call.input)
+    _, gradient, _ = torch.ops.aten.convolution_backward(
+        _scaled(call.output_grad, factors), inputs, weight, None, layer.stride, padding, layer.dilation,
+        False, (0, 0), layer.groups, (False, True, False),
+    )
+    return gradient
 
 
 def _conv_bias(params: Mapping[str, Tensor], calls: list[LayerCall]) -> dict[str, ParameterGradients]:
