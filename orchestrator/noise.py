@@ -43,8 +43,14 @@ class GaussianNoise:
         """`size` independent N(0, std^2) values as float64."""
         if not self.secure:
             return self._generator.normal(0.0, std, size)
-        draws = self._generator.normal(0.0, std / np.sqrt(SECURE_DRAWS), (SECURE_DRAWS, size))
-        return draws.sum(axis=0)
+        # The secure draws accumulate in place: for an 11M-parameter model, a
+        # [SECURE_DRAWS, size] array would be 356 MB written and read again.
+        total = self._generator.standard_normal(size)
+        part = np.empty_like(total)
+        for _ in range(SECURE_DRAWS - 1):
+            total += self._generator.standard_normal(out=part)
+        total *= std / np.sqrt(SECURE_DRAWS)
+        return total
 
 
 def average_noisy_sum(noisy_sum: np.ndarray, expected_batch_size: float) -> np.ndarray:
