@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workers.actor import retain_freed_memory
 from workers.clipping import clipped_sum
 from workers.models import build_model, flat_parameters, load_flat_gradient
 
@@ -504,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU, and torch sees none")
     torch.set_num_threads(args.threads)
+    # The gradient workers keep freed memory for reuse; every in-process variant runs on the same terms.
+    retain_freed_memory()
     device = torch.device(args.device)
     # torch.func warns that attention has no batching rule; the vmap fallback is slower there, and says so here.
     warnings.filterwarnings("ignore", message="There is a performance drop")

@@ -7,6 +7,7 @@ loaded by the actor from its own cache and never crosses from the driver.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import warnings
@@ -19,6 +20,34 @@ from workers.clipping import check_engine, clipped_sum, microbatch_clipped_sum
 from workers.data import dataset_size, load_split
 from workers.models import build_model, parameter_count
 from workers.validation import check_model
+
+
+# glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on 64-bit systems.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+LARGEST_MMAP_THRESHOLD = 32 * 2**20
+RETAINED_HEAP_BYTES = 2**30
+
+
+def retain_freed_memory() -> bool:
+    """Have glibc keep the memory a step frees for the next step, instead of returning it to the OS.
+
+    A training step allocates and frees the same large tensors every time.
+    By default glibc maps blocks above its mmap threshold fresh from the OS
+    and unmaps them when freed, and returns the top of its heap past 128 KB,
+    so every step takes page faults on them again. Raising both thresholds
+    (mmap to glibc's 32 MB maximum, trimming to 1 GB) keeps them: the fast
+    engine's gdp_cnn step went from 55 to 64 ms to 42 to 51 ms on a 2-core
+    CPU. The process keeps its peak memory in exchange. Returns False where
+    the C library is not glibc (the setting is then left as it was).
+    """
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, RETAINED_HEAP_BYTES)
+    )
 
 
 class GradientWorker:
@@ -57,6 +86,7 @@ class GradientWorker:
                 "use None for the whole training split"
             )
         torch.set_num_threads(threads)
+        retain_freed_memory()
         self.engine = engine
         self.max_physical_batch = max_physical_batch
         self.device = _assigned_device()
