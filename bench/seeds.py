@@ -13,6 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
+from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, label
 from bench.mnist import ROOT, run_config
 from orchestrator.display import format_table
 
@@ -53,7 +54,7 @@ HEADERS = ["tutorial", "reported accuracy", "reported epsilon", "dpfleet accurac
 
 def _cells(row: dict) -> list[str]:
     """One table row: the tutorial's figures beside dpfleet's, with the accountant behind dpfleet's epsilon."""
-    accountant = "RDP bound; PLD impractical past 100" if row.get("pld_fell_back_to_rdp") else "PLD"
+    accountant = PLD_FALLBACK_LABEL if row.get("pld_fell_back_to_rdp") else label(get_accountant("pld"))
     return [
         row["tutorial"],
         "–" if row["reported_accuracy"] is None else f"{100 * row['reported_accuracy']:.2f}%",
