@@ -3,6 +3,8 @@
 Durability: WAL journal with synchronous=FULL, so a change is on disk when
 its transaction returns; every state change is one BEGIN IMMEDIATE
 transaction, which also serialises writers across processes sharing the file.
+Reads run on a pool of connections of their own, beside writes and beside
+each other.
 Each change appends a row to `history` (who, when, what, JSON details); the
 table refuses UPDATE and DELETE.
 
@@ -194,8 +196,9 @@ class Ledger:
         self._writers_waiting = 0
         self._waiting_lock = threading.Lock()
         self._batch: _Batch | None = None
-        self._reader = _connect(self.path)
-        self._read_lock = threading.Lock()
+        self._idle_readers: list[sqlite3.Connection] = []
+        self._all_readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
         self._verified_tokens: dict[bytes, str] = {}
         try:
             self._create_or_check_schema()
@@ -211,9 +214,10 @@ class Ledger:
 
     def close(self) -> None:
         """Close the file."""
-        with self._write_lock, self._read_lock:
+        with self._write_lock, self._readers_lock:
+            for reader in self._all_readers:
+                reader.close()
             self._writer.close()
-            self._reader.close()
 
     # ------------------------------------------------------------ plumbing
 
@@ -267,13 +271,22 @@ class Ledger:
 
     @contextlib.contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
-        """A snapshot of what is committed, on a connection of its own (WAL lets it run beside writes)."""
-        with self._read_lock:
-            self._reader.execute("BEGIN")
+        """A snapshot of what is committed, on a connection of its own (WAL lets reads run beside writes)."""
+        with self._readers_lock:
+            reader = self._idle_readers.pop() if self._idle_readers else None
+        if reader is None:
+            reader = _connect(self.path)
+            with self._readers_lock:
+                self._all_readers.append(reader)
+        try:
+            reader.execute("BEGIN")
             try:
-                yield self._reader
+                yield reader
             finally:
-                self._reader.execute("COMMIT")
+                reader.execute("COMMIT")
+        finally:
+            with self._readers_lock:
+                self._idle_readers.append(reader)
 
     def _create_or_check_schema(self) -> None:
         with self._transaction() as connection:
