@@ -61,8 +61,28 @@ def test_file_is_wal_with_a_schema_version_and_refuses_other_versions(ledger, tm
         assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert connection.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
         connection.execute("UPDATE schema_version SET version = 99")
-    with pytest.raises(FailedPrecondition, match="schema version 99; this dpfleet reads version 1"):
+    with pytest.raises(FailedPrecondition, match=f"schema version 99; this dpfleet reads versions up to {SCHEMA_VERSION}"):
         Ledger(ledger.path)
+
+
+def test_a_version_1_file_is_migrated_with_its_released_jobs_counted_and_the_migration_recorded(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    for job in ("a", "b", "c"):
+        reservation = ledger.reserve("mnist", job, FIRST.with_steps(10))
+        if job != "c":
+            ledger.release(reservation.reservation_id)
+    before = ledger.get_budget("mnist")
+    ledger.close()
+    with sqlite3.connect(ledger.path) as connection:  # what version 1 wrote: no count of released jobs
+        connection.execute("ALTER TABLE datasets DROP COLUMN released_jobs")
+        connection.execute("UPDATE schema_version SET version = 1")
+    with open_embedded_ledger(ledger.path) as migrated:
+        after = migrated.get_budget("mnist")
+        assert after == before and after.released_jobs == 2 and len(after.jobs) == 1
+        (entry,) = [entry for entry in migrated.history() if entry.action == "migrate_schema"]
+        assert entry.details == {"from": 1, "to": SCHEMA_VERSION}
+    with sqlite3.connect(ledger.path) as connection:
+        assert connection.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
 
 
 def test_history_is_append_only(ledger):
@@ -129,7 +149,7 @@ def test_release_frees_only_what_never_ran(ledger):
     assert status.released_jobs == 1 and status.jobs == ()
     before = row_counts(ledger)
     assert ledger.release(reservation.reservation_id) == released
-    assert row_counts(ledger) == before
+    assert row_counts(ledger) == before and ledger.get_budget("mnist").released_jobs == 1
 
 
 def test_a_reservation_stays_held_until_released(ledger):

@@ -78,7 +78,7 @@ from accounting.ledger.core import (
     token_matches,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = (
     "CREATE TABLE schema_version (version INTEGER NOT NULL)",
@@ -98,6 +98,7 @@ _SCHEMA = (
         held_rdp TEXT NOT NULL,
         committed_events TEXT NOT NULL,
         created_at TEXT NOT NULL,
+        released_jobs INTEGER NOT NULL DEFAULT 0,
         UNIQUE (tenant, name)
     )""",
     """CREATE TABLE reservations (
@@ -137,7 +138,17 @@ _SCHEMA = (
         BEGIN SELECT RAISE(ABORT, 'the ledger history is append-only'); END""",
 )
 
-_DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events"
+# Each version's statements bring a file of the previous version up to it, in the transaction that opens it.
+_MIGRATIONS = {
+    # A count of released jobs per dataset, so a status reads one row, not an index of every job it ever had.
+    2: (
+        "ALTER TABLE datasets ADD COLUMN released_jobs INTEGER NOT NULL DEFAULT 0",
+        "UPDATE datasets SET released_jobs = "
+        "(SELECT COUNT(*) FROM reservations r WHERE r.dataset_id = datasets.id AND r.state = 'released')",
+    ),
+}
+
+_DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs"
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at"
 )
@@ -299,11 +310,23 @@ class Ledger:
                 connection.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 return
             (version,) = connection.execute("SELECT version FROM schema_version").fetchone()
+            if version < SCHEMA_VERSION:
+                self._migrate(connection, version)
+                return
         if version != SCHEMA_VERSION:
             raise FailedPrecondition(
-                f"the ledger file {self.path} has schema version {version}; this dpfleet reads version "
-                f"{SCHEMA_VERSION}. Open it with the dpfleet version that wrote it"
+                f"the ledger file {self.path} has schema version {version}; this dpfleet reads versions up to "
+                f"{SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
             )
+
+    def _migrate(self, connection: sqlite3.Connection, version: int) -> None:
+        """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in _MIGRATIONS[target]:
+                connection.execute(statement)
+        connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        caller = self._default_caller or Caller(actor=f"{_local_user()} (opening the file)", tenant=None)
+        self._record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
 
     def _caller(self, caller: Caller | None) -> Caller:
         caller = caller or self._default_caller
@@ -366,21 +389,18 @@ class Ledger:
         )
 
     @staticmethod
-    def _status_rows(connection: sqlite3.Connection, row: tuple) -> tuple[tuple, list[tuple], int]:
+    def _status_rows(connection: sqlite3.Connection, row: tuple) -> tuple[tuple, list[tuple]]:
         """What a status needs from the file: read inside a transaction, computed on outside it."""
         jobs = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
             "WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.rowid",
             (row[0], ACTIVE),
         ).fetchall()
-        (released,) = connection.execute(
-            "SELECT COUNT(*) FROM reservations WHERE dataset_id = ? AND state = ?", (row[0], RELEASED)
-        ).fetchone()
-        return row, jobs, released
+        return row, jobs
 
-    def _status(self, caller: Caller, rows: tuple[tuple, list[tuple], int]) -> DatasetStatus:
+    def _status(self, caller: Caller, rows: tuple[tuple, list[tuple]]) -> DatasetStatus:
         # The PLD epsilon can take a second when the committed events changed; no lock is held here.
-        (_, tenant, name, budget_epsilon, delta, held, committed_events), jobs, released = rows
+        (_, tenant, name, budget_epsilon, delta, held, committed_events, released), jobs = rows
         figures = budget_figures(
             budget_epsilon, delta, Composition.from_json(committed_events), RdpTally.from_json(held)
         )
@@ -685,7 +705,7 @@ class Ledger:
             _, unrun = split_steps(reservation.planned, reservation.committed_steps)
             (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
             connection.execute(
-                "UPDATE datasets SET held_rdp = ? WHERE id = ?",
+                "UPDATE datasets SET held_rdp = ?, released_jobs = released_jobs + 1 WHERE id = ?",
                 ((RdpTally.from_json(held) - RdpTally.of(unrun)).to_json(), dataset_id),
             )
             connection.execute(
