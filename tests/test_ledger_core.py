@@ -1,6 +1,8 @@
 """The ledger's pure core: splitting plans, exact RDP tallies, safe admission, validation, tokens."""
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -29,6 +31,7 @@ from accounting.ledger.core import (
     new_token,
     parse_plan,
     resolve_dataset,
+    shared_cache,
     split_steps,
     tenant_caller,
     token_key_id,
@@ -259,3 +262,59 @@ def test_tokens_verify_against_their_salted_hash_only():
     assert hash_token(token, b"fedcba9876543210") != stored
     with pytest.raises(Unauthenticated):
         token_key_id("Bearer nonsense")
+
+
+def test_a_shared_cache_computes_once_for_callers_asking_at_the_same_time_and_forgets_the_least_recent():
+    calls = []
+
+    @shared_cache(maxsize=2)
+    def slow_square(value):
+        calls.append(value)
+        time.sleep(0.2)
+        return value * value
+
+    start = threading.Barrier(8)
+    results = []
+
+    def ask():
+        start.wait()
+        results.append(slow_square(3))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [9] * 8 and calls == [3]
+    assert [slow_square(4), slow_square(3), slow_square(5)] == [16, 9, 25] and calls == [3, 4, 5]
+    assert slow_square(4) == 16 and calls == [3, 4, 5, 4]  # 4 was the least recently used of three, so forgotten
+
+
+def test_a_shared_cache_hands_an_error_to_every_waiting_caller_and_tries_again_after():
+    attempts = []
+
+    @shared_cache(maxsize=4)
+    def flaky(value):
+        attempts.append(value)
+        time.sleep(0.1)
+        if len(attempts) == 1:
+            raise RuntimeError("first attempt fails")
+        return value
+
+    start = threading.Barrier(4)
+    errors = []
+
+    def ask():
+        start.wait()
+        try:
+            flaky(1)
+        except RuntimeError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(errors) == 4 and attempts == [1]
+    assert flaky(1) == 1 and attempts == [1, 1]

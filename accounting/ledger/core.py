@@ -32,9 +32,12 @@ import json
 import math
 import re
 import secrets
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -407,9 +410,58 @@ class BudgetFigures:
     remaining_epsilon: float
 
 
-@functools.lru_cache(maxsize=1024)
+def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
+    """A least-recently-used cache of `maxsize` results, like functools.lru_cache, computed once per arguments.
+
+    Callers that ask for arguments already being computed wait for that
+    computation rather than start their own; if it raises, each of them
+    gets the error and the next call tries again.
+    """
+
+    def decorate(function: Callable) -> Callable:
+        results: OrderedDict = OrderedDict()
+        computing: dict[tuple, Future] = {}
+        lock = threading.Lock()
+
+        @functools.wraps(function)
+        def cached(*args: object) -> object:
+            with lock:
+                if args in results:
+                    results.move_to_end(args)
+                    return results[args]
+                pending = computing.get(args)
+                if pending is None:
+                    pending = computing[args] = Future()
+                    pending.set_running_or_notify_cancel()
+                    owner = True
+                else:
+                    owner = False
+            if not owner:
+                return pending.result()
+            try:
+                value = function(*args)
+            except BaseException as error:
+                with lock:
+                    del computing[args]
+                pending.set_exception(error)
+                raise
+            with lock:
+                del computing[args]
+                results[args] = value
+                if len(results) > maxsize:
+                    results.popitem(last=False)
+            pending.set_result(value)
+            return value
+
+        return cached
+
+    return decorate
+
+
+@shared_cache(maxsize=1024)
 def _spent_pld_epsilon(committed_events: Composition, delta: float) -> float:
-    # Reading epsilon off a long PLD takes tens of ms; a dataset's committed events change only on commit.
+    # The PLD of a long composition takes a few hundred ms; a dataset's committed events change only on commit,
+    # and statuses asking at once after a commit wait for one computation.
     return get_accountant("pld").epsilon(committed_events, delta)
 
 
