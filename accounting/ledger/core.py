@@ -430,12 +430,9 @@ def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
                     results.move_to_end(args)
                     return results[args]
                 pending = computing.get(args)
-                if pending is None:
+                owner = pending is None
+                if owner:
                     pending = computing[args] = Future()
-                    pending.set_running_or_notify_cancel()
-                    owner = True
-                else:
-                    owner = False
             if not owner:
                 return pending.result()
             try:
