@@ -264,6 +264,21 @@ def test_tokens_verify_against_their_salted_hash_only():
         token_key_id("Bearer nonsense")
 
 
+def call_at_once(threads, function):
+    """Start `threads` threads that each call `function` at the same moment; wait for all of them."""
+    start = threading.Barrier(threads)
+
+    def call():
+        start.wait()
+        function()
+
+    running = [threading.Thread(target=call) for _ in range(threads)]
+    for thread in running:
+        thread.start()
+    for thread in running:
+        thread.join()
+
+
 def test_a_shared_cache_computes_once_for_callers_asking_at_the_same_time_and_forgets_the_least_recent():
     calls = []
 
@@ -273,18 +288,8 @@ def test_a_shared_cache_computes_once_for_callers_asking_at_the_same_time_and_fo
         time.sleep(0.2)
         return value * value
 
-    start = threading.Barrier(8)
     results = []
-
-    def ask():
-        start.wait()
-        results.append(slow_square(3))
-
-    threads = [threading.Thread(target=ask) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    call_at_once(8, lambda: results.append(slow_square(3)))
     assert results == [9] * 8 and calls == [3]
     assert [slow_square(4), slow_square(3), slow_square(5)] == [16, 9, 25] and calls == [3, 4, 5]
     assert slow_square(4) == 16 and calls == [3, 4, 5, 4]  # 4 was the least recently used of three, so forgotten
@@ -301,20 +306,14 @@ def test_a_shared_cache_hands_an_error_to_every_waiting_caller_and_tries_again_a
             raise RuntimeError("first attempt fails")
         return value
 
-    start = threading.Barrier(4)
     errors = []
 
     def ask():
-        start.wait()
         try:
             flaky(1)
         except RuntimeError as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=ask) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    call_at_once(4, ask)
     assert len(errors) == 4 and attempts == [1]
     assert flaky(1) == 1 and attempts == [1, 1]
