@@ -170,22 +170,19 @@ def _client(
         barrier.wait()
         start = time.perf_counter()
         deadline = start + seconds
-        scheduled = start
-        while True:
-            if rate is None:
-                if time.perf_counter() >= deadline:
-                    break
+        if rate is None:
+            while time.perf_counter() < deadline:
                 operations += 1
                 latencies += operation(operations)
-                continue
-            scheduled += arrivals.exponential(1.0 / rate)
-            if scheduled >= deadline:
-                break
-            operations += 1
-            time.sleep(max(0.0, scheduled - time.perf_counter()))
-            waited = time.perf_counter() - scheduled
-            took = operation(operations)
-            latencies += [waited + took[0], *took[1:]]
+        else:
+            scheduled = start + arrivals.exponential(1.0 / rate)
+            while scheduled < deadline:
+                operations += 1
+                time.sleep(max(0.0, scheduled - time.perf_counter()))
+                waited = time.perf_counter() - scheduled
+                took = operation(operations)
+                latencies += [waited + took[0], *took[1:]]
+                scheduled += arrivals.exponential(1.0 / rate)
         results.put((operations, time.perf_counter() - start, latencies))
 
 
