@@ -3,6 +3,7 @@
 import math
 import warnings
 
+import dp_accounting
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -59,6 +60,17 @@ def test_heterogeneous_composition():
     events = Composition((SampledGaussian(0.004, 1.1, 1000), SampledGaussian(0.008, 0.9, 1000)))
     assert epsilon("rdp", events) == pytest.approx(2.2937, abs=5e-5)
     assert epsilon("pld", events) == pytest.approx(1.914, abs=0.002)
+
+
+def test_pld_equals_dp_accountings_own_accountant():
+    # The PLD accountant composes cached one-step distributions itself; the figures must be dp-accounting's, exactly.
+    events = Composition(
+        (SampledGaussian(0.01, 1.1, 100), SampledGaussian(0.02, 2.0, 50, 2.0), SampledGaussian(0.01, 1.1, 30))
+    )
+    reference = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    reference.compose(events.to_dp_event())
+    assert get_accountant("pld").epsilon(events, 1e-5) == reference.get_epsilon(1e-5)
+    assert get_accountant("pld").delta(events, 1.0) == reference.get_delta(1.0)
 
 
 def test_pld_is_tighter_than_rdp_and_gdp_is_flagged_approximate():
