@@ -20,7 +20,7 @@ from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerError, P
 from accounting.ledger.service import LedgerServer, serve
 from accounting.ledger.store import default_ledger_path, open_embedded_ledger
 from orchestrator import checks
-from orchestrator.display import format_table, print_json
+from orchestrator.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError
 
 _ADDRESS_HELP = "ledger server HOST:PORT (default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
@@ -68,7 +68,7 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def _status_table(statuses: list[DatasetStatus]) -> str:
     headers = [
-        "dataset", "budget ε", "δ", "spent ε (pld)", "spent ε (rdp)", "reserved ε", "remaining ε",
+        "dataset", "budget ε", "δ", "spent ε", "spent ε (rdp)", "reserved ε", "remaining ε",
         "active jobs", "released jobs",
     ]
     rows = [
@@ -76,7 +76,7 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
             status.name,
             status.budget_epsilon,
             status.delta,
-            status.spent_epsilon,
+            f"{format_number(status.spent_epsilon)} ({status.spent_epsilon_accountant})",
             status.spent_epsilon_rdp,
             status.reserved_epsilon,
             status.remaining_epsilon,
@@ -86,6 +86,8 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
         for status in statuses
     ]
     text = format_table(headers, rows)
+    if any(status.spent_epsilon_accountant != "pld" for status in statuses):
+        text += "\n\nspent ε (rdp): the PLD figure of new commits is still being computed; ask again for it."
     jobs = [job for status in statuses for job in status.jobs]
     if jobs:
         text += "\n\njobs holding budget:\n" + _jobs_table(jobs)
@@ -176,7 +178,10 @@ def run_dataset_raise(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     """Print budget, spent, reserved and remaining epsilon of one or every visible dataset."""
     with _open(args) as ledger:
-        statuses = [ledger.get_budget(args.dataset)] if args.dataset else ledger.list_datasets()
+        if args.dataset:
+            statuses = [ledger.get_budget(args.dataset, args.no_wait)]
+        else:
+            statuses = ledger.list_datasets(args.no_wait)
     _print_statuses(statuses, args.json)
     return 0
 
@@ -284,6 +289,12 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
 
     status = commands.add_parser("status", help="budget, spent, reserved and remaining epsilon per dataset")
     status.add_argument("--dataset", help="only this dataset")
+    status.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="answer at once: while the PLD epsilon of new commits is computed (0.1-1 s), "
+        "show their RDP epsilon as spent, marked (rdp)",
+    )
     _add_client_flags(status)
     status.set_defaults(handler=run_status)
 

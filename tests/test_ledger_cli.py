@@ -1,43 +1,27 @@
 """`dpfleet ledger ...` against the embedded ledger file and against a server on loopback."""
 
-import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
+from accounting.ledger.core import ADMIN
 from accounting.ledger.service import start_server
 from accounting.ledger.store import open_embedded_ledger
-from orchestrator.errors import BudgetRefusedError, UsageError
-from orchestrator.ledger_cli import add_ledger_parser
+from orchestrator.cli import main
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
 STATUS_KEYS = {
-    "name", "tenant", "budget_epsilon", "delta", "spent_epsilon", "spent_epsilon_rdp",
+    "name", "tenant", "budget_epsilon", "delta", "spent_epsilon", "spent_epsilon_accountant", "spent_epsilon_rdp",
     "reserved_epsilon", "remaining_epsilon", "jobs", "released_jobs",
 }
-REPOSITORY = Path(__file__).resolve().parents[1]
 
 
 def run(capsys, *argv):
     """Run one ledger command the way `dpfleet` does; return (exit status, stdout, stderr)."""
-    if "ledger_cli" in (REPOSITORY / "orchestrator" / "cli.py").read_text():
-        from orchestrator.cli import main
-
-        status = main(list(argv))
-    else:
-        parser = argparse.ArgumentParser(prog="dpfleet")
-        add_ledger_parser(parser.add_subparsers(dest="command", required=True))
-        args = parser.parse_args(list(argv))
-        try:
-            status = args.handler(args)
-        except (UsageError, BudgetRefusedError) as error:
-            print(f"dpfleet ledger: error: {error}", file=sys.stderr)
-            status = error.exit_status
+    status = main(list(argv))
     captured = capsys.readouterr()
     return status, captured.out, captured.err
 
@@ -77,7 +61,7 @@ def test_embedded_ledger_needs_no_server_and_shows_spending(capsys, embedded):
     assert (dataset["name"], dataset["tenant"]) == ("mnist", "local")
     assert (dataset["budget_epsilon"], dataset["delta"]) == (2.0, DELTA)
     assert dataset["spent_epsilon"] == get_accountant("pld").epsilon(SampledGaussian(0.004, 1.1, 200), DELTA)
-    assert dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"]
+    assert dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"] and dataset["spent_epsilon_accountant"] == "pld"
     accounted = dataset["spent_epsilon_rdp"] + dataset["reserved_epsilon"] + dataset["remaining_epsilon"]
     assert accounted == pytest.approx(2.0)
     jobs = [(job["job_id"], job["committed_steps"], job["unrun_steps"]) for job in dataset["jobs"]]
@@ -133,3 +117,22 @@ def test_remote_ledger_through_flags_and_environment(capsys, server, monkeypatch
     assert status == 2 and "not a dpfleet ledger token" in err
     status, _, err = run(capsys, "ledger", "status", "--ledger", "127.0.0.1:1", "--timeout", "1")
     assert status == 2 and "did not answer" in err
+
+
+def test_status_that_does_not_wait_marks_an_rdp_figure_and_says_why(capsys, server, held_back_pld):
+    admin = ("--ledger", server.address, "--token", ADMIN_TOKEN)
+    run_json(capsys, "ledger", "tenant", "create", "acme", *admin)
+    run_json(capsys, "ledger", "dataset", "create", "acme/mnist", "--epsilon", "2", "--delta", "1e-5", *admin)
+    uncommon = SampledGaussian(0.0037, 1.07, 1)  # a composition no other test has had the PLD of
+    reservation = server.ledger.reserve("acme/mnist", "job-1", uncommon.with_steps(100), caller=ADMIN)
+    server.ledger.commit(reservation.reservation_id, 29, 0, caller=ADMIN)
+
+    (dataset,) = run_json(capsys, "ledger", "status", "--no-wait", *admin)["datasets"]
+    assert dataset["spent_epsilon_accountant"] == "rdp" and dataset["spent_epsilon"] == dataset["spent_epsilon_rdp"]
+    status, table, _ = run(capsys, "ledger", "status", "--dataset", "acme/mnist", "--no-wait", *admin)
+    assert status == 0 and "(rdp)" in table and "still being computed" in table
+    held_back_pld.set()
+    (dataset,) = run_json(capsys, "ledger", "status", *admin)["datasets"]
+    assert dataset["spent_epsilon_accountant"] == "pld" and dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"]
+    status, table, _ = run(capsys, "ledger", "status", *admin)
+    assert "(pld)" in table and "still being computed" not in table

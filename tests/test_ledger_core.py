@@ -317,3 +317,28 @@ def test_a_shared_cache_hands_an_error_to_every_waiting_caller_and_tries_again_a
     call_at_once(4, ask)
     assert len(errors) == 4 and attempts == [1]
     assert flaky(1) == 1 and attempts == [1, 1]
+
+
+def test_a_shared_cache_starts_one_background_computation_at_a_time():
+    may_finish = threading.Event()
+    calls = []
+
+    @shared_cache(maxsize=4)
+    def gated_tenfold(value):
+        calls.append(value)
+        may_finish.wait(30)
+        return 10 * value
+
+    first = gated_tenfold.start(1)
+    assert not first.done()
+    assert gated_tenfold.start(1) is first  # the same computation
+    assert gated_tenfold.start(2) is None  # one background computation at a time: nothing starts
+    waiting = []
+    waiter = threading.Thread(target=lambda: waiting.append(gated_tenfold(1)))
+    waiter.start()
+    may_finish.set()
+    waiter.join()
+    assert first.result(timeout=30) == 10 and waiting == [10]
+    assert gated_tenfold.start(1).result(timeout=0) == 10  # cached: a future already done
+    assert gated_tenfold.start(2).result(timeout=30) == 20
+    assert calls == [1, 2]

@@ -84,6 +84,19 @@ def test_checked_in_stubs_equal_freshly_generated_ones():
     assert "from . import ledger_pb2" in stubs["ledger_pb2_grpc.py"]
 
 
+def test_a_status_may_answer_with_the_rdp_bound_while_the_pld_figure_is_computed(acme, held_back_pld):
+    uncommon = SampledGaussian(0.0037, 1.07, 1)  # a composition no other test has had the PLD of
+    reservation = acme.reserve("mnist", "job-1", uncommon.with_steps(100))
+    acme.commit(reservation.reservation_id, 23, 1)
+    quick = acme.get_budget("mnist", pld_may_be_pending=True)
+    assert (quick.spent_epsilon_accountant, quick.spent_epsilon) == ("rdp", quick.spent_epsilon_rdp)
+    assert [status.spent_epsilon_accountant for status in acme.list_datasets(pld_may_be_pending=True)] == ["rdp"]
+    held_back_pld.set()
+    exact = acme.get_budget("mnist")
+    assert exact.spent_epsilon_accountant == "pld"
+    assert exact.spent_epsilon == get_accountant("pld").epsilon(uncommon.with_steps(23), DELTA) < quick.spent_epsilon
+
+
 def test_health_check_answers_serving(server):
     with grpc.insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)

@@ -113,6 +113,23 @@ def test_commits_consume_a_heterogeneous_plan_in_order(ledger):
     assert status.remaining_epsilon == pytest.approx(10.0 - rdp_epsilon(plan), rel=1e-12)
 
 
+def test_a_status_that_may_not_wait_reports_the_rdp_bound_until_the_pld_figure_is_ready(ledger, held_back_pld):
+    uncommon = SampledGaussian(0.0037, 1.07, 1)  # a composition no other test has had the PLD of
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    reservation = ledger.reserve("mnist", "job-1", uncommon.with_steps(100))
+    ledger.commit(reservation.reservation_id, 37, 0)
+    quick = ledger.get_budget("mnist", pld_may_be_pending=True)
+    assert quick.spent_epsilon_accountant == "rdp"
+    assert quick.spent_epsilon == quick.spent_epsilon_rdp == rdp_epsilon(uncommon.with_steps(37))
+    assert [status.spent_epsilon_accountant for status in ledger.list_datasets(pld_may_be_pending=True)] == ["rdp"]
+    held_back_pld.set()
+    exact = ledger.get_budget("mnist")
+    assert exact.spent_epsilon_accountant == "pld"
+    assert exact.spent_epsilon == get_accountant("pld").epsilon(uncommon.with_steps(37), DELTA) < quick.spent_epsilon
+    assert (exact.reserved_epsilon, exact.remaining_epsilon) == (quick.reserved_epsilon, quick.remaining_epsilon)
+    assert ledger.get_budget("mnist", pld_may_be_pending=True) == exact
+
+
 def test_a_commit_with_the_same_sequence_charges_once(ledger):
     ledger.create_dataset("mnist", 10.0, DELTA)
     reservation = ledger.reserve("mnist", "job-1", FIRST.with_steps(100))

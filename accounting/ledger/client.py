@@ -131,14 +131,20 @@ class RemoteLedger:
         request = self._request(pb.RaiseBudgetRequest, dataset=dataset, epsilon=epsilon)
         return messages.status_from_proto(self._call(self._stub.RaiseBudget, request))
 
-    def get_budget(self, dataset: str) -> DatasetStatus:
-        """One dataset's budget, spent, reserved and remaining epsilon, and its active jobs."""
-        request = self._request(pb.GetBudgetRequest, dataset=dataset)
+    def get_budget(self, dataset: str, pld_may_be_pending: bool = False) -> DatasetStatus:
+        """One dataset's budget, spent, reserved and remaining epsilon, and its active jobs.
+
+        With `pld_may_be_pending`, the server answers at once, with the RDP
+        epsilon as `spent_epsilon` (labelled "rdp") while the PLD epsilon of
+        new commits is computed.
+        """
+        request = self._request(pb.GetBudgetRequest, dataset=dataset, pld_may_be_pending=pld_may_be_pending)
         return messages.status_from_proto(self._call(self._stub.GetBudget, request))
 
-    def list_datasets(self) -> list[DatasetStatus]:
-        """Every dataset the token may see."""
-        reply = self._call(self._stub.ListDatasets, self._request(pb.ListDatasetsRequest))
+    def list_datasets(self, pld_may_be_pending: bool = False) -> list[DatasetStatus]:
+        """Every dataset the token may see (see get_budget for `pld_may_be_pending`)."""
+        request = self._request(pb.ListDatasetsRequest, pld_may_be_pending=pld_may_be_pending)
+        reply = self._call(self._stub.ListDatasets, request)
         return [messages.status_from_proto(status) for status in reply.datasets]
 
     def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:

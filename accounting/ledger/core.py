@@ -16,11 +16,14 @@ budget only with a relative margin of `ADMISSION_MARGIN`, which covers the
 last-bit error of the RDP-to-epsilon conversion. Each step can only make the
 ledger refuse something at the exact edge, never admit something over it.
 
-Reports. `spent_epsilon` is the PLD epsilon of the committed events (tight);
-`spent_epsilon_rdp` the RDP epsilon of the same events; `remaining_epsilon`
-is the budget minus the RDP epsilon of committed + reserved, which is the view
-admission uses; `reserved_epsilon` is what the reservations add to the RDP
-epsilon of the committed events, so spent_rdp + reserved + remaining = budget.
+Reports. `spent_epsilon` is the PLD epsilon of the committed events (tight),
+or, for a caller that would rather not wait the 0.1-1 s the PLD of newly
+committed events takes, their RDP epsilon until the PLD figure is ready
+(`spent_epsilon_accountant` says which); `spent_epsilon_rdp` the RDP epsilon
+of the same events; `remaining_epsilon` is the budget minus the RDP epsilon
+of committed + reserved, which is the view admission uses;
+`reserved_epsilon` is what the reservations add to the RDP epsilon of the
+committed events, so spent_rdp + reserved + remaining = budget.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from typing import Callable, Protocol
 
@@ -402,12 +405,17 @@ def check_new_budget(dataset: str, budget_epsilon: float, delta: float, held: Rd
 
 @dataclass(frozen=True)
 class BudgetFigures:
-    """A dataset's budget in epsilon at its delta (see the module docstring for each figure)."""
+    """A dataset's budget in epsilon at its delta (see the module docstring for each figure).
+
+    `spent_epsilon_accountant` says which accountant gave `spent_epsilon`:
+    "pld", or "rdp" when the caller chose not to wait for the PLD figure.
+    """
 
     spent_epsilon: float
     spent_epsilon_rdp: float
     reserved_epsilon: float
     remaining_epsilon: float
+    spent_epsilon_accountant: str
 
 
 def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
@@ -415,41 +423,71 @@ def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
 
     Callers that ask for arguments already being computed wait for that
     computation rather than start their own; if it raises, each of them
-    gets the error and the next call tries again.
+    gets the error and the next call tries again. The cached function's
+    `start(*args)` asks without waiting: see `start` below.
     """
 
     def decorate(function: Callable) -> Callable:
         results: OrderedDict = OrderedDict()
         computing: dict[tuple, Future] = {}
         lock = threading.Lock()
+        in_background: list[Future] = []
 
-        @functools.wraps(function)
-        def cached(*args: object) -> object:
+        def claim(args: tuple, background: bool = False) -> tuple[Future | None, bool]:
+            # The result's future, and whether the caller must compute it; for a background computation,
+            # None when the last one is still running.
             with lock:
                 if args in results:
                     results.move_to_end(args)
-                    return results[args]
+                    done: Future = Future()
+                    done.set_result(results[args])
+                    return done, False
                 pending = computing.get(args)
-                owner = pending is None
-                if owner:
-                    pending = computing[args] = Future()
-            if not owner:
-                return pending.result()
+                if pending is not None:
+                    return pending, False
+                if background and in_background and not in_background[0].done():
+                    return None, False
+                pending = computing[args] = Future()
+                if background:
+                    in_background[:] = [pending]
+                return pending, True
+
+        def compute(args: tuple, pending: Future) -> None:
             try:
                 value = function(*args)
             except BaseException as error:
                 with lock:
                     del computing[args]
                 pending.set_exception(error)
-                raise
+                return
             with lock:
                 del computing[args]
                 results[args] = value
                 if len(results) > maxsize:
                     results.popitem(last=False)
             pending.set_result(value)
-            return value
 
+        @functools.wraps(function)
+        def cached(*args: object) -> object:
+            pending, owner = claim(args)
+            if owner:
+                compute(args, pending)
+            return pending.result()
+
+        def start(*args: object) -> Future | None:
+            """The result's future without waiting: done when cached, pending while some caller computes it.
+
+            Otherwise the computation starts on a background thread and its
+            future is returned, unless an earlier background computation is
+            still running: then None, and nothing starts. One background
+            thread at most, so callers that never wait cannot pile up work.
+            """
+            pending, owner = claim(args, background=True)
+            if owner:
+                threading.Thread(target=compute, args=(args, pending), name="dpfleet-cache", daemon=True).start()
+            return pending
+
+        cached.start = start
         return cached
 
     return decorate
@@ -457,27 +495,46 @@ def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
 
 @shared_cache(maxsize=1024)
 def _spent_pld_epsilon(committed_events: Composition, delta: float) -> float:
-    # The PLD of a long composition takes a few hundred ms; a dataset's committed events change only on commit,
+    # The PLD of a long composition takes 0.1-1 s; a dataset's committed events change only on commit,
     # and statuses asking at once after a commit wait for one computation.
     return get_accountant("pld").epsilon(committed_events, delta)
 
 
 @functools.lru_cache(maxsize=1024)
-def budget_figures(budget_epsilon: float, delta: float, committed_events: Composition, held: RdpTally) -> BudgetFigures:
+def _rdp_figures(budget_epsilon: float, delta: float, committed_events: Composition, held: RdpTally) -> BudgetFigures:
+    spent_rdp = RdpTally.of(committed_events).epsilon(delta)
+    held_epsilon = held.epsilon(delta)
+    return BudgetFigures(
+        spent_epsilon=spent_rdp,
+        spent_epsilon_rdp=spent_rdp,
+        reserved_epsilon=max(0.0, held_epsilon - spent_rdp),
+        remaining_epsilon=max(0.0, budget_epsilon - held_epsilon),
+        spent_epsilon_accountant="rdp",
+    )
+
+
+def budget_figures(
+    budget_epsilon: float,
+    delta: float,
+    committed_events: Composition,
+    held: RdpTally,
+    pld_may_be_pending: bool = False,
+) -> BudgetFigures:
     """Spent (PLD and RDP), reserved and remaining epsilon of one dataset.
 
     `committed_events` are the dataset's committed steps; `held` the tally
     of committed and reserved-unrun steps. Cached: a status of an unchanged
-    dataset costs no accounting.
+    dataset costs no accounting. The PLD epsilon of newly committed events
+    takes 0.1-1 s; with `pld_may_be_pending` a caller gets the figures at
+    once, with the RDP bound as `spent_epsilon` (labelled "rdp") until the
+    PLD figure, started in the background, is ready.
     """
-    spent_rdp = RdpTally.of(committed_events).epsilon(delta)
-    held_epsilon = held.epsilon(delta)
-    return BudgetFigures(
-        spent_epsilon=_spent_pld_epsilon(committed_events, delta),
-        spent_epsilon_rdp=spent_rdp,
-        reserved_epsilon=max(0.0, held_epsilon - spent_rdp),
-        remaining_epsilon=max(0.0, budget_epsilon - held_epsilon),
-    )
+    figures = _rdp_figures(budget_epsilon, delta, committed_events, held)
+    if pld_may_be_pending:
+        pending = _spent_pld_epsilon.start(committed_events, delta)
+        if pending is None or not pending.done() or pending.exception() is not None:
+            return figures
+    return replace(figures, spent_epsilon=_spent_pld_epsilon(committed_events, delta), spent_epsilon_accountant="pld")
 
 
 # ----------------------------------------------------------- who is asking
@@ -673,6 +730,8 @@ class DatasetStatus:
 
     `jobs` are the reservations still active (holding budget);
     `released_jobs` counts the finished ones (dpfleet ledger jobs lists them).
+    `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
+    new commits is computed for a caller that chose not to wait for it.
     """
 
     name: str
@@ -685,6 +744,7 @@ class DatasetStatus:
     remaining_epsilon: float
     jobs: tuple[Reservation, ...] = ()
     released_jobs: int = 0
+    spent_epsilon_accountant: str = "pld"
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the `dpfleet ledger status --json` shape)."""
@@ -694,6 +754,7 @@ class DatasetStatus:
             "budget_epsilon": self.budget_epsilon,
             "delta": self.delta,
             "spent_epsilon": self.spent_epsilon,
+            "spent_epsilon_accountant": self.spent_epsilon_accountant,
             "spent_epsilon_rdp": self.spent_epsilon_rdp,
             "reserved_epsilon": self.reserved_epsilon,
             "remaining_epsilon": self.remaining_epsilon,
@@ -741,10 +802,10 @@ class PrivacyLedger(Protocol):
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only; never below what is committed and reserved)."""
 
-    def get_budget(self, dataset: str) -> DatasetStatus:
-        """One dataset's budget, spending and active jobs."""
+    def get_budget(self, dataset: str, pld_may_be_pending: bool = False) -> DatasetStatus:
+        """One dataset's budget, spending and active jobs (see `budget_figures` for `pld_may_be_pending`)."""
 
-    def list_datasets(self) -> list[DatasetStatus]:
+    def list_datasets(self, pld_may_be_pending: bool = False) -> list[DatasetStatus]:
         """Every dataset the caller may see."""
 
     def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:

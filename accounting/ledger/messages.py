@@ -116,6 +116,7 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
         remaining_epsilon=status.remaining_epsilon,
         jobs=[reservation_to_proto(job) for job in status.jobs],
         released_jobs=status.released_jobs,
+        spent_epsilon_accountant=status.spent_epsilon_accountant,
     )
 
 
@@ -132,6 +133,7 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
         remaining_epsilon=message.remaining_epsilon,
         jobs=tuple(reservation_from_proto(job) for job in message.jobs),
         released_jobs=message.released_jobs,
+        spent_epsilon_accountant=message.spent_epsilon_accountant or "pld",
     )
 
 

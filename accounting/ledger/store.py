@@ -398,11 +398,13 @@ class Ledger:
         ).fetchall()
         return row, jobs
 
-    def _status(self, caller: Caller, rows: tuple[tuple, list[tuple]]) -> DatasetStatus:
+    def _status(
+        self, caller: Caller, rows: tuple[tuple, list[tuple]], pld_may_be_pending: bool = False
+    ) -> DatasetStatus:
         # The PLD epsilon can take a second when the committed events changed; no lock is held here.
         (_, tenant, name, budget_epsilon, delta, held, committed_events, released), jobs = rows
         figures = budget_figures(
-            budget_epsilon, delta, Composition.from_json(committed_events), RdpTally.from_json(held)
+            budget_epsilon, delta, Composition.from_json(committed_events), RdpTally.from_json(held), pld_may_be_pending
         )
         return DatasetStatus(
             name=display_name(caller, DatasetRef(tenant, name)),
@@ -415,6 +417,7 @@ class Ledger:
             remaining_epsilon=figures.remaining_epsilon,
             jobs=tuple(self._reservation(caller, job) for job in jobs),
             released_jobs=released,
+            spent_epsilon_accountant=figures.spent_epsilon_accountant,
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
@@ -519,15 +522,24 @@ class Ledger:
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
 
-    def get_budget(self, dataset: str, *, caller: Caller | None = None) -> DatasetStatus:
-        """One dataset's budget, spent, reserved and remaining epsilon, and its active jobs."""
+    def get_budget(
+        self, dataset: str, pld_may_be_pending: bool = False, *, caller: Caller | None = None
+    ) -> DatasetStatus:
+        """One dataset's budget, spent, reserved and remaining epsilon, and its active jobs.
+
+        With `pld_may_be_pending`, answer at once: if the PLD epsilon of new
+        commits is not computed yet, `spent_epsilon` is their RDP epsilon,
+        labelled "rdp" (see `budget_figures`).
+        """
         caller = self._caller(caller)
         with self._read() as connection:
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
-        return self._status(caller, rows)
+        return self._status(caller, rows, pld_may_be_pending)
 
-    def list_datasets(self, *, caller: Caller | None = None) -> list[DatasetStatus]:
-        """Every dataset the caller may see (its own; all for an admin), by tenant and name."""
+    def list_datasets(
+        self, pld_may_be_pending: bool = False, *, caller: Caller | None = None
+    ) -> list[DatasetStatus]:
+        """Every dataset the caller may see (its own; all for an admin), by tenant and name (see get_budget)."""
         caller = self._caller(caller)
         with self._read() as connection:
             if caller.admin:
@@ -537,7 +549,7 @@ class Ledger:
                     f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? ORDER BY name", (caller.tenant,)
                 )
             all_rows = [self._status_rows(connection, row) for row in datasets.fetchall()]
-        return [self._status(caller, rows) for rows in all_rows]
+        return [self._status(caller, rows, pld_may_be_pending) for rows in all_rows]
 
     # ------------------------------------------------------------ jobs
 
