@@ -87,7 +87,10 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
     ]
     text = format_table(headers, rows)
     if any(status.spent_epsilon_accountant != "pld" for status in statuses):
-        text += "\n\nspent ε (rdp): the PLD figure of new commits is still being computed; ask again for it."
+        text += (
+            "\n\nspent ε (rdp): the PLD figure of new commits was not ready yet (--no-wait); "
+            "a status without --no-wait waits for it."
+        )
     jobs = [job for status in statuses for job in status.jobs]
     if jobs:
         text += "\n\njobs holding budget:\n" + _jobs_table(jobs)

@@ -130,9 +130,9 @@ def test_status_that_does_not_wait_marks_an_rdp_figure_and_says_why(capsys, serv
     (dataset,) = run_json(capsys, "ledger", "status", "--no-wait", *admin)["datasets"]
     assert dataset["spent_epsilon_accountant"] == "rdp" and dataset["spent_epsilon"] == dataset["spent_epsilon_rdp"]
     status, table, _ = run(capsys, "ledger", "status", "--dataset", "acme/mnist", "--no-wait", *admin)
-    assert status == 0 and "(rdp)" in table and "still being computed" in table
+    assert status == 0 and "(rdp)" in table and "not ready yet" in table
     held_back_pld.set()
     (dataset,) = run_json(capsys, "ledger", "status", *admin)["datasets"]
     assert dataset["spent_epsilon_accountant"] == "pld" and dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"]
     status, table, _ = run(capsys, "ledger", "status", *admin)
-    assert "(pld)" in table and "still being computed" not in table
+    assert "(pld)" in table and "not ready yet" not in table
