@@ -130,6 +130,18 @@ def test_a_status_that_may_not_wait_reports_the_rdp_bound_until_the_pld_figure_i
     assert ledger.get_budget("mnist", pld_may_be_pending=True) == exact
 
 
+def test_closing_lets_a_read_in_progress_finish_and_refuses_reads_after(ledger):
+    ledger.create_dataset("mnist", 1.0, DELTA)
+    ledger.get_budget("mnist")  # leaves an idle reader in the pool
+    with ledger._read() as connection:  # a read another thread might be in the middle of
+        ledger.close()
+        assert connection.execute("SELECT COUNT(*) FROM datasets").fetchone() == (1,)
+    with pytest.raises(sqlite3.ProgrammingError):
+        connection.execute("SELECT 1")  # closed once the read was done
+    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+        ledger.get_budget("mnist")
+
+
 def test_a_commit_with_the_same_sequence_charges_once(ledger):
     ledger.create_dataset("mnist", 10.0, DELTA)
     reservation = ledger.reserve("mnist", "job-1", FIRST.with_steps(100))

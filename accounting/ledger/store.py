@@ -208,8 +208,8 @@ class Ledger:
         self._waiting_lock = threading.Lock()
         self._batch: _Batch | None = None
         self._idle_readers: list[sqlite3.Connection] = []
-        self._all_readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
+        self._closed = False
         self._verified_tokens: dict[bytes, str] = {}
         try:
             self._create_or_check_schema()
@@ -224,10 +224,12 @@ class Ledger:
         self.close()
 
     def close(self) -> None:
-        """Close the file."""
+        """Close the file; a read in progress finishes first on its own connection, which closes after it."""
         with self._write_lock, self._readers_lock:
-            for reader in self._all_readers:
+            self._closed = True
+            for reader in self._idle_readers:
                 reader.close()
+            self._idle_readers.clear()
             self._writer.close()
 
     # ------------------------------------------------------------ plumbing
@@ -284,11 +286,11 @@ class Ledger:
     def _read(self) -> Iterator[sqlite3.Connection]:
         """A snapshot of what is committed, on a connection of its own (WAL lets reads run beside writes)."""
         with self._readers_lock:
+            if self._closed:
+                raise sqlite3.ProgrammingError(f"the ledger {self.path} is closed")
             reader = self._idle_readers.pop() if self._idle_readers else None
         if reader is None:
             reader = _connect(self.path)
-            with self._readers_lock:
-                self._all_readers.append(reader)
         try:
             reader.execute("BEGIN")
             try:
@@ -297,7 +299,10 @@ class Ledger:
                 reader.execute("COMMIT")
         finally:
             with self._readers_lock:
-                self._idle_readers.append(reader)
+                if self._closed:
+                    reader.close()
+                else:
+                    self._idle_readers.append(reader)
 
     def _create_or_check_schema(self) -> None:
         with self._transaction() as connection:
