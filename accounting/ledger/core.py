@@ -530,11 +530,14 @@ def budget_figures(
     PLD figure, started in the background, is ready.
     """
     figures = _rdp_figures(budget_epsilon, delta, committed_events, held)
-    if pld_may_be_pending:
+    if not pld_may_be_pending:
+        spent_pld = _spent_pld_epsilon(committed_events, delta)
+    else:
         pending = _spent_pld_epsilon.start(committed_events, delta)
         if pending is None or not pending.done() or pending.exception() is not None:
             return figures
-    return replace(figures, spent_epsilon=_spent_pld_epsilon(committed_events, delta), spent_epsilon_accountant="pld")
+        spent_pld = pending.result()
+    return replace(figures, spent_epsilon=spent_pld, spent_epsilon_accountant="pld")
 
 
 # ----------------------------------------------------------- who is asking
