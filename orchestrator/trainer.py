@@ -253,6 +253,8 @@ class Trainer:
         # The bound noise is scaled to: the total of the per-layer norms, or the (possibly adaptive) clip norm.
         self.clip_norm = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm
         self.metrics: list[dict] = []
+        self.zeroed_examples = 0
+        self.engine_reported = False
         self.charged_blocks = 0
         self.wall_seconds_before = 0.0
         self.resumed_reservation_id: str | None = None
@@ -380,13 +382,16 @@ class Trainer:
     ) -> list[np.ndarray]:
         """Each worker's clipped sum of its shard; a worker that is gone for good is replaced.
 
-        With adaptive clipping each sum carries one more entry: the worker's raw unclipped count.
+        Each sum carries raw counts after it: with adaptive clipping the
+        worker's unclipped count, then always its count of examples left out
+        for a non-finite gradient.
         """
         clip_norm, count = self.config.layer_clip_norms or self.clip_norm, self.config.adaptive_clipping is not None
         groups = group_shards or [None] * len(shards)
 
         def call(index: int):
-            return workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm, groups[index], count)
+            return workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm, groups[index], count,
+                                                          count_zeroed=True)
 
         calls = [call(index) for index in range(len(workers))]
         sums = []
@@ -416,6 +421,9 @@ class Trainer:
         else:
             partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
         clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
+        # A raw count: it stays in the driver and is never logged or saved.
+        clipped_sum, zeroed = clipped_sum[:-1], clipped_sum[-1]
+        self.zeroed_examples += int(zeroed)
         clip_norm = self.clip_norm
         if self.config.adaptive_clipping is not None:
             clipped_sum, unclipped = clipped_sum[:-1], clipped_sum[-1]
@@ -424,6 +432,18 @@ class Trainer:
         noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * clip_norm)
         self._apply_noisy_sum(clipped_sum + noise)
         self.events = self.events.then(plan.events_between(step, step + 1))
+
+    def _report_engine(self, workers: list) -> None:
+        """Log once how each layer's per-example gradients are computed, as the first worker to decide says."""
+        if self.plan.microbatches:
+            lines = ["every layer: vmap (each microbatch's mean-loss gradient)"]
+        else:
+            lines = next((report for report in ray.get([worker.engine_report.remote() for worker in workers])
+                          if report is not None), None)
+            if lines is None:  # no worker has had an example yet
+                return
+        self.say("clipping engine, per layer: " + "; ".join(lines))
+        self.engine_reported = True
 
     def _adapt_clip_norm(self, unclipped: float, realised_batch: int, group_ids: np.ndarray | None) -> None:
         """Move the clip norm for the next step by the noisy unclipped fraction (the raw counts stay here).
@@ -485,6 +505,8 @@ class Trainer:
             while self.step < epoch_end:
                 self._charge_block_at(self.step)
                 self._step(workers)
+                if not self.engine_reported:
+                    self._report_engine(workers)
                 bar.update(1)
                 bar_steps += 1
                 if bar_steps % refresh_every == 0:

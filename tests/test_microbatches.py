@@ -58,8 +58,8 @@ def test_removing_one_example_moves_the_unclipped_microbatch_count_by_at_most_1(
     inputs, labels, group_ids = random_batch(seed, examples, groups)
 
     def unclipped_count(keep):
-        _, norms = microbatch_clipped_sum(model, weights, inputs[keep], labels[keep], group_ids[keep], clip_norm,
-                                          return_norms=True)
+        _, norms, _ = microbatch_clipped_sum(model, weights, inputs[keep], labels[keep], group_ids[keep], clip_norm,
+                                             return_norms=True)
         return int((norms <= clip_norm).sum()) + groups - norms.numel()
 
     full = unclipped_count(torch.ones(examples, dtype=torch.bool))

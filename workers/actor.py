@@ -18,6 +18,7 @@ import torch
 
 from workers.clipping import check_engine, clipped_sum, microbatch_clipped_sum
 from workers.data import dataset_size, load_split
+from workers.engines import engine_plan
 from workers.models import build_model, parameter_count
 from workers.validation import check_model
 
@@ -107,17 +108,20 @@ class GradientWorker:
         clip_norm: float,
         group_ids: np.ndarray | None = None,
         count_unclipped: bool = False,
+        count_zeroed: bool = False,
     ) -> np.ndarray:
         """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
 
         ``weights`` is the flat float32 parameter vector; ``indices`` are
         positions in this worker's training examples. With ``group_ids`` (one
         per index), each microbatch's mean-loss gradient is clipped instead of
-        each example's. Returns a flat float32 array of the same length as
-        ``weights`` (zeros for no indices); with ``count_unclipped`` one more
-        entry follows: how many examples (or non-empty microbatches) had a
-        norm <= ``clip_norm`` (a raw count for the driver, which releases only
-        a noisy version of it).
+        each example's. An example whose gradient holds a NaN or inf
+        contributes exactly zero. Returns a flat float32 array of the same
+        length as ``weights`` (zeros for no indices), followed by raw counts
+        for the driver, which releases none of them as they are: with
+        ``count_unclipped``, how many examples (or non-empty microbatches) had
+        a norm <= ``clip_norm``; then with ``count_zeroed``, how many examples
+        were left out for a non-finite gradient.
         """
         indices = np.asarray(indices)
         example_count = len(self.labels)
@@ -130,24 +134,41 @@ class GradientWorker:
             )
         flat_weights = _as_tensor(weights)
         selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
+        wants_norms = count_unclipped or count_zeroed
         if group_ids is not None:
             result = microbatch_clipped_sum(
                 self.model, flat_weights, self.images[selected], self.labels[selected],
-                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, return_norms=count_unclipped,
+                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, return_norms=wants_norms,
             )
+            if wants_norms:
+                summed, norms, zeroed = result
         else:
             result = clipped_sum(
                 self.engine, self.model, flat_weights, self.images[selected], self.labels[selected],
-                clip_norm, self.max_physical_batch, return_norms=count_unclipped,
+                clip_norm, self.max_physical_batch, return_norms=wants_norms,
             )
-        if count_unclipped:
-            summed, norms = result
-            if isinstance(norms, dict):  # per-layer norms of each example: combine into its total norm
-                norms = torch.stack(list(norms.values())).pow(2).sum(0).sqrt() if norms else summed.new_zeros(0)
-            unclipped = (norms <= clip_norm).sum().to(summed.dtype).reshape(1)
-            result = torch.cat([summed, unclipped])
-        # On the CPU this is a view of the sum itself; Ray then ships that one buffer.
-        return result.cpu().numpy()
+            if wants_norms:
+                summed, norms_by_parameter = result
+                # Each example's total norm from its per-parameter norms; not finite for an example left out.
+                norms = (torch.stack(list(norms_by_parameter.values())).pow(2).sum(0).sqrt() if norms_by_parameter
+                         else summed.new_zeros(len(indices)))
+                zeroed = int((~norms.isfinite()).sum())
+        if not wants_norms:
+            # On the CPU this is a view of the sum itself; Ray then ships that one buffer.
+            return result.cpu().numpy()
+        counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
+        return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
+
+    def engine_report(self) -> list[str] | None:
+        """How each layer's per-example gradients are computed, one line per layer.
+
+        None until the fast engine has seen its first examples: it checks its
+        layer rules on this model then (``workers.engines.check_rules``).
+        """
+        if self.engine == "vmap":
+            return ['every layer: vmap (engine = "vmap")']
+        plan = engine_plan(self.model)
+        return None if plan is None else plan.describe()
 
     def parameter_count(self) -> int:
         """Length of the flat parameter vector this worker expects and returns."""

@@ -63,10 +63,22 @@ def in_ieee_float32(function: Callable) -> Callable:
 
 
 def clip_factors(per_example_norms: torch.Tensor, clip_norm: float) -> torch.Tensor:
-    """Scale factors min(1, clip_norm / ||g_i||) for per-example gradient norms; 1 for a zero gradient."""
+    """Scale factors min(1, clip_norm / ||g_i||) for per-example gradient norms; 1 for a zero gradient.
+
+    A norm that is not finite (a NaN or inf in the gradient) gets factor 0:
+    ``NaN > clip_norm`` is false, so it would otherwise pass unscaled. The
+    caller must still keep that example's gradient out of the sum, since
+    0 * NaN is NaN (``without_non_finite``).
+    """
     # The division is evaluated for every entry, but torch.where takes 1 for
     # norms at or below clip_norm, so a zero norm never yields inf or nan.
-    return torch.where(per_example_norms > clip_norm, clip_norm / per_example_norms, 1.0)
+    factors = torch.where(per_example_norms > clip_norm, clip_norm / per_example_norms, 1.0)
+    return torch.where(per_example_norms.isfinite(), factors, 0.0)
+
+
+def without_non_finite(per_example: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """Per-example tensors [n, ...] with the rows of examples that are not ``finite`` [n] set to exactly 0."""
+    return torch.where(finite.reshape(-1, *([1] * (per_example.dim() - 1))), per_example, 0.0)
 
 
 @dataclass(frozen=True)
@@ -158,8 +170,11 @@ def microbatch_clipped_sum(
     MindArmour's microbatches). Adding or removing one example changes one
     microbatch, whose clipped gradient can move by up to 2 * clip_norm: the
     caller accounts with sensitivity factor 2. Same layout and zeros-when-empty
-    contract as ``per_example_clipped_sum``. With ``return_norms`` it also
-    returns the unclipped norm of each non-empty microbatch's gradient [groups].
+    contract as ``per_example_clipped_sum``. A member whose own gradient is not
+    finite is left out of its microbatch, which is then exactly the microbatch
+    without it. With ``return_norms`` it also returns the unclipped norm of
+    each non-empty microbatch's gradient [groups] and the number of examples
+    left out (a raw count, for the driver only).
     """
     check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch=1)
     if group_ids.shape != labels.shape:
@@ -173,15 +188,29 @@ def microbatch_clipped_sum(
     def mean_loss(trainable_params, members, member_labels):
         return loss_fn(functional_call(model, (trainable_params, fixed), (members,)), member_labels)
 
-    norms = []
-    for group in torch.unique(group_ids):
-        members = group_ids == group
+    def gradient_of(members: torch.Tensor) -> torch.Tensor:
         gradients = grad(mean_loss)(params, inputs[members], labels[members])
-        flat = torch.cat([gradients[name].reshape(-1).to(torch.float32) for name, _ in trainable])
+        return torch.cat([gradients[name].reshape(-1).to(torch.float32) for name, _ in trainable])
+
+    norms, zeroed = [], 0
+    for group in torch.unique(group_ids):
+        members = torch.nonzero(group_ids == group).flatten()
+        flat = gradient_of(members)
+        if not flat.isfinite().all():
+            # One member's NaN or inf makes the whole mean non-finite: the
+            # microbatch is taken again without the members whose own gradient is.
+            kept = members[torch.tensor([bool(gradient_of(member.reshape(1)).isfinite().all()) for member in members],
+                                        dtype=torch.bool, device=members.device)]
+            flat = gradient_of(kept) if kept.numel() else flat.new_zeros(flat.shape)
+            if not flat.isfinite().all():
+                flat, kept = flat.new_zeros(flat.shape), kept[:0]
+            zeroed += members.numel() - kept.numel()
+            if not kept.numel():
+                continue
         norms.append(flat.norm())
         total += flat * clip_factors(norms[-1], clip_norm)
     if return_norms:
-        return total, torch.stack(norms) if norms else total.new_zeros(0)
+        return total, torch.stack(norms) if norms else total.new_zeros(0), zeroed
     return total
 
 
@@ -205,7 +234,10 @@ def per_example_clipped_sum(
     Examples are processed ``max_physical_batch`` at a time to bound memory.
 
     Returns a 1-D float32 tensor of length ``parameter_count(model)`` on the
-    model's device; zeros when there are no examples. With ``return_norms`` it
+    model's device; zeros when there are no examples. An example whose
+    gradient holds a NaN or inf contributes exactly zero; its norm is returned
+    as it came out, not finite, which is how callers count such examples.
+    With ``return_norms`` it
     also returns, per trainable parameter name, the [n] per-example L2 norms of
     that parameter's gradient before clipping (an example's total norm is the
     root of the sum of their squares).
@@ -234,9 +266,10 @@ def per_example_clipped_sum(
             params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
         )
         squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
+        finite = torch.stack(list(squared.values())).sum(0).isfinite()
         factors = clip_factors_by_parameter(squared, clip_norm)
         for name, g in grads.items():
-            sums[name] += torch.tensordot(factors[name], g.to(torch.float32), dims=1)
+            sums[name] += torch.tensordot(factors[name], without_non_finite(g.to(torch.float32), finite), dims=1)
             norms[name].append(squared[name].sqrt())
     flat = torch.cat([sums[name].reshape(-1) for name, _ in trainable])
     if not return_norms:

@@ -33,9 +33,12 @@ examples along dimension 0 of its tensor inputs and outputs (for
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from workers import clipping
@@ -55,11 +59,13 @@ class ParameterGradients:
     """What the engine needs of one parameter's per-example gradients g_i over a chunk of B examples.
 
     ``squared_norms`` is [B]: ||g_i||^2. ``clipped_sum(factors)`` returns
-    sum_i factors[i] * g_i, shaped like the parameter.
+    sum_i factors[i] * g_i, shaped like the parameter. ``path`` says how they
+    were obtained: "ghost" (never formed per example) or "per-example".
     """
 
     squared_norms: Tensor
     clipped_sum: Callable[[Tensor], Tensor]
+    path: str = "per-example"
 
 
 @dataclass
@@ -204,7 +210,7 @@ def outer_product_gradients(
         weighted = _scaled(output_grads, factors).permute(1, 2, 0, 3).reshape(groups, out_features, -1)
         return layout(torch.bmm(weighted, activations.transpose(0, 1).reshape(groups, -1, in_features)))
 
-    return ParameterGradients(ghost_squared_norms(output_grads, activations), clipped_sum)
+    return ParameterGradients(ghost_squared_norms(output_grads, activations), clipped_sum, "ghost")
 
 
 def ghost_squared_norms(output_grads: Tensor, activations: Tensor) -> Tensor:
@@ -318,6 +324,7 @@ def conv2d_rule(
         result["weight"] = ParameterGradients(
             ghost_squared_norms(output_grads, windows),
             lambda factors: _summed(conv_weight_gradient(layer, call, weight, factors) for call in calls),
+            "ghost",
         )
     return result | _conv_bias(params, calls)
 
@@ -379,7 +386,7 @@ def embedding_rule(
         weighted = _scaled(output_grads, factors).reshape(-1, layer.embedding_dim)
         return torch.zeros_like(params["weight"]).index_add_(0, indices.reshape(-1), weighted)
 
-    return {"weight": ParameterGradients(squared, weight_sum)}
+    return {"weight": ParameterGradients(squared, weight_sum, "ghost")}
 
 
 def _affine_gradients(
@@ -547,6 +554,11 @@ class _Unit:
     def qualified(self, name: str) -> str:
         return f"{self.prefix}.{name}" if self.prefix else name
 
+    @property
+    def title(self) -> str:
+        """The layer's name and type, as the run log shows it."""
+        return f"{self.prefix or '(model)'} ({type(self.layer).__name__})"
+
 
 def _units(model: nn.Module) -> list[_Unit]:
     units: list[_Unit] = []
@@ -568,9 +580,13 @@ def _units(model: nn.Module) -> list[_Unit]:
 
 
 def _unsupported_reason(model: nn.Module, units: list[_Unit]) -> str | None:
-    named = list(model.named_parameters(remove_duplicate=False))
-    if len({id(parameter) for _, parameter in named}) != len(named):
-        return "the model ties one parameter to several modules"
+    names_of: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if parameter.requires_grad:
+            names_of.setdefault(id(parameter), []).append(name)
+    tied = [" = ".join(names) for names in names_of.values() if len(names) > 1]
+    if tied:
+        return f"parameter {'; '.join(tied)} is tied to several modules"
     for unit in units:
         if isinstance(unit.layer, nn.MultiheadAttention) and unit.rule is vmap_rule:
             return f"{unit.prefix or 'the model'} (nn.MultiheadAttention) uses attention dropout in training mode"
@@ -622,30 +638,96 @@ def _recorder(calls: list[LayerCall], anchor: Tensor) -> Callable:
     return record
 
 
-# F.cross_entropy and F.nll_loss on one example average over a batch of one, so
-# the sum over examples is a single call with reduction="sum"; other losses go
-# through vmap, one example at a time, as the contract defines them.
-_SUMMED_LOSSES = {F.cross_entropy: F.cross_entropy, F.nll_loss: F.nll_loss}
+class _ParameterUseTracker(TorchFunctionMode):
+    """Notes every trainable parameter that an operation uses while the unit whose rule covers it is not running.
+
+    Such a use (``h @ self.emb.weight.T`` in a model's forward, a weight read by
+    a sibling module) contributes gradient that no rule sees. ``owners`` maps
+    id() of each parameter tensor given to ``functional_call`` to its unit's index.
+    """
+
+    def __init__(self, owners: dict[int, int], names: dict[int, str]) -> None:
+        super().__init__()
+        self.owners = owners
+        self.names = names
+        self.running = [0] * (max(owners.values(), default=-1) + 1)
+        self.in_model = False
+        self.outside: dict[str, str] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.in_model:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                unit = self.owners.get(id(leaf)) if isinstance(leaf, Tensor) else None
+                if unit is not None and not self.running[unit]:
+                    self.outside.setdefault(self.names[id(leaf)], _operation_name(func))
+        return func(*args, **kwargs)
+
+    def watch(self, model: nn.Module, units: list[_Unit]) -> list:
+        """Hooks that keep ``running`` and ``in_model`` up to date; returns their handles."""
+
+        def entering(index: int) -> Callable:
+            def pre_hook(*_):
+                self.running[index] += 1
+            return pre_hook
+
+        def leaving(index: int) -> Callable:
+            def hook(*_):
+                self.running[index] -= 1
+            return hook
+
+        def set_in_model(value: bool) -> Callable:
+            def hook(*_):
+                self.in_model = value
+            return hook
+
+        handles = [model.register_forward_pre_hook(set_in_model(True)),
+                   model.register_forward_hook(set_in_model(False))]
+        for index, unit in enumerate(units):
+            handles.append(unit.layer.register_forward_pre_hook(entering(index)))
+            handles.append(unit.layer.register_forward_hook(leaving(index)))
+        return handles
 
 
-def _summed_loss(loss_fn: clipping.LossFunction, logits: Tensor, labels: Tensor) -> Tensor:
-    if loss_fn in _SUMMED_LOSSES:
-        return _SUMMED_LOSSES[loss_fn](logits, labels, reduction="sum")
-    return vmap(lambda logit, label: loss_fn(logit.unsqueeze(0), label.unsqueeze(0)))(logits, labels).sum()
+def _operation_name(func: Callable) -> str:
+    """A torch operation's name; a property such as ``Tensor.T`` is named by the property."""
+    name = getattr(func, "__name__", str(func))
+    if name == "__get__":
+        return f".{getattr(getattr(func, '__self__', None), '__name__', 'attribute')}"
+    return name
+
+
+def per_example_losses(loss_fn: clipping.LossFunction, logits: Tensor, labels: Tensor) -> Tensor:
+    """Each example's loss [B], as ``loss_fn(logits[i:i+1], labels[i:i+1])`` defines it.
+
+    F.cross_entropy and F.nll_loss on one example average over a batch of one
+    (and over any further positions), so they run once with reduction="none";
+    other losses go through vmap, one example at a time.
+    """
+    if loss_fn in (F.cross_entropy, F.nll_loss):
+        losses = loss_fn(logits, labels, reduction="none")
+        return losses.flatten(1).mean(1) if losses.dim() > 1 else losses
+    return vmap(lambda logit, label: loss_fn(logit.unsqueeze(0), label.unsqueeze(0)))(logits, labels)
 
 
 def _record(
     model: nn.Module, units: list[_Unit], params: dict[str, Tensor], inputs: Tensor, labels: Tensor,
-    loss_fn: clipping.LossFunction,
+    loss_fn: clipping.LossFunction, tracker: _ParameterUseTracker | None = None,
 ) -> list[list[LayerCall]]:
-    """Run the forward and the one backward pass; return each unit's recorded calls."""
+    """Run the forward and the one backward pass; return each unit's recorded calls.
+
+    With a ``tracker``, the forward runs under it, which notes parameters used
+    outside their units.
+    """
     calls: list[list[LayerCall]] = [[] for _ in units]
     anchor = torch.zeros((), dtype=torch.float32, device=inputs.device, requires_grad=True)
     handles = [unit.layer.register_forward_hook(_recorder(calls[i], anchor), with_kwargs=True)
                for i, unit in enumerate(units)]
+    if tracker is not None:
+        handles += tracker.watch(model, units)
     try:
-        with torch.enable_grad():
-            loss = _summed_loss(loss_fn, functional_call(model, params, (inputs,)), labels)
+        with torch.enable_grad(), tracker or contextlib.nullcontext():
+            loss = per_example_losses(loss_fn, functional_call(model, params, (inputs,)), labels).sum()
     finally:
         for handle in handles:
             handle.remove()
@@ -660,6 +742,177 @@ def _record(
                     "after the layer has run"
                 )
     return calls
+
+
+def _rule_gradients(
+    units: list[_Unit], calls: list[list[LayerCall]], params: Mapping[str, Tensor], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """Every rule's ParameterGradients for the recorded calls, by qualified parameter name."""
+    gradients: dict[str, ParameterGradients] = {}
+    for unit, unit_calls in zip(units, calls, strict=True):
+        if unit_calls:
+            local = {name: params[unit.qualified(name)] for name in unit.names}
+            for name, parameter_gradients in unit.rule(unit.layer, local, unit_calls, batch_size).items():
+                gradients[unit.qualified(name)] = parameter_gradients
+    return gradients
+
+
+# ---------------------------------------------------------------------------
+# The check, once per model
+
+
+RULE_CHECK_TOLERANCE = 1e-5
+RULE_CHECK_EXAMPLES = 4
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How the fast engine computes one model's clipped sums, decided by ``check_rules``.
+
+    ``fallback`` is the reason the whole model runs on the vmap engine, or
+    None; ``layers`` pairs each layer's title with how its gradients are
+    computed: "fast (ghost)", "fast (per-example)" or "vmap (fallback: why)".
+    """
+
+    fallback: str | None
+    layers: tuple[tuple[str, str], ...]
+
+    def describe(self) -> list[str]:
+        """One line per layer, for the run log."""
+        return [f"{title}: {how}" for title, how in self.layers]
+
+
+_PLANS: weakref.WeakKeyDictionary[nn.Module, EnginePlan] = weakref.WeakKeyDictionary()
+
+
+def engine_plan(model: nn.Module) -> EnginePlan | None:
+    """The plan the fast engine settled on for ``model``, or None before its first call with examples."""
+    return _PLANS.get(model)
+
+
+def _whole_model_fallback(units: list[_Unit], reason: str) -> EnginePlan:
+    return EnginePlan(reason, tuple((unit.title, f"vmap (fallback: {reason})") for unit in units))
+
+
+def _mismatch(actual: Tensor, expected: Tensor, scale: float) -> bool:
+    return (actual - expected).norm().item() > RULE_CHECK_TOLERANCE * max(expected.norm().item(), 1e-6 * scale)
+
+
+@clipping.in_ieee_float32
+def check_rules(
+    model: nn.Module, flat_weights: Tensor, inputs: Tensor, labels: Tensor, loss_fn: clipping.LossFunction,
+) -> EnginePlan | None:
+    """Show on a few examples that the rules see each parameter's whole per-example gradient, in float64.
+
+    On a float64 copy of the model, and with the random generator replayed so
+    that dropout draws the same masks, the rules' gradients are compared with
+    autograd's: each example's own gradient (the clipped sum with a one-hot
+    factor, and its squared norm) and the sum over examples, each to relative
+    ``RULE_CHECK_TOLERANCE``. Independently, every operation of the forward
+    pass is watched for a parameter used outside the layer whose rule covers
+    it (a functionally tied weight, a weight read by another module). Any
+    failure, or a model the per-layer view cannot serve, yields a plan that
+    runs the whole model on the vmap engine, with the reason naming the
+    parameter. Returns None, deciding nothing, when an example's gradient is
+    not finite. The generator's state is left as it was found.
+    """
+    units = _units(model)
+    reason = _unsupported_reason(model, units)
+    if reason is not None:
+        return _whole_model_fallback(units, reason)
+    reference = copy.deepcopy(model).to(torch.float64)
+    reference_units = _units(reference)
+    trainable = [(name, parameter) for name, parameter in reference.named_parameters() if parameter.requires_grad]
+    values = torch.split(flat_weights.detach().to(clipping.device_of(reference), torch.float64),
+                         [parameter.numel() for _, parameter in trainable])
+    params = {name: value.view(parameter.shape) for (name, parameter), value in zip(trainable, values, strict=True)}
+    inputs = inputs.to(clipping.device_of(reference))
+    inputs = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
+    labels = labels.to(inputs.device)
+    labels = labels.to(torch.float64) if labels.is_floating_point() else labels
+    owner_of = {reference_unit.qualified(name): index
+                for index, reference_unit in enumerate(reference_units) for name in reference_unit.names}
+    tracker = _ParameterUseTracker({id(params[name]): owner_of[name] for name in params},
+                                   {id(params[name]): name for name in params})
+    random_state = _random_state()
+    try:
+        try:
+            calls = _record(reference, reference_units, params, inputs, labels, loss_fn, tracker)
+            with torch.no_grad():
+                gradients = _rule_gradients(reference_units, calls, params, inputs.shape[0])
+        except WholeModelFallback as fallback:
+            return _whole_model_fallback(units, str(fallback))
+        if tracker.outside:
+            used = "; ".join(f"{name} (by {operation})" for name, operation in tracker.outside.items())
+            return _whole_model_fallback(units, f"the model's forward uses {used} outside the layer that owns it")
+        _restore_random_state(random_state)
+        expected = _autograd_per_example(reference, params, inputs, labels, loss_fn)
+    finally:
+        _restore_random_state(random_state)
+    if not all(gradient.isfinite().all() for row in expected for gradient in row.values()):
+        return None
+    wrong = _disagreeing_parameters(params, gradients, expected)
+    if wrong:
+        return _whole_model_fallback(
+            units, f"the layer rules do not reproduce autograd's per-example gradient of {', '.join(wrong)}"
+        )
+    return EnginePlan(None, tuple((unit.title, _how(unit, gradients)) for unit in reference_units))
+
+
+def _how(unit: _Unit, gradients: Mapping[str, ParameterGradients]) -> str:
+    if unit.rule is vmap_rule or unit.rule is attention_rule:
+        return f"vmap (fallback: no book-keeping rule for {type(unit.layer).__name__})"
+    paths = {gradients[unit.qualified(name)].path for name in unit.names if unit.qualified(name) in gradients}
+    return "fast (ghost)" if "ghost" in paths else "fast (per-example)"
+
+
+def _autograd_per_example(
+    model: nn.Module, params: Mapping[str, Tensor], inputs: Tensor, labels: Tensor, loss_fn: clipping.LossFunction,
+) -> list[dict[str, Tensor]]:
+    """Each example's gradient, by name, from one batched forward and one backward pass per example."""
+    leaves = {name: value.detach().clone().requires_grad_() for name, value in params.items()}
+    with torch.enable_grad():
+        losses = per_example_losses(loss_fn, functional_call(model, leaves, (inputs,)), labels)
+        rows = []
+        for loss in losses:
+            grads = torch.autograd.grad(loss, list(leaves.values()), retain_graph=True, allow_unused=True)
+            rows.append({name: torch.zeros_like(leaf) if gradient is None else gradient
+                         for (name, leaf), gradient in zip(leaves.items(), grads, strict=True)})
+    return rows
+
+
+def _disagreeing_parameters(
+    params: Mapping[str, Tensor], gradients: Mapping[str, ParameterGradients], expected: list[dict[str, Tensor]]
+) -> list[str]:
+    batch_size = len(expected)
+    scale = math.sqrt(sum(row[name].square().sum().item() for row in expected for name in params))
+    wrong = []
+    with torch.no_grad():
+        for name, value in params.items():
+            rule = gradients.get(name)
+            if rule is None:
+                if any(row[name].norm().item() > 1e-6 * scale for row in expected):
+                    wrong.append(name)
+                continue
+            factors = torch.eye(batch_size, dtype=value.dtype, device=value.device)
+            mismatched = _mismatch(rule.clipped_sum(factors.sum(0)), sum(row[name] for row in expected), scale) or any(
+                _mismatch(rule.clipped_sum(factors[index]), row[name], scale)
+                or _mismatch(rule.squared_norms[index].reshape(1), row[name].square().sum().reshape(1), scale**2)
+                for index, row in enumerate(expected)
+            )
+            if mismatched:
+                wrong.append(name)
+    return wrong
+
+
+def _random_state() -> tuple[Tensor, list[Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _restore_random_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 # ---------------------------------------------------------------------------
@@ -681,11 +934,17 @@ def fast_clipped_sum(
 
     Same arguments, result and guarantees as
     ``workers.clipping.per_example_clipped_sum``: a 1-D float32 tensor laid out
-    as ``flat_parameters``, zeros when there are no examples; the model's
-    parameters and their ``.grad`` are neither used nor changed (hooks are
-    added to its modules for the duration of the call only). With
-    ``return_norms`` it also returns, per trainable parameter name, the [n]
-    per-example L2 norms of that parameter's gradient, before clipping.
+    as ``flat_parameters``, zeros when there are no examples; an example whose
+    gradient is not finite contributes exactly zero (its norm is returned as
+    it came out, not finite); the model's parameters and their ``.grad`` are
+    neither used nor changed (hooks are added to its modules for the duration
+    of the call only). With ``return_norms`` it also returns, per trainable
+    parameter name, the [n] per-example L2 norms of that parameter's gradient,
+    before clipping.
+
+    The first call with examples checks the rules on this model
+    (``check_rules``); a model they cannot serve runs on the vmap engine from
+    then on, with one warning that says why (``engine_plan`` tells).
     """
     clipping.check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
     device = clipping.device_of(model)
@@ -693,18 +952,30 @@ def fast_clipped_sum(
     if not trainable:
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return (empty, {}) if return_norms else empty
-    units = _units(model)
-    reason = _unsupported_reason(model, units)
-    if reason is None:
+    plan = _PLANS.get(model)
+    if plan is None and inputs.shape[0]:
+        plan = check_rules(model, flat_weights, inputs[:RULE_CHECK_EXAMPLES], labels[:RULE_CHECK_EXAMPLES], loss_fn)
+        if plan is None:
+            # Nothing shown yet: this call runs on the vmap engine and the next one checks again.
+            return clipping.per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm,
+                                                    max_physical_batch, loss_fn, return_norms)
+        _PLANS[model] = plan
+        if plan.fallback is not None:
+            _warn_fallback(plan.fallback)
+    if plan is None or plan.fallback is None:
         try:
-            return _book_keeping(model, units, trainable, flat_weights, inputs, labels, clip_norm,
+            return _book_keeping(model, _units(model), trainable, flat_weights, inputs, labels, clip_norm,
                                  max_physical_batch, loss_fn, return_norms, device)
         except WholeModelFallback as fallback:
-            reason = str(fallback)
-    warnings.warn(f"fast clipping engine: {reason}; computing this model's clipped sum with the vmap engine",
-                  stacklevel=2)
+            _PLANS[model] = plan = _whole_model_fallback(_units(model), str(fallback))
+            _warn_fallback(plan.fallback)
     return clipping.per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, max_physical_batch,
                                             loss_fn, return_norms)
+
+
+def _warn_fallback(reason: str) -> None:
+    warnings.warn(f"fast clipping engine: {reason}; computing this model's clipped sum with the vmap engine",
+                  stacklevel=4)
 
 
 def _book_keeping(
@@ -725,30 +996,32 @@ def _book_keeping(
         for (name, parameter), chunk in zip(trainable, torch.split(flat, [p.numel() for _, p in trainable]),
                                             strict=True)
     }
-    norms: dict[str, list[Tensor]] = {name: [] for name, _ in trainable}
+    norms = torch.zeros(len(sums), inputs.shape[0], device=device)
     inputs, labels = inputs.to(device), labels.to(device)
     for start in range(0, inputs.shape[0], max_physical_batch):
-        chunk_inputs = inputs[start : start + max_physical_batch]
-        batch_size = chunk_inputs.shape[0]
-        calls = _record(model, units, params, chunk_inputs, labels[start : start + max_physical_batch], loss_fn)
-        # The recorded inputs are part of the forward graph; nothing below is to be differentiated.
-        with torch.no_grad():
-            gradients: dict[str, ParameterGradients] = {}
-            for unit, unit_calls in zip(units, calls, strict=True):
-                if unit_calls:
-                    local = {name: params[unit.qualified(name)] for name in unit.names}
-                    for name, parameter_gradients in unit.rule(unit.layer, local, unit_calls, batch_size).items():
-                        gradients[unit.qualified(name)] = parameter_gradients
-            squared = {
-                name: gradients[name].squared_norms.to(torch.float32) if name in gradients
-                else torch.zeros(batch_size, device=device)
-                for name in sums
-            }
-            factors = clipping.clip_factors_by_parameter(squared, clip_norm)
-            for name, parameter_gradients in gradients.items():
-                sums[name] += parameter_gradients.clipped_sum(factors[name])
-            for name, values in squared.items():
-                norms[name].append(values.sqrt())
+        # Positions in the batch of the examples still taking part in this chunk.
+        positions = torch.arange(start, min(start + max_physical_batch, inputs.shape[0]), device=device)
+        while positions.numel():
+            calls = _record(model, units, params, inputs[positions], labels[positions], loss_fn)
+            # The recorded inputs are part of the forward graph; nothing below is to be differentiated.
+            with torch.no_grad():
+                gradients = _rule_gradients(units, calls, params, positions.numel())
+                squared = torch.stack([
+                    gradients[name].squared_norms.to(torch.float32) if name in gradients
+                    else torch.zeros(positions.numel(), device=device)
+                    for name in sums
+                ])
+                norms[:, positions] = squared.sqrt()
+                finite = squared.sum(0).isfinite()
+                if not finite.all():
+                    # Batched clipped sums would carry a non-finite gradient into every entry it touches,
+                    # even at factor 0: the chunk runs again without the examples that have one.
+                    positions = positions[finite]
+                    continue
+                factors = clipping.clip_factors_by_parameter(dict(zip(sums, squared)), clip_norm)
+                for name, parameter_gradients in gradients.items():
+                    sums[name] += parameter_gradients.clipped_sum(factors[name])
+            break
     if not return_norms:
         return flat
-    return flat, {name: torch.cat(values) if values else weights.new_zeros(0) for name, values in norms.items()}
+    return flat, dict(zip(sums, norms))
