@@ -144,7 +144,9 @@ class CanaryTrainer(Trainer):
         real = indices[indices < self.real_dataset_size]
         sums = super()._partial_sums(workers, weights, partition(real, len(workers)))
         sampled_canaries = indices[indices >= self.real_dataset_size] - self.real_dataset_size
-        return sums + [self.canaries.clipped_sum(sampled_canaries, self.model, self.config.clip_norm)]
+        canary_sum = self.canaries.clipped_sum(sampled_canaries, self.model, self.config.clip_norm)
+        # The workers' sums end with their raw counts; the canaries add nothing to those.
+        return sums + [np.concatenate([canary_sum, np.zeros(sums[0].size - canary_sum.size)])]
 
     def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
         if self.watch is not None:

@@ -64,6 +64,8 @@ class TrainConfig:
     run_dir: str = "runs/latest"
     max_physical_batch: int = 128
     engine: str = "fast"
+    loss: str = "cross_entropy"
+    metrics: tuple[str, ...] = ("accuracy",)
     microbatch_size: int | None = None
     adaptive_clipping: AdaptiveClipping | None = None
     layer_clip_norms: LayerClipNorms | None = None
@@ -164,6 +166,8 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
         engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
+        loss=_loss(values.get("loss", "cross_entropy")),
+        metrics=_metrics(values.get("loss", "cross_entropy"), values.get("metrics")),
         microbatch_size=_optional(values, "microbatch_size", lambda key, v: checks.integer_at_least(key, v, 1)),
         adaptive_clipping=parse_adaptive_clipping(values.get("adaptive_clipping")),
         layer_clip_norms=_layer_clip_norms(values.get("layer_clip_norms")),
@@ -194,6 +198,29 @@ def _model_spec(value: Any) -> str:
             f"model must be one of {', '.join(MODEL_NAMES)} or 'package.module:function' (got {value!r})"
         )
     return value
+
+
+def _loss(value: Any) -> str:
+    from workers.tasks import build_loss
+
+    if not isinstance(value, str):
+        raise UsageError(f"loss must be a name or 'package.module:function' (got {value!r})")
+    try:
+        build_loss(value)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return value
+
+
+def _metrics(loss: Any, value: Any) -> tuple[str, ...]:
+    from workers.tasks import check_metrics
+
+    if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+        raise UsageError(f'metrics must be a non-empty list of names, e.g. ["accuracy", "auroc"] (got {value!r})')
+    try:
+        return check_metrics(str(loss), value)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _layer_clip_norms(value: Any) -> LayerClipNorms | None:
@@ -236,6 +263,14 @@ def training_set_size(config: TrainConfig) -> int:
     if config.train_subset is not None and config.train_subset > full:
         raise UsageError(f"train_subset must be <= {full} for {config.dataset} (got {config.train_subset})")
     return config.train_subset or full
+
+
+def test_set_size(config: TrainConfig) -> int:
+    """The number of test examples each evaluation covers: the test split, or its first ``test_subset``."""
+    from workers.data import dataset_size
+
+    full = dataset_size(config.dataset, "test")
+    return min(full, config.test_subset or full)
 
 
 def sampling_rate(config: TrainConfig) -> float:

@@ -81,7 +81,7 @@ def run_train(args: argparse.Namespace) -> int:
         print_json(summary)
         return 0
     rows = [
-        ["test accuracy", summary["test_accuracy"]],
+        *[[f"test {name.replace('_', ' ')}", summary[f"test_{name}"]] for name in (*config.metrics, "loss")],
         [f"epsilon ({summary['accountant']}{'' if summary['epsilon_rigorous'] else ', approximate'})",
          summary["epsilon"]],
         ["delta", summary["delta"]],

@@ -22,7 +22,6 @@ from typing import Callable, Protocol
 import numpy as np
 import ray
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from accounting.accountants import get_accountant, label, labelled_epsilon
@@ -35,7 +34,14 @@ from orchestrator.adaptive_clipping import (
     noisy_unclipped_microbatch_fraction,
 )
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
-from orchestrator.config import TrainConfig, expected_batch_size, sampling_rate, total_steps, training_set_size
+from orchestrator.config import (
+    TrainConfig,
+    expected_batch_size,
+    sampling_rate,
+    test_set_size,
+    total_steps,
+    training_set_size,
+)
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.noise import GaussianNoise, average_noisy_sum
 from orchestrator.optimizers import build_optimizer
@@ -50,7 +56,6 @@ from orchestrator.sampling import (
 )
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from workers.actor import GradientWorkerActor
-from workers.data import load_split
 from workers.models import build_model, flat_parameters, load_flat_gradient
 from workers.validation import check_model
 
@@ -58,7 +63,6 @@ SAMPLER_STREAM = 0
 CHECKPOINT_VERSION = 1
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
-_EVALUATION_BATCH = 1000
 _TRAIN_LOSS_EXAMPLES = 10_000
 
 
@@ -154,20 +158,6 @@ def plan_run(config: TrainConfig) -> RunPlan:
         tuple(blocks_at(noise_multiplier)), tuple(epoch_ends), tuple(charge_ends), microbatches,
         count_noise_multiplier,
     )
-
-
-def evaluate(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy of `model` on (images, labels)."""
-    model.eval()
-    total_loss, correct = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(labels), _EVALUATION_BATCH):
-            logits = model(images[start : start + _EVALUATION_BATCH])
-            batch_labels = labels[start : start + _EVALUATION_BATCH]
-            total_loss += F.cross_entropy(logits, batch_labels, reduction="sum").item()
-            correct += (logits.argmax(dim=1) == batch_labels).sum().item()
-    model.train()
-    return total_loss / len(labels), correct / len(labels)
 
 
 LOCAL_RAY_START_ATTEMPTS = 3
@@ -336,27 +326,33 @@ class Trainer:
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
-        test_images, test_labels = load_split(config.dataset, "test", config.data_root)
-        if config.test_subset is not None:
-            test_images, test_labels = test_images[: config.test_subset], test_labels[: config.test_subset]
-        evaluation = (test_images, test_labels, self._train_probe())
         started_ray = start_ray(config, self.say)
         try:
             workers = [self._new_worker() for _ in range(config.workers)]
             devices = ray.get([worker.device_name.remote() for worker in workers])
             self.say("gradient workers on " + ", ".join(devices))
-            self._train(workers, evaluation)
+            self._train(workers)
         finally:
             if started_ray:
                 ray.shutdown()
         return self._finish()
 
-    def _train_probe(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.show_train_loss:
-            return None
-        images, labels = load_split(self.config.dataset, "train", self.config.data_root)
-        limit = min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size)
-        return images[:limit], labels[:limit]
+    def _evaluate(self, workers: list, split: str, size: int) -> dict[str, float]:
+        """Mean loss and metrics over the first ``size`` examples of a split, evaluated in parts by the workers.
+
+        Each worker returns sums over its part (loss sum, count, torchmetrics
+        states); the driver merges them and never loads an example.
+        """
+        bounds = np.linspace(0, size, len(workers) + 1).astype(int)
+        weights = ray.put(flat_parameters(self.model).numpy())
+        parts = ray.get([worker.evaluate.remote(weights, split, int(start), int(stop), self.config.metrics)
+                         for worker, start, stop in zip(workers, bounds[:-1], bounds[1:]) if stop > start])
+        merged = parts[0]["metrics"]
+        for part in parts[1:]:
+            for name, metric in part["metrics"].items():
+                merged[name].merge_state(metric)
+        result = {"loss": sum(part["loss_sum"] for part in parts) / sum(part["count"] for part in parts)}
+        return result | {name: float(metric.compute()) for name, metric in merged.items()}
 
     def _new_worker(self):
         config = self.config
@@ -375,6 +371,7 @@ class Trainer:
             threads=config.cpus_per_worker,
             data_root=config.data_root,
             engine=config.engine,
+            loss=config.loss,
         )
 
     def _partial_sums(
@@ -484,11 +481,11 @@ class Trainer:
                 raise
         self.charged_blocks = block_index + 1
 
-    def _train(self, workers: list, evaluation) -> None:
+    def _train(self, workers: list) -> None:
         plan, config = self.plan, self.config
         self.started = time.perf_counter()
         if not self.metrics:
-            self._record_epoch(0, evaluation)
+            self._record_epoch(0, workers)
         for epoch, epoch_end in enumerate(plan.epoch_ends, start=1):
             if epoch_end <= self.step:
                 continue
@@ -517,30 +514,31 @@ class Trainer:
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
                     self._save_checkpoint()
             bar.close()
-            self._record_epoch(epoch, evaluation)
+            self._record_epoch(epoch, workers)
             self._save_checkpoint()
 
-    def _record_epoch(self, epoch: int, evaluation) -> None:
-        test_images, test_labels, train_probe = evaluation
-        test_loss, test_accuracy = evaluate(self.model, test_images, test_labels)
+    def _record_epoch(self, epoch: int, workers: list) -> None:
+        test = self._evaluate(workers, "test", test_set_size(self.config))
         row = {
             "epoch": epoch,
             "step": self.step,
-            "test_loss": test_loss,
-            "test_accuracy": test_accuracy,
+            **{f"test_{name}": value for name, value in test.items()},
             "epsilon": self.epsilon(),
             "wall_seconds": self._wall_seconds(),
         }
-        if train_probe is not None:
-            row["train_loss_non_private"] = evaluate(self.model, *train_probe)[0]
+        if self.show_train_loss:
+            probe_size = min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size)
+            row["train_loss_non_private"] = self._evaluate(workers, "train", probe_size)["loss"]
         self.metrics.append(row)
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
         if epoch:
             self.say(self._epoch_line(row))
 
     def _epoch_line(self, row: dict) -> str:
+        figures = ", ".join(f"test {name.replace('_', ' ')} {row[f'test_{name}']:.4f}"
+                            for name in (*self.config.metrics, "loss"))
         line = (
-            f"epoch {row['epoch']}: test accuracy {row['test_accuracy']:.4f}, test loss {row['test_loss']:.4f}, "
+            f"epoch {row['epoch']}: {figures}, "
             f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}, delta={self.config.delta:g})"
         )
         if "train_loss_non_private" in row:
@@ -552,8 +550,8 @@ class Trainer:
         wall_seconds = self._wall_seconds()
         last = self.metrics[-1]
         summary = {
-            "test_accuracy": last["test_accuracy"],
-            "test_loss": last["test_loss"],
+            **{key: value for key, value in last.items() if key.startswith("test_")},
+            "loss": config.loss,
             "epsilon": self.epsilon(),
             "epsilon_label": self.epsilon_label,
             "epsilon_rigorous": self.accountant.rigorous,
@@ -579,7 +577,7 @@ class Trainer:
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
         plot_curves(self.metrics, self.run_dir / "curves.png",
-                    f"{self.epsilon_label} epsilon at delta={config.delta:g}")
+                    f"{self.epsilon_label} epsilon at delta={config.delta:g}", config.metrics[0])
         return summary
 
 

@@ -15,11 +15,13 @@ import warnings
 import numpy as np
 import ray
 import torch
+from torch.func import functional_call
 
-from workers.clipping import check_engine, clipped_sum, microbatch_clipped_sum
+from workers.clipping import check_engine, clipped_sum, functional_parameters, microbatch_clipped_sum
 from workers.data import dataset_size, load_split
-from workers.engines import engine_plan
+from workers.engines import engine_plan, per_example_losses
 from workers.models import build_model, parameter_count
+from workers.tasks import build_loss, build_metric, metric_inputs, task_of
 from workers.validation import check_model
 
 
@@ -28,6 +30,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 LARGEST_MMAP_THRESHOLD = 32 * 2**20
 RETAINED_HEAP_BYTES = 2**30
+EVALUATION_BATCH = 1000
 
 
 def retain_freed_memory() -> bool:
@@ -59,7 +62,8 @@ class GradientWorker:
     ``max_physical_batch`` caps how many per-example gradients are in memory at
     once; ``threads`` is the torch intra-op thread count, which should match
     the CPUs Ray gave the actor; ``engine`` names the clipping engine
-    (``workers.clipping.ENGINES``).
+    (``workers.clipping.ENGINES``); ``loss`` names the per-example loss
+    (``workers.tasks.build_loss``).
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class GradientWorker:
         threads: int = 1,
         data_root: str | None = None,
         engine: str = "fast",
+        loss: str = "cross_entropy",
     ) -> None:
         check_engine(engine)
         if threads < 1:
@@ -89,6 +94,10 @@ class GradientWorker:
         torch.set_num_threads(threads)
         retain_freed_memory()
         self.engine = engine
+        self.loss = loss
+        self.loss_fn = build_loss(loss)
+        self.dataset, self.data_root = dataset, data_root
+        self.test_examples: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self.max_physical_batch = max_physical_batch
         self.device = _assigned_device()
         self.model = build_model(model_spec)
@@ -138,14 +147,15 @@ class GradientWorker:
         if group_ids is not None:
             result = microbatch_clipped_sum(
                 self.model, flat_weights, self.images[selected], self.labels[selected],
-                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, return_norms=wants_norms,
+                torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, self.loss_fn,
+                return_norms=wants_norms,
             )
             if wants_norms:
                 summed, norms, zeroed = result
         else:
             result = clipped_sum(
                 self.engine, self.model, flat_weights, self.images[selected], self.labels[selected],
-                clip_norm, self.max_physical_batch, return_norms=wants_norms,
+                clip_norm, self.max_physical_batch, self.loss_fn, return_norms=wants_norms,
             )
             if wants_norms:
                 summed, norms_by_parameter = result
@@ -158,6 +168,42 @@ class GradientWorker:
             return result.cpu().numpy()
         counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
         return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
+
+    def evaluate(self, weights: np.ndarray, split: str, start: int, stop: int, metrics: tuple[str, ...]) -> dict:
+        """The model at ``weights``, in eval mode, on examples start..stop-1 of ``split``: sums to merge.
+
+        Returns ``loss_sum`` (the per-example losses added up), ``count`` and,
+        by name, a torchmetrics object updated on these examples, which the
+        caller merges with the other parts' (``merge_state``) before computing.
+        """
+        inputs, labels = self._split_examples(split, start, stop)
+        _, params, fixed = functional_parameters(self.model, _as_tensor(weights), self.device)
+        task = task_of(self.loss)
+        built: dict = {}
+        loss_sum = 0.0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for first in range(0, len(labels), EVALUATION_BATCH):
+                    batch_labels = labels[first : first + EVALUATION_BATCH]
+                    outputs = functional_call(self.model, (params, fixed), (inputs[first : first + EVALUATION_BATCH],))
+                    loss_sum += per_example_losses(self.loss_fn, outputs, batch_labels).double().sum().item()
+                    for name in metrics:
+                        metric = built.setdefault(name, build_metric(name, task, outputs))
+                        metric.update(*metric_inputs(task, outputs.cpu(), batch_labels.cpu()))
+        finally:
+            self.model.train()
+        return {"loss_sum": loss_sum, "count": len(labels), "metrics": built}
+
+    def _split_examples(self, split: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if split == "train":
+            return self.images[start:stop], self.labels[start:stop]
+        if self.test_examples is None or self.test_examples[:2] != (start, stop):
+            images, labels = load_split(self.dataset, split, self.data_root)
+            # clone() so the rest of the split can be freed.
+            self.test_examples = (start, stop, images[start:stop].clone().to(self.device),
+                                  labels[start:stop].clone().to(self.device))
+        return self.test_examples[2], self.test_examples[3]
 
     def engine_report(self) -> list[str] | None:
         """How each layer's per-example gradients are computed, one line per layer.

@@ -1,0 +1,123 @@
+"""What a model is trained for: its per-example loss and the metrics it is evaluated with.
+
+A loss here is the loss of one example, called with a batch of one
+(``loss_fn(model(x_i[None]), y_i[None])``); the clipping engines take each
+example's gradient of it. A job names its loss by ``LOSSES`` key or by
+``package.module:function``. Metrics are torchmetrics objects, built by the
+workers that evaluate a split in parts and merged by the driver; nothing
+here is hand-written metric code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torchmetrics import classification, regression
+
+from workers.clipping import LossFunction
+
+
+def _per_example_columns(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs and labels as [B, k] float columns of the outputs' dtype, so [B], [B, 1] and [B, k] all match."""
+    batch = outputs.shape[0]
+    return outputs.reshape(batch, -1), labels.reshape(batch, -1).to(outputs.dtype)
+
+
+def mean_squared_error(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Regression: the mean over the batch and outputs of (output - label)^2; labels [B] or [B, k]."""
+    return F.mse_loss(*_per_example_columns(outputs, labels))
+
+
+def binary_cross_entropy_with_logits(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Binary (or multi-label) classification on logits [B] or [B, k] against 0/1 labels of the same shape."""
+    return F.binary_cross_entropy_with_logits(*_per_example_columns(outputs, labels))
+
+
+def token_cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sequence outputs: logits [B, T, V] against token labels [B, T], averaged over the tokens; -100 is ignored."""
+    return F.cross_entropy(outputs.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+LOSSES: dict[str, LossFunction] = {
+    "cross_entropy": F.cross_entropy,
+    "mse": mean_squared_error,
+    "bce_with_logits": binary_cross_entropy_with_logits,
+    "token_cross_entropy": token_cross_entropy,
+}
+"""Built-in losses by name. ``cross_entropy`` is torch's own function, which the fast engine batches."""
+
+TASK_OF_LOSS = {
+    "cross_entropy": "multiclass",
+    "token_cross_entropy": "multiclass",
+    "bce_with_logits": "binary",
+    "mse": "regression",
+}
+METRICS = {
+    "multiclass": ("accuracy", "top5_accuracy", "auroc"),
+    "binary": ("accuracy", "auroc"),
+    "regression": ("mse", "mae"),
+}
+DEFAULT_METRICS = {"multiclass": ("accuracy",), "binary": ("accuracy", "auroc"), "regression": ("mse", "mae")}
+
+
+def build_loss(spec: str) -> LossFunction:
+    """The loss named by ``spec``: a ``LOSSES`` key, or ``package.module:function`` taking (outputs, labels)."""
+    if spec in LOSSES:
+        return LOSSES[spec]
+    module_name, _, function_name = spec.partition(":")
+    if not (module_name and function_name):
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)} or 'package.module:function' (got {spec!r})")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name, None)
+    except ModuleNotFoundError as error:
+        raise ValueError(f"loss {spec!r}: module {module_name!r} cannot be imported ({error})") from error
+    if not callable(function):
+        raise ValueError(f"loss {spec!r}: {module_name!r} has no function {function_name!r}")
+    return function
+
+
+def task_of(loss: str) -> str:
+    """"multiclass", "binary" or "regression": what the metrics of a loss compare; a custom loss counts as multiclass."""
+    return TASK_OF_LOSS.get(loss, "multiclass")
+
+
+def check_metrics(loss: str, metrics: Sequence[str] | None) -> tuple[str, ...]:
+    """The metrics to report for ``loss``: ``metrics`` if each fits its task, else the task's defaults when None."""
+    task = task_of(loss)
+    if metrics is None:
+        return DEFAULT_METRICS[task]
+    unfit = [name for name in metrics if name not in METRICS[task]]
+    if unfit:
+        raise ValueError(
+            f"metrics {', '.join(map(repr, unfit))} do not fit a {task} task (loss {loss!r}); "
+            f"choose from {', '.join(METRICS[task])}"
+        )
+    return tuple(metrics)
+
+
+def build_metric(name: str, task: str, outputs: torch.Tensor) -> torchmetrics.Metric:
+    """A fresh torchmetrics object for ``name``; multiclass metrics take the class count from ``outputs`` [..., C]."""
+    if task == "regression":
+        return {"mse": regression.MeanSquaredError, "mae": regression.MeanAbsoluteError}[name]()
+    if task == "binary":
+        return {"accuracy": classification.BinaryAccuracy, "auroc": classification.BinaryAUROC}[name]()
+    classes = outputs.shape[-1]
+    if name == "auroc":
+        return classification.MulticlassAUROC(num_classes=classes)
+    top_k = 5 if name == "top5_accuracy" else 1
+    return classification.MulticlassAccuracy(num_classes=classes, top_k=min(top_k, classes), average="micro")
+
+
+def metric_inputs(task: str, outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(predictions, targets) as torchmetrics takes them: flattened over tokens, probabilities for binary tasks."""
+    if task == "regression":
+        return _per_example_columns(outputs, labels)
+    if task == "binary":
+        return torch.sigmoid(outputs.reshape(-1)), labels.reshape(-1).long()
+    scores, targets = outputs.reshape(-1, outputs.shape[-1]), labels.reshape(-1).long()
+    kept = targets != -100
+    return scores[kept], targets[kept]
