@@ -66,6 +66,7 @@ class TrainConfig:
     engine: str = "fast"
     loss: str = "cross_entropy"
     metrics: tuple[str, ...] = ("accuracy",)
+    train_transforms: tuple[Mapping[str, Any], ...] = ()
     microbatch_size: int | None = None
     adaptive_clipping: AdaptiveClipping | None = None
     layer_clip_norms: LayerClipNorms | None = None
@@ -168,6 +169,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
         loss=_loss(values.get("loss", "cross_entropy")),
         metrics=_metrics(values.get("loss", "cross_entropy"), values.get("metrics")),
+        train_transforms=_train_transforms(values.get("train_transforms", [])),
         microbatch_size=_optional(values, "microbatch_size", lambda key, v: checks.integer_at_least(key, v, 1)),
         adaptive_clipping=parse_adaptive_clipping(values.get("adaptive_clipping")),
         layer_clip_norms=_layer_clip_norms(values.get("layer_clip_norms")),
@@ -221,6 +223,20 @@ def _metrics(loss: Any, value: Any) -> tuple[str, ...]:
         return check_metrics(str(loss), value)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def _train_transforms(value: Any) -> tuple[Mapping[str, Any], ...]:
+    from workers.tasks import build_transform
+
+    if not isinstance(value, list):
+        raise UsageError(f'train_transforms must be a list of tables, e.g. [{{ name = "RandomHorizontalFlip" }}] '
+                         f"(got {value!r})")
+    try:
+        if value:
+            build_transform(value)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return tuple(dict(step) for step in value)
 
 
 def _layer_clip_norms(value: Any) -> LayerClipNorms | None:

@@ -372,6 +372,7 @@ class Trainer:
             data_root=config.data_root,
             engine=config.engine,
             loss=config.loss,
+            train_transforms=config.train_transforms,
         )
 
     def _partial_sums(

@@ -16,7 +16,16 @@ from workers.clipping import per_example_clipped_sum
 from workers.data import load_split
 from workers.engines import fast_clipped_sum
 from workers.models import build_model, flat_parameters, load_flat_parameters
-from workers.tasks import LOSSES, build_loss, build_metric, check_metrics, metric_inputs, token_cross_entropy
+from workers.tasks import (
+    LOSSES,
+    build_loss,
+    build_metric,
+    build_transform,
+    check_metrics,
+    metric_inputs,
+    token_cross_entropy,
+    transform_each,
+)
 
 
 def test_losses_by_name_and_by_module_function():
@@ -108,3 +117,26 @@ def test_the_driver_loads_no_example_for_training_or_evaluation(local_ray, tmp_p
     summary = Trainer(config, show_progress=False, show_train_loss=True).run()
     assert 0.0 <= summary["test_accuracy"] <= summary["test_top5_accuracy"] <= 1.0
     assert np.isfinite(summary["test_loss"])
+
+
+def test_transforms_apply_to_each_example_on_its_own_and_examples_are_never_mixed():
+    transform = build_transform([{"name": "RandomCrop", "size": 28, "padding": 4}])
+    torch.manual_seed(4)
+    inputs = torch.rand(1, 1, 28, 28).expand(64, 1, 28, 28)
+    out = transform_each(transform, inputs)
+    assert out.shape == inputs.shape
+    # 64 copies of one image, each cropped at its own random offset: many different results.
+    assert len({tuple(example.flatten().tolist()) for example in out}) > 10
+    with pytest.raises(ValueError, match="MixUp mixes examples"):
+        build_transform([{"name": "MixUp"}])
+    with pytest.raises(UsageError, match=r"train_transforms\[0\]: 'Crop' is not a torchvision.transforms.v2"):
+        build_config({"steps": 1, "noise_multiplier": 1.0, "train_transforms": [{"name": "Crop"}]})
+
+
+def test_the_worker_clips_each_transformed_example():
+    worker = GradientWorker("gdp_cnn", "mnist", 64, 16, train_transforms=[{"name": "RandomHorizontalFlip", "p": 1.0}])
+    plain = GradientWorker("gdp_cnn", "mnist", 64, 16)
+    plain.images = torch.flip(plain.images, dims=[3])
+    weights = flat_parameters(build_model("gdp_cnn")).numpy()
+    np.testing.assert_allclose(worker.clipped_grad_sum(weights, np.arange(10), 0.1),
+                               plain.clipped_grad_sum(weights, np.arange(10), 0.1), rtol=0, atol=1e-6)

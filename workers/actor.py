@@ -11,6 +11,8 @@ import ctypes
 import os
 import socket
 import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -21,7 +23,7 @@ from workers.clipping import check_engine, clipped_sum, functional_parameters, m
 from workers.data import dataset_size, load_split
 from workers.engines import engine_plan, per_example_losses
 from workers.models import build_model, parameter_count
-from workers.tasks import build_loss, build_metric, metric_inputs, task_of
+from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
 from workers.validation import check_model
 
 
@@ -63,7 +65,8 @@ class GradientWorker:
     once; ``threads`` is the torch intra-op thread count, which should match
     the CPUs Ray gave the actor; ``engine`` names the clipping engine
     (``workers.clipping.ENGINES``); ``loss`` names the per-example loss
-    (``workers.tasks.build_loss``).
+    (``workers.tasks.build_loss``); ``train_transforms`` are applied to each
+    sampled training example on its own (``workers.tasks.build_transform``).
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class GradientWorker:
         data_root: str | None = None,
         engine: str = "fast",
         loss: str = "cross_entropy",
+        train_transforms: Sequence[Mapping[str, Any]] = (),
     ) -> None:
         check_engine(engine)
         if threads < 1:
@@ -96,6 +100,7 @@ class GradientWorker:
         self.engine = engine
         self.loss = loss
         self.loss_fn = build_loss(loss)
+        self.transform = build_transform(train_transforms) if train_transforms else None
         self.dataset, self.data_root = dataset, data_root
         self.test_examples: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self.max_physical_batch = max_physical_batch
@@ -144,9 +149,12 @@ class GradientWorker:
         flat_weights = _as_tensor(weights)
         selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
         wants_norms = count_unclipped or count_zeroed
+        inputs = self.images[selected]
+        if self.transform is not None:
+            inputs = transform_each(self.transform, inputs)
         if group_ids is not None:
             result = microbatch_clipped_sum(
-                self.model, flat_weights, self.images[selected], self.labels[selected],
+                self.model, flat_weights, inputs, self.labels[selected],
                 torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, self.loss_fn,
                 return_norms=wants_norms,
             )
@@ -154,7 +162,7 @@ class GradientWorker:
                 summed, norms, zeroed = result
         else:
             result = clipped_sum(
-                self.engine, self.model, flat_weights, self.images[selected], self.labels[selected],
+                self.engine, self.model, flat_weights, inputs, self.labels[selected],
                 clip_norm, self.max_physical_batch, self.loss_fn, return_norms=wants_norms,
             )
             if wants_norms:

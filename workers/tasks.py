@@ -3,7 +3,9 @@
 A loss here is the loss of one example, called with a batch of one
 (``loss_fn(model(x_i[None]), y_i[None])``); the clipping engines take each
 example's gradient of it. A job names its loss by ``LOSSES`` key or by
-``package.module:function``. Metrics are torchmetrics objects, built by the
+``package.module:function``. Training transforms (torchvision v2) are part
+of the mechanism: each sampled example is transformed on its own, in the
+worker, before its gradient is taken. Metrics are torchmetrics objects, built by the
 workers that evaluate a split in parts and merged by the driver; nothing
 here is hand-written metric code.
 """
@@ -11,12 +13,14 @@ here is hand-written metric code.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from torchmetrics import classification, regression
+from torchvision.transforms import v2
 
 from workers.clipping import LossFunction
 
@@ -121,3 +125,43 @@ def metric_inputs(task: str, outputs: torch.Tensor, labels: torch.Tensor) -> tup
     scores, targets = outputs.reshape(-1, outputs.shape[-1]), labels.reshape(-1).long()
     kept = targets != -100
     return scores[kept], targets[kept]
+
+
+# Transforms that combine several examples into one: one example would then move several gradients.
+CROSS_EXAMPLE_TRANSFORMS = ("MixUp", "CutMix")
+
+
+def build_transform(steps: Sequence[Mapping[str, Any]]) -> v2.Compose:
+    """A torchvision transforms-v2 pipeline from tables ``{ name = "RandomCrop", size = 28, padding = 2 }``.
+
+    Each table names a class of ``torchvision.transforms.v2`` and gives its
+    keyword arguments. The pipeline is applied to one example at a time, so
+    each example still yields one clipped gradient; transforms that mix
+    examples are refused.
+    """
+    built = []
+    for position, step in enumerate(steps):
+        if not isinstance(step, Mapping) or not isinstance(step.get("name"), str):
+            raise ValueError(f"train_transforms[{position}] must be a table with a 'name' key (got {step!r})")
+        arguments = {key: value for key, value in step.items() if key != "name"}
+        name = step["name"]
+        if name in CROSS_EXAMPLE_TRANSFORMS:
+            raise ValueError(
+                f"train_transforms[{position}]: {name} mixes examples, so one example would move several "
+                "clipped gradients; use per-example transforms only (e.g. RandomCrop, RandomHorizontalFlip)"
+            )
+        transform_class = getattr(v2, name, None)
+        if not (isinstance(transform_class, type) and issubclass(transform_class, v2.Transform)):
+            raise ValueError(f"train_transforms[{position}]: {name!r} is not a torchvision.transforms.v2 transform")
+        try:
+            built.append(transform_class(**arguments))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"train_transforms[{position}] ({name}): {error}") from None
+    return v2.Compose(built)
+
+
+def transform_each(transform: v2.Compose, inputs: torch.Tensor) -> torch.Tensor:
+    """``transform`` applied to each example of ``inputs`` [B, ...] on its own, with its own random draws."""
+    if not len(inputs):
+        return inputs
+    return torch.stack([transform(example) for example in inputs])
