@@ -39,6 +39,14 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class EvaluateEvery:
+    """How often the test split is evaluated: every ``steps`` steps, or every ``epochs`` epochs (one is set)."""
+
+    steps: int | None = None
+    epochs: float | None = None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything a DP-SGD run needs; units are per-example unless stated."""
 
@@ -78,6 +86,7 @@ class TrainConfig:
     dataset_budget_epsilon: float = 10.0
     train_subset: int | None = None
     test_subset: int | None = None
+    evaluate_every: EvaluateEvery | None = None
     data_root: str | None = None
 
     def to_dict(self) -> dict:
@@ -86,6 +95,8 @@ class TrainConfig:
         data["optimizer"] = {"name": self.optimizer.name, **dict(self.optimizer.parameters)}
         if self.layer_clip_norms is not None:
             data["layer_clip_norms"] = dict(self.layer_clip_norms.groups)
+        if self.evaluate_every is not None:
+            data["evaluate_every"] = {key: value for key, value in data["evaluate_every"].items() if value is not None}
         return data
 
 
@@ -183,6 +194,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         ),
         train_subset=_optional(values, "train_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
         test_subset=_optional(values, "test_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
+        evaluate_every=_evaluate_every(values.get("evaluate_every")),
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
     )
     checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
@@ -223,6 +235,16 @@ def _metrics(loss: Any, value: Any) -> tuple[str, ...]:
         return check_metrics(str(loss), value)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def _evaluate_every(value: Any) -> EvaluateEvery | None:
+    if value is None:
+        return None
+    if not (isinstance(value, Mapping) and len(value) == 1 and set(value) <= {"steps", "epochs"}):
+        raise UsageError(f"evaluate_every must be {{ steps = n }} or {{ epochs = e }} (got {value!r})")
+    if "steps" in value:
+        return EvaluateEvery(steps=checks.integer_at_least("evaluate_every.steps", value["steps"], 1))
+    return EvaluateEvery(epochs=checks.positive_number("evaluate_every.epochs", value["epochs"]))
 
 
 def _train_transforms(value: Any) -> tuple[Mapping[str, Any], ...]:

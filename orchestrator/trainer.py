@@ -35,6 +35,7 @@ from orchestrator.adaptive_clipping import (
 )
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import (
+    EvaluateEvery,
     TrainConfig,
     expected_batch_size,
     sampling_rate,
@@ -77,6 +78,7 @@ class RunPlan:
     noise_multiplier: float
     noise_blocks: tuple[tuple[float, int], ...]
     epoch_ends: tuple[int, ...]
+    evaluation_steps: frozenset[int]
     charge_ends: tuple[int, ...]
     microbatches: int | None = None
     count_noise_multiplier: float | None = None
@@ -123,6 +125,16 @@ def accounted_blocks(
     return [(effective_noise_multiplier(sigma, count_noise_multiplier), steps) for sigma, steps in blocks]
 
 
+def evaluation_steps(
+    evaluate_every: EvaluateEvery | None, steps: int, steps_per_epoch: float, epoch_ends: list[int]
+) -> frozenset[int]:
+    """The steps after which the test split is evaluated: every epoch end by default, and always the last step."""
+    if evaluate_every is None:
+        return frozenset(epoch_ends)
+    interval = evaluate_every.steps or max(1, round(evaluate_every.epochs * steps_per_epoch))
+    return frozenset(range(interval, steps, interval)) | {steps}
+
+
 def plan_run(config: TrainConfig) -> RunPlan:
     """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends."""
     dataset_size = training_set_size(config)
@@ -155,7 +167,8 @@ def plan_run(config: TrainConfig) -> RunPlan:
         charge_ends = epoch_ends
     return RunPlan(
         dataset_size, rate, expected_batch_size(config), steps, noise_multiplier,
-        tuple(blocks_at(noise_multiplier)), tuple(epoch_ends), tuple(charge_ends), microbatches,
+        tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
+        evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends), microbatches,
         count_noise_multiplier,
     )
 
@@ -512,13 +525,17 @@ class Trainer:
                         eps=f"{self.epsilon():.3f}",
                         samples_s=f"{bar_steps * plan.expected_batch_size / (time.perf_counter() - bar_started):.0f}",
                     )
+                if self.step in plan.evaluation_steps and self.step < epoch_end:
+                    self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
                     self._save_checkpoint()
             bar.close()
-            self._record_epoch(epoch, workers)
+            if epoch_end in plan.evaluation_steps:
+                self._record_epoch(epoch, workers)
             self._save_checkpoint()
 
-    def _record_epoch(self, epoch: int, workers: list) -> None:
+    def _record_epoch(self, epoch: float, workers: list) -> None:
+        """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
         test = self._evaluate(workers, "test", test_set_size(self.config))
         row = {
             "epoch": epoch,
@@ -539,7 +556,7 @@ class Trainer:
         figures = ", ".join(f"test {name.replace('_', ' ')} {row[f'test_{name}']:.4f}"
                             for name in (*self.config.metrics, "loss"))
         line = (
-            f"epoch {row['epoch']}: {figures}, "
+            f"epoch {row['epoch']:.4g}: {figures}, "
             f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}, delta={self.config.delta:g})"
         )
         if "train_loss_non_private" in row:

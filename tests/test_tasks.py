@@ -113,10 +113,15 @@ def test_the_driver_loads_no_example_for_training_or_evaluation(local_ray, tmp_p
     config = build_config(dict(
         dataset="mnist", workers=2, steps=3, batch_size=60, train_subset=600, test_subset=300,
         noise_multiplier=1.1, seed=3, run_dir=str(tmp_path / "run"), metrics=["accuracy", "top5_accuracy"],
+        evaluate_every={"steps": 2},
     ))
-    summary = Trainer(config, show_progress=False, show_train_loss=True).run()
+    trainer = Trainer(config, show_progress=False, show_train_loss=True)
+    summary = trainer.run()
     assert 0.0 <= summary["test_accuracy"] <= summary["test_top5_accuracy"] <= 1.0
     assert np.isfinite(summary["test_loss"])
+    assert [row["step"] for row in trainer.metrics] == [0, 2, 3]
+    assert [row["epoch"] for row in trainer.metrics] == [0, 2 * 60 / 600, 1]
+    assert all(np.isfinite(row["train_loss_non_private"]) for row in trainer.metrics)
 
 
 def test_transforms_apply_to_each_example_on_its_own_and_examples_are_never_mixed():
