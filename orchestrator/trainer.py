@@ -194,7 +194,8 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     attempt = 1
     while True:
         try:
-            ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True)
+            # address="local": a new in-process cluster, never one some other program left running here.
+            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True)
             return True
         except Exception as error:  # noqa: BLE001 - Ray reports a node that did not come up as a bare Exception
             if "timed out" not in str(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
