@@ -752,3 +752,7 @@ def _book_keeping(
     if not return_norms:
         return flat
     return flat, {name: torch.cat(values) if values else weights.new_zeros(0) for name, values in norms.items()}
+
+
+# Registers the rules for recurrent layers and EmbeddingBag; imported last because they build on this module.
+from workers import sequence_rules  # noqa: E402, F401
