@@ -63,9 +63,12 @@ def recurrent_rule(
     for name, per_call in gradients.items():
         if name in activations:
             shape = params[name].shape
+            # Batch-major copies: the products below then run on plain (transposed) matrices,
+            # and the ghost clipped sum views the [p, B * T] gradients without a copy.
+            output_grads = torch.cat(per_call).transpose(0, 1).contiguous()
             result[name] = outer_product_gradients(
-                torch.cat(per_call).permute(1, 2, 0).unsqueeze(1),
-                torch.cat(activations[name]).transpose(0, 1).unsqueeze(1),
+                output_grads.transpose(1, 2).unsqueeze(1),
+                torch.cat(activations[name]).transpose(0, 1).contiguous().unsqueeze(1),
                 lambda summed, shape=shape: summed.view(shape),
             )
         else:
