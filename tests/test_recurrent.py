@@ -116,6 +116,7 @@ def test_initial_state_passed_in_and_no_bias(cell):
     assert_engines_match_the_loop(model, inputs, labels)
 
 
+@pytest.mark.filterwarnings("ignore:LSTM with projections is not supported with oneDNN")
 def test_projected_lstm():
     inputs, labels = sequences(3)
     model = Recurrent("lstm", num_layers=2, bidirectional=True, initial_state=True, hidden=5, proj_size=3)

@@ -78,12 +78,12 @@ class Unrolled:
     traces: dict[str, DirectionTrace] = field(default_factory=dict)
 
 
-def _mode(layer: nn.RNNBase) -> str:
-    return layer.mode  # "RNN_TANH", "RNN_RELU", "GRU" or "LSTM"
-
-
 def _cell(mode: str, input_product: Tensor, hidden_product: Tensor, state: State) -> tuple[Tensor, State]:
-    """One time step from the two products: (h_t before any projection, the new state without projection)."""
+    """One time step of a layer in ``mode`` (nn.RNNBase.mode: "RNN_TANH", "RNN_RELU", "GRU" or "LSTM").
+
+    From the step's two products [B, G * H]: (h_t before any projection, the
+    new state without projection).
+    """
     if mode == "RNN_TANH":
         hidden = torch.tanh(input_product + hidden_product)
         return hidden, hidden
@@ -167,7 +167,7 @@ def unroll(
     each direction's trace carries zero leaves on its products (see
     ``DirectionTrace``); the result is the same.
     """
-    mode = _mode(layer)
+    mode = layer.mode
     sequence = inputs.transpose(0, 1) if layer.batch_first else inputs
     directions = 2 if layer.bidirectional else 1
     if initial_state is None:
@@ -232,7 +232,7 @@ def zero_state(layer: nn.RNNBase, batch_size: int, like: Tensor) -> State:
     """The layer's default initial state: zeros [L * D, batch_size, H_out] (and [L * D, batch_size, H] for c0)."""
     shape = (layer.num_layers * (2 if layer.bidirectional else 1), batch_size)
     hidden = like.new_zeros(*shape, layer.proj_size or layer.hidden_size)
-    return (hidden, like.new_zeros(*shape, layer.hidden_size)) if _mode(layer) == "LSTM" else hidden
+    return (hidden, like.new_zeros(*shape, layer.hidden_size)) if layer.mode == "LSTM" else hidden
 
 
 @contextlib.contextmanager

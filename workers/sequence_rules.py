@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from workers.engines import (
     LayerCall,
@@ -92,8 +92,8 @@ def _unrolled_with_tap_gradients(
         )
     if initial_state is None:
         initial_state = zero_state(layer, batch_size, inputs)
-    initial_state = tuple(state.detach() for state in initial_state) if isinstance(initial_state, tuple) \
-        else initial_state.detach()
+    # The rule differentiates the re-run alone, not back into the layers that produced its arguments.
+    initial_state = tree_map(Tensor.detach, initial_state)
     with torch.enable_grad():
         unrolled = unroll(layer, weights, inputs.detach(), initial_state, taps=True)
         taps = [tap for trace in unrolled.traces.values() for tap in trace.taps()]
