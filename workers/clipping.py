@@ -231,7 +231,7 @@ def per_example_clipped_sum(
     inputs = inputs.to(device)
     labels = labels.to(device)
     for start in range(0, inputs.shape[0], max_physical_batch):
-        # torch.func cannot batch the fused recurrent kernels; it can their unrolled steps.
+        # torch.func can batch recurrent layers unrolled step by step, not their fused kernels.
         with unrolled_recurrences(model):
             grads = per_example_grads(
                 params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
