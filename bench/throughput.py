@@ -16,7 +16,9 @@ repeat, and reports the median samples/s over the repeats:
 
 Models: ``gdp_cnn`` and ``lenet5`` at batch 256 on MNIST; torchvision's
 ResNet-18 with GroupNorm at batch 64 on synthetic 3x32x32 images; a small
-transformer text classifier at batch 128 on synthetic tokens. Peak memory of a
+transformer text classifier and a GRU text classifier at batch 128 on
+synthetic tokens (Opacus runs the GRU as its ``DPGRU``, the replacement its
+``ModuleValidator.fix`` makes; dpfleet the user's ``nn.GRU``). Peak memory of a
 ResNet-18-GN step at batch 64 is measured per variant in a fresh process:
 peak resident set on the CPU (also given above the resident set after
 set-up), peak allocated memory on CUDA. ``--json`` writes the figures to
@@ -97,6 +99,24 @@ class TextClassifier(nn.Module):
         return self.head(self.norm(hidden.mean(1)))
 
 
+class GRUTextClassifier(nn.Module):
+    """A GRU text classifier: token embedding, one batch-first ``nn.GRU`` layer, a linear head on its last state.
+
+    Takes token ids [B, T] (0 is padding) and returns logits [B, classes].
+    """
+
+    def __init__(self, vocab_size: int = 5000, width: int = 128, hidden: int = 128, classes: int = 4) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, width, padding_idx=0)
+        self.gru = nn.GRU(width, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, classes] for token ids [B, T]."""
+        _, final = self.gru(self.tokens(tokens))
+        return self.head(final[-1])
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmarked model: how to build it and its data, the batch size, whether Ray workers can serve it.
@@ -134,6 +154,7 @@ CASES = {
     # vmap holds one 11M-entry gradient per example: 16 at a time keeps it under 1 GB.
     "resnet18_gn": Case(resnet18_gn, _images, 64, 16, False, 1),
     "transformer": Case(TextClassifier, _tokens, 128, 128, False, 1),
+    "gru": Case(GRUTextClassifier, _tokens, 128, 128, False, 1),
 }
 
 

@@ -9,12 +9,12 @@ from workers.models import load_flat_parameters
 
 
 def per_example_gradients_by_loop(model, flat_weights, inputs, labels, dtype=torch.float64):
-    """[n, P] gradients, one backward pass per example on a copy of the model in ``dtype``."""
+    """[n, P] gradients, one backward pass per example on a copy of the model in ``dtype`` (floating inputs too)."""
     reference = copy.deepcopy(model).to(dtype)
     load_flat_parameters(reference, flat_weights)
     params = [p for p in reference.parameters() if p.requires_grad]
     rows = []
-    for example, label in zip(inputs.to(dtype), labels, strict=True):
+    for example, label in zip(inputs.to(dtype) if inputs.is_floating_point() else inputs, labels, strict=True):
         loss = F.cross_entropy(reference(example[None]), label[None])
         rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
     return torch.stack(rows)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from workers.models import parameter_count
+from workers.recurrent import unrolled_recurrences
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -262,9 +263,11 @@ def per_example_clipped_sum(
     inputs = inputs.to(device)
     labels = labels.to(device)
     for start in range(0, inputs.shape[0], max_physical_batch):
-        grads = per_example_grads(
-            params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
-        )
+        # torch.func can batch recurrent layers unrolled step by step, not their fused kernels.
+        with unrolled_recurrences(model):
+            grads = per_example_grads(
+                params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
+            )
         squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
         finite = torch.stack(list(squared.values())).sum(0).isfinite()
         factors = clip_factors_by_parameter(squared, clip_norm)

@@ -1025,3 +1025,7 @@ def _book_keeping(
     if not return_norms:
         return flat
     return flat, dict(zip(sums, norms))
+
+
+# Registers the rules for recurrent layers and EmbeddingBag; imported last because they build on this module.
+from workers import sequence_rules  # noqa: E402, F401
