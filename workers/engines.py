@@ -638,6 +638,13 @@ def _recorder(calls: list[LayerCall], anchor: Tensor) -> Callable:
     return record
 
 
+# Reading a parameter's metadata, or a detached copy of it, carries no gradient.
+GRADIENT_FREE_OPERATIONS = frozenset({
+    ".dtype", ".shape", ".device", ".requires_grad", ".is_cuda", ".ndim", ".layout", ".is_sparse",
+    "size", "dim", "numel", "detach", "is_floating_point", "is_complex",
+})
+
+
 class _ParameterUseTracker(TorchFunctionMode):
     """Notes every trainable parameter that an operation uses while the unit whose rule covers it is not running.
 
@@ -656,11 +663,12 @@ class _ParameterUseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.in_model:
+        name = _operation_name(func)
+        if self.in_model and name not in GRADIENT_FREE_OPERATIONS:
             for leaf in tree_flatten((args, kwargs))[0]:
                 unit = self.owners.get(id(leaf)) if isinstance(leaf, Tensor) else None
                 if unit is not None and not self.running[unit]:
-                    self.outside.setdefault(self.names[id(leaf)], _operation_name(func))
+                    self.outside.setdefault(self.names[id(leaf)], name)
         return func(*args, **kwargs)
 
     def watch(self, model: nn.Module, units: list[_Unit]) -> list:
