@@ -487,19 +487,15 @@ def engine_sum(engine: str, reference: Reference, loss_fn: LossFunction, keep: T
                        MAX_PHYSICAL_BATCH, loss_fn)
 
 
-def assert_matches_loop(engine: str, reference: Reference, loss_fn: LossFunction) -> None:
-    """The engine's clipped sum is the loop's to ``TOLERANCE`` relative."""
-    actual = engine_sum(engine, reference, loss_fn)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("name", ZOO)
+def test_clipped_sum_matches_the_per_example_loop(name, engine):
+    reference = zoo_reference(name)
+    actual = engine_sum(engine, reference, ZOO[name].loss_fn)
     expected = clipped_sum_by_loop(reference.gradients, reference.clip_norm)
     assert actual.dtype == torch.float32 and actual.shape == reference.flat_weights.shape
     error = relative_error(actual, expected)
     assert error <= TOLERANCE, f"{engine} engine: relative error {error:.3g} against the per-example loop"
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("name", ZOO)
-def test_clipped_sum_matches_the_per_example_loop(name, engine):
-    assert_matches_loop(engine, zoo_reference(name), ZOO[name].loss_fn)
 
 
 DETERMINISTIC = [name for name, case in ZOO.items() if not case.random]
@@ -554,7 +550,7 @@ SEQUENCE_LAYERS: dict[str, Callable[[int, int, str], nn.Module]] = {
 
 
 class SequenceStack(nn.Module):
-    """Tokens (embedding) or float features (linear) into width W, sequence layers with tanh, last step or mean, classes."""
+    """Tokens (embedding) or features (linear) into width W, sequence layers with tanh, last step or mean, classes."""
 
     def __init__(self, front: nn.Module, layers: list[nn.Module], width: int, pooling: str):
         super().__init__()
