@@ -50,8 +50,8 @@ from orchestrator.sampling import (
 )
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from workers.actor import GradientWorkerActor
-from workers.data import load_split
 from workers.models import build_model, flat_parameters, load_flat_gradient
+from workers.sources import DataError, check_source, read_first, spec_name
 from workers.validation import check_model
 
 SAMPLER_STREAM = 0
@@ -330,13 +330,11 @@ class Trainer:
         if config.seed is not None:
             self.say(f"seeded: not for production use (seed {config.seed})")
         self.say(
-            f"dpfleet: {config.model} on {config.dataset} (N={plan.dataset_size}), {plan.steps} steps, "
+            f"dpfleet: {config.model} on {spec_name(config.dataset)} (N={plan.dataset_size}), {plan.steps} steps, "
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
-        test_images, test_labels = load_split(config.dataset, "test", config.data_root)
-        if config.test_subset is not None:
-            test_images, test_labels = test_images[: config.test_subset], test_labels[: config.test_subset]
+        test_images, test_labels = self._checked_test_split()
         evaluation = (test_images, test_labels, self._train_probe())
         started_ray = start_ray(config, self.say)
         try:
@@ -349,12 +347,33 @@ class Trainer:
                 ray.shutdown()
         return self._finish()
 
+    def _checked_test_split(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check both splits' files (before any worker starts) and load the test split for evaluation.
+
+        With check_data = "full", labels are checked against the dataset's
+        num_classes, else the model's output width on a test example.
+        """
+        config = self.config
+        full = config.check_data == "full"
+        try:
+            check_source(config.dataset, "test")
+            test_images, test_labels = read_first(config.dataset, "test", config.test_subset, config.data_root)
+            num_classes = None
+            if full:
+                with torch.no_grad():
+                    num_classes = self.model(test_images[:1]).shape[-1]
+                check_source(config.dataset, "test", True, num_classes)
+            check_source(config.dataset, "train", full, num_classes)
+        except DataError as error:
+            raise UsageError(str(error)) from None
+        return test_images, test_labels
+
     def _train_probe(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.show_train_loss:
             return None
-        images, labels = load_split(self.config.dataset, "train", self.config.data_root)
-        limit = min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size)
-        return images[:limit], labels[:limit]
+        # Opt-in and labelled non-private: the one place the driver reads training examples, the first few.
+        return read_first(self.config.dataset, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size),
+                          self.config.data_root)
 
     def _new_worker(self):
         config = self.config
@@ -544,7 +563,7 @@ class Trainer:
             "final_clip_norm": self.clip_norm,
             "batch_size": config.batch_size,
             "epochs": self.step * config.batch_size / plan.dataset_size,
-            "dataset": config.dataset,
+            "dataset": spec_name(config.dataset),
             "dataset_size": plan.dataset_size,
             "model": config.model,
             "workers": config.workers,
