@@ -51,7 +51,7 @@ from orchestrator.sampling import (
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from workers.actor import GradientWorkerActor
 from workers.models import build_model, flat_parameters, load_flat_gradient
-from workers.sources import DataError, check_source, read_first, spec_name
+from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
 from workers.validation import check_model
 
 SAMPLER_STREAM = 0
@@ -247,6 +247,7 @@ class Trainer:
             if unmatched:
                 raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
                                  "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
+        self._check_data()
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         self.events = Composition()
@@ -257,6 +258,30 @@ class Trainer:
         self.wall_seconds_before = 0.0
         self.resumed_reservation_id: str | None = None
         self.run_dir = Path(config.run_dir)
+
+    def _check_data(self) -> None:
+        """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
+
+        With check_data = "full", integer labels must lie below the dataset's
+        num_classes, else below the model's output width on a test example.
+        The built-ins are verified by digest, and a ``module:function``
+        dataset's examples are not read in the driver, so only tables are checked.
+        """
+        config = self.config
+        if isinstance(config.dataset, str):
+            return
+        full = config.check_data == "full"
+        try:
+            num_classes = None
+            if full:
+                check_source(config.dataset, "test")
+                first_test_input, _ = read_first(config.dataset, "test", 1)
+                with torch.no_grad():
+                    num_classes = self.model(first_test_input).shape[-1]
+            for split in SPLITS:
+                check_source(config.dataset, split, full, num_classes)
+        except DataError as error:
+            raise UsageError(str(error)) from None
 
     @property
     def step(self) -> int:
@@ -334,7 +359,7 @@ class Trainer:
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
-        test_images, test_labels = self._checked_test_split()
+        test_images, test_labels = read_first(config.dataset, "test", config.test_subset, config.data_root)
         evaluation = (test_images, test_labels, self._train_probe())
         started_ray = start_ray(config, self.say)
         try:
@@ -346,27 +371,6 @@ class Trainer:
             if started_ray:
                 ray.shutdown()
         return self._finish()
-
-    def _checked_test_split(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check both splits' files (before any worker starts) and load the test split for evaluation.
-
-        With check_data = "full", labels are checked against the dataset's
-        num_classes, else the model's output width on a test example.
-        """
-        config = self.config
-        full = config.check_data == "full"
-        try:
-            check_source(config.dataset, "test")
-            test_images, test_labels = read_first(config.dataset, "test", config.test_subset, config.data_root)
-            num_classes = None
-            if full:
-                with torch.no_grad():
-                    num_classes = self.model(test_images[:1]).shape[-1]
-                check_source(config.dataset, "test", True, num_classes)
-            check_source(config.dataset, "train", full, num_classes)
-        except DataError as error:
-            raise UsageError(str(error)) from None
-        return test_images, test_labels
 
     def _train_probe(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.show_train_loss:

@@ -260,20 +260,25 @@ def _scalar(label: Any) -> Any:
     return label.item() if hasattr(label, "item") else label
 
 
-def _label_tensor(labels: np.ndarray) -> torch.Tensor:
+def _label_array(labels: np.ndarray) -> np.ndarray:
     """Integer labels as int64 (classes), floating ones as float32 (targets)."""
-    if np.issubdtype(labels.dtype, np.floating):
-        return torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32))
-    return torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64))
+    return np.ascontiguousarray(labels, dtype=np.float32 if np.issubdtype(labels.dtype, np.floating) else np.int64)
+
+
+def _feature_array(features: np.ndarray) -> np.ndarray:
+    """Floating (and boolean) features as float32, integer ones (token ids) as int64."""
+    floating = np.issubdtype(features.dtype, np.floating) or features.dtype == np.bool_
+    return np.ascontiguousarray(features, dtype=np.float32 if floating else np.int64)
+
+
+def _label_tensor(labels: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(_label_array(labels))
 
 
 def _feature_tensor(features: np.ndarray, shape: list[int] | None) -> torch.Tensor:
-    """Floating features as float32, integer ones (token ids) as int64, reshaped per example to ``shape``."""
-    dtype = np.float32 if np.issubdtype(features.dtype, np.floating) or features.dtype == np.bool_ else np.int64
-    array = np.ascontiguousarray(features, dtype=dtype)
-    if shape is not None:
-        array = array.reshape(len(array), *shape)
-    return torch.from_numpy(array)
+    """``_feature_array`` as a tensor, each example reshaped to ``shape`` when given."""
+    array = _feature_array(features)
+    return torch.from_numpy(array if shape is None else array.reshape(len(array), *shape))
 
 
 # --- filesystems ----------------------------------------------------------------
@@ -436,17 +441,13 @@ def _parquet_file(filesystem: pa_fs.FileSystem, path: str) -> pq.ParquetFile:
 # --- CSV ------------------------------------------------------------------------------
 
 
-def _csv_batches(spec: Mapping, split: str, path: str,
-                 filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """(first row number, batch) over one CSV file; a row with the wrong number of fields raises DataError."""
-    def refuse(row) -> str:
-        raise DataError(f"{path}: line {row.number}: {row.actual_columns} fields, expected {row.expected_columns} "
-                        "(as in the header); fix or remove the row")
-
+def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first row number, batch) over one CSV file; unreadable CSV (a row with the wrong number of fields) raises
+    DataError quoting pyarrow's message, which names the row."""
     with filesystem.open_input_stream(path) as stream:
         try:
-            reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False),
-                                     parse_options=pa_csv.ParseOptions(invalid_row_handler=refuse))
+            # One thread, so pyarrow's row numbers count from the top of the file.
+            reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False))
         except pa.ArrowInvalid as error:
             raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
         first_row = 0
@@ -467,7 +468,7 @@ def _csv_rows(spec: Mapping, split: str) -> int:
     rows = 0
     for path in paths:
         file_rows = 0
-        for _, batch in _csv_batches(spec, split, path, filesystem):
+        for _, batch in _csv_batches(path, filesystem):
             _check_schema(spec, batch.schema, path)
             file_rows += batch.num_rows
         if file_rows == 0:
@@ -493,10 +494,10 @@ class CsvSource:
         rows, row_layout = 0, None
         with open(feature_path, "wb") as feature_file, open(label_path, "wb") as label_file:
             for path in paths:
-                for _, batch in _csv_batches(spec, split, path, filesystem):
+                for _, batch in _csv_batches(path, filesystem):
                     columns, _ = _check_schema(spec, batch.schema, path)
                     features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
-                    features, labels = _feature_tensor(features, None).numpy(), _label_tensor(labels).numpy()
+                    features, labels = _feature_array(features), _label_array(labels)
                     row_layout = row_layout or (features.dtype, features.shape[1:], labels.dtype)
                     feature_file.write(features.tobytes())
                     label_file.write(labels.tobytes())
@@ -513,7 +514,7 @@ class CsvSource:
     def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows at ``indices`` from the memory-mapped copy."""
         indices = np.asarray(indices, dtype=np.int64)
-        return _feature_tensor(self.features[indices], self.shape), _label_tensor(self.labels[indices])
+        return _feature_tensor(np.array(self.features[indices]), self.shape), _label_tensor(np.array(self.labels[indices]))
 
 
 # --- NumPy ---------------------------------------------------------------------------
@@ -535,7 +536,7 @@ class ArrayInFile:
     def rows(self, indices: np.ndarray) -> np.ndarray:
         """A copy of the rows at ``indices``."""
         if self.mapped is not None:
-            return np.asarray(self.mapped[indices])
+            return np.array(self.mapped[indices])
         out = np.empty((len(indices), *self.shape[1:]), dtype=self.dtype)
         with fsspec.open(self.location, "rb") as handle:
             for position, index in enumerate(indices):
@@ -740,7 +741,7 @@ def _check_csv(spec: Mapping, split: str, full: bool, num_classes: int | None) -
     rows = 0
     for path in paths:
         file_rows = 0
-        for first_row, batch in _csv_batches(spec, split, path, filesystem):
+        for first_row, batch in _csv_batches(path, filesystem):
             columns, length = _check_schema(spec, batch.schema, path)
             expected_length = _agreed_length(path, columns, length, expected_length)
             if full:
