@@ -11,6 +11,7 @@ from workers.data import DATASETS, load_split
 from workers.sources import SPLITS, write_parquet_shards
 
 EXPORT_FORMATS = ("parquet",)
+COMPRESSIONS = ("none", "snappy", "zstd")
 _EXPORT_BATCH = 10_000
 
 
@@ -28,6 +29,8 @@ def add_data_parser(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("directory", metavar="DIR", help="where to write (a local path or a filesystem URL)")
     export.add_argument("--format", default="parquet", choices=EXPORT_FORMATS, help="file format")
     export.add_argument("--shards", default=4, help="files per split (default 4)")
+    export.add_argument("--compression", default="none", choices=COMPRESSIONS,
+                        help="Parquet codec: none reads fastest, zstd is about 10x smaller for MNIST (default none)")
     export.add_argument("--data-root", help="the built-in datasets' cache (default: DPFLEET_DATA or ~/.cache/dpfleet)")
     export.set_defaults(handler=run_export)
 
@@ -45,7 +48,7 @@ def run_export(args: argparse.Namespace) -> int:
         features, labels = inputs.numpy(), labels.numpy()
         batches = ((features[start:start + _EXPORT_BATCH], labels[start:start + _EXPORT_BATCH])
                    for start in range(0, len(labels), _EXPORT_BATCH))
-        paths = write_parquet_shards(f"{directory}/{split}", batches, len(labels), shards)
+        paths = write_parquet_shards(f"{directory}/{split}", batches, len(labels), shards, args.compression)
         print(f"{args.name} {split}: {len(labels)} examples in {len(paths)} files under {directory}/{split}")
     print("train on them with:")
     print(f'[dataset]\nformat = "parquet"\ntrain = "{directory}/train"\ntest = "{directory}/test"\n'

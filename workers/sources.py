@@ -855,13 +855,15 @@ PARQUET_ROW_GROUP_ROWS = 32
 
 
 def write_parquet_shards(directory: str, batches: Iterable[tuple[np.ndarray, np.ndarray]], rows: int,
-                         shards: int) -> list[str]:
+                         shards: int, compression: str = "none") -> list[str]:
     """Write ``rows`` examples, given in order as (features [n, ...], labels [n]) batches, as Parquet shards.
 
     Shard k (``part-0000k.parquet`` in ``directory``) holds rows
     k*rows//shards .. (k+1)*rows//shards - 1. Each example's features are
     flattened into one fixed-size list column ``features``; labels go to
     ``label``. Batches are streamed, so the dataset need not fit in memory.
+    ``compression`` is a Parquet codec: "none" reads fastest (decompressing
+    each small row group costs more than reading it), "zstd" is smallest.
     Returns the paths written.
     """
     if not 1 <= shards <= rows:
@@ -881,7 +883,7 @@ def write_parquet_shards(directory: str, batches: Iterable[tuple[np.ndarray, np.
                     shard += 1
                     writer = pq.ParquetWriter(
                         filesystem.open_output_stream(paths[shard]), _schema_of(features, labels),
-                        compression="zstd", use_dictionary=False, write_statistics=["label"],
+                        compression=compression, use_dictionary=False, write_statistics=["label"],
                     )
                 take = min(len(labels), bounds[shard + 1] - written)
                 writer.write_table(_table_of(features[:take], labels[:take]), row_group_size=PARQUET_ROW_GROUP_ROWS)
