@@ -54,7 +54,8 @@ from orchestrator.noise import GaussianNoise  # noqa: E402
 from orchestrator.sampling import make_generator, partition  # noqa: E402
 from orchestrator.trainer import Trainer  # noqa: E402
 from workers.clipping import per_example_clipped_sum  # noqa: E402
-from workers.data import dataset_size, load_split  # noqa: E402
+from workers.data import DATASETS, dataset_size, load_split  # noqa: E402
+from workers.sources import spec_name  # noqa: E402
 from workers.models import build_model, flat_parameters, parameter_count  # noqa: E402
 
 MODES = ("white-box", "black-box")
@@ -204,7 +205,10 @@ def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: 
                 f"white-box canaries each need their own parameter: at most {parameters} for "
                 f"{config.model} (got {canaries}); lower --canaries"
             )
-    elif canaries > dataset_size(config.dataset, "test") // 2:
+    if not isinstance(config.dataset, str) or config.dataset not in DATASETS:
+        raise UsageError(f"audits run on the built-in datasets ({', '.join(DATASETS)}); "
+                         f"got {spec_name(config.dataset)!r}")
+    if mode == "black-box" and canaries > dataset_size(config.dataset, "test") // 2:
         raise UsageError(
             f"black-box canaries come from the second half of the {config.dataset} test split: at most "
             f"{dataset_size(config.dataset, 'test') // 2} (got {canaries}); lower --canaries"

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from orchestrator.audit_cli import add_audit_parser
+from orchestrator.data_cli import add_data_parser
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 from orchestrator.ledger_cli import add_ledger_parser
 from orchestrator.privacy_cli import add_privacy_parsers
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ledger_parser(subparsers)
     add_audit_parser(subparsers)
     add_submit_parser(subparsers)
+    add_data_parser(subparsers)
     return parser
 
 

@@ -20,7 +20,7 @@ from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clip
 from orchestrator.errors import UsageError
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
 
-DATASETS = ("mnist", "fashion-mnist")
+CHECK_DATA_LEVELS = ("basic", "full")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 _OPTIMIZER_PARAMETERS = {
     "sgd": {"weight_decay"},
@@ -50,7 +50,7 @@ class EvaluateEvery:
 class TrainConfig:
     """Everything a DP-SGD run needs; units are per-example unless stated."""
 
-    dataset: str = "mnist"
+    dataset: str | Mapping[str, Any] = "mnist"
     model: str = "gdp_cnn"
     workers: int = 2
     cpus_per_worker: int = 1
@@ -88,6 +88,7 @@ class TrainConfig:
     test_subset: int | None = None
     evaluate_every: EvaluateEvery | None = None
     data_root: str | None = None
+    check_data: str = "basic"
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every key."""
@@ -156,7 +157,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
     if (values.get("noise_multiplier") is None) == (values.get("target_epsilon") is None):
         raise UsageError("give exactly one of noise_multiplier (> 0) or target_epsilon (> 0)")
     config = TrainConfig(
-        dataset=checks.one_of("dataset", values.get("dataset", "mnist"), DATASETS),
+        dataset=_dataset(values.get("dataset", "mnist")),
         model=_model_spec(values.get("model", "gdp_cnn")),
         workers=checks.integer_at_least("workers", values.get("workers", 2), 1),
         cpus_per_worker=checks.integer_at_least("cpus_per_worker", values.get("cpus_per_worker", 1), 1),
@@ -196,12 +197,22 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         test_subset=_optional(values, "test_subset", lambda key, v: checks.integer_at_least(key, v, 1)),
         evaluate_every=_evaluate_every(values.get("evaluate_every")),
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
+        check_data=checks.one_of("check_data", values.get("check_data", "basic"), CHECK_DATA_LEVELS),
     )
     checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
     if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
         raise UsageError("layer_clip_norms clips single examples with fixed norms; "
                          "it cannot be combined with microbatch_size or adaptive_clipping")
     return config
+
+
+def _dataset(value: Any) -> str | dict:
+    from workers.sources import parse_spec
+
+    try:
+        return parse_spec(value)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def _model_spec(value: Any) -> str:
@@ -294,20 +305,25 @@ def _path(key: str, value: Any) -> str:
 
 
 def training_set_size(config: TrainConfig) -> int:
-    """N: the number of training examples the run samples from."""
-    from workers.data import dataset_size
+    """N: the number of training examples the run samples from, from file metadata (no example is read)."""
+    from workers.sources import source_size, spec_name
 
-    full = dataset_size(config.dataset, "train")
+    try:
+        full = source_size(config.dataset, "train")
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     if config.train_subset is not None and config.train_subset > full:
-        raise UsageError(f"train_subset must be <= {full} for {config.dataset} (got {config.train_subset})")
+        raise UsageError(
+            f"train_subset must be <= {full} for {spec_name(config.dataset)} (got {config.train_subset})"
+        )
     return config.train_subset or full
 
 
 def test_set_size(config: TrainConfig) -> int:
     """The number of test examples each evaluation covers: the test split, or its first ``test_subset``."""
-    from workers.data import dataset_size
+    from workers.sources import source_size
 
-    full = dataset_size(config.dataset, "test")
+    full = source_size(config.dataset, "test")
     return min(full, config.test_subset or full)
 
 

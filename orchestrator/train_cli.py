@@ -10,7 +10,7 @@ from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
 from orchestrator.membership import membership_report
 from orchestrator.trainer import Trainer, resume_trainer
-from workers.data import load_split
+from workers.sources import read_first, spec_name
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -105,18 +105,17 @@ def run_train(args: argparse.Namespace) -> int:
 def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:
     """Loss-threshold attack on the trained model: its training examples against test examples it never saw."""
     config = trainer.config
-    images, labels = load_split(config.dataset, "train", config.data_root)
-    test_images, test_labels = load_split(config.dataset, "test", config.data_root)
     members = min(examples, trainer.plan.dataset_size)
-    return membership_report(trainer.model, images[:members], labels[:members],
-                             test_images[:examples], test_labels[:examples])
+    images, labels = read_first(config.dataset, "train", members, config.data_root)
+    test_images, test_labels = read_first(config.dataset, "test", examples, config.data_root)
+    return membership_report(trainer.model, images, labels, test_images, test_labels)
 
 
 def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
-    dataset = args.dataset_name or config.dataset_name or config.dataset
+    dataset = args.dataset_name or config.dataset_name or spec_name(config.dataset)
     say = trainer.say
     if trainer.resumed_reservation_id is not None:
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")

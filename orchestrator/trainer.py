@@ -58,6 +58,7 @@ from orchestrator.sampling import (
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from workers.actor import GradientWorkerActor
 from workers.models import build_model, flat_parameters, load_flat_gradient
+from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
 from workers.validation import check_model
 
 SAMPLER_STREAM = 0
@@ -251,6 +252,7 @@ class Trainer:
             if unmatched:
                 raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
                                  "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
+        self._check_data()
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         self.events = Composition()
@@ -263,6 +265,30 @@ class Trainer:
         self.wall_seconds_before = 0.0
         self.resumed_reservation_id: str | None = None
         self.run_dir = Path(config.run_dir)
+
+    def _check_data(self) -> None:
+        """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
+
+        With check_data = "full", integer labels must lie below the dataset's
+        num_classes, else below the model's output width on a test example.
+        The built-ins are verified by digest, and a ``module:function``
+        dataset's examples are not read in the driver, so only tables are checked.
+        """
+        config = self.config
+        if isinstance(config.dataset, str):
+            return
+        full = config.check_data == "full"
+        try:
+            num_classes = None
+            if full:
+                check_source(config.dataset, "test")
+                first_test_input, _ = read_first(config.dataset, "test", 1)
+                with torch.no_grad():
+                    num_classes = self.model(first_test_input).shape[-1]
+            for split in SPLITS:
+                check_source(config.dataset, split, full, num_classes)
+        except DataError as error:
+            raise UsageError(str(error)) from None
 
     @property
     def step(self) -> int:
@@ -336,7 +362,7 @@ class Trainer:
         if config.seed is not None:
             self.say(f"seeded: not for production use (seed {config.seed})")
         self.say(
-            f"dpfleet: {config.model} on {config.dataset} (N={plan.dataset_size}), {plan.steps} steps, "
+            f"dpfleet: {config.model} on {spec_name(config.dataset)} (N={plan.dataset_size}), {plan.steps} steps, "
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
@@ -583,7 +609,7 @@ class Trainer:
             "final_clip_norm": self.clip_norm,
             "batch_size": config.batch_size,
             "epochs": self.step * config.batch_size / plan.dataset_size,
-            "dataset": config.dataset,
+            "dataset": spec_name(config.dataset),
             "dataset_size": plan.dataset_size,
             "model": config.model,
             "workers": config.workers,

@@ -4,16 +4,29 @@ from pathlib import Path
 
 import pytest
 
+import numpy as np
+
 from accounting.accountants import get_accountant
 from orchestrator.config import load_config
 from orchestrator.trainer import plan_run
+from workers.sources import write_parquet_shards
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.toml"))
 
 
+@pytest.fixture
+def exported_parquet(tmp_path, monkeypatch):
+    """Stand-in files where examples/mnist_parquet.toml expects `dpfleet data export`'s output (relative to cwd)."""
+    monkeypatch.chdir(tmp_path)
+    rng = np.random.default_rng(0)
+    for split, rows in (("train", 1000), ("test", 100)):
+        features = rng.random((rows, 784), dtype=np.float32)
+        write_parquet_shards(f"data/mnist-parquet/{split}", [(features, np.arange(rows) % 10)], rows, 2)
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=[path.stem for path in EXAMPLES])
-def test_example_validates_and_plans(path):
+def test_example_validates_and_plans(path, exported_parquet):
     config = load_config(str(path), {})
     plan = plan_run(config)
     assert plan.steps >= 1

@@ -1,8 +1,9 @@
 """The Ray shell around the clipping core: one actor holds a model and its shard of data.
 
 The driver sends flat weights and example indices; the actor answers with the
-sum of the clipped per-example gradients of those examples. Training data is
-loaded by the actor from its own cache and never crosses from the driver.
+sum of the clipped per-example gradients of those examples. The actor opens
+its training data itself (``workers.sources``) and reads only the examples a
+step asks for; no example crosses from the driver.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 from torch.func import functional_call
 
 from workers.clipping import check_engine, clipped_sum, functional_parameters, microbatch_clipped_sum
-from workers.data import dataset_size, load_split
 from workers.engines import engine_plan, per_example_losses
 from workers.models import build_model, parameter_count
+from workers.sources import open_source, spec_name
 from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
 from workers.validation import check_model
 
@@ -57,10 +58,14 @@ def retain_freed_memory() -> bool:
 
 
 class GradientWorker:
-    """Computes clipped per-example gradient sums for one model over a local training split.
+    """Computes clipped per-example gradient sums for one model over a training split it opens itself.
 
-    ``train_subset`` keeps only the first that many training examples (all when
-    None); example indices sent to ``clipped_grad_sum`` refer to those.
+    ``dataset`` is a spec of ``workers.sources`` (a built-in name, a
+    ``module:function`` reference or a file-format table); the worker reads
+    the examples each call names, never the whole split (the built-ins are
+    held in memory). ``train_subset`` keeps only the first that many training
+    examples (all when None); example indices sent to ``clipped_grad_sum``
+    refer to those.
     ``max_physical_batch`` caps how many per-example gradients are in memory at
     once; ``threads`` is the torch intra-op thread count, which should match
     the CPUs Ray gave the actor; ``engine`` names the clipping engine
@@ -72,7 +77,7 @@ class GradientWorker:
     def __init__(
         self,
         model_spec: str,
-        dataset: str,
+        dataset: str | dict,
         train_subset: int | None,
         max_physical_batch: int,
         threads: int = 1,
@@ -89,12 +94,6 @@ class GradientWorker:
                 f"max_physical_batch must be >= 1 (got {max_physical_batch}); it caps per-example "
                 "gradients held in memory at once"
             )
-        full_size = dataset_size(dataset, "train")
-        if train_subset is not None and not 1 <= train_subset <= full_size:
-            raise ValueError(
-                f"train_subset must be between 1 and {full_size} for {dataset!r} (got {train_subset}); "
-                "use None for the whole training split"
-            )
         torch.set_num_threads(threads)
         retain_freed_memory()
         self.engine = engine
@@ -108,12 +107,14 @@ class GradientWorker:
         self.model = build_model(model_spec)
         check_model(self.model)
         self.model.to(self.device).train()
-        images, labels = load_split(dataset, "train", data_root)
-        if train_subset is not None:
-            # clone() so the rest of the split can be freed.
-            images, labels = images[:train_subset].clone(), labels[:train_subset].clone()
-        self.images = images.to(self.device)
-        self.labels = labels.to(self.device)
+        self.source = open_source(dataset, "train", data_root)
+        full_size = len(self.source)
+        if train_subset is not None and not 1 <= train_subset <= full_size:
+            raise ValueError(
+                f"train_subset must be between 1 and {full_size} for {spec_name(dataset)!r} (got {train_subset}); "
+                "use None for the whole training split"
+            )
+        self.example_count = train_subset or full_size
 
     def clipped_grad_sum(
         self,
@@ -138,7 +139,7 @@ class GradientWorker:
         were left out for a non-finite gradient.
         """
         indices = np.asarray(indices)
-        example_count = len(self.labels)
+        example_count = self.example_count
         if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
             raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
         if indices.size and (indices.min() < 0 or indices.max() >= example_count):
@@ -147,14 +148,14 @@ class GradientWorker:
                 f"(got {indices.min()}..{indices.max()})"
             )
         flat_weights = _as_tensor(weights)
-        selected = torch.as_tensor(indices.astype(np.int64), device=self.device)
         wants_norms = count_unclipped or count_zeroed
-        inputs = self.images[selected]
+        inputs, labels = self.source.read(indices.astype(np.int64))
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
         if self.transform is not None:
             inputs = transform_each(self.transform, inputs)
         if group_ids is not None:
             result = microbatch_clipped_sum(
-                self.model, flat_weights, inputs, self.labels[selected],
+                self.model, flat_weights, inputs, labels,
                 torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, self.loss_fn,
                 return_norms=wants_norms,
             )
@@ -162,7 +163,7 @@ class GradientWorker:
                 summed, norms, zeroed = result
         else:
             result = clipped_sum(
-                self.engine, self.model, flat_weights, inputs, self.labels[selected],
+                self.engine, self.model, flat_weights, inputs, labels,
                 clip_norm, self.max_physical_batch, self.loss_fn, return_norms=wants_norms,
             )
             if wants_norms:
@@ -204,13 +205,13 @@ class GradientWorker:
         return {"loss_sum": loss_sum, "count": len(labels), "metrics": built}
 
     def _split_examples(self, split: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Examples start..stop-1 of a split, read through its source; the test part is kept for the next call."""
         if split == "train":
-            return self.images[start:stop], self.labels[start:stop]
+            inputs, labels = self.source.read(np.arange(start, stop))
+            return inputs.to(self.device), labels.to(self.device)
         if self.test_examples is None or self.test_examples[:2] != (start, stop):
-            images, labels = load_split(self.dataset, split, self.data_root)
-            # clone() so the rest of the split can be freed.
-            self.test_examples = (start, stop, images[start:stop].clone().to(self.device),
-                                  labels[start:stop].clone().to(self.device))
+            inputs, labels = open_source(self.dataset, split, self.data_root).read(np.arange(start, stop))
+            self.test_examples = (start, stop, inputs.to(self.device), labels.to(self.device))
         return self.test_examples[2], self.test_examples[3]
 
     def engine_report(self) -> list[str] | None:

@@ -1,0 +1,255 @@
+"""Every data-source format on small files made here: reads by index, sizes from metadata, one-line checks."""
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import pytest
+import torch
+from PIL import Image
+
+from workers import sources
+from workers.sources import DataError, check_source, open_source, parse_spec, source_size
+
+ROWS, WIDTH = 50, 6
+RNG = np.random.default_rng(7)
+FEATURES = RNG.random((ROWS, WIDTH), dtype=np.float32)
+LABELS = np.arange(ROWS) % 3
+PICKED = np.array([49, 3, 3, 0, 27, 12])
+
+
+def list_table(features=FEATURES, labels=LABELS):
+    return pa.table({"pixels": pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), features.shape[1]),
+                     "label": labels})
+
+
+def assert_reads(spec, expected_features=FEATURES, expected_labels=LABELS, shape=None):
+    source = open_source(spec, "train")
+    assert len(source) == len(expected_labels) == source_size(spec, "train")
+    inputs, labels = source.read(PICKED)
+    expected = torch.from_numpy(expected_features[PICKED])
+    assert torch.equal(inputs.reshape(len(PICKED), -1), expected.reshape(len(PICKED), -1))
+    assert labels.tolist() == expected_labels[PICKED].tolist()
+    if shape is not None:
+        assert inputs.shape[1:] == tuple(shape)
+    none_inputs, none_labels = source.read(np.array([], dtype=np.int64))
+    assert none_inputs.shape == (0, *inputs.shape[1:]) and none_labels.shape == (0,)
+    assert none_inputs.dtype == inputs.dtype and none_labels.dtype == labels.dtype
+    return inputs, labels
+
+
+def table_spec(file_format, train, test=None, **keys):
+    return parse_spec({"format": file_format, "train": str(train), "test": str(test or train), **keys})
+
+
+def test_parquet_directory_of_files_reads_rows_across_files_and_row_groups(tmp_path):
+    (tmp_path / "train").mkdir()
+    pq.write_table(list_table().slice(0, 20), tmp_path / "train" / "a.parquet", row_group_size=7)
+    pq.write_table(list_table().slice(20), tmp_path / "train" / "b.parquet", row_group_size=4)
+    (tmp_path / "train" / "_SUCCESS").write_text("")
+    spec = table_spec("parquet", tmp_path / "train", features="pixels", shape=[2, 3])
+    inputs, labels = assert_reads(spec, shape=[2, 3])
+    assert inputs.dtype == torch.float32 and labels.dtype == torch.int64
+    assert check_source(spec, "train", full=True, num_classes=3) == ROWS
+
+
+def test_parquet_scalar_feature_columns_and_float_labels(tmp_path):
+    targets = FEATURES[:, 0] * 2.0
+    columns = {f"x{i}": FEATURES[:, i] for i in range(WIDTH)}
+    pq.write_table(pa.table({**columns, "target": targets}), tmp_path / "t.parquet", row_group_size=16)
+    spec = table_spec("parquet", tmp_path / "t.parquet", label="target")
+    inputs, labels = assert_reads(spec, expected_labels=targets)
+    assert labels.dtype == torch.float32
+
+
+def test_parquet_row_group_cache_stays_small(tmp_path):
+    pq.write_table(list_table(), tmp_path / "t.parquet", row_group_size=2)
+    source = open_source(table_spec("parquet", tmp_path / "t.parquet", features="pixels"), "train")
+    source.read(np.arange(ROWS))
+    assert len(source.cache) == sources.PARQUET_CACHED_ROW_GROUPS
+
+
+def test_parquet_on_an_fsspec_filesystem(tmp_path):
+    import fsspec
+
+    with fsspec.open("memory://dpfleet-test/train.parquet", "wb") as handle:
+        pq.write_table(list_table(), handle, row_group_size=9)
+    assert_reads(parse_spec({"format": "parquet", "train": "memory://dpfleet-test/train.parquet",
+                             "test": "memory://dpfleet-test/train.parquet", "features": "pixels"}))
+
+
+def test_written_parquet_shards_split_the_rows_in_order(tmp_path):
+    batches = [(FEATURES[start:start + 15].reshape(-1, 2, 3), LABELS[start:start + 15]) for start in range(0, ROWS, 15)]
+    paths = sources.write_parquet_shards(str(tmp_path / "out"), batches, ROWS, 4)
+    assert [pq.ParquetFile(path).metadata.num_rows for path in paths] == [12, 13, 12, 13]
+    assert_reads(table_spec("parquet", tmp_path / "out", features="features"))
+
+
+def test_npy_files_are_memory_mapped(tmp_path):
+    np.save(tmp_path / "x.npy", FEATURES.reshape(ROWS, 2, 3))
+    np.save(tmp_path / "y.npy", LABELS)
+    files = {"features": str(tmp_path / "x.npy"), "label": str(tmp_path / "y.npy")}
+    spec = parse_spec({"format": "npy", "train": files, "test": files})
+    assert_reads(spec, shape=[2, 3])
+    assert isinstance(open_source(spec, "train").features.mapped, np.memmap)
+    assert check_source(spec, "train", full=True, num_classes=3) == ROWS
+
+
+def test_npz_members_are_read_in_place_and_compressed_ones_refused(tmp_path):
+    np.savez(tmp_path / "d.npz", x=FEATURES, y=LABELS.astype(np.int32))
+    assert_reads(table_spec("npz", tmp_path / "d.npz", features="x", label="y"))
+    np.savez_compressed(tmp_path / "c.npz", x=FEATURES, y=LABELS)
+    with pytest.raises(DataError, match=r"c\.npz\[x\]: compressed"):
+        open_source(table_spec("npz", tmp_path / "c.npz", features="x", label="y"), "train")
+
+
+def test_csv_is_streamed_into_a_memory_map(tmp_path):
+    table = pa.table({**{f"x{i}": FEATURES[:, i] for i in range(WIDTH)}, "label": LABELS})
+    pa_csv.write_csv(table, tmp_path / "t.csv")
+    spec = table_spec("csv", tmp_path / "t.csv")
+    assert_reads(spec)
+    assert isinstance(open_source(spec, "train").features, np.memmap)
+
+
+def test_image_folder_in_torchvision_layout(tmp_path):
+    pixels = RNG.integers(0, 256, size=(5, 4, 3), dtype=np.uint8)
+    for index, class_name in enumerate(["cat", "dog", "cat", "emu", "dog"]):
+        (tmp_path / class_name).mkdir(exist_ok=True)
+        Image.fromarray(pixels[index], mode="L").save(tmp_path / class_name / f"{index}.png")
+    spec = table_spec("imagefolder", tmp_path, mode="L")
+    source = open_source(spec, "train")
+    inputs, labels = source.read(np.array([4, 0]))
+    # sorted classes cat, dog, emu; files within a class sorted: cat/0, cat/2, dog/1, dog/4, emu/3
+    assert labels.tolist() == [2, 0]
+    assert inputs.shape == (2, 1, 4, 3)
+    assert torch.equal(inputs[1, 0], torch.from_numpy(pixels[0]).float() / 255)
+    assert check_source(spec, "train") == 5
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """(input, label) items over arrays, as a user's module:function would return."""
+
+    def __init__(self, features, labels):
+        self.features, self.labels = features, labels
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        return torch.from_numpy(self.features[index]), int(self.labels[index])
+
+
+def array_datasets():
+    return ArrayDataset(FEATURES, LABELS), ArrayDataset(FEATURES[:10], LABELS[:10])
+
+
+def test_module_function_datasets():
+    spec = parse_spec(f"{__name__}:array_datasets")
+    assert_reads(spec)
+    assert source_size(spec, "test") == 10
+
+
+def test_specs_are_validated_and_local_paths_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec = parse_spec({"format": "parquet", "train": "data/train", "test": "s3://bucket/test"})
+    assert spec["train"] == str(tmp_path / "data" / "train") and spec["test"] == "s3://bucket/test"
+    assert sources.spec_name(spec) == str(tmp_path / "data" / "train")
+    with pytest.raises(ValueError, match="dataset.format must be one of parquet, csv, npy, npz, imagefolder"):
+        parse_spec({"format": "hdf5", "train": "a", "test": "b"})
+    with pytest.raises(ValueError, match="dataset.test is required"):
+        parse_spec({"format": "parquet", "train": "a"})
+    with pytest.raises(ValueError, match="unknown: mode"):
+        parse_spec({"format": "parquet", "train": "a", "test": "b", "mode": "L"})
+    with pytest.raises(ValueError, match="must be one of mnist, fashion-mnist, 'package.module:function'"):
+        parse_spec("cifar10")
+
+
+# --- checks: one line naming the file, and the row and column where they apply -------------------
+
+
+def one_line_error(spec, split="train", **options):
+    with pytest.raises(DataError) as raised:
+        check_source(spec, split, **options)
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_check_refuses_a_missing_column_and_a_wrong_dtype(tmp_path):
+    pq.write_table(list_table(), tmp_path / "t.parquet")
+    path = tmp_path / "t.parquet"
+    assert one_line_error(table_spec("parquet", path, features="pixels", label="y")) == (
+        f"{path}: no label column 'y' (columns: pixels, label); set the dataset's label key")
+    assert one_line_error(table_spec("parquet", path, features="image")).startswith(
+        f"{path}: no feature column 'image'")
+    pq.write_table(pa.table({"pixels": list_table()["pixels"], "label": [str(v) for v in LABELS]}), path)
+    assert one_line_error(table_spec("parquet", path, features="pixels")).startswith(
+        f"{path}: column 'label' has type string; labels must be integers")
+
+
+def test_check_names_the_row_and_column_of_a_ragged_row(tmp_path):
+    rows = [list(map(float, row)) for row in FEATURES]
+    rows[31] = rows[31][:-1]
+    pq.write_table(pa.table({"pixels": rows, "label": LABELS}), tmp_path / "t.parquet")
+    message = one_line_error(table_spec("parquet", tmp_path / "t.parquet", features="pixels"))
+    assert message == (f"{tmp_path / 't.parquet'}: row 31, column 'pixels': 5 values, expected 6; "
+                       "every example needs the same number of features")
+    with open(tmp_path / "t.csv", "w") as handle:
+        handle.write("a,b,label\n1,2,0\n3,4,1\n5,1\n")
+    assert one_line_error(table_spec("csv", tmp_path / "t.csv")).startswith(
+        f"{tmp_path / 't.csv'}: not readable as CSV (CSV parse error: Row #4: Expected 3 columns, got 2")
+
+
+def test_check_refuses_a_fixed_length_that_disagrees_with_the_shape_or_other_files(tmp_path):
+    (tmp_path / "d").mkdir()
+    pq.write_table(list_table(), tmp_path / "d" / "a.parquet")
+    pq.write_table(list_table(features=FEATURES[:, :4]), tmp_path / "d" / "b.parquet")
+    assert one_line_error(table_spec("parquet", tmp_path / "d", features="pixels")).startswith(
+        f"{tmp_path / 'd' / 'b.parquet'}: column 'pixels': 4 values per example, expected 6")
+    assert one_line_error(table_spec("parquet", tmp_path / "d" / "a.parquet", features="pixels",
+                                     shape=[1, 28, 28])).startswith(
+        f"{tmp_path / 'd' / 'a.parquet'}: column 'pixels': 6 values per example, expected 784")
+
+
+def test_check_refuses_empty_and_missing_files(tmp_path):
+    pq.write_table(list_table().slice(0, 0), tmp_path / "empty.parquet")
+    assert one_line_error(table_spec("parquet", tmp_path / "empty.parquet", features="pixels")) == (
+        f"{tmp_path / 'empty.parquet'}: empty file (0 rows); remove it or write examples into it")
+    (tmp_path / "empty.csv").write_text("a,label\n")
+    assert one_line_error(table_spec("csv", tmp_path / "empty.csv")).startswith(f"{tmp_path / 'empty.csv'}: empty")
+    np.save(tmp_path / "x.npy", np.zeros((0, 3), np.float32))
+    np.save(tmp_path / "y.npy", np.zeros(0, np.int64))
+    files = {"features": str(tmp_path / "x.npy"), "label": str(tmp_path / "y.npy")}
+    assert one_line_error(parse_spec({"format": "npy", "train": files, "test": files})).startswith(
+        f"{tmp_path / 'x.npy'}: empty")
+    assert one_line_error(table_spec("parquet", tmp_path / "nowhere")).startswith(
+        f"{tmp_path / 'nowhere'}: no such file or directory")
+
+
+def test_full_check_refuses_labels_out_of_range_and_non_finite_features(tmp_path):
+    path = tmp_path / "t.parquet"
+    features = FEATURES.copy()
+    features[17, 4] = np.nan
+    pq.write_table(list_table(features=features), path)
+    spec = table_spec("parquet", path, features="pixels")
+    assert check_source(spec, "train") == ROWS  # the basic check reads no values
+    assert one_line_error(spec, full=True) == f"{path}: row 17, column 'pixels': nan; features must be finite"
+    labels = LABELS.copy()
+    labels[40] = 3
+    pq.write_table(list_table(labels=labels), path)
+    assert one_line_error(spec, full=True, num_classes=3) == (
+        f"{path}: row 40, column 'label': label 3 is outside 0..2 (num_classes 3)")
+    assert check_source(spec, "train", full=True, num_classes=4) == ROWS
+    np.save(tmp_path / "x.npy", features)
+    np.save(tmp_path / "y.npy", LABELS)
+    files = {"features": str(tmp_path / "x.npy"), "label": str(tmp_path / "y.npy")}
+    assert one_line_error(parse_spec({"format": "npy", "train": files, "test": files}), full=True) == (
+        f"{tmp_path / 'x.npy'}: row 17, column 'features[4]': nan; features must be finite")
+
+
+def test_check_refuses_images_of_another_size(tmp_path):
+    (tmp_path / "a").mkdir()
+    Image.new("L", (4, 4)).save(tmp_path / "a" / "0.png")
+    Image.new("L", (5, 4)).save(tmp_path / "a" / "1.png")
+    assert one_line_error(table_spec("imagefolder", tmp_path)).startswith(
+        f"{tmp_path / 'a' / '1.png'}: 5x4 pixels, expected 4x4")

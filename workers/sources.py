@@ -1,0 +1,906 @@
+"""Where a split's examples live, and how a worker reads only the ones a step needs.
+
+A dataset is described by a *spec*, a plain picklable value that crosses to
+every Ray actor, each of which opens its own files:
+
+- ``"mnist"`` or ``"fashion-mnist"``: the built-in datasets of ``workers.data``;
+- ``"package.module:function"``: a function returning (train, test) map-style
+  ``torch.utils.data.Dataset``s whose items are (input, label);
+- a dict with ``format`` one of ``FORMATS`` and a ``train`` and ``test``
+  location (see ``parse_spec``). Locations are local paths or any URL that
+  pyarrow or fsspec understands.
+
+Every source follows ``ExampleSource``: a size, and ``read(indices)`` giving
+(inputs, labels) tensors of just those examples. File sources never hold a
+whole split: NumPy arrays are memory-mapped (or read by byte range where the
+filesystem is remote), Parquet is read one row group at a time through a small
+LRU cache of decoded row groups located by an offset index built from the
+file metadata, and image folders open one file per example. Reading never
+decides which examples take part: the driver's Poisson sample does.
+
+``check_source`` inspects files from metadata and a streaming scan (nothing
+is kept) and raises ``DataError`` with one line naming the file, and the row
+and column where it applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import struct
+import tempfile
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.fs as pa_fs
+import pyarrow.parquet as pq
+import torch
+
+from workers import data
+
+SPLITS = data.SPLITS
+BUILTINS = tuple(data.DATASETS)
+FORMATS = ("parquet", "csv", "npy", "npz", "imagefolder")
+_FORMAT_KEYS = {
+    "parquet": {"features", "label", "shape"},
+    "csv": {"features", "label", "shape"},
+    "npy": {"shape"},
+    "npz": {"features", "label", "shape"},
+    "imagefolder": {"mode"},
+}
+# Decoded Parquet row groups a worker keeps: enough for neighbouring reads to hit, small against a worker's memory.
+PARQUET_CACHED_ROW_GROUPS = 8
+# Rows per chunk when a check scans an array or a CSV file.
+_SCAN_ROWS = 65536
+_IMAGE_MODES = ("L", "RGB", "RGBA")
+
+
+class DataError(ValueError):
+    """A data file that cannot be trained on; the message is one line naming the file (row, column)."""
+
+
+class ExampleSource(Protocol):
+    """A split's examples: how many there are, and the (inputs, labels) tensors at given indices."""
+
+    def __len__(self) -> int:
+        """Number of examples in the split."""
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs [len(indices), ...] and labels [len(indices)] of the examples at ``indices``, in that order."""
+
+
+# --- specs --------------------------------------------------------------------
+
+
+def parse_spec(value: Any) -> str | dict:
+    """Validate a config's ``dataset`` value into a spec; raises ValueError naming the bad key.
+
+    A table's local locations become absolute paths, so that workers started
+    in another directory find the same files.
+    """
+    if isinstance(value, str):
+        if value in BUILTINS or _is_function_reference(value):
+            return value
+        raise ValueError(
+            f"dataset must be one of {', '.join(BUILTINS)}, 'package.module:function', or a table with "
+            f"format = {' | '.join(FORMATS)} (got {value!r})"
+        )
+    if not isinstance(value, Mapping):
+        raise ValueError(f"dataset must be a name or a table with a 'format' key (got {value!r})")
+    spec = dict(value)
+    file_format = spec.get("format")
+    if file_format not in FORMATS:
+        raise ValueError(f"dataset.format must be one of {', '.join(FORMATS)} (got {file_format!r})")
+    allowed = _FORMAT_KEYS[file_format] | {"format", "train", "test", "num_classes", "name"}
+    unknown = set(spec) - allowed
+    if unknown:
+        raise ValueError(
+            f"a {file_format} dataset takes {', '.join(sorted(allowed))}; unknown: {', '.join(sorted(unknown))}"
+        )
+    for split in SPLITS:
+        if split not in spec:
+            raise ValueError(f"dataset.{split} is required: where the {split} split of the {file_format} data is")
+        spec[split] = _parse_location(f"dataset.{split}", spec[split], file_format)
+    if "features" in spec:
+        features = spec["features"]
+        names = [features] if isinstance(features, str) else features
+        if not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"dataset.features must be a column name or a list of them (got {features!r})")
+        if file_format == "npz" and not isinstance(features, str):
+            raise ValueError(f"dataset.features of an npz dataset is one array name (got {features!r})")
+    if "label" in spec and not (isinstance(spec["label"], str) and spec["label"]):
+        raise ValueError(f"dataset.label must be a column name (got {spec['label']!r})")
+    if "shape" in spec:
+        shape = spec["shape"]
+        if not (isinstance(shape, list) and shape and all(isinstance(n, int) and n >= 1 for n in shape)):
+            raise ValueError(f"dataset.shape must be a list of integers >= 1, e.g. [1, 28, 28] (got {shape!r})")
+    if "num_classes" in spec:
+        count = spec["num_classes"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+            raise ValueError(f"dataset.num_classes must be an integer >= 2 (got {count!r})")
+    if "name" in spec and not (isinstance(spec["name"], str) and 0 < len(spec["name"]) <= 128):
+        raise ValueError(f"dataset.name must be a name of 1 to 128 characters (got {spec['name']!r})")
+    if "mode" in spec and spec["mode"] not in _IMAGE_MODES:
+        raise ValueError(f"dataset.mode must be one of {', '.join(_IMAGE_MODES)} (got {spec['mode']!r})")
+    return spec
+
+
+def spec_name(spec: str | Mapping) -> str:
+    """A short name for a spec: the built-in or function name, else the table's ``name``, else its train location."""
+    if isinstance(spec, str):
+        return spec
+    if "name" in spec:
+        return spec["name"]
+    train = spec["train"]
+    return train if isinstance(train, str) else train["features"]
+
+
+def _is_function_reference(value: str) -> bool:
+    module, _, function = value.partition(":")
+    return bool(module) and function.isidentifier()
+
+
+def _parse_location(key: str, value: Any, file_format: str) -> str | dict:
+    if file_format == "npy":
+        if not (isinstance(value, Mapping) and set(value) == {"features", "label"}):
+            raise ValueError(
+                f"{key} of an npy dataset must be a table {{ features = \"x.npy\", label = \"y.npy\" }} (got {value!r})"
+            )
+        return {part: _location(f"{key}.{part}", value[part]) for part in ("features", "label")}
+    return _location(key, value)
+
+
+def _location(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{key} must be a non-empty path or URL (got {value!r})")
+    if "://" in value:
+        return value
+    return os.path.abspath(os.path.expanduser(value))
+
+
+# --- opening sources ------------------------------------------------------------
+
+
+def open_source(spec: str | Mapping, split: str, data_root: str | None = None) -> ExampleSource:
+    """The ``split`` of the dataset ``spec`` as an ExampleSource; ``data_root`` is the built-ins' cache."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS} (got {split!r})")
+    if isinstance(spec, str):
+        if spec in BUILTINS:
+            return InMemorySource(*data.load_split(spec, split, data_root))
+        return TorchDatasetSource(_datasets_of(spec)[SPLITS.index(split)])
+    opener = {"parquet": ParquetSource, "csv": CsvSource, "npy": NumpySource, "npz": NumpySource,
+              "imagefolder": ImageFolderSource}[spec["format"]]
+    return opener(spec, split)
+
+
+def source_size(spec: str | Mapping, split: str) -> int:
+    """Number of examples in a split, from the built-in's known size or the files' metadata; reads no example."""
+    if isinstance(spec, str):
+        if spec in BUILTINS:
+            return data.dataset_size(spec, split)
+        return len(_datasets_of(spec)[SPLITS.index(split)])
+    if spec["format"] == "csv":
+        return _csv_rows(spec, split)
+    return len(open_source(spec, split))
+
+
+def read_first(spec: str | Mapping, split: str, count: int | None = None,
+               data_root: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``count`` examples of a split (all when None) as (inputs, labels)."""
+    source = open_source(spec, split, data_root)
+    return source.read(np.arange(len(source) if count is None else min(count, len(source))))
+
+
+class InMemorySource:
+    """Examples already held as tensors (the built-in datasets, loaded whole from their verified cache)."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        self.inputs, self.labels = inputs, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices`` (a copy)."""
+        selected = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        return self.inputs[selected], self.labels[selected]
+
+
+class TorchDatasetSource:
+    """A map-style torch Dataset of (input, label) items, read one item per index."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacks the items at ``indices``; labels become int64 or float32 tensors."""
+        if not len(indices):
+            return _none_of(self)
+        items = [self.dataset[int(index)] for index in indices]
+        inputs = torch.stack([torch.as_tensor(item[0]) for item in items])
+        return inputs, _label_tensor(np.asarray([_scalar(item[1]) for item in items]))
+
+
+@functools.lru_cache(maxsize=8)
+def _datasets_of(reference: str) -> tuple:
+    """Call ``package.module:function`` once per process; it must return (train, test) Datasets."""
+    module_name, _, function_name = reference.partition(":")
+    try:
+        function: Callable = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"dataset {reference!r}: cannot import it ({error}); check the module path") from None
+    datasets = function()
+    if not (isinstance(datasets, tuple) and len(datasets) == 2
+            and all(hasattr(d, "__getitem__") and hasattr(d, "__len__") for d in datasets)):
+        raise ValueError(
+            f"dataset {reference!r} must return (train, test) map-style torch Datasets (got {type(datasets).__name__})"
+        )
+    return datasets
+
+
+def _none_of(source: ExampleSource) -> tuple[torch.Tensor, torch.Tensor]:
+    """A read of no examples, with the per-example shape and dtypes of a real one (the first example's)."""
+    inputs, labels = source.read(np.zeros(1, dtype=np.int64))
+    return inputs[:0], labels[:0]
+
+
+def _scalar(label: Any) -> Any:
+    return label.item() if hasattr(label, "item") else label
+
+
+def _label_array(labels: np.ndarray) -> np.ndarray:
+    """Integer labels as int64 (classes), floating ones as float32 (targets)."""
+    return np.ascontiguousarray(labels, dtype=np.float32 if np.issubdtype(labels.dtype, np.floating) else np.int64)
+
+
+def _feature_array(features: np.ndarray) -> np.ndarray:
+    """Floating (and boolean) features as float32, integer ones (token ids) as int64."""
+    floating = np.issubdtype(features.dtype, np.floating) or features.dtype == np.bool_
+    return np.ascontiguousarray(features, dtype=np.float32 if floating else np.int64)
+
+
+def _label_tensor(labels: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(_label_array(labels))
+
+
+def _feature_tensor(features: np.ndarray, shape: list[int] | None) -> torch.Tensor:
+    """``_feature_array`` as a tensor, each example reshaped to ``shape`` when given."""
+    array = _feature_array(features)
+    return torch.from_numpy(array if shape is None else array.reshape(len(array), *shape))
+
+
+# --- filesystems ----------------------------------------------------------------
+
+
+def _pyarrow_filesystem(location: str) -> tuple[pa_fs.FileSystem, str]:
+    """pyarrow's own filesystem for the location where it has one (local, s3, gs, hdfs), else fsspec's, wrapped."""
+    if "://" not in location:
+        return pa_fs.LocalFileSystem(), location
+    try:
+        return pa_fs.FileSystem.from_uri(location)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError):
+        filesystem, path = fsspec.core.url_to_fs(location)
+        return pa_fs.PyFileSystem(pa_fs.FSSpecHandler(filesystem)), path
+
+
+def _files_at(location: str, suffixes: tuple[str, ...]) -> tuple[pa_fs.FileSystem, list[str]]:
+    """The file at ``location``, or the files under that directory ending in one of ``suffixes``, sorted."""
+    filesystem, path = _pyarrow_filesystem(location)
+    info = filesystem.get_file_info(path)
+    if info.type == pa_fs.FileType.NotFound:
+        raise DataError(f"{location}: no such file or directory; check the dataset's train/test locations")
+    if info.type == pa_fs.FileType.File:
+        return filesystem, [path]
+    found = filesystem.get_file_info(pa_fs.FileSelector(path, recursive=True))
+    files = sorted(
+        entry.path for entry in found
+        if entry.type == pa_fs.FileType.File and entry.path.endswith(suffixes)
+        and not any(part.startswith(("_", ".")) for part in entry.path[len(path):].split("/"))
+    )
+    if not files:
+        raise DataError(f"{location}: directory holds no {' or '.join(suffixes)} files")
+    return filesystem, files
+
+
+# --- Parquet ----------------------------------------------------------------------
+
+
+def _feature_columns(spec: Mapping, schema: pa.Schema, file_name: str) -> list[str]:
+    """The feature column names: ``features`` as given, else every column but the label."""
+    label = spec.get("label", "label")
+    if label not in schema.names:
+        raise DataError(f"{file_name}: no label column {label!r} (columns: {', '.join(schema.names)}); "
+                        "set the dataset's label key")
+    features = spec.get("features")
+    if features is None:
+        return [name for name in schema.names if name != label]
+    names = [features] if isinstance(features, str) else list(features)
+    for name in names:
+        if name not in schema.names:
+            raise DataError(f"{file_name}: no feature column {name!r} (columns: {', '.join(schema.names)}); "
+                            "set the dataset's features key")
+    return names
+
+
+def _check_schema(spec: Mapping, schema: pa.Schema, file_name: str) -> tuple[list[str], int | None]:
+    """Feature columns and, for one fixed-size list column, its length; refuses non-numeric types."""
+    columns = _feature_columns(spec, schema, file_name)
+    label = spec.get("label", "label")
+    label_type = schema.field(label).type
+    if not (pa.types.is_integer(label_type) or pa.types.is_floating(label_type)):
+        raise DataError(f"{file_name}: column {label!r} has type {label_type}; labels must be integers "
+                        "(classes) or floating point (targets)")
+    if len(columns) == 1 and _is_list(schema.field(columns[0]).type):
+        list_type = schema.field(columns[0]).type
+        if not _is_numeric(list_type.value_type):
+            raise DataError(f"{file_name}: column {columns[0]!r} has type {list_type}; features must be lists "
+                            "of numbers")
+        return columns, list_type.list_size if pa.types.is_fixed_size_list(list_type) else None
+    for name in columns:
+        if not _is_numeric(schema.field(name).type):
+            raise DataError(f"{file_name}: column {name!r} has type {schema.field(name).type}; features must be "
+                            "numeric columns or one list column of numbers")
+    return columns, len(columns)
+
+
+def _is_list(data_type: pa.DataType) -> bool:
+    return pa.types.is_list(data_type) or pa.types.is_large_list(data_type) or pa.types.is_fixed_size_list(data_type)
+
+
+def _is_numeric(data_type: pa.DataType) -> bool:
+    return pa.types.is_integer(data_type) or pa.types.is_floating(data_type) or pa.types.is_boolean(data_type)
+
+
+def _table_to_numpy(table: pa.Table, columns: list[str], label: str) -> tuple[np.ndarray, np.ndarray]:
+    """(features [rows, length], labels [rows]) of a decoded table."""
+    if len(columns) == 1 and _is_list(table.schema.field(columns[0]).type):
+        values = table.column(columns[0]).combine_chunks()
+        flat = values.flatten().to_numpy(zero_copy_only=False)
+        features = flat.reshape(len(values), -1) if len(values) else flat.reshape(0, 0)
+    else:
+        features = np.stack([table.column(name).to_numpy() for name in columns], axis=1)
+    return features, table.column(label).to_numpy()
+
+
+class ParquetSource:
+    """A split stored as one Parquet file or a directory of them, read by row group.
+
+    The row-offset index comes from the files' metadata; ``read`` decodes
+    only the row groups holding the requested rows, keeping the last
+    ``PARQUET_CACHED_ROW_GROUPS`` decoded ones.
+    """
+
+    def __init__(self, spec: Mapping, split: str) -> None:
+        self.location = spec[split]
+        self.shape = spec.get("shape")
+        self.label = spec.get("label", "label")
+        self.filesystem, self.paths = _files_at(self.location, (".parquet", ".parq", ".pq"))
+        self.files = [_parquet_file(self.filesystem, path) for path in self.paths]
+        self.columns, _ = _check_schema(spec, self.files[0].schema_arrow, self.paths[0])
+        group_sizes, self.group_keys = [], []
+        for file_index, parquet in enumerate(self.files):
+            for group in range(parquet.metadata.num_row_groups):
+                group_sizes.append(parquet.metadata.row_group(group).num_rows)
+                self.group_keys.append((file_index, group))
+        self.group_starts = np.concatenate([[0], np.cumsum(group_sizes, dtype=np.int64)])
+        self.cache: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return int(self.group_starts[-1])
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices``: each needed row group is decoded once and its rows copied out."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices):
+            return _none_of(self)
+        groups = np.searchsorted(self.group_starts, indices, side="right") - 1
+        features = labels = None
+        for group in np.unique(groups):
+            positions = np.flatnonzero(groups == group)
+            group_features, group_labels = self._row_group(int(group))
+            if features is None:
+                features = np.empty((len(indices), *group_features.shape[1:]), dtype=group_features.dtype)
+                labels = np.empty(len(indices), dtype=group_labels.dtype)
+            rows = indices[positions] - self.group_starts[group]
+            features[positions], labels[positions] = group_features[rows], group_labels[rows]
+        return _feature_tensor(features, self.shape), _label_tensor(labels)
+
+    def _row_group(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(features, labels) of one row group, decoded, from the cache where it is there."""
+        if group in self.cache:
+            self.cache.move_to_end(group)
+            return self.cache[group]
+        file_index, row_group = self.group_keys[group]
+        table = self.files[file_index].read_row_group(row_group, columns=[*self.columns, self.label],
+                                                      use_threads=False)
+        self.cache[group] = _table_to_numpy(table, self.columns, self.label)
+        if len(self.cache) > PARQUET_CACHED_ROW_GROUPS:
+            self.cache.popitem(last=False)
+        return self.cache[group]
+
+
+def _parquet_file(filesystem: pa_fs.FileSystem, path: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(filesystem.open_input_file(path))
+    except (pa.ArrowInvalid, OSError) as error:
+        raise DataError(f"{path}: not a readable Parquet file ({str(error).splitlines()[0]})") from None
+
+
+# --- CSV ------------------------------------------------------------------------------
+
+
+def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first row number, batch) over one CSV file; unreadable CSV (a row with the wrong number of fields) raises
+    DataError quoting pyarrow's message, which names the row."""
+    with filesystem.open_input_stream(path) as stream:
+        try:
+            # One thread, so pyarrow's row numbers count from the top of the file.
+            reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False))
+        except pa.ArrowInvalid as error:
+            raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
+        first_row = 0
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                return
+            except pa.ArrowInvalid as error:
+                raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
+            yield first_row, batch
+            first_row += batch.num_rows
+
+
+def _csv_rows(spec: Mapping, split: str) -> int:
+    """Rows of a CSV split, counted by a streaming pass that also checks every file's columns."""
+    filesystem, paths = _files_at(spec[split], (".csv",))
+    rows = 0
+    for path in paths:
+        file_rows = 0
+        for _, batch in _csv_batches(path, filesystem):
+            _check_schema(spec, batch.schema, path)
+            file_rows += batch.num_rows
+        if file_rows == 0:
+            raise DataError(f"{path}: empty file (no rows under the header); remove it or write examples into it")
+        rows += file_rows
+    return rows
+
+
+class CsvSource:
+    """A split stored as CSV (one file or a directory of them), parsed by pyarrow.
+
+    CSV has no random access, so the worker converts it once, streaming, into
+    memory-mapped NumPy arrays in a temporary directory and reads those.
+    """
+
+    def __init__(self, spec: Mapping, split: str) -> None:
+        filesystem, paths = _files_at(spec[split], (".csv",))
+        label = spec.get("label", "label")
+        self.shape = spec.get("shape")
+        self.directory = tempfile.TemporaryDirectory(prefix="dpfleet-csv-")
+        feature_path = os.path.join(self.directory.name, "features")
+        label_path = os.path.join(self.directory.name, "labels")
+        rows, row_layout = 0, None
+        with open(feature_path, "wb") as feature_file, open(label_path, "wb") as label_file:
+            for path in paths:
+                for _, batch in _csv_batches(path, filesystem):
+                    columns, _ = _check_schema(spec, batch.schema, path)
+                    features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
+                    features, labels = _feature_array(features), _label_array(labels)
+                    row_layout = row_layout or (features.dtype, features.shape[1:], labels.dtype)
+                    feature_file.write(features.tobytes())
+                    label_file.write(labels.tobytes())
+                    rows += len(labels)
+        if not rows:
+            raise DataError(f"{spec[split]}: no rows under the CSV header; write examples into it")
+        feature_dtype, row_shape, label_dtype = row_layout
+        self.features = np.memmap(feature_path, dtype=feature_dtype, mode="r", shape=(rows, *row_shape))
+        self.labels = np.memmap(label_path, dtype=label_dtype, mode="r", shape=(rows,))
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices`` from the memory-mapped copy."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return _feature_tensor(np.array(self.features[indices]), self.shape), _label_tensor(np.array(self.labels[indices]))
+
+
+# --- NumPy ---------------------------------------------------------------------------
+
+
+class ArrayInFile:
+    """One C-ordered array stored in a file at a byte offset: memory-mapped where local, else read by range."""
+
+    def __init__(self, location: str, name: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.location, self.name, self.offset, self.dtype, self.shape = location, name, offset, dtype, shape
+        self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        self.mapped = None
+        if "://" not in location:
+            self.mapped = np.memmap(location, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def rows(self, indices: np.ndarray) -> np.ndarray:
+        """A copy of the rows at ``indices``."""
+        if self.mapped is not None:
+            return np.array(self.mapped[indices])
+        out = np.empty((len(indices), *self.shape[1:]), dtype=self.dtype)
+        with fsspec.open(self.location, "rb") as handle:
+            for position, index in enumerate(indices):
+                handle.seek(self.offset + int(index) * self.row_bytes)
+                out[position] = np.frombuffer(handle.read(self.row_bytes), dtype=self.dtype).reshape(self.shape[1:])
+        return out
+
+
+def _npy_header(handle, where: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """(dtype, shape, bytes before the data) from an .npy header read by numpy's own format module."""
+    start = handle.tell()
+    try:
+        version = np.lib.format.read_magic(handle)
+        if version not in ((1, 0), (2, 0)):
+            raise ValueError(f"format version {version} (numpy.save writes 1.0 or 2.0)")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(handle)
+    except ValueError as error:
+        raise DataError(f"{where}: not a NumPy .npy array ({error})") from None
+    if fortran_order:
+        raise DataError(f"{where}: array is Fortran-ordered; save it C-ordered (np.ascontiguousarray) for row reads")
+    if dtype.hasobject:
+        raise DataError(f"{where}: array holds Python objects; save a numeric array")
+    return dtype, tuple(shape), handle.tell() - start
+
+
+def _npy_array(location: str) -> ArrayInFile:
+    try:
+        with fsspec.open(location, "rb") as handle:
+            dtype, shape, header_bytes = _npy_header(handle, location)
+    except FileNotFoundError:
+        raise DataError(f"{location}: no such file; check the dataset's train/test locations") from None
+    return ArrayInFile(location, location, header_bytes, dtype, shape)
+
+
+def _npz_array(location: str, key: str) -> ArrayInFile:
+    """The stored (uncompressed) member ``key``.npy of an .npz file, located through zipfile's own records."""
+    where = f"{location}[{key}]"
+    try:
+        with fsspec.open(location, "rb") as handle:
+            try:
+                archive = zipfile.ZipFile(handle)
+            except zipfile.BadZipFile:
+                raise DataError(f"{location}: not an .npz file (not a zip archive)") from None
+            names = [name.removesuffix(".npy") for name in archive.namelist()]
+            if key not in names:
+                raise DataError(f"{location}: no array {key!r} (arrays: {', '.join(names)}); set the dataset's "
+                                "features/label keys")
+            member = archive.getinfo(f"{key}.npy")
+            if member.compress_type != zipfile.ZIP_STORED:
+                raise DataError(f"{where}: compressed (np.savez_compressed); save with np.savez so rows can be "
+                                "read in place")
+            handle.seek(member.header_offset)
+            header = struct.unpack(zipfile.structFileHeader, handle.read(zipfile.sizeFileHeader))
+            data_start = (member.header_offset + zipfile.sizeFileHeader
+                          + header[zipfile._FH_FILENAME_LENGTH] + header[zipfile._FH_EXTRA_FIELD_LENGTH])
+            handle.seek(data_start)
+            dtype, shape, header_bytes = _npy_header(handle, where)
+    except FileNotFoundError:
+        raise DataError(f"{location}: no such file; check the dataset's train/test locations") from None
+    return ArrayInFile(location, where, data_start + header_bytes, dtype, shape)
+
+
+def _numpy_arrays(spec: Mapping, split: str) -> tuple[ArrayInFile, ArrayInFile]:
+    """(features, labels) arrays of an npy or npz split, with their shapes and dtypes checked."""
+    if spec["format"] == "npy":
+        features, labels = _npy_array(spec[split]["features"]), _npy_array(spec[split]["label"])
+    else:
+        features = _npz_array(spec[split], spec.get("features", "features"))
+        labels = _npz_array(spec[split], spec.get("label", "label"))
+    if len(features.shape) == 0 or len(features) == 0:
+        raise DataError(f"{features.name}: empty (no examples); write examples into it")
+    if not (np.issubdtype(features.dtype, np.number) or features.dtype == np.bool_):
+        raise DataError(f"{features.name}: dtype {features.dtype}; features must be numeric")
+    if len(labels.shape) != 1:
+        raise DataError(f"{labels.name}: labels must be one-dimensional (got shape {labels.shape})")
+    if not (np.issubdtype(labels.dtype, np.integer) or np.issubdtype(labels.dtype, np.floating)):
+        raise DataError(f"{labels.name}: dtype {labels.dtype}; labels must be integers or floating point")
+    if len(labels) != len(features):
+        raise DataError(f"{labels.name}: {len(labels)} labels for {len(features)} examples in {features.name}")
+    return features, labels
+
+
+class NumpySource:
+    """A split stored as NumPy arrays (.npy features + labels files, or one uncompressed .npz), read in place."""
+
+    def __init__(self, spec: Mapping, split: str) -> None:
+        self.features, self.labels = _numpy_arrays(spec, split)
+        self.shape = spec.get("shape")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices``, each reshaped to the spec's ``shape`` when given."""
+        indices = np.asarray(indices, dtype=np.int64)
+        return _feature_tensor(self.features.rows(indices), self.shape), _label_tensor(self.labels.rows(indices))
+
+
+# --- image folders -----------------------------------------------------------------------
+
+
+def _image_files(location: str) -> tuple[fsspec.AbstractFileSystem, list[str], list[tuple[str, int]]]:
+    """(filesystem, class names, (file, class index) pairs) in torchvision's ImageFolder layout and order."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    filesystem, root = fsspec.core.url_to_fs(location)
+    if not filesystem.isdir(root):
+        raise DataError(f"{location}: no such directory; an image folder holds one subdirectory per class")
+    classes = sorted(os.path.basename(entry["name"].rstrip("/")) for entry in filesystem.ls(root, detail=True)
+                     if entry["type"] == "directory" and not os.path.basename(entry["name"].rstrip("/")).startswith("."))
+    if not classes:
+        raise DataError(f"{location}: no class subdirectories; put each class's images in <root>/<class>/")
+    examples = []
+    for class_index, name in enumerate(classes):
+        files = sorted(path for path in filesystem.find(f"{root.rstrip('/')}/{name}")
+                       if path.lower().endswith(IMG_EXTENSIONS))
+        examples.extend((path, class_index) for path in files)
+    if not examples:
+        raise DataError(f"{location}: no image files ({', '.join(IMG_EXTENSIONS)}) in its class subdirectories")
+    return filesystem, classes, examples
+
+
+class ImageFolderSource:
+    """A split stored as ``<root>/<class>/<image>`` files; images are decoded only when read.
+
+    Labels are class indices in sorted class-name order (as torchvision's
+    ImageFolder assigns them); pixels become float32 [C, H, W] in [0, 1].
+    """
+
+    def __init__(self, spec: Mapping, split: str) -> None:
+        self.filesystem, self.classes, self.examples = _image_files(spec[split])
+        self.mode = spec.get("mode", "RGB")
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decodes the images at ``indices``."""
+        from PIL import Image
+        from torchvision.transforms.functional import pil_to_tensor
+
+        if not len(indices):
+            return _none_of(self)
+        images = []
+        for index in indices:
+            with self.filesystem.open(self.examples[int(index)][0], "rb") as handle:
+                images.append(pil_to_tensor(Image.open(handle).convert(self.mode)))
+        labels = np.asarray([self.examples[int(index)][1] for index in indices], dtype=np.int64)
+        return torch.stack(images).to(torch.float32).div_(255.0), torch.from_numpy(labels)
+
+
+# --- checks -----------------------------------------------------------------------------
+
+
+def check_source(spec: str | Mapping, split: str, full: bool = False, num_classes: int | None = None) -> int:
+    """Check a split's files before training; return its number of examples.
+
+    Always: files exist and are readable, are not empty, have the feature and
+    label columns with numeric types, and every example has the same number of
+    feature values (the spec's ``shape`` when given). With ``full``, every
+    value is also scanned: a NaN or infinite feature, a null, or an integer
+    label outside 0..num_classes-1 (when ``num_classes`` is known) is refused.
+    Raises DataError naming the file, and the row and column where it applies.
+    A ``module:function`` dataset is only sized: checking its values would
+    read its examples here.
+    """
+    if isinstance(spec, str):
+        return source_size(spec, split)
+    num_classes = spec.get("num_classes", num_classes)
+    checker = {"parquet": _check_parquet, "csv": _check_csv, "npy": _check_numpy, "npz": _check_numpy,
+               "imagefolder": _check_images}[spec["format"]]
+    return checker(spec, split, full, num_classes)
+
+
+def _check_parquet(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+    filesystem, paths = _files_at(spec[split], (".parquet", ".parq", ".pq"))
+    label = spec.get("label", "label")
+    expected_length = _shape_size(spec)
+    rows = 0
+    for path in paths:
+        parquet = _parquet_file(filesystem, path)
+        if parquet.metadata.num_rows == 0:
+            raise DataError(f"{path}: empty file (0 rows); remove it or write examples into it")
+        columns, length = _check_schema(spec, parquet.schema_arrow, path)
+        expected_length = _agreed_length(path, columns, length, expected_length)
+        if length is None or full:
+            # A variable-length list column can only be checked row by row.
+            first_row = 0
+            for batch in parquet.iter_batches(batch_size=_SCAN_ROWS, columns=[*columns, label], use_threads=False):
+                expected_length = _check_batch(path, first_row, batch, columns, label, expected_length, full,
+                                               num_classes)
+                first_row += batch.num_rows
+        rows += parquet.metadata.num_rows
+    return rows
+
+
+def _check_csv(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+    filesystem, paths = _files_at(spec[split], (".csv",))
+    label = spec.get("label", "label")
+    expected_length = _shape_size(spec)
+    rows = 0
+    for path in paths:
+        file_rows = 0
+        for first_row, batch in _csv_batches(path, filesystem):
+            columns, length = _check_schema(spec, batch.schema, path)
+            expected_length = _agreed_length(path, columns, length, expected_length)
+            if full:
+                _check_batch(path, first_row, batch, columns, label, expected_length, full, num_classes)
+            file_rows += batch.num_rows
+        if file_rows == 0:
+            raise DataError(f"{path}: empty file (no rows under the header); remove it or write examples into it")
+        rows += file_rows
+    return rows
+
+
+def _check_numpy(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+    features, labels = _numpy_arrays(spec, split)
+    length = int(np.prod(features.shape[1:], dtype=np.int64))
+    if "shape" in spec and _shape_size(spec) != length:
+        raise DataError(f"{features.name}: {length} values per example, but dataset.shape {spec['shape']} holds "
+                        f"{_shape_size(spec)}; fix the shape")
+    if full:
+        array_name = "features" if spec["format"] == "npy" else spec.get("features", "features")
+        value_names = [f"{array_name}[{position}]" for position in range(length)]
+        for start in range(0, len(labels), _SCAN_ROWS):
+            rows = np.arange(start, min(start + _SCAN_ROWS, len(labels)))
+            _check_values(features.name, labels.name, start, features.rows(rows).reshape(len(rows), -1),
+                          value_names, labels.rows(rows), num_classes)
+    return len(labels)
+
+
+def _check_images(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+    from PIL import Image, UnidentifiedImageError
+
+    filesystem, classes, examples = _image_files(spec[split])
+    if num_classes is not None and len(classes) > num_classes:
+        raise DataError(f"{spec[split]}: {len(classes)} class folders, but num_classes is {num_classes}; "
+                        "remove folders or raise num_classes")
+    first_size = None
+    for path, _ in examples:
+        try:
+            with filesystem.open(path, "rb") as handle:
+                size = Image.open(handle).size  # reads the header only
+        except (UnidentifiedImageError, OSError) as error:
+            raise DataError(f"{path}: not a readable image ({error})") from None
+        first_size = first_size or (size, path)
+        if size != first_size[0]:
+            raise DataError(f"{path}: {size[0]}x{size[1]} pixels, expected {first_size[0][0]}x{first_size[0][1]} "
+                            f"(as {first_size[1]}); every image must have the same size")
+    return len(examples)
+
+
+def _shape_size(spec: Mapping) -> int | None:
+    return int(np.prod(spec["shape"])) if "shape" in spec else None
+
+
+def _agreed_length(path: str, columns: list[str], length: int | None, expected: int | None) -> int | None:
+    """The feature length every file must share; refuses a fixed length that differs from it."""
+    if length is None or expected is None:
+        return expected if length is None else length
+    if length != expected:
+        raise DataError(f"{path}: column {columns[0]!r}: {length} values per example, expected {expected} "
+                        "(dataset.shape, or the first file); every example needs the same number of features")
+    return expected
+
+
+def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list[str], label: str,
+                 expected_length: int | None, full: bool, num_classes: int | None) -> int | None:
+    """Checks one batch of a table's rows; returns the feature length (the first row's, if none was set)."""
+    if len(columns) == 1 and _is_list(batch.schema.field(columns[0]).type):
+        lengths = pc.fill_null(pc.list_value_length(batch.column(columns[0])), -1).to_numpy()
+        if expected_length is None and len(lengths):
+            expected_length = int(lengths[0])
+        wrong = np.flatnonzero(lengths != expected_length)
+        if len(wrong):
+            row = int(wrong[0])
+            found = "null" if lengths[row] < 0 else f"{lengths[row]} values"
+            raise DataError(f"{path}: row {first_row + row}, column {columns[0]!r}: {found}, expected "
+                            f"{expected_length}; every example needs the same number of features")
+        names = columns * (expected_length or 0)
+    else:
+        names = columns
+    if full:
+        for name in [*columns, label]:
+            nulls = np.flatnonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False))
+            if len(nulls):
+                raise DataError(f"{path}: row {first_row + int(nulls[0])}, column {name!r}: null; fill or drop it")
+        features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
+        _check_values(path, path, first_row, features, names, labels, num_classes, label)
+    return expected_length
+
+
+def _check_values(feature_file: str, label_file: str, first_row: int, features: np.ndarray, names: list[str],
+                  labels: np.ndarray, num_classes: int | None, label_name: str = "label") -> None:
+    """Refuses a NaN or infinite feature, and an integer label outside 0..num_classes-1."""
+    if np.issubdtype(features.dtype, np.floating):
+        bad = np.argwhere(~np.isfinite(features))
+        if len(bad):
+            row, column = (int(v) for v in bad[0])
+            raise DataError(f"{feature_file}: row {first_row + row}, column {names[column]!r}: "
+                            f"{features[row, column]}; features must be finite")
+    if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
+        bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+        if len(bad):
+            row = int(bad[0])
+            raise DataError(f"{label_file}: row {first_row + row}, column {label_name!r}: label {labels[row]} is "
+                            f"outside 0..{num_classes - 1} (num_classes {num_classes})")
+
+
+# --- writing ----------------------------------------------------------------------------
+
+# Rows per Parquet row group that write_parquet_shards writes: a step's random rows each cost one row
+# group's decoding, so small groups keep reads near the cost of the rows themselves.
+PARQUET_ROW_GROUP_ROWS = 32
+
+
+def write_parquet_shards(directory: str, batches: Iterable[tuple[np.ndarray, np.ndarray]], rows: int,
+                         shards: int, compression: str = "none") -> list[str]:
+    """Write ``rows`` examples, given in order as (features [n, ...], labels [n]) batches, as Parquet shards.
+
+    Shard k (``part-0000k.parquet`` in ``directory``) holds rows
+    k*rows//shards .. (k+1)*rows//shards - 1. Each example's features are
+    flattened into one fixed-size list column ``features``; labels go to
+    ``label``. Batches are streamed, so the dataset need not fit in memory.
+    ``compression`` is a Parquet codec: "none" reads fastest (decompressing
+    each small row group costs more than reading it), "zstd" is smallest.
+    Returns the paths written.
+    """
+    if not 1 <= shards <= rows:
+        raise ValueError(f"shards must be between 1 and the number of rows ({rows}) (got {shards})")
+    filesystem, root = _pyarrow_filesystem(directory)
+    filesystem.create_dir(root, recursive=True)
+    bounds = [shard * rows // shards for shard in range(shards + 1)]
+    paths = [f"{root.rstrip('/')}/part-{shard:05d}.parquet" for shard in range(shards)]
+    writer, shard, written = None, -1, 0
+    try:
+        for features, labels in batches:
+            features = features.reshape(len(features), -1)
+            while len(labels):
+                if writer is None or written == bounds[shard + 1]:
+                    if writer is not None:
+                        writer.close()
+                    shard += 1
+                    writer = pq.ParquetWriter(
+                        filesystem.open_output_stream(paths[shard]), _schema_of(features, labels),
+                        compression=compression, use_dictionary=False, write_statistics=["label"],
+                    )
+                take = min(len(labels), bounds[shard + 1] - written)
+                writer.write_table(_table_of(features[:take], labels[:take]), row_group_size=PARQUET_ROW_GROUP_ROWS)
+                features, labels, written = features[take:], labels[take:], written + take
+    finally:
+        if writer is not None:
+            writer.close()
+    if written != rows:
+        raise ValueError(f"batches held {written} rows, expected {rows}")
+    return paths
+
+
+def _schema_of(features: np.ndarray, labels: np.ndarray) -> pa.Schema:
+    return pa.schema([("features", pa.list_(pa.from_numpy_dtype(features.dtype), features.shape[1])),
+                      ("label", pa.from_numpy_dtype(labels.dtype))])
+
+
+def _table_of(features: np.ndarray, labels: np.ndarray) -> pa.Table:
+    values = pa.array(np.ascontiguousarray(features).ravel())
+    return pa.table({"features": pa.FixedSizeListArray.from_arrays(values, features.shape[1]), "label": labels})
