@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         # Ray starts workers at niceness 15; on a shared machine they would then lose the CPU to
         # everything else while the in-process variants do not. Same niceness, same terms.
         os.environ["RAY_worker_niceness"] = str(os.nice(0))
-        ray.init(num_cpus=2, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
+        ray.init(address="local", num_cpus=2, num_gpus=1 if device.type == "cuda" else 0, include_dashboard=False,
                  log_to_driver=False)
     try:
         results = []

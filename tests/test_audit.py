@@ -257,7 +257,7 @@ def test_membership_report_uses_each_examples_loss():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     PooledCanaryTrainer.pool.clear()
     ray.shutdown()

@@ -74,7 +74,7 @@ def test_each_clipped_example_on_the_gpu_stays_within_the_clip_norm():
 
 
 def test_a_gpu_worker_actor_returns_the_cpu_sum(tmp_path):
-    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         worker = GradientWorkerActor.options(num_cpus=1, num_gpus=1).remote("gdp_cnn", "mnist", 600, 64)
         assert ray.get(worker.device_name.remote()) == "cuda"
