@@ -180,7 +180,7 @@ def test_a_microbatch_leaves_out_only_its_poisoned_member():
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_worker_counts_the_examples_it_left_out(engine):
     worker = GradientWorker("gdp_cnn", "mnist", 64, max_physical_batch=16, engine=engine)
-    worker.images[[5, 9]] = float("nan")
+    worker.source.inputs[[5, 9]] = float("nan")
     weights = flat_parameters(build_model("gdp_cnn")).numpy()
     with_counts = worker.clipped_grad_sum(weights, np.arange(12), 0.1, count_unclipped=True, count_zeroed=True)
     plain = worker.clipped_grad_sum(weights, np.array([0, 1, 2, 3, 4, 6, 7, 8, 10, 11]), 0.1)

@@ -141,7 +141,7 @@ def test_transforms_apply_to_each_example_on_its_own_and_examples_are_never_mixe
 def test_the_worker_clips_each_transformed_example():
     worker = GradientWorker("gdp_cnn", "mnist", 64, 16, train_transforms=[{"name": "RandomHorizontalFlip", "p": 1.0}])
     plain = GradientWorker("gdp_cnn", "mnist", 64, 16)
-    plain.images = torch.flip(plain.images, dims=[3])
+    plain.source.inputs = torch.flip(plain.source.inputs, dims=[3])
     weights = flat_parameters(build_model("gdp_cnn")).numpy()
     np.testing.assert_allclose(worker.clipped_grad_sum(weights, np.arange(10), 0.1),
                                plain.clipped_grad_sum(weights, np.arange(10), 0.1), rtol=0, atol=1e-6)
