@@ -108,12 +108,19 @@ class GradientWorker:
         self.model = build_model(model_spec)
         check_model(self.model)
         self.model.to(self.device).train()
+        images, labels = self._training_examples(dataset, train_subset, data_root)
+        self.images = images.to(self.device)
+        self.labels = labels.to(self.device)
+
+    def _training_examples(
+        self, dataset: str, train_subset: int | None, data_root: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) this worker trains on, on the CPU: the split, or its first ``train_subset``."""
         images, labels = load_split(dataset, "train", data_root)
         if train_subset is not None:
             # clone() so the rest of the split can be freed.
             images, labels = images[:train_subset].clone(), labels[:train_subset].clone()
-        self.images = images.to(self.device)
-        self.labels = labels.to(self.device)
+        return images, labels
 
     def clipped_grad_sum(
         self,
