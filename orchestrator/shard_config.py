@@ -25,7 +25,7 @@ def parse_shards(value: Any, datasets: tuple[str, ...], default_dataset: Any) ->
     """
     if value is None or value == []:
         return ()
-    if not isinstance(value, list) or not all(isinstance(table, Mapping) for table in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(table, Mapping) for table in value):
         raise UsageError(f"shards must be a list of tables, e.g. {_EXAMPLE} (got {value!r})")
     shards = tuple(_shard(index, table, datasets, default_dataset) for index, table in enumerate(value))
     for first in range(len(shards)):
