@@ -123,6 +123,13 @@ class ShardFleet:
         """The actors that are up, for evaluation and reports."""
         return [self.actors[slot] for slot in self.present()]
 
+    def close(self) -> None:
+        """Stop every actor (placed or still waiting for its node), freeing the silos' CPUs for the next run."""
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors.clear()
+        self.probes.clear()
+
     # --- a step ------------------------------------------------------------
 
     def wait_for_all(self, step: int) -> None:

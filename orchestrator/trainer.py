@@ -393,6 +393,8 @@ class Trainer:
             self.say("gradient workers on " + ", ".join(devices))
             self._train(workers)
         finally:
+            if self.shards is not None:
+                self.shards.close()
             if started_ray:
                 ray.shutdown()
         return self._finish()
