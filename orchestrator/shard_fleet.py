@@ -21,6 +21,9 @@ from workers.clipping import LayerClipNorms
 from workers.shard_worker import ShardWorkerActor
 
 Slot = tuple[int, int]  # (shard index, worker index within the shard)
+POLL_SECONDS = 0.5
+# How often a slot's new actor may fail to start on a node that has its resources before the error is raised.
+FAILED_STARTS = 3
 
 
 class ShardFleet:
@@ -44,12 +47,12 @@ class ShardFleet:
     def start(self) -> int:
         """Place every slot's actor and return N, the sum of the example counts the workers report.
 
-        Waits up to shard_timeout for every shard; a shard that cannot be
-        placed by then is an error naming its resources.
+        A shard whose resources are missing from the cluster for
+        shard_timeout seconds is an error naming them.
         """
         for slot in self.slots:
             self._place(slot)
-        missing = self._wait_for_placement(time.monotonic() + self.config.shard_timeout)
+        missing = self._wait_for_placement()
         if missing:
             raise ShardTimeoutError(
                 f"{self._describe(missing)} could not be placed within shard_timeout = "
@@ -87,24 +90,52 @@ class ShardFleet:
         self.actors[slot] = actor
         self.probes[slot] = actor.example_count.remote()
 
-    def _wait_for_placement(self, deadline: float) -> set[Slot]:
-        """Wait until every lost slot's actor answers, or `deadline` passes; return the slots still lost."""
+    def _wait_for_placement(self) -> set[Slot]:
+        """Wait until every lost slot's actor answers; return the slots still lost after shard_timeout.
+
+        The clock runs only while some lost slot's resources are missing
+        from the cluster: once a node with them is there, the new actor is
+        placed and is only starting (loading its data), which is waited out.
+        """
+        missing_seconds = 0.0
+        failed_starts: dict[Slot, int] = {}
         while self.probes:
-            ready, _ = ray.wait(list(self.probes.values()), num_returns=len(self.probes),
-                                timeout=max(0.0, deadline - time.monotonic()))
-            self._collect(ready)
-            if time.monotonic() >= deadline:
-                break
+            before = time.monotonic()
+            ready, _ = ray.wait(list(self.probes.values()), num_returns=len(self.probes), timeout=POLL_SECONDS)
+            self._collect(ready, failed_starts)
+            if self.probes and not self._placeable(self.probes):
+                missing_seconds += time.monotonic() - before
+                if missing_seconds >= self.config.shard_timeout:
+                    break
         return set(self.probes)
 
-    def _collect(self, ready: list[ray.ObjectRef]) -> None:
-        """Mark the slots whose probe answered as present (a probe that failed places the slot again)."""
+    def _placeable(self, slots) -> bool:
+        """Whether the cluster has, in total, what each of `slots` needs (its shard's resources and CPUs, GPUs)."""
+        cluster = ray.cluster_resources()
+        for shard, _ in slots:
+            needs = {**self.config.shards[shard].resources, "CPU": self.config.cpus_per_worker}
+            if self.config.gpus_per_worker:
+                needs["GPU"] = self.config.gpus_per_worker
+            if any(cluster.get(name, 0.0) < amount for name, amount in needs.items()):
+                return False
+        return True
+
+    def _collect(self, ready: list[ray.ObjectRef], failed_starts: dict[Slot, int]) -> None:
+        """Mark the slots whose probe answered as present; a probe that failed places the slot again.
+
+        A new actor that keeps failing where its resources are (its data will
+        not load, say) raises its error after FAILED_STARTS tries.
+        """
         for slot, probe in list(self.probes.items()):
             if probe not in ready:
                 continue
             try:
                 count = ray.get(probe)
             except ray.exceptions.RayActorError:
+                if self._placeable([slot]):
+                    failed_starts[slot] = failed_starts.get(slot, 0) + 1
+                    if failed_starts[slot] >= FAILED_STARTS:
+                        raise
                 self._place(slot)
                 continue
             known = self.example_counts.setdefault(slot, count)
@@ -192,7 +223,7 @@ class ShardFleet:
         lost = set(self.probes)
         if not lost:
             return
-        missing = self._wait_for_placement(time.monotonic() + self.config.shard_timeout)
+        missing = self._wait_for_placement()
         if missing:
             raise ShardTimeoutError(f"{self._describe(missing)} could not be placed again within shard_timeout = "
                                     f"{self.config.shard_timeout:g} s")
@@ -201,7 +232,7 @@ class ShardFleet:
     def _rejoin(self, step: int) -> None:
         lost = set(self.probes)
         ready, _ = ray.wait(list(self.probes.values()), num_returns=len(self.probes), timeout=0)
-        self._collect(ready)
+        self._collect(ready, {})
         back = lost - set(self.probes)
         if back:
             self.say(f"step {step + 1}: {self._describe(back)} is up again and takes part from this step")

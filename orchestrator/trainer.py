@@ -189,8 +189,9 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
 
     With shards, a local Ray is one node standing in for every shard's
     custom resources (and says so); on a cluster, only the nodes started
-    with a shard's resources run its workers. A local start that times out (a loaded machine, or the processes of a
-    killed run still exiting) is retried, up to LOCAL_RAY_START_ATTEMPTS
+    with a shard's resources run its workers. A local start that times out
+    (a loaded machine, or the processes of a killed run still exiting) is
+    retried, up to LOCAL_RAY_START_ATTEMPTS
     tries in all, each announced through `say`. Returns True when this call
     started Ray (and so should shut it down).
     """

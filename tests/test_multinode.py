@@ -98,7 +98,7 @@ def test_each_shard_runs_on_its_silo_and_charges_what_a_single_node_run_does(clu
 
 
 class RemoveNodeBefore(Trainer):
-    """A trainer that removes `silo`'s node just before step `remove_at` + 1 (and runs `then` after that step)."""
+    """A trainer that removes `silo`'s node just before step `remove_at` + 1, and calls `then` after every step."""
 
     remove_at, silo, then = 3, "silo-c", None
 
@@ -147,13 +147,13 @@ def test_wait_holds_the_step_until_a_replacement_silo_joins(cluster, undisturbed
     wait_for_placement = trainer.shards._wait_for_placement
     waits = []
 
-    def join_a_new_silo_c_node_while_waiting(deadline):
+    def join_a_new_silo_c_node_while_waiting():
         # Ray nodes start only from the main thread (signal handlers), which is the one waiting here.
         if not waits:
             time.sleep(3.0)
             add_silo(cluster, "silo-c")
         waits.append(time.monotonic())
-        return wait_for_placement(deadline)
+        return wait_for_placement()
 
     trainer.shards._wait_for_placement = join_a_new_silo_c_node_while_waiting
     summary, job, spent = run_charged(trainer)
@@ -172,14 +172,19 @@ def test_wait_holds_the_step_until_a_replacement_silo_joins(cluster, undisturbed
 def test_wait_stops_at_a_checkpoint_after_shard_timeout_and_resume_finishes_the_run(cluster, undisturbed, tmp_path):
     config = sharded_config(tmp_path, "timeout", shard_timeout=4)
     trainer = RemoveNodeBefore(config, show_progress=False, out=io.StringIO())
-    # At a block boundary: the loss is found before block [4, 6) is charged, so it never is.
-    trainer.cluster, trainer.remove_at = cluster, 4
+
+    def remove_silo_c_after_step_4(trainer):
+        if trainer.step == 4:
+            cluster[0].remove_node(cluster[1].pop("silo-c"))
+
+    # At a block boundary (commit_every = 2): the loss is found before block [4, 6) is charged, so it never is.
+    trainer.cluster, trainer.remove_at, trainer.then = cluster, None, remove_silo_c_after_step_4
     trainer.ledger = _job_ledger(NO_LEDGER_FLAGS, trainer)
     with pytest.raises(ShardTimeoutError) as stopped:
         trainer.run()
     message = str(stopped.value)
     assert "shard 2 ({'silo-c': 1.0}) could not be placed again within shard_timeout = 4 s" in message
-    assert f"stopped at a checkpoint after step 4" in message and f"dpfleet train --resume {config.run_dir}" in message
+    assert "stopped at a checkpoint after step 4" in message and f"dpfleet train --resume {config.run_dir}" in message
     (job,) = trainer.ledger.ledger.list_jobs("timeout")
     assert job.committed_steps == 4
     add_silo(cluster, "silo-c")
