@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from bench import ledger, mnist, seeds, throughput
+from bench import ledger, mnist, scaling, seeds, throughput
 
 BENCHMARKS = {
     "throughput": throughput.main,
     "ledger": ledger.main,
     "mnist": mnist.main,
     "seeds": seeds.main,
+    "scaling": scaling.main,
 }
 
 
