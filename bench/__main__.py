@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import ledger, mnist, out_of_core, seeds, throughput
+from bench import ledger, mnist, out_of_core, scaling, seeds, throughput
 
 BENCHMARKS = {
     "throughput": throughput.main,
@@ -12,6 +12,7 @@ BENCHMARKS = {
     "mnist": mnist.main,
     "seeds": seeds.main,
     "out_of_core": out_of_core.main,
+    "scaling": scaling.main,
 }
 
 

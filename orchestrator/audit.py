@@ -191,6 +191,9 @@ def mislabelled(
 def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: str) -> None:
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+    if config.shards:
+        raise UsageError("an audit injects canaries at the driver's sampled indices, and with shards the examples "
+                         "are sampled on their own nodes; audit the same model and settings without shards")
     if isinstance(canaries, bool) or not isinstance(canaries, int) or canaries < MIN_CANARIES:
         raise UsageError(
             f"canaries must be an integer >= {MIN_CANARIES} (got {canaries!r}); "

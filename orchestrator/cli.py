@@ -7,7 +7,7 @@ import sys
 
 from orchestrator.audit_cli import add_audit_parser
 from orchestrator.data_cli import add_data_parser
-from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
+from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.ledger_cli import add_ledger_parser
 from orchestrator.privacy_cli import add_privacy_parsers
 from orchestrator.submit_cli import add_submit_parser
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except (UsageError, BudgetRefusedError, LedgerTimeoutError) as error:
+    except (UsageError, BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError) as error:
         print(f"dpfleet {args.command}: error: {error}", file=sys.stderr)
         return error.exit_status
     except KeyboardInterrupt:

@@ -15,9 +15,18 @@ else:  # pragma: no cover - Python 3.10
 
 from accounting.accountants import ACCOUNTANTS
 from workers.clipping import ENGINES, LayerClipNorms
+from workers.shards import ShardSpec
+from workers.sources import BUILTINS
 from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
 from orchestrator.errors import UsageError
+from orchestrator.shard_config import (
+    DEFAULT_ON_SHARD_LOSS,
+    DEFAULT_SHARD_TIMEOUT,
+    check_shard_mode,
+    parse_on_shard_loss,
+    parse_shards,
+)
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
 
 CHECK_DATA_LEVELS = ("basic", "full")
@@ -89,6 +98,9 @@ class TrainConfig:
     evaluate_every: EvaluateEvery | None = None
     data_root: str | None = None
     check_data: str = "basic"
+    shards: tuple[ShardSpec, ...] = ()
+    on_shard_loss: str = DEFAULT_ON_SHARD_LOSS
+    shard_timeout: float = DEFAULT_SHARD_TIMEOUT
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every key."""
@@ -156,10 +168,12 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         raise UsageError("give exactly one of epochs (> 0) or steps (integer >= 1)")
     if (values.get("noise_multiplier") is None) == (values.get("target_epsilon") is None):
         raise UsageError("give exactly one of noise_multiplier (> 0) or target_epsilon (> 0)")
+    shards = parse_shards(values.get("shards"), BUILTINS, values.get("dataset", "mnist"))
+    shard_workers = check_shard_mode(values, shards)
     config = TrainConfig(
         dataset=_dataset(values.get("dataset", "mnist")),
         model=_model_spec(values.get("model", "gdp_cnn")),
-        workers=checks.integer_at_least("workers", values.get("workers", 2), 1),
+        workers=shard_workers or checks.integer_at_least("workers", values.get("workers", 2), 1),
         cpus_per_worker=checks.integer_at_least("cpus_per_worker", values.get("cpus_per_worker", 1), 1),
         gpus_per_worker=checks.non_negative_number("gpus_per_worker", values.get("gpus_per_worker", 0)),
         epochs=_optional(values, "epochs", checks.positive_number),
@@ -198,8 +212,13 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         evaluate_every=_evaluate_every(values.get("evaluate_every")),
         data_root=None if values.get("data_root") is None else _path("data_root", values["data_root"]),
         check_data=checks.one_of("check_data", values.get("check_data", "basic"), CHECK_DATA_LEVELS),
+        shards=shards,
+        on_shard_loss=parse_on_shard_loss(values.get("on_shard_loss", DEFAULT_ON_SHARD_LOSS)),
+        shard_timeout=checks.positive_number("shard_timeout", values.get("shard_timeout", DEFAULT_SHARD_TIMEOUT)),
     )
-    checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
+    if not shards:
+        # With shards, N is known once the workers report their sizes; the trainer checks it then.
+        checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
     if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
         raise UsageError("layer_clip_norms clips single examples with fixed norms; "
                          "it cannot be combined with microbatch_size or adaptive_clipping")
@@ -305,9 +324,15 @@ def _path(key: str, value: Any) -> str:
 
 
 def training_set_size(config: TrainConfig) -> int:
-    """N: the number of training examples the run samples from, from file metadata (no example is read)."""
+    """N: the number of training examples the run samples from, from file metadata (no example is read).
+
+    Unsharded configs only: a sharded config's N is the sum its workers report.
+    """
     from workers.sources import source_size, spec_name
 
+    if config.shards:
+        raise UsageError("a sharded config's N is the sum of its shards' sizes, which only their workers report; "
+                         "pass the reported N as dataset_size")
     try:
         full = source_size(config.dataset, "train")
     except ValueError as error:
@@ -327,18 +352,18 @@ def test_set_size(config: TrainConfig) -> int:
     return min(full, config.test_subset or full)
 
 
-def sampling_rate(config: TrainConfig) -> float:
-    """q = expected batch size / N."""
-    return config.batch_size / training_set_size(config)
+def sampling_rate(config: TrainConfig, dataset_size: int | None = None) -> float:
+    """q = expected batch size / N, with N = `dataset_size` when given, else `training_set_size(config)`."""
+    return config.batch_size / (dataset_size or training_set_size(config))
 
 
-def total_steps(config: TrainConfig) -> int:
-    """Planned steps: `steps`, or ceil(epochs * N / batch_size)."""
+def total_steps(config: TrainConfig, dataset_size: int | None = None) -> int:
+    """Planned steps: `steps`, or ceil(epochs * N / batch_size), with N as in `sampling_rate`."""
     from accounting.events import steps_for_epochs
 
     if config.steps is not None:
         return config.steps
-    return steps_for_epochs(config.epochs, training_set_size(config), config.batch_size)
+    return steps_for_epochs(config.epochs, dataset_size or training_set_size(config), config.batch_size)
 
 
 def load_config(path: str | None, overrides: Mapping[str, Any]) -> TrainConfig:
@@ -363,7 +388,7 @@ def load_config(path: str | None, overrides: Mapping[str, Any]) -> TrainConfig:
     return build_config(values)
 
 
-def expected_batch_size(config: TrainConfig) -> float:
-    """q * N, the divisor of the noisy sum (never the realised batch size)."""
-    return sampling_rate(config) * training_set_size(config)
+def expected_batch_size(config: TrainConfig, dataset_size: int | None = None) -> float:
+    """q * N, the divisor of the noisy sum (never the realised batch size), with N as in `sampling_rate`."""
+    return sampling_rate(config, dataset_size) * (dataset_size or training_set_size(config))
 

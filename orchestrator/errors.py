@@ -17,3 +17,9 @@ class LedgerTimeoutError(RuntimeError):
     """The ledger stayed unreachable past ledger_timeout; the run stopped at a resumable checkpoint (exit 4)."""
 
     exit_status = 4
+
+
+class ShardTimeoutError(RuntimeError):
+    """A shard's worker could not be placed within shard_timeout; the run stopped at a resumable checkpoint (exit 5)."""
+
+    exit_status = 5

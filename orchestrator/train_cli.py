@@ -63,6 +63,9 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     config = trainer.config
+    if args.mia and config.shards:
+        raise UsageError("--mia scores training examples on the driver, and with shards the training data stays on "
+                         "its nodes; leave --mia off")
     trainer.ledger = _job_ledger(args, trainer)
     try:
         summary = trainer.run()

@@ -43,7 +43,8 @@ from orchestrator.config import (
     total_steps,
     training_set_size,
 )
-from orchestrator.errors import LedgerTimeoutError, UsageError
+from orchestrator import checks
+from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.noise import GaussianNoise, average_noisy_sum
 from orchestrator.optimizers import build_optimizer
 from orchestrator.report import plot_curves
@@ -56,6 +57,7 @@ from orchestrator.sampling import (
     poisson_sample,
 )
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
+from orchestrator.shard_fleet import ShardFleet
 from workers.actor import GradientWorkerActor
 from workers.models import build_model, flat_parameters, load_flat_gradient
 from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
@@ -136,15 +138,21 @@ def evaluation_steps(
     return frozenset(range(interval, steps, interval)) | {steps}
 
 
-def plan_run(config: TrainConfig) -> RunPlan:
-    """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends."""
-    dataset_size = training_set_size(config)
-    rate = sampling_rate(config)
-    steps = total_steps(config)
+def plan_run(config: TrainConfig, dataset_size: int | None = None) -> RunPlan:
+    """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends.
+
+    `dataset_size` is N as a sharded run's workers report it; without it, N comes from the config.
+    """
+    if dataset_size is None:
+        dataset_size = training_set_size(config)
+    else:
+        checks.batch_within_dataset("batch_size", config.batch_size, dataset_size)
+    rate = sampling_rate(config, dataset_size)
+    steps = total_steps(config, dataset_size)
     steps_per_epoch = dataset_size / config.batch_size
 
     microbatches = None if config.microbatch_size is None else microbatch_count(
-        expected_batch_size(config), config.microbatch_size)
+        expected_batch_size(config, dataset_size), config.microbatch_size)
     sensitivity_factor = 2.0 if microbatches else 1.0
     adaptive = config.adaptive_clipping
     count_noise_multiplier = None if adaptive is None else adaptive.count_noise_multiplier
@@ -167,7 +175,7 @@ def plan_run(config: TrainConfig) -> RunPlan:
     else:
         charge_ends = epoch_ends
     return RunPlan(
-        dataset_size, rate, expected_batch_size(config), steps, noise_multiplier,
+        dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
         tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
         evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends), microbatches,
         count_noise_multiplier,
@@ -180,8 +188,11 @@ LOCAL_RAY_START_ATTEMPTS = 3
 def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     """Connect to RAY_ADDRESS if set, else start a local Ray sized for the workers.
 
-    A local start that times out (a loaded machine, or the processes of a
-    killed run still exiting) is retried, up to LOCAL_RAY_START_ATTEMPTS
+    With shards, a local Ray is one node standing in for every shard's
+    custom resources (and says so); on a cluster, only the nodes started
+    with a shard's resources run its workers. A local start that times out
+    (a loaded machine, or the processes of a killed run still exiting) is
+    retried, up to LOCAL_RAY_START_ATTEMPTS
     tries in all, each announced through `say`. Returns True when this call
     started Ray (and so should shut it down).
     """
@@ -192,11 +203,15 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
         return True
     cpus = max(os.cpu_count() or 1, config.workers * config.cpus_per_worker)
     gpus = torch.cuda.device_count() if config.gpus_per_worker else 0
+    resources = local_shard_resources(config)
+    if resources:
+        say(f"local Ray: this machine stands in for every shard's resources ({resources})")
     attempt = 1
     while True:
         try:
             # address="local": a new in-process cluster, never one some other program left running here.
-            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=True)
+            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, resources=resources, include_dashboard=False,
+                     log_to_driver=True)
             return True
         except Exception as error:  # noqa: BLE001 - Ray reports a node that did not come up as a bare Exception
             if "timed out" not in str(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
@@ -205,6 +220,15 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
         say(f"local Ray did not start in time (try {attempt} of {LOCAL_RAY_START_ATTEMPTS}); trying again")
         time.sleep(5.0 * attempt)
         attempt += 1
+
+
+def local_shard_resources(config: TrainConfig) -> dict[str, float]:
+    """The custom resources a one-node local Ray needs to hold every shard's workers at once."""
+    resources: dict[str, float] = {}
+    for shard in config.shards:
+        for name, amount in shard.resources.items():
+            resources[name] = resources.get(name, 0.0) + amount * shard.workers
+    return resources
 
 
 class LedgerSession(Protocol):
@@ -220,7 +244,9 @@ class Trainer:
     """One DP-SGD run over Ray gradient workers, resumable from its checkpoints.
 
     `noise` replaces the driver's noise source (tests observe it); `ledger`
-    is charged for each block of steps before the block runs.
+    is charged for each block of steps before the block runs. With shards,
+    constructing the Trainer starts Ray (unless it is up) and the shards'
+    workers, because N is the sum of the example counts they report.
     """
 
     def __init__(
@@ -233,13 +259,26 @@ class Trainer:
         out=sys.stdout,
     ):
         self.config = config
-        self.plan = plan_run(config)
+        self.out = out
+        self.started_ray = False
+        self.shards: ShardFleet | None = None
+        self.shard_outages: list[dict] = []
+        dataset_size = None
+        if config.shards:
+            if show_train_loss:
+                raise UsageError("--show-train-loss evaluates training examples on the driver's terms; with shards "
+                                 "the training data stays on its nodes, so leave it off")
+            self.started_ray = start_ray(config, self.say)
+            self.shards = ShardFleet(config, self.say)
+            dataset_size = self.shards.start()
+        self.plan = plan_run(config, dataset_size)
+        if self.shards is not None:
+            self.shards.set_sampling_rate(self.plan.sampling_rate)
         self.noise = noise or GaussianNoise(config.seed, secure=config.secure_noise)
         self.sampler = make_generator(config.seed, SAMPLER_STREAM)
         self.show_progress = show_progress
         self.show_train_loss = show_train_loss
         self.ledger = ledger
-        self.out = out
         self.accountant = get_accountant(config.accountant)
         self.epsilon_label = label(self.accountant)
         if config.seed is not None:
@@ -326,12 +365,18 @@ class Trainer:
             "noise_multiplier": self.plan.noise_multiplier,
             "clip_norm": self.clip_norm,
             "wall_seconds": self._wall_seconds(),
+            "dataset_size": self.plan.dataset_size,
+            "shard_outages": self.shard_outages,
         }
 
     def load_state(self, state: dict) -> None:
         """Continue from a checkpoint's state (see `state`)."""
         if state.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION}")
+        if state.get("dataset_size", self.plan.dataset_size) != self.plan.dataset_size:
+            raise ValueError(f"the run was planned for N = {state['dataset_size']} training examples but now has "
+                             f"N = {self.plan.dataset_size}; q and the accounting depend on N: resume with the "
+                             "same data (and shards)")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
@@ -344,6 +389,7 @@ class Trainer:
         self.clip_norm = state["clip_norm"]
         self.wall_seconds_before = state["wall_seconds"]
         self.resumed_reservation_id = state["reservation_id"]
+        self.shard_outages = list(state.get("shard_outages", []))
 
     def _save_checkpoint(self) -> None:
         self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
@@ -362,20 +408,29 @@ class Trainer:
         if config.seed is not None:
             self.say(f"seeded: not for production use (seed {config.seed})")
         self.say(
-            f"dpfleet: {config.model} on {spec_name(config.dataset)} (N={plan.dataset_size}), {plan.steps} steps, "
+            f"dpfleet: {config.model} on "
+            + (f"{len(config.shards)} shards" if config.shards else spec_name(config.dataset))
+            + f" (N={plan.dataset_size}), {plan.steps} steps, "
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
-        started_ray = start_ray(config, self.say)
+        started_ray = start_ray(config, self.say) or self.started_ray
         try:
-            workers = [self._new_worker() for _ in range(config.workers)]
-            devices = ray.get([worker.device_name.remote() for worker in workers])
+            # With shards the fleet holds the workers (placed while planning); `workers` stays empty.
+            workers = [] if self.shards else [self._new_worker() for _ in range(config.workers)]
+            devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
             self.say("gradient workers on " + ", ".join(devices))
             self._train(workers)
         finally:
+            if self.shards is not None:
+                self.shards.close()
             if started_ray:
                 ray.shutdown()
         return self._finish()
+
+    def _workers_now(self, workers: list) -> list:
+        """The workers to evaluate on and ask for reports: `workers`, or the shards' workers that are up."""
+        return workers if self.shards is None else self.shards.present_actors()
 
     def _evaluate(self, workers: list, split: str, size: int) -> dict[str, float]:
         """Mean loss and metrics over the first ``size`` examples of a split, evaluated in parts by the workers.
@@ -383,6 +438,7 @@ class Trainer:
         Each worker returns sums over its part (loss sum, count, torchmetrics
         states); the driver merges them and never loads an example.
         """
+        workers = self._workers_now(workers)
         bounds = np.linspace(0, size, len(workers) + 1).astype(int)
         weights = ray.put(flat_parameters(self.model).numpy())
         parts = ray.get([worker.evaluate.remote(weights, split, int(start), int(stop), self.config.metrics)
@@ -448,6 +504,9 @@ class Trainer:
 
     def _step(self, workers: list) -> None:
         """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step."""
+        if self.shards is not None:
+            self._shard_step()
+            return
         plan = self.plan
         step = self.step
         indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
@@ -471,12 +530,59 @@ class Trainer:
         self._apply_noisy_sum(clipped_sum + noise)
         self.events = self.events.then(plan.events_between(step, step + 1))
 
+    def _shard_step(self) -> None:
+        """One DP-SGD step with shards: each worker samples its own examples; sum, noise once, average, step.
+
+        The driver sends the weights and the step number and gets back only
+        clipped sums (and the raw zeroed count). A shard lost under "skip"
+        contributes nothing; the normaliser stays q*N for the declared N.
+        """
+        plan, step = self.plan, self.step
+        weights_vector = flat_parameters(self.model).numpy()
+        weights = ray.put(weights_vector)
+        try:
+            partial_sums, missing = self.shards.clipped_sums(weights, step, self.config.layer_clip_norms
+                                                              or self.clip_norm)
+        except ShardTimeoutError as error:
+            self._stop_at_checkpoint(error)
+        if partial_sums:
+            clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
+        else:
+            clipped_sum = np.zeros(weights_vector.size + 1)
+        # A raw count: it stays in the driver and is never logged or saved.
+        clipped_sum, zeroed = clipped_sum[:-1], clipped_sum[-1]
+        self.zeroed_examples += int(zeroed)
+        self._record_missing_shards(step, missing)
+        # Drawn after every shard is in: a recomputed shard never causes a second draw.
+        noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * self.clip_norm)
+        self._apply_noisy_sum(clipped_sum + noise)
+        self.events = self.events.then(plan.events_between(step, step + 1))
+
+    def _record_missing_shards(self, step: int, missing: list[int]) -> None:
+        """Extend each missing shard's outage to step `step` (0-based); outages list 1-based steps, inclusive."""
+        for shard in missing:
+            open_outage = next((outage for outage in reversed(self.shard_outages) if outage["shard"] == shard), None)
+            if open_outage is not None and open_outage["last_step"] == step:
+                open_outage["last_step"] = step + 1
+            else:
+                self.shard_outages.append({"shard": shard, "resources": dict(self.config.shards[shard].resources),
+                                           "first_step": step + 1, "last_step": step + 1})
+
+    def _stop_at_checkpoint(self, error: ShardTimeoutError) -> None:
+        """Save a checkpoint of the steps that ran and stop with a message that says how to continue."""
+        self._save_checkpoint()
+        raise ShardTimeoutError(
+            f"{error}. The run stopped at a checkpoint after step {self.step}; the ledger block it was in stays "
+            f"charged once and is not charged again; continue with: dpfleet train --resume {self.config.run_dir}"
+        ) from None
+
     def _report_engine(self, workers: list) -> None:
         """Log once how each layer's per-example gradients are computed, as the first worker to decide says."""
         if self.plan.microbatches:
             lines = ["every layer: vmap (each microbatch's mean-loss gradient)"]
         else:
-            lines = next((report for report in ray.get([worker.engine_report.remote() for worker in workers])
+            lines = next((report for report in ray.get([worker.engine_report.remote()
+                                                        for worker in self._workers_now(workers)])
                           if report is not None), None)
             if lines is None:  # no worker has had an example yet
                 return
@@ -513,6 +619,12 @@ class Trainer:
         block_index = plan.charge_ends.index(next(end for end in plan.charge_ends if end > step))
         if block_index < self.charged_blocks:
             return
+        if self.shards is not None and self.config.on_shard_loss == "wait":
+            # Charge a block only once every shard is up to run it.
+            try:
+                self.shards.wait_for_all(step)
+            except ShardTimeoutError as error:
+                self._stop_at_checkpoint(error)
         block_start = plan.charge_ends[block_index - 1] if block_index else 0
         if self.ledger is not None:
             try:
@@ -620,6 +732,9 @@ class Trainer:
             "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
             "events": self.events.to_dict(),
         }
+        if config.shards:
+            summary["shards"] = len(config.shards)
+            summary["shard_outages"] = self.shard_outages
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
         plot_curves(self.metrics, self.run_dir / "curves.png",
                     f"{self.epsilon_label} epsilon at delta={config.delta:g}", config.metrics[0])

@@ -10,6 +10,8 @@ from accounting.accountants import get_accountant
 from orchestrator.config import load_config
 from orchestrator.trainer import plan_run
 from workers.sources import write_parquet_shards
+from workers.data import dataset_size
+from workers.shards import worker_bounds
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.toml"))
@@ -28,7 +30,10 @@ def exported_parquet(tmp_path, monkeypatch):
 @pytest.mark.parametrize("path", EXAMPLES, ids=[path.stem for path in EXAMPLES])
 def test_example_validates_and_plans(path, exported_parquet):
     config = load_config(str(path), {})
-    plan = plan_run(config)
+    # With shards, N is what the workers will report: the examples of their ranges, added up.
+    shard_examples = [stop - start for shard in config.shards for worker in range(shard.workers)
+                      for start, stop in [worker_bounds(dataset_size(shard.dataset), shard, worker)]]
+    plan = plan_run(config, sum(shard_examples) if config.shards else None)
     assert plan.steps >= 1
     assert get_accountant("pld").epsilon(plan.planned_events, config.delta) > 0
 

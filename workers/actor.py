@@ -23,7 +23,7 @@ from torch.func import functional_call
 from workers.clipping import check_engine, clipped_sum, functional_parameters, microbatch_clipped_sum
 from workers.engines import engine_plan, per_example_losses
 from workers.models import build_model, parameter_count
-from workers.sources import open_source, spec_name
+from workers.sources import ExampleSource, open_source, spec_name
 from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
 from workers.validation import check_model
 
@@ -107,14 +107,20 @@ class GradientWorker:
         self.model = build_model(model_spec)
         check_model(self.model)
         self.model.to(self.device).train()
-        self.source = open_source(dataset, "train", data_root)
-        full_size = len(self.source)
+        self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
+
+    def _training_source(
+        self, dataset: str | dict, train_subset: int | None, data_root: str | None
+    ) -> tuple[ExampleSource, int]:
+        """The source this worker trains on and how many of its examples it uses (the first ``train_subset``)."""
+        source = open_source(dataset, "train", data_root)
+        full_size = len(source)
         if train_subset is not None and not 1 <= train_subset <= full_size:
             raise ValueError(
                 f"train_subset must be between 1 and {full_size} for {spec_name(dataset)!r} (got {train_subset}); "
                 "use None for the whole training split"
             )
-        self.example_count = train_subset or full_size
+        return source, train_subset or full_size
 
     def clipped_grad_sum(
         self,
@@ -139,7 +145,7 @@ class GradientWorker:
         were left out for a non-finite gradient.
         """
         indices = np.asarray(indices)
-        example_count = self.example_count
+        example_count = self.train_size
         if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
             raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
         if indices.size and (indices.min() < 0 or indices.max() >= example_count):

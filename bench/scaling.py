@@ -1,0 +1,159 @@
+"""Sharded training on 1, 2 and 4 Ray nodes on loopback: what each step costs the driver and the workers.
+
+    python -m bench.scaling [--steps 30] [--batch-size 256] [--json]
+
+For each node count, a Ray cluster starts on this machine (`ray.cluster_utils.
+Cluster`: a head with no CPUs, one 1-CPU node per silo with its own custom
+resource) and `gdp_cnn` trains on MNIST split into one shard per node. Per step
+it records the driver's wall time, the part of it the driver spends on its own
+(the step minus the time it waits for the workers' sums), the driver thread's
+CPU time, the bytes the driver sends (one copy of the flat float32 weights per
+worker node: Ray ships the object once per node) and receives (the sums,
+measured), and each worker's time inside its sampled clipped sum. All nodes
+share this machine's cores, so more nodes here means contention, not speed:
+the figures show what the driver's share of a step is, and that its traffic
+grows with the node count and not with N. `--json` writes
+bench/results/scaling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+import orchestrator.shard_fleet as shard_fleet
+from orchestrator.config import build_config
+from orchestrator.trainer import Trainer
+from workers.shard_worker import ShardWorker
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+NODE_COUNTS = (1, 2, 4)
+WARMUP_STEPS = 3
+
+
+class TimedShardWorker(ShardWorker):
+    """A shard worker that keeps the seconds its last sampled clipped sum took."""
+
+    def sampled_clipped_grad_sum(self, weights, step, clip_norm):
+        started = time.perf_counter()
+        result = super().sampled_clipped_grad_sum(weights, step, clip_norm)
+        self.last_seconds = time.perf_counter() - started
+        return result
+
+    def last_call_seconds(self) -> float:
+        """Seconds inside the last sampled_clipped_grad_sum."""
+        return self.last_seconds
+
+
+class MeasuredTrainer(Trainer):
+    """A trainer that records, per step, the driver's and the workers' times and the driver's traffic."""
+
+    def __init__(self, *args, **kwargs):
+        self.rows: list[dict] = []
+        super().__init__(*args, **kwargs)
+        fleet_sums = self.shards.clipped_sums
+
+        def timed_sums(weights, step, clip_norm):
+            started = time.perf_counter()
+            sums, missing = fleet_sums(weights, step, clip_norm)
+            self.waited = time.perf_counter() - started
+            self.bytes_in = sum(part.nbytes for part in sums)
+            return sums, missing
+
+        self.shards.clipped_sums = timed_sums
+
+    def _shard_step(self):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        super()._shard_step()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        actors = self.shards.present_actors()
+        worker_seconds = ray.get([actor.last_call_seconds.remote() for actor in actors])
+        weights_bytes = 4 * sum(p.numel() for p in self.model.parameters())
+        self.rows.append({
+            "step": self.step, "driver_wall_s": wall, "driver_own_s": wall - self.waited, "driver_cpu_s": cpu,
+            "bytes_out": weights_bytes * len(actors), "bytes_in": self.bytes_in, "worker_s": worker_seconds,
+        })
+
+
+def measure(nodes: int, steps: int, batch_size: int, run_root: Path) -> dict:
+    """Train `steps` steps on `nodes` silo nodes; return the per-step rows and their medians after warm-up."""
+    silos = [f"silo-{index}" for index in range(nodes)]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for silo in silos:
+        cluster.add_node(num_cpus=1, resources={silo: 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        config = build_config(dict(
+            model="gdp_cnn", steps=steps, batch_size=batch_size, noise_multiplier=1.0, test_subset=100,
+            max_physical_batch=batch_size, run_dir=str(run_root / f"nodes-{nodes}"),
+            shards=[{"dataset": "mnist", "part": part, "parts": nodes, "resources": {silo: 1}}
+                    for part, silo in enumerate(silos)],
+        ))
+        trainer = MeasuredTrainer(config, show_progress=False, out=io.StringIO())
+        trainer.run()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    timed = trainer.rows[WARMUP_STEPS:]
+
+    def median(key):
+        return statistics.median(row[key] for row in timed)
+
+    return {
+        "nodes": nodes,
+        "median_after_warmup": {
+            "driver_wall_s": median("driver_wall_s"), "driver_own_s": median("driver_own_s"),
+            "driver_cpu_s": median("driver_cpu_s"), "bytes_out": median("bytes_out"), "bytes_in": median("bytes_in"),
+            "worker_s_slowest": statistics.median(max(row["worker_s"]) for row in timed),
+        },
+        "steps": trainer.rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every node count, print a table, and with --json write bench/results/scaling.json."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--json", action="store_true", help="write bench/results/scaling.json")
+    args = parser.parse_args(argv)
+    # Ray starts workers at niceness 15; keep them on the driver's terms on a shared machine.
+    os.environ["RAY_worker_niceness"] = str(os.nice(0))
+    shard_fleet.ShardWorkerActor = ray.remote(TimedShardWorker)
+    results = []
+    with tempfile.TemporaryDirectory() as run_root:
+        for nodes in NODE_COUNTS:
+            results.append(measure(nodes, args.steps, args.batch_size, Path(run_root)))
+            row = results[-1]["median_after_warmup"]
+            print(f"{nodes} node(s): step {row['driver_wall_s'] * 1e3:.1f} ms, driver's own "
+                  f"{row['driver_own_s'] * 1e3:.2f} ms (cpu {row['driver_cpu_s'] * 1e3:.2f} ms), out "
+                  f"{row['bytes_out'] / 1e3:.0f} kB, in {row['bytes_in'] / 1e3:.0f} kB, slowest worker "
+                  f"{row['worker_s_slowest'] * 1e3:.1f} ms", flush=True)
+    if args.json:
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        (RESULTS_DIR / "scaling.json").write_text(json.dumps({
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+            "load_average": os.getloadavg(),
+            "command": "python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "model": "gdp_cnn", "dataset": "mnist", "batch_size": args.batch_size, "warmup_steps": WARMUP_STEPS,
+            "runs": results,
+        }, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""The workers of a sharded run: placed on their shards' nodes, replaced when lost, waited for or skipped.
+
+Each (shard, worker) slot holds one `ShardWorker` actor with the shard's Ray
+custom resources, so it can only run where the shard's data lives. An actor
+that dies (its process, or its whole node) is replaced at once by a new actor
+with the same resources; Ray places the replacement when a node with those
+resources is there again. Until then the slot is lost, and the policy decides:
+"wait" holds the step (up to shard_timeout), "skip" runs it without the shard.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import ray
+
+from orchestrator.errors import ShardTimeoutError
+from workers.clipping import LayerClipNorms
+from workers.shard_worker import ShardWorkerActor
+
+Slot = tuple[int, int]  # (shard index, worker index within the shard)
+POLL_SECONDS = 0.5
+# How often a slot's new actor may fail to start on a node that has its resources before the error is raised.
+FAILED_STARTS = 3
+
+
+class ShardFleet:
+    """One ShardWorker actor per (shard, worker) of `config.shards`, and what to do when one is lost.
+
+    `say` prints a line of the run's log.
+    """
+
+    def __init__(self, config, say: Callable[[str], None]):
+        self.config, self.say = config, say
+        self.slots: list[Slot] = [(shard, worker) for shard, spec in enumerate(config.shards)
+                                  for worker in range(spec.workers)]
+        self.actors: dict[Slot, ray.actor.ActorHandle] = {}
+        # A slot's readiness probe while its actor is not known to be up (example_count() of a new actor).
+        self.probes: dict[Slot, ray.ObjectRef] = {}
+        self.example_counts: dict[Slot, int] = {}
+        self.sampling_rate: float | None = None
+
+    # --- placement -----------------------------------------------------------
+
+    def start(self) -> int:
+        """Place every slot's actor and return N, the sum of the example counts the workers report.
+
+        A shard whose resources are missing from the cluster for
+        shard_timeout seconds is an error naming them.
+        """
+        for slot in self.slots:
+            self._place(slot)
+        missing = self._wait_for_placement()
+        if missing:
+            raise ShardTimeoutError(
+                f"{self._describe(missing)} could not be placed within shard_timeout = "
+                f"{self.config.shard_timeout:g} s; start a Ray node with those resources "
+                "(ray start --address ... --resources ...) and try again"
+            )
+        for shard, spec in enumerate(self.config.shards):
+            held = sum(self.example_counts[(shard, worker)] for worker in range(spec.workers))
+            self.say(f"shard {shard}: {spec.dataset} part {spec.part} of {spec.parts} on {dict(spec.resources)}, "
+                     f"{spec.workers} worker(s), {held} examples")
+        return sum(self.example_counts.values())
+
+    def set_sampling_rate(self, sampling_rate: float) -> None:
+        """Tell every worker, and every later replacement, the common rate q."""
+        self.sampling_rate = sampling_rate
+        ray.get([self.actors[slot].set_sampling_rate.remote(sampling_rate) for slot in self.present()])
+
+    def _place(self, slot: Slot) -> None:
+        """Start a (new) actor for `slot` on its shard's resources; it is lost until its probe answers."""
+        config = self.config
+        shard, worker = slot
+        spec = config.shards[shard]
+        # No restarts by Ray: a lost actor is replaced here, where the policy decides what the step does meanwhile.
+        actor = ShardWorkerActor.options(
+            num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker, resources=dict(spec.resources),
+            max_restarts=0,
+        ).remote(
+            spec, shard, worker, config.seed, config.model, config.max_physical_batch,
+            threads=config.cpus_per_worker, data_root=config.data_root, engine=config.engine, loss=config.loss,
+            train_transforms=config.train_transforms,
+        )
+        if self.sampling_rate is not None:
+            # Calls from one caller run in order on an actor: this lands before the step that follows.
+            actor.set_sampling_rate.remote(self.sampling_rate)
+        self.actors[slot] = actor
+        self.probes[slot] = actor.example_count.remote()
+
+    def _wait_for_placement(self) -> set[Slot]:
+        """Wait until every lost slot's actor answers; return the slots still lost after shard_timeout.
+
+        The clock runs only while some lost slot's resources are missing
+        from the cluster: once a node with them is there, the new actor is
+        placed and is only starting (loading its data), which is waited out.
+        """
+        missing_seconds = 0.0
+        failed_starts: dict[Slot, int] = {}
+        while self.probes:
+            before = time.monotonic()
+            ready, _ = ray.wait(list(self.probes.values()), num_returns=len(self.probes), timeout=POLL_SECONDS)
+            self._collect(ready, failed_starts)
+            if self.probes and not self._placeable(self.probes):
+                missing_seconds += time.monotonic() - before
+                if missing_seconds >= self.config.shard_timeout:
+                    break
+        return set(self.probes)
+
+    def _placeable(self, slots) -> bool:
+        """Whether the cluster has, in total, what each of `slots` needs (its shard's resources and CPUs, GPUs)."""
+        cluster = ray.cluster_resources()
+        for shard, _ in slots:
+            needs = {**self.config.shards[shard].resources, "CPU": self.config.cpus_per_worker}
+            if self.config.gpus_per_worker:
+                needs["GPU"] = self.config.gpus_per_worker
+            if any(cluster.get(name, 0.0) < amount for name, amount in needs.items()):
+                return False
+        return True
+
+    def _collect(self, ready: list[ray.ObjectRef], failed_starts: dict[Slot, int]) -> None:
+        """Mark the slots whose probe answered as present; a probe that failed places the slot again.
+
+        A new actor that keeps failing where its resources are (its data will
+        not load, say) raises its error after FAILED_STARTS tries.
+        """
+        for slot, probe in list(self.probes.items()):
+            if probe not in ready:
+                continue
+            try:
+                count = ray.get(probe)
+            except ray.exceptions.RayActorError:
+                if self._placeable([slot]):
+                    failed_starts[slot] = failed_starts.get(slot, 0) + 1
+                    if failed_starts[slot] >= FAILED_STARTS:
+                        raise
+                self._place(slot)
+                continue
+            known = self.example_counts.setdefault(slot, count)
+            if count != known:
+                raise RuntimeError(
+                    f"{self._describe({slot})} now holds {count} examples, not the {known} it held when the run "
+                    "started; N and so q would change: restore the shard's data and resume"
+                )
+            del self.probes[slot]
+
+    def present(self) -> list[Slot]:
+        """The slots whose actor is up, in slot order."""
+        return [slot for slot in self.slots if slot not in self.probes]
+
+    def present_actors(self) -> list[ray.actor.ActorHandle]:
+        """The actors that are up, for evaluation and reports."""
+        return [self.actors[slot] for slot in self.present()]
+
+    def close(self) -> None:
+        """Stop every actor (placed or still waiting for its node), freeing the silos' CPUs for the next run."""
+        for actor in self.actors.values():
+            ray.kill(actor)
+        self.actors.clear()
+        self.probes.clear()
+
+    # --- a step ------------------------------------------------------------
+
+    def wait_for_all(self, step: int) -> None:
+        """Before a ledger charge in "wait" mode: make sure every shard is up, else stop (ShardTimeoutError)."""
+        pings = {slot: self.actors[slot].ping.remote() for slot in self.present()}
+        for slot, ping in pings.items():
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError:
+                self._lost(slot, step)
+        self._wait_or_stop(step)
+
+    def clipped_sums(
+        self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms
+    ) -> tuple[list[np.ndarray], list[int]]:
+        """Each present worker's clipped sum for step `step` (0-based), and the shards that had no part in it.
+
+        Every sum is followed by its raw count of examples left out for a
+        non-finite gradient. "wait": a worker lost during the step is
+        replaced and its sum recomputed (with a seed, from the same sample);
+        the step ends in ShardTimeoutError when the replacement cannot be
+        placed within shard_timeout. "skip": lost workers take no part, and
+        a replacement that is up by the next step rejoins then.
+        """
+        waiting = self.config.on_shard_loss == "wait"
+        if self.probes:
+            if waiting:
+                self._wait_or_stop(step)
+            else:
+                self._rejoin(step)
+        sums: list[np.ndarray] = []
+        pending = self.present()
+        while pending:
+            calls = {slot: self.actors[slot].sampled_clipped_grad_sum.remote(weights, step, clip_norm)
+                     for slot in pending}
+            pending = []
+            for slot, call in calls.items():
+                try:
+                    sums.append(ray.get(call))
+                except ray.exceptions.RayActorError:
+                    self._lost(slot, step)
+                    pending.append(slot)
+            if pending and waiting:
+                self._wait_or_stop(step)
+                self.say(f"step {step + 1}: recomputing the part of {self._describe(set(pending))} on its "
+                         "replacement")
+            elif pending:
+                break
+        missing = sorted({shard for shard, _ in self.probes})
+        return sums, missing
+
+    def _lost(self, slot: Slot, step: int) -> None:
+        policy = self.config.on_shard_loss
+        then = (f"waiting up to shard_timeout = {self.config.shard_timeout:g} s for a replacement" if policy == "wait"
+                else "steps run without it until a replacement is up")
+        self.say(f"step {step + 1}: {self._describe({slot})} is lost; {then} (on_shard_loss = {policy!r})")
+        self._place(slot)
+
+    def _wait_or_stop(self, step: int) -> None:
+        lost = set(self.probes)
+        if not lost:
+            return
+        missing = self._wait_for_placement()
+        if missing:
+            raise ShardTimeoutError(f"{self._describe(missing)} could not be placed again within shard_timeout = "
+                                    f"{self.config.shard_timeout:g} s")
+        self.say(f"step {step + 1}: {self._describe(lost)} placed again")
+
+    def _rejoin(self, step: int) -> None:
+        lost = set(self.probes)
+        ready, _ = ray.wait(list(self.probes.values()), num_returns=len(self.probes), timeout=0)
+        self._collect(ready, {})
+        back = lost - set(self.probes)
+        if back:
+            self.say(f"step {step + 1}: {self._describe(back)} is up again and takes part from this step")
+
+    def _describe(self, slots: set[Slot]) -> str:
+        """A log phrase naming the slots' shards, workers and resources."""
+        names = []
+        for shard, worker in sorted(slots):
+            spec = self.config.shards[shard]
+            names.append(f"shard {shard} ({dict(spec.resources)})" if spec.workers == 1
+                         else f"shard {shard} worker {worker} of {spec.workers} ({dict(spec.resources)})")
+        return ", ".join(names)

@@ -1,0 +1,93 @@
+"""The Ray shell of a shard's gradient worker: it holds its own examples and samples them itself.
+
+The driver sends the weights and the step number; the worker draws its own
+Poisson sample of its examples at the common rate q and answers with the sum of
+their clipped gradients and the raw count of examples left out for a
+non-finite gradient. Neither an example, an index nor a realised batch size
+leaves the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+
+from workers.actor import GradientWorker
+from workers.clipping import LayerClipNorms
+from workers.sampling import local_poisson_sample
+from workers.shards import ShardSpec, load_shard_examples
+from workers.sources import InMemorySource
+
+
+class ShardWorker(GradientWorker):
+    """A gradient worker over worker ``worker_index``'s range of shard number ``shard_index``.
+
+    ``seed`` is None in production (each step's sample comes from OS entropy);
+    a seed (tests only) derives each step's sample from (seed, shard, worker,
+    step). The other arguments are ``GradientWorker``'s.
+    """
+
+    def __init__(
+        self,
+        shard: ShardSpec,
+        shard_index: int,
+        worker_index: int,
+        seed: int | None,
+        model_spec: str,
+        max_physical_batch: int,
+        threads: int = 1,
+        data_root: str | None = None,
+        engine: str = "fast",
+        loss: str = "cross_entropy",
+        train_transforms: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        if not 0 <= worker_index < shard.workers:
+            raise ValueError(f"worker_index must be in 0..{shard.workers - 1} for a shard of {shard.workers} "
+                             f"worker(s) (got {worker_index})")
+        self.shard, self.shard_index, self.worker_index, self.seed = shard, shard_index, worker_index, seed
+        self.sampling_rate: float | None = None
+        super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
+                         engine=engine, loss=loss, train_transforms=train_transforms)
+
+    def _training_source(
+        self, dataset: str, train_subset: int | None, data_root: str | None
+    ) -> tuple[InMemorySource, int]:
+        source = InMemorySource(*load_shard_examples(self.shard, self.worker_index, data_root))
+        return source, len(source)
+
+    def example_count(self) -> int:
+        """How many training examples this worker holds (public: the driver adds them up to N)."""
+        return self.train_size
+
+    def set_sampling_rate(self, sampling_rate: float) -> None:
+        """Set q, the probability with which each example joins a step's sample (the same on every worker)."""
+        if not 0.0 < sampling_rate <= 1.0:
+            raise ValueError(f"sampling_rate must be in (0, 1] (got {sampling_rate})")
+        self.sampling_rate = sampling_rate
+
+    def sampled_clipped_grad_sum(
+        self, weights: np.ndarray, step: int, clip_norm: float | LayerClipNorms
+    ) -> np.ndarray:
+        """Poisson-sample this worker's examples for step ``step`` (0-based) and return their clipped sum.
+
+        Returns the flat float32 sum of the sampled examples' gradients at
+        ``weights``, each clipped to ``clip_norm``, followed by one raw count:
+        the examples left out for a non-finite gradient (see
+        ``GradientWorker.clipped_grad_sum``). With a seed, a retried call draws
+        the same sample.
+        """
+        if self.sampling_rate is None:
+            raise RuntimeError("set_sampling_rate must be called before the first step")
+        indices = local_poisson_sample(self.seed, self.shard_index, self.worker_index, step, self.train_size,
+                                       self.sampling_rate)
+        return self.clipped_grad_sum(weights, indices, clip_norm, count_zeroed=True)
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (hex), to check placement."""
+        return ray.get_runtime_context().get_node_id()
+
+
+ShardWorkerActor = ray.remote(ShardWorker)
