@@ -92,8 +92,8 @@ def test_two_workers_of_a_shard_hold_its_examples_once_each_and_sample_only_thei
     images, labels = load_split("mnist", "train")
     start, stop = part_bounds(len(labels), 1, 100)
     assert sum(worker.example_count() for worker in workers) == stop - start == 600
-    assert torch.equal(torch.cat([worker.labels for worker in workers]), labels[start:stop])
-    assert torch.equal(torch.cat([worker.images for worker in workers]), images[start:stop])
+    assert torch.equal(torch.cat([worker.source.labels for worker in workers]), labels[start:stop])
+    assert torch.equal(torch.cat([worker.source.inputs for worker in workers]), images[start:stop])
     worker = workers[1]
     worker.set_sampling_rate(0.05)
     weights = torch.nn.utils.parameters_to_vector(worker.model.parameters()).detach().numpy()
