@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from orchestrator.audit_cli import add_audit_parser
@@ -39,7 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one `dpfleet` command and return its exit status."""
+    """Run one `dpfleet` command and return its exit status.
+
+    The current directory goes first on the import path, as with
+    ``python -m``: ``package.module:function`` specs (models, datasets,
+    losses) name modules relative to where the command runs.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

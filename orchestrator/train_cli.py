@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from orchestrator.config import load_config
 from orchestrator.display import format_table, print_json
@@ -114,11 +115,21 @@ def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:
     return membership_report(trainer.model, images, labels, test_images, test_labels)
 
 
+def ledger_name(name: str) -> str:
+    """A ledger-valid dataset name for a spec's name: other characters become '-', at most 128 of them.
+
+    A path or ``module:function`` is not a valid ledger name as it is; give
+    ``dataset_name`` to choose the name yourself.
+    """
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
+    return cleaned[-128:] or "dataset"
+
+
 def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
-    dataset = args.dataset_name or config.dataset_name or spec_name(config.dataset)
+    dataset = args.dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
     say = trainer.say
     if trainer.resumed_reservation_id is not None:
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
