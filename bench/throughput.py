@@ -16,7 +16,7 @@ repeat, and reports the median samples/s over the repeats:
 
 Models: ``gdp_cnn`` and ``lenet5`` at batch 256 on MNIST; torchvision's
 ResNet-18 with GroupNorm at batch 64 on synthetic 3x32x32 images; a small
-transformer text classifier and a GRU text classifier at batch 128 on
+transformer text classifier, a GRU text classifier and a weight-tied GRU language model at batch 128 on
 synthetic tokens (Opacus runs the GRU as its ``DPGRU``, the replacement its
 ``ModuleValidator.fix`` makes; dpfleet the user's ``nn.GRU``). Peak memory of a
 ResNet-18-GN step at batch 64 is measured per variant in a fresh process:
@@ -117,6 +117,24 @@ class GRUTextClassifier(nn.Module):
         return self.head(final[-1])
 
 
+class TiedGRULanguageModel(GRUTextClassifier):
+    """A weight-tied language model: ``GRUTextClassifier``'s embedding and GRU, logits ``h @ E^T`` over the vocabulary.
+
+    The output layer is the embedding matrix used directly in forward, so
+    dpfleet's fast engine sends it to the vmap engine (a rule would not see
+    the head's share of the embedding's gradient).
+    """
+
+    def __init__(self, vocab_size: int = 5000, width: int = 128) -> None:
+        super().__init__(vocab_size, width, width)
+        del self.head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab_size] for token ids [B, T]."""
+        _, final = self.gru(self.tokens(tokens))
+        return final[-1] @ self.tokens.weight.T
+
+
 @dataclass(frozen=True)
 class Case:
     """One benchmarked model: how to build it and its data, the batch size, whether Ray workers can serve it.
@@ -155,6 +173,7 @@ CASES = {
     "resnet18_gn": Case(resnet18_gn, _images, 64, 16, False, 1),
     "transformer": Case(TextClassifier, _tokens, 128, 128, False, 1),
     "gru": Case(GRUTextClassifier, _tokens, 128, 128, False, 1),
+    "tied_gru_lm": Case(TiedGRULanguageModel, _tokens, 128, 32, False, 1),
 }
 
 
