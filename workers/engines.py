@@ -830,10 +830,7 @@ def check_rules(
         return _whole_model_fallback(units, reason)
     reference = copy.deepcopy(model).to(torch.float64)
     reference_units = _units(reference)
-    trainable = [(name, parameter) for name, parameter in reference.named_parameters() if parameter.requires_grad]
-    values = torch.split(flat_weights.detach().to(clipping.device_of(reference), torch.float64),
-                         [parameter.numel() for _, parameter in trainable])
-    params = {name: value.view(parameter.shape) for (name, parameter), value in zip(trainable, values, strict=True)}
+    _, params, _ = clipping.functional_parameters(reference, flat_weights, clipping.device_of(reference))
     inputs = inputs.to(clipping.device_of(reference))
     inputs = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
     labels = labels.to(inputs.device)
