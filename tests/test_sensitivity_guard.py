@@ -18,7 +18,8 @@ from torch import nn
 from reference import relative_error
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms, clipped_sum, microbatch_clipped_sum, per_example_clipped_sum
-from workers.engines import check_rules, engine_plan, fast_clipped_sum, instantiated, register_rule
+from workers.engines import (VMAP_FALLBACK_GRADIENT_ELEMENTS, check_rules, engine_plan, fallback_physical_batch,
+                             fast_clipped_sum, instantiated, register_rule)
 from workers.models import build_model, flat_parameters
 
 ENGINES = ("fast", "vmap")
@@ -74,6 +75,12 @@ def test_a_functionally_tied_weight_sends_the_model_to_the_vmap_engine_with_its_
         for title in ("embedding (Embedding)", "mix (Linear)")
     ]
     assert (contribution_norms("fast", model, weights, tokens, labels, 0.05) <= 0.05 * (1 + 1e-6)).all()
+
+
+def test_the_vmap_fallback_takes_fewer_examples_at_a_time_for_a_large_model():
+    assert fallback_physical_batch(128, 26_000) == 128
+    assert fallback_physical_batch(128, 750_000) == VMAP_FALLBACK_GRADIENT_ELEMENTS // 750_000 < 128
+    assert fallback_physical_batch(128, 10 * VMAP_FALLBACK_GRADIENT_ELEMENTS) == 1
 
 
 def test_a_rule_that_under_counts_is_caught_by_the_comparison_with_autograd():

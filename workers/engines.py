@@ -771,6 +771,8 @@ def _rule_gradients(
 
 RULE_CHECK_TOLERANCE = 1e-5
 RULE_CHECK_EXAMPLES = 4
+# Per-example gradient entries the vmap fallback holds at once (see fallback_physical_batch).
+VMAP_FALLBACK_GRADIENT_ELEMENTS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -958,12 +960,13 @@ def fast_clipped_sum(
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return (empty, {}) if return_norms else empty
     plan = _PLANS.get(model)
+    vmap_physical_batch = fallback_physical_batch(max_physical_batch, sum(p.numel() for _, p in trainable))
     if plan is None and inputs.shape[0]:
         plan = check_rules(model, flat_weights, inputs[:RULE_CHECK_EXAMPLES], labels[:RULE_CHECK_EXAMPLES], loss_fn)
         if plan is None:
             # Nothing shown yet: this call runs on the vmap engine and the next one checks again.
             return clipping.per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm,
-                                                    max_physical_batch, loss_fn, return_norms)
+                                                    vmap_physical_batch, loss_fn, return_norms)
         _PLANS[model] = plan
         if plan.fallback is not None:
             _warn_fallback(plan.fallback)
@@ -974,8 +977,20 @@ def fast_clipped_sum(
         except WholeModelFallback as fallback:
             _PLANS[model] = plan = _whole_model_fallback(_units(model), str(fallback))
             _warn_fallback(plan.fallback)
-    return clipping.per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, max_physical_batch,
+    return clipping.per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
                                             loss_fn, return_norms)
+
+
+def fallback_physical_batch(max_physical_batch: int, trainable_elements: int) -> int:
+    """How many examples the vmap fallback takes at a time: ``max_physical_batch``, fewer for a large model.
+
+    ``max_physical_batch`` is chosen for the fast engine, which never holds a
+    whole per-example gradient. The vmap engine holds one per example, so a
+    chunk is also capped at ``VMAP_FALLBACK_GRADIENT_ELEMENTS`` gradient
+    entries in all (128 MiB of float32): past that, memory traffic makes a
+    step slower, not faster.
+    """
+    return max(1, min(max_physical_batch, VMAP_FALLBACK_GRADIENT_ELEMENTS // max(1, trainable_elements)))
 
 
 def _warn_fallback(reason: str) -> None:
