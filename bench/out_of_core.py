@@ -39,7 +39,7 @@ _WRITE_BATCH = 20_000
 class MeasuredTrainer(Trainer):
     """A Trainer that times its training steps and reads its workers' peak resident sets afterwards."""
 
-    def _train(self, workers: list, evaluation) -> None:
+    def _train(self, workers: list) -> None:
         pids = [int(identity.rsplit(":", 1)[1]) for identity in ray.get([w.ping.remote() for w in workers])]
         evaluation_seconds = 0.0
         record_epoch = self._record_epoch
@@ -52,7 +52,7 @@ class MeasuredTrainer(Trainer):
 
         self._record_epoch = timed_record_epoch
         started = time.perf_counter()
-        super()._train(workers, evaluation)
+        super()._train(workers)
         self.step_seconds = (time.perf_counter() - started - evaluation_seconds) / self.plan.steps
         self.worker_peak_rss_bytes = [_peak_rss_bytes(pid) for pid in pids]
 

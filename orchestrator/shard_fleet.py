@@ -175,8 +175,8 @@ class ShardFleet:
 
     def clipped_sums(
         self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms
-    ) -> tuple[list[np.ndarray], list[int]]:
-        """Each present worker's clipped sum for step `step` (0-based), and the shards that had no part in it.
+    ) -> tuple[list[np.ndarray], list[Slot]]:
+        """Each present worker's clipped sum for step `step` (0-based), and the (shard, worker) slots that had none.
 
         Every sum is followed by its raw count of examples left out for a
         non-finite gradient. "wait": a worker lost during the step is
@@ -209,8 +209,7 @@ class ShardFleet:
                          "replacement")
             elif pending:
                 break
-        missing = sorted({shard for shard, _ in self.probes})
-        return sums, missing
+        return sums, sorted(self.probes)
 
     def _lost(self, slot: Slot, step: int) -> None:
         policy = self.config.on_shard_loss

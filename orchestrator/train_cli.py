@@ -98,12 +98,25 @@ def run_train(args: argparse.Namespace) -> int:
         ["ledger: spent (pld)", budget.spent_epsilon],
         ["ledger: remaining", budget.remaining_epsilon],
     ]
+    rows.extend(outage_rows(summary.get("shard_outages", [])))
     if args.mia:
         attack = summary["membership_inference"]
         rows.append(["membership inference AUC", attack["auc"]])
         rows.append(["membership inference TPR at 1% FPR", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def outage_rows(outages: list[dict]) -> list[list[str]]:
+    """Summary rows naming the steps that ran without a shard (or without one of its workers)."""
+    rows = []
+    for outage in outages:
+        who = f"shard {outage['shard']}" if outage["workers"] == 1 else \
+            f"shard {outage['shard']} worker {outage['worker']} of {outage['workers']}"
+        first, last = outage["first_step"], outage["last_step"]
+        rows.append([f"ran without {who} ({outage['resources']})",
+                     f"step {first}" if first == last else f"steps {first}-{last}"])
+    return rows
 
 
 def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:

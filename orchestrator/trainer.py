@@ -558,15 +558,23 @@ class Trainer:
         self._apply_noisy_sum(clipped_sum + noise)
         self.events = self.events.then(plan.events_between(step, step + 1))
 
-    def _record_missing_shards(self, step: int, missing: list[int]) -> None:
-        """Extend each missing shard's outage to step `step` (0-based); outages list 1-based steps, inclusive."""
-        for shard in missing:
-            open_outage = next((outage for outage in reversed(self.shard_outages) if outage["shard"] == shard), None)
+    def _record_missing_shards(self, step: int, missing: list[tuple[int, int]]) -> None:
+        """Extend each missing (shard, worker) slot's outage to step `step` (0-based).
+
+        An outage names the shard, the worker within it (of the shard's
+        `workers`: with several, the others' examples still took part) and
+        1-based steps, inclusive.
+        """
+        for shard, worker in missing:
+            open_outage = next((outage for outage in reversed(self.shard_outages)
+                                if (outage["shard"], outage["worker"]) == (shard, worker)), None)
             if open_outage is not None and open_outage["last_step"] == step:
                 open_outage["last_step"] = step + 1
             else:
-                self.shard_outages.append({"shard": shard, "resources": dict(self.config.shards[shard].resources),
-                                           "first_step": step + 1, "last_step": step + 1})
+                spec = self.config.shards[shard]
+                self.shard_outages.append({"shard": shard, "worker": worker, "workers": spec.workers,
+                                           "resources": dict(spec.resources), "first_step": step + 1,
+                                           "last_step": step + 1})
 
     def _stop_at_checkpoint(self, error: ShardTimeoutError) -> None:
         """Save a checkpoint of the steps that ran and stop with a message that says how to continue."""

@@ -129,7 +129,8 @@ def test_skip_runs_without_a_lost_silo_records_its_steps_and_takes_it_back(clust
     trainer.cluster, trainer.then = cluster, bring_back_after_step_5
     summary, job, spent = run_charged(trainer)
     # Lost before step 4; added after step 5; the step that follows (6) finds it up: steps 4 and 5 ran without it.
-    assert summary["shard_outages"] == [{"shard": 2, "resources": {"silo-c": 1.0}, "first_step": 4, "last_step": 5}]
+    assert summary["shard_outages"] == [{"shard": 2, "worker": 0, "workers": 1, "resources": {"silo-c": 1.0},
+                                         "first_step": 4, "last_step": 5}]
     log = out.getvalue()
     assert "step 4: shard 2 ({'silo-c': 1.0}) is lost" in log and "on_shard_loss = 'skip'" in log
     assert "step 6: shard 2 ({'silo-c': 1.0}) is up again" in log

@@ -11,6 +11,7 @@ from scipy import stats
 
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
+from orchestrator.train_cli import outage_rows
 from orchestrator.trainer import plan_run
 from workers.data import load_split
 from workers.sampling import local_poisson_sample, part_bounds
@@ -136,3 +137,10 @@ def test_a_sharded_config_counts_its_workers_and_is_planned_on_the_reported_n():
     with pytest.raises(UsageError, match=r"batch_size \(30\) must not exceed the dataset size \(20\)"):
         plan_run(config, dataset_size=20)
     assert build_config(json.loads(json.dumps(config.to_dict()))) == config  # as --resume reads config.json
+
+
+def test_the_printed_summary_names_the_steps_each_lost_worker_missed():
+    outages = [{"shard": 2, "worker": 0, "workers": 1, "resources": {"silo-c": 1.0}, "first_step": 4, "last_step": 5},
+               {"shard": 0, "worker": 1, "workers": 2, "resources": {"silo-a": 1.0}, "first_step": 9, "last_step": 9}]
+    assert outage_rows(outages) == [["ran without shard 2 ({'silo-c': 1.0})", "steps 4-5"],
+                                    ["ran without shard 0 worker 1 of 2 ({'silo-a': 1.0})", "step 9"]]
