@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.actor import retain_freed_memory
-from workers.clipping import clipped_sum
+from workers.engines import clipped_sum
 from workers.models import build_model, flat_parameters, load_flat_gradient
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

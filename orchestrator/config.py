@@ -14,7 +14,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from accounting.accountants import ACCOUNTANTS
-from workers.clipping import ENGINES, LayerClipNorms
+from workers.clipping import LayerClipNorms
+from workers.engines import ENGINES
 from workers.shards import ShardSpec
 from workers.sources import BUILTINS
 from orchestrator import checks

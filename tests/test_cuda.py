@@ -20,7 +20,7 @@ from orchestrator.config import build_config
 from orchestrator.trainer import Trainer
 from reference import relative_error
 from workers.actor import GradientWorkerActor
-from workers.clipping import clipped_sum
+from workers.engines import clipped_sum
 from workers.data import load_split
 from workers.models import build_model, flat_parameters
 

@@ -20,8 +20,9 @@ import ray
 import torch
 from torch.func import functional_call
 
-from workers.clipping import check_engine, clipped_sum, functional_parameters, microbatch_clipped_sum
-from workers.engines import engine_plan, per_example_losses
+from workers.clipping import functional_parameters
+from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
+from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.sources import ExampleSource, open_source, spec_name
 from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
@@ -69,7 +70,7 @@ class GradientWorker:
     ``max_physical_batch`` caps how many per-example gradients are in memory at
     once; ``threads`` is the torch intra-op thread count, which should match
     the CPUs Ray gave the actor; ``engine`` names the clipping engine
-    (``workers.clipping.ENGINES``); ``loss`` names the per-example loss
+    (``workers.engines.ENGINES``); ``loss`` names the per-example loss
     (``workers.tasks.build_loss``); ``train_transforms`` are applied to each
     sampled training example on its own (``workers.tasks.build_transform``).
     """
