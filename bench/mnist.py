@@ -16,7 +16,7 @@ from pathlib import Path
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.config import load_config
-from orchestrator.display import format_table
+from orchestrator.cli.display import format_table
 from orchestrator.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

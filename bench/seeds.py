@@ -15,7 +15,7 @@ from pathlib import Path
 
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, label
 from bench.mnist import ROOT, run_config
-from orchestrator.display import format_table
+from orchestrator.cli.display import format_table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "seeds.json"
 

@@ -34,7 +34,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from accounting.ledger.client import RemoteLedger
 from orchestrator.cli import main
 from orchestrator.config import load_config
-from orchestrator.submit_cli import CONFIG_VARIABLE, UPLOAD_EXCLUDES, job_entrypoint
+from orchestrator.cli.submit import CONFIG_VARIABLE, UPLOAD_EXCLUDES, job_entrypoint
 from servers import DPFLEET, REPOSITORY, TINY_JOB, free_port, start_serve_process, tiny_job_epsilon
 
 DEPLOY = REPOSITORY / "deploy"
@@ -336,7 +336,7 @@ def test_the_working_dir_upload_holds_the_code_and_leaves_environments_and_resul
     package = tmp_path / "working_dir.zip"
     create_package(str(REPOSITORY), package, include_gitignore=False, excludes=UPLOAD_EXCLUDES)
     names = zipfile.ZipFile(package).namelist()
-    assert {"orchestrator/cli.py", "workers/__init__.py", "accounting/ledger/service.py"} <= set(names)
+    assert {"orchestrator/cli/__init__.py", "workers/__init__.py", "accounting/ledger/service.py"} <= set(names)
     assert not [name for name in names if re.match(r"(\.venv|\.git|runs|bench/results)/|.*__pycache__/", name)]
     assert package.stat().st_size < 5 * 1024**2
 

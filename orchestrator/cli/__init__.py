@@ -1,4 +1,9 @@
-"""The `dpfleet` command: one parser, one subcommand per concern."""
+"""The `dpfleet` command: one parser, one module per command group.
+
+`eps` and `noise` (privacy), `train`, `ledger`, `audit`, `submit` and `data`
+each register their parser from their own module; `main` runs one command.
+`python -m orchestrator.cli` is the same as the `dpfleet` console script.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,13 @@ import argparse
 import os
 import sys
 
-from orchestrator.audit_cli import add_audit_parser
-from orchestrator.data_cli import add_data_parser
+from orchestrator.cli.audit import add_audit_parser
+from orchestrator.cli.data import add_data_parser
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
-from orchestrator.ledger_cli import add_ledger_parser
-from orchestrator.privacy_cli import add_privacy_parsers
-from orchestrator.submit_cli import add_submit_parser
-from orchestrator.train_cli import add_train_parser
+from orchestrator.cli.ledger import add_ledger_parser
+from orchestrator.cli.privacy import add_privacy_parsers
+from orchestrator.cli.submit import add_submit_parser
+from orchestrator.cli.train import add_train_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,7 +62,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dpfleet {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from orchestrator.config import load_config
 from orchestrator.errors import UsageError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # Paths (gitignore syntax) kept out of the working_dir upload: environments, history, results, caches.
 UPLOAD_EXCLUDES = [
     ".git", ".venv", "runs/", "bench/results/", "build/", "dist/", "*.egg-info",

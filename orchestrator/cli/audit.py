@@ -7,7 +7,7 @@ import argparse
 from orchestrator import checks
 from orchestrator.audit import DEFAULT_CANARIES, MIN_CANARIES, MODES, run_audit
 from orchestrator.config import load_config
-from orchestrator.display import format_table, print_json
+from orchestrator.cli.display import format_table, print_json
 from orchestrator.errors import UsageError
 
 

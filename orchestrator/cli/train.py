@@ -6,7 +6,7 @@ import argparse
 import re
 
 from orchestrator.config import load_config
-from orchestrator.display import format_table, print_json
+from orchestrator.cli.display import format_table, print_json
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
 from orchestrator.membership import membership_report
