@@ -282,10 +282,11 @@ def test_an_unreachable_cluster_and_a_bad_config_are_one_line_errors(tmp_path, r
 
 def test_the_ray_submit_script_runs_train_from_the_checkout_joined_to_the_cluster(tmp_path):
     checkout = tmp_path / "checkout"
-    (checkout / "orchestrator").mkdir(parents=True)
+    (checkout / "orchestrator" / "cli").mkdir(parents=True)
     (checkout / "orchestrator" / "__init__.py").write_text("")
+    (checkout / "orchestrator" / "cli" / "__init__.py").write_text("")
     # A stand-in for dpfleet's command line: reports where and how it was run.
-    (checkout / "orchestrator" / "cli.py").write_text(
+    (checkout / "orchestrator" / "cli" / "__main__.py").write_text(
         "import json, os, sys\n"
         "print(json.dumps({'cwd': os.getcwd(), 'argv': sys.argv[1:], 'ray': os.environ.get('RAY_ADDRESS')}))\n"
         "sys.exit(7)\n"
