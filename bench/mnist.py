@@ -2,7 +2,7 @@
 
 Runs each configuration through the real trainer (local Ray, 2 workers) and
 prints test accuracy, PLD and RDP epsilon, and wall time: the figures in the
-README's results table. The seed configuration's target is >= 96.8% test
+main job's table in docs/benchmarks.md. The seed configuration's target is >= 96.8% test
 accuracy (the GDP tutorial's figure) at PLD epsilon of about 0.85.
 `--json` also writes bench/results/mnist.json.
 """

@@ -89,7 +89,8 @@ class TrainConfig:
         "datasets, or files (see docs/training.md, Data).",
     )
     model: str = key(
-        "gdp_cnn", "model and task", "string", '`"gdp_cnn"`, `"opacus_cnn"`, `"lenet5"`, or `"package.module:function"`',
+        "gdp_cnn", "model and task", "string",
+        '`"gdp_cnn"`, `"opacus_cnn"`, `"lenet5"`, or `"package.module:function"`',
         "The model: a built-in one, or a function returning an `nn.Module` (no BatchNorm).",
     )
     workers: int = key(
@@ -229,13 +230,14 @@ class TrainConfig:
     )
     ledger: str | None = key(
         None, "ledger", "string", '`"HOST:PORT"`',
-        "The privacy ledger server (also `--ledger` or `DPFLEET_LEDGER`).",
+        "The privacy ledger server; `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
         "the embedded ledger",
     )
     dataset_name: str | None = key(
         None, "ledger", "string", "1 to 128 characters",
         "The dataset's name in the ledger (also `--dataset-name`).",
-        "the dataset's own name",
+        "the dataset's name (a table's `name`, else its train location), with characters a ledger name cannot "
+        "hold replaced by `-`",
     )
     ledger_timeout: float = key(
         300.0, "ledger", "number", "> 0",

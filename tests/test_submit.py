@@ -214,7 +214,7 @@ def test_dpfleet_submit_trains_on_the_cluster_and_the_ledger_records_the_charge(
 
 def test_plain_ray_job_submit_of_the_same_config_succeeds(ray_head, ledger, tmp_path):
     config = write_tiny(tmp_path, "submit-plain")
-    # The README's command, run from the checkout; the head is this machine, so the config may stay outside it.
+    # docs/cluster.md's command, run from the checkout; the head is this machine, so the config may stay outside it.
     result = subprocess.run(
         [RAY, "job", "submit", "--address", ray_head["url"], "--working-dir", ".",
          "--runtime-env-json", json.dumps({"env_vars": {"DPFLEET_TOKEN": ledger["token"]}}),

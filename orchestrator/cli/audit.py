@@ -42,7 +42,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     audit.add_argument("--run-dir", help="where audit.json, audit_scores.png and the run's files go")
     audit.add_argument("--seed", help="fixed seed for sampling, noise and canaries: tests only, never production")
-    audit.add_argument("--no-progress", action="store_true", help="hide the progress bars (shown only when stderr is a terminal)")
+    audit.add_argument("--no-progress", action="store_true",
+                       help="hide the progress bars (shown only when stderr is a terminal)")
     audit.add_argument("--json", action="store_true", help="print the audit as JSON on the last line")
     audit.set_defaults(handler=run_audit_command)
 

@@ -40,8 +40,8 @@ def config_reference() -> str:
     for group in GROUPS:
         lines += [f"## {group[0].upper()}{group[1:]}", "", "| key | type | default | valid | meaning |",
                   "|---|---|---|---|---|"]
-        lines += [f"| `{item.name}` | {item.kind} | {_cell(item.default)} | {_cell(item.valid)} | {_cell(item.meaning)} |"
-                  for item in keys if item.group == group]
+        lines += [f"| `{item.name}` | {item.kind} | {_cell(item.default)} | {_cell(item.valid)} | "
+                  f"{_cell(item.meaning)} |" for item in keys if item.group == group]
         lines.append("")
     return "\n".join(lines)
 

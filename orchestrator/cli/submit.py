@@ -80,7 +80,7 @@ def run_submit(args: argparse.Namespace) -> int:
         raise UsageError(
             f"dpfleet submit ships its source tree as the job's working_dir, but {PROJECT_ROOT} is an installed "
             "copy without one: run it from a dpfleet checkout (pip install -e .), or use `ray job submit` on a "
-            "cluster whose image has dpfleet installed (see deploy/README.md)"
+            "cluster whose image has dpfleet installed (see docs/cluster.md)"
         )
     address = dashboard_url(args.address)
     headers = ray_auth_headers()

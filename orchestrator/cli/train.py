@@ -48,7 +48,8 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--mia", action="store_true",
                        help="after training, run a loss-threshold membership-inference attack and report its "
                             "AUC and TPR at 1%% FPR (training examples against held-out test examples)")
-    train.add_argument("--no-progress", action="store_true", help="hide the progress bars (shown only when stderr is a terminal)")
+    train.add_argument("--no-progress", action="store_true",
+                       help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     train.set_defaults(handler=run_train)
 
