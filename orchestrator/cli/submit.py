@@ -29,9 +29,10 @@ from orchestrator.config import load_config
 from orchestrator.errors import UsageError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-# Paths (gitignore syntax) kept out of the working_dir upload: environments, history, results, caches.
+# Paths (gitignore syntax) kept out of the working_dir upload: environments, history, results, caches, and
+# data/, where the examples export datasets (a cluster reads its data from its own storage, not from the upload).
 UPLOAD_EXCLUDES = [
-    ".git", ".venv", "runs/", "bench/results/", "build/", "dist/", "*.egg-info",
+    ".git", ".venv", "runs/", "bench/results/", "build/", "dist/", "site/", "data/", "*.egg-info",
     "__pycache__/", ".pytest_cache/", ".hypothesis/", ".ruff_cache/",
 ]
 CONFIG_VARIABLE = "DPFLEET_CONFIG_TOML"
