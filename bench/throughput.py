@@ -48,7 +48,7 @@ from torch import nn
 
 from workers.actor import retain_freed_memory
 from workers.clipping import clipped_sum
-from workers.models import build_model, flat_parameters, load_flat_gradient
+from workers.models import bind_flat_views, build_model, flat_parameters
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOISE_MULTIPLIER = 1.0
@@ -258,22 +258,25 @@ def _out_of_place_residual(block: nn.Module) -> Callable[[torch.Tensor], torch.T
 
 
 class _Driver:
-    """The trainer's side of a DP-SGD step on ``device``: noise once on the clipped sum, average, SGD step."""
+    """The trainer's side of a DP-SGD step on ``device``: noise once on the clipped sum, average, SGD step.
+
+    The weights and the gradient are the model's flat views
+    (``bind_flat_views``), as in ``dpfleet train``; the noise comes from
+    torch's generator, drawn within the step.
+    """
 
     def __init__(self, setting: Setting, device: torch.device) -> None:
         self.setting = setting
         self.model = setting.model(device)
+        self.flat, self.gradient = bind_flat_views(self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
-        self.flat = flat_parameters(self.model)
         self.generator = torch.Generator(device).manual_seed(1)
 
     def apply(self, summed: torch.Tensor) -> None:
         noise = torch.randn(summed.shape, generator=self.generator, device=self.generator.device)
         noisy = summed.to(noise.device).add_(noise, alpha=NOISE_MULTIPLIER * CLIP_NORM)
-        self.optimizer.zero_grad(set_to_none=True)
-        load_flat_gradient(self.model, noisy.div_(self.setting.case.batch_size))
+        torch.div(noisy, self.setting.case.batch_size, out=self.gradient)
         self.optimizer.step()
-        self.flat = flat_parameters(self.model)
 
 
 def in_process(engine: str) -> Callable[[Setting], Callable[[], None]]:
