@@ -39,7 +39,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -852,13 +852,17 @@ def check_rules(
         if tracker.outside:
             used = "; ".join(f"{name} (by {operation})" for name, operation in tracker.outside.items())
             return _whole_model_fallback(units, f"the model's forward uses {used} outside the layer that owns it")
-        _restore_random_state(random_state)
-        expected = _autograd_per_example(reference, params, inputs, labels, loss_fn)
+
+        def expected(summed: bool = False) -> Iterator[dict[str, Tensor]]:
+            _restore_random_state(random_state)
+            return _autograd_gradients(reference, params, inputs, labels, loss_fn, summed)
+
+        squared_total = sum(gradient.square().sum().item() for row in expected() for gradient in row.values())
+        if not math.isfinite(squared_total):
+            return None
+        wrong = _disagreeing_parameters(params, gradients, expected, inputs.shape[0], math.sqrt(squared_total))
     finally:
         _restore_random_state(random_state)
-    if not all(gradient.isfinite().all() for row in expected for gradient in row.values()):
-        return None
-    wrong = _disagreeing_parameters(params, gradients, expected)
     if wrong:
         return _whole_model_fallback(
             units, f"the layer rules do not reproduce autograd's per-example gradient of {', '.join(wrong)}"
@@ -873,43 +877,58 @@ def _how(unit: _Unit, gradients: Mapping[str, ParameterGradients]) -> str:
     return "fast (ghost)" if "ghost" in paths else "fast (per-example)"
 
 
-def _autograd_per_example(
+def _autograd_gradients(
     model: nn.Module, params: Mapping[str, Tensor], inputs: Tensor, labels: Tensor, loss_fn: clipping.LossFunction,
-) -> list[dict[str, Tensor]]:
-    """Each example's gradient, by name, from one batched forward and one backward pass per example."""
-    leaves = {name: value.detach().clone().requires_grad_() for name, value in params.items()}
+    summed: bool = False,
+) -> Iterator[dict[str, Tensor]]:
+    """Autograd's gradients by name: each example's in turn, or with ``summed`` the one of the summed loss.
+
+    One batched forward, then one backward pass per example (or one in all).
+    Yielded one at a time, so that a check holds one gradient of a large
+    model, not one per example.
+    """
+    leaves = {name: value.detach().requires_grad_() for name, value in params.items()}
     with torch.enable_grad():
+        # Unbound here: a view taken under the caller's no_grad would have no graph.
         losses = per_example_losses(loss_fn, functional_call(model, leaves, (inputs,)), labels)
-        rows = []
-        for loss in losses:
-            grads = torch.autograd.grad(loss, list(leaves.values()), retain_graph=True, allow_unused=True)
-            rows.append({name: torch.zeros_like(leaf) if gradient is None else gradient
-                         for (name, leaf), gradient in zip(leaves.items(), grads, strict=True)})
-    return rows
+        losses = [losses.sum()] if summed else losses.unbind(0)
+    for loss in losses:
+        grads = torch.autograd.grad(loss, list(leaves.values()), retain_graph=not summed, allow_unused=True)
+        yield {name: torch.zeros_like(leaf) if gradient is None else gradient
+               for (name, leaf), gradient in zip(leaves.items(), grads, strict=True)}
 
 
 def _disagreeing_parameters(
-    params: Mapping[str, Tensor], gradients: Mapping[str, ParameterGradients], expected: list[dict[str, Tensor]]
+    params: Mapping[str, Tensor], gradients: Mapping[str, ParameterGradients],
+    expected: Callable[..., Iterator[dict[str, Tensor]]], batch_size: int, scale: float,
 ) -> list[str]:
-    batch_size = len(expected)
-    scale = math.sqrt(sum(row[name].square().sum().item() for row in expected for name in params))
-    wrong = []
+    """The parameters whose rule misses autograd's per-example gradient, its squared norm or the summed loss's.
+
+    ``expected()`` yields autograd's gradients example by example,
+    ``expected(summed=True)`` the summed loss's; ``scale`` (the norm of all
+    the examples' gradients together) sets the tolerance's unit.
+    """
+    wrong: set[str] = set()
     with torch.no_grad():
-        for name, value in params.items():
-            rule = gradients.get(name)
-            if rule is None:
-                if any(row[name].norm().item() > 1e-6 * scale for row in expected):
-                    wrong.append(name)
-                continue
-            factors = torch.eye(batch_size, dtype=value.dtype, device=value.device)
-            mismatched = _mismatch(rule.clipped_sum(factors.sum(0)), sum(row[name] for row in expected), scale) or any(
-                _mismatch(rule.clipped_sum(factors[index]), row[name], scale)
-                or _mismatch(rule.squared_norms[index].reshape(1), row[name].square().sum().reshape(1), scale**2)
-                for index, row in enumerate(expected)
-            )
-            if mismatched:
-                wrong.append(name)
-    return wrong
+        for index, row in enumerate(expected()):
+            for name, value in params.items():
+                rule = gradients.get(name)
+                if rule is None:
+                    if row[name].norm().item() > 1e-6 * scale:
+                        wrong.add(name)
+                    continue
+                one_hot = torch.zeros(batch_size, dtype=value.dtype, device=value.device)
+                one_hot[index] = 1
+                if (_mismatch(rule.clipped_sum(one_hot), row[name], scale)
+                        or _mismatch(rule.squared_norms[index].reshape(1), row[name].square().sum().reshape(1),
+                                     scale**2)):
+                    wrong.add(name)
+        for total in expected(summed=True):
+            for name, rule in gradients.items():
+                ones = torch.ones(batch_size, dtype=total[name].dtype, device=total[name].device)
+                if name in total and _mismatch(rule.clipped_sum(ones), total[name], scale):
+                    wrong.add(name)
+    return [name for name in params if name in wrong]
 
 
 def _random_state() -> tuple[Tensor, list[Tensor] | None]:
