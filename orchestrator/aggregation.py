@@ -130,19 +130,31 @@ class NodeAggregation:
         """
         gathered = Gathered()
         started = time.perf_counter()
-        for part in pending:
-            try:
-                values, seconds = ray.get(part.result)
-            except ray.exceptions.RayError as error:
-                if not (part.reduced or isinstance(error, ray.exceptions.RayActorError)):
-                    raise
-                gathered.failed.extend(part.names)
+        try:
+            # One call for every part: each ray.get costs the driver a round of IPC, so not one per node.
+            results = ray.get([part.result for part in pending])
+        except ray.exceptions.RayError:
+            results = [self._get_or_fail(part, gathered) for part in pending]
+        for result in results:
+            if result is None:
                 continue
+            values, seconds = result
             gathered.parts.append(values)
             gathered.slowest_worker_seconds = max(gathered.slowest_worker_seconds, seconds)
             gathered.values_in += values.size
         gathered.wait_seconds = time.perf_counter() - started
         return gathered
+
+    @staticmethod
+    def _get_or_fail(part: Pending, gathered: Gathered) -> tuple[np.ndarray, float] | None:
+        """`part`'s result, or None with its workers added to ``gathered.failed`` when it was lost."""
+        try:
+            return ray.get(part.result)
+        except ray.exceptions.RayError as error:
+            if not (part.reduced or isinstance(error, ray.exceptions.RayActorError)):
+                raise
+            gathered.failed.extend(part.names)
+            return None
 
     def forget(self, names) -> None:
         """Drop the reducers that held any of `names` (lost workers): `place` starts them afresh."""
