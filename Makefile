@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
 
-.PHONY: setup test train bench clean
+.PHONY: setup test train bench docs clean
 
 setup: $(STAMP)
 
@@ -25,5 +25,10 @@ bench: setup
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench $(BENCH)
 
+docs: setup
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	$(BIN)/python -m orchestrator.cli.reference
+	$(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build site *.egg-info

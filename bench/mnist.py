@@ -2,7 +2,7 @@
 
 Runs each configuration through the real trainer (local Ray, 2 workers) and
 prints test accuracy, PLD and RDP epsilon, and wall time: the figures in the
-README's results table. The seed configuration's target is >= 96.8% test
+main job's table in docs/benchmarks.md. The seed configuration's target is >= 96.8% test
 accuracy (the GDP tutorial's figure) at PLD epsilon of about 0.85.
 `--json` also writes bench/results/mnist.json.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.config import load_config
-from orchestrator.display import format_table
+from orchestrator.cli.display import format_table
 from orchestrator.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, label
 from bench.mnist import ROOT, run_config
-from orchestrator.display import format_table
+from orchestrator.cli.display import format_table
 
 RESULTS = Path(__file__).resolve().parent / "results" / "seeds.json"
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=sorted(TUTORIALS), help="run just these tutorials")
     parser.add_argument("--json", action="store_true", help="also write (update) bench/results/seeds.json")
     parser.add_argument("--markdown", action="store_true",
-                        help="run nothing; print bench/results/seeds.json as the README's Markdown table")
+                        help="run nothing; print bench/results/seeds.json as docs/benchmarks.md's Markdown table")
     args = parser.parse_args(argv)
     if args.markdown:
         print(markdown_table(json.loads(RESULTS.read_text())))
@@ -66,7 +66,7 @@ def _cells(row: dict) -> list[str]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The rows as a GitHub Markdown table, for the README."""
+    """The rows as a GitHub Markdown table, for docs/benchmarks.md."""
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     return "\n".join(lines + ["| " + " | ".join(_cells(row)) + " |" for row in rows])
 

@@ -56,7 +56,7 @@ from torch import nn
 from orchestrator.aggregation import NodeAggregation
 from orchestrator.noise import GaussianNoise, NoiseFeed, TorchGaussianNoise, driver_threads, noisy_mean_gradient
 from workers.actor import retain_freed_memory
-from workers.clipping import clipped_sum
+from workers.engines import clipped_sum
 from workers.models import bind_flat_views, build_model, flat_parameters
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the dpfleet checkout on this node (default: $DPFLEET_SOURCE, else {DEFAULT_SOURCE})")
     args, train_flags = parser.parse_known_args(argv)
     source = Path(args.source).expanduser()
-    if not (source / "orchestrator" / "cli.py").is_file():
+    if not (source / "orchestrator" / "cli" / "__main__.py").is_file():
         parser.error(
-            f"--source {source} holds no dpfleet checkout (no orchestrator/cli.py); deploy/cluster.yaml's "
+            f"--source {source} holds no dpfleet checkout (no orchestrator/cli/__main__.py); deploy/cluster.yaml's "
             f"file_mounts put one at {DEFAULT_SOURCE}"
         )
     env = dict(os.environ)

@@ -1,1 +1,3 @@
-"""The driver side of dpfleet: configuration, sampling, aggregation, training loop and CLI."""
+"""The driver side of dpfleet: configuration, sampling, aggregation and the training loop; the CLI in cli/."""
+
+__version__ = "0.1.0"

@@ -20,7 +20,7 @@ the partial-sum stage, before the driver's one noise draw.
   (``accounting.auditing.dirac_canary_scores``).
 - black-box: input canaries, K images from the end of the test split with a
   wrong label. Their gradients are clipped on the driver by
-  ``workers.clipping.per_example_clipped_sum`` (the workers' clipping code):
+  ``workers.vmap_engine.per_example_clipped_sum`` (the workers' clipping code):
   the workers load only their own training split, so the canaries cannot be
   placed among their examples. The auditor sees only the final model and
   scores each canary by minus its loss.
@@ -53,7 +53,7 @@ from orchestrator.membership import example_losses, loss_attack_figures, members
 from orchestrator.noise import GaussianNoise, noisy_sum_at  # noqa: E402
 from orchestrator.sampling import make_generator, partition  # noqa: E402
 from orchestrator.trainer import Trainer  # noqa: E402
-from workers.clipping import per_example_clipped_sum  # noqa: E402
+from workers.vmap_engine import per_example_clipped_sum  # noqa: E402
 from workers.data import DATASETS, dataset_size, load_split  # noqa: E402
 from workers.sources import spec_name  # noqa: E402
 from workers.models import build_model, flat_parameters, parameter_count  # noqa: E402

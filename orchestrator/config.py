@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -14,7 +15,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from accounting.accountants import ACCOUNTANTS
-from workers.clipping import ENGINES, LayerClipNorms
+from workers.clipping import LayerClipNorms
+from workers.engines import ENGINES
 from workers.shards import ShardSpec
 from workers.sources import BUILTINS
 from orchestrator import checks
@@ -55,52 +57,233 @@ class EvaluateEvery:
     epochs: float | None = None
 
 
+GROUPS = (
+    "data", "model and task", "run length and evaluation", "privacy", "optimizer",
+    "workers and clipping engine", "ledger", "run directory and checkpoints", "shards",
+)
+"""The groups of config keys, in the order the references and ``dpfleet init`` list them."""
+
+
+def key(default: Any, group: str, kind: str, valid: str, meaning: str, shown_default: str | None = None) -> Any:
+    """A TrainConfig field with its documentation, the one source of the config reference and the starter config.
+
+    ``kind`` is the key's TOML type, ``valid`` its range or choices,
+    ``meaning`` what it does (Markdown), and ``shown_default`` the default as
+    a person reads it, where the field's default value alone does not say it.
+    """
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {', '.join(GROUPS)} (got {group!r})")
+    documentation = {"group": group, "kind": kind, "valid": valid, "meaning": meaning, "default": shown_default}
+    return field(default=default, metadata=documentation)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a DP-SGD run needs; units are per-example unless stated."""
 
-    dataset: str | Mapping[str, Any] = "mnist"
-    model: str = "gdp_cnn"
-    workers: int = 2
-    cpus_per_worker: int = 1
-    gpus_per_worker: float = 0.0
-    epochs: float | None = None
-    steps: int | None = None
-    batch_size: int = 250
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    clip_norm: float = 1.0
-    optimizer: OptimizerConfig = OptimizerConfig()
-    learning_rate: float = 0.1
-    lr_schedule: LearningRateSchedule = LearningRateSchedule()
-    noise_schedule: NoiseSchedule = NoiseSchedule()
-    secure_noise: bool = True
-    delta: float = 1e-5
-    accountant: str = "pld"
-    seed: int | None = None
-    run_dir: str = "runs/latest"
-    max_physical_batch: int = 128
-    engine: str = "fast"
-    loss: str = "cross_entropy"
-    metrics: tuple[str, ...] = ("accuracy",)
-    train_transforms: tuple[Mapping[str, Any], ...] = ()
-    microbatch_size: int | None = None
-    adaptive_clipping: AdaptiveClipping | None = None
-    layer_clip_norms: LayerClipNorms | None = None
-    checkpoint_every: int = 0
-    commit_every: int | None = None
-    ledger: str | None = None
-    dataset_name: str | None = None
-    ledger_timeout: float = 300.0
-    dataset_budget_epsilon: float = 10.0
-    train_subset: int | None = None
-    test_subset: int | None = None
-    evaluate_every: EvaluateEvery | None = None
-    data_root: str | None = None
-    check_data: str = "basic"
-    shards: tuple[ShardSpec, ...] = ()
-    on_shard_loss: str = DEFAULT_ON_SHARD_LOSS
-    shard_timeout: float = DEFAULT_SHARD_TIMEOUT
+    dataset: str | Mapping[str, Any] = key(
+        "mnist", "data", "string or table",
+        '`"mnist"`, `"fashion-mnist"`, `"package.module:function"`, or a table '
+        '`{ format = "parquet" | "csv" | "npy" | "npz" | "imagefolder", train, test, ... }`',
+        "The training and test data: a built-in dataset, a function returning (train, test) map-style "
+        "datasets, or files (see docs/training.md, Data).",
+    )
+    model: str = key(
+        "gdp_cnn", "model and task", "string",
+        '`"gdp_cnn"`, `"opacus_cnn"`, `"lenet5"`, or `"package.module:function"`',
+        "The model: a built-in one, or a function returning an `nn.Module` (no BatchNorm).",
+    )
+    workers: int = key(
+        2, "workers and clipping engine", "integer", "≥ 1",
+        "Gradient worker actors. With `shards`, the sum of the shards' `workers`.",
+    )
+    cpus_per_worker: int = key(
+        1, "workers and clipping engine", "integer", "≥ 1",
+        "CPUs each worker asks Ray for; also its torch threads.",
+    )
+    gpus_per_worker: float = key(
+        0.0, "workers and clipping engine", "number", "≥ 0",
+        "GPUs each worker asks Ray for, e.g. 0.5 for two workers on one GPU (`examples/mnist_gpu.toml`).",
+    )
+    epochs: float | None = key(
+        None, "run length and evaluation", "number", "> 0",
+        "Run length in passes over the data: steps = ceil(epochs · N / batch_size).",
+        "none: give exactly one of `epochs` and `steps`",
+    )
+    steps: int | None = key(
+        None, "run length and evaluation", "integer", "≥ 1", "Run length in steps.",
+        "none: give exactly one of `epochs` and `steps`",
+    )
+    batch_size: int = key(
+        250, "privacy", "integer", "1 ≤ batch_size ≤ N",
+        "The *expected* batch size: each example joins a step with probability q = batch_size / N.",
+    )
+    noise_multiplier: float | None = key(
+        None, "privacy", "number", "> 0", "σ: the noise standard deviation over the clip norm.",
+        "none: give exactly one of `noise_multiplier` and `target_epsilon`",
+    )
+    target_epsilon: float | None = key(
+        None, "privacy", "number", "> 0",
+        "The ε to meet at `delta`; σ is then the smallest that meets it, by the run's accountant.",
+        "none: give exactly one of `noise_multiplier` and `target_epsilon`",
+    )
+    clip_norm: float = key(1.0, "privacy", "number", "> 0", "C: the per-example L2 bound.")
+    optimizer: OptimizerConfig = key(
+        OptimizerConfig(), "optimizer", "string or table",
+        '`"sgd"`, or `{ name = "sgd" | "momentum" | "adam" | "adamw", ... }` with `momentum` (in [0, 1), '
+        "default 0.9), `nesterov`, `betas` (two numbers in [0, 1)), `eps`, `weight_decay` (≥ 0)",
+        "The torch optimizer that steps on the noisy mean gradient (post-processing: no privacy cost).",
+        '`"sgd"`',
+    )
+    learning_rate: float = key(0.1, "optimizer", "number", "> 0", "The optimizer's step size.")
+    lr_schedule: LearningRateSchedule = key(
+        LearningRateSchedule(), "optimizer", "string or table",
+        '`{ kind = "constant" | "cosine" | "step" | "exponential", gamma, step_size }`; '
+        "`gamma` > 0 (default 1), `step_size` ≥ 1 (default 1)",
+        "How the learning rate changes per step (post-processing: no privacy cost).",
+        '`"constant"`',
+    )
+    noise_schedule: NoiseSchedule = key(
+        NoiseSchedule(), "privacy", "string or table",
+        '`{ kind = "constant" | "exponential" | "step" | "linear", decay, step_size, final_ratio, every }`; '
+        "`decay` and `final_ratio` > 0 (default 1), `step_size` and `every` ≥ 1",
+        "σ held constant over blocks of `every` steps (default one epoch) and changed between them: "
+        "exponential σ·decay^k, step σ·decay^⌊k/step_size⌋, linear from σ to σ·final_ratio. "
+        "The reported ε is the exact composition of the blocks.",
+        '`"constant"`',
+    )
+    secure_noise: bool = key(
+        True, "privacy", "boolean", "`true` or `false`",
+        "Each noise value is the sum of four float64 Gaussian draws, against the floating-point attack "
+        "on Gaussian sampling.",
+    )
+    delta: float = key(1e-5, "privacy", "number", "in (0, 1)", "The δ at which ε is reported and charged.")
+    accountant: str = key(
+        "pld", "privacy", "string", '`"pld"`, `"rdp"` or `"gdp"`',
+        "How ε is computed: PLD (rigorous, tightest), RDP (rigorous) or GDP (approximate, never used for budgets).",
+    )
+    seed: int | None = key(
+        None, "privacy", "integer", "≥ 0",
+        "Fixes sampling and noise, for tests only: the run prints `seeded: not for production use`.",
+        "none (OS entropy)",
+    )
+    run_dir: str = key(
+        "runs/latest", "run directory and checkpoints", "string", "a non-empty path",
+        "Where config.json, metrics.jsonl, summary.json, curves.png and the checkpoints go.",
+    )
+    max_physical_batch: int = key(
+        128, "workers and clipping engine", "integer", "≥ 1",
+        "Examples whose gradients a worker processes at once (a memory bound, not a privacy parameter).",
+    )
+    engine: str = key(
+        "fast", "workers and clipping engine", "string", '`"fast"` or `"vmap"`',
+        "The per-example clipping engine: `fast` (per-layer rules: ghost norms and book-keeping, checked "
+        "against autograd on each model) or `vmap` (the torch.func reference).",
+    )
+    loss: str = key(
+        "cross_entropy", "model and task", "string",
+        '`"cross_entropy"`, `"mse"`, `"bce_with_logits"`, `"token_cross_entropy"`, or `"package.module:function"`',
+        "The per-example loss. `token_cross_entropy` takes logits [B, T, V] against tokens [B, T] and ignores "
+        "-100; a function takes (outputs, labels).",
+    )
+    metrics: tuple[str, ...] = key(
+        ("accuracy",), "model and task", "list of strings",
+        '`"accuracy"`, `"top5_accuracy"`, `"auroc"` (classification); `"accuracy"`, `"auroc"` (binary); '
+        '`"mse"`, `"mae"` (regression)',
+        "Test metrics fitting the loss's task, computed with torchmetrics. The first is plotted.",
+        "the task's first metric",
+    )
+    train_transforms: tuple[Mapping[str, Any], ...] = key(
+        (), "model and task", "list of tables", '`[{ name = "RandomCrop", size = 28, padding = 2 }, ...]`',
+        "torchvision v2 transforms applied in the worker to each sampled example on its own. "
+        "MixUp and CutMix mix examples and are refused.",
+        "none",
+    )
+    microbatch_size: int | None = key(
+        None, "privacy", "integer", "≥ 1",
+        "Clip groups of about k examples instead of single examples; ε then uses sensitivity factor 2. "
+        "Not with shards or `layer_clip_norms`.",
+        "none",
+    )
+    adaptive_clipping: AdaptiveClipping | None = key(
+        None, "privacy", "boolean or table",
+        '`true`, or `{ target_quantile, learning_rate, update = "geometric" | "linear", count_noise_multiplier }`; '
+        "`target_quantile` in (0, 1) (default 0.5), `learning_rate` > 0 (default 0.2), "
+        "`count_noise_multiplier` > 0 (default 10)",
+        "The clip norm follows a target quantile of the gradient norms, moved each step by a noisy count "
+        "that is accounted together with the gradient. Not with shards or `layer_clip_norms`.",
+        "off",
+    )
+    layer_clip_norms: LayerClipNorms | None = key(
+        None, "privacy", "table", '`{ "conv1" = 0.5, "fc" = 1.0 }`: parameter-name prefix = clip norm (> 0)',
+        "Per-layer clipping: each group of parameters is clipped to its own norm; the noise is scaled to the "
+        "root of the sum of their squares. Every trainable parameter needs a prefix.",
+        "none",
+    )
+    checkpoint_every: int = key(
+        0, "run directory and checkpoints", "integer", "≥ 0",
+        "Also checkpoint every n steps (0: only at each epoch's end, which is always done).",
+    )
+    commit_every: int | None = key(
+        None, "ledger", "integer", "≥ 1", "Steps per ledger charge; each block is charged before it runs.",
+        "one epoch",
+    )
+    ledger: str | None = key(
+        None, "ledger", "string", '`"HOST:PORT"`',
+        "The privacy ledger server; `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
+        "the embedded ledger",
+    )
+    dataset_name: str | None = key(
+        None, "ledger", "string", "1 to 128 characters",
+        "The dataset's name in the ledger (also `--dataset-name`).",
+        "the dataset's name (a table's `name`, else its train location), with characters a ledger name cannot "
+        "hold replaced by `-`",
+    )
+    ledger_timeout: float = key(
+        300.0, "ledger", "number", "> 0",
+        "Seconds to wait out a ledger outage before stopping at a checkpoint (exit status 4).",
+    )
+    dataset_budget_epsilon: float = key(
+        10.0, "ledger", "number", "> 0",
+        "The ε budget given to a dataset the embedded ledger has not seen, at the run's `delta`.",
+    )
+    train_subset: int | None = key(
+        None, "data", "integer", "1 ≤ train_subset ≤ the training split's size",
+        "Train on the first n examples only (for quick runs): N = n.", "all",
+    )
+    test_subset: int | None = key(
+        None, "data", "integer", "≥ 1", "Evaluate on the first n test examples only.", "all",
+    )
+    evaluate_every: EvaluateEvery | None = key(
+        None, "run length and evaluation", "table", "`{ steps = n }` (n ≥ 1) or `{ epochs = e }` (e > 0)",
+        "Also evaluate within epochs; the workers evaluate the test split in parts and return only sums.",
+        "every epoch",
+    )
+    data_root: str | None = key(
+        None, "data", "string", "a non-empty path",
+        "The built-in datasets' cache (also `DPFLEET_DATA`).", "`~/.cache/dpfleet`",
+    )
+    check_data: str = key(
+        "basic", "data", "string", '`"basic"` or `"full"`',
+        "Before any budget is reserved or worker started, check the data files: `basic` from metadata and a scan "
+        "(missing files or columns, wrong types, empty files, examples of the wrong size); `full` also every "
+        "value (NaN, infinity, nulls, integer labels outside 0..num_classes-1).",
+    )
+    shards: tuple[ShardSpec, ...] = key(
+        (), "shards", "list of tables",
+        '`[{ dataset, part, parts, resources = { "silo-a" = 1 }, workers }, ...]`; shards may not overlap',
+        "Training data that stays on its nodes and is Poisson-sampled there (see docs/training.md, Shards).",
+        "none",
+    )
+    on_shard_loss: str = key(
+        DEFAULT_ON_SHARD_LOSS, "shards", "string", '`"wait"` or `"skip"`',
+        "With shards, what a step does while a shard is lost: wait for its replacement, or run without it.",
+    )
+    shard_timeout: float = key(
+        DEFAULT_SHARD_TIMEOUT, "shards", "number", "> 0",
+        "With shards, seconds a shard's resources may be missing before the run stops at a checkpoint (exit "
+        "status 5).",
+    )
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every key."""
@@ -111,6 +294,48 @@ class TrainConfig:
         if self.evaluate_every is not None:
             data["evaluate_every"] = {key: value for key, value in data["evaluate_every"].items() if value is not None}
         return data
+
+
+@dataclass(frozen=True)
+class KeyDocumentation:
+    """One config key as the references show it: its TOML type, default, valid range and meaning (Markdown).
+
+    ``literal`` is the default as a TOML value, or None where the default is
+    not one (no value, or a value the key computes).
+    """
+
+    name: str
+    group: str
+    kind: str
+    default: str
+    valid: str
+    meaning: str
+    literal: str | None
+
+
+def toml_literal(value: Any) -> str:
+    """A scalar or list as it is written in TOML (``"mnist"``, ``true``, ``1e-05``, ``[]``)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_literal(item) for item in value) + "]"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    raise TypeError(f"no TOML literal for {value!r}; give the key a shown_default")
+
+
+def documented_keys() -> tuple[KeyDocumentation, ...]:
+    """Every config key with its documentation, group by group in ``GROUPS`` order, then in field order."""
+    keys = []
+    for item in dataclasses.fields(TrainConfig):
+        documentation = item.metadata
+        literal = None if documentation["default"] else toml_literal(item.default)
+        keys.append(KeyDocumentation(item.name, documentation["group"], documentation["kind"],
+                                     documentation["default"] or f"`{literal}`", documentation["valid"],
+                                     documentation["meaning"], literal))
+    return tuple(sorted(keys, key=lambda documented: GROUPS.index(documented.group)))
 
 
 def _boolean(key: str, value: Any) -> bool:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from scipy import special, stats
 from torch import nn
 
-import orchestrator.audit_cli as audit_cli
+import orchestrator.cli.audit as audit_cli
 from accounting.auditing import (
     AuditError,
     audit_scores,

@@ -22,7 +22,7 @@ from orchestrator.noise import GRADIENT_NOISE, TorchGaussianNoise
 from orchestrator.trainer import Trainer
 from reference import relative_error
 from workers.actor import GradientWorkerActor
-from workers.clipping import clipped_sum
+from workers.engines import clipped_sum
 from workers.data import load_split
 from workers.models import build_model, flat_parameters
 

@@ -18,8 +18,9 @@ from torch import nn
 from bench.throughput import TextClassifier, resnet18_gn
 from reference import relative_error
 from workers.actor import GradientWorker
-from workers.clipping import ENGINES, clipped_sum, per_example_clipped_sum
-from workers.engines import _units, attention_rule, fast_clipped_sum, instantiation_is_cheaper, vmap_rule
+from workers.engines import ENGINES, _units, clipped_sum, fast_clipped_sum
+from workers.layer_rules import attention_rule, instantiation_is_cheaper, vmap_rule
+from workers.vmap_engine import per_example_clipped_sum
 from workers.models import MODEL_NAMES, build_model, flat_parameters
 
 TOLERANCE = 1e-5

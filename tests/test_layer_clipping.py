@@ -9,7 +9,8 @@ from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
 from reference import per_example_gradients_by_loop, relative_error
-from workers.clipping import LayerClipNorms, clipped_sum
+from workers.clipping import LayerClipNorms
+from workers.engines import clipped_sum
 from workers.models import build_model, flat_parameters
 
 GROUPS = LayerClipNorms((("0", 0.02), ("3", 0.05), ("7", 0.03), ("9", 0.01)))

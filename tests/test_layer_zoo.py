@@ -47,8 +47,9 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
-from workers.clipping import ENGINES, LossFunction, clipped_sum
-from workers.engines import rule_for
+from workers.clipping import LossFunction
+from workers.engines import ENGINES, clipped_sum
+from workers.layer_rules import rule_for
 from workers.models import flat_parameters
 
 BATCH = 5

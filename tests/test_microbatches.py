@@ -14,7 +14,7 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.sampling import assign_microbatches, make_generator, microbatch_count, partition_microbatches
 from orchestrator.trainer import plan_run
-from workers.clipping import microbatch_clipped_sum
+from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import flat_parameters
 
 

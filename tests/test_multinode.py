@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 
 from orchestrator.config import build_config
 from orchestrator.errors import ShardTimeoutError
-from orchestrator.train_cli import _job_ledger
+from orchestrator.cli.train import _job_ledger
 from orchestrator.trainer import Trainer, resume_trainer
 from workers.models import flat_parameters
 

@@ -17,14 +17,14 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
-from workers.clipping import microbatch_clipped_sum, per_example_clipped_sum
-from workers.engines import _units, fast_clipped_sum, vmap_rule
+from workers.engines import ENGINES, _units, fast_clipped_sum
+from workers.layer_rules import vmap_rule
 from workers.models import flat_parameters
 from workers.recurrent import unrolled_forward, unrolled_recurrences
 from workers.sequence_rules import embedding_bag_rule, recurrent_rule
+from workers.vmap_engine import microbatch_clipped_sum
 
 TOLERANCE = 1e-5
-ENGINES = {"fast": fast_clipped_sum, "vmap": per_example_clipped_sum}
 CELLS = {
     "rnn_tanh": (nn.RNN, {}),
     "rnn_relu": (nn.RNN, {"nonlinearity": "relu"}),

@@ -17,12 +17,12 @@ from torch import nn
 
 from reference import relative_error
 from workers.actor import GradientWorker
-from workers.clipping import LayerClipNorms, clipped_sum, microbatch_clipped_sum, per_example_clipped_sum
-from workers.engines import (VMAP_FALLBACK_GRADIENT_ELEMENTS, check_rules, engine_plan, fallback_physical_batch,
-                             fast_clipped_sum, instantiated, register_rule)
+from workers.clipping import LayerClipNorms
+from workers.engines import (ENGINES, VMAP_FALLBACK_GRADIENT_ELEMENTS, check_rules, clipped_sum, engine_plan,
+                             fallback_physical_batch, fast_clipped_sum)
+from workers.layer_rules import instantiated, register_rule
 from workers.models import build_model, flat_parameters
-
-ENGINES = ("fast", "vmap")
+from workers.vmap_engine import microbatch_clipped_sum, per_example_clipped_sum
 
 
 class FunctionallyTiedLanguageModel(nn.Module):

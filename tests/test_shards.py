@@ -11,7 +11,7 @@ from scipy import stats
 
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.train_cli import outage_rows
+from orchestrator.cli.train import outage_rows
 from orchestrator.trainer import plan_run
 from workers.data import load_split
 from workers.sampling import local_poisson_sample, part_bounds

@@ -34,7 +34,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from accounting.ledger.client import RemoteLedger
 from orchestrator.cli import main
 from orchestrator.config import load_config
-from orchestrator.submit_cli import CONFIG_VARIABLE, UPLOAD_EXCLUDES, job_entrypoint
+from orchestrator.cli.submit import CONFIG_VARIABLE, UPLOAD_EXCLUDES, job_entrypoint
 from servers import DPFLEET, REPOSITORY, TINY_JOB, free_port, start_serve_process, tiny_job_epsilon
 
 DEPLOY = REPOSITORY / "deploy"
@@ -214,7 +214,7 @@ def test_dpfleet_submit_trains_on_the_cluster_and_the_ledger_records_the_charge(
 
 def test_plain_ray_job_submit_of_the_same_config_succeeds(ray_head, ledger, tmp_path):
     config = write_tiny(tmp_path, "submit-plain")
-    # The README's command, run from the checkout; the head is this machine, so the config may stay outside it.
+    # docs/cluster.md's command, run from the checkout; the head is this machine, so the config may stay outside it.
     result = subprocess.run(
         [RAY, "job", "submit", "--address", ray_head["url"], "--working-dir", ".",
          "--runtime-env-json", json.dumps({"env_vars": {"DPFLEET_TOKEN": ledger["token"]}}),
@@ -282,10 +282,11 @@ def test_an_unreachable_cluster_and_a_bad_config_are_one_line_errors(tmp_path, r
 
 def test_the_ray_submit_script_runs_train_from_the_checkout_joined_to_the_cluster(tmp_path):
     checkout = tmp_path / "checkout"
-    (checkout / "orchestrator").mkdir(parents=True)
+    (checkout / "orchestrator" / "cli").mkdir(parents=True)
     (checkout / "orchestrator" / "__init__.py").write_text("")
+    (checkout / "orchestrator" / "cli" / "__init__.py").write_text("")
     # A stand-in for dpfleet's command line: reports where and how it was run.
-    (checkout / "orchestrator" / "cli.py").write_text(
+    (checkout / "orchestrator" / "cli" / "__main__.py").write_text(
         "import json, os, sys\n"
         "print(json.dumps({'cwd': os.getcwd(), 'argv': sys.argv[1:], 'ray': os.environ.get('RAY_ADDRESS')}))\n"
         "sys.exit(7)\n"
@@ -336,7 +337,7 @@ def test_the_working_dir_upload_holds_the_code_and_leaves_environments_and_resul
     package = tmp_path / "working_dir.zip"
     create_package(str(REPOSITORY), package, include_gitignore=False, excludes=UPLOAD_EXCLUDES)
     names = zipfile.ZipFile(package).namelist()
-    assert {"orchestrator/cli.py", "workers/__init__.py", "accounting/ledger/service.py"} <= set(names)
+    assert {"orchestrator/cli/__init__.py", "workers/__init__.py", "accounting/ledger/service.py"} <= set(names)
     assert not [name for name in names if re.match(r"(\.venv|\.git|runs|bench/results)/|.*__pycache__/", name)]
     assert package.stat().st_size < 5 * 1024**2
 

@@ -12,7 +12,7 @@ from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
 from workers.actor import GradientWorker
-from workers.clipping import per_example_clipped_sum
+from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
 from workers.engines import fast_clipped_sum
 from workers.models import build_model, flat_parameters, load_flat_parameters

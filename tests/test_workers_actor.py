@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from workers.actor import GradientWorker, GradientWorkerActor
-from workers.clipping import per_example_clipped_sum
+from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
 from workers.models import build_model, flat_parameters, parameter_count
 from workers.validation import UnsupportedModuleError
@@ -103,7 +103,7 @@ def test_worker_refuses_a_subset_larger_than_the_split():
 STEP_FAULTS = """
 import resource, sys, torch
 from workers.actor import retain_freed_memory
-from workers.clipping import clipped_sum
+from workers.engines import clipped_sum
 from workers.models import build_model, flat_parameters
 torch.set_num_threads(1)
 if sys.argv[1] == "retain":

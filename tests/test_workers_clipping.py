@@ -8,14 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from workers.clipping import (
-    FLOAT32_PRECISION_SETTINGS,
-    clip_factors,
-    clipped_sum,
-    ieee_float32,
-    microbatch_clipped_sum,
-    per_example_clipped_sum,
-)
+from workers.clipping import FLOAT32_PRECISION_SETTINGS, clip_factors, ieee_float32
+from workers.engines import clipped_sum
+from workers.vmap_engine import microbatch_clipped_sum, per_example_clipped_sum
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.models import MODEL_NAMES, build_model, flat_parameters
 

@@ -62,11 +62,15 @@ def test_parquet_scalar_feature_columns_and_float_labels(tmp_path):
     assert labels.dtype == torch.float32
 
 
-def test_parquet_row_group_cache_stays_small(tmp_path):
-    pq.write_table(list_table(), tmp_path / "t.parquet", row_group_size=2)
-    source = open_source(table_spec("parquet", tmp_path / "t.parquet", features="pixels"), "train")
-    source.read(np.arange(ROWS))
-    assert len(source.cache) == sources.PARQUET_CACHED_ROW_GROUPS
+def test_parquet_reads_rows_from_many_groups_and_files_in_any_order(tmp_path):
+    table = list_table()
+    pq.write_table(table.slice(0, ROWS // 2), tmp_path / "a.parquet", row_group_size=3)
+    pq.write_table(table.slice(ROWS // 2), tmp_path / "b.parquet", row_group_size=4)
+    source = open_source(table_spec("parquet", tmp_path, features="pixels"), "train")
+    indices = np.array([ROWS - 1, 0, 5, 5, ROWS // 2, 2, ROWS // 2 - 1])
+    inputs, labels = source.read(indices)
+    assert torch.equal(inputs, torch.as_tensor(FEATURES[indices]).reshape(inputs.shape))
+    assert torch.equal(labels, torch.as_tensor(LABELS[indices]))
 
 
 def test_parquet_on_an_fsspec_filesystem(tmp_path):

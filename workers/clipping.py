@@ -1,9 +1,13 @@
-"""Per-example gradient clipping and summation: the pure core of a worker's step.
+"""The clip arithmetic and the types both clipping engines share.
 
 Each example's gradient (all trainable parameters flattened together, in
 ``named_parameters()`` order) is scaled to L2 norm at most ``clip_norm`` and
 the clipped gradients are summed. The driver adds noise to the sum over all
 workers, so the sensitivity of that sum to one example is ``clip_norm``.
+
+The engines that compute the sums build on this module and nothing here
+imports them: ``workers.vmap_engine`` (torch.func) and ``workers.engines``
+(the fast engine, and the registry of engines by name).
 """
 
 from __future__ import annotations
@@ -17,12 +21,9 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 from workers.models import parameter_count
-from workers.recurrent import unrolled_recurrences
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -152,168 +153,6 @@ def functional_parameters(
     fixed = {name: parameter for name, parameter in model.named_parameters() if not parameter.requires_grad}
     fixed.update(dict(model.named_buffers()))
     return trainable, params, fixed
-
-
-@in_ieee_float32
-def microbatch_clipped_sum(
-    model: nn.Module,
-    flat_weights: torch.Tensor,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    group_ids: torch.Tensor,
-    clip_norm: float,
-    loss_fn: LossFunction = F.cross_entropy,
-    return_norms: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Sum over microbatches of the gradient of each microbatch's mean loss, clipped to L2 norm ``clip_norm``.
-
-    ``group_ids`` [n] assigns each example to its microbatch (TF Privacy's and
-    MindArmour's microbatches). Adding or removing one example changes one
-    microbatch, whose clipped gradient can move by up to 2 * clip_norm: the
-    caller accounts with sensitivity factor 2. Same layout and zeros-when-empty
-    contract as ``per_example_clipped_sum``. A member whose own gradient is not
-    finite is left out of its microbatch, which is then exactly the microbatch
-    without it. With ``return_norms`` it also returns the unclipped norm of
-    each non-empty microbatch's gradient [groups] and the number of examples
-    left out (a raw count, for the driver only).
-    """
-    check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch=1)
-    if group_ids.shape != labels.shape:
-        raise ValueError(f"group_ids must give one microbatch per example (got {tuple(group_ids.shape)} "
-                         f"for {labels.shape[0]} examples)")
-    device = device_of(model)
-    trainable, params, fixed = functional_parameters(model, flat_weights, device)
-    total = torch.zeros(sum(parameter.numel() for _, parameter in trainable), dtype=torch.float32, device=device)
-    inputs, labels, group_ids = inputs.to(device), labels.to(device), group_ids.to(device)
-
-    def mean_loss(trainable_params, members, member_labels):
-        return loss_fn(functional_call(model, (trainable_params, fixed), (members,)), member_labels)
-
-    def gradient_of(members: torch.Tensor) -> torch.Tensor:
-        gradients = grad(mean_loss)(params, inputs[members], labels[members])
-        return torch.cat([gradients[name].reshape(-1).to(torch.float32) for name, _ in trainable])
-
-    norms, zeroed = [], 0
-    for group in torch.unique(group_ids):
-        members = torch.nonzero(group_ids == group).flatten()
-        flat = gradient_of(members)
-        if not flat.isfinite().all():
-            # One member's NaN or inf makes the whole mean non-finite: the
-            # microbatch is taken again without the members whose own gradient is.
-            kept = members[torch.tensor([bool(gradient_of(member.reshape(1)).isfinite().all()) for member in members],
-                                        dtype=torch.bool, device=members.device)]
-            flat = gradient_of(kept) if kept.numel() else flat.new_zeros(flat.shape)
-            if not flat.isfinite().all():
-                flat, kept = flat.new_zeros(flat.shape), kept[:0]
-            zeroed += members.numel() - kept.numel()
-            if not kept.numel():
-                continue
-        norms.append(flat.norm())
-        total += flat * clip_factors(norms[-1], clip_norm)
-    if return_norms:
-        return total, torch.stack(norms) if norms else total.new_zeros(0), zeroed
-    return total
-
-
-@in_ieee_float32
-def per_example_clipped_sum(
-    model: nn.Module,
-    flat_weights: torch.Tensor,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    clip_norm: ClipNorm,
-    max_physical_batch: int,
-    loss_fn: LossFunction = F.cross_entropy,
-    return_norms: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``: the vmap engine.
-
-    The gradient of example i is that of ``loss_fn(model(x_i[None]), y_i[None])``
-    at the parameters ``flat_weights`` (laid out as by
-    ``workers.models.flat_parameters``); the model's own parameters and their
-    ``.grad`` are neither used nor touched, only its buffers and structure.
-    Examples are processed ``max_physical_batch`` at a time to bound memory.
-
-    Returns a 1-D float32 tensor of length ``parameter_count(model)`` on the
-    model's device; zeros when there are no examples. An example whose
-    gradient holds a NaN or inf contributes exactly zero; its norm is returned
-    as it came out, not finite, which is how callers count such examples.
-    With ``return_norms`` it
-    also returns, per trainable parameter name, the [n] per-example L2 norms of
-    that parameter's gradient before clipping (an example's total norm is the
-    root of the sum of their squares).
-    """
-    check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
-    device = device_of(model)
-    trainable, params, fixed = functional_parameters(model, flat_weights, device)
-    if not trainable:
-        empty = torch.zeros(0, dtype=torch.float32, device=device)
-        return (empty, {}) if return_norms else empty
-
-    def example_loss(trainable_params, example, label):
-        logits = functional_call(model, (trainable_params, fixed), (example.unsqueeze(0),))
-        return loss_fn(logits, label.unsqueeze(0))
-
-    # randomness="different" gives each example its own dropout mask, as a
-    # plain per-example loop would.
-    per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
-
-    sums = {name: torch.zeros(parameter.shape, dtype=torch.float32, device=device) for name, parameter in trainable}
-    norms: dict[str, list[torch.Tensor]] = {name: [] for name, _ in trainable}
-    inputs = inputs.to(device)
-    labels = labels.to(device)
-    for start in range(0, inputs.shape[0], max_physical_batch):
-        # torch.func can batch recurrent layers unrolled step by step, not their fused kernels.
-        with unrolled_recurrences(model):
-            grads = per_example_grads(
-                params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
-            )
-        squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
-        finite = torch.stack(list(squared.values())).sum(0).isfinite()
-        factors = clip_factors_by_parameter(squared, clip_norm)
-        for name, g in grads.items():
-            sums[name] += torch.tensordot(factors[name], without_non_finite(g.to(torch.float32), finite), dims=1)
-            norms[name].append(squared[name].sqrt())
-    flat = torch.cat([sums[name].reshape(-1) for name, _ in trainable])
-    if not return_norms:
-        return flat
-    return flat, {name: torch.cat(values) if values else flat.new_zeros(0) for name, values in norms.items()}
-
-
-ENGINES: tuple[str, ...] = ("fast", "vmap")
-"""Clipping engines by name: "fast" (book-keeping, ``workers.engines``) and "vmap" (torch.func, above)."""
-
-
-def check_engine(engine: str) -> None:
-    """Raise ValueError unless ``engine`` names one of ``ENGINES``."""
-    if engine not in ENGINES:
-        raise ValueError(
-            f"engine must be one of {', '.join(repr(name) for name in ENGINES)} (got {engine!r}); "
-            "'fast' is the default, 'vmap' the slower reference engine"
-        )
-
-
-def clipped_sum(
-    engine: str,
-    model: nn.Module,
-    flat_weights: torch.Tensor,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    clip_norm: ClipNorm,
-    max_physical_batch: int,
-    loss_fn: LossFunction = F.cross_entropy,
-    return_norms: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``per_example_clipped_sum`` computed by the named engine (see ``ENGINES``); same arguments and result."""
-    check_engine(engine)
-    if engine == "vmap":
-        return per_example_clipped_sum(
-            model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms
-        )
-    # Imported here because workers.engines builds on this module.
-    from workers.engines import fast_clipped_sum
-
-    return fast_clipped_sum(model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms)
 
 
 def check_arguments(

@@ -1,6 +1,6 @@
 """Fast-engine rules for the layers of sequence models: nn.RNN, nn.GRU, nn.LSTM and nn.EmbeddingBag.
 
-Imported by ``workers.engines``, which registers these rules along with its own.
+Registered with ``workers.layer_rules``' registry when imported; ``workers.engines`` imports this module.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 
-from workers.engines import (
+from workers.layer_rules import (
     LayerCall,
     ParameterGradients,
     WholeModelFallback,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from orchestrator import checks
 from orchestrator.audit import DEFAULT_CANARIES, MIN_CANARIES, MODES, run_audit
 from orchestrator.config import load_config
-from orchestrator.display import format_table, print_json
+from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import UsageError
 
 
@@ -41,7 +42,8 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     audit.add_argument("--run-dir", help="where audit.json, audit_scores.png and the run's files go")
     audit.add_argument("--seed", help="fixed seed for sampling, noise and canaries: tests only, never production")
-    audit.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    audit.add_argument("--no-progress", action="store_true",
+                       help="hide the progress bars (shown only when stderr is a terminal)")
     audit.add_argument("--json", action="store_true", help="print the audit as JSON on the last line")
     audit.set_defaults(handler=run_audit_command)
 
@@ -56,7 +58,7 @@ def run_audit_command(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     result = run_audit(config, canaries=canaries, confidence=confidence, mode=mode,
-                       show_progress=not args.no_progress)
+                       show_progress=show_progress(args.no_progress, sys.stderr))
     if args.json:
         print_json(result)
         return 0

@@ -28,7 +28,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from orchestrator.config import load_config
 from orchestrator.errors import UsageError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # Paths (gitignore syntax) kept out of the working_dir upload: environments, history, results, caches.
 UPLOAD_EXCLUDES = [
     ".git", ".venv", "runs/", "bench/results/", "build/", "dist/", "*.egg-info",
@@ -80,7 +80,7 @@ def run_submit(args: argparse.Namespace) -> int:
         raise UsageError(
             f"dpfleet submit ships its source tree as the job's working_dir, but {PROJECT_ROOT} is an installed "
             "copy without one: run it from a dpfleet checkout (pip install -e .), or use `ray job submit` on a "
-            "cluster whose image has dpfleet installed (see deploy/README.md)"
+            "cluster whose image has dpfleet installed (see docs/cluster.md)"
         )
     address = dashboard_url(args.address)
     headers = ray_auth_headers()

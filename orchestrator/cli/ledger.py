@@ -20,7 +20,7 @@ from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerError, P
 from accounting.ledger.service import LedgerServer, serve
 from accounting.ledger.store import default_ledger_path, open_embedded_ledger
 from orchestrator import checks
-from orchestrator.display import format_number, format_table, print_json
+from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError
 
 _ADDRESS_HELP = "ledger server HOST:PORT (default: $DPFLEET_LEDGER; without either, the embedded ledger file)"

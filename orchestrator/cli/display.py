@@ -1,9 +1,9 @@
-"""Plain-text tables and number formatting for the command line."""
+"""Plain-text tables, number formatting, and what the terminal is sent (colour, progress bars)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import IO, Any, MutableMapping, Sequence
 
 
 def format_number(value: Any) -> str:
@@ -28,3 +28,24 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def print_json(payload: Any) -> None:
     """One JSON document on one line (the last line a script reads)."""
     print(json.dumps(payload, sort_keys=True), flush=True)
+
+
+def is_terminal(stream: IO) -> bool:
+    """Whether ``stream`` is an interactive terminal (progress bars redraw in place only there)."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def show_progress(no_progress: bool, stream: IO) -> bool:
+    """Progress bars unless ``--no-progress``, and only on a terminal: elsewhere each epoch is one log line."""
+    return not no_progress and is_terminal(stream)
+
+
+def plain_when_asked(environ: MutableMapping[str, str], stream: IO) -> None:
+    """No colour under NO_COLOR (https://no-color.org) or when ``stream`` is not a terminal.
+
+    dpfleet prints no colour of its own; Ray colours the prefixes of the
+    worker log lines it forwards unless RAY_COLOR_PREFIX is 0.
+    """
+    if environ.get("NO_COLOR") or not is_terminal(stream):
+        environ.setdefault("RAY_COLOR_PREFIX", "0")

@@ -10,7 +10,7 @@ from accounting.accountants import ACCOUNTANTS, DEFAULT_ACCOUNTANT, get_accounta
 from accounting.calibration import UnreachableTargetError, noise_multiplier_for
 from accounting.events import SampledGaussian, steps_for_epochs
 from orchestrator import checks
-from orchestrator.display import format_table, print_json
+from orchestrator.cli.display import format_table, print_json
 from orchestrator.errors import UsageError
 
 ACCOUNTANT_CHOICES = list(ACCOUNTANTS) + ["all"]

@@ -1,4 +1,9 @@
-"""The `dpfleet` command: one parser, one subcommand per concern."""
+"""The `dpfleet` command: one parser, one module per command group.
+
+`eps` and `noise` (privacy), `train`, `init`, `ledger`, `audit`, `submit` and
+`data` each register their parser from their own module; `main` runs one command.
+`python -m orchestrator.cli` is the same as the `dpfleet` console script.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,16 @@ import argparse
 import os
 import sys
 
-from orchestrator.audit_cli import add_audit_parser
-from orchestrator.data_cli import add_data_parser
+from orchestrator import __version__
+from orchestrator.cli.audit import add_audit_parser
+from orchestrator.cli.data import add_data_parser
+from orchestrator.cli.display import plain_when_asked
+from orchestrator.cli.init import add_init_parser
+from orchestrator.cli.ledger import add_ledger_parser
+from orchestrator.cli.privacy import add_privacy_parsers
+from orchestrator.cli.submit import add_submit_parser
+from orchestrator.cli.train import add_train_parser
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
-from orchestrator.ledger_cli import add_ledger_parser
-from orchestrator.privacy_cli import add_privacy_parsers
-from orchestrator.submit_cli import add_submit_parser
-from orchestrator.train_cli import add_train_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,9 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dpfleet",
         description="Differentially private training across a Ray cluster, with a global privacy ledger.",
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"dpfleet {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     add_privacy_parsers(subparsers)
     add_train_parser(subparsers)
+    add_init_parser(subparsers)
     add_ledger_parser(subparsers)
     add_audit_parser(subparsers)
     add_submit_parser(subparsers)
@@ -44,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
 
     The current directory goes first on the import path, as with
     ``python -m``: ``package.module:function`` specs (models, datasets,
-    losses) name modules relative to where the command runs.
+    losses) name modules relative to where the command runs. Output carries
+    no colour under NO_COLOR or when stderr is not a terminal.
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    plain_when_asked(os.environ, sys.stderr)
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
@@ -57,7 +69,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dpfleet {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
+import textwrap
 
-from orchestrator.config import load_config
-from orchestrator.display import format_table, print_json
+from orchestrator.config import GROUPS, documented_keys, load_config
+from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
 from orchestrator.membership import membership_report
@@ -20,9 +22,12 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a model with DP-SGD on Ray workers",
         description=(
-            "Train with DP-SGD. Without a cluster address a local Ray starts in-process; "
-            "RAY_ADDRESS, when set, is used instead."
+            "Train with DP-SGD. Without a cluster address a local Ray starts in-process;\n"
+            "RAY_ADDRESS, when set, is used instead. Progress bars are shown when stderr is a terminal;\n"
+            "elsewhere each epoch is one line."
         ),
+        epilog=config_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = train.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="TOML file with the run's keys (see examples/)")
@@ -43,14 +48,30 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--mia", action="store_true",
                        help="after training, run a loss-threshold membership-inference attack and report its "
                             "AUC and TPR at 1%% FPR (training examples against held-out test examples)")
-    train.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    train.add_argument("--no-progress", action="store_true",
+                       help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     train.set_defaults(handler=run_train)
 
 
+def config_keys_help(width: int = 100) -> str:
+    """The config keys by group, each with its meaning and default, as `dpfleet train --help` ends."""
+    lines = ["config keys (TOML), by group; docs/config-reference.md also gives each one's type and valid range:"]
+    keys = documented_keys()
+    for group in GROUPS:
+        lines += ["", f"{group}:"]
+        for item in keys:
+            if item.group == group:
+                text = f"{item.meaning} Default: {item.default}.".replace("`", "")
+                lines += textwrap.wrap(text, width, initial_indent=f"  {item.name:<24}", subsequent_indent=" " * 26,
+                                       break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def run_train(args: argparse.Namespace) -> int:
     """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
-    options = {"show_progress": not args.no_progress, "show_train_loss": args.show_train_loss}
+    options = {"show_progress": show_progress(args.no_progress, sys.stderr),
+               "show_train_loss": args.show_train_loss}
     try:
         if args.resume:
             trainer = resume_trainer(args.resume, **options)
