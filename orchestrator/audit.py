@@ -114,11 +114,12 @@ class MislabelledCanaries:
     def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
         """Sum of the clipped gradients of the sampled canaries that are in the dataset (float64)."""
         chosen = torch.as_tensor(sampled[self.included[sampled]], dtype=torch.int64)
+        device = next(model.parameters()).device  # the driver's GPU when it has one
         summed = per_example_clipped_sum(
-            model, flat_parameters(model), self.images[chosen], self.labels[chosen], clip_norm,
-            self.max_physical_batch,
+            model, flat_parameters(model), self.images[chosen].to(device), self.labels[chosen].to(device),
+            clip_norm, self.max_physical_batch,
         )
-        return summed.double().numpy()
+        return summed.double().cpu().numpy()
 
 
 class CanaryTrainer(Trainer):
