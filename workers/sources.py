@@ -420,10 +420,16 @@ class ParquetSource:
 
 
 def _parquet_file(filesystem: pa_fs.FileSystem, path: str) -> pq.ParquetFile:
-    """The opened file; pre-buffering (coalesced reads) only where reads are remote, as it slows local random reads."""
+    """The opened file, pre-buffering: a read's column chunks are fetched by concurrent, coalesced requests.
+
+    A step's rows lie in row groups all over the files, mostly not in the page
+    cache when the data outgrows memory. Fetched concurrently, 125 random rows
+    from a cold 16-rows-a-group file took 30 to 52 ms against 87 to 165 ms one
+    request at a time (2-core VM, local disk); from the page cache they take
+    about 25 ms against 10 ms, so the cold case decides.
+    """
     try:
-        return pq.ParquetFile(filesystem.open_input_file(path),
-                              pre_buffer=not isinstance(filesystem, pa_fs.LocalFileSystem))
+        return pq.ParquetFile(filesystem.open_input_file(path), pre_buffer=True)
     except (pa.ArrowInvalid, OSError) as error:
         raise DataError(f"{path}: not a readable Parquet file ({str(error).splitlines()[0]})") from None
 
