@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import ledger, mnist, out_of_core, scaling, seeds, throughput
+from bench import fan_in, ledger, mnist, out_of_core, scaling, seeds, throughput
 
 BENCHMARKS = {
     "throughput": throughput.main,
@@ -13,6 +13,7 @@ BENCHMARKS = {
     "seeds": seeds.main,
     "out_of_core": out_of_core.main,
     "scaling": scaling.main,
+    "fan_in": fan_in.main,
 }
 
 

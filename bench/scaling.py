@@ -9,7 +9,7 @@ it records the driver's wall time, the part of it the driver spends on its own
 (the step minus the time it waits for the workers' sums), the driver thread's
 CPU time, the bytes the driver sends (one copy of the flat float32 weights per
 worker node: Ray ships the object once per node) and receives (the sums,
-measured), and each worker's time inside its sampled clipped sum. All nodes
+measured), and the slowest worker's time inside its sampled clipped sum. All nodes
 share this machine's cores, so more nodes here means contention, not speed:
 the figures show what the driver's share of a step is, and that its traffic
 grows with the node count and not with N. `--json` writes
@@ -33,57 +33,32 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-import orchestrator.shard_fleet as shard_fleet
 from orchestrator.config import build_config
 from orchestrator.trainer import Trainer
-from workers.shard_worker import ShardWorker
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NODE_COUNTS = (1, 2, 4)
 WARMUP_STEPS = 3
 
 
-class TimedShardWorker(ShardWorker):
-    """A shard worker that keeps the seconds its last sampled clipped sum took."""
-
-    def sampled_clipped_grad_sum(self, weights, step, clip_norm):
-        started = time.perf_counter()
-        result = super().sampled_clipped_grad_sum(weights, step, clip_norm)
-        self.last_seconds = time.perf_counter() - started
-        return result
-
-    def last_call_seconds(self) -> float:
-        """Seconds inside the last sampled_clipped_grad_sum."""
-        return self.last_seconds
-
-
 class MeasuredTrainer(Trainer):
-    """A trainer that records, per step, the driver's and the workers' times and the driver's traffic."""
+    """A trainer that keeps, per step, its breakdown (``Trainer.times``), CPU time and traffic."""
 
     def __init__(self, *args, **kwargs):
         self.rows: list[dict] = []
         super().__init__(*args, **kwargs)
-        fleet_sums = self.shards.clipped_sums
 
-        def timed_sums(weights, step, clip_norm):
-            started = time.perf_counter()
-            sums, missing = fleet_sums(weights, step, clip_norm)
-            self.waited = time.perf_counter() - started
-            self.bytes_in = sum(part.nbytes for part in sums)
-            return sums, missing
-
-        self.shards.clipped_sums = timed_sums
-
-    def _shard_step(self):
-        wall, cpu = time.perf_counter(), time.thread_time()
-        super()._shard_step()
-        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-        actors = self.shards.present_actors()
-        worker_seconds = ray.get([actor.last_call_seconds.remote() for actor in actors])
-        weights_bytes = 4 * sum(p.numel() for p in self.model.parameters())
+    def _step(self, workers):
+        before, cpu = self.times, time.thread_time()
+        super()._step(workers)
+        cpu, step = time.thread_time() - cpu, self.times.minus(before)
+        weights_bytes = 4 * self.flat_weights.numel()
+        nodes = len(set(self.shards.nodes.values()) if self.shards else set(self.worker_nodes.values()))
         self.rows.append({
-            "step": self.step, "driver_wall_s": wall, "driver_own_s": wall - self.waited, "driver_cpu_s": cpu,
-            "bytes_out": weights_bytes * len(actors), "bytes_in": self.bytes_in, "worker_s": worker_seconds,
+            "step": self.step, "driver_wall_s": step.driver + step.wait, "driver_own_s": step.driver,
+            "driver_cpu_s": cpu, "bytes_out": weights_bytes * nodes,
+            "bytes_in": sum(part.nbytes for part in self.gathered.parts), "buffers_in": len(self.gathered.parts),
+            "worker_s_slowest": step.worker,
         })
 
 
@@ -117,7 +92,7 @@ def measure(nodes: int, steps: int, batch_size: int, run_root: Path) -> dict:
         "median_after_warmup": {
             "driver_wall_s": median("driver_wall_s"), "driver_own_s": median("driver_own_s"),
             "driver_cpu_s": median("driver_cpu_s"), "bytes_out": median("bytes_out"), "bytes_in": median("bytes_in"),
-            "worker_s_slowest": statistics.median(max(row["worker_s"]) for row in timed),
+            "worker_s_slowest": median("worker_s_slowest"),
         },
         "steps": trainer.rows,
     }
@@ -132,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Ray starts workers at niceness 15; keep them on the driver's terms on a shared machine.
     os.environ["RAY_worker_niceness"] = str(os.nice(0))
-    shard_fleet.ShardWorkerActor = ray.remote(TimedShardWorker)
     results = []
     with tempfile.TemporaryDirectory() as run_root:
         for nodes in NODE_COUNTS:

@@ -8,11 +8,17 @@ repeat, and reports the median samples/s over the repeats:
 - Opacus 1.6 with per-sample-gradient hooks, and with ghost clipping (a
   bench-only extra: ``pip install opacus==1.6.0``; skipped when missing);
 - dpfleet in process: the clipped sum by the fast engine and by the vmap
-  engine, then the driver's Gaussian noise and SGD step;
+  engine, then Gaussian noise from torch's generator and the SGD step;
 - dpfleet over Ray with 1 and with 2 gradient workers of 1 thread each (the
-  MNIST models only: workers load their training split by dataset name); on
-  CUDA the two workers share the one GPU (half each) and the driver stays
-  on the CPU, as in ``dpfleet train``.
+  MNIST models and ResNet-18-GN, whose workers open the same synthetic
+  images as a ``module:function`` dataset), with the driver of ``dpfleet
+  train``: secure noise drawn ahead on a background thread, the sums of a
+  node's workers added on their node, the noisy mean written into the
+  model's flat gradient buffer. On CUDA the two workers share the one GPU
+  (half each) and the driver uses the GPU too. For these rows the report
+  adds where a step's time goes: the driver's own seconds (what the
+  workers wait for), of which its wait for the noise, the slowest worker's
+  seconds in its call, and the driver's wait for the sums.
 
 Models: ``gdp_cnn`` and ``lenet5`` at batch 256 on MNIST; torchvision's
 ResNet-18 with GroupNorm at batch 64 on synthetic 3x32x32 images; a small
@@ -38,6 +44,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,9 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from orchestrator.aggregation import NodeAggregation
+from orchestrator.noise import GaussianNoise, NoiseFeed, TorchGaussianNoise, driver_threads, noisy_mean_gradient
 from workers.actor import retain_freed_memory
 from workers.engines import clipped_sum
-from workers.models import build_model, flat_parameters, load_flat_gradient
+from workers.models import bind_flat_views, build_model, flat_parameters
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 NOISE_MULTIPLIER = 1.0
@@ -137,17 +146,19 @@ class TiedGRULanguageModel(GRUTextClassifier):
 
 @dataclass(frozen=True)
 class Case:
-    """One benchmarked model: how to build it and its data, the batch size, whether Ray workers can serve it.
+    """One benchmarked model: how to build it and its data, the batch size, and what Ray workers open.
 
     ``timed_steps`` steps make one timing, so that a timing of a fast model
-    is long enough to read; ``vmap_physical_batch`` bounds the vmap engine's memory.
+    is long enough to read; ``vmap_physical_batch`` bounds the vmap engine's
+    memory. ``ray_specs`` is the (model, dataset) spec pair a gradient
+    worker opens, None where the model is not run over Ray.
     """
 
     build: Callable[[], nn.Module]
     data: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
     batch_size: int
     vmap_physical_batch: int
-    on_ray: bool
+    ray_specs: tuple[str, str] | None
     timed_steps: int
 
 
@@ -162,18 +173,25 @@ def _images(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(1024, 3, 32, 32, generator=generator), torch.randint(0, 10, (1024,), generator=generator)
 
 
+def synthetic_images() -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+    """ResNet-18-GN's images as a ``module:function`` dataset for Ray workers: (train, test), the Setting's examples."""
+    images = torch.utils.data.TensorDataset(*_images(torch.Generator().manual_seed(0)))
+    return images, images
+
+
 def _tokens(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(1, 5000, (1024, 32), generator=generator), torch.randint(0, 4, (1024,), generator=generator)
 
 
 CASES = {
-    "gdp_cnn": Case(lambda: build_model("gdp_cnn"), _mnist, 256, 256, True, 4),
-    "lenet5": Case(lambda: build_model("lenet5"), _mnist, 256, 256, True, 4),
+    "gdp_cnn": Case(lambda: build_model("gdp_cnn"), _mnist, 256, 256, ("gdp_cnn", "mnist"), 4),
+    "lenet5": Case(lambda: build_model("lenet5"), _mnist, 256, 256, ("lenet5", "mnist"), 4),
     # vmap holds one 11M-entry gradient per example: 16 at a time keeps it under 1 GB.
-    "resnet18_gn": Case(resnet18_gn, _images, 64, 16, False, 1),
-    "transformer": Case(TextClassifier, _tokens, 128, 128, False, 1),
-    "gru": Case(GRUTextClassifier, _tokens, 128, 128, False, 1),
-    "tied_gru_lm": Case(TiedGRULanguageModel, _tokens, 128, 32, False, 1),
+    "resnet18_gn": Case(resnet18_gn, _images, 64, 16,
+                        ("bench.throughput:resnet18_gn", "bench.throughput:synthetic_images"), 1),
+    "transformer": Case(TextClassifier, _tokens, 128, 128, None, 1),
+    "gru": Case(GRUTextClassifier, _tokens, 128, 128, None, 1),
+    "tied_gru_lm": Case(TiedGRULanguageModel, _tokens, 128, 32, None, 1),
 }
 
 
@@ -258,22 +276,25 @@ def _out_of_place_residual(block: nn.Module) -> Callable[[torch.Tensor], torch.T
 
 
 class _Driver:
-    """The trainer's side of a DP-SGD step on ``device``: noise once on the clipped sum, average, SGD step."""
+    """The trainer's side of a DP-SGD step on ``device``: noise once on the clipped sum, average, SGD step.
+
+    The weights and the gradient are the model's flat views
+    (``bind_flat_views``), as in ``dpfleet train``; the noise comes from
+    torch's generator, drawn within the step.
+    """
 
     def __init__(self, setting: Setting, device: torch.device) -> None:
         self.setting = setting
         self.model = setting.model(device)
+        self.flat, self.gradient = bind_flat_views(self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
-        self.flat = flat_parameters(self.model)
         self.generator = torch.Generator(device).manual_seed(1)
 
     def apply(self, summed: torch.Tensor) -> None:
         noise = torch.randn(summed.shape, generator=self.generator, device=self.generator.device)
         noisy = summed.to(noise.device).add_(noise, alpha=NOISE_MULTIPLIER * CLIP_NORM)
-        self.optimizer.zero_grad(set_to_none=True)
-        load_flat_gradient(self.model, noisy.div_(self.setting.case.batch_size))
+        torch.div(noisy, self.setting.case.batch_size, out=self.gradient)
         self.optimizer.step()
-        self.flat = flat_parameters(self.model)
 
 
 def in_process(engine: str) -> Callable[[Setting], Callable[[], None]]:
@@ -306,23 +327,62 @@ def clipped_sum_only(setting: Setting) -> Callable[[], None]:
     return step
 
 
+class RayStep:
+    """One DP-SGD step over Ray gradient workers with ``dpfleet train``'s driver, timing where each step goes.
+
+    Secure noise (OS entropy) is drawn a step ahead on a background thread;
+    the sums come back one per node (read in place on the driver's own);
+    the noisy mean goes straight into the model's flat gradient buffer. On
+    CUDA the driver's model, noise and optimizer are on the GPU. ``times``
+    holds, per step, (driver's own, of which waiting for the noise, slowest
+    worker, wait for the sums) in seconds.
+    """
+
+    def __init__(self, setting: Setting, actors: list) -> None:
+        import ray
+
+        self.setting, self.actors = setting, dict(enumerate(actors))
+        self.model = setting.model()
+        self.weights, self.gradient = bind_flat_views(self.model)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
+        noise = (TorchGaussianNoise(device=setting.device) if setting.device.type == "cuda" else GaussianNoise())
+        self.noise = NoiseFeed(noise, self.weights.numel())
+        self.arithmetic = ThreadPoolExecutor(driver_threads())
+        self.aggregation = NodeAggregation()
+        self.nodes = dict(zip(self.actors, ray.get([actor.node_id.remote() for actor in actors])))
+        self.aggregation.place(self.actors, self.nodes)
+        self.step_index = 0
+        self.times: list[tuple[float, float, float, float]] = []
+
+    def __call__(self) -> None:
+        import ray
+
+        started, step = time.perf_counter(), self.step_index
+        self.noise.request(step)
+        self.noise.request(step + 1)
+        weights = ray.put(self.weights.cpu().numpy())
+        shares = np.array_split(self.setting.indices.numpy(), len(self.actors))
+        calls = {index: (share, CLIP_NORM) for index, share in zip(self.actors, shares, strict=True)}
+        gathered = self.aggregation.gather(self.aggregation.run(self.actors, self.nodes, "clipped_grad_sum", weights,
+                                                                calls, {}))
+        noise_started = time.perf_counter()
+        unit_noise = self.noise.take(step)
+        noise_wait = time.perf_counter() - noise_started
+        noisy_mean_gradient(gathered.parts, unit_noise, NOISE_MULTIPLIER * CLIP_NORM, self.setting.case.batch_size,
+                            self.gradient, self.arithmetic)
+        self.optimizer.step()
+        _synchronize(self.setting.device)
+        wall = time.perf_counter() - started
+        self.times.append((wall - gathered.wait_seconds, noise_wait, gathered.slowest_worker_seconds,
+                           gathered.wait_seconds))
+        self.step_index += 1
+
+
 def over_ray(workers: int) -> Callable[[Setting], Callable[[], None]]:
     """One DP-SGD step with the clipped sum split over ``workers`` Ray gradient workers (1 thread each)."""
 
     def make(setting: Setting) -> Callable[[], None]:
-        import ray
-
-        driver = _Driver(setting, torch.device("cpu"))
-        actors = _ray_workers(setting)[:workers]
-
-        def step() -> None:
-            weights = ray.put(driver.flat.numpy())
-            shares = np.array_split(setting.indices.numpy(), workers)
-            sums = ray.get([actor.clipped_grad_sum.remote(weights, share, CLIP_NORM)
-                            for actor, share in zip(actors, shares, strict=True)])
-            driver.apply(torch.from_numpy(np.sum(sums, axis=0)))
-
-        return step
+        return RayStep(setting, _ray_workers(setting)[:workers])
 
     return make
 
@@ -340,9 +400,11 @@ def _ray_workers(setting: Setting) -> list:
             for actor in actors:
                 ray.kill(actor)
         _ACTORS.clear()
+        model_spec, dataset_spec = setting.case.ray_specs
+        subset = MNIST_EXAMPLES if dataset_spec == "mnist" else None
         _ACTORS[setting.name] = [
             GradientWorkerActor.options(num_cpus=1, num_gpus=0.5 if setting.device.type == "cuda" else 0).remote(
-                setting.name, "mnist", MNIST_EXAMPLES, setting.case.batch_size, threads=1, engine="fast"
+                model_spec, dataset_spec, subset, setting.case.batch_size, threads=1, engine="fast"
             )
             for _ in range(2)
         ]
@@ -378,8 +440,8 @@ def _variants_for(setting: Setting, device: torch.device) -> tuple[dict[str, Cal
         if name.startswith("opacus") and not _opacus_available():
             skipped[name] = "opacus is not installed (pip install opacus==1.6.0)"
             continue
-        if name.startswith("ray") and not setting.case.on_ray:
-            skipped[name] = "Ray workers load their training split by dataset name: MNIST models only"
+        if name.startswith("ray") and setting.case.ray_specs is None:
+            skipped[name] = "not run over Ray (its workers would need the benchmark's tokens as a dataset spec)"
             continue
         try:
             step = make(setting)
@@ -401,6 +463,9 @@ def measure(name: str, device: torch.device, repeats: int) -> dict:
     setting = Setting(name, device)
     steps, skipped = _variants_for(setting, device)
     seconds: dict[str, list[float]] = {variant: [] for variant in steps}
+    for step in steps.values():
+        if isinstance(step, RayStep):
+            step.times.clear()  # the warm-up step's
     for _ in range(repeats):
         for variant, step in steps.items():
             _synchronize(device)
@@ -416,8 +481,17 @@ def measure(name: str, device: torch.device, repeats: int) -> dict:
         "batch_size": batch,
         "samples_per_second": throughput,
         "step_seconds": {variant: times for variant, times in seconds.items()},
+        "breakdown": {variant: breakdown(step.times) for variant, step in steps.items() if isinstance(step, RayStep)},
         "skipped": skipped,
     }
+
+
+def breakdown(times: list[tuple[float, float, float, float]]) -> dict[str, float]:
+    """Medians over steps of a RayStep's times, in seconds per step, and the driver's share of the step."""
+    driver, noise, worker, wait = (statistics.median(column) for column in zip(*times))
+    return {"driver_seconds_per_step": driver, "noise_wait_seconds_per_step": noise,
+            "worker_seconds_per_step": worker, "wait_seconds_per_step": wait,
+            "driver_share_of_step": driver / (driver + wait)}
 
 
 def _resident_kib(field: str) -> int:
@@ -517,6 +591,13 @@ def print_report(results: list[dict], memory: dict, threads: int, device: torch.
                   f"{_format(ratio['vs_opacus_hooks']):>10s} {other:>16s}")
         for variant, reason in result["skipped"].items():
             print(f"{result['model']:12s} {variant:14s} skipped: {reason}")
+        for variant, figures in result["breakdown"].items():
+            print(f"{result['model']:12s} {variant:14s} per step: driver "
+                  f"{figures['driver_seconds_per_step'] * 1e3:.1f} ms ({figures['driver_share_of_step']:.0%} of the "
+                  "step; waiting for noise "
+                  f"{figures['noise_wait_seconds_per_step'] * 1e3:.1f} ms), slowest worker "
+                  f"{figures['worker_seconds_per_step'] * 1e3:.1f} ms, wait for sums "
+                  f"{figures['wait_seconds_per_step'] * 1e3:.1f} ms")
     if memory:
         print(f"\npeak memory, {MEMORY_MODEL} at batch {CASES[MEMORY_MODEL].batch_size} "
               f"({'peak RSS' if device.type == 'cpu' else 'max allocated'}; step = peak minus after set-up)")
@@ -553,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_probe:
         print(json.dumps(_peak_memory_of(MEMORY_MODEL, args.memory_probe, device)))
         return 0
-    needs_ray = any(CASES[name].on_ray for name in args.models)
+    needs_ray = any(CASES[name].ray_specs is not None for name in args.models)
     if needs_ray:
         import ray
 

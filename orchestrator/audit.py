@@ -50,7 +50,7 @@ from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
-from orchestrator.noise import GaussianNoise  # noqa: E402
+from orchestrator.noise import GaussianNoise, noisy_sum_at  # noqa: E402
 from orchestrator.sampling import make_generator, partition  # noqa: E402
 from orchestrator.trainer import Trainer  # noqa: E402
 from workers.vmap_engine import per_example_clipped_sum  # noqa: E402
@@ -114,11 +114,12 @@ class MislabelledCanaries:
     def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
         """Sum of the clipped gradients of the sampled canaries that are in the dataset (float64)."""
         chosen = torch.as_tensor(sampled[self.included[sampled]], dtype=torch.int64)
+        device = next(model.parameters()).device  # the driver's GPU when it has one
         summed = per_example_clipped_sum(
-            model, flat_parameters(model), self.images[chosen], self.labels[chosen], clip_norm,
-            self.max_physical_batch,
+            model, flat_parameters(model), self.images[chosen].to(device), self.labels[chosen].to(device),
+            clip_norm, self.max_physical_batch,
         )
-        return summed.double().numpy()
+        return summed.double().cpu().numpy()
 
 
 class CanaryTrainer(Trainer):
@@ -149,11 +150,11 @@ class CanaryTrainer(Trainer):
         # The workers' sums end with their raw counts; the canaries add nothing to those.
         return sums + [np.concatenate([canary_sum, np.zeros(sums[0].size - canary_sum.size)])]
 
-    def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
+    def _apply_noise(self, partial_sums: list[np.ndarray], unit_noise, noise_std: float) -> None:
         if self.watch is not None:
-            self.observations.append(np.asarray(noisy_sum, dtype=np.float64)[self.watch])
+            self.observations.append(noisy_sum_at(partial_sums, unit_noise, noise_std, self.watch))
             self.noise_multipliers.append(self.plan.sigma_at(self.step))
-        super()._apply_noisy_sum(noisy_sum)
+        super()._apply_noise(partial_sums, unit_noise, noise_std)
 
 
 def quietest_coordinates(config: TrainConfig, count: int, generator: np.random.Generator) -> np.ndarray:

@@ -69,7 +69,8 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
     digest, payload = data[:_DIGEST_BYTES], data[_DIGEST_BYTES:]
     if len(digest) < _DIGEST_BYTES or hashlib.sha256(payload).digest() != digest:
         return None
-    return torch.load(io.BytesIO(payload), weights_only=False)
+    # On the CPU: a checkpoint of a driver that ran on its GPU resumes on any driver.
+    return torch.load(io.BytesIO(payload), weights_only=False, map_location="cpu")
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:

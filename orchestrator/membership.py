@@ -50,14 +50,15 @@ def loss_attack_figures(member_losses: np.ndarray, nonmember_losses: np.ndarray)
 def example_losses(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> np.ndarray:
     """Per-example cross-entropy losses (nats) of `model` in eval mode, as float64."""
     was_training = model.training
+    device = next(model.parameters()).device  # the driver's GPU when it has one
     model.eval()
     losses = []
     with torch.no_grad():
         for start in range(0, len(labels), _LOSS_BATCH):
-            logits = model(images[start : start + _LOSS_BATCH])
-            losses.append(F.cross_entropy(logits, labels[start : start + _LOSS_BATCH], reduction="none"))
+            logits = model(images[start : start + _LOSS_BATCH].to(device))
+            losses.append(F.cross_entropy(logits, labels[start : start + _LOSS_BATCH].to(device), reduction="none"))
     model.train(was_training)
-    return torch.cat(losses).double().numpy() if losses else np.zeros(0)
+    return torch.cat(losses).double().cpu().numpy() if losses else np.zeros(0)
 
 
 def membership_report(

@@ -1,62 +1,249 @@
-"""Central Gaussian noise and the noisy mean gradient (pure functions over arrays)."""
+"""Central Gaussian noise, drawn ahead of its step, and the noisy mean gradient.
+
+Every noise vector is a pure function of the run's root entropy and a key
+(the step, and which of the step's vectors it is): fixed-size chunks of it
+come from independent streams spawned from one numpy ``SeedSequence``, so any
+number of threads draws the same values, and a resume replays them exactly
+from the entropy in the checkpoint. ``NoiseFeed`` draws the next step's vector
+on a background thread while the workers compute the current step.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
-from orchestrator.sampling import make_generator
+import numpy as np
+import torch
 
 NOISE_STREAM = 1
-
 
 # Secure mode: four N(0, std^2 / 4) draws add up to one N(0, std^2) whose low-order bits no longer follow the
 # pattern of a single floating-point Gaussian sample (Mironov 2012; the
 # mitigation Opacus uses, after Holohan and Braghin 2021).
 SECURE_DRAWS = 4
 
+# The first element of a noise key: the gradient's noise, and adaptive clipping's count noise, of a step.
+GRADIENT_NOISE = 0
+COUNT_NOISE = 1
+
+# Values per independent stream: 2 MB of float64, small enough that a chunk's four draws stay in cache.
+CHUNK_VALUES = 2**18
+
+
+def driver_threads() -> int:
+    """The cores this process may run on (its CPU affinity), for the driver's parallel noise and arithmetic."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def chunk_bounds(size: int, chunk_values: int = CHUNK_VALUES) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of a `size`-value vector: fixed length, the last one shorter."""
+    return [(start, min(size, start + chunk_values)) for start in range(0, size, chunk_values)]
+
+
+def fill_unit_normal(generator: np.random.Generator, out: np.ndarray, draws: int) -> None:
+    """Fill `out` (float64) with the sum of `draws` independent N(0, 1) arrays, scaled to N(0, 1) again."""
+    generator.standard_normal(out=out)
+    if draws == 1:
+        return
+    part = np.empty_like(out)
+    for _ in range(draws - 1):
+        out += generator.standard_normal(out=part)
+    out *= 1.0 / np.sqrt(draws)
+
 
 class GaussianNoise:
-    """Draws N(0, std^2) noise vectors, once per step, on the driver.
+    """N(0, std^2) noise vectors for the driver, each keyed by (kind, step): one key, one vector.
 
-    Seeded from OS entropy unless a seed is given (tests only: the trainer
-    prints `seeded: not for production use`). With `secure`, each value is the
-    sum of SECURE_DRAWS float64 Gaussians of std / sqrt(SECURE_DRAWS), which
-    hardens the released float32 values against the floating-point attack on
-    Gaussian sampling.
+    The root entropy comes from the OS unless a seed is given (tests only:
+    the trainer prints `seeded: not for production use`). With `secure`,
+    each value is the sum of SECURE_DRAWS float64 Gaussians, which hardens
+    the released float32 values against the floating-point attack on Gaussian
+    sampling. `threads` draw the chunks in parallel (default: the driver's
+    cores); they do not change the values.
     """
 
-    def __init__(self, seed: int | None = None, secure: bool = True):
+    def __init__(self, seed: int | None = None, secure: bool = True, threads: int | None = None):
         self.seeded = seed is not None
         self.secure = secure
-        self._generator = make_generator(seed, NOISE_STREAM)
+        self.entropy = np.random.SeedSequence(None if seed is None else [seed, NOISE_STREAM]).entropy
+        self.threads = threads or driver_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="noise") if self.threads > 1 else None
+
+    @property
+    def draws_per_value(self) -> int:
+        """How many float64 Gaussians make one value: SECURE_DRAWS in secure mode, else 1."""
+        return SECURE_DRAWS if self.secure else 1
 
     @property
     def state(self) -> dict:
-        """The generator's state, for checkpoints."""
-        return self._generator.bit_generator.state
+        """What a checkpoint keeps: the root entropy and the mode (every vector derives from them)."""
+        return {"entropy": self.entropy, "secure": self.secure}
 
     @state.setter
     def state(self, value: dict) -> None:
-        self._generator.bit_generator.state = value
+        if "bit_generator" in value:
+            # A checkpoint of the single-generator noise: continue from entropy that generator would have drawn.
+            legacy = np.random.default_rng()
+            legacy.bit_generator.state = value
+            self.entropy = int.from_bytes(legacy.bytes(16), "little")
+            return
+        self.entropy, self.secure = value["entropy"], value["secure"]
 
-    def draw(self, size: int, std: float) -> np.ndarray:
-        """`size` independent N(0, std^2) values as float64."""
-        if not self.secure:
-            return self._generator.normal(0.0, std, size)
-        # The secure draws accumulate in place: for an 11M-parameter model, a
-        # [SECURE_DRAWS, size] array would be 356 MB written and read again.
-        total = self._generator.standard_normal(size)
-        part = np.empty_like(total)
-        for _ in range(SECURE_DRAWS - 1):
-            total += self._generator.standard_normal(out=part)
-        total *= std / np.sqrt(SECURE_DRAWS)
-        return total
+    def chunk_generator(self, key: Sequence[int], chunk: int) -> np.random.Generator:
+        """The independent stream of chunk `chunk` of the vector `key`."""
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.entropy,
+                                                                          spawn_key=(*key, chunk))))
+
+    def draw(self, size: int, std: float, key: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+        """The `size` independent N(0, std^2) float64 values of vector `key` (written into `out` if given)."""
+        if out is None:
+            out = np.empty(size, dtype=np.float64)
+        draws = self.draws_per_value
+
+        def fill(chunk: int, bounds: tuple[int, int]) -> None:
+            values = out[bounds[0]:bounds[1]]
+            fill_unit_normal(self.chunk_generator(key, chunk), values, draws)
+            if std != 1.0:
+                values *= std
+
+        bounds = chunk_bounds(size)
+        if self._pool is None or len(bounds) == 1:
+            for chunk, chunk_bound in enumerate(bounds):
+                fill(chunk, chunk_bound)
+        else:
+            # numpy's generators and ufuncs release the GIL, so the chunks fill in parallel.
+            list(self._pool.map(fill, range(len(bounds)), bounds))
+        return out
 
 
-def average_noisy_sum(noisy_sum: np.ndarray, expected_batch_size: float) -> np.ndarray:
-    """The noisy sum of clipped gradients divided by q * N, as float32.
+class TorchGaussianNoise(GaussianNoise):
+    """GaussianNoise drawn by torch on `device` (the driver's GPU when it has one), as a float64 tensor there.
 
-    Dividing by the expected batch size, not the realised one, keeps the
-    realised count (a raw, un-noised statistic) out of what is released.
+    Each vector comes from one torch generator seeded with 64 bits from the
+    vector's own ``SeedSequence`` child of the root entropy (OS entropy unless
+    seeded), with the same SECURE_DRAWS-fold float64 hardening. The values
+    differ from GaussianNoise's: a resume replays them on the same kind of
+    device. Runs on the CPU as well, which is how it is tested without a GPU.
     """
-    return (np.asarray(noisy_sum, dtype=np.float64) / expected_batch_size).astype(np.float32)
+
+    def __init__(self, seed: int | None = None, secure: bool = True, device: str | torch.device = "cuda"):
+        super().__init__(seed, secure, threads=1)
+        self.device = torch.device(device)
+
+    def draw(self, size: int, std: float, key: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The `size` independent N(0, std^2) float64 values of vector `key`, on the device."""
+        seed = int(np.random.SeedSequence(self.entropy, spawn_key=tuple(key)).generate_state(1, np.uint64)[0])
+        generator = torch.Generator(self.device).manual_seed(seed)
+        if out is None:
+            out = torch.empty(size, dtype=torch.float64, device=self.device)
+        out.normal_(generator=generator)
+        draws = self.draws_per_value
+        if draws > 1:
+            part = torch.empty_like(out)
+            for _ in range(draws - 1):
+                out += part.normal_(generator=generator)
+            out *= 1.0 / np.sqrt(draws)
+        if std != 1.0:
+            out *= std
+        return out
+
+
+class NoiseFeed:
+    """The driver's noise for each step, drawn on a background thread while the workers compute.
+
+    Two buffers alternate: step t's vector is drawn into one while step
+    t - 1's, in the other, is being added. `request(step)` starts the unit
+    (std 1) vector of `step`; `take(step)` waits for it and hands it out, at
+    most once per step: a recomputed shard or a retried call never gets a
+    second draw. The trainer scales it by sigma * C when the step's clip norm
+    is known.
+    """
+
+    def __init__(self, noise: GaussianNoise, size: int):
+        self.noise, self.size = noise, size
+        self._buffers: list[np.ndarray | torch.Tensor | None] = [None, None]
+        self._drawing = ThreadPoolExecutor(1, thread_name_prefix="noise-feed")
+        self._pending: dict[int, Future] = {}
+        self._taken: int | None = None
+        self._lock = threading.Lock()
+
+    def request(self, step: int) -> None:
+        """Start drawing step `step`'s unit noise in the background (no-op if it is already under way)."""
+        with self._lock:
+            if step in self._pending or (self._taken is not None and step <= self._taken):
+                return
+            slot = step % 2
+            self._pending[step] = self._drawing.submit(self._draw, step, slot)
+
+    def _draw(self, step: int, slot: int):
+        self._buffers[slot] = self.noise.draw(self.size, 1.0, (GRADIENT_NOISE, step), out=self._buffers[slot])
+        return self._buffers[slot]
+
+    def take(self, step: int):
+        """Step `step`'s unit noise vector (drawn now if it was not requested); a second take of a step raises."""
+        if self._taken is not None and step <= self._taken:
+            raise RuntimeError(f"the noise of step {step} was already taken: each step adds noise exactly once")
+        self.request(step)
+        with self._lock:
+            pending = self._pending.pop(step)
+            for stale in [other for other in self._pending if other < step]:
+                self._pending.pop(stale).cancel()
+        values = pending.result()
+        self._taken = step
+        return values
+
+    def close(self) -> None:
+        """Stop the background thread (a draw under way finishes first)."""
+        self._drawing.shutdown(wait=True, cancel_futures=True)
+
+
+def noisy_sum_at(
+    partial_sums: Sequence[np.ndarray], unit_noise, noise_std: float, coordinates: np.ndarray
+) -> np.ndarray:
+    """The noisy sum (partial sums added up, then noise_std * unit_noise) at `coordinates`, as float64."""
+    noisy = np.zeros(len(coordinates))
+    for part in partial_sums:
+        noisy += part[coordinates]
+    return noisy + noise_std * np.asarray(torch.as_tensor(unit_noise)[torch.as_tensor(coordinates)].cpu())
+
+
+def noisy_mean_gradient(
+    partial_sums: Sequence[np.ndarray], unit_noise, noise_std: float, contributions: float, out,
+    pool: ThreadPoolExecutor | None = None,
+):
+    """(sum of partial_sums + noise_std * unit_noise) / contributions in float64, written as float32 into `out`.
+
+    The partial sums of clipped gradients are added up first, and the noise
+    once to their sum; dividing by the expected batch size q*N (or the
+    microbatch count), never the realised one, keeps the realised count (a
+    raw, un-noised statistic) out of what is released. On the CPU this runs
+    chunk by chunk in cache, on `pool`'s threads when given: one pass over
+    memory instead of one per operation. `out` on a GPU takes the sum there.
+    """
+    if isinstance(out, torch.Tensor) and out.device.type != "cpu":
+        noisy = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
+        for part in partial_sums:
+            noisy += torch.as_tensor(part).to(out.device)
+        out.copy_(noisy.add_(unit_noise, alpha=noise_std).div_(contributions))
+        return out
+    array = np.asarray(out)
+    unit_noise = np.asarray(unit_noise)
+
+    def combine(bounds: tuple[int, int]) -> None:
+        start, stop = bounds
+        noisy = np.zeros(stop - start)
+        for part in partial_sums:
+            noisy += part[start:stop]
+        noisy += np.multiply(unit_noise[start:stop], noise_std)
+        np.divide(noisy, contributions, out=array[start:stop])
+
+    bounds = chunk_bounds(array.size, CHUNK_VALUES // 4)
+    if pool is None:
+        for chunk_bound in bounds:
+            combine(chunk_bound)
+    else:
+        list(pool.map(combine, bounds))
+    return out

@@ -6,6 +6,8 @@ that dies (its process, or its whole node) is replaced at once by a new actor
 with the same resources; Ray places the replacement when a node with those
 resources is there again. Until then the slot is lost, and the policy decides:
 "wait" holds the step (up to shard_timeout), "skip" runs it without the shard.
+A step's calls go through `orchestrator.aggregation`: the sums of a node's
+workers are added on that node, so the driver receives one buffer per node.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-import numpy as np
 import ray
 
+from orchestrator.aggregation import Gathered, NodeAggregation
 from orchestrator.errors import ShardTimeoutError
 from workers.clipping import LayerClipNorms
 from workers.shard_worker import ShardWorkerActor
@@ -41,6 +43,9 @@ class ShardFleet:
         self.probes: dict[Slot, ray.ObjectRef] = {}
         self.example_counts: dict[Slot, int] = {}
         self.sampling_rate: float | None = None
+        # The node each present slot's actor runs on, and the per-node reducers of the step's calls.
+        self.nodes: dict[Slot, str] = {}
+        self.aggregation: NodeAggregation | None = None
 
     # --- placement -----------------------------------------------------------
 
@@ -144,6 +149,11 @@ class ShardFleet:
                     f"{self._describe({slot})} now holds {count} examples, not the {known} it held when the run "
                     "started; N and so q would change: restore the shard's data and resume"
                 )
+            try:
+                self.nodes[slot] = ray.get(self.actors[slot].node_id.remote())
+            except ray.exceptions.RayActorError:
+                self._place(slot)
+                continue
             del self.probes[slot]
 
     def present(self) -> list[Slot]:
@@ -156,6 +166,8 @@ class ShardFleet:
 
     def close(self) -> None:
         """Stop every actor (placed or still waiting for its node), freeing the silos' CPUs for the next run."""
+        if self.aggregation is not None:
+            self.aggregation.close()
         for actor in self.actors.values():
             ray.kill(actor)
         self.actors.clear()
@@ -175,11 +187,13 @@ class ShardFleet:
 
     def clipped_sums(
         self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms
-    ) -> tuple[list[np.ndarray], list[Slot]]:
-        """Each present worker's clipped sum for step `step` (0-based), and the (shard, worker) slots that had none.
+    ) -> tuple[Gathered, list[Slot]]:
+        """The present workers' clipped sums for step `step` (0-based), one per node, and the slots that had none.
 
         Every sum is followed by its raw count of examples left out for a
-        non-finite gradient. "wait": a worker lost during the step is
+        non-finite gradient. A node whose sum failed has each of its workers
+        checked: one that answers is called again on its own; one that is lost
+        is handled by the policy. "wait": a worker lost during the step is
         replaced and its sum recomputed (with a seed, from the same sample);
         the step ends in ShardTimeoutError when the replacement cannot be
         placed within shard_timeout. "skip": lost workers take no part, and
@@ -191,25 +205,39 @@ class ShardFleet:
                 self._wait_or_stop(step)
             else:
                 self._rejoin(step)
-        sums: list[np.ndarray] = []
-        pending = self.present()
+        if self.aggregation is None:
+            self.aggregation = NodeAggregation()
+        gathered = Gathered()
+        pending, one_by_one = self.present(), False
         while pending:
-            calls = {slot: self.actors[slot].sampled_clipped_grad_sum.remote(weights, step, clip_norm)
-                     for slot in pending}
-            pending = []
-            for slot, call in calls.items():
-                try:
-                    sums.append(ray.get(call))
-                except ray.exceptions.RayActorError:
-                    self._lost(slot, step)
-                    pending.append(slot)
-            if pending and waiting:
+            present = {slot: self.actors[slot] for slot in self.present()}
+            if not one_by_one:
+                self.aggregation.place(present, self.nodes)
+            calls = {slot: (step, clip_norm) for slot in pending}
+            # Recomputed parts go to their workers one by one: a node's new reducer would take longer to start.
+            result = self.aggregation.gather(self.aggregation.run(present, self.nodes, "sampled_clipped_grad_sum",
+                                                                  weights, calls, {}, direct=one_by_one))
+            gathered.add(result)
+            self.aggregation.forget(result.failed)
+            lost = self._find_lost(result.failed, step)
+            pending, one_by_one = [slot for slot in result.failed if slot not in lost], True
+            if lost and waiting:
                 self._wait_or_stop(step)
-                self.say(f"step {step + 1}: recomputing the part of {self._describe(set(pending))} on its "
-                         "replacement")
-            elif pending:
-                break
-        return sums, sorted(self.probes)
+                self.say(f"step {step + 1}: recomputing the part of {self._describe(lost)} on its replacement")
+                pending = sorted(result.failed)
+        return gathered, sorted(self.probes)
+
+    def _find_lost(self, slots: list[Slot], step: int) -> set[Slot]:
+        """Which of `slots` (whose node's sum failed) are lost: their actor does not answer; each is handled."""
+        pings = {slot: self.actors[slot].ping.remote() for slot in slots}
+        lost = set()
+        for slot, ping in pings.items():
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError:
+                self._lost(slot, step)
+                lost.add(slot)
+        return lost
 
     def _lost(self, slot: Slot, step: int) -> None:
         policy = self.config.on_shard_loss

@@ -2,9 +2,11 @@
 
 The data flows one way: the driver Poisson-samples each logical batch and
 splits its indices across the gradient workers; each worker returns the sum of
-its examples' clipped gradients; the driver adds up the partial sums, adds
-Gaussian noise N(0, (sigma * C)^2) once, divides by the expected batch size,
-steps the optimizer and ships the new weights with the next step.
+its examples' clipped gradients, added up on its node (``orchestrator.
+aggregation``); the driver adds up the nodes' sums, adds Gaussian noise
+N(0, (sigma * C)^2) once (drawn in the background while the workers computed,
+``orchestrator.noise``), divides by the expected batch size, steps the
+optimizer and ships the new weights with the next step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -33,6 +36,7 @@ from orchestrator.adaptive_clipping import (
     noisy_unclipped_fraction,
     noisy_unclipped_microbatch_fraction,
 )
+from orchestrator.aggregation import NodeAggregation, split_counts
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import (
     EvaluateEvery,
@@ -45,7 +49,14 @@ from orchestrator.config import (
 )
 from orchestrator import checks
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
-from orchestrator.noise import GaussianNoise, average_noisy_sum
+from orchestrator.noise import (
+    COUNT_NOISE,
+    GaussianNoise,
+    NoiseFeed,
+    TorchGaussianNoise,
+    driver_threads,
+    noisy_mean_gradient,
+)
 from orchestrator.optimizers import build_optimizer
 from orchestrator.report import plot_curves
 from orchestrator.sampling import (
@@ -58,8 +69,8 @@ from orchestrator.sampling import (
 )
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from orchestrator.shard_fleet import ShardFleet
-from workers.actor import GradientWorkerActor
-from workers.models import build_model, flat_parameters, load_flat_gradient
+from workers.actor import GradientWorkerActor, retain_freed_memory
+from workers.models import bind_flat_views, build_model, parameter_count
 from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
 from workers.validation import check_model
 
@@ -68,6 +79,8 @@ CHECKPOINT_VERSION = 1
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
 _TRAIN_LOSS_EXAMPLES = 10_000
+# The breakdown of a step's wall time, per step, in metrics.jsonl and the summary.
+BREAKDOWN = ("driver_seconds_per_step", "worker_seconds_per_step", "wait_seconds_per_step")
 
 
 @dataclass(frozen=True)
@@ -231,6 +244,35 @@ def local_shard_resources(config: TrainConfig) -> dict[str, float]:
     return resources
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds over a number of steps: the driver's own, the slowest worker's in its call, the driver's wait.
+
+    The driver's own time is a step's wall time minus its wait for the
+    workers' sums: what the workers wait for between steps.
+    """
+
+    steps: int = 0
+    driver: float = 0.0
+    worker: float = 0.0
+    wait: float = 0.0
+
+    def plus(self, wall: float, worker: float, wait: float) -> StepTimes:
+        """These times and one more step's."""
+        return StepTimes(self.steps + 1, self.driver + wall - wait, self.worker + worker, self.wait + wait)
+
+    def minus(self, earlier: StepTimes) -> StepTimes:
+        """The steps since `earlier`, a copy of these times taken then."""
+        return StepTimes(self.steps - earlier.steps, self.driver - earlier.driver, self.worker - earlier.worker,
+                         self.wait - earlier.wait)
+
+    def per_step(self) -> dict[str, float]:
+        """The BREAKDOWN means, in seconds per step (empty with no steps)."""
+        if not self.steps:
+            return {}
+        return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
+
+
 class LedgerSession(Protocol):
     """What the trainer needs from the privacy ledger: charge a block before running it."""
 
@@ -274,7 +316,12 @@ class Trainer:
         self.plan = plan_run(config, dataset_size)
         if self.shards is not None:
             self.shards.set_sampling_rate(self.plan.sampling_rate)
-        self.noise = noise or GaussianNoise(config.seed, secure=config.secure_noise)
+        # The driver's GPU, when it has one, draws the noise and runs the optimizer.
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if noise is None:
+            noise = (TorchGaussianNoise(config.seed, config.secure_noise, self.device) if self.device.type == "cuda"
+                     else GaussianNoise(config.seed, secure=config.secure_noise))
+        self.noise = noise
         self.sampler = make_generator(config.seed, SAMPLER_STREAM)
         self.show_progress = show_progress
         self.show_train_loss = show_train_loss
@@ -292,6 +339,9 @@ class Trainer:
                 raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
                                  "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
         self._check_data()
+        # Parameters and gradients are views into two flat buffers: no copy in or out of the model per step.
+        self.model.to(self.device)
+        self.flat_weights, self.flat_gradient = bind_flat_views(self.model)
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         self.events = Composition()
@@ -304,6 +354,12 @@ class Trainer:
         self.wall_seconds_before = 0.0
         self.resumed_reservation_id: str | None = None
         self.run_dir = Path(config.run_dir)
+        self.times = StepTimes()
+        self.times_at_last_row = StepTimes()
+        self.aggregation: NodeAggregation | None = None
+        self.worker_nodes: dict[int, str] = {}
+        self.noise_feed: NoiseFeed | None = None
+        self.arithmetic: ThreadPoolExecutor | None = None
 
     def _check_data(self) -> None:
         """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
@@ -367,6 +423,7 @@ class Trainer:
             "wall_seconds": self._wall_seconds(),
             "dataset_size": self.plan.dataset_size,
             "shard_outages": self.shard_outages,
+            "step_times": asdict(self.times),
         }
 
     def load_state(self, state: dict) -> None:
@@ -390,6 +447,7 @@ class Trainer:
         self.wall_seconds_before = state["wall_seconds"]
         self.resumed_reservation_id = state["reservation_id"]
         self.shard_outages = list(state.get("shard_outages", []))
+        self.times = self.times_at_last_row = StepTimes(**state.get("step_times", {}))
 
     def _save_checkpoint(self) -> None:
         self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
@@ -415,13 +473,25 @@ class Trainer:
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
         started_ray = start_ray(config, self.say) or self.started_ray
+        # The driver allocates and frees the same large buffers every step, as the workers do.
+        retain_freed_memory()
+        self.noise_feed = NoiseFeed(self.noise, parameter_count(self.model))
+        # The workers are idle while the driver adds the noise: its arithmetic may take every core it has.
+        self.arithmetic = ThreadPoolExecutor(driver_threads(), thread_name_prefix="driver")
         try:
             # With shards the fleet holds the workers (placed while planning); `workers` stays empty.
             workers = [] if self.shards else [self._new_worker() for _ in range(config.workers)]
             devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
             self.say("gradient workers on " + ", ".join(devices))
+            if not self.shards:
+                self.aggregation = NodeAggregation()
+                self._place_reducers(workers, range(len(workers)))
             self._train(workers)
         finally:
+            self.noise_feed.close()
+            self.arithmetic.shutdown()
+            if self.aggregation is not None:
+                self.aggregation.close()
             if self.shards is not None:
                 self.shards.close()
             if started_ray:
@@ -432,17 +502,26 @@ class Trainer:
         """The workers to evaluate on and ask for reports: `workers`, or the shards' workers that are up."""
         return workers if self.shards is None else self.shards.present_actors()
 
-    def _evaluate(self, workers: list, split: str, size: int) -> dict[str, float]:
-        """Mean loss and metrics over the first ``size`` examples of a split, evaluated in parts by the workers.
+    def _weights(self) -> ray.ObjectRef:
+        """The current flat float32 weights in the object store (one copy, straight from the model's buffer)."""
+        return ray.put(self.flat_weights.numpy() if self.device.type == "cpu" else self.flat_weights.cpu().numpy())
+
+    def _start_evaluation(self, workers: list, split: str, size: int) -> list[ray.ObjectRef]:
+        """Ask the workers for their parts of an evaluation over the first ``size`` examples of a split."""
+        workers = self._workers_now(workers)
+        bounds = np.linspace(0, size, len(workers) + 1).astype(int)
+        weights = self._weights()
+        return [worker.evaluate.remote(weights, split, int(start), int(stop), self.config.metrics)
+                for worker, start, stop in zip(workers, bounds[:-1], bounds[1:]) if stop > start]
+
+    @staticmethod
+    def _merge_evaluation(pending: list[ray.ObjectRef]) -> dict[str, float]:
+        """Mean loss and metrics from the workers' parts of an evaluation.
 
         Each worker returns sums over its part (loss sum, count, torchmetrics
         states); the driver merges them and never loads an example.
         """
-        workers = self._workers_now(workers)
-        bounds = np.linspace(0, size, len(workers) + 1).astype(int)
-        weights = ray.put(flat_parameters(self.model).numpy())
-        parts = ray.get([worker.evaluate.remote(weights, split, int(start), int(stop), self.config.metrics)
-                         for worker, start, stop in zip(workers, bounds[:-1], bounds[1:]) if stop > start])
+        parts = ray.get(pending)
         merged = parts[0]["metrics"]
         for part in parts[1:]:
             for name, metric in part["metrics"].items():
@@ -471,63 +550,85 @@ class Trainer:
             train_transforms=config.train_transforms,
         )
 
+    def _place_reducers(self, workers: list, indices) -> None:
+        """Learn the nodes of workers `indices` and give each node that runs several of them its reducer."""
+        indices = list(indices)
+        nodes = ray.get([workers[index].node_id.remote() for index in indices])
+        self.worker_nodes.update(zip(indices, nodes))
+        self.aggregation.place(dict(enumerate(workers)), self.worker_nodes)
+
     def _partial_sums(
         self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None = None
     ) -> list[np.ndarray]:
-        """Each worker's clipped sum of its shard; a worker that is gone for good is replaced.
+        """The clipped sums of the workers' shards: one per node, added there, or per worker on the driver's node.
 
         Each sum carries raw counts after it: with adaptive clipping the
-        worker's unclipped count, then always its count of examples left out
-        for a non-finite gradient.
+        unclipped count, then always the count of examples left out for a
+        non-finite gradient. The shards of a node whose sum failed are
+        recomputed by calling its workers one by one; a worker that is gone
+        for good is replaced.
         """
         clip_norm, count = self.config.layer_clip_norms or self.clip_norm, self.config.adaptive_clipping is not None
         groups = group_shards or [None] * len(shards)
-
-        def call(index: int):
-            return workers[index].clipped_grad_sum.remote(weights, shards[index], clip_norm, groups[index], count,
-                                                          count_zeroed=True)
-
-        calls = [call(index) for index in range(len(workers))]
-        sums = []
-        for index, pending in enumerate(calls):
-            for attempt in range(WORKER_REPLACEMENTS + 1):
-                try:
-                    sums.append(ray.get(pending))
-                    break
-                except ray.exceptions.RayActorError:
-                    if attempt == WORKER_REPLACEMENTS:
-                        raise
-                    self.say(f"worker {index} is gone; replacing it and recomputing its shard")
-                    workers[index] = self._new_worker()
-                    pending = call(index)
-        return sums
+        arguments = {index: (shards[index], clip_norm, groups[index], count) for index in range(len(workers))}
+        options = {"count_zeroed": True}
+        gathered = self.aggregation.gather(self.aggregation.run(dict(enumerate(workers)), self.worker_nodes,
+                                                                "clipped_grad_sum", weights, arguments, options))
+        self.aggregation.forget(gathered.failed)
+        failed, replacements = gathered.failed, 0
+        while failed:
+            retried = self.aggregation.gather(self.aggregation.run(
+                dict(enumerate(workers)), self.worker_nodes, "clipped_grad_sum", weights,
+                {index: arguments[index] for index in failed}, options, direct=True))
+            gathered.add(retried)
+            failed = retried.failed
+            if failed and replacements == WORKER_REPLACEMENTS:
+                raise RuntimeError(f"gradient worker(s) {failed} were lost again after {WORKER_REPLACEMENTS} "
+                                   "replacements within one step; check the workers' logs (ray logs)")
+            for index in failed:
+                self.say(f"worker {index} is gone; replacing it and recomputing its shard")
+                workers[index] = self._new_worker()
+            replacements += bool(failed)
+        if gathered.failed:
+            self._place_reducers(workers, gathered.failed)
+        self.gathered = gathered
+        return gathered.parts
 
     def _step(self, workers: list) -> None:
-        """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step."""
+        """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step; its times are kept."""
+        started = time.perf_counter()
+        step = self.step
+        self.noise_feed.request(step)
+        if step + 1 < self.plan.steps:
+            self.noise_feed.request(step + 1)
         if self.shards is not None:
             self._shard_step()
-            return
+        else:
+            self._sampled_step(workers)
+        self.times = self.times.plus(time.perf_counter() - started, self.gathered.slowest_worker_seconds,
+                                     self.gathered.wait_seconds)
+
+    def _sampled_step(self, workers: list) -> None:
+        """A step of driver-sampled examples, split across `workers`."""
         plan = self.plan
         step = self.step
         indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
-        weights = ray.put(flat_parameters(self.model).numpy())
+        weights = self._weights()
         group_ids = None
         if plan.microbatches:
             group_ids = assign_microbatches(self.sampler, len(indices), plan.microbatches)
             partial_sums = self._partial_sums(workers, weights, *partition_microbatches(indices, group_ids, len(workers)))
         else:
             partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
-        clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
-        # A raw count: it stays in the driver and is never logged or saved.
-        clipped_sum, zeroed = clipped_sum[:-1], clipped_sum[-1]
-        self.zeroed_examples += int(zeroed)
+        adaptive = self.config.adaptive_clipping is not None
+        partial_sums, counts = split_counts(partial_sums, self.flat_weights.numel(), 2 if adaptive else 1)
+        # Raw counts: they stay in the driver and are never logged or saved.
+        self.zeroed_examples += int(counts[-1])
         clip_norm = self.clip_norm
-        if self.config.adaptive_clipping is not None:
-            clipped_sum, unclipped = clipped_sum[:-1], clipped_sum[-1]
-            self._adapt_clip_norm(unclipped, len(indices), group_ids)
-        # Drawn after every shard is in: a recomputed shard never causes a second draw.
-        noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * clip_norm)
-        self._apply_noisy_sum(clipped_sum + noise)
+        if adaptive:
+            self._adapt_clip_norm(counts[0], len(indices), group_ids)
+        # Taken after every shard is in: a recomputed shard never causes a second draw.
+        self._apply_noise(partial_sums, self.noise_feed.take(step), plan.sigma_at(step) * clip_norm)
         self.events = self.events.then(plan.events_between(step, step + 1))
 
     def _shard_step(self) -> None:
@@ -538,24 +639,18 @@ class Trainer:
         contributes nothing; the normaliser stays q*N for the declared N.
         """
         plan, step = self.plan, self.step
-        weights_vector = flat_parameters(self.model).numpy()
-        weights = ray.put(weights_vector)
+        weights = self._weights()
         try:
-            partial_sums, missing = self.shards.clipped_sums(weights, step, self.config.layer_clip_norms
+            self.gathered, missing = self.shards.clipped_sums(weights, step, self.config.layer_clip_norms
                                                               or self.clip_norm)
         except ShardTimeoutError as error:
             self._stop_at_checkpoint(error)
-        if partial_sums:
-            clipped_sum = np.add.reduce(partial_sums, dtype=np.float64)
-        else:
-            clipped_sum = np.zeros(weights_vector.size + 1)
+        partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(), 1)
         # A raw count: it stays in the driver and is never logged or saved.
-        clipped_sum, zeroed = clipped_sum[:-1], clipped_sum[-1]
-        self.zeroed_examples += int(zeroed)
+        self.zeroed_examples += int(counts[-1])
         self._record_missing_shards(step, missing)
-        # Drawn after every shard is in: a recomputed shard never causes a second draw.
-        noise = self.noise.draw(clipped_sum.size, plan.sigma_at(step) * self.clip_norm)
-        self._apply_noisy_sum(clipped_sum + noise)
+        # Taken after every shard is in: a recomputed shard never causes a second draw.
+        self._apply_noise(partial_sums, self.noise_feed.take(step), plan.sigma_at(step) * self.clip_norm)
         self.events = self.events.then(plan.events_between(step, step + 1))
 
     def _record_missing_shards(self, step: int, missing: list[tuple[int, int]]) -> None:
@@ -604,7 +699,7 @@ class Trainer:
         non-empty microbatches; empty ones are added here as unclipped.
         """
         settings = self.config.adaptive_clipping
-        count_noise = self.noise.draw(1, settings.count_noise_multiplier)[0]
+        count_noise = float(self.noise.draw(1, settings.count_noise_multiplier, (COUNT_NOISE, self.step))[0])
         if group_ids is None:
             fraction = noisy_unclipped_fraction(unclipped, realised_batch, count_noise, self.plan.expected_batch_size)
         else:
@@ -612,11 +707,15 @@ class Trainer:
             fraction = noisy_unclipped_microbatch_fraction(unclipped + empty, self.plan.microbatches, count_noise)
         self.clip_norm = next_clip_norm(self.clip_norm, fraction, settings)
 
-    def _apply_noisy_sum(self, noisy_sum: np.ndarray) -> None:
-        """Post-processing of the step's noisy sum: average by q*N, optimizer step, LR schedule."""
-        gradient = average_noisy_sum(noisy_sum, self.plan.contributions_per_step)
-        self.optimizer.zero_grad(set_to_none=True)
-        load_flat_gradient(self.model, gradient)
+    def _apply_noise(self, partial_sums: list[np.ndarray], unit_noise, noise_std: float) -> None:
+        """Add the step's noise once to the sum of `partial_sums`, average by q*N, step the optimizer and LR schedule.
+
+        `unit_noise` is the step's N(0, 1) vector; `noise_std` is sigma times
+        the clip norm. The noisy mean gradient is written straight into the
+        model's flat gradient buffer.
+        """
+        noisy_mean_gradient(partial_sums, unit_noise, noise_std, self.plan.contributions_per_step, self.flat_gradient,
+                            self.arithmetic)
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -683,17 +782,22 @@ class Trainer:
 
     def _record_epoch(self, epoch: float, workers: list) -> None:
         """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
-        test = self._evaluate(workers, "test", test_set_size(self.config))
+        test = self._start_evaluation(workers, "test", test_set_size(self.config))
+        if self.show_train_loss:
+            train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size))
+        # The accountant runs while the workers evaluate.
+        epsilon = self.epsilon()
         row = {
             "epoch": epoch,
             "step": self.step,
-            **{f"test_{name}": value for name, value in test.items()},
-            "epsilon": self.epsilon(),
+            **{f"test_{name}": value for name, value in self._merge_evaluation(test).items()},
+            "epsilon": epsilon,
             "wall_seconds": self._wall_seconds(),
+            **self.times.minus(self.times_at_last_row).per_step(),
         }
+        self.times_at_last_row = self.times
         if self.show_train_loss:
-            probe_size = min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size)
-            row["train_loss_non_private"] = self._evaluate(workers, "train", probe_size)["loss"]
+            row["train_loss_non_private"] = self._merge_evaluation(train)["loss"]
         self.metrics.append(row)
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
         if epoch:
@@ -736,6 +840,8 @@ class Trainer:
             "wall_seconds": wall_seconds,
             # From the expected batch size: the realised sizes are raw counts and stay inside the driver.
             "samples_per_second": self.step * plan.expected_batch_size / wall_seconds,
+            # Means over the run's steps: like wall_seconds, timings of whole steps, never of one example.
+            **self.times.per_step(),
             "seeded": config.seed is not None,
             "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
             "events": self.events.to_dict(),

@@ -283,8 +283,8 @@ class PooledCanaryTrainer(CanaryTrainer):
 class ScaledDownNoise(GaussianNoise):
     """The bug: noise with a quarter of the standard deviation the trainer asks for."""
 
-    def draw(self, size, std):
-        return super().draw(size, std / 4)
+    def draw(self, size, std, key, out=None):
+        return super().draw(size, std / 4, key, out)
 
 
 class PerWorkerDraws(GaussianNoise):
@@ -294,8 +294,9 @@ class PerWorkerDraws(GaussianNoise):
         super().__init__(seed)
         self.fleet = fleet
 
-    def draw(self, size, std):
-        return sum(super(PerWorkerDraws, self).draw(size, std) for _ in range(self.fleet)) / self.fleet
+    def draw(self, size, std, key, out=None):
+        draws = [super(PerWorkerDraws, self).draw(size, std, (*key, worker)) for worker in range(self.fleet)]
+        return sum(draws) / self.fleet
 
 
 class NoisePerWorkerTrainer(PooledCanaryTrainer):

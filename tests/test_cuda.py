@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 import ray
 import torch
+from scipy import stats
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
 from bench.throughput import CASES
 from orchestrator.config import build_config
+from orchestrator.noise import GRADIENT_NOISE, TorchGaussianNoise
 from orchestrator.trainer import Trainer
 from reference import relative_error
 from workers.actor import GradientWorkerActor
@@ -73,6 +75,20 @@ def test_each_clipped_example_on_the_gpu_stays_within_the_clip_norm():
     assert ratios.max().item() <= 1 + TOLERANCE and ratios.min().item() >= 1 - TOLERANCE
 
 
+def test_the_drivers_secure_noise_on_the_gpu_is_gaussian_and_a_resume_replays_it():
+    draws, std, key = 1_000_000, 1.95, (GRADIENT_NOISE, 3)
+    noise = TorchGaussianNoise(device=CUDA)
+    values = noise.draw(draws, std, key)
+    assert values.device.type == "cuda" and values.dtype == torch.float64
+    sample = values.cpu().numpy()
+    assert abs(sample.mean()) < 4 * std / np.sqrt(draws)
+    assert sample.std() == pytest.approx(std, rel=4 / np.sqrt(2 * draws))
+    assert stats.kstest(sample / std, "norm").pvalue > 1e-3
+    resumed = TorchGaussianNoise(device=CUDA)
+    resumed.state = noise.state
+    assert torch.equal(resumed.draw(draws, std, key), values)
+
+
 def test_a_gpu_worker_actor_returns_the_cpu_sum(tmp_path):
     ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
@@ -99,7 +115,10 @@ def test_two_workers_sharing_one_gpu_train_and_report_their_epsilon(tmp_path):
         seed=13, run_dir=str(tmp_path / "run"),
     ))
     log = io.StringIO()
-    summary = Trainer(config, show_progress=False, out=log).run()
+    trainer = Trainer(config, show_progress=False, out=log)
+    summary = trainer.run()
     assert "gradient workers on cuda, cuda" in log.getvalue()
+    # The driver's noise, noisy mean and optimizer step ran on the GPU too.
+    assert isinstance(trainer.noise, TorchGaussianNoise) and trainer.flat_weights.device.type == "cuda"
     assert summary["test_accuracy"] >= 0.85
     assert summary["epsilon"] == get_accountant("pld").epsilon(SampledGaussian(100 / 6000, 0.4, 60), 1e-5)

@@ -1,13 +1,15 @@
 """Poisson sampling, partitioning and central noise: statistical tests with fixed seeds."""
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orchestrator.noise import GaussianNoise, average_noisy_sum
+from orchestrator.aggregation import group_by_node, split_counts
+from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, GaussianNoise, noisy_mean_gradient, noisy_sum_at
 from orchestrator.sampling import make_generator, partition, poisson_sample
 
 
@@ -51,18 +53,43 @@ def test_partition_is_near_equal_and_keeps_every_index(indices, parts):
 def test_noise_std_is_sigma_times_clip_norm():
     noise = GaussianNoise(seed=5)
     sigma, clip_norm, size = 1.3, 1.5, 200_000
-    draws = noise.draw(size, sigma * clip_norm)
+    draws = noise.draw(size, sigma * clip_norm, (GRADIENT_NOISE, 0))
     assert draws.std() == pytest.approx(sigma * clip_norm, rel=0.03)
     assert abs(draws.mean()) < 4 * sigma * clip_norm / math.sqrt(size)
 
 
 def test_unseeded_noise_differs_between_sources():
-    assert not np.array_equal(GaussianNoise().draw(8, 1.0), GaussianNoise().draw(8, 1.0))
+    assert not np.array_equal(GaussianNoise().draw(8, 1.0, (0, 0)), GaussianNoise().draw(8, 1.0, (0, 0)))
     assert not GaussianNoise().seeded and GaussianNoise(1).seeded
 
 
-def test_noisy_mean_divides_by_the_expected_batch_size():
-    noisy_sum = np.array([3.0, -6.0], dtype=np.float32) + np.array([1.0, 2.0])
-    result = average_noisy_sum(noisy_sum, expected_batch_size=4.0)
-    assert result.dtype == np.float32
-    np.testing.assert_allclose(result, [1.0, -1.0])
+def test_noisy_mean_adds_the_parts_then_the_noise_and_divides_by_the_expected_batch_size():
+    parts = [np.array([3.0, -6.0], dtype=np.float32), np.array([1.0, 0.5])]
+    out = np.empty(2, dtype=np.float32)
+    noisy_mean_gradient(parts, np.array([0.5, 1.0]), 2.0, 4.0, out)
+    np.testing.assert_array_equal(out, [1.25, -0.875])
+    assert noisy_sum_at(parts, np.array([0.5, 1.0]), 2.0, np.array([1])) == pytest.approx([-3.5])
+
+
+@pytest.mark.parametrize("threads", [None, 3])
+def test_the_noisy_mean_of_a_large_vector_is_computed_in_float64_chunk_by_chunk(threads):
+    generator = np.random.default_rng(3)
+    size = 3 * CHUNK_VALUES + 17
+    parts = [generator.standard_normal(size).astype(np.float32) for _ in range(3)] + [generator.standard_normal(size)]
+    unit_noise = generator.standard_normal(size)
+    out = np.empty(size, dtype=np.float32)
+    pool = ThreadPoolExecutor(threads) if threads else None
+    noisy_mean_gradient(parts, unit_noise, 1.7, 64.0, out, pool)
+    expected = ((np.add.reduce(parts, dtype=np.float64) + 1.7 * unit_noise) / 64.0).astype(np.float32)
+    np.testing.assert_array_equal(out, expected)
+    # An empty list of parts (every shard lost under "skip") releases the noise alone.
+    noisy_mean_gradient([], unit_noise, 1.7, 64.0, out, pool)
+    np.testing.assert_array_equal(out, (1.7 * unit_noise / 64.0).astype(np.float32))
+
+
+def test_nodes_group_their_workers_and_counts_are_split_off_the_sums():
+    assert group_by_node({0: "a", 1: "b", 2: "a", 3: "c"}, [3, 2, 1, 0]) == {"c": [3], "a": [2, 0], "b": [1]}
+    parts = [np.array([1.0, 2.0, 5.0, 1.0], dtype=np.float32), np.array([0.5, 0.5, 2.0, 0.0])]
+    sums, counts = split_counts(parts, 2, 2)
+    assert [part.tolist() for part in sums] == [[1.0, 2.0], [0.5, 0.5]] and counts.tolist() == [7.0, 1.0]
+    assert all(np.shares_memory(part, whole) for part, whole in zip(sums, parts))

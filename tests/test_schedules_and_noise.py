@@ -1,6 +1,8 @@
 """Noise schedules are accounted exactly; secure noise has the right distribution; LR schedules post-process."""
 
 import math
+import pickle
+import threading
 
 import dp_accounting
 import numpy as np
@@ -12,7 +14,14 @@ from scipy import stats
 from accounting.accountants import RDP_ORDERS, get_accountant
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.noise import GaussianNoise
+from orchestrator.noise import (
+    CHUNK_VALUES,
+    COUNT_NOISE,
+    GRADIENT_NOISE,
+    GaussianNoise,
+    NoiseFeed,
+    TorchGaussianNoise,
+)
 from orchestrator.schedules import (
     LearningRateSchedule,
     NoiseSchedule,
@@ -101,17 +110,108 @@ def test_bad_schedules_are_usage_errors():
         parse_noise_schedule({"kind": "step", "gamma": 0.5})
 
 
-def test_secure_noise_is_gaussian_with_the_right_scale():
-    values = GaussianNoise(seed=21, secure=True).draw(200_000, 1.95)
-    assert values.std() == pytest.approx(1.95, rel=0.01)
-    result = stats.kstest(values / 1.95, "norm")
-    assert result.pvalue > 1e-3
-    assert stats.kurtosis(values) == pytest.approx(0.0, abs=0.05)
+NOISE_SOURCES = {
+    "secure, numpy, 2 threads": lambda seed=None: GaussianNoise(seed, secure=True, threads=2),
+    "plain, numpy": lambda seed=None: GaussianNoise(seed, secure=False),
+    "secure, torch (the GPU's path, on the CPU)": lambda seed=None: TorchGaussianNoise(seed, True, "cpu"),
+}
+DRAWS = 1_000_000
+
+
+@pytest.mark.parametrize("source", NOISE_SOURCES)
+def test_noise_is_gaussian_with_std_sigma_c_at_a_million_draws(source):
+    std = 1.95
+    values = np.asarray(NOISE_SOURCES[source](21).draw(DRAWS, std, (GRADIENT_NOISE, 7)))
+    assert values.dtype == np.float64 and values.shape == (DRAWS,)
+    # Four standard errors of each moment at 1e6 draws.
+    assert abs(values.mean()) < 4 * std / np.sqrt(DRAWS)
+    assert values.std() == pytest.approx(std, rel=4 / np.sqrt(2 * DRAWS))
+    assert abs(stats.skew(values)) < 4 * np.sqrt(6 / DRAWS)
+    assert abs(stats.kurtosis(values)) < 4 * np.sqrt(24 / DRAWS)
+    assert stats.kstest(values / std, "norm").pvalue > 1e-3
+
+
+@pytest.mark.parametrize("source", NOISE_SOURCES)
+def test_each_steps_noise_is_independent_of_every_other_steps(source):
+    size = 3 * CHUNK_VALUES
+    noise = NOISE_SOURCES[source]()
+    vectors = np.array([np.asarray(noise.draw(size, 1.0, (GRADIENT_NOISE, step))) for step in range(6)]
+                       + [np.asarray(noise.draw(size, 1.0, (COUNT_NOISE, 0)))])
+    correlations = np.corrcoef(vectors)[np.triu_indices(len(vectors), 1)]
+    # 4 standard errors of a correlation of independent vectors, Bonferroni-free: 21 pairs stay well inside.
+    assert np.abs(correlations).max() < 4 / np.sqrt(size)
+    # Within a vector, the chunks' streams are independent too.
+    chunks = vectors[0].reshape(3, CHUNK_VALUES)
+    assert np.abs(np.corrcoef(chunks)[np.triu_indices(3, 1)]).max() < 4 / np.sqrt(CHUNK_VALUES)
+
+
+@pytest.mark.parametrize("source", NOISE_SOURCES)
+def test_a_resumed_source_replays_every_steps_noise_exactly(source):
+    size = 2 * CHUNK_VALUES + 5
+    first = NOISE_SOURCES[source]()  # OS entropy, as in production
+    before_crash = [np.asarray(first.draw(size, 1.3, (GRADIENT_NOISE, step))).copy() for step in range(4)]
+    saved = pickle.loads(pickle.dumps(first.state))
+    resumed = NOISE_SOURCES[source]()
+    assert not np.array_equal(np.asarray(resumed.draw(size, 1.3, (GRADIENT_NOISE, 2))), before_crash[2])
+    resumed.state = saved
+    for step in (2, 3):
+        np.testing.assert_array_equal(np.asarray(resumed.draw(size, 1.3, (GRADIENT_NOISE, step))), before_crash[step])
+
+
+def test_the_thread_count_does_not_change_the_noise():
+    size = 5 * CHUNK_VALUES + 3
+    one = GaussianNoise(8, threads=1).draw(size, 1.0, (GRADIENT_NOISE, 4))
+    np.testing.assert_array_equal(GaussianNoise(8, threads=3).draw(size, 1.0, (GRADIENT_NOISE, 4)), one)
+
+
+def test_a_checkpoint_of_the_single_generator_noise_continues_from_its_state():
+    legacy = np.random.default_rng(5).bit_generator.state
+    resumed, again = GaussianNoise(), GaussianNoise()
+    resumed.state, again.state = legacy, legacy
+    key = (GRADIENT_NOISE, 0)
+    np.testing.assert_array_equal(resumed.draw(100, 1.0, key), again.draw(100, 1.0, key))
+    assert resumed.state["entropy"] != GaussianNoise().state["entropy"]
+
+
+class ThreadRecordingNoise(GaussianNoise):
+    """A noise source that notes which thread draws each key."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.drawn_on = {}
+
+    def draw(self, size, std, key, out=None):
+        self.drawn_on[tuple(key)] = threading.current_thread().name
+        return super().draw(size, std, key, out)
+
+
+def test_the_feed_draws_ahead_in_the_background_and_hands_each_step_out_once():
+    size = CHUNK_VALUES + 1
+    noise = ThreadRecordingNoise(3)
+    feed = NoiseFeed(noise, size)
+    feed.request(0)
+    feed.request(1)
+    step_0 = feed.take(0).copy()
+    step_1 = feed.take(1)
+    assert set(noise.drawn_on) == {(GRADIENT_NOISE, 0), (GRADIENT_NOISE, 1)}
+    assert all(name != threading.current_thread().name for name in noise.drawn_on.values())
+    np.testing.assert_array_equal(step_0, GaussianNoise(3).draw(size, 1.0, (GRADIENT_NOISE, 0)))
+    np.testing.assert_array_equal(step_1, GaussianNoise(3).draw(size, 1.0, (GRADIENT_NOISE, 1)))
+    with pytest.raises(RuntimeError, match="already taken"):
+        feed.take(1)
+    # Requesting a step already handed out draws nothing.
+    feed.request(0)
+    step_2 = feed.take(2)
+    assert len(noise.drawn_on) == 3
+    # Double-buffered: step 2 reuses step 0's buffer, step 1's is left as it was.
+    np.testing.assert_array_equal(step_1, GaussianNoise(3).draw(size, 1.0, (GRADIENT_NOISE, 1)))
+    assert not np.shares_memory(step_2, step_1)
+    feed.close()
 
 
 def test_secure_noise_is_not_a_single_draw():
-    seeded_plain = GaussianNoise(seed=4, secure=False).draw(1000, 1.0)
-    seeded_secure = GaussianNoise(seed=4, secure=True).draw(1000, 1.0)
+    seeded_plain = GaussianNoise(seed=4, secure=False).draw(1000, 1.0, (GRADIENT_NOISE, 0))
+    seeded_secure = GaussianNoise(seed=4, secure=True).draw(1000, 1.0, (GRADIENT_NOISE, 0))
     assert not np.allclose(seeded_plain, seeded_secure)
 
 

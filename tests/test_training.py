@@ -14,8 +14,8 @@ from accounting.events import SampledGaussian
 from orchestrator.adaptive_clipping import effective_noise_multiplier
 from orchestrator.cli import main
 from orchestrator.config import build_config
-from orchestrator.noise import GaussianNoise
-from orchestrator.trainer import Trainer
+from orchestrator.noise import GRADIENT_NOISE, GaussianNoise
+from orchestrator.trainer import BREAKDOWN, Trainer
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.actor import GradientWorkerActor
 from workers.data import load_split
@@ -23,16 +23,23 @@ from workers.models import MODEL_NAMES, build_model, flat_parameters
 
 
 class RecordingNoise(GaussianNoise):
-    """The driver's noise source, keeping every vector it hands out."""
+    """The driver's noise source, keeping the key, size and std of every vector it draws."""
 
     def __init__(self, seed):
         super().__init__(seed)
         self.draws = []
 
-    def draw(self, size, std):
-        values = super().draw(size, std)
-        self.draws.append(values)
-        return values
+    def draw(self, size, std, key, out=None):
+        self.draws.append((tuple(key), size, std))
+        return super().draw(size, std, key, out)
+
+
+class NoiseRecordingTrainer(Trainer):
+    """A trainer that keeps the noise it adds at each step: sigma C times the step's unit vector."""
+
+    def _apply_noise(self, partial_sums, unit_noise, noise_std):
+        self.added = getattr(self, "added", []) + [noise_std * np.array(unit_noise)]
+        super()._apply_noise(partial_sums, unit_noise, noise_std)
 
 
 def batchnorm_cnn():
@@ -79,12 +86,12 @@ def small_config(tmp_path, **overrides):
 def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, tmp_path):
     config = small_config(tmp_path, steps=5)
     noise = RecordingNoise(seed=1)
-    trainer = Trainer(config, noise=noise, show_progress=False)
+    trainer = NoiseRecordingTrainer(config, noise=noise, show_progress=False)
     trainer.run()
     parameter_count = flat_parameters(trainer.model).numel()
-    assert len(noise.draws) == 5
-    assert all(draw.size == parameter_count for draw in noise.draws)
-    coordinates = np.concatenate(noise.draws)
+    # One unit vector per step, keyed by the step, whatever the number of workers; sigma C is applied when added.
+    assert noise.draws == [((GRADIENT_NOISE, step), parameter_count, 1.0) for step in range(5)]
+    coordinates = np.concatenate(trainer.added)
     assert coordinates.size >= 100_000
     assert coordinates.std() == pytest.approx(config.noise_multiplier * config.clip_norm, rel=0.03)
 
@@ -92,12 +99,11 @@ def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, tmp_path):
 def test_an_empty_batch_still_adds_noise_and_steps(local_ray, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "poisson_sample", lambda *args: np.array([], dtype=np.int64))
     config = small_config(tmp_path, steps=1, optimizer="sgd")
-    noise = RecordingNoise(seed=2)
-    trainer = Trainer(config, noise=noise, show_progress=False)
+    trainer = NoiseRecordingTrainer(config, show_progress=False)
     before = flat_parameters(trainer.model).double()
     summary = trainer.run()
     after = flat_parameters(trainer.model).double()
-    expected_step = config.learning_rate * torch.from_numpy(noise.draws[0]) / config.batch_size
+    expected_step = config.learning_rate * torch.from_numpy(trainer.added[0]) / config.batch_size
     torch.testing.assert_close(before - after, expected_step.to(torch.float32).double(), rtol=1e-4, atol=1e-7)
     assert summary["steps"] == 1
 
@@ -121,6 +127,13 @@ def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, tmp_
     assert saved["epsilon"] == expected and saved["workers"] == 2
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["epoch"] for line in lines] == [0, 1]
+    # Where a step's time went: the row of epoch 1 covers its 60 steps, the summary the run.
+    first, last = json.loads(lines[0]), json.loads(lines[1])
+    assert not set(BREAKDOWN) & set(first)
+    for figures in (last, saved):
+        driver, worker, wait = (figures[key] for key in BREAKDOWN)
+        assert 0 < worker <= wait + 0.005 and driver > 0
+        assert 60 * (driver + wait) <= saved["wall_seconds"]
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -155,9 +168,9 @@ def test_adaptive_clipping_with_microbatches_counts_microbatches_and_accounts_fa
 
 def test_per_layer_clipping_runs_on_workers_with_noise_at_the_total_norm(local_ray, tmp_path):
     config = small_config(tmp_path, steps=4, layer_clip_norms={"0": 0.5, "3": 0.5, "7": 0.5, "9": 0.5})
-    noise = RecordingNoise(seed=6)
-    Trainer(config, noise=noise, show_progress=False).run()
-    assert np.concatenate(noise.draws).std() == pytest.approx(1.1 * 1.0, rel=0.03)
+    trainer = NoiseRecordingTrainer(config, show_progress=False)
+    trainer.run()
+    assert np.concatenate(trainer.added).std() == pytest.approx(1.1 * 1.0, rel=0.03)
 
 
 def test_target_epsilon_sets_sigma_that_meets_it(local_ray, tmp_path):

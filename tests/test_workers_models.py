@@ -8,8 +8,8 @@ from torch import nn
 from workers.models import (
     MODEL_NAMES,
     build_model,
+    bind_flat_views,
     flat_parameters,
-    load_flat_gradient,
     load_flat_parameters,
     parameter_count,
 )
@@ -88,15 +88,22 @@ def test_flat_parameters_skip_frozen_parameters():
     assert torch.equal(model[0].bias.detach(), torch.ones(3))
 
 
-def test_load_flat_gradient_sets_grad_without_touching_weights():
+def test_flat_views_hold_the_weights_and_take_the_gradient_without_copies():
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
-    weights = flat_parameters(model).clone()
-    load_flat_gradient(model, np.arange(13, dtype=np.float32))
-    assert torch.equal(model[0].weight.grad, torch.arange(6.0).reshape(3, 2))
-    assert torch.equal(model[1].bias.grad, torch.tensor([12.0]))
-    assert torch.equal(flat_parameters(model), weights)
-    with pytest.raises(ValueError, match="flat gradient vector must be 1-D with 13 entries"):
-        load_flat_gradient(model, torch.zeros(12))
+    model[0].weight.requires_grad_(False)
+    before = flat_parameters(model).clone()
+    weights, gradient = bind_flat_views(model)
+    assert torch.equal(weights, before) and weights.numel() == gradient.numel() == 3 + 3 + 1
+    gradient.copy_(torch.arange(7.0))
+    assert torch.equal(model[0].bias.grad, torch.arange(3.0)) and torch.equal(model[1].bias.grad, torch.tensor([6.0]))
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    # The optimizer's in-place update shows in the flat buffer, and loading a state dict keeps the views.
+    assert torch.equal(weights, before - 0.5 * torch.arange(7.0))
+    model.load_state_dict(nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)).state_dict())
+    assert torch.equal(weights, flat_parameters(model))
+    with pytest.raises(ValueError, match=r"0.bias \(torch.float64\)"):
+        bind_flat_views(nn.Sequential(nn.Linear(2, 3)).double())
 
 
 def test_load_flat_parameters_refuses_wrong_length():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -237,6 +238,12 @@ class GradientWorker:
         plan = engine_plan(self.model)
         return None if plan is None else plan.describe()
 
+    def timed_call(self, method: str, *args, **kwargs) -> tuple[Any, float]:
+        """This worker's ``method(*args, **kwargs)`` and the seconds it took, for the driver's breakdown of a step."""
+        started = time.perf_counter()
+        result = getattr(self, method)(*args, **kwargs)
+        return result, time.perf_counter() - started
+
     def parameter_count(self) -> int:
         """Length of the flat parameter vector this worker expects and returns."""
         return parameter_count(self.model)
@@ -248,6 +255,10 @@ class GradientWorker:
     def ping(self) -> str:
         """``hostname:pid`` of the process holding this worker, for health checks."""
         return f"{socket.gethostname()}:{os.getpid()}"
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (hex): the driver sums the partial sums of each node there."""
+        return ray.get_runtime_context().get_node_id()
 
 
 def _as_tensor(weights: np.ndarray) -> torch.Tensor:

@@ -182,7 +182,31 @@ def load_flat_parameters(model: nn.Module, flat: torch.Tensor | np.ndarray) -> N
             parameter.copy_(values)
 
 
-def load_flat_gradient(model: nn.Module, flat: torch.Tensor | np.ndarray) -> None:
-    """Set each trainable parameter's ``.grad`` from a vector laid out as by ``flat_parameters``."""
-    for parameter, values in _split_flat(model, flat, "gradient"):
-        parameter.grad = values.to(device=parameter.device, dtype=parameter.dtype).clone()
+def bind_flat_views(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make every trainable parameter, and its ``.grad``, a view into one flat float32 buffer each.
+
+    Returns (weights, gradient): 1-D buffers laid out as by ``flat_parameters``,
+    on the parameters' device. Writing the gradient buffer sets every
+    ``.grad``, and the weights buffer always holds the current weights, so
+    neither needs a copy in or out of the model. The parameters keep their
+    values; in-place updates (optimizer steps, ``load_state_dict``) keep the
+    views. Something that replaces a parameter's data (``model.to``) or sets
+    ``.grad`` to None breaks them.
+    """
+    trainable = _trainable(model)
+    wrong = [f"{name} ({parameter.dtype})" for name, parameter in trainable if parameter.dtype != torch.float32]
+    if wrong:
+        raise ValueError(f"the flat weight vector is float32, and these trainable parameters are not: "
+                         f"{', '.join(wrong)}; build the model in float32")
+    device = trainable[0][1].device if trainable else torch.device("cpu")
+    weights = torch.empty(parameter_count(model), dtype=torch.float32, device=device)
+    gradient = torch.zeros_like(weights)
+    offset = 0
+    with torch.no_grad():
+        for _, parameter in trainable:
+            size = parameter.numel()
+            weights[offset : offset + size].copy_(parameter.reshape(-1))
+            parameter.data = weights[offset : offset + size].view_as(parameter)
+            parameter.grad = gradient[offset : offset + size].view_as(parameter)
+            offset += size
+    return weights, gradient

@@ -85,9 +85,5 @@ class ShardWorker(GradientWorker):
                                        self.sampling_rate)
         return self.clipped_grad_sum(weights, indices, clip_norm, count_zeroed=True)
 
-    def node_id(self) -> str:
-        """The Ray node this worker runs on (hex), to check placement."""
-        return ray.get_runtime_context().get_node_id()
-
 
 ShardWorkerActor = ray.remote(ShardWorker)
