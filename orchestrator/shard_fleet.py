@@ -177,12 +177,7 @@ class ShardFleet:
 
     def wait_for_all(self, step: int) -> None:
         """Before a ledger charge in "wait" mode: make sure every shard is up, else stop (ShardTimeoutError)."""
-        pings = {slot: self.actors[slot].ping.remote() for slot in self.present()}
-        for slot, ping in pings.items():
-            try:
-                ray.get(ping)
-            except ray.exceptions.RayActorError:
-                self._lost(slot, step)
+        self._find_lost(self.present(), step)
         self._wait_or_stop(step)
 
     def clipped_sums(
@@ -228,7 +223,7 @@ class ShardFleet:
         return gathered, sorted(self.probes)
 
     def _find_lost(self, slots: list[Slot], step: int) -> set[Slot]:
-        """Which of `slots` (whose node's sum failed) are lost: their actor does not answer; each is handled."""
+        """Which of `slots` are lost: their actor does not answer; each is handled by the policy (`_lost`)."""
         pings = {slot: self.actors[slot].ping.remote() for slot in slots}
         lost = set()
         for slot, ping in pings.items():

@@ -414,7 +414,8 @@ class ParquetSource:
         ]
         features, labels = _table_to_numpy(pa.concat_tables(tables), self.columns, self.label)
         # Row r of group g sits at (rows of the needed groups before g) + r in the decoded table.
-        decoded_starts = np.cumsum(np.diff(self.group_starts)[needed]) - np.diff(self.group_starts)[needed]
+        needed_sizes = np.diff(self.group_starts)[needed]
+        decoded_starts = np.cumsum(needed_sizes) - needed_sizes
         positions = decoded_starts[np.searchsorted(needed, groups)] + indices - self.group_starts[groups]
         return _feature_tensor(features[positions], self.shape), _label_tensor(labels[positions])
 
