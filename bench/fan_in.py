@@ -20,61 +20,34 @@ the driver's share is the figure. `--json` writes bench/results/fan_in.json.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import platform
-import statistics
-import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
-import ray
-from ray.cluster_utils import Cluster
+from bench.scaling import RESULTS_DIR, medians_after_warmup, results_header, train_on_cluster
 
-from bench.scaling import MeasuredTrainer
-from orchestrator.config import build_config
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 LAYOUTS = ((2, 1), (4, 1), (4, 2), (4, 4))  # (nodes, workers per node)
-WARMUP_STEPS = 3
 
 
 def measure(nodes: int, workers_per_node: int, steps: int, batch_size: int, run_root: Path) -> dict:
     """Train `steps` steps on a fresh cluster of `nodes` nodes of `workers_per_node` workers; rows and medians."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=workers_per_node)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     cluster_workers = nodes * workers_per_node
-    config = build_config(dict(
+    trainer = train_on_cluster([{"num_cpus": workers_per_node}] * nodes, dict(
         dataset="mnist", model="gdp_cnn", workers=cluster_workers, steps=steps, batch_size=batch_size,
         noise_multiplier=1.0, test_subset=100, max_physical_batch=batch_size,
         run_dir=str(run_root / f"workers-{cluster_workers}"),
     ))
-    trainer = MeasuredTrainer(config, show_progress=False, out=io.StringIO())
-    try:
-        trainer.run()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    timed = trainer.rows[WARMUP_STEPS:]
     placement: dict[str, int] = {}
     for node in trainer.worker_nodes.values():
         placement[node] = placement.get(node, 0) + 1
-
-    def median(key):
-        return statistics.median(row[key] for row in timed)
-
     return {
         "nodes": nodes,
         "workers": cluster_workers,
         "workers_per_node": sorted(placement.values(), reverse=True),
-        "median_after_warmup": {key: median(key) for key in (
+        "median_after_warmup": medians_after_warmup(trainer.rows, (
             "driver_wall_s", "driver_own_s", "driver_cpu_s", "worker_s_slowest", "buffers_in", "bytes_in",
-            "bytes_out")},
+            "bytes_out")),
         "steps": trainer.rows,
     }
 
@@ -105,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         (RESULTS_DIR / "fan_in.json").write_text(json.dumps({
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-            "load_average": os.getloadavg(),
-            "command": "python -m bench.fan_in " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "model": "gdp_cnn", "dataset": "mnist", "batch_size": args.batch_size, "warmup_steps": WARMUP_STEPS,
+            **results_header("bench.fan_in", argv, args.batch_size),
             "growth_first_to_last": growth,
             "runs": results,
         }, indent=2))

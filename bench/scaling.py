@@ -62,38 +62,51 @@ class MeasuredTrainer(Trainer):
         })
 
 
-def measure(nodes: int, steps: int, batch_size: int, run_root: Path) -> dict:
-    """Train `steps` steps on `nodes` silo nodes; return the per-step rows and their medians after warm-up."""
-    silos = [f"silo-{index}" for index in range(nodes)]
+def train_on_cluster(node_resources: list[dict], config_values: dict) -> MeasuredTrainer:
+    """Train `config_values` on a fresh loopback cluster: a head with no CPUs and one node per `add_node` kwargs."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for silo in silos:
-        cluster.add_node(num_cpus=1, resources={silo: 1})
+    for node in node_resources:
+        cluster.add_node(**node)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
-        config = build_config(dict(
-            model="gdp_cnn", steps=steps, batch_size=batch_size, noise_multiplier=1.0, test_subset=100,
-            max_physical_batch=batch_size, run_dir=str(run_root / f"nodes-{nodes}"),
-            shards=[{"dataset": "mnist", "part": part, "parts": nodes, "resources": {silo: 1}}
-                    for part, silo in enumerate(silos)],
-        ))
-        trainer = MeasuredTrainer(config, show_progress=False, out=io.StringIO())
+        trainer = MeasuredTrainer(build_config(config_values), show_progress=False, out=io.StringIO())
         trainer.run()
     finally:
         ray.shutdown()
         cluster.shutdown()
-    timed = trainer.rows[WARMUP_STEPS:]
+    return trainer
 
-    def median(key):
-        return statistics.median(row[key] for row in timed)
 
+def medians_after_warmup(rows: list[dict], keys: tuple[str, ...]) -> dict:
+    """Each of `keys`' median over the per-step `rows` after the first WARMUP_STEPS."""
+    return {key: statistics.median(row[key] for row in rows[WARMUP_STEPS:]) for key in keys}
+
+
+def results_header(command: str, argv: list[str] | None, batch_size: int) -> dict:
+    """The date, machine, load and command a results file starts with."""
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+        "load_average": os.getloadavg(),
+        "command": f"python -m {command} " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "model": "gdp_cnn", "dataset": "mnist", "batch_size": batch_size, "warmup_steps": WARMUP_STEPS,
+    }
+
+
+def measure(nodes: int, steps: int, batch_size: int, run_root: Path) -> dict:
+    """Train `steps` steps on `nodes` silo nodes; return the per-step rows and their medians after warm-up."""
+    silos = [f"silo-{index}" for index in range(nodes)]
+    trainer = train_on_cluster([{"num_cpus": 1, "resources": {silo: 1}} for silo in silos], dict(
+        model="gdp_cnn", steps=steps, batch_size=batch_size, noise_multiplier=1.0, test_subset=100,
+        max_physical_batch=batch_size, run_dir=str(run_root / f"nodes-{nodes}"),
+        shards=[{"dataset": "mnist", "part": part, "parts": nodes, "resources": {silo: 1}}
+                for part, silo in enumerate(silos)],
+    ))
     return {
         "nodes": nodes,
-        "median_after_warmup": {
-            "driver_wall_s": median("driver_wall_s"), "driver_own_s": median("driver_own_s"),
-            "driver_cpu_s": median("driver_cpu_s"), "bytes_out": median("bytes_out"), "bytes_in": median("bytes_in"),
-            "worker_s_slowest": median("worker_s_slowest"),
-        },
+        "median_after_warmup": medians_after_warmup(trainer.rows, (
+            "driver_wall_s", "driver_own_s", "driver_cpu_s", "bytes_out", "bytes_in", "worker_s_slowest")),
         "steps": trainer.rows,
     }
 
@@ -119,12 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
         (RESULTS_DIR / "scaling.json").write_text(json.dumps({
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-            "load_average": os.getloadavg(),
-            "command": "python -m bench.scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "model": "gdp_cnn", "dataset": "mnist", "batch_size": args.batch_size, "warmup_steps": WARMUP_STEPS,
-            "runs": results,
+            **results_header("bench.scaling", argv, args.batch_size), "runs": results,
         }, indent=2))
     return 0
 
