@@ -548,6 +548,7 @@ class Trainer:
             engine=config.engine,
             loss=config.loss,
             train_transforms=config.train_transforms,
+            augmentations_per_example=config.augmentations_per_example,
         )
 
     def _place_reducers(self, workers: list, indices) -> None:
