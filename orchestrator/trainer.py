@@ -226,8 +226,10 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
             ray.init(address="local", num_cpus=cpus, num_gpus=gpus, resources=resources, include_dashboard=False,
                      log_to_driver=True)
             return True
-        except Exception as error:  # noqa: BLE001 - Ray reports a node that did not come up as a bare Exception
-            if "timed out" not in str(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
+        # Ray reports a node that did not come up as a bare Exception, or as a RuntimeError from the wait for the
+        # GCS port file ("Timed out waiting for file ...").
+        except Exception as error:  # noqa: BLE001
+            if "timed out" not in str(error).lower() or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
         ray.shutdown()
         say(f"local Ray did not start in time (try {attempt} of {LOCAL_RAY_START_ATTEMPTS}); trying again")

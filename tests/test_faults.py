@@ -134,8 +134,12 @@ def fake_ray_init(monkeypatch, failures, message="The current node timed out dur
     return calls
 
 
-def test_a_local_ray_start_that_times_out_is_retried_and_said(monkeypatch):
-    calls = fake_ray_init(monkeypatch, failures=LOCAL_RAY_START_ATTEMPTS - 1)
+@pytest.mark.parametrize("message", [
+    "The current node timed out during startup.",
+    "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0123",
+])
+def test_a_local_ray_start_that_times_out_is_retried_and_said(monkeypatch, message):
+    calls = fake_ray_init(monkeypatch, failures=LOCAL_RAY_START_ATTEMPTS - 1, message=message)
     said = []
     assert start_ray(build_config(dict(steps=1, noise_multiplier=1.0)), said.append) is True
     assert len(calls) == LOCAL_RAY_START_ATTEMPTS
