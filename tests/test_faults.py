@@ -70,13 +70,13 @@ class KillFirstWorkerDuring(Trainer):
 
     at_step = 4
 
-    def _partial_sums(self, workers, weights, shards):
+    def _partial_sums(self, workers, weights, shards, group_shards, next_shards):
         if self.step == self.at_step and not getattr(self, "killed", False):
             self.killed = True
             pid = int(ray.get(workers[0].ping.remote()).rsplit(":", 1)[1])
             # Let the call start, then kill the process in the middle of it.
             threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
-        return super()._partial_sums(workers, weights, shards)
+        return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
 
 
 def test_a_killed_worker_changes_neither_weights_nor_epsilon(local_ray, tmp_path):
