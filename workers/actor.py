@@ -27,7 +27,7 @@ from workers.engines import check_engine, clipped_sum, engine_plan, per_example_
 from workers.features import FeatureCache, compute_features, feature_map
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
-from workers.sources import ExampleSource, open_source, spec_name
+from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import augmented_views, build_loss, build_metric, build_transform, metric_inputs, task_of
 from workers.validation import check_model
 
@@ -139,6 +139,8 @@ class GradientWorker:
     ) -> tuple[ExampleSource, int]:
         """The source this worker trains on and how many of its examples it uses (the first ``train_subset``)."""
         source = open_source(dataset, "train", data_root)
+        if not isinstance(source, InMemorySource):
+            source = PrefetchingSource(source)
         full_size = len(source)
         if train_subset is not None and not 1 <= train_subset <= full_size:
             raise ValueError(
@@ -154,6 +156,7 @@ class GradientWorker:
         clip_norm: float,
         group_ids: np.ndarray | None = None,
         count_unclipped: bool = False,
+        next_indices: np.ndarray | None = None,
         count_zeroed: bool = False,
     ) -> np.ndarray:
         """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
@@ -167,20 +170,18 @@ class GradientWorker:
         for the driver, which releases none of them as they are: with
         ``count_unclipped``, how many examples (or non-empty microbatches) had
         a norm <= ``clip_norm``; then with ``count_zeroed``, how many examples
-        were left out for a non-finite gradient.
+        were left out for a non-finite gradient. ``next_indices``, the
+        worker's share of the next step's sample when it is already drawn,
+        are read in the background while this sum computes (for sources not
+        held in memory).
         """
-        indices = np.asarray(indices)
-        example_count = self.train_size
-        if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
-            raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
-        if indices.size and (indices.min() < 0 or indices.max() >= example_count):
-            raise ValueError(
-                f"indices must lie in 0..{example_count - 1} for this worker's {example_count} examples "
-                f"(got {indices.min()}..{indices.max()})"
-            )
+        indices = self._checked_indices(indices)
         flat_weights = _as_tensor(weights)
         wants_norms = count_unclipped or count_zeroed
-        inputs, labels = self._training_inputs(indices.astype(np.int64))
+        inputs, labels = (self.feature_cache or self.source).read(indices)
+        if next_indices is not None and isinstance(self.source, PrefetchingSource):
+            self.source.prefetch(self._checked_indices(next_indices))
+        inputs, labels = self._model_inputs(inputs.to(self.device)), labels.to(self.device)
         if group_ids is not None:
             if self.augmentations != 1:
                 raise ValueError("microbatches clip each microbatch's mean gradient; they cannot be combined with "
@@ -210,20 +211,34 @@ class GradientWorker:
         counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
         return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
 
-    def _training_inputs(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the gradient model takes for these training examples: their (views') features, or themselves."""
+    def _model_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """What the gradient model takes for training examples read from the cache or the source.
+
+        Cached features as they are; otherwise each example's views (with
+        transforms), then their features (with a feature map).
+        """
         if self.feature_cache is not None:
-            inputs, labels = self.feature_cache.read(indices)
-            return inputs.to(self.device), labels.to(self.device)
-        inputs, labels = self.source.read(indices)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+            return inputs
         if self.transform is not None:
             inputs = augmented_views(self.transform, inputs, self.augmentations)
         if self.feature_map is not None and self.augmentations == 1:
             inputs = compute_features(self.feature_map, inputs)
         elif self.feature_map is not None:
             inputs = compute_features(self.feature_map, inputs.flatten(0, 1)).unflatten(0, inputs.shape[:2])
-        return inputs, labels
+        return inputs
+
+    def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
+        """``indices`` as int64 positions, refused unless they are a 1-D integer array within this worker's examples."""
+        indices = np.asarray(indices)
+        example_count = self.train_size
+        if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
+            raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
+        if indices.size and (indices.min() < 0 or indices.max() >= example_count):
+            raise ValueError(
+                f"indices must lie in 0..{example_count - 1} for this worker's {example_count} examples "
+                f"(got {indices.min()}..{indices.max()})"
+            )
+        return indices.astype(np.int64)
 
     def evaluate(self, weights: np.ndarray, split: str, start: int, stop: int, metrics: tuple[str, ...]) -> dict:
         """The model at ``weights``, in eval mode, on examples start..stop-1 of ``split``: sums to merge.
