@@ -24,12 +24,12 @@ from torch.func import functional_call
 
 from workers.clipping import functional_parameters
 from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
-from workers.federated import clipped_local_update_sum
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
+from workers.user_clipping import clipped_user_sum
 from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index
 from workers.validation import check_model
 
@@ -208,7 +208,7 @@ class GradientWorker:
         of a user's rows are read and combined here, before clipping, so one
         user moves the sum by at most ``clip_norm``. Returns the flat float32
         sum followed by one raw count, for the driver only: the rows of users
-        left out for a non-finite gradient or delta.
+        left out whole for a non-finite gradient or delta.
         """
         if self.users is None:
             raise RuntimeError("user_clipped_sum needs a worker built with users (privacy_unit = \"user\")")
@@ -221,14 +221,10 @@ class GradientWorker:
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         if self.transform is not None:
             inputs = transform_each(self.transform, inputs)
-        flat_weights, owners = _as_tensor(weights), torch.from_numpy(owners)
-        if self.users.local_steps is None:
-            summed, _, left_out = microbatch_clipped_sum(self.model, flat_weights, inputs, labels, owners, clip_norm,
-                                                         self.loss_fn, return_norms=True)
-        else:
-            summed, left_out = clipped_local_update_sum(self.model, flat_weights, inputs, labels, owners, clip_norm,
-                                                        self.users.local_steps, self.users.local_learning_rate,
-                                                        self.loss_fn)
+        summed, left_out = clipped_user_sum(
+            self.model, _as_tensor(weights), inputs, labels, torch.from_numpy(owners), clip_norm, self.loss_fn,
+            self.users.local_steps or 0, self.users.local_learning_rate or 0.0,
+        )
         return torch.cat([summed, summed.new_tensor([left_out])]).cpu().numpy()
 
     def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
