@@ -27,8 +27,19 @@ from workers.engines import check_engine, clipped_sum, engine_plan, per_example_
 from workers.features import FeatureCache, compute_features, feature_map
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
+from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
-from workers.tasks import augmented_views, build_loss, build_metric, build_transform, metric_inputs, task_of
+from workers.tasks import (
+    augmented_views,
+    build_loss,
+    build_metric,
+    build_transform,
+    metric_inputs,
+    task_of,
+    transform_each,
+)
+from workers.user_clipping import clipped_user_sum
+from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index
 from workers.validation import check_model
 
 
@@ -88,6 +99,8 @@ class GradientWorker:
     features: without transforms, each example's features are computed the
     first time it is sampled and kept (``FeatureCache``); with transforms,
     each view's features are computed afresh.
+    ``users`` (user-level privacy) says who owns which rows, for
+    ``user_clipped_sum``.
     """
 
     def __init__(
@@ -102,6 +115,7 @@ class GradientWorker:
         loss: str = "cross_entropy",
         train_transforms: Sequence[Mapping[str, Any]] = (),
         augmentations_per_example: int = 1,
+        users: UserSpec | None = None,
     ) -> None:
         check_engine(engine)
         if augmentations_per_example != 1 and not train_transforms:
@@ -133,6 +147,8 @@ class GradientWorker:
         self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
         self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
                               if self.feature_map is not None and self.transform is None else None)
+        self.users = users
+        self.user_index = None if users is None else user_index(users, dataset, self.train_size)
 
     def _training_source(
         self, dataset: str | dict, train_subset: int | None, data_root: str | None
@@ -226,6 +242,33 @@ class GradientWorker:
         elif self.feature_map is not None:
             inputs = compute_features(self.feature_map, inputs.flatten(0, 1)).unflatten(0, inputs.shape[:2])
         return inputs
+    def user_clipped_sum(self, weights: np.ndarray, users: np.ndarray, clip_norm: float, step: int) -> np.ndarray:
+        """Sum over ``users`` (sampled user numbers) of each user's contribution, clipped to L2 norm ``clip_norm``.
+
+        A user's contribution is the gradient of its mean loss over its rows
+        (at most ``max_examples_per_user`` of them, drawn afresh each step), or
+        with ``local_steps`` its model delta after local SGD (DP-FedAvg). All
+        of a user's rows are read and combined here, before clipping, so one
+        user moves the sum by at most ``clip_norm``. Returns the flat float32
+        sum followed by one raw count, for the driver only: the rows of users
+        left out whole for a non-finite gradient or delta.
+        """
+        if self.users is None:
+            raise RuntimeError("user_clipped_sum needs a worker built with users (privacy_unit = \"user\")")
+        users = np.asarray(users, dtype=np.int64)
+        if users.size and (users.min() < 0 or users.max() >= self.user_index.user_count):
+            raise ValueError(f"users must lie in 0..{self.user_index.user_count - 1} (got {users.min()}..{users.max()})")
+        rows, owners = rows_of_users(self.user_index, users, self.users.max_examples_per_user,
+                                     make_generator(self.users.seed, USER_ROWS_STREAM, step, *users[:1].tolist()))
+        inputs, labels = self.source.read(rows)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        if self.transform is not None:
+            inputs = transform_each(self.transform, inputs)
+        summed, left_out = clipped_user_sum(
+            self.model, _as_tensor(weights), inputs, labels, torch.from_numpy(owners), clip_norm, self.loss_fn,
+            self.users.local_steps or 0, self.users.local_learning_rate or 0.0,
+        )
+        return torch.cat([summed, summed.new_tensor([left_out])]).cpu().numpy()
 
     def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
         """``indices`` as int64 positions, refused unless they are a 1-D integer array within this worker's examples."""
