@@ -24,7 +24,7 @@ from servers import TINY_JOB
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.actor import GradientWorkerActor
 from workers.data import load_split
-from workers.models import MODEL_NAMES, build_model, flat_parameters, input_shape, load_flat_parameters
+from workers.models import MODEL_NAMES, build_model, flat_parameters, load_flat_parameters
 
 
 class RecordingNoise(GaussianNoise):
@@ -61,7 +61,8 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("model_name", [name for name in MODEL_NAMES if input_shape(name) == (1, 28, 28)])
+# The ScatterNets' workers train their heads on cached features: tests/test_accuracy_features.py checks those sums.
+@pytest.mark.parametrize("model_name", [name for name in MODEL_NAMES if not name.startswith("scatternet")])
 def test_distributed_clipped_sum_equals_a_plain_loop(local_ray, model_name):
     torch.manual_seed(5)
     model = build_model(model_name)
