@@ -243,6 +243,12 @@ class TrainConfig:
         300.0, "ledger", "number", "> 0",
         "Seconds to wait out a ledger outage before stopping at a checkpoint (exit status 4).",
     )
+    ledger_lease: float | None = key(
+        None, "ledger", "number", "> 0, several times a block's wall time",
+        "Seconds the job's reservation lasts without a charge; each charge renews it. A job that stops charging "
+        "loses its unrun steps, and a charge after that is refused.",
+        "no lease: the reservation holds until released",
+    )
     dataset_budget_epsilon: float = key(
         10.0, "ledger", "number", "> 0",
         "The ε budget given to a dataset the embedded ledger has not seen, at the run's `delta`.",
@@ -429,6 +435,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         ledger=_optional(values, "ledger", _address),
         dataset_name=_optional(values, "dataset_name", _name),
         ledger_timeout=checks.positive_number("ledger_timeout", values.get("ledger_timeout", 300.0)),
+        ledger_lease=_optional(values, "ledger_lease", checks.positive_number),
         dataset_budget_epsilon=checks.positive_number(
             "dataset_budget_epsilon", values.get("dataset_budget_epsilon", 10.0)
         ),

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import LedgerUnavailable, RdpTally, fits_budget, split_steps
+from accounting.ledger.core import AdmissionRule, LedgerUnavailable, RdpTally, fits_budget, split_steps
 from accounting.ledger.service import start_server
 from servers import REPOSITORY, start_serve_process
 
@@ -115,17 +115,18 @@ ledger.list_datasets()  # connect and pay for the token check before the start s
 print("ready", flush=True)
 sys.stdin.readline()
 try:
-    print("admitted", ledger.reserve("mnist", job_id, SampledGaussian(0.01, 1.0, 1000)).reservation_id, flush=True)
+    print("admitted", ledger.reserve("mnist", job_id, SampledGaussian(0.01, 1.0, 200)).reservation_id, flush=True)
 except BudgetExceeded as refusal:
     print("refused", refusal.remaining_epsilon, refusal.needed_epsilon, flush=True)
 """
 
 
 def test_eight_processes_racing_to_reserve_never_overspend_the_budget(tmp_path):
-    job = RdpTally.of(SampledGaussian(0.01, 1.0, 1000))
+    job = RdpTally.of(SampledGaussian(0.01, 1.0, 200))
     three = job + job + job
-    budget = three.epsilon(DELTA) * (1 + 1e-6)  # room for three jobs, not four
-    assert not fits_budget((three + job).epsilon(DELTA), budget)
+    budget = 2.0
+    rule = AdmissionRule.for_budget(budget, DELTA)
+    assert fits_budget(rule.epsilon(three), budget) and not fits_budget(rule.epsilon(three + job), budget)
     server = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
     try:
         with RemoteLedger(server.address, ADMIN_TOKEN) as admin:

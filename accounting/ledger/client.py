@@ -28,6 +28,7 @@ from accounting.ledger.core import (
     Reservation,
     TenantCreated,
     check_history_limit,
+    check_lease_seconds,
     check_plan,
     check_sequence,
     check_steps,
@@ -152,10 +153,15 @@ class RemoteLedger:
         request = self._request(pb.ListJobsRequest, dataset=dataset or "", state=messages.state_to_proto(state))
         return [messages.reservation_from_proto(job) for job in self._call(self._stub.ListJobs, request).jobs]
 
-    def reserve(self, dataset: str, job_id: str, planned: EventsLike) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded."""
+    def reserve(
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+    ) -> Reservation:
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
         planned_json = check_plan(planned).to_json()
-        request = self._request(pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json)
+        request = self._request(
+            pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
+            lease_seconds=check_lease_seconds(lease_seconds) or 0.0,
+        )
         return messages.reservation_from_proto(self._call(self._stub.Reserve, request))
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:

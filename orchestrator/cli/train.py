@@ -116,8 +116,9 @@ def run_train(args: argparse.Namespace) -> int:
         ["samples/s", summary["samples_per_second"]],
         ["run dir", config.run_dir],
         [f"ledger: {trainer.ledger.dataset!r} budget", f"epsilon {budget.budget_epsilon:g} at delta {budget.delta:g}"],
-        ["ledger: spent (pld)", budget.spent_epsilon],
+        ["ledger: spent (filter)", budget.spent_epsilon_filter],
         ["ledger: remaining", budget.remaining_epsilon],
+        [f"ledger: spent ({budget.spent_epsilon_accountant}, non-adaptive)", budget.spent_epsilon],
     ]
     rows.extend(outage_rows(summary.get("shard_outages", [])))
     if args.mia:
@@ -171,7 +172,8 @@ def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say)
     job = JobLedger.reserve(
-        ledger, dataset, new_job_id(config.run_dir), trainer.plan.planned_events, config.ledger_timeout, say
+        ledger, dataset, new_job_id(config.run_dir), trainer.plan.planned_events, config.ledger_timeout, say,
+        config.ledger_lease,
     )
     say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
     return job
