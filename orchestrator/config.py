@@ -229,8 +229,9 @@ class TrainConfig:
         "one epoch",
     )
     ledger: str | None = key(
-        None, "ledger", "string", '`"HOST:PORT"`',
-        "The privacy ledger server; `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
+        None, "ledger", "string", '`"HOST:PORT"`, or several separated by commas',
+        "The privacy ledger server, or servers of one PostgreSQL ledger (a call one does not answer goes to the "
+        "next); `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
         "the embedded ledger",
     )
     dataset_name: str | None = key(
@@ -537,9 +538,12 @@ def _layer_clip_norms(value: Any) -> LayerClipNorms | None:
 
 
 def _address(key: str, value: Any) -> str:
-    host, _, port = str(value).rpartition(":")
-    if not (isinstance(value, str) and host and port.isdigit() and 0 < int(port) < 65536):
-        raise UsageError(f"{key} must be HOST:PORT with a port in 1..65535 (got {value!r})")
+    for address in str(value).split(","):
+        host, _, port = address.strip().rpartition(":")
+        if not (isinstance(value, str) and host and port.isdigit() and 0 < int(port) < 65536):
+            raise UsageError(
+                f"{key} must be HOST:PORT with a port in 1..65535, or several separated by commas (got {value!r})"
+            )
     return value
 
 

@@ -3,7 +3,6 @@
 import os
 import signal
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
@@ -16,7 +15,7 @@ from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import AdmissionRule, LedgerUnavailable, RdpTally, fits_budget, split_steps
 from accounting.ledger.service import start_server
-from servers import REPOSITORY, start_serve_process
+from servers import start_racers, start_serve_process
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
@@ -132,21 +131,7 @@ def test_eight_processes_racing_to_reserve_never_overspend_the_budget(tmp_path):
         with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
             token = admin.create_tenant("acme").token
             admin.create_dataset("acme/mnist", budget, DELTA)
-        racers = [
-            subprocess.Popen(
-                [sys.executable, "-c", _RACER, server.address, token, f"job-{index}"],
-                cwd=REPOSITORY,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for index in range(8)
-        ]
-        for racer in racers:
-            assert racer.stdout.readline() == "ready\n"
-        for racer in racers:
-            racer.stdin.write("go\n")
-            racer.stdin.flush()
+        racers = start_racers([[sys.executable, "-c", _RACER, server.address, token, f"job-{index}"] for index in range(8)])
         outcomes = [racer.communicate(timeout=60)[0].split() for racer in racers]
         assert all(racer.returncode == 0 for racer in racers)
         assert sorted(outcome[0] for outcome in outcomes) == ["admitted"] * 3 + ["refused"] * 5

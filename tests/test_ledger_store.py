@@ -184,7 +184,7 @@ def test_closing_lets_a_read_in_progress_finish_and_refuses_reads_after(ledger):
         assert connection.execute("SELECT COUNT(*) FROM datasets").fetchone() == (1,)
     with pytest.raises(sqlite3.ProgrammingError):
         connection.execute("SELECT 1")  # closed once the read was done
-    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+    with pytest.raises(FailedPrecondition, match="is closed"):
         ledger.get_budget("mnist")
 
 

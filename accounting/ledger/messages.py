@@ -23,6 +23,7 @@ from accounting.ledger.core import (
     HistoryEntry,
     InvalidArgument,
     LedgerError,
+    LedgerUnavailable,
     NotFound,
     PermissionDenied,
     Reservation,
@@ -39,6 +40,7 @@ STATUS_CODES: dict[type[LedgerError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    LedgerUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 # Trailing metadata of a RESOURCE_EXHAUSTED refusal for budget.

@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import secrets
-import sqlite3
 import threading
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -59,6 +58,7 @@ from accounting.ledger.core import (
     FailedPrecondition,
     HistoryEntry,
     InvalidArgument,
+    LedgerUnavailable,
     NotFound,
     PermissionDenied,
     RdpTally,
@@ -95,80 +95,81 @@ from accounting.ledger.core import (
     token_matches,
     verify_history,
 )
+from accounting.ledger.databases import Connection, Database, open_database
 
 SCHEMA_VERSION = 3
 
-_APPEND_ONLY = (
-    """CREATE TRIGGER history_is_append_only_update BEFORE UPDATE ON history
-        BEGIN SELECT RAISE(ABORT, 'the ledger history is append-only'); END""",
-    """CREATE TRIGGER history_is_append_only_delete BEFORE DELETE ON history
-        BEGIN SELECT RAISE(ABORT, 'the ledger history is append-only'); END""",
-)
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
 )
 
-_SCHEMA = (
-    "CREATE TABLE schema_version (version INTEGER NOT NULL)",
+# The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
+_TABLES = (
+    "CREATE TABLE schema_version (version {integer} NOT NULL)",
     """CREATE TABLE tenants (
         name TEXT PRIMARY KEY,
         key_id TEXT UNIQUE,
-        token_salt BLOB,
-        token_hash BLOB,
+        token_salt {bytes},
+        token_hash {bytes},
         created_at TEXT NOT NULL
     )""",
     """CREATE TABLE datasets (
-        id INTEGER PRIMARY KEY,
+        id {dataset_id},
         tenant TEXT NOT NULL REFERENCES tenants(name),
         name TEXT NOT NULL,
-        budget_epsilon REAL NOT NULL,
-        delta REAL NOT NULL,
+        budget_epsilon {float} NOT NULL,
+        delta {float} NOT NULL,
         held_rdp TEXT NOT NULL,
         committed_events TEXT NOT NULL,
         created_at TEXT NOT NULL,
-        released_jobs INTEGER NOT NULL DEFAULT 0,
+        released_jobs {integer} NOT NULL DEFAULT 0,
         admission_rule TEXT NOT NULL,
         UNIQUE (tenant, name)
     )""",
     """CREATE TABLE reservations (
         id TEXT PRIMARY KEY,
-        dataset_id INTEGER NOT NULL REFERENCES datasets(id),
+        dataset_id {integer} NOT NULL REFERENCES datasets(id),
         job_id TEXT NOT NULL,
         planned_events TEXT NOT NULL,
-        committed_steps INTEGER NOT NULL,
+        committed_steps {integer} NOT NULL,
         state TEXT NOT NULL CHECK (state IN ('active', 'released')),
         created_at TEXT NOT NULL,
         released_at TEXT,
-        lease_seconds REAL,
+        lease_seconds {float},
         expires_at TEXT,
-        lease_expired INTEGER NOT NULL DEFAULT 0
+        lease_expired {integer} NOT NULL DEFAULT 0{order_column}
     )""",
     "CREATE UNIQUE INDEX one_active_reservation_per_job ON reservations (dataset_id, job_id) WHERE state = 'active'",
     "CREATE INDEX reservations_by_dataset ON reservations (dataset_id, state)",
     _LEASE_INDEX,
     """CREATE TABLE commits (
         reservation_id TEXT NOT NULL REFERENCES reservations(id),
-        sequence INTEGER NOT NULL,
-        steps INTEGER NOT NULL,
-        committed_steps INTEGER NOT NULL,
+        sequence {integer} NOT NULL,
+        steps {integer} NOT NULL,
+        committed_steps {integer} NOT NULL,
         at TEXT NOT NULL,
         PRIMARY KEY (reservation_id, sequence)
     )""",
     """CREATE TABLE history (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        id {history_id},
         at TEXT NOT NULL,
         actor TEXT NOT NULL,
         action TEXT NOT NULL,
         tenant TEXT,
-        dataset_id INTEGER REFERENCES datasets(id),
+        dataset_id {integer} REFERENCES datasets(id),
         details TEXT NOT NULL,
         previous_hash TEXT NOT NULL,
         hash TEXT NOT NULL
     )""",
     "CREATE INDEX history_by_tenant ON history (tenant, id)",
     "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
-    *_APPEND_ONLY,
 )
+
+
+def _schema(database: Database) -> tuple[str, ...]:
+    """The statements that create a new ledger in `database`."""
+    return (*(statement.format(**database.types) for statement in _TABLES), *database.append_only)
+
 
 _DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule"
 _RESERVATION_COLUMNS = (
@@ -192,7 +193,7 @@ class _DatasetRow(NamedTuple):
     admission_rule: str
 
 
-def _count_released_jobs(connection: sqlite3.Connection, caller: Caller) -> None:
+def _count_released_jobs(connection: Connection, caller: Caller, database: Database) -> None:
     """Version 2: a count of released jobs per dataset, so a status reads one row, not every job it ever had."""
     connection.execute("ALTER TABLE datasets ADD COLUMN released_jobs INTEGER NOT NULL DEFAULT 0")
     connection.execute(
@@ -201,7 +202,7 @@ def _count_released_jobs(connection: sqlite3.Connection, caller: Caller) -> None
     )
 
 
-def _adopt_filters_leases_and_hashes(connection: sqlite3.Connection, caller: Caller) -> None:
+def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, database: Database) -> None:
     """Version 3: hash-chained history, leases, and an RDP filter for every dataset, keeping its events.
 
     Each dataset gets the rule a new dataset of its budget would get, in a
@@ -230,7 +231,7 @@ def _adopt_filters_leases_and_hashes(connection: sqlite3.Connection, caller: Cal
             "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry_id)
         )
         previous = entry_hash
-    for statement in _APPEND_ONLY:
+    for statement in database.append_only:
         connection.execute(statement)
     for dataset_id, tenant, budget_epsilon, delta, held in connection.execute(
         "SELECT id, tenant, budget_epsilon, delta, held_rdp FROM datasets ORDER BY id"
@@ -286,36 +287,26 @@ def default_ledger_path() -> Path:
     return base / "ledger.db"
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
-    mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-    if mode.lower() != "wal":
-        connection.close()
-        raise FailedPrecondition(
-            f"the ledger file {path} cannot use SQLite's WAL journal (got {mode!r}); put it on a local disk"
-        )
-    connection.execute("PRAGMA synchronous=FULL")
-    connection.execute("PRAGMA foreign_keys=ON")
-    return connection
-
-
 class Ledger:
-    """The privacy ledger on one SQLite file: the embedded ledger, and what the gRPC server serves.
+    """The privacy ledger on an SQLite file or a PostgreSQL database: the embedded ledger, and what a server serves.
 
-    Every method takes the `caller` it acts for; it defaults to the caller
-    the ledger was opened with (the local admin for `open_embedded_ledger`).
-    Safe to share between threads; several processes may open the same file.
+    `path` is the SQLite file, or a postgresql:// URL. Every method takes
+    the `caller` it acts for; it defaults to the caller the ledger was
+    opened with (the local admin for `open_embedded_ledger`). Safe to share
+    between threads; several processes (servers) may open the same file or
+    database.
     """
 
     def __init__(self, path: str | os.PathLike, caller: Caller | None = None) -> None:
-        self.path = Path(path)
+        self._database = open_database(path)
+        self.path = Path(path) if self._database.is_file else str(path)
         self._default_caller = caller
-        self._writer = _connect(self.path)
+        self._writer = None
         self._write_lock = threading.Lock()
         self._writers_waiting = 0
         self._waiting_lock = threading.Lock()
         self._batch: _Batch | None = None
-        self._idle_readers: list[sqlite3.Connection] = []
+        self._idle_readers: list = []
         self._readers_lock = threading.Lock()
         self._closed = False
         self._verified_tokens: dict[bytes, str] = {}
@@ -332,18 +323,38 @@ class Ledger:
         self.close()
 
     def close(self) -> None:
-        """Close the file; a read in progress finishes first on its own connection, which closes after it."""
+        """Close the store; a read in progress finishes first on its own connection, which closes after it."""
         with self._write_lock, self._readers_lock:
             self._closed = True
             for reader in self._idle_readers:
                 reader.close()
             self._idle_readers.clear()
-            self._writer.close()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
     # ------------------------------------------------------------ plumbing
 
+    def _unavailable(self, error: BaseException) -> LedgerUnavailable:
+        return LedgerUnavailable(
+            f"the ledger's database {self._database.location} did not answer ({type(error).__name__}: "
+            f"{str(error).strip()}); nothing of this request was acknowledged: retry it"
+        )
+
+    def _drop_writer(self, error: BaseException) -> LedgerUnavailable:
+        """Forget a writer whose database went away; the changes of its open batch fail with LedgerUnavailable."""
+        unavailable = self._unavailable(error)
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.error = unavailable
+            batch.committed.set()
+        writer, self._writer = self._writer, None
+        with contextlib.suppress(Exception):
+            writer.close()
+        return unavailable
+
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self) -> Iterator:
         """One state change, in its own savepoint; on success, returns only once it is durable.
 
         Group commit: changes that queue up while one transaction is being
@@ -351,7 +362,10 @@ class Ledger:
         each in a savepoint, and the last of them commits it. A change that
         fails rolls back its savepoint and raises at once; a change that
         succeeds waits until the COMMIT of its transaction has returned.
+        A database that stops answering fails every change of the open
+        transaction with LedgerUnavailable; the next change connects again.
         """
+        unavailable_errors = self._database.unavailable_errors
         with self._waiting_lock:
             self._writers_waiting += 1
         self._write_lock.acquire()
@@ -359,17 +373,33 @@ class Ledger:
             self._writers_waiting -= 1
         batch = None
         try:
-            if self._batch is None:
-                self._writer.execute("BEGIN IMMEDIATE")
-                self._batch = _Batch()
-            self._writer.execute("SAVEPOINT change")
+            try:
+                if self._closed:
+                    raise FailedPrecondition(f"the ledger {self._database.location} is closed")
+                if self._writer is None:
+                    self._writer = self._database.connect()
+                if self._batch is None:
+                    for statement in self._database.begin_change:
+                        self._writer.execute(statement)
+                    self._batch = _Batch()
+                self._writer.execute("SAVEPOINT change")
+            except unavailable_errors as error:
+                raise self._drop_writer(error) from None
             try:
                 yield self._writer
-            except BaseException:
-                self._writer.execute("ROLLBACK TO change")
-                self._writer.execute("RELEASE change")
+            except BaseException as error:
+                try:
+                    self._writer.execute("ROLLBACK TO change")
+                    self._writer.execute("RELEASE change")
+                except unavailable_errors as lost:
+                    raise self._drop_writer(lost) from None
+                if isinstance(error, unavailable_errors):
+                    raise self._drop_writer(error) from None
                 raise
-            self._writer.execute("RELEASE change")
+            try:
+                self._writer.execute("RELEASE change")
+            except unavailable_errors as error:
+                raise self._drop_writer(error) from None
             batch = self._batch
             batch.changes += 1
         finally:
@@ -384,6 +414,8 @@ class Ledger:
         batch, self._batch = self._batch, None
         try:
             self._writer.execute("COMMIT")
+        except self._database.unavailable_errors as error:
+            batch.error = self._drop_writer(error)
         except BaseException as error:
             if self._writer.in_transaction:
                 self._writer.execute("ROLLBACK")
@@ -391,34 +423,37 @@ class Ledger:
         batch.committed.set()
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        """A snapshot of what is committed, on a connection of its own (WAL lets reads run beside writes)."""
+    def _read(self) -> Iterator:
+        """A snapshot of what is committed, on a connection of its own (reads run beside writes)."""
+        unavailable_errors = self._database.unavailable_errors
         with self._readers_lock:
             if self._closed:
-                raise sqlite3.ProgrammingError(f"the ledger {self.path} is closed")
+                raise FailedPrecondition(f"the ledger {self._database.location} is closed")
             reader = self._idle_readers.pop() if self._idle_readers else None
-        if reader is None:
-            reader = _connect(self.path)
+        keep = True
         try:
-            reader.execute("BEGIN")
+            if reader is None:
+                reader = self._database.connect()
+            reader.execute(self._database.begin_read)
             try:
                 yield reader
             finally:
                 reader.execute("COMMIT")
+        except unavailable_errors as error:
+            keep = False
+            raise self._unavailable(error) from None
         finally:
             with self._readers_lock:
-                if self._closed:
-                    reader.close()
-                else:
+                if reader is not None and (self._closed or not keep):
+                    with contextlib.suppress(Exception):
+                        reader.close()
+                elif reader is not None:
                     self._idle_readers.append(reader)
 
     def _create_or_check_schema(self) -> None:
         with self._transaction() as connection:
-            exists = connection.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
-            ).fetchone()
-            if not exists:
-                for statement in _SCHEMA:
+            if not connection.execute(self._database.schema_exists).fetchone():
+                for statement in _schema(self._database):
                     connection.execute(statement)
                 connection.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 return
@@ -428,15 +463,15 @@ class Ledger:
                 return
         if version != SCHEMA_VERSION:
             raise FailedPrecondition(
-                f"the ledger file {self.path} has schema version {version}; this dpfleet reads versions up to "
-                f"{SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
+                f"the ledger {self._database.location} has schema version {version}; this dpfleet reads versions "
+                f"up to {SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
             )
 
-    def _migrate(self, connection: sqlite3.Connection, version: int) -> None:
+    def _migrate(self, connection: Connection, version: int) -> None:
         """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
         caller = self._default_caller or Caller(actor=f"{_local_user()} (opening the file)", tenant=None)
         for target in range(version + 1, SCHEMA_VERSION + 1):
-            _MIGRATIONS[target](connection, caller)
+            _MIGRATIONS[target](connection, caller, self._database)
         connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
         self._record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
 
@@ -448,7 +483,7 @@ class Ledger:
 
     @staticmethod
     def _record(
-        connection: sqlite3.Connection,
+        connection: Connection,
         caller: Caller,
         action: str,
         tenant: str | None,
@@ -465,7 +500,7 @@ class Ledger:
         )
 
     @staticmethod
-    def _dataset_row(connection: sqlite3.Connection, caller: Caller, reference: str) -> _DatasetRow:
+    def _dataset_row(connection: Connection, caller: Caller, reference: str) -> _DatasetRow:
         dataset = resolve_dataset(caller, reference)
         row = connection.execute(
             f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? AND name = ?", (dataset.tenant, dataset.name)
@@ -477,7 +512,7 @@ class Ledger:
         return _DatasetRow(*row)
 
     @staticmethod
-    def _reservation_row(connection: sqlite3.Connection, caller: Caller, reservation_id: str) -> tuple:
+    def _reservation_row(connection: Connection, caller: Caller, reservation_id: str) -> tuple:
         check_name("reservation id", reservation_id)
         row = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r "
@@ -510,12 +545,11 @@ class Ledger:
             lease_expired=bool(lease_expired),
         )
 
-    @staticmethod
-    def _status_rows(connection: sqlite3.Connection, row: _DatasetRow) -> tuple[_DatasetRow, list[tuple]]:
+    def _status_rows(self, connection: Connection, row: _DatasetRow) -> tuple[_DatasetRow, list[tuple]]:
         """What a status needs from the file: read inside a transaction, computed on outside it."""
         jobs = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-            "WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.rowid",
+            f"WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.{self._database.insertion_order}",
             (row.dataset_id, ACTIVE),
         ).fetchall()
         return row, jobs
@@ -549,7 +583,7 @@ class Ledger:
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
         with self._transaction() as connection:
             created = connection.execute(
-                "INSERT OR IGNORE INTO tenants (name, created_at) VALUES (?, ?)", (tenant, _now())
+                "INSERT INTO tenants (name, created_at) VALUES (?, ?) ON CONFLICT DO NOTHING", (tenant, _now())
             ).rowcount
             if created:
                 self._record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False})
@@ -595,7 +629,7 @@ class Ledger:
                     "INSERT INTO tenants (name, key_id, token_salt, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
                     (tenant, key_id, salt, token_hash, _now()),
                 )
-            except sqlite3.IntegrityError:
+            except self._database.duplicate_errors:
                 raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name") from None
             self._record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "key_id": key_id})
         return TenantCreated(tenant, token)
@@ -618,15 +652,15 @@ class Ledger:
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
                 )
             try:
-                dataset_id = connection.execute(
+                (dataset_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "created_at, admission_rule) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (
                         reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
                         json.dumps(rule.to_dict()),
                     ),
-                ).lastrowid
-            except sqlite3.IntegrityError:
+                ).fetchone()
+            except self._database.duplicate_errors:
                 raise AlreadyExists(
                     f"dataset {dataset!r} already exists; an admin can raise its budget (dpfleet ledger dataset raise)"
                 ) from None
@@ -707,7 +741,7 @@ class Ledger:
             where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
             rows = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-                f"{where} ORDER BY r.rowid",
+                f"{where} ORDER BY r.{self._database.insertion_order}",
                 parameters,
             ).fetchall()
         return [self._reservation(caller, row) for row in rows]
@@ -894,17 +928,18 @@ class Ledger:
             with self._transaction() as connection:
                 self._expire_leases(connection, None)
 
-    def _expire_leases(self, connection: sqlite3.Connection, dataset_id: int | None) -> None:
+    def _expire_leases(self, connection: Connection, dataset_id: int | None) -> None:
         condition, parameters = ("AND r.dataset_id = ?", (dataset_id,)) if dataset_id is not None else ("", ())
         expired = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-            f"WHERE r.state = ? AND r.expires_at IS NOT NULL AND r.expires_at <= ? {condition} ORDER BY r.rowid",
+            f"WHERE r.state = ? AND r.expires_at IS NOT NULL AND r.expires_at <= ? {condition} "
+            f"ORDER BY r.{self._database.insertion_order}",
             (ACTIVE, _now(), *parameters),
         ).fetchall()
         for row in expired:
             self._free(connection, LEASE_EXPIRY, row, "expire")
 
-    def _free(self, connection: sqlite3.Connection, caller: Caller, row: tuple, action: str) -> None:
+    def _free(self, connection: Connection, caller: Caller, row: tuple, action: str) -> None:
         """Release an active reservation's unrun steps (`action`: "release", or "expire" for a lease that ran out)."""
         reservation = self._reservation(caller, row)
         if reservation.state != ACTIVE:
@@ -918,7 +953,7 @@ class Ledger:
         )
         connection.execute(
             "UPDATE reservations SET state = ?, released_at = ?, lease_expired = ? WHERE id = ?",
-            (RELEASED, _now(), action == "expire", reservation.reservation_id),
+            (RELEASED, _now(), int(action == "expire"), reservation.reservation_id),
         )
         self._record(
             connection,

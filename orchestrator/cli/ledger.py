@@ -17,13 +17,17 @@ from typing import Callable
 
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
+from accounting.ledger.databases import is_postgresql, shown_location
 from accounting.ledger.service import LedgerServer, serve
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
 from orchestrator import checks
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError
 
-_ADDRESS_HELP = "ledger server HOST:PORT (default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
+_ADDRESS_HELP = (
+    "ledger server HOST:PORT, or HOST:PORT,HOST:PORT for servers of one database to fail over between "
+    "(default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
+)
 
 
 def _ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -250,9 +254,9 @@ def run_jobs(args: argparse.Namespace) -> int:
 @_ledger_command
 def run_verify(args: argparse.Namespace) -> int:
     """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
-    path = Path(args.db) if args.db else default_ledger_path()
-    if not path.exists():
-        raise UsageError(f"no ledger file at {path}; give the file dpfleet ledger serve --db uses")
+    path = args.db if args.db and is_postgresql(args.db) else Path(args.db) if args.db else default_ledger_path()
+    if isinstance(path, Path) and not path.exists():
+        raise UsageError(f"no ledger file at {path}; give the file or URL dpfleet ledger serve --db uses")
     with Ledger(path, caller=ADMIN) as ledger:
         verification = ledger.verify()
     if args.json:
@@ -262,7 +266,8 @@ def run_verify(args: argparse.Namespace) -> int:
             print(finding)
         outcome = f"{len(verification.findings)} finding(s)" if verification.findings else "no findings"
         print(
-            f"{outcome} in {verification.entries} history entries and {verification.datasets} datasets of {path}; "
+            f"{outcome} in {verification.entries} history entries and {verification.datasets} datasets of "
+            f"{shown_location(str(path))}; "
             f"head hash {verification.head_hash} (keep it elsewhere to notice a history rewritten from the start)"
         )
     return 1 if verification.findings else 0
@@ -284,7 +289,11 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
         "prints 'listening on HOST:PORT' when ready.",
     )
-    serve_parser.add_argument("--db", required=True, help="the SQLite ledger file (created if missing)")
+    serve_parser.add_argument(
+        "--db", required=True,
+        help="the SQLite ledger file (created if missing), or a postgresql://USER@HOST:PORT/DATABASE URL "
+        "that several servers may share",
+    )
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
     serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
@@ -350,7 +359,7 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         "replayed RDP tally and committed events against the dataset's row. Prints each finding with its "
         "dataset and entry; exits 1 when there is any.",
     )
-    verify.add_argument("--db", help="the ledger file (default: the embedded ledger file)")
+    verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
     verify.set_defaults(handler=run_verify)
 

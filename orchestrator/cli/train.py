@@ -39,8 +39,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     length.add_argument("--steps", help="number of steps (overrides the config)")
     train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
     train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
-    train.add_argument("--ledger", metavar="HOST:PORT",
-                       help="privacy ledger server (default: the config's ledger, DPFLEET_LEDGER, else embedded)")
+    train.add_argument("--ledger", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="privacy ledger server, or servers of one database to fail over between "
+                            "(default: the config's ledger, DPFLEET_LEDGER, else embedded)")
     train.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
     train.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
     train.add_argument("--show-train-loss", action="store_true",
