@@ -131,6 +131,9 @@ class CanaryTrainer(Trainer):
     """
 
     def __init__(self, config: TrainConfig, canaries: Canaries, watch: np.ndarray | None = None, **options):
+        if config.microbatch_size:
+            raise ValueError("the audit inserts canaries as single examples, so it cannot run with microbatch_size "
+                             f"(got {config.microbatch_size}); audit the configuration without it")
         super().__init__(config, **options)
         self.canaries = canaries
         self.real_dataset_size = self.plan.dataset_size
@@ -141,10 +144,15 @@ class CanaryTrainer(Trainer):
         self.observations: list[np.ndarray] = []
         self.noise_multipliers: list[float] = []
 
-    def _partial_sums(self, workers: list, weights, shards: list[np.ndarray]) -> list[np.ndarray]:
+    def _partial_sums(self, workers: list, weights, shards: list[np.ndarray], group_shards: None,
+                      next_shards: list[np.ndarray] | None) -> list[np.ndarray]:
         indices = np.concatenate(shards)
         real = indices[indices < self.real_dataset_size]
-        sums = super()._partial_sums(workers, weights, partition(real, len(workers)))
+        upcoming = None
+        if next_shards is not None:
+            next_indices = np.concatenate(next_shards)
+            upcoming = partition(next_indices[next_indices < self.real_dataset_size], len(workers))
+        sums = super()._partial_sums(workers, weights, partition(real, len(workers)), None, upcoming)
         sampled_canaries = indices[indices >= self.real_dataset_size] - self.real_dataset_size
         canary_sum = self.canaries.clipped_sum(sampled_canaries, self.model, self.config.clip_norm)
         # The workers' sums end with their raw counts; the canaries add nothing to those.

@@ -33,3 +33,12 @@ def partition_microbatches(
     """Split a batch across `parts` workers keeping each microbatch whole (microbatch g goes to worker g mod parts)."""
     owners = group_ids % parts
     return ([indices[owners == part] for part in range(parts)], [group_ids[owners == part] for part in range(parts)])
+
+
+def worker_shares(
+    indices: np.ndarray, group_ids: np.ndarray | None, parts: int
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Each of `parts` workers' share of a step's sample, and with microbatches (`group_ids`) their microbatch ids."""
+    if group_ids is None:
+        return partition(indices, parts), None
+    return partition_microbatches(indices, group_ids, parts)

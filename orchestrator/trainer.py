@@ -63,9 +63,8 @@ from orchestrator.sampling import (
     assign_microbatches,
     make_generator,
     microbatch_count,
-    partition,
-    partition_microbatches,
     poisson_sample,
+    worker_shares,
 )
 from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
 from orchestrator.shard_fleet import ShardFleet
@@ -226,8 +225,10 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
             ray.init(address="local", num_cpus=cpus, num_gpus=gpus, resources=resources, include_dashboard=False,
                      log_to_driver=True)
             return True
-        except Exception as error:  # noqa: BLE001 - Ray reports a node that did not come up as a bare Exception
-            if "timed out" not in str(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
+        # Ray reports a node that did not come up as a bare Exception, or as a RuntimeError from the wait for the
+        # GCS port file ("Timed out waiting for file ...").
+        except Exception as error:  # noqa: BLE001
+            if "timed out" not in str(error).lower() or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
         ray.shutdown()
         say(f"local Ray did not start in time (try {attempt} of {LOCAL_RAY_START_ATTEMPTS}); trying again")
@@ -323,6 +324,8 @@ class Trainer:
                      else GaussianNoise(config.seed, secure=config.secure_noise))
         self.noise = noise
         self.sampler = make_generator(config.seed, SAMPLER_STREAM)
+        # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
+        self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
         self.show_progress = show_progress
         self.show_train_loss = show_train_loss
         self.ledger = ledger
@@ -413,6 +416,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
             "sampler": self.sampler.bit_generator.state,
+            "drawn_sample": self.drawn_sample,
             "noise": self.noise.state,
             "events": self.events.to_dict(),
             "metrics": self.metrics,
@@ -439,6 +443,7 @@ class Trainer:
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.sampler.bit_generator.state = state["sampler"]
+        self.drawn_sample = state.get("drawn_sample")  # a checkpoint without it draws the next sample anew
         self.noise.state = state["noise"]
         self.events = Composition.from_dict(state["events"])
         self.metrics = list(state["metrics"])
@@ -558,19 +563,23 @@ class Trainer:
         self.aggregation.place(dict(enumerate(workers)), self.worker_nodes)
 
     def _partial_sums(
-        self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None = None
+        self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None,
+        next_shards: list[np.ndarray] | None,
     ) -> list[np.ndarray]:
         """The clipped sums of the workers' shards: one per node, added there, or per worker on the driver's node.
 
         Each sum carries raw counts after it: with adaptive clipping the
         unclipped count, then always the count of examples left out for a
-        non-finite gradient. The shards of a node whose sum failed are
-        recomputed by calling its workers one by one; a worker that is gone
-        for good is replaced.
+        non-finite gradient. `next_shards`, the workers' shares of the next
+        step's sample, are read ahead while the sums compute. The shards of a
+        node whose sum failed are recomputed by calling its workers one by
+        one; a worker that is gone for good is replaced.
         """
         clip_norm, count = self.config.layer_clip_norms or self.clip_norm, self.config.adaptive_clipping is not None
         groups = group_shards or [None] * len(shards)
-        arguments = {index: (shards[index], clip_norm, groups[index], count) for index in range(len(workers))}
+        upcoming = next_shards or [None] * len(shards)
+        arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index])
+                     for index in range(len(workers))}
         options = {"count_zeroed": True}
         gathered = self.aggregation.gather(self.aggregation.run(dict(enumerate(workers)), self.worker_nodes,
                                                                 "clipped_grad_sum", weights, arguments, options))
@@ -608,18 +617,23 @@ class Trainer:
         self.times = self.times.plus(time.perf_counter() - started, self.gathered.slowest_worker_seconds,
                                      self.gathered.wait_seconds)
 
+    def _draw_sample(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """One step's Poisson sample and, with microbatches, each sampled example's microbatch."""
+        plan = self.plan
+        indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
+        return indices, assign_microbatches(self.sampler, len(indices), plan.microbatches) if plan.microbatches else None
+
     def _sampled_step(self, workers: list) -> None:
-        """A step of driver-sampled examples, split across `workers`."""
+        """A step of driver-sampled examples, split across `workers`; the next step's sample is drawn here too."""
         plan = self.plan
         step = self.step
-        indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
+        indices, group_ids = self.drawn_sample or self._draw_sample()
+        # Drawn in the same order as one step at a time, so a seeded run's samples do not change.
+        self.drawn_sample = self._draw_sample() if step + 1 < plan.steps else None
         weights = self._weights()
-        group_ids = None
-        if plan.microbatches:
-            group_ids = assign_microbatches(self.sampler, len(indices), plan.microbatches)
-            partial_sums = self._partial_sums(workers, weights, *partition_microbatches(indices, group_ids, len(workers)))
-        else:
-            partial_sums = self._partial_sums(workers, weights, partition(indices, len(workers)))
+        shards, group_shards = worker_shares(indices, group_ids, len(workers))
+        next_shards = None if self.drawn_sample is None else worker_shares(*self.drawn_sample, len(workers))[0]
+        partial_sums = self._partial_sums(workers, weights, shards, group_shards, next_shards)
         adaptive = self.config.adaptive_clipping is not None
         partial_sums, counts = split_counts(partial_sums, self.flat_weights.numel(), 2 if adaptive else 1)
         # Raw counts: they stay in the driver and are never logged or saved.

@@ -94,11 +94,11 @@ class FlatTrainer(CountingTrainer):
 class LoseWorkerBeforeStep(CountingTrainer):
     """A trainer whose worker 0 is killed for good just before step 3: its node's reducer fails that step."""
 
-    def _partial_sums(self, workers, weights, shards, group_shards=None):
+    def _partial_sums(self, workers, weights, shards, group_shards, next_shards):
         if self.step == 2 and not getattr(self, "killed", False):
             self.killed = True
             ray.kill(workers[0], no_restart=True)
-        return super()._partial_sums(workers, weights, shards, group_shards)
+        return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
 
 
 def test_training_receives_one_buffer_per_node_and_matches_flat_aggregation(cluster, tmp_path):

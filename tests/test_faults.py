@@ -70,13 +70,13 @@ class KillFirstWorkerDuring(Trainer):
 
     at_step = 4
 
-    def _partial_sums(self, workers, weights, shards):
+    def _partial_sums(self, workers, weights, shards, group_shards, next_shards):
         if self.step == self.at_step and not getattr(self, "killed", False):
             self.killed = True
             pid = int(ray.get(workers[0].ping.remote()).rsplit(":", 1)[1])
             # Let the call start, then kill the process in the middle of it.
             threading.Timer(0.05, os.kill, (pid, signal.SIGKILL)).start()
-        return super()._partial_sums(workers, weights, shards)
+        return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
 
 
 def test_a_killed_worker_changes_neither_weights_nor_epsilon(local_ray, tmp_path):
@@ -134,8 +134,12 @@ def fake_ray_init(monkeypatch, failures, message="The current node timed out dur
     return calls
 
 
-def test_a_local_ray_start_that_times_out_is_retried_and_said(monkeypatch):
-    calls = fake_ray_init(monkeypatch, failures=LOCAL_RAY_START_ATTEMPTS - 1)
+@pytest.mark.parametrize("message", [
+    "The current node timed out during startup.",
+    "Timed out waiting for file /tmp/ray/session_x/gcs_server_port_0123",
+])
+def test_a_local_ray_start_that_times_out_is_retried_and_said(monkeypatch, message):
+    calls = fake_ray_init(monkeypatch, failures=LOCAL_RAY_START_ATTEMPTS - 1, message=message)
     said = []
     assert start_ray(build_config(dict(steps=1, noise_multiplier=1.0)), said.append) is True
     assert len(calls) == LOCAL_RAY_START_ATTEMPTS

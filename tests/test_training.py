@@ -15,6 +15,7 @@ from orchestrator.adaptive_clipping import effective_noise_multiplier
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.noise import GRADIENT_NOISE, GaussianNoise
+from orchestrator.sampling import assign_microbatches, make_generator, poisson_sample, worker_shares
 from orchestrator.trainer import BREAKDOWN, Trainer
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.actor import GradientWorkerActor
@@ -135,6 +136,38 @@ def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, tmp_
         assert 0 < worker <= wait + 0.005 and driver > 0
         assert 60 * (driver + wait) <= saved["wall_seconds"]
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class SampleRecordingTrainer(Trainer):
+    """A trainer that records, each step, the workers' shares of the sample and of the next step's sample."""
+
+    def _partial_sums(self, workers, weights, shards, group_shards, next_shards):
+        self.seen = getattr(self, "seen", []) + [(shards, group_shards, next_shards)]
+        return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
+
+
+@pytest.mark.parametrize("microbatch_size", [None, 6])
+def test_each_step_sends_the_next_steps_sample_drawn_in_the_one_step_at_a_time_order(local_ray, tmp_path,
+                                                                                     microbatch_size):
+    config = small_config(tmp_path, steps=4, microbatch_size=microbatch_size)
+    trainer = SampleRecordingTrainer(config, show_progress=False)
+    trainer.run()
+    sampler = make_generator(config.seed, trainer_module.SAMPLER_STREAM)
+    expected = []
+    for _ in range(config.steps):
+        indices = poisson_sample(sampler, 600, 0.1)
+        groups = assign_microbatches(sampler, len(indices), trainer.plan.microbatches) if microbatch_size else None
+        expected.append(worker_shares(indices, groups, 2))
+    for step, (shards, group_shards, next_shards) in enumerate(trainer.seen):
+        expected_shards, expected_groups = expected[step]
+        assert [share.tolist() for share in shards] == [share.tolist() for share in expected_shards]
+        assert (group_shards is None) == (microbatch_size is None)
+        if microbatch_size:
+            assert [share.tolist() for share in group_shards] == [share.tolist() for share in expected_groups]
+        if step + 1 < config.steps:
+            assert [share.tolist() for share in next_shards] == [share.tolist() for share in expected[step + 1][0]]
+        else:
+            assert next_shards is None
 
 
 def test_microbatched_training_runs_on_workers_and_accounts_factor_2(local_ray, tmp_path):

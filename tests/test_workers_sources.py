@@ -1,5 +1,8 @@
 """Every data-source format on small files made here: reads by index, sizes from metadata, one-line checks."""
 
+import threading
+import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
@@ -87,6 +90,43 @@ def test_written_parquet_shards_split_the_rows_in_order(tmp_path):
     paths = sources.write_parquet_shards(str(tmp_path / "out"), batches, ROWS, 4)
     assert [pq.ParquetFile(path).metadata.num_rows for path in paths] == [12, 13, 12, 13]
     assert_reads(table_spec("parquet", tmp_path / "out", features="features"))
+
+
+class WatchedSource(sources.InMemorySource):
+    """An in-memory source that records each read and fails if two threads ever read at once."""
+
+    def __init__(self):
+        super().__init__(torch.from_numpy(FEATURES), torch.from_numpy(LABELS))
+        self.reads, self.reading = [], threading.Lock()
+
+    def read(self, indices):
+        assert self.reading.acquire(blocking=False), "two reads at once"
+        try:
+            time.sleep(0.05)
+            self.reads.append((threading.current_thread().name, list(indices)))
+            return super().read(indices)
+        finally:
+            self.reading.release()
+
+
+def test_rows_read_ahead_are_the_rows_asked_for_and_reads_never_overlap():
+    watched = WatchedSource()
+    ahead = sources.PrefetchingSource(watched)
+    ahead.prefetch(PICKED)
+    inputs, labels = ahead.read(PICKED)
+    assert torch.equal(inputs, torch.from_numpy(FEATURES[PICKED])) and labels.tolist() == LABELS[PICKED].tolist()
+    assert [(thread.startswith("prefetch"), rows) for thread, rows in watched.reads] == [(True, PICKED.tolist())]
+    # Other rows than those read ahead: read now, after the read ahead finishes; its rows stay for their own read.
+    ahead.prefetch([1, 2])
+    inputs, _ = ahead.read([5])
+    assert torch.equal(inputs, torch.from_numpy(FEATURES[[5]]))
+    assert ahead.read([1, 2])[1].tolist() == LABELS[[1, 2]].tolist()
+    assert [(thread.startswith("prefetch"), rows) for thread, rows in watched.reads[1:]] == [(True, [1, 2]), (False, [5])]
+    # A new read ahead replaces one never taken; the old rows are then read again when asked for.
+    ahead.prefetch([7])
+    ahead.prefetch([8])
+    ahead.read([7])
+    assert [rows for _, rows in watched.reads[3:]] == [[7], [8], [7]]
 
 
 def test_npy_files_are_memory_mapped(tmp_path):

@@ -26,7 +26,7 @@ from workers.clipping import functional_parameters
 from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
-from workers.sources import ExampleSource, open_source, spec_name
+from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
 from workers.validation import check_model
 
@@ -121,6 +121,8 @@ class GradientWorker:
     ) -> tuple[ExampleSource, int]:
         """The source this worker trains on and how many of its examples it uses (the first ``train_subset``)."""
         source = open_source(dataset, "train", data_root)
+        if not isinstance(source, InMemorySource):
+            source = PrefetchingSource(source)
         full_size = len(source)
         if train_subset is not None and not 1 <= train_subset <= full_size:
             raise ValueError(
@@ -136,6 +138,7 @@ class GradientWorker:
         clip_norm: float,
         group_ids: np.ndarray | None = None,
         count_unclipped: bool = False,
+        next_indices: np.ndarray | None = None,
         count_zeroed: bool = False,
     ) -> np.ndarray:
         """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
@@ -149,20 +152,17 @@ class GradientWorker:
         for the driver, which releases none of them as they are: with
         ``count_unclipped``, how many examples (or non-empty microbatches) had
         a norm <= ``clip_norm``; then with ``count_zeroed``, how many examples
-        were left out for a non-finite gradient.
+        were left out for a non-finite gradient. ``next_indices``, the
+        worker's share of the next step's sample when it is already drawn,
+        are read in the background while this sum computes (for sources not
+        held in memory).
         """
-        indices = np.asarray(indices)
-        example_count = self.train_size
-        if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
-            raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
-        if indices.size and (indices.min() < 0 or indices.max() >= example_count):
-            raise ValueError(
-                f"indices must lie in 0..{example_count - 1} for this worker's {example_count} examples "
-                f"(got {indices.min()}..{indices.max()})"
-            )
+        indices = self._checked_indices(indices)
         flat_weights = _as_tensor(weights)
         wants_norms = count_unclipped or count_zeroed
-        inputs, labels = self.source.read(indices.astype(np.int64))
+        inputs, labels = self.source.read(indices)
+        if next_indices is not None and isinstance(self.source, PrefetchingSource):
+            self.source.prefetch(self._checked_indices(next_indices))
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         if self.transform is not None:
             inputs = transform_each(self.transform, inputs)
@@ -190,6 +190,19 @@ class GradientWorker:
             return result.cpu().numpy()
         counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
         return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
+
+    def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
+        """``indices`` as int64 positions, refused unless they are a 1-D integer array within this worker's examples."""
+        indices = np.asarray(indices)
+        example_count = self.train_size
+        if indices.ndim != 1 or (indices.size and not np.issubdtype(indices.dtype, np.integer)):
+            raise ValueError(f"indices must be a 1-D integer array (got {indices.dtype} of shape {indices.shape})")
+        if indices.size and (indices.min() < 0 or indices.max() >= example_count):
+            raise ValueError(
+                f"indices must lie in 0..{example_count - 1} for this worker's {example_count} examples "
+                f"(got {indices.min()}..{indices.max()})"
+            )
+        return indices.astype(np.int64)
 
     def evaluate(self, weights: np.ndarray, split: str, start: int, stop: int, metrics: tuple[str, ...]) -> dict:
         """The model at ``weights``, in eval mode, on examples start..stop-1 of ``split``: sums to merge.

@@ -32,6 +32,7 @@ import struct
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 import fsspec
@@ -210,6 +211,46 @@ class InMemorySource:
         """The rows at ``indices`` (a copy)."""
         selected = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         return self.inputs[selected], self.labels[selected]
+
+
+class PrefetchingSource:
+    """A source whose next step's rows are read on a background thread while this step's gradients compute.
+
+    ``prefetch(indices)`` starts reading rows that were already sampled; a
+    later ``read`` of exactly those indices takes the rows read ahead. The
+    sample is drawn before any reading, so reading never decides which
+    examples take part. The wrapped source is used by one thread at a time:
+    a read of other rows first waits for the read ahead under way.
+    """
+
+    def __init__(self, source: ExampleSource) -> None:
+        self.source = source
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        self._ahead: tuple[np.ndarray, Future] | None = None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Start reading the rows at ``indices`` (replacing any read ahead not yet taken)."""
+        self._settle()
+        indices = np.array(indices, dtype=np.int64)
+        self._ahead = (indices, self._reader.submit(self.source.read, indices))
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices``: those read ahead when they are the same rows, else read now."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if self._ahead is not None and np.array_equal(self._ahead[0], indices):
+            _, reading = self._ahead
+            self._ahead = None
+            return reading.result()
+        self._settle()
+        return self.source.read(indices)
+
+    def _settle(self) -> None:
+        """Wait for the read ahead under way, if any; its rows stay for a matching ``read`` (errors surface there)."""
+        if self._ahead is not None:
+            wait([self._ahead[1]])
 
 
 class TorchDatasetSource:
