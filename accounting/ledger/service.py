@@ -222,7 +222,9 @@ def start_server(
     tls_key: str | Path | None = None,
     max_workers: int = 16,
 ) -> LedgerServer:
-    """Open the ledger file and start serving it on host:port (0 picks a free port); returns at once.
+    """Open the ledger (an SQLite file or a postgresql:// URL) and serve it on host:port; returns at once.
+
+    Port 0 picks a free port.
 
     Without `admin_token` no admin RPC can succeed. TLS is used when both
     `tls_cert` and `tls_key` (PEM files) are given.

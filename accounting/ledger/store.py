@@ -23,9 +23,9 @@ admission and status never read the history; a commit only rewrites the
 committed events, which the figures of what is spent are computed from.
 
 A reservation may carry a lease: it expires `lease_seconds` after the
-reserve or its last commit, and every change to its dataset (and
-`expire_leases`, which a server runs every second) first releases the
-unrun steps of the reservations whose lease ran out. A commit to an expired
+reserve or its last commit. Every reserve and release on its dataset, a
+commit to it, and `expire_leases` (which a server runs every second) first
+release the unrun steps of the reservations whose lease ran out. A commit to an expired
 reservation is refused, so a driver that lost its lease cannot charge steps
 the ledger already freed.
 """
@@ -835,10 +835,12 @@ class Ledger:
         steps = check_steps(steps)
         sequence = check_sequence(sequence)
         with self._transaction() as connection:
-            self._expire_leases(connection, self._reservation_row(connection, caller, reservation_id)[12])
             row = self._reservation_row(connection, caller, reservation_id)
-            reservation = self._reservation(caller, row)
             dataset_id = row[12]
+            if row[4] == ACTIVE and row[10] is not None and row[10] <= _now():  # its own lease ran out
+                self._expire_leases(connection, dataset_id)
+                row = self._reservation_row(connection, caller, reservation_id)
+            reservation = self._reservation(caller, row)
             earlier = connection.execute(
                 "SELECT steps, committed_steps FROM commits WHERE reservation_id = ? AND sequence = ?",
                 (reservation_id, sequence),
