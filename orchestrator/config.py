@@ -18,7 +18,8 @@ from accounting.accountants import ACCOUNTANTS
 from workers.clipping import LayerClipNorms
 from workers.engines import ENGINES
 from workers.shards import ShardSpec
-from workers.sources import BUILTINS
+from workers.sources import BUILTINS, DataError
+from workers.users import UserSpec, user_index
 from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
 from orchestrator.errors import UsageError
@@ -32,6 +33,7 @@ from orchestrator.shard_config import (
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
 
 CHECK_DATA_LEVELS = ("basic", "full")
+PRIVACY_UNITS = ("example", "user")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 _OPTIMIZER_PARAMETERS = {
     "sgd": {"weight_decay"},
@@ -59,7 +61,7 @@ class EvaluateEvery:
 
 GROUPS = (
     "data", "model and task", "run length and evaluation", "privacy", "optimizer",
-    "workers and clipping engine", "ledger", "run directory and checkpoints", "shards",
+    "workers and clipping engine", "ledger", "run directory and checkpoints", "shards", "privacy unit",
 )
 """The groups of config keys, in the order the references and ``dpfleet init`` list them."""
 
@@ -291,6 +293,42 @@ class TrainConfig:
         "With shards, seconds a shard's resources may be missing before the run stops at a checkpoint (exit "
         "status 5).",
     )
+    privacy_unit: str = key(
+        "example", "privacy unit", "string", '`"example"` or `"user"`',
+        "What one unit of protection is. Under `\"user\"`, users are Poisson-sampled (`batch_size` is then the "
+        "expected number of users a step), each sampled user gives one clipped gradient of its mean loss, and ε "
+        "protects each person, however many rows it owns. Not with shards, microbatches, adaptive clipping or "
+        "`layer_clip_norms`.",
+    )
+    user_id: str | None = key(
+        None, "privacy unit", "string", "a column name",
+        "Under `privacy_unit = \"user\"`, the Parquet or CSV column naming each row's person.",
+        "none",
+    )
+    synthetic_users: int | None = key(
+        None, "privacy unit", "integer", "≥ 1, at most the training examples",
+        "Under `privacy_unit = \"user\"`, assign the rows to this many synthetic users instead (skewed: 1 to 300 "
+        "rows each, a fixed assignment); for built-in datasets and tests.",
+        "none",
+    )
+    max_examples_per_user: int | None = key(
+        None, "privacy unit", "integer", "≥ 1",
+        "Under `privacy_unit = \"user\"`, a sampled user gives at most this many of its rows a step, drawn at random "
+        "each time.",
+        "all its rows",
+    )
+    local_steps: int | None = key(
+        None, "privacy unit", "integer", "≥ 1",
+        "DP-FedAvg: each sampled user takes this many local SGD steps on its own rows in the worker, and its "
+        "model delta, clipped to `clip_norm`, replaces its gradient; the noisy mean delta is applied by `optimizer` "
+        "at `learning_rate` (the server's). Needs `privacy_unit = \"user\"` and `local_learning_rate`.",
+        "off (one clipped gradient a user)",
+    )
+    local_learning_rate: float | None = key(
+        None, "privacy unit", "number", "> 0",
+        "DP-FedAvg: the learning rate of each user's local SGD steps.",
+        "none",
+    )
 
     def to_dict(self) -> dict:
         """A JSON-ready dict of every key."""
@@ -448,14 +486,52 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         shards=shards,
         on_shard_loss=parse_on_shard_loss(values.get("on_shard_loss", DEFAULT_ON_SHARD_LOSS)),
         shard_timeout=checks.positive_number("shard_timeout", values.get("shard_timeout", DEFAULT_SHARD_TIMEOUT)),
+        privacy_unit=checks.one_of("privacy_unit", values.get("privacy_unit", "example"), PRIVACY_UNITS),
+        user_id=_optional(values, "user_id", _column_name),
+        synthetic_users=_optional(values, "synthetic_users", lambda key, v: checks.integer_at_least(key, v, 1)),
+        max_examples_per_user=_optional(values, "max_examples_per_user",
+                                        lambda key, v: checks.integer_at_least(key, v, 1)),
+        local_steps=_optional(values, "local_steps", lambda key, v: checks.integer_at_least(key, v, 1)),
+        local_learning_rate=_optional(values, "local_learning_rate", checks.positive_number),
     )
+    _check_privacy_unit(config)
     if not shards:
         # With shards, N is known once the workers report their sizes; the trainer checks it then.
-        checks.batch_within_dataset("batch_size", config.batch_size, training_set_size(config))
+        checks.batch_within_dataset("batch_size", config.batch_size, sampled_unit_count(config))
     if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
         raise UsageError("layer_clip_norms clips single examples with fixed norms; "
                          "it cannot be combined with microbatch_size or adaptive_clipping")
     return config
+
+
+def _column_name(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{key} must be a column name (got {value!r})")
+    return value
+
+
+def _check_privacy_unit(config: TrainConfig) -> None:
+    """Refuse user-level keys that do not fit together, naming the keys and what to do."""
+    user_keys = {"user_id": config.user_id, "synthetic_users": config.synthetic_users,
+                 "max_examples_per_user": config.max_examples_per_user, "local_steps": config.local_steps,
+                 "local_learning_rate": config.local_learning_rate}
+    if config.privacy_unit == "example":
+        given = [name for name, value in user_keys.items() if value is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)} apply to user-level privacy; add privacy_unit = \"user\" or remove "
+                             "them")
+        return
+    if (config.user_id is None) == (config.synthetic_users is None):
+        raise UsageError("privacy_unit = \"user\" needs exactly one of user_id (the column naming each row's person) "
+                         "or synthetic_users (a number of users to assign the rows to)")
+    if (config.local_steps is None) != (config.local_learning_rate is None):
+        raise UsageError("DP-FedAvg needs both local_steps (>= 1) and local_learning_rate (> 0); give both or neither")
+    clashing = [name for name, value in (("shards", config.shards), ("microbatch_size", config.microbatch_size),
+                                         ("adaptive_clipping", config.adaptive_clipping),
+                                         ("layer_clip_norms", config.layer_clip_norms)) if value]
+    if clashing:
+        raise UsageError(f"privacy_unit = \"user\" clips each user's gradient whole with a fixed norm over one "
+                         f"dataset; it cannot be combined with {', '.join(clashing)}")
 
 
 def _dataset(value: Any) -> str | dict:
@@ -580,6 +656,29 @@ def training_set_size(config: TrainConfig) -> int:
     return config.train_subset or full
 
 
+def sampled_unit_count(config: TrainConfig) -> int:
+    """How many units the run Poisson-samples from: N examples, or under privacy_unit = "user" the users.
+
+    Users come from the synthetic assignment, or from the ``user_id`` column
+    (read whole, once, to count its distinct values; no feature or label is
+    read). Like N, the count is treated as public.
+    """
+    if config.privacy_unit == "example":
+        return training_set_size(config)
+    try:
+        return user_index(user_spec(config), config.dataset, training_set_size(config)).user_count
+    except (DataError, ValueError) as error:
+        raise UsageError(str(error)) from None
+
+
+def user_spec(config: TrainConfig) -> UserSpec | None:
+    """The workers' description of the run's users, or None at example level."""
+    if config.privacy_unit == "example":
+        return None
+    return UserSpec(config.user_id, config.synthetic_users, config.max_examples_per_user, config.local_steps,
+                    config.local_learning_rate, config.seed)
+
+
 def test_set_size(config: TrainConfig) -> int:
     """The number of test examples each evaluation covers: the test split, or its first ``test_subset``."""
     from workers.sources import source_size
@@ -589,8 +688,8 @@ def test_set_size(config: TrainConfig) -> int:
 
 
 def sampling_rate(config: TrainConfig, dataset_size: int | None = None) -> float:
-    """q = expected batch size / N, with N = `dataset_size` when given, else `training_set_size(config)`."""
-    return config.batch_size / (dataset_size or training_set_size(config))
+    """q = expected batch size / N, with N = `dataset_size` when given, else `sampled_unit_count(config)`."""
+    return config.batch_size / (dataset_size or sampled_unit_count(config))
 
 
 def total_steps(config: TrainConfig, dataset_size: int | None = None) -> int:
@@ -599,7 +698,7 @@ def total_steps(config: TrainConfig, dataset_size: int | None = None) -> int:
 
     if config.steps is not None:
         return config.steps
-    return steps_for_epochs(config.epochs, dataset_size or training_set_size(config), config.batch_size)
+    return steps_for_epochs(config.epochs, dataset_size or sampled_unit_count(config), config.batch_size)
 
 
 def load_config(path: str | None, overrides: Mapping[str, Any]) -> TrainConfig:
@@ -626,5 +725,5 @@ def load_config(path: str | None, overrides: Mapping[str, Any]) -> TrainConfig:
 
 def expected_batch_size(config: TrainConfig, dataset_size: int | None = None) -> float:
     """q * N, the divisor of the noisy sum (never the realised batch size), with N as in `sampling_rate`."""
-    return sampling_rate(config, dataset_size) * (dataset_size or training_set_size(config))
+    return sampling_rate(config, dataset_size) * (dataset_size or sampled_unit_count(config))
 

@@ -45,7 +45,8 @@ from orchestrator.config import (
     sampling_rate,
     test_set_size,
     total_steps,
-    training_set_size,
+    sampled_unit_count,
+    user_spec,
 )
 from orchestrator import checks
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
@@ -97,6 +98,7 @@ class RunPlan:
     charge_ends: tuple[int, ...]
     microbatches: int | None = None
     count_noise_multiplier: float | None = None
+    privacy_unit: str = "example"
 
     @property
     def sensitivity_factor(self) -> float:
@@ -120,6 +122,24 @@ class RunPlan:
     def events_between(self, start: int, end: int) -> Composition:
         """The events of steps start..end-1 (0-based) of the plan."""
         before_end, _ = self.planned_events.split(end)
+        return before_end.split(start)[1]
+
+    @functools.cached_property
+    def row_level_events(self) -> Composition:
+        """The planned events as a budget over rows counts them: what the ledger reserves and charges.
+
+        At example level, `planned_events`. Under privacy_unit = "user", one
+        row changes its own user's clipped contribution by up to 2C, and that
+        user takes part with probability q: the sampled Gaussian at sensitivity
+        factor 2 bounds what one row reveals.
+        """
+        if self.privacy_unit == "example":
+            return self.planned_events
+        return schedule_events(list(self.noise_blocks), self.sampling_rate, 2.0)
+
+    def row_level_events_between(self, start: int, end: int) -> Composition:
+        """`row_level_events` of steps start..end-1 (0-based)."""
+        before_end, _ = self.row_level_events.split(end)
         return before_end.split(start)[1]
 
     def sigma_at(self, step: int) -> float:
@@ -153,10 +173,12 @@ def evaluation_steps(
 def plan_run(config: TrainConfig, dataset_size: int | None = None) -> RunPlan:
     """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends.
 
-    `dataset_size` is N as a sharded run's workers report it; without it, N comes from the config.
+    `dataset_size` is N as a sharded run's workers report it; without it, N
+    comes from the config. Under privacy_unit = "user", N counts users, and
+    target_epsilon is the ε per user.
     """
     if dataset_size is None:
-        dataset_size = training_set_size(config)
+        dataset_size = sampled_unit_count(config)
     else:
         checks.batch_within_dataset("batch_size", config.batch_size, dataset_size)
     rate = sampling_rate(config, dataset_size)
@@ -190,7 +212,7 @@ def plan_run(config: TrainConfig, dataset_size: int | None = None) -> RunPlan:
         dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
         tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
         evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends), microbatches,
-        count_noise_multiplier,
+        count_noise_multiplier, config.privacy_unit,
     )
 
 
@@ -473,7 +495,8 @@ class Trainer:
         self.say(
             f"dpfleet: {config.model} on "
             + (f"{len(config.shards)} shards" if config.shards else spec_name(config.dataset))
-            + f" (N={plan.dataset_size}), {plan.steps} steps, "
+            + (f" (N={plan.dataset_size})" if plan.privacy_unit == "example" else f" ({plan.dataset_size} users)")
+            + f", {plan.steps} steps, "
             f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
             f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
         )
@@ -553,6 +576,7 @@ class Trainer:
             engine=config.engine,
             loss=config.loss,
             train_transforms=config.train_transforms,
+            users=user_spec(config),
         )
 
     def _place_reducers(self, workers: list, indices) -> None:
@@ -576,18 +600,23 @@ class Trainer:
         one; a worker that is gone for good is replaced.
         """
         clip_norm, count = self.config.layer_clip_norms or self.clip_norm, self.config.adaptive_clipping is not None
-        groups = group_shards or [None] * len(shards)
-        upcoming = next_shards or [None] * len(shards)
-        arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index])
-                     for index in range(len(workers))}
-        options = {"count_zeroed": True}
+        if self.config.privacy_unit == "user":
+            # The shards hold user numbers: each user, with all its rows, goes to one worker.
+            method, options = "user_clipped_sum", {}
+            arguments = {index: (shards[index], clip_norm, self.step) for index in range(len(workers))}
+        else:
+            groups = group_shards or [None] * len(shards)
+            upcoming = next_shards or [None] * len(shards)
+            method, options = "clipped_grad_sum", {"count_zeroed": True}
+            arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index])
+                         for index in range(len(workers))}
         gathered = self.aggregation.gather(self.aggregation.run(dict(enumerate(workers)), self.worker_nodes,
-                                                                "clipped_grad_sum", weights, arguments, options))
+                                                                method, weights, arguments, options))
         self.aggregation.forget(gathered.failed)
         failed, replacements = gathered.failed, 0
         while failed:
             retried = self.aggregation.gather(self.aggregation.run(
-                dict(enumerate(workers)), self.worker_nodes, "clipped_grad_sum", weights,
+                dict(enumerate(workers)), self.worker_nodes, method, weights,
                 {index: arguments[index] for index in failed}, options, direct=True))
             gathered.add(retried)
             failed = retried.failed
@@ -632,7 +661,9 @@ class Trainer:
         self.drawn_sample = self._draw_sample() if step + 1 < plan.steps else None
         weights = self._weights()
         shards, group_shards = worker_shares(indices, group_ids, len(workers))
-        next_shards = None if self.drawn_sample is None else worker_shares(*self.drawn_sample, len(workers))[0]
+        # Under users, a worker picks each user's rows itself when the step runs, so nothing is read ahead.
+        next_shards = (None if self.drawn_sample is None or self.config.privacy_unit == "user"
+                       else worker_shares(*self.drawn_sample, len(workers))[0])
         partial_sums = self._partial_sums(workers, weights, shards, group_shards, next_shards)
         adaptive = self.config.adaptive_clipping is not None
         partial_sums, counts = split_counts(partial_sums, self.flat_weights.numel(), 2 if adaptive else 1)
@@ -730,6 +761,9 @@ class Trainer:
         """
         noisy_mean_gradient(partial_sums, unit_noise, noise_std, self.plan.contributions_per_step, self.flat_gradient,
                             self.arithmetic)
+        if self.config.local_steps is not None:
+            # DP-FedAvg: the noisy mean is a model delta, a step the server optimizer takes as minus a gradient.
+            self.flat_gradient.neg_()
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -749,7 +783,8 @@ class Trainer:
         block_start = plan.charge_ends[block_index - 1] if block_index else 0
         if self.ledger is not None:
             try:
-                self.ledger.charge(block_index, plan.events_between(block_start, plan.charge_ends[block_index]))
+                self.ledger.charge(block_index,
+                                   plan.row_level_events_between(block_start, plan.charge_ends[block_index]))
             except LedgerTimeoutError:
                 self._save_checkpoint()
                 raise
@@ -822,11 +857,15 @@ class Trainer:
                             for name in (*self.config.metrics, "loss"))
         line = (
             f"epoch {row['epoch']:.4g}: {figures}, "
-            f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}, delta={self.config.delta:g})"
+            f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}{self._unit_label()}, delta={self.config.delta:g})"
         )
         if "train_loss_non_private" in row:
             line += f", train loss {row['train_loss_non_private']:.4f} (non-private)"
         return line
+
+    def _unit_label(self) -> str:
+        """", per user" when ε protects each user rather than each row."""
+        return ", per user" if self.plan.privacy_unit == "user" else ""
 
     def _finish(self) -> dict:
         config, plan = self.config, self.plan
@@ -860,6 +899,12 @@ class Trainer:
             "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
             "events": self.events.to_dict(),
         }
+        if plan.privacy_unit == "user":
+            # Each user's ε is `epsilon`; what one row reveals is bounded by the events the ledger was charged.
+            summary["privacy_unit"] = "user"
+            summary["users"] = plan.dataset_size
+            summary["row_epsilon"] = labelled_epsilon(self.accountant, plan.row_level_events_between(0, self.step),
+                                                      config.delta)[0]
         if config.shards:
             summary["shards"] = len(config.shards)
             summary["shard_outages"] = self.shard_outages

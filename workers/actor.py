@@ -26,8 +26,11 @@ from workers.clipping import functional_parameters
 from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
+from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
+from workers.user_clipping import clipped_user_sum
+from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index
 from workers.validation import check_model
 
 
@@ -79,6 +82,8 @@ class GradientWorker:
     (``workers.engines.ENGINES``); ``loss`` names the per-example loss
     (``workers.tasks.build_loss``); ``train_transforms`` are applied to each
     sampled training example on its own (``workers.tasks.build_transform``).
+    ``users`` (user-level privacy) says who owns which rows, for
+    ``user_clipped_sum``.
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class GradientWorker:
         engine: str = "fast",
         loss: str = "cross_entropy",
         train_transforms: Sequence[Mapping[str, Any]] = (),
+        users: UserSpec | None = None,
     ) -> None:
         check_engine(engine)
         if threads < 1:
@@ -115,6 +121,8 @@ class GradientWorker:
         check_model(self.model)
         self.model.to(self.device).train()
         self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
+        self.users = users
+        self.user_index = None if users is None else user_index(users, dataset, self.train_size)
 
     def _training_source(
         self, dataset: str | dict, train_subset: int | None, data_root: str | None
@@ -190,6 +198,34 @@ class GradientWorker:
             return result.cpu().numpy()
         counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
         return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
+
+    def user_clipped_sum(self, weights: np.ndarray, users: np.ndarray, clip_norm: float, step: int) -> np.ndarray:
+        """Sum over ``users`` (sampled user numbers) of each user's contribution, clipped to L2 norm ``clip_norm``.
+
+        A user's contribution is the gradient of its mean loss over its rows
+        (at most ``max_examples_per_user`` of them, drawn afresh each step), or
+        with ``local_steps`` its model delta after local SGD (DP-FedAvg). All
+        of a user's rows are read and combined here, before clipping, so one
+        user moves the sum by at most ``clip_norm``. Returns the flat float32
+        sum followed by one raw count, for the driver only: the rows of users
+        left out whole for a non-finite gradient or delta.
+        """
+        if self.users is None:
+            raise RuntimeError("user_clipped_sum needs a worker built with users (privacy_unit = \"user\")")
+        users = np.asarray(users, dtype=np.int64)
+        if users.size and (users.min() < 0 or users.max() >= self.user_index.user_count):
+            raise ValueError(f"users must lie in 0..{self.user_index.user_count - 1} (got {users.min()}..{users.max()})")
+        rows, owners = rows_of_users(self.user_index, users, self.users.max_examples_per_user,
+                                     make_generator(self.users.seed, USER_ROWS_STREAM, step, *users[:1].tolist()))
+        inputs, labels = self.source.read(rows)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        if self.transform is not None:
+            inputs = transform_each(self.transform, inputs)
+        summed, left_out = clipped_user_sum(
+            self.model, _as_tensor(weights), inputs, labels, torch.from_numpy(owners), clip_norm, self.loss_fn,
+            self.users.local_steps or 0, self.users.local_learning_rate or 0.0,
+        )
+        return torch.cat([summed, summed.new_tensor([left_out])]).cpu().numpy()
 
     def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
         """``indices`` as int64 positions, refused unless they are a 1-D integer array within this worker's examples."""

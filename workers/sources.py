@@ -49,6 +49,7 @@ from workers import data
 SPLITS = data.SPLITS
 BUILTINS = tuple(data.DATASETS)
 FORMATS = ("parquet", "csv", "npy", "npz", "imagefolder")
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _FORMAT_KEYS = {
     "parquet": {"features", "label", "shape"},
     "csv": {"features", "label", "shape"},
@@ -189,6 +190,27 @@ def source_size(spec: str | Mapping, split: str) -> int:
     if spec["format"] == "csv":
         return _csv_rows(spec, split)
     return len(open_source(spec, split))
+
+
+def read_column(spec: str | Mapping, split: str, column: str) -> np.ndarray:
+    """One column of a Parquet or CSV split, whole and in row order (a small per-row field, such as a user id)."""
+    if isinstance(spec, str) or spec["format"] not in ("parquet", "csv"):
+        raise DataError(f"{spec_name(spec)}: a column such as user_id can be read from Parquet or CSV tables only")
+    suffixes = PARQUET_SUFFIXES if spec["format"] == "parquet" else (".csv",)
+    filesystem, paths = _files_at(spec[split], suffixes)
+    parts = []
+    for path in paths:
+        if spec["format"] == "parquet":
+            schema = _parquet_file(filesystem, path).schema_arrow
+            if column not in schema.names:
+                raise DataError(f"{path}: no column {column!r} (columns: {', '.join(schema.names)})")
+            parts.append(pq.read_table(path, columns=[column], filesystem=filesystem).column(column).to_numpy())
+            continue
+        for _, batch in _csv_batches(path, filesystem):
+            if column not in batch.schema.names:
+                raise DataError(f"{path}: no column {column!r} (columns: {', '.join(batch.schema.names)})")
+            parts.append(batch.column(column).to_numpy(zero_copy_only=False))
+    return np.concatenate(parts)
 
 
 def read_first(spec: str | Mapping, split: str, count: int | None = None,
@@ -423,7 +445,7 @@ class ParquetSource:
         self.location = spec[split]
         self.shape = spec.get("shape")
         self.label = spec.get("label", "label")
-        self.filesystem, self.paths = _files_at(self.location, (".parquet", ".parq", ".pq"))
+        self.filesystem, self.paths = _files_at(self.location, PARQUET_SUFFIXES)
         self.files = [_parquet_file(self.filesystem, path) for path in self.paths]
         self.columns, _ = _check_schema(spec, self.files[0].schema_arrow, self.paths[0])
         group_sizes, group_files, group_numbers = [], [], []
@@ -751,7 +773,7 @@ def check_source(spec: str | Mapping, split: str, full: bool = False, num_classe
 
 
 def _check_parquet(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
-    filesystem, paths = _files_at(spec[split], (".parquet", ".parq", ".pq"))
+    filesystem, paths = _files_at(spec[split], PARQUET_SUFFIXES)
     label = spec.get("label", "label")
     expected_length = _shape_size(spec)
     rows = 0

@@ -89,6 +89,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.mia and config.shards:
         raise UsageError("--mia scores training examples on the driver, and with shards the training data stays on "
                          "its nodes; leave --mia off")
+    if args.mia and config.privacy_unit == "user":
+        raise UsageError("--mia attacks single examples, and privacy_unit = \"user\" protects users; leave --mia off")
     trainer.ledger = _job_ledger(args, trainer)
     try:
         summary = trainer.run()
@@ -173,7 +175,7 @@ def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say)
     job = JobLedger.reserve(
-        ledger, dataset, new_job_id(config.run_dir), trainer.plan.planned_events, config.ledger_timeout, say,
+        ledger, dataset, new_job_id(config.run_dir), trainer.plan.row_level_events, config.ledger_timeout, say,
         config.ledger_lease,
     )
     say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
