@@ -28,11 +28,18 @@ gRPC) measures the file system's own tail in the same run.
 
 Targets: >= 1,000 durable commits/s, p99 < 10 ms per RPC, status < 20 ms at
 10,000 jobs. `--json` also writes bench/results/ledger.json.
+
+`--db postgresql` runs the same workloads against a throwaway PostgreSQL
+cluster on loopback (bench/postgres.py; fsync and synchronous_commit on, the
+defaults) instead of an SQLite file, and writes ledger-postgresql.json.
+`--servers 3` starts three servers on that one database and spreads the 8
+clients of the two write workloads across them (ledger-postgresql-3-servers.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -44,7 +51,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -52,7 +59,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from accounting.events import SampledGaussian
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.store import open_embedded_ledger
+from accounting.ledger.core import ADMIN
+from accounting.ledger.store import Ledger
+from bench.postgres import PostgresCluster, postgresql_binaries
 
 ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 DELTA = 1e-5
@@ -72,9 +81,9 @@ _SERVE = (
 )
 
 
-def prepare_history(db_path: Path, jobs: int) -> str:
-    """Fill a ledger file with a tenant and a dataset of `jobs` finished jobs; return the tenant's token."""
-    with open_embedded_ledger(db_path) as ledger:
+def prepare_history(db: str | Path, jobs: int) -> str:
+    """Fill a ledger (file or URL) with a tenant and a dataset of `jobs` finished jobs; return the tenant's token."""
+    with Ledger(db, caller=ADMIN) as ledger:
         token = ledger.create_tenant("bench").token
         ledger.create_dataset("bench/history", 1e9, DELTA)
         ledger.create_dataset("bench/writes", 1e9, DELTA)
@@ -153,7 +162,8 @@ def _operation(ledger: RemoteLedger, workload: str, index: int, health) -> Calla
 
 
 def _client(
-    address: str, token: str, workload: str, seconds: float, rate: float | None, index: int, barrier, results
+    addresses: list[str], token: str, workload: str, seconds: float, rate: float | None, index: int, barrier,
+    results,
 ) -> None:
     """One client process: warm up, wait for the others, run the workload, report latencies.
 
@@ -164,6 +174,7 @@ def _client(
     it, each operation starts when the previous one returns (closed loop).
     """
     arrivals = np.random.default_rng()
+    address = addresses[index % len(addresses)]
     with RemoteLedger(address, token, timeout_seconds=30) as ledger, grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         operation = _operation(ledger, workload, index, health)
@@ -190,18 +201,19 @@ def _client(
         results.put((operations, time.perf_counter() - start, latencies))
 
 
-def run_workload(address: str, token: str, workload: str, clients: int, seconds: float,
+def run_workload(addresses: list[str], token: str, workload: str, clients: int, seconds: float,
                  total_rate: float | None = None) -> dict:
     """Run `clients` processes of one workload at once; return throughput and latency figures.
 
-    `total_rate` paces them (open loop) at that many operations per second in all.
+    Client i talks to addresses[i % len(addresses)]. `total_rate` paces them
+    (open loop) at that many operations per second in all.
     """
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(clients)
     results = context.Queue()
     rate = None if total_rate is None else total_rate / clients
     processes = [
-        context.Process(target=_client, args=(address, token, workload, seconds, rate, index, barrier, results))
+        context.Process(target=_client, args=(addresses, token, workload, seconds, rate, index, barrier, results))
         for index in range(clients)
     ]
     for process in processes:
@@ -270,37 +282,66 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def ledger_database(kind: str, folder: Path) -> Iterator[str]:
+    """An empty ledger store: an SQLite file in `folder`, or a database of a throwaway PostgreSQL cluster."""
+    if kind == "sqlite":
+        yield str(folder / "ledger.db")
+        return
+    binaries, where = postgresql_binaries()
+    if binaries is None:
+        raise SystemExit(f"--db postgresql: {where}")
+    cluster = PostgresCluster(binaries)
+    try:
+        cluster.start()
+        yield cluster.create_database("bench")
+    finally:
+        cluster.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run every workload with 1 and 8 clients, print the table and the ratios to the targets."""
+    """Run every workload with 1 and 8 clients, print the table and the ratios to the targets.
+
+    With more than one server, only the two write workloads run, with 8 clients spread across the servers.
+    """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each measurement (default 5)")
     parser.add_argument("--history-jobs", type=int, default=HISTORY_JOBS, help="finished jobs in the status dataset")
-    parser.add_argument("--json", action="store_true", help="also write bench/results/ledger.json")
+    parser.add_argument("--db", choices=("sqlite", "postgresql"), default="sqlite", help="the store (default sqlite)")
+    parser.add_argument("--servers", type=int, default=1, help="ledger servers on the one store (default 1)")
+    parser.add_argument("--json", action="store_true", help="also write bench/results/ledger*.json")
     args = parser.parse_args(argv)
+    if args.servers > 1 and args.db != "postgresql":
+        parser.error("--servers above 1 needs --db postgresql: servers share a database, not a file")
     load_before = os.getloadavg()  # other work on the machine skews every figure; recorded with them
-    with tempfile.TemporaryDirectory(prefix="dpfleet-bench-") as folder:
-        db_path = Path(folder) / "ledger.db"
+    with tempfile.TemporaryDirectory(prefix="dpfleet-bench-") as folder, \
+            ledger_database(args.db, Path(folder)) as db:
         began = time.perf_counter()
-        token = prepare_history(db_path, args.history_jobs)
+        token = prepare_history(db, args.history_jobs)
         print(f"prepared {args.history_jobs} finished jobs in {time.perf_counter() - began:.1f} s", flush=True)
-        server = subprocess.Popen(
-            [sys.executable, "-c", _SERVE, str(db_path), ADMIN_TOKEN], stdout=subprocess.PIPE, text=True
-        )
+        servers = [
+            subprocess.Popen([sys.executable, "-c", _SERVE, db, ADMIN_TOKEN], stdout=subprocess.PIPE, text=True)
+            for _ in range(args.servers)
+        ]
         try:
-            address = server.stdout.readline().strip()
-            runs = [(workload, clients, None) for workload in WORKLOADS for clients in (1, 8)]
-            runs += [(workload, 8, offered) for workload, offered in PACED]
-            # Last: they change the status dataset.
-            runs += [("status after commit", 1, None), ("status after commit, no wait", 1, None)]
+            addresses = [server.stdout.readline().strip() for server in servers]
+            if args.servers == 1:
+                runs = [(workload, clients, None) for workload in WORKLOADS for clients in (1, 8)]
+                runs += [(workload, 8, offered) for workload, offered in PACED]
+                # Last: they change the status dataset.
+                runs += [("status after commit", 1, None), ("status after commit, no wait", 1, None)]
+            else:
+                runs = [("commit", 8, None), ("reserve+commit", 8, None)]
             rows = []
             for workload, clients, offered in runs:
-                rows.append(run_workload(address, token, workload, clients, args.seconds, offered))
+                rows.append(run_workload(addresses, token, workload, clients, args.seconds, offered))
                 print(_table(rows[-1:]).splitlines()[1], flush=True)
             disk = disk_floor(Path(folder))
         finally:
-            server.terminate()
-            server.wait(timeout=30)
-    ratios = _ratios(rows)
+            for server in servers:
+                server.terminate()
+                server.wait(timeout=30)
+    ratios = _ratios(rows) if args.servers == 1 else {}
     print()
     print(_table(rows))
     print(f"disk floor: {disk['transactions']} one-row durable SQLite transactions in {disk['seconds']:.0f} s, "
@@ -311,7 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         missed = ratio < 1 and "not a target" not in name
         print(f"{name}: {ratio:.2f}{'  (target missed)' if missed else ''}")
     if args.json:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        name = "ledger" if args.db == "sqlite" else f"ledger-{args.db}"
+        results = RESULTS.parent / f"{name}{f'-{args.servers}-servers' if args.servers > 1 else ''}.json"
+        results.parent.mkdir(parents=True, exist_ok=True)
         machine = {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -325,11 +368,12 @@ def main(argv: list[str] | None = None) -> int:
             "p99_ms": TARGET_P99_MS,
             "status_ms": TARGET_STATUS_MS,
         }
-        RESULTS.write_text(
-            json.dumps({"machine": machine, "history_jobs": args.history_jobs, "seconds": args.seconds,
+        results.write_text(
+            json.dumps({"machine": machine, "date": time.strftime("%Y-%m-%d"), "db": args.db,
+                        "servers": args.servers, "history_jobs": args.history_jobs, "seconds": args.seconds,
                         "targets": targets, "results": rows, "disk_floor": disk, "ratios": ratios}, indent=2) + "\n"
         )
-        print(f"wrote {RESULTS}")
+        print(f"wrote {results}")
     return 0
 
 

@@ -244,8 +244,9 @@ class TrainConfig:
         "one epoch",
     )
     ledger: str | None = key(
-        None, "ledger", "string", '`"HOST:PORT"`',
-        "The privacy ledger server; `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
+        None, "ledger", "string", '`"HOST:PORT"`, or several separated by commas',
+        "The privacy ledger server, or servers of one PostgreSQL ledger (a call one does not answer goes to the "
+        "next); `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
         "the embedded ledger",
     )
     dataset_name: str | None = key(
@@ -257,6 +258,12 @@ class TrainConfig:
     ledger_timeout: float = key(
         300.0, "ledger", "number", "> 0",
         "Seconds to wait out a ledger outage before stopping at a checkpoint (exit status 4).",
+    )
+    ledger_lease: float | None = key(
+        None, "ledger", "number", "> 0, several times a block's wall time",
+        "Seconds the job's reservation lasts without a charge; each charge renews it. A job that stops charging "
+        "loses its unrun steps, and a charge after that is refused.",
+        "no lease: the reservation holds until released",
     )
     dataset_budget_epsilon: float = key(
         10.0, "ledger", "number", "> 0",
@@ -483,6 +490,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         ledger=_optional(values, "ledger", _address),
         dataset_name=_optional(values, "dataset_name", _name),
         ledger_timeout=checks.positive_number("ledger_timeout", values.get("ledger_timeout", 300.0)),
+        ledger_lease=_optional(values, "ledger_lease", checks.positive_number),
         dataset_budget_epsilon=checks.positive_number(
             "dataset_budget_epsilon", values.get("dataset_budget_epsilon", 10.0)
         ),
@@ -631,9 +639,12 @@ def _layer_clip_norms(value: Any) -> LayerClipNorms | None:
 
 
 def _address(key: str, value: Any) -> str:
-    host, _, port = str(value).rpartition(":")
-    if not (isinstance(value, str) and host and port.isdigit() and 0 < int(port) < 65536):
-        raise UsageError(f"{key} must be HOST:PORT with a port in 1..65535 (got {value!r})")
+    for address in str(value).split(","):
+        host, _, port = address.strip().rpartition(":")
+        if not (isinstance(value, str) and host and port.isdigit() and 0 < int(port) < 65536):
+            raise UsageError(
+                f"{key} must be HOST:PORT with a port in 1..65535, or several separated by commas (got {value!r})"
+            )
     return value
 
 

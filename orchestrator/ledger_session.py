@@ -83,12 +83,16 @@ class JobLedger:
     @classmethod
     def reserve(
         cls, ledger, dataset: str, job_id: str, planned: Composition, timeout_seconds: float,
-        say: Callable[[str], None],
+        say: Callable[[str], None], lease_seconds: float | None = None,
     ) -> "JobLedger":
-        """Hold the whole planned run on `dataset`, or raise BudgetRefusedError (exit 3)."""
+        """Hold the whole planned run on `dataset`, or raise BudgetRefusedError (exit 3).
+
+        With `lease_seconds`, the hold lapses unless a charge renews it that often.
+        """
         try:
             reservation = with_retries(
-                lambda: ledger.reserve(dataset, job_id, planned), timeout_seconds, say, "reserving budget"
+                lambda: ledger.reserve(dataset, job_id, planned, lease_seconds), timeout_seconds, say,
+                "reserving budget",
             )
         except BudgetExceeded as error:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None

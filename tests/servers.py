@@ -57,3 +57,17 @@ def start_serve_process(db_path: Path, token_file: Path, port: int = 0) -> tuple
         process.kill()
         pytest.fail(f"ledger serve printed {line!r}; stderr: {process.stderr.read()}")
     return process, match.group(1)
+
+
+def start_racers(commands: list[list[str]]) -> list[subprocess.Popen]:
+    """Start one process per command, wait until each prints "ready", then release them all at once ("go")."""
+    racers = [
+        subprocess.Popen(command, cwd=REPOSITORY, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for command in commands
+    ]
+    for racer in racers:
+        assert racer.stdout.readline() == "ready\n"
+    for racer in racers:
+        racer.stdin.write("go\n")
+        racer.stdin.flush()
+    return racers

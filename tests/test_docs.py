@@ -93,7 +93,7 @@ def test_the_history_pattern_catches_what_it_is_for():
                      "shards-data-that-stays-on-its-nodes", "faults"]),
     ("privacy.md", ["accountants-which-numbers-are-rigorous", "microbatches", "adaptive-clipping", "noise-schedules",
                     "per-layer-clipping", "secure-noise", "threat-model-who-sees-what"]),
-    ("ledger.md", ["composition-in-privacy-loss-space", "guarantees", "service", "dpfleet-ledger",
+    ("ledger.md", ["admission-a-privacy-filter", "the-theorem", "guarantees", "service", "dpfleet-ledger",
                    "training-against-the-ledger"]),
     ("auditing.md", ["how-to-read-an-audit"]),
     ("cluster.md", ["dpfleet-submit-any-running-ray-cluster", "the-tokens", "the-ledger-service-kubernetes",

@@ -1,12 +1,13 @@
 """`dpfleet ledger ...` against the embedded ledger file and against a server on loopback."""
 
 import json
+import sqlite3
 
 import pytest
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
-from accounting.ledger.core import ADMIN
+from accounting.ledger.core import ADMIN, AdmissionRule
 from accounting.ledger.service import start_server
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
@@ -14,7 +15,8 @@ from orchestrator.cli import main
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
 STATUS_KEYS = {
-    "name", "tenant", "budget_epsilon", "delta", "spent_epsilon", "spent_epsilon_accountant", "spent_epsilon_rdp",
+    "name", "tenant", "budget_epsilon", "delta", "admission", "spent_epsilon_filter", "spent_epsilon",
+    "spent_epsilon_accountant", "spent_epsilon_rdp",
     "reserved_epsilon", "remaining_epsilon", "jobs", "released_jobs",
 }
 
@@ -62,8 +64,11 @@ def test_embedded_ledger_needs_no_server_and_shows_spending(capsys, embedded):
     assert (dataset["budget_epsilon"], dataset["delta"]) == (2.0, DELTA)
     assert dataset["spent_epsilon"] == get_accountant("pld").epsilon(SampledGaussian(0.004, 1.1, 200), DELTA)
     assert dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"] and dataset["spent_epsilon_accountant"] == "pld"
-    accounted = dataset["spent_epsilon_rdp"] + dataset["reserved_epsilon"] + dataset["remaining_epsilon"]
+    assert dataset["spent_epsilon_rdp"] < dataset["spent_epsilon_filter"]
+    accounted = dataset["spent_epsilon_filter"] + dataset["reserved_epsilon"] + dataset["remaining_epsilon"]
     assert accounted == pytest.approx(2.0)
+    assert dataset["admission"] == AdmissionRule.for_budget(2.0, DELTA).to_dict()
+    assert dataset["admission"]["delta_per_order"] == DELTA / len(dataset["admission"]["orders"])
     jobs = [(job["job_id"], job["committed_steps"], job["unrun_steps"]) for job in dataset["jobs"]]
     assert jobs == [("job-1", 200, 300)]
 
@@ -136,3 +141,21 @@ def test_status_that_does_not_wait_marks_an_rdp_figure_and_says_why(capsys, serv
     assert dataset["spent_epsilon_accountant"] == "pld" and dataset["spent_epsilon"] < dataset["spent_epsilon_rdp"]
     status, table, _ = run(capsys, "ledger", "status", *admin)
     assert "(pld)" in table and "not ready yet" not in table
+
+
+def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(capsys, embedded):
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5")
+    with open_embedded_ledger(embedded) as ledger:
+        reservation = ledger.reserve("mnist", "job-1", SampledGaussian(0.004, 1.1, 500))
+        ledger.commit(reservation.reservation_id, 200, 0)
+    status, out, _ = run(capsys, "ledger", "verify")
+    assert status == 0 and out.startswith("no findings in 4 history entries and 1 datasets of ")
+    with sqlite3.connect(embedded) as connection:
+        connection.execute("DROP TRIGGER history_is_append_only_update")
+        connection.execute("UPDATE history SET actor = 'someone else' WHERE action = 'commit'")
+        (entry_id,) = connection.execute("SELECT id FROM history WHERE action = 'commit'").fetchone()
+    edited = "its fields do not match its hash (the row was edited)"
+    status, out, _ = run(capsys, "ledger", "verify", "--db", str(embedded))
+    assert status == 1 and out.splitlines()[0] == f"entry {entry_id} of dataset local/mnist: {edited}"
+    report = run(capsys, "ledger", "verify", "--json")[1]
+    assert json.loads(report)["findings"] == [{"entry_id": entry_id, "dataset": "local/mnist", "problem": edited}]

@@ -9,10 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.accountants import epsilon_from_rdp, get_accountant, rdp_vector
+from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
+
+from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.core import (
     ADMIN,
+    AdmissionRule,
     ADMISSION_MARGIN,
     BudgetExceeded,
     Caller,
@@ -37,8 +40,10 @@ from accounting.ledger.core import (
     token_key_id,
     token_matches,
 )
+from accounting.ledger.store import open_embedded_ledger
 
 DELTA = 1e-5
+RULE = AdmissionRule.for_budget(2.0, DELTA)
 # Few distinct mechanisms: each costs one dp-accounting RDP evaluation (~0.1 s), then is cached.
 MECHANISMS = [
     SampledGaussian(0.004, 1.1, 1),
@@ -135,10 +140,10 @@ def test_a_total_equal_to_the_budget_is_refused_and_one_just_below_is_admitted()
 
 def test_admission_at_the_exact_edge_is_refused():
     job = RdpTally.of(MECHANISMS[0].with_steps(500))
-    epsilon = job.epsilon(DELTA)
+    epsilon = RULE.epsilon(job)
     with pytest.raises(BudgetExceeded):
-        check_admission("mnist", epsilon, DELTA, RdpTally.zero(), job)
-    assert check_admission("mnist", epsilon * (1 + 1e-6), DELTA, RdpTally.zero(), job) == epsilon
+        check_admission("mnist", RULE, epsilon, RdpTally.zero(), job)
+    assert check_admission("mnist", RULE, epsilon * (1 + 1e-6), RdpTally.zero(), job) == epsilon
 
 
 def test_budget_refusal_reports_remaining_and_needed_epsilon():
@@ -146,10 +151,10 @@ def test_budget_refusal_reports_remaining_and_needed_epsilon():
     job = RdpTally.of(MECHANISMS[1].with_steps(2000))
     budget = 2.0
     with pytest.raises(BudgetExceeded) as refusal:
-        check_admission("mnist", budget, DELTA, held, job)
+        check_admission("mnist", RULE, budget, held, job)
     error = refusal.value
-    assert error.remaining_epsilon == pytest.approx(budget - held.epsilon(DELTA), rel=1e-12)
-    assert error.needed_epsilon == pytest.approx((held + job).epsilon(DELTA) - held.epsilon(DELTA), rel=1e-12)
+    assert error.remaining_epsilon == pytest.approx(budget - RULE.epsilon(held), rel=1e-12)
+    assert error.needed_epsilon == pytest.approx(RULE.epsilon(held + job) - RULE.epsilon(held), rel=1e-12)
     assert error.needed_epsilon > error.remaining_epsilon
     remaining = math.floor(error.remaining_epsilon * 100) / 100
     needed = math.ceil(error.needed_epsilon * 100) / 100
@@ -183,12 +188,12 @@ def test_two_jobs_compose_to_less_than_the_sum_of_their_epsilons():
 
 def test_a_budget_cannot_drop_below_what_is_held():
     held = RdpTally.of(MECHANISMS[0].with_steps(500))
-    held_epsilon = held.epsilon(DELTA)
-    assert check_new_budget("mnist", held_epsilon * 1.01, DELTA, held) == held_epsilon * 1.01
+    held_epsilon = RULE.epsilon(held)
+    assert check_new_budget("mnist", RULE, held_epsilon * 1.01, held) == held_epsilon * 1.01
     with pytest.raises(FailedPrecondition, match="would not cover it"):
-        check_new_budget("mnist", held_epsilon * 0.99, DELTA, held)
+        check_new_budget("mnist", RULE, held_epsilon * 0.99, held)
     with pytest.raises(InvalidArgument, match="finite"):
-        check_new_budget("mnist", math.inf, DELTA, held)
+        check_new_budget("mnist", RULE, math.inf, held)
 
 
 @pytest.mark.parametrize("name", ["", "x" * 129, "x" * 10_000, "a/b", "-lead", "spa ce", "naïve", "a\x00b", None, 7])
@@ -342,3 +347,89 @@ def test_a_shared_cache_starts_one_background_computation_at_a_time():
     assert gated_tenfold.start(1).result(timeout=0) == 10  # cached: a future already done
     assert gated_tenfold.start(2).result(timeout=30) == 20
     assert calls == [1, 2]
+
+
+def test_the_filter_converts_each_order_at_delta_over_k_and_takes_the_least():
+    rule = AdmissionRule((2.0, 8.0), DELTA)
+    nats = 2**60  # RdpTally's units per nat
+    divergences = {2.0: 0.5, 8.0: 1.0}
+    units = [int(divergences.get(float(order), 0.0) * nats) for order in RDP_ORDERS]
+    tally = RdpTally(tuple(units), (0,) * len(RDP_ORDERS))
+    # By hand: epsilon = r + log(1 - 1/a) - log(a * delta / K) / (a - 1), with delta / K = 5e-6.
+    at_2 = 0.5 + math.log(1 - 1 / 2) - math.log(2 * 5e-6) / 1  # 11.3197781...
+    at_8 = 1.0 + math.log(1 - 1 / 8) - math.log(8 * 5e-6) / 7  # 2.3131302...
+    assert rule.delta_per_order == 5e-6
+    assert rule.order_epsilons(tally) == pytest.approx((11.319778, 2.313130), abs=1e-6)
+    assert rule.order_epsilons(tally) == pytest.approx((at_2, at_8), rel=1e-12)
+    assert rule.epsilon(tally) == pytest.approx(at_8, rel=1e-12)
+    # The union bound's price at order 8: log(K) / (a - 1) over the same order's conversion at delta.
+    assert rule.epsilon(tally) - AdmissionRule((8.0,), DELTA).epsilon(tally) == pytest.approx(math.log(2) / 7, rel=1e-9)
+
+
+def test_a_new_datasets_orders_depend_on_its_budget_alone_and_sit_on_the_grid():
+    rule = AdmissionRule.for_budget(10.0, DELTA)
+    assert rule == AdmissionRule.for_budget(10.0, DELTA) and rule.delta_per_order == DELTA / len(rule.orders)
+    assert rule.orders == (2.5, 4.0, 6.9)  # (alpha* - 1) * 1/2, 1, 2 on the grid, alpha* = 4.0 for epsilon 10
+    assert AdmissionRule.for_budget(1.0, DELTA).orders == (14.0, 27.0, 52.0)
+    assert AdmissionRule.for_budget(1e6, DELTA).orders == (1.02,)  # the lowest order dp-accounting converts
+    assert AdmissionRule.from_dict(rule.to_dict()) == rule
+    with pytest.raises(ValueError, match="not an order of the RDP grid"):
+        AdmissionRule((2.55,), DELTA)
+    with pytest.raises(ValueError, match="unknown admission rule"):
+        AdmissionRule((2.5,), DELTA, "rdp-grid")
+
+
+def independent_order_epsilons(rule, events):
+    """Per order of the rule, epsilon at delta / K straight from dp-accounting, not through RdpTally's units."""
+    divergences = dict(zip(RDP_ORDERS, rdp_vector(events)))
+    return [
+        compute_epsilon([order], [divergences[order]], rule.delta / len(rule.orders))[0] for order in rule.orders
+    ]
+
+
+def test_an_adaptive_adversary_never_takes_the_committed_steps_past_the_filters_bound(tmp_path):
+    """Each job is chosen from what the ledger admitted so far, to push one order of the filter and then another.
+
+    The adversary alternates between a mechanism that is cheap at low orders
+    and dear at high ones and the reverse, sizes each job by bisecting on
+    the ledger's refusals, and commits only part of some jobs. After every
+    commit the committed steps must fit the budget at one order of the
+    filter at least, by dp-accounting's own RDP of the composition.
+    """
+    budget = 3.0
+    low_noise, high_noise = SampledGaussian(0.02, 0.7, 1), SampledGaussian(0.2, 4.0, 1)
+    ledger = open_embedded_ledger(tmp_path / "ledger.db")
+    rule = ledger.create_dataset("adaptive", budget, DELTA).admission
+    committed = Composition()
+    passed_alone = set()
+    for round_number in range(12):
+        mechanism = low_noise if round_number % 2 == 0 else high_noise
+
+        def admitted(steps):
+            try:
+                probe = ledger.reserve("adaptive", f"probe-{round_number}-{steps}", mechanism.with_steps(steps))
+            except BudgetExceeded:
+                return False
+            ledger.release(probe.reservation_id)
+            return True
+
+        fits, refused = 0, 1
+        while admitted(refused):  # the most steps the ledger still admits, found from its own answers
+            fits, refused = refused, refused * 2
+        while refused - fits > 1:
+            middle = (fits + refused) // 2
+            fits, refused = (middle, refused) if admitted(middle) else (fits, middle)
+        if fits == 0:
+            continue
+        reservation = ledger.reserve("adaptive", f"job-{round_number}", mechanism.with_steps(fits))
+        run = fits if round_number % 3 else max(1, fits // 2)  # some jobs stop early and release the rest
+        ledger.commit(reservation.reservation_id, run, 0)
+        ledger.release(reservation.reservation_id)
+        committed = canonical(committed.then(mechanism.with_steps(run)))
+        per_order = independent_order_epsilons(rule, committed)
+        assert min(per_order) <= budget, (round_number, per_order)
+        passed_alone |= {order for order, epsilon in zip(rule.orders, per_order) if epsilon > budget}
+    assert committed.steps > 0 and ledger.get_budget("adaptive").spent_epsilon_filter <= budget
+    assert passed_alone  # the adversary did push some order past the budget: the union over orders is what held
+    assert ledger.verify().findings == ()
+    ledger.close()

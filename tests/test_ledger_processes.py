@@ -3,7 +3,6 @@
 import os
 import signal
 import sqlite3
-import subprocess
 import sys
 import threading
 import time
@@ -14,9 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import LedgerUnavailable, RdpTally, fits_budget, split_steps
+from accounting.ledger.core import AdmissionRule, LedgerUnavailable, RdpTally, fits_budget, split_steps
 from accounting.ledger.service import start_server
-from servers import REPOSITORY, start_serve_process
+from servers import start_racers, start_serve_process
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
@@ -115,37 +114,24 @@ ledger.list_datasets()  # connect and pay for the token check before the start s
 print("ready", flush=True)
 sys.stdin.readline()
 try:
-    print("admitted", ledger.reserve("mnist", job_id, SampledGaussian(0.01, 1.0, 1000)).reservation_id, flush=True)
+    print("admitted", ledger.reserve("mnist", job_id, SampledGaussian(0.01, 1.0, 200)).reservation_id, flush=True)
 except BudgetExceeded as refusal:
     print("refused", refusal.remaining_epsilon, refusal.needed_epsilon, flush=True)
 """
 
 
 def test_eight_processes_racing_to_reserve_never_overspend_the_budget(tmp_path):
-    job = RdpTally.of(SampledGaussian(0.01, 1.0, 1000))
+    job = RdpTally.of(SampledGaussian(0.01, 1.0, 200))
     three = job + job + job
-    budget = three.epsilon(DELTA) * (1 + 1e-6)  # room for three jobs, not four
-    assert not fits_budget((three + job).epsilon(DELTA), budget)
+    budget = 2.0
+    rule = AdmissionRule.for_budget(budget, DELTA)
+    assert fits_budget(rule.epsilon(three), budget) and not fits_budget(rule.epsilon(three + job), budget)
     server = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
     try:
         with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
             token = admin.create_tenant("acme").token
             admin.create_dataset("acme/mnist", budget, DELTA)
-        racers = [
-            subprocess.Popen(
-                [sys.executable, "-c", _RACER, server.address, token, f"job-{index}"],
-                cwd=REPOSITORY,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for index in range(8)
-        ]
-        for racer in racers:
-            assert racer.stdout.readline() == "ready\n"
-        for racer in racers:
-            racer.stdin.write("go\n")
-            racer.stdin.flush()
+        racers = start_racers([[sys.executable, "-c", _RACER, server.address, token, f"job-{index}"] for index in range(8)])
         outcomes = [racer.communicate(timeout=60)[0].split() for racer in racers]
         assert all(racer.returncode == 0 for racer in racers)
         assert sorted(outcome[0] for outcome in outcomes) == ["admitted"] * 3 + ["refused"] * 5

@@ -4,6 +4,7 @@ import math
 import shutil
 import sqlite3
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -330,3 +331,19 @@ def test_server_refuses_a_short_admin_token_and_half_a_tls_pair(tmp_path):
         start_server(tmp_path / "ledger.db", "127.0.0.1", 0, "short")
     with pytest.raises(InvalidArgument, match="both a certificate and its key"):
         start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=tmp_path / "cert.pem")
+
+
+def test_a_server_releases_an_expired_lease_by_itself_and_refuses_its_next_commit(server, acme):
+    reservation = acme.reserve("mnist", "job-1", STEP.with_steps(1000), lease_seconds=0.3)
+    assert (reservation.lease_seconds, reservation.lease_expired) == (0.3, False) and reservation.expires_at
+    acme.commit(reservation.reservation_id, 10, 0)
+    deadline = time.monotonic() + 10
+    while acme.get_budget("mnist").jobs and time.monotonic() < deadline:  # no request but the server's sweep
+        time.sleep(0.1)
+    status = acme.get_budget("mnist")
+    assert status.jobs == () and status.released_jobs == 1
+    (expired,) = acme.list_jobs("mnist")
+    assert (expired.state, expired.lease_expired, expired.committed_steps) == ("released", True, 10)
+    with pytest.raises(FailedPrecondition, match="lease of reservation .* expired"):
+        acme.commit(reservation.reservation_id, 10, 1)
+    assert status.admission.orders and status.spent_epsilon_filter > status.spent_epsilon

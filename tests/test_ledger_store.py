@@ -5,6 +5,8 @@ import math
 import random
 import sqlite3
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from accounting.accountants import get_accountant
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.core import (
     ADMIN,
+    AdmissionRule,
     AlreadyExists,
     BudgetExceeded,
     FailedPrecondition,
@@ -21,6 +24,7 @@ from accounting.ledger.core import (
     RdpTally,
     Unauthenticated,
     canonical,
+    history_hash,
     split_steps,
 )
 from accounting.ledger.store import SCHEMA_VERSION, Ledger, default_ledger_path, open_embedded_ledger
@@ -29,6 +33,7 @@ DELTA = 1e-5
 FIRST = SampledGaussian(0.004, 1.1, 1)
 SECOND = SampledGaussian(0.008, 0.9, 1)
 TABLES = ("tenants", "datasets", "reservations", "commits", "history")
+VERSION_2_DUMP = Path(__file__).resolve().parent / "ledger_v2.sql"
 
 
 @pytest.fixture
@@ -44,6 +49,11 @@ def row_counts(ledger):
 
 def rdp_epsilon(events):
     return RdpTally.of(events).epsilon(DELTA)
+
+
+def filter_epsilon(events, budget):
+    """The epsilon a dataset of this budget's filter counts for `events`."""
+    return AdmissionRule.for_budget(budget, DELTA).epsilon(RdpTally.of(events))
 
 
 def test_embedded_ledger_lives_under_dpfleet_home(tmp_path, monkeypatch):
@@ -65,24 +75,59 @@ def test_file_is_wal_with_a_schema_version_and_refuses_other_versions(ledger, tm
         Ledger(ledger.path)
 
 
-def test_a_version_1_file_is_migrated_with_its_released_jobs_counted_and_the_migration_recorded(ledger):
-    ledger.create_dataset("mnist", 10.0, DELTA)
-    for job in ("a", "b", "c"):
-        reservation = ledger.reserve("mnist", job, FIRST.with_steps(10))
-        if job != "c":
-            ledger.release(reservation.reservation_id)
-    before = ledger.get_budget("mnist")
-    ledger.close()
-    with sqlite3.connect(ledger.path) as connection:  # what version 1 wrote: no count of released jobs
-        connection.execute("ALTER TABLE datasets DROP COLUMN released_jobs")
-        connection.execute("UPDATE schema_version SET version = 1")
-    with open_embedded_ledger(ledger.path) as migrated:
+def version_2_file(path, version=2):
+    """A ledger file as schema version 2 wrote it (tests/ledger_v2.sql); version 1 also lacks released_jobs."""
+    with sqlite3.connect(path) as connection:
+        connection.executescript(VERSION_2_DUMP.read_text())
+        if version == 1:
+            connection.execute("ALTER TABLE datasets DROP COLUMN released_jobs")
+            connection.execute("UPDATE schema_version SET version = 1")
+    return path
+
+
+def test_a_version_1_file_is_migrated_with_its_released_jobs_counted_and_the_migration_recorded(tmp_path):
+    with open_embedded_ledger(version_2_file(tmp_path / "ledger.db", version=1)) as migrated:
         after = migrated.get_budget("mnist")
-        assert after == before and after.released_jobs == 2 and len(after.jobs) == 1
+        assert after.released_jobs == 2 and [job.job_id for job in after.jobs] == ["running"]
         (entry,) = [entry for entry in migrated.history() if entry.action == "migrate_schema"]
         assert entry.details == {"from": 1, "to": SCHEMA_VERSION}
-    with sqlite3.connect(ledger.path) as connection:
+        assert migrated.verify().findings == ()
+    with sqlite3.connect(tmp_path / "ledger.db") as connection:
         assert connection.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+
+
+def test_a_version_2_file_keeps_its_events_and_its_reservations_commit_only_what_fits_the_filter(tmp_path):
+    path = version_2_file(tmp_path / "ledger.db")
+    with sqlite3.connect(path) as connection:
+        before = connection.execute("SELECT held_rdp, committed_events FROM datasets").fetchone()
+        history_before = connection.execute("SELECT id, at, actor, action, details FROM history").fetchall()
+    with open_embedded_ledger(path) as migrated:
+        with sqlite3.connect(path) as connection:
+            assert connection.execute("SELECT held_rdp, committed_events FROM datasets").fetchone() == before
+            assert connection.execute(
+                "SELECT id, at, actor, action, details FROM history WHERE id <= ?", (len(history_before),)
+            ).fetchall() == history_before
+        status = migrated.get_budget("mnist")
+        rule = AdmissionRule.for_budget(2.0, DELTA)
+        assert status.admission == rule
+        assert status.spent_epsilon_filter == filter_epsilon(FIRST.with_steps(1800), 2.0)
+        adopted = [entry.details for entry in migrated.history() if entry.action == "adopt_admission_rule"]
+        held_epsilon = rule.epsilon(RdpTally.from_json(before[0]))
+        assert adopted == [
+            {"admission": rule.to_dict(), "held_epsilon_filter": held_epsilon, "held_fits_budget": False}
+        ]
+        assert held_epsilon > 2.0 > RdpTally.from_json(before[0]).epsilon(DELTA)  # admitted by the old rule only
+        assert migrated.verify().findings == ()
+
+        with pytest.raises(BudgetExceeded):
+            migrated.reserve("mnist", "new", FIRST.with_steps(10))
+        (running,) = status.jobs
+        assert migrated.commit(running.reservation_id, 100, 1).committed_steps == 600
+        with pytest.raises(BudgetExceeded):
+            migrated.commit(running.reservation_id, 400, 2)
+        migrated.release(running.reservation_id)
+        migrated.reserve("mnist", "new", FIRST.with_steps(10))
+        assert migrated.verify().findings == ()
 
 
 def test_history_is_append_only(ledger):
@@ -110,7 +155,8 @@ def test_commits_consume_a_heterogeneous_plan_in_order(ledger):
     spent = Composition((FIRST.with_steps(5), SECOND.with_steps(1)))
     assert status.spent_epsilon_rdp == rdp_epsilon(spent)
     assert status.spent_epsilon == get_accountant("pld").epsilon(spent, DELTA)
-    assert status.remaining_epsilon == pytest.approx(10.0 - rdp_epsilon(plan), rel=1e-12)
+    assert status.spent_epsilon_filter == filter_epsilon(spent, 10.0)
+    assert status.remaining_epsilon == pytest.approx(10.0 - filter_epsilon(plan, 10.0), rel=1e-12)
 
 
 def test_a_status_that_may_not_wait_reports_the_rdp_bound_until_the_pld_figure_is_ready(ledger, held_back_pld):
@@ -138,7 +184,7 @@ def test_closing_lets_a_read_in_progress_finish_and_refuses_reads_after(ledger):
         assert connection.execute("SELECT COUNT(*) FROM datasets").fetchone() == (1,)
     with pytest.raises(sqlite3.ProgrammingError):
         connection.execute("SELECT 1")  # closed once the read was done
-    with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+    with pytest.raises(FailedPrecondition, match="is closed"):
         ledger.get_budget("mnist")
 
 
@@ -174,7 +220,7 @@ def test_release_frees_only_what_never_ran(ledger):
     assert (released.state, released.committed_steps, released.unrun_steps) == ("released", 400, 0)
     status = ledger.get_budget("mnist")
     assert status.reserved_epsilon == 0.0
-    assert status.remaining_epsilon == 10.0 - rdp_epsilon(FIRST.with_steps(400))
+    assert status.remaining_epsilon == 10.0 - filter_epsilon(FIRST.with_steps(400), 10.0)
     assert status.released_jobs == 1 and status.jobs == ()
     before = row_counts(ledger)
     assert ledger.release(reservation.reservation_id) == released
@@ -193,7 +239,7 @@ def test_a_reservation_stays_held_until_released(ledger):
 
 
 def test_a_job_that_does_not_fit_is_refused_and_nothing_is_written(ledger):
-    ledger.create_dataset("mnist", 1.5, DELTA)
+    ledger.create_dataset("mnist", 2.5, DELTA)
     ledger.reserve("mnist", "job-1", FIRST.with_steps(2000))
     before = row_counts(ledger)
     status = ledger.get_budget("mnist")
@@ -201,8 +247,9 @@ def test_a_job_that_does_not_fit_is_refused_and_nothing_is_written(ledger):
     with pytest.raises(BudgetExceeded) as refusal:
         ledger.reserve("mnist", "job-2", big)
     assert refusal.value.remaining_epsilon == status.remaining_epsilon
-    held = RdpTally.of(FIRST.with_steps(2000))
-    assert refusal.value.needed_epsilon == (held + RdpTally.of(big)).epsilon(DELTA) - held.epsilon(DELTA)
+    held = FIRST.with_steps(2000)
+    needed = filter_epsilon(Composition((held, big)), 2.5) - filter_epsilon(held, 2.5)
+    assert refusal.value.needed_epsilon == needed
     shown_remaining = math.floor(status.remaining_epsilon * 100) / 100
     shown_needed = math.ceil(refusal.value.needed_epsilon * 100) / 100
     assert f"has ε {shown_remaining:.2f} left at δ=1e-05; this job needs ε {shown_needed:.2f}" in str(refusal.value)
@@ -211,16 +258,17 @@ def test_a_job_that_does_not_fit_is_refused_and_nothing_is_written(ledger):
 
 def test_two_jobs_that_fit_together_are_both_admitted_though_their_epsilons_add_up_to_more(ledger):
     job = FIRST.with_steps(3000)
-    alone = rdp_epsilon(job)
-    together = rdp_epsilon(Composition((job, job)))
-    assert together < 2 * alone
-    budget = together * (1 + 1e-6)
+    budget = 2.0
+    alone = filter_epsilon(job, budget)
+    together = filter_epsilon(Composition((job, job)), budget)
+    assert together < budget < 2 * alone
     ledger.create_dataset("mnist", budget, DELTA)
     for job_id in ("job-1", "job-2"):
         reservation = ledger.reserve("mnist", job_id, job)
         ledger.commit(reservation.reservation_id, job.steps, 0)
     status = ledger.get_budget("mnist")
-    assert status.spent_epsilon_rdp == together
+    assert status.spent_epsilon_filter == together
+    assert status.spent_epsilon_rdp == rdp_epsilon(Composition((job, job)))
     assert status.spent_epsilon < 2 * get_accountant("pld").epsilon(job, DELTA)
     with pytest.raises(BudgetExceeded):
         ledger.reserve("mnist", "job-3", job)
@@ -243,7 +291,7 @@ def test_budgets_are_raised_by_admins_only_never_below_what_is_held_and_recorded
     ledger.reserve("mnist", "job-1", FIRST.with_steps(2000), caller=acme)
     with pytest.raises(PermissionDenied, match="needs the admin token"):
         ledger.raise_budget("mnist", 5.0, caller=acme)
-    held = rdp_epsilon(FIRST.with_steps(2000))
+    held = filter_epsilon(FIRST.with_steps(2000), 2.0)  # the orders stay those chosen at creation
     with pytest.raises(FailedPrecondition, match="would not cover it"):
         ledger.raise_budget("acme/mnist", held * 0.9)
     assert ledger.raise_budget("acme/mnist", 5.0).budget_epsilon == 5.0
@@ -363,3 +411,87 @@ def test_concurrent_changes_are_each_applied_once_or_not_at_all(ledger):
     with sqlite3.connect(ledger.path) as connection:
         (stored,) = connection.execute("SELECT committed_events FROM datasets").fetchone()
     assert Composition.from_json(stored) == Composition((FIRST.with_steps(480),))
+
+
+def edit_history(path, entry_id, details, rechain=False):
+    """Edit one history row by hand, as someone with the file could; with `rechain`, rewrite every hash after it."""
+    with sqlite3.connect(path) as connection:
+        connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
+        connection.execute(
+            "UPDATE history SET details = ? WHERE id = ?", (json.dumps(details, sort_keys=True), entry_id)
+        )
+        if rechain:
+            previous = ""
+            for row in connection.execute(
+                "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+            ).fetchall():
+                entry_hash = history_hash(previous, *row)
+                connection.execute(
+                    "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, row[0])
+                )
+                previous = entry_hash
+
+
+def findings(ledger):
+    return [str(finding) for finding in ledger.verify().findings]
+
+
+def test_verify_reports_a_hand_edited_history_row_with_its_dataset_and_entry(ledger):
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    reservation = ledger.reserve("mnist", "job-1", FIRST.with_steps(100))
+    ledger.commit(reservation.reservation_id, 60, 0)
+    ledger.release(reservation.reservation_id)
+    clean = ledger.verify()
+    assert clean.findings == () and clean.entries == len(ledger.history()) and clean.datasets == 1
+    (commit,) = [entry for entry in ledger.history() if entry.action == "commit"]
+    smaller = dict(commit.details, events=Composition((FIRST.with_steps(6),)).to_dict())
+    edit_history(ledger.path, commit.entry_id, smaller)
+    release = f"entry {commit.entry_id + 1} of dataset local/mnist: records 60 committed and 40 freed steps of "
+    assert findings(ledger) == [
+        f"entry {commit.entry_id} of dataset local/mnist: its fields do not match its hash (the row was edited)",
+        f"{release}{reservation.reservation_id}; its commits give 6 and 94",
+        "dataset row of dataset local/mnist: the row's RDP tally of committed and reserved steps is not what its "
+        "history replays to",
+        "dataset row of dataset local/mnist: the row's set of committed events is not what its history replays to",
+    ]
+    edit_history(ledger.path, commit.entry_id, smaller, rechain=True)  # hashes made whole again: the replay still tells
+    assert findings(ledger)[0].startswith(release)
+
+
+def test_verify_replays_each_admission_against_the_rule(ledger):
+    ledger.create_dataset("mnist", 2.0, DELTA)
+    ledger.reserve("mnist", "job-1", FIRST.with_steps(100))
+    (reserve,) = [entry for entry in ledger.history() if entry.action == "reserve"]
+    assert reserve.details["held_epsilon_filter"] == filter_epsilon(FIRST.with_steps(100), 2.0)
+    oversized = Composition((FIRST.with_steps(10**5),)).to_dict()
+    edit_history(ledger.path, reserve.entry_id, dict(reserve.details, planned_events=oversized))
+    admitted, recorded = findings(ledger)[1:3]
+    assert admitted.startswith(f"entry {reserve.entry_id} of dataset local/mnist: admitted a job to ε ")
+    assert admitted.endswith("over the budget ε 2")
+    assert recorded.startswith(f"entry {reserve.entry_id} of dataset local/mnist: records ε ")
+
+
+def test_a_lease_expires_frees_its_unrun_steps_and_fences_off_later_commits(ledger):
+    job = FIRST.with_steps(3000)
+    ledger.create_dataset("mnist", 2.0, DELTA)
+    renewed = ledger.reserve("mnist", "renewed", job, lease_seconds=0.4)
+    zombie = ledger.reserve("mnist", "zombie", job, lease_seconds=0.4)
+    assert zombie.lease_seconds == 0.4 and zombie.expires_at > zombie.created_at
+    with pytest.raises(BudgetExceeded):
+        ledger.reserve("mnist", "waiting", job)
+    ledger.commit(zombie.reservation_id, 100, 0)
+    for sequence in range(4):  # a trainer that commits every 0.2 s keeps its lease
+        time.sleep(0.2)
+        ledger.commit(renewed.reservation_id, 10, sequence)
+    assert ledger.reserve("mnist", "waiting", job).state == "active"  # the zombie's 2900 unrun steps were freed
+    with pytest.raises(FailedPrecondition, match="lease of reservation .* expired .* takes no more commits"):
+        ledger.commit(zombie.reservation_id, 100, 1)
+    assert ledger.commit(zombie.reservation_id, 100, 0).committed_steps == 100  # a retry still gets its answer
+    (expired,) = [job for job in ledger.list_jobs("mnist") if job.reservation_id == zombie.reservation_id]
+    assert (expired.state, expired.lease_expired, expired.committed_steps) == ("released", True, 100)
+    (entry,) = [entry for entry in ledger.history("mnist") if entry.action == "expire"]
+    assert entry.actor == "ledger (lease expired)" and entry.details["freed_steps"] == 2900
+    assert ledger.commit(renewed.reservation_id, 10, 4).committed_steps == 50
+    assert ledger.verify().findings == ()
+    with pytest.raises(InvalidArgument, match="lease_seconds must be in"):
+        ledger.reserve("mnist", "bad", job, lease_seconds=-1.0)

@@ -1,16 +1,18 @@
 """`RemoteLedger`: the ledger server through the same interface as the embedded `Ledger`.
 
-Each call is one RPC with a deadline and no retries: the caller decides
-whether to retry (a commit retried with the same sequence is charged once).
-Status codes come back as the core's exceptions; UNAVAILABLE and
-DEADLINE_EXCEEDED become LedgerUnavailable.
+Each call is one RPC with a deadline. Given several servers of one database
+("a:1,b:2"), a call that one of them does not answer (UNAVAILABLE or
+DEADLINE_EXCEEDED) is sent to the next, and the client stays with the one
+that answered. That retry is safe for the calls a job makes: a reserve with
+the same job id and plan holds budget once, a commit with the same sequence
+is charged once, a release frees once. Beyond that the caller decides whether
+to retry. Status codes come back as the core's exceptions; a call that no
+server answered becomes LedgerUnavailable.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
-
 import grpc
 
 from accounting.events import EventsLike
@@ -28,6 +30,7 @@ from accounting.ledger.core import (
     Reservation,
     TenantCreated,
     check_history_limit,
+    check_lease_seconds,
     check_plan,
     check_sequence,
     check_steps,
@@ -67,11 +70,23 @@ def _ledger_error(address: str, error: grpc.RpcError) -> LedgerError:
     return error_class(details if error_class is not LedgerError else f"{code.name}: {details}")
 
 
+def parse_addresses(address: str) -> list[str]:
+    """The HOST:PORT entries of "a:1,b:2" (servers of one ledger database), in order."""
+    addresses = [part.strip() for part in address.split(",") if part.strip()]
+    if not addresses or any(":" not in part for part in addresses):
+        raise InvalidArgument(
+            f"ledger address must be HOST:PORT, or several separated by commas (got {address!r})"
+        )
+    return addresses
+
+
 class RemoteLedger:
     """A client of `dpfleet ledger serve` with the methods of the embedded `Ledger`.
 
-    `address` is host:port; `token` a tenant or admin token; `tls_ca` a PEM
-    file of the CA that signed the server's certificate (None: plaintext);
+    `address` is host:port, or several separated by commas for servers of
+    one PostgreSQL ledger (a call that one does not answer goes to the
+    next); `token` a tenant or admin token; `tls_ca` a PEM file of the CA
+    that signed the servers' certificate (None: plaintext);
     `timeout_seconds` the deadline of each call.
     """
 
@@ -86,12 +101,16 @@ class RemoteLedger:
         self.timeout_seconds = timeout_seconds
         self._metadata = (("authorization", f"Bearer {token}"),)
         options = [("grpc.max_receive_message_length", _MAX_REPLY_BYTES)]
-        if tls_ca is None:
-            self._channel = grpc.insecure_channel(address, options=options)
-        else:
-            credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-            self._channel = grpc.secure_channel(address, credentials, options=options)
-        self._stub = ledger_pb2_grpc.LedgerStub(self._channel)
+        credentials = None if tls_ca is None else grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+        self._addresses = parse_addresses(address)
+        self._channels = [
+            grpc.insecure_channel(server, options=options)
+            if credentials is None
+            else grpc.secure_channel(server, credentials, options=options)
+            for server in self._addresses
+        ]
+        self._stubs = [ledger_pb2_grpc.LedgerStub(channel) for channel in self._channels]
+        self._current = 0
 
     def __enter__(self) -> "RemoteLedger":
         return self
@@ -100,8 +119,9 @@ class RemoteLedger:
         self.close()
 
     def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
+        """Close the channels."""
+        for channel in self._channels:
+            channel.close()
 
     @staticmethod
     def _request(message_class: type, **fields: object) -> object:
@@ -110,26 +130,39 @@ class RemoteLedger:
         except (TypeError, ValueError) as error:
             raise InvalidArgument(f"{message_class.__name__}: {error}; check the arguments' types") from None
 
-    def _call(self, method: Callable, request: object) -> object:
-        try:
-            return method(request, timeout=self.timeout_seconds, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise _ledger_error(self.address, error) from None
+    def _call(self, method: str, request: object) -> object:
+        """Call `method` on the current server, then on each other one while none answers."""
+        unanswered = None
+        for attempt in range(len(self._stubs)):
+            server = (self._current + attempt) % len(self._stubs)
+            try:
+                reply = getattr(self._stubs[server], method)(
+                    request, timeout=self.timeout_seconds, metadata=self._metadata
+                )
+            except grpc.RpcError as error:
+                failure = _ledger_error(self._addresses[server], error)
+                if not isinstance(failure, LedgerUnavailable):
+                    raise failure from None
+                unanswered = failure
+                continue
+            self._current = server
+            return reply
+        raise unanswered
 
     def create_tenant(self, tenant: str) -> TenantCreated:
         """Create a tenant and return its token, shown this once (admin token only)."""
-        reply = self._call(self._stub.CreateTenant, self._request(pb.CreateTenantRequest, tenant=tenant))
+        reply = self._call("CreateTenant", self._request(pb.CreateTenantRequest, tenant=tenant))
         return messages.tenant_from_proto(reply)
 
     def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
         """Create a dataset with a budget of `epsilon` at `delta`."""
         request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta)
-        return messages.status_from_proto(self._call(self._stub.CreateDataset, request))
+        return messages.status_from_proto(self._call("CreateDataset", request))
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin token only)."""
         request = self._request(pb.RaiseBudgetRequest, dataset=dataset, epsilon=epsilon)
-        return messages.status_from_proto(self._call(self._stub.RaiseBudget, request))
+        return messages.status_from_proto(self._call("RaiseBudget", request))
 
     def get_budget(self, dataset: str, pld_may_be_pending: bool = False) -> DatasetStatus:
         """One dataset's budget, spent, reserved and remaining epsilon, and its active jobs.
@@ -139,38 +172,43 @@ class RemoteLedger:
         new commits is computed.
         """
         request = self._request(pb.GetBudgetRequest, dataset=dataset, pld_may_be_pending=pld_may_be_pending)
-        return messages.status_from_proto(self._call(self._stub.GetBudget, request))
+        return messages.status_from_proto(self._call("GetBudget", request))
 
     def list_datasets(self, pld_may_be_pending: bool = False) -> list[DatasetStatus]:
         """Every dataset the token may see (see get_budget for `pld_may_be_pending`)."""
         request = self._request(pb.ListDatasetsRequest, pld_may_be_pending=pld_may_be_pending)
-        reply = self._call(self._stub.ListDatasets, request)
+        reply = self._call("ListDatasets", request)
         return [messages.status_from_proto(status) for status in reply.datasets]
 
     def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
         """Reservations on the token's datasets, oldest first; optionally of one dataset or state."""
         request = self._request(pb.ListJobsRequest, dataset=dataset or "", state=messages.state_to_proto(state))
-        return [messages.reservation_from_proto(job) for job in self._call(self._stub.ListJobs, request).jobs]
+        return [messages.reservation_from_proto(job) for job in self._call("ListJobs", request).jobs]
 
-    def reserve(self, dataset: str, job_id: str, planned: EventsLike) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded."""
+    def reserve(
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+    ) -> Reservation:
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
         planned_json = check_plan(planned).to_json()
-        request = self._request(pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json)
-        return messages.reservation_from_proto(self._call(self._stub.Reserve, request))
+        request = self._request(
+            pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
+            lease_seconds=check_lease_seconds(lease_seconds) or 0.0,
+        )
+        return messages.reservation_from_proto(self._call("Reserve", request))
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
         """Charge the next `steps` planned steps; the same `sequence` twice charges once."""
         request = self._request(
             pb.CommitRequest, reservation_id=reservation_id, steps=check_steps(steps), sequence=check_sequence(sequence)
         )
-        return messages.commit_from_proto(self._call(self._stub.Commit, request))
+        return messages.commit_from_proto(self._call("Commit", request))
 
     def release(self, reservation_id: str) -> Reservation:
         """Free the reservation's unrun steps; committed steps stay spent."""
         request = self._request(pb.ReleaseRequest, reservation_id=reservation_id)
-        return messages.reservation_from_proto(self._call(self._stub.Release, request))
+        return messages.reservation_from_proto(self._call("Release", request))
 
     def history(self, dataset: str | None = None, limit: int = 1000) -> list[HistoryEntry]:
         """The newest `limit` changes the token may see, oldest first."""
         request = self._request(pb.HistoryRequest, dataset=dataset or "", limit=check_history_limit(limit))
-        return [messages.history_from_proto(entry) for entry in self._call(self._stub.History, request).entries]
+        return [messages.history_from_proto(entry) for entry in self._call("History", request).entries]

@@ -3,11 +3,17 @@
 No storage and no network here. The store and the gRPC service call these.
 
 Admission. Each dataset keeps a running RDP tally of everything committed or
-reserved-but-unrun. A reservation is admitted when the RDP epsilon of
-(tally + the job's plan) at the dataset's delta fits the budget, so a reserve
-costs O(orders), not O(history). RDP composes by addition, so the tally is a
-sum; it is kept in exact integers (see `RdpTally`) so that adding a plan and
-later subtracting its unrun part leaves no floating drift, and nothing needs
+reserved-but-unrun, and the `AdmissionRule` it was created with: an RDP
+filter (Feldman & Zrnic 2021) at K orders fixed at creation, with the
+(epsilon, delta) conversion of each order taken at delta/K. A reservation is
+admitted when, at one of those orders at least, the RDP of (tally + the
+job's plan) converts to an epsilon within the budget; a commit only when the
+committed steps plus its block still do. A union bound over the K orders
+makes every sequence of jobs, however adaptively chosen, (budget, delta)-DP
+(the theorem and its proof are in docs/ledger.md). A reserve costs O(orders),
+not O(history). RDP composes by addition, so the tally is a sum; it is kept
+in exact integers (see `RdpTally`) so that adding a plan and later
+subtracting its unrun part leaves no floating drift, and nothing needs
 recomputing when the store is reopened.
 
 Safe rounding. Every per-step Renyi divergence is rounded up to a multiple of
@@ -16,14 +22,17 @@ budget only with a relative margin of `ADMISSION_MARGIN`, which covers the
 last-bit error of the RDP-to-epsilon conversion. Each step can only make the
 ledger refuse something at the exact edge, never admit something over it.
 
-Reports. `spent_epsilon` is the PLD epsilon of the committed events (tight),
+Reports. `spent_epsilon_filter` is what the filter counts against the
+committed events: the epsilon its rule gives them; `reserved_epsilon` what
+the reservations add to it, and `remaining_epsilon` the budget minus the
+filter's epsilon of committed + reserved, which is the view admission uses,
+so spent_filter + reserved + remaining = budget. `spent_epsilon` is the PLD
+epsilon of the committed events as if every job had been fixed in advance
+(non-adaptive: tight, but no guarantee when jobs depend on earlier results),
 or, for a caller that would rather not wait the 0.1-1 s the PLD of newly
-committed events takes, their RDP epsilon until the PLD figure is ready
-(`spent_epsilon_accountant` says which); `spent_epsilon_rdp` the RDP epsilon
-of the same events; `remaining_epsilon` is the budget minus the RDP epsilon
-of committed + reserved, which is the view admission uses;
-`reserved_epsilon` is what the reservations add to the RDP epsilon of the
-committed events, so spent_rdp + reserved + remaining = budget.
+committed events takes, their RDP epsilon over the whole order grid until
+the PLD figure is ready (`spent_epsilon_accountant` says which);
+`spent_epsilon_rdp` is that non-adaptive RDP epsilon.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from typing import Callable, Protocol
 
 import numpy as np
+from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
 from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition
@@ -62,6 +72,7 @@ MAX_PLAN_RECORDS = 1000
 MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1
 HISTORY_LIMIT = (1, 100_000)
+MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 
 ACTIVE = "active"
 RELEASED = "released"
@@ -199,6 +210,21 @@ def check_steps(value: object) -> int:
 def check_sequence(value: object) -> int:
     """A commit's sequence number: an integer in [0, 2**63 - 1], unique per reservation."""
     return _integer("sequence", value, 0, MAX_SEQUENCE)
+
+
+def check_lease_seconds(value: object) -> float | None:
+    """A reservation's lease: None or 0 for none, else seconds in (0, MAX_LEASE_SECONDS]."""
+    if value is None:
+        return None
+    seconds = _finite("lease_seconds", value)
+    if seconds == 0.0:
+        return None
+    if not 0.0 < seconds <= MAX_LEASE_SECONDS:
+        raise InvalidArgument(
+            f"lease_seconds must be in (0, {MAX_LEASE_SECONDS:g}] or 0 for no lease (got {seconds:g}); "
+            "choose more than the time between two commits of the job"
+        )
+    return seconds
 
 
 def check_history_limit(value: object) -> int:
@@ -369,6 +395,121 @@ class RdpTally:
         return cls(tuple(data["units"]), tuple(data["unbounded_steps"]))
 
 
+# ------------------------------------------------------------ admission rule
+
+FILTER_RULE = "rdp-filter"
+# Orders a new dataset's filter watches: around the order where a budget of Gaussian-like steps is used best.
+FILTER_ORDER_COUNT = 3
+# The orders sit at (alpha* - 1) times these factors; alpha* is that best order.
+_FILTER_ORDER_FACTORS = (0.5, 1.0, 2.0)
+# dp-accounting converts RDP to (epsilon, delta) only above this order (it returns inf at and below it).
+_LOWEST_CONVERTIBLE_ORDER = 1.01
+
+
+def _order_index(order: float) -> int:
+    matches = np.flatnonzero(RDP_ORDERS == order)
+    if len(matches) != 1 or order <= _LOWEST_CONVERTIBLE_ORDER:
+        raise ValueError(
+            f"filter order {order!r} is not an order of the RDP grid above {_LOWEST_CONVERTIBLE_ORDER} "
+            "(accounting.accountants.RDP_ORDERS); the ledger file was written by another dpfleet version"
+        )
+    return int(matches[0])
+
+
+def order_epsilon(order: float, divergence: float, delta: float) -> float:
+    """The epsilon at `delta` of a mechanism whose Renyi divergence at `order` is `divergence` (nats).
+
+    dp-accounting's conversion at that one order (Canonne, Kamath and
+    Steinke 2020, Proposition 12); inf when the divergence is unbounded.
+    """
+    if not math.isfinite(divergence):
+        return math.inf
+    epsilon, _ = compute_epsilon([order], [divergence], delta)
+    return float(epsilon)
+
+
+@dataclass(frozen=True)
+class AdmissionRule:
+    """How a dataset admits jobs: an RDP filter at fixed `orders`, with delta split evenly between them.
+
+    Fixed when the dataset is created, from its budget alone (never from
+    the jobs), and recorded with it. A job fits when, at one of the orders
+    at least, the tally converts to an epsilon within the budget at
+    `delta_per_order` = delta / K. Under that rule any sequence of jobs,
+    each chosen after seeing the results of the earlier ones, is
+    (budget, delta)-DP: at each order alone the rule is a Renyi filter
+    (Feldman & Zrnic 2021), and a union bound over the K orders adds their
+    delta/K (docs/ledger.md states and proves it).
+    """
+
+    orders: tuple[float, ...]
+    delta: float
+    name: str = FILTER_RULE
+
+    def __post_init__(self) -> None:
+        if self.name != FILTER_RULE:
+            raise ValueError(f"unknown admission rule {self.name!r}; this dpfleet knows {FILTER_RULE!r}")
+        if not self.orders or len(set(self.orders)) != len(self.orders):
+            raise ValueError(f"an RDP filter needs one or more distinct orders (got {self.orders!r})")
+        for order in self.orders:
+            _order_index(order)
+
+    @classmethod
+    def for_budget(cls, budget_epsilon: float, delta: float) -> "AdmissionRule":
+        """The rule of a new dataset with budget (`budget_epsilon`, `delta`).
+
+        For Gaussian steps of total zCDP rho, the RDP epsilon rho * alpha +
+        log(1/d) / (alpha - 1) is least at alpha* - 1 = sqrt(log(1/d) / rho);
+        solving for the rho that fills the budget at d = delta / K gives
+        alpha*. The filter watches the grid orders nearest (alpha* - 1) * 1/2,
+        * 1 and * 2: subsampled steps with little noise are used best a
+        little below alpha*, many small budgets a little above.
+        """
+        log_inverse_delta = math.log(FILTER_ORDER_COUNT / delta)
+        best_minus_one = math.sqrt(log_inverse_delta) / (
+            math.sqrt(log_inverse_delta + budget_epsilon) - math.sqrt(log_inverse_delta)
+        )
+        candidates = RDP_ORDERS[RDP_ORDERS > _LOWEST_CONVERTIBLE_ORDER]
+        orders = sorted(
+            {
+                float(candidates[np.argmin(np.abs(np.log(candidates - 1.0) - math.log(best_minus_one * factor)))])
+                for factor in _FILTER_ORDER_FACTORS
+            }
+        )
+        return cls(tuple(orders), delta)
+
+    @property
+    def delta_per_order(self) -> float:
+        """The delta each order's conversion is taken at: delta / K."""
+        return self.delta / len(self.orders)
+
+    def order_epsilons(self, tally: RdpTally) -> tuple[float, ...]:
+        """Per order of the rule, the epsilon at delta / K of the tally's divergence there."""
+        divergences = tally.divergences()
+        return tuple(
+            order_epsilon(order, float(divergences[_order_index(order)]), self.delta_per_order)
+            for order in self.orders
+        )
+
+    def epsilon(self, tally: RdpTally) -> float:
+        """The filter's epsilon of a tally: the least of `order_epsilons`; it fits a budget when one order does."""
+        return min(self.order_epsilons(tally))
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict, as stored with the dataset and in its history."""
+        return {
+            "rule": self.name,
+            "orders": list(self.orders),
+            "delta": self.delta,
+            "delta_per_order": self.delta_per_order,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AdmissionRule":
+        """Inverse of `to_dict`."""
+        return cls(tuple(float(order) for order in data["orders"]), float(data["delta"]), data["rule"])
+
+
 # ------------------------------------------------------------------ budgets
 
 
@@ -377,26 +518,30 @@ def fits_budget(epsilon: float, budget_epsilon: float) -> bool:
     return epsilon * (1.0 + ADMISSION_MARGIN) <= budget_epsilon
 
 
-def check_admission(dataset: str, budget_epsilon: float, delta: float, held: RdpTally, planned: RdpTally) -> float:
-    """Return the RDP epsilon of held + planned, or raise BudgetExceeded if it does not fit the budget.
+def check_admission(
+    dataset: str, rule: AdmissionRule, budget_epsilon: float, held: RdpTally, planned: RdpTally
+) -> float:
+    """Return the filter's epsilon of held + planned, or raise BudgetExceeded if it does not fit the budget.
 
     `held` is the dataset's tally of committed and reserved steps; `planned`
     the tally of the job asking for a reservation.
     """
-    total_epsilon = (held + planned).epsilon(delta)
+    total_epsilon = rule.epsilon(held + planned)
     if not fits_budget(total_epsilon, budget_epsilon):
-        held_epsilon = held.epsilon(delta)
-        raise BudgetExceeded(dataset, max(0.0, budget_epsilon - held_epsilon), total_epsilon - held_epsilon, delta)
+        held_epsilon = rule.epsilon(held)
+        raise BudgetExceeded(
+            dataset, max(0.0, budget_epsilon - held_epsilon), total_epsilon - held_epsilon, rule.delta
+        )
     return total_epsilon
 
 
-def check_new_budget(dataset: str, budget_epsilon: float, delta: float, held: RdpTally) -> float:
+def check_new_budget(dataset: str, rule: AdmissionRule, budget_epsilon: float, held: RdpTally) -> float:
     """A new budget for a dataset; refused when it would not cover what is committed and reserved."""
     budget_epsilon = check_budget_epsilon(budget_epsilon)
-    held_epsilon = held.epsilon(delta)
+    held_epsilon = rule.epsilon(held)
     if not fits_budget(held_epsilon, budget_epsilon):
         raise FailedPrecondition(
-            f"dataset {dataset!r} already has ε {held_epsilon:.6g} committed or reserved at δ={delta:g}; "
+            f"dataset {dataset!r} already has ε {held_epsilon:.6g} committed or reserved at δ={rule.delta:g}; "
             f"a budget of ε {budget_epsilon:g} would not cover it. Choose a budget above {held_epsilon:.6g}, "
             "or release reservations first"
         )
@@ -413,6 +558,7 @@ class BudgetFigures:
 
     spent_epsilon: float
     spent_epsilon_rdp: float
+    spent_epsilon_filter: float
     reserved_epsilon: float
     remaining_epsilon: float
     spent_epsilon_accountant: str
@@ -501,39 +647,45 @@ def _spent_pld_epsilon(committed_events: Composition, delta: float) -> float:
 
 
 @functools.lru_cache(maxsize=1024)
-def _rdp_figures(budget_epsilon: float, delta: float, committed_events: Composition, held: RdpTally) -> BudgetFigures:
-    spent_rdp = RdpTally.of(committed_events).epsilon(delta)
-    held_epsilon = held.epsilon(delta)
+def _rdp_figures(
+    budget_epsilon: float, rule: AdmissionRule, committed_events: Composition, held: RdpTally
+) -> BudgetFigures:
+    committed = RdpTally.of(committed_events)
+    spent_rdp = committed.epsilon(rule.delta)
+    spent_filter = rule.epsilon(committed)
+    held_filter = rule.epsilon(held)
     return BudgetFigures(
         spent_epsilon=spent_rdp,
         spent_epsilon_rdp=spent_rdp,
-        reserved_epsilon=max(0.0, held_epsilon - spent_rdp),
-        remaining_epsilon=max(0.0, budget_epsilon - held_epsilon),
+        spent_epsilon_filter=spent_filter,
+        reserved_epsilon=max(0.0, held_filter - spent_filter),
+        remaining_epsilon=max(0.0, budget_epsilon - held_filter),
         spent_epsilon_accountant="rdp",
     )
 
 
 def budget_figures(
     budget_epsilon: float,
-    delta: float,
+    rule: AdmissionRule,
     committed_events: Composition,
     held: RdpTally,
     pld_may_be_pending: bool = False,
 ) -> BudgetFigures:
-    """Spent (PLD and RDP), reserved and remaining epsilon of one dataset.
+    """Spent (filter, and non-adaptive PLD and RDP), reserved and remaining epsilon of one dataset.
 
     `committed_events` are the dataset's committed steps; `held` the tally
-    of committed and reserved-unrun steps. Cached: a status of an unchanged
-    dataset costs no accounting. The PLD epsilon of newly committed events
-    takes 0.1-1 s; with `pld_may_be_pending` a caller gets the figures at
-    once, with the RDP bound as `spent_epsilon` (labelled "rdp") until the
-    PLD figure, started in the background, is ready.
+    of committed and reserved-unrun steps; `rule` the dataset's admission
+    rule. Cached: a status of an unchanged dataset costs no accounting. The
+    PLD epsilon of newly committed events takes 0.1-1 s; with
+    `pld_may_be_pending` a caller gets the figures at once, with the
+    non-adaptive RDP bound as `spent_epsilon` (labelled "rdp") until the PLD
+    figure, started in the background, is ready.
     """
-    figures = _rdp_figures(budget_epsilon, delta, committed_events, held)
+    figures = _rdp_figures(budget_epsilon, rule, committed_events, held)
     if not pld_may_be_pending:
-        spent_pld = _spent_pld_epsilon(committed_events, delta)
+        spent_pld = _spent_pld_epsilon(committed_events, rule.delta)
     else:
-        pending = _spent_pld_epsilon.start(committed_events, delta)
+        pending = _spent_pld_epsilon.start(committed_events, rule.delta)
         if pending is None or not pending.done() or pending.exception() is not None:
             return figures
         spent_pld = pending.result()
@@ -561,6 +713,8 @@ def tenant_caller(tenant: str) -> Caller:
 
 
 ADMIN = Caller(actor=ADMIN_ACTOR, tenant=None, admin=True)
+# Who releases a reservation whose lease ran out, in the history.
+LEASE_EXPIRY = Caller(actor="ledger (lease expired)", tenant=None, admin=True)
 
 
 @dataclass(frozen=True)
@@ -664,7 +818,12 @@ class TenantCreated:
 
 @dataclass(frozen=True)
 class Reservation:
-    """A job's hold on a dataset: its planned events and how many of their steps are committed."""
+    """A job's hold on a dataset: its planned events and how many of their steps are committed.
+
+    With a lease (`lease_seconds`), the hold ends at `expires_at` (UTC, ISO
+    8601) unless a commit renews it first; `lease_expired` says the
+    reservation was released that way.
+    """
 
     reservation_id: str
     dataset: str
@@ -674,6 +833,9 @@ class Reservation:
     committed_steps: int
     created_at: str
     released_at: str | None = None
+    lease_seconds: float | None = None
+    expires_at: str | None = None
+    lease_expired: bool = False
 
     @property
     def planned_steps(self) -> int:
@@ -698,6 +860,9 @@ class Reservation:
             "planned_events": self.planned.to_dict(),
             "created_at": self.created_at,
             "released_at": self.released_at,
+            "lease_seconds": self.lease_seconds,
+            "expires_at": self.expires_at,
+            "lease_expired": self.lease_expired,
         }
 
 
@@ -731,6 +896,12 @@ class CommitResult:
 class DatasetStatus:
     """A dataset's budget and where it went, in epsilon at `delta`.
 
+    `admission` is the rule the dataset admits jobs by; `spent_epsilon_filter`
+    what that rule counts against the committed steps, and
+    spent_epsilon_filter + reserved_epsilon + remaining_epsilon = budget.
+    `spent_epsilon` (PLD) and `spent_epsilon_rdp` are the epsilon of the same
+    steps as if every job had been fixed in advance: non-adaptive figures,
+    tighter, not what the guarantee rests on.
     `jobs` are the reservations still active (holding budget);
     `released_jobs` counts the finished ones (dpfleet ledger jobs lists them).
     `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
@@ -741,8 +912,10 @@ class DatasetStatus:
     tenant: str
     budget_epsilon: float
     delta: float
+    admission: AdmissionRule
     spent_epsilon: float
     spent_epsilon_rdp: float
+    spent_epsilon_filter: float
     reserved_epsilon: float
     remaining_epsilon: float
     jobs: tuple[Reservation, ...] = ()
@@ -756,6 +929,8 @@ class DatasetStatus:
             "tenant": self.tenant,
             "budget_epsilon": self.budget_epsilon,
             "delta": self.delta,
+            "admission": self.admission.to_dict(),
+            "spent_epsilon_filter": self.spent_epsilon_filter,
             "spent_epsilon": self.spent_epsilon,
             "spent_epsilon_accountant": self.spent_epsilon_accountant,
             "spent_epsilon_rdp": self.spent_epsilon_rdp,
@@ -789,6 +964,243 @@ class HistoryEntry:
         }
 
 
+# ------------------------------------------------------------ verification
+
+
+def history_hash(
+    previous_hash: str,
+    entry_id: int,
+    at: str,
+    actor: str,
+    action: str,
+    tenant: str | None,
+    dataset_id: int | None,
+    details_json: str,
+) -> str:
+    """The hash a history entry carries: SHA-256 (hex) over the previous entry's hash and every stored field.
+
+    The first entry's previous hash is "". Editing, removing or reordering
+    an entry changes every hash after it.
+    """
+    payload = json.dumps(
+        [previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json],
+        ensure_ascii=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredEntry:
+    """A history entry as the store holds it, with `details_json` the stored text, for `verify`."""
+
+    entry_id: int
+    at: str
+    actor: str
+    action: str
+    tenant: str | None
+    dataset_id: int | None
+    details_json: str
+    previous_hash: str
+    entry_hash: str
+
+
+@dataclass(frozen=True)
+class StoredDataset:
+    """What a dataset's row holds now, for `verify` to compare with the replay of its history."""
+
+    dataset_id: int
+    name: str
+    budget_epsilon: float
+    delta: float
+    admission: AdmissionRule
+    held: RdpTally
+    committed_events: Composition
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing `verify` found wrong: the history entry (None: the dataset's row), its dataset, and what."""
+
+    entry_id: int | None
+    dataset: str | None
+    problem: str
+
+    def __str__(self) -> str:
+        where = f"entry {self.entry_id}" if self.entry_id is not None else "dataset row"
+        return f"{where}{f' of dataset {self.dataset}' if self.dataset else ''}: {self.problem}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {"entry_id": self.entry_id, "dataset": self.dataset, "problem": self.problem}
+
+
+def chain_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) -> list[Finding]:
+    """Every entry whose previous hash or own hash does not match the chain, oldest first.
+
+    An edited entry shows as a wrong hash at that entry; a removed one as a
+    wrong previous hash at the entry after it.
+    """
+    findings = []
+    previous = ""
+    for entry in entries:
+        dataset = dataset_names.get(entry.dataset_id) if entry.dataset_id is not None else None
+        if entry.previous_hash != previous:
+            findings.append(
+                Finding(entry.entry_id, dataset, "its previous hash is not the hash of the entry before it")
+            )
+        expected = history_hash(
+            entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
+            entry.dataset_id, entry.details_json,
+        )
+        if entry.entry_hash != expected:
+            findings.append(Finding(entry.entry_id, dataset, "its fields do not match its hash (the row was edited)"))
+        previous = entry.entry_hash
+    return findings
+
+
+class _Replay:
+    """A dataset's state rebuilt from its history, entry by entry, noting each departure from the rules."""
+
+    def __init__(self, dataset: str) -> None:
+        self.dataset = dataset
+        self.findings: list[Finding] = []
+        self.budget_epsilon: float | None = None
+        self.delta: float | None = None
+        self.admission: AdmissionRule | None = None
+        self.held = RdpTally.zero()
+        self.committed = Composition()
+        self.plans: dict[str, Composition] = {}
+        self.committed_steps: dict[str, int] = {}
+
+    def note(self, entry: StoredEntry, problem: str) -> None:
+        self.findings.append(Finding(entry.entry_id, self.dataset, problem))
+
+    def fits(self, epsilon_of: Callable[[RdpTally], float], tally: RdpTally) -> tuple[bool, float]:
+        epsilon = epsilon_of(tally)
+        return fits_budget(epsilon, self.budget_epsilon), epsilon
+
+    def admission_epsilon(self, tally: RdpTally) -> float:
+        # Before a file had filters (schema version 2) a job was admitted by the RDP epsilon over the whole grid.
+        return self.admission.epsilon(tally) if self.admission is not None else tally.epsilon(self.delta)
+
+    def apply(self, entry: StoredEntry) -> None:
+        details = json.loads(entry.details_json)
+        action = entry.action
+        if action == "create_dataset":
+            self.budget_epsilon, self.delta = float(details["epsilon"]), float(details["delta"])
+            if "admission" in details:
+                self.admission = AdmissionRule.from_dict(details["admission"])
+        elif action == "adopt_admission_rule":
+            self.admission = AdmissionRule.from_dict(details["admission"])
+        elif action == "raise_budget":
+            self.budget_epsilon = float(details["to"])
+        elif action == "reserve":
+            self.reserve(entry, details)
+        elif action == "commit":
+            self.commit(entry, details)
+        elif action in ("release", "expire"):
+            self.release(entry, details)
+
+    def reserve(self, entry: StoredEntry, details: dict) -> None:
+        planned = Composition.from_dict(details["planned_events"])
+        admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
+        if not admitted:
+            self.note(entry, f"admitted a job to ε {epsilon:.6g} over the budget ε {self.budget_epsilon:g}")
+        recorded = details.get("held_epsilon_filter", details.get("held_epsilon_rdp"))
+        if recorded is not None and recorded != epsilon:
+            self.note(entry, f"records ε {recorded!r} held after admission; its events give {epsilon!r}")
+        self.plans[details["reservation_id"]] = planned
+        self.committed_steps[details["reservation_id"]] = 0
+        self.held = self.held + RdpTally.of(planned)
+
+    def commit(self, entry: StoredEntry, details: dict) -> None:
+        reservation_id = details["reservation_id"]
+        block = Composition.from_dict(details["events"])
+        if reservation_id not in self.plans:
+            self.note(entry, f"commits to reservation {reservation_id}, which is not active in the replay")
+            return
+        _, unrun = split_steps(self.plans[reservation_id], self.committed_steps[reservation_id])
+        if block.steps > unrun.steps or split_steps(unrun, block.steps)[0] != block:
+            self.note(entry, f"charges events that are not the next {block.steps} planned steps of {reservation_id}")
+        if self.admission is not None:
+            admitted, epsilon = self.fits(self.admission.epsilon, RdpTally.of(self.committed.then(block)))
+            if not admitted:
+                self.note(entry, f"commits to filter ε {epsilon:.6g}, over the budget ε {self.budget_epsilon:g}")
+        self.committed = canonical(self.committed.then(block))
+        self.committed_steps[reservation_id] += block.steps
+
+    def release(self, entry: StoredEntry, details: dict) -> None:
+        reservation_id = details["reservation_id"]
+        if reservation_id not in self.plans:
+            self.note(entry, f"releases reservation {reservation_id}, which is not active in the replay")
+            return
+        plan = self.plans.pop(reservation_id)
+        committed_steps = self.committed_steps.pop(reservation_id)
+        if (details["committed_steps"], details["freed_steps"]) != (committed_steps, plan.steps - committed_steps):
+            self.note(
+                entry,
+                f"records {details['committed_steps']} committed and {details['freed_steps']} freed steps of "
+                f"{reservation_id}; its commits give {committed_steps} and {plan.steps - committed_steps}",
+            )
+        self.held = self.held - RdpTally.of(split_steps(plan, committed_steps)[1])
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `verify` checked and found: keep `head_hash` elsewhere to notice a history rewritten from the start."""
+
+    entries: int
+    datasets: int
+    head_hash: str
+    findings: tuple[Finding, ...]
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the `dpfleet ledger verify --json` shape)."""
+        return {
+            "entries": self.entries,
+            "datasets": self.datasets,
+            "head_hash": self.head_hash,
+            "findings": [finding.to_dict() for finding in self.findings],
+        }
+
+
+def verify_history(entries: list[StoredEntry], datasets: list[StoredDataset]) -> Verification:
+    """Check the hash chain of every entry, then replay each dataset's history against its row."""
+    names = {dataset.dataset_id: dataset.name for dataset in datasets}
+    findings = chain_findings(entries, names)
+    for dataset in datasets:
+        findings += replay_findings(dataset, [entry for entry in entries if entry.dataset_id == dataset.dataset_id])
+    return Verification(len(entries), len(datasets), entries[-1].entry_hash if entries else "", tuple(findings))
+
+
+def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[Finding]:
+    """Replay one dataset's history from its events and check every admission, commit and release.
+
+    Each reservation must have fitted the rule in force when it was made,
+    each commit must charge the next planned steps and keep the committed
+    steps within the filter, each release must free what was unrun; at the
+    end the replayed RDP tally, committed events, budget and rule must be
+    what the dataset's row holds.
+    """
+    replay = _Replay(dataset.name)
+    for entry in entries:
+        try:
+            replay.apply(entry)
+        except (KeyError, TypeError, ValueError, EventError) as error:
+            replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
+    findings = replay.findings
+    for what, replayed, stored in (
+        ("budget ε", replay.budget_epsilon, dataset.budget_epsilon),
+        ("admission rule", replay.admission, dataset.admission),
+        ("RDP tally of committed and reserved steps", replay.held, dataset.held),
+        ("set of committed events", canonical(replay.committed), dataset.committed_events),
+    ):
+        if replayed != stored:
+            findings.append(Finding(None, dataset.name, f"the row's {what} is not what its history replays to"))
+    return findings
+
+
 class PrivacyLedger(Protocol):
     """What the embedded `Ledger` and the `RemoteLedger` both offer; the trainer uses either.
 
@@ -814,11 +1226,13 @@ class PrivacyLedger(Protocol):
     def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
         """Reservations on the caller's datasets, oldest first, optionally of one dataset or state."""
 
-    def reserve(self, dataset: str, job_id: str, planned: EventsLike) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded."""
+    def reserve(
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+    ) -> Reservation:
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
-        """Charge the next `steps` planned steps; the same `sequence` twice charges once."""
+        """Charge the next `steps` planned steps and renew the lease; the same `sequence` twice charges once."""
 
     def release(self, reservation_id: str) -> Reservation:
         """Free the reservation's unrun steps; what was committed stays spent."""

@@ -128,7 +128,8 @@ class LedgerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reserve(self, request, context):
-        """Holds budget for a job's whole plan, or RESOURCE_EXHAUSTED.
+        """Holds budget for a job's whole plan, or RESOURCE_EXHAUSTED. The dataset's
+        admission rule decides (DatasetStatus.admission).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,6 +137,7 @@ class LedgerServicer:
 
     def Commit(self, request, context):
         """Charges the next `steps` planned steps; idempotent per (reservation_id, sequence).
+        Renews the reservation's lease; FAILED_PRECONDITION once the lease expired.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

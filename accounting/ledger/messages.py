@@ -13,6 +13,7 @@ from accounting.events import Composition
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger.core import (
     ACTIVE,
+    AdmissionRule,
     RELEASED,
     AlreadyExists,
     BudgetExceeded,
@@ -22,6 +23,7 @@ from accounting.ledger.core import (
     HistoryEntry,
     InvalidArgument,
     LedgerError,
+    LedgerUnavailable,
     NotFound,
     PermissionDenied,
     Reservation,
@@ -38,6 +40,7 @@ STATUS_CODES: dict[type[LedgerError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    LedgerUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 # Trailing metadata of a RESOURCE_EXHAUSTED refusal for budget.
@@ -86,6 +89,9 @@ def reservation_to_proto(reservation: Reservation) -> pb.Reservation:
         committed_steps=reservation.committed_steps,
         created_at=reservation.created_at,
         released_at=reservation.released_at or "",
+        lease_seconds=reservation.lease_seconds or 0.0,
+        expires_at=reservation.expires_at or "",
+        lease_expired=reservation.lease_expired,
     )
 
 
@@ -100,6 +106,9 @@ def reservation_from_proto(message: pb.Reservation) -> Reservation:
         committed_steps=message.committed_steps,
         created_at=message.created_at,
         released_at=message.released_at or None,
+        lease_seconds=message.lease_seconds or None,
+        expires_at=message.expires_at or None,
+        lease_expired=message.lease_expired,
     )
 
 
@@ -110,8 +119,14 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
         tenant=status.tenant,
         budget_epsilon=status.budget_epsilon,
         delta=status.delta,
+        admission=pb.AdmissionRule(
+            rule=status.admission.name,
+            orders=status.admission.orders,
+            delta_per_order=status.admission.delta_per_order,
+        ),
         spent_epsilon=status.spent_epsilon,
         spent_epsilon_rdp=status.spent_epsilon_rdp,
+        spent_epsilon_filter=status.spent_epsilon_filter,
         reserved_epsilon=status.reserved_epsilon,
         remaining_epsilon=status.remaining_epsilon,
         jobs=[reservation_to_proto(job) for job in status.jobs],
@@ -127,8 +142,10 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
         tenant=message.tenant,
         budget_epsilon=message.budget_epsilon,
         delta=message.delta,
+        admission=AdmissionRule(tuple(message.admission.orders), message.delta, message.admission.rule),
         spent_epsilon=message.spent_epsilon,
         spent_epsilon_rdp=message.spent_epsilon_rdp,
+        spent_epsilon_filter=message.spent_epsilon_filter,
         reserved_epsilon=message.reserved_epsilon,
         remaining_epsilon=message.remaining_epsilon,
         jobs=tuple(reservation_from_proto(job) for job in message.jobs),

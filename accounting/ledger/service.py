@@ -56,6 +56,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Ledger"].full_name
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_HISTORY_LIMIT = 1000
 MIN_ADMIN_TOKEN_LENGTH = 16
+# How often a server releases the reservations whose lease ran out, besides at every change to their dataset.
+LEASE_SWEEP_SECONDS = 1.0
 
 def bearer_token(metadata: tuple) -> str | None:
     """The token of an `authorization: Bearer <token>` entry, or None."""
@@ -149,14 +151,16 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
 
     @_rpc
     def Reserve(self, request: pb.ReserveRequest, caller: Caller) -> pb.Reservation:
-        """Hold budget for a job's plan."""
+        """Hold budget for a job's plan, with a lease when lease_seconds > 0."""
         planned = parse_plan(request.planned_events_json)
-        reservation = self._ledger.reserve(request.dataset, request.job_id, planned, caller=caller)
+        reservation = self._ledger.reserve(
+            request.dataset, request.job_id, planned, request.lease_seconds or None, caller=caller
+        )
         return messages.reservation_to_proto(reservation)
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitReply:
-        """Charge a block of steps, idempotently per sequence."""
+        """Charge a block of steps, idempotently per sequence; renews the reservation's lease."""
         result = self._ledger.commit(request.reservation_id, request.steps, request.sequence, caller=caller)
         return messages.commit_to_proto(result)
 
@@ -181,6 +185,8 @@ class LedgerServer:
     health: health.HealthServicer
     host: str
     port: int
+    stopping: threading.Event
+    lease_sweeper: threading.Thread
 
     @property
     def address(self) -> str:
@@ -192,6 +198,8 @@ class LedgerServer:
         """Report NOT_SERVING, finish requests in flight (up to the grace period), close the file."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_seconds).wait()
+        self.stopping.set()
+        self.lease_sweeper.join()
         self.ledger.close()
 
 
@@ -214,7 +222,9 @@ def start_server(
     tls_key: str | Path | None = None,
     max_workers: int = 16,
 ) -> LedgerServer:
-    """Open the ledger file and start serving it on host:port (0 picks a free port); returns at once.
+    """Open the ledger (an SQLite file or a postgresql:// URL) and serve it on host:port; returns at once.
+
+    Port 0 picks a free port.
 
     Without `admin_token` no admin RPC can succeed. TLS is used when both
     `tls_cert` and `tls_key` (PEM files) are given.
@@ -245,7 +255,19 @@ def start_server(
         ledger.close()
         raise OSError(f"cannot listen on {bind}; is the port in use? Choose another --port (0 picks a free one)")
     server.start()
-    return LedgerServer(server, ledger, health_servicer, host, bound)
+    stopping = threading.Event()
+    sweeper = threading.Thread(target=_sweep_leases, args=(ledger, stopping), name="ledger-leases", daemon=True)
+    sweeper.start()
+    return LedgerServer(server, ledger, health_servicer, host, bound, stopping, sweeper)
+
+
+def _sweep_leases(ledger: Ledger, stopping: threading.Event) -> None:
+    """Release expired leases every LEASE_SWEEP_SECONDS until `stopping` is set."""
+    while not stopping.wait(LEASE_SWEEP_SECONDS):
+        try:
+            ledger.expire_leases()
+        except Exception:  # noqa: BLE001 - the next sweep tries again; every change to a dataset sweeps it too
+            LOG.exception("releasing expired leases failed")
 
 
 # A PLD epsilon computing in the background (a status that did not wait for it started it) runs long Python

@@ -6,7 +6,9 @@ transaction, which also serialises writers across processes sharing the file.
 Reads run on a pool of connections of their own, beside writes and beside
 each other.
 Each change appends a row to `history` (who, when, what, JSON details); the
-table refuses UPDATE and DELETE.
+table refuses UPDATE and DELETE, and each row carries the hash of the one
+before it (core.history_hash), so `verify` finds a row edited or removed by
+hand.
 
 Datasets belong to tenants. A caller names a dataset 'name' within its own
 tenant or 'tenant/name'; only admins may use another tenant's prefix. A tenant
@@ -14,11 +16,18 @@ asking for another tenant's dataset or reservation, or one that does not
 exist, gets the same PermissionDenied, so existence is never revealed; an
 admin gets NotFound for what does not exist.
 
-Each dataset row carries its committed events in canonical form (one record
-per mechanism) and the exact RDP tally (see core.RdpTally) of committed +
-reserved-unrun steps, so admission and status never read the history; a
-commit only rewrites the committed events, which the RDP and PLD figures of
-what is spent are computed from.
+Each dataset row carries its admission rule (core.AdmissionRule), its
+committed events in canonical form (one record per mechanism) and the exact
+RDP tally (see core.RdpTally) of committed + reserved-unrun steps, so
+admission and status never read the history; a commit only rewrites the
+committed events, which the figures of what is spent are computed from.
+
+A reservation may carry a lease: it expires `lease_seconds` after the
+reserve or its last commit. Every reserve and release on its dataset, a
+commit to it, and `expire_leases` (which a server runs every second) first
+release the unrun steps of the reservations whose lease ran out. A commit to an expired
+reservation is refused, so a driver that lost its lease cannot charge steps
+the ledger already freed.
 """
 
 from __future__ import annotations
@@ -29,17 +38,18 @@ import hashlib
 import json
 import os
 import secrets
-import sqlite3
 import threading
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
     ACTIVE,
+    LEASE_EXPIRY,
     LOCAL_TENANT,
     RELEASED,
+    AdmissionRule,
     AlreadyExists,
     Caller,
     CommitResult,
@@ -48,18 +58,23 @@ from accounting.ledger.core import (
     FailedPrecondition,
     HistoryEntry,
     InvalidArgument,
+    LedgerUnavailable,
     NotFound,
     PermissionDenied,
     RdpTally,
     Reservation,
+    StoredDataset,
+    StoredEntry,
     TenantCreated,
     Unauthenticated,
+    Verification,
     budget_figures,
     canonical,
     check_admission,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
+    check_lease_seconds,
     check_name,
     check_new_budget,
     check_plan,
@@ -67,7 +82,9 @@ from accounting.ledger.core import (
     check_state,
     check_steps,
     display_name,
+    fits_budget,
     hash_token,
+    history_hash,
     new_token,
     no_access,
     no_reservation,
@@ -76,82 +93,163 @@ from accounting.ledger.core import (
     tenant_caller,
     token_key_id,
     token_matches,
+    verify_history,
+)
+from accounting.ledger.databases import Connection, Database, open_database
+
+SCHEMA_VERSION = 3
+
+_LEASE_INDEX = (
+    "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
 )
 
-SCHEMA_VERSION = 2
-
-_SCHEMA = (
-    "CREATE TABLE schema_version (version INTEGER NOT NULL)",
+# The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
+_TABLES = (
+    "CREATE TABLE schema_version (version {integer} NOT NULL)",
     """CREATE TABLE tenants (
         name TEXT PRIMARY KEY,
         key_id TEXT UNIQUE,
-        token_salt BLOB,
-        token_hash BLOB,
+        token_salt {bytes},
+        token_hash {bytes},
         created_at TEXT NOT NULL
     )""",
     """CREATE TABLE datasets (
-        id INTEGER PRIMARY KEY,
+        id {dataset_id},
         tenant TEXT NOT NULL REFERENCES tenants(name),
         name TEXT NOT NULL,
-        budget_epsilon REAL NOT NULL,
-        delta REAL NOT NULL,
+        budget_epsilon {float} NOT NULL,
+        delta {float} NOT NULL,
         held_rdp TEXT NOT NULL,
         committed_events TEXT NOT NULL,
         created_at TEXT NOT NULL,
-        released_jobs INTEGER NOT NULL DEFAULT 0,
+        released_jobs {integer} NOT NULL DEFAULT 0,
+        admission_rule TEXT NOT NULL,
         UNIQUE (tenant, name)
     )""",
     """CREATE TABLE reservations (
         id TEXT PRIMARY KEY,
-        dataset_id INTEGER NOT NULL REFERENCES datasets(id),
+        dataset_id {integer} NOT NULL REFERENCES datasets(id),
         job_id TEXT NOT NULL,
         planned_events TEXT NOT NULL,
-        committed_steps INTEGER NOT NULL,
+        committed_steps {integer} NOT NULL,
         state TEXT NOT NULL CHECK (state IN ('active', 'released')),
         created_at TEXT NOT NULL,
-        released_at TEXT
+        released_at TEXT,
+        lease_seconds {float},
+        expires_at TEXT,
+        lease_expired {integer} NOT NULL DEFAULT 0{order_column}
     )""",
     "CREATE UNIQUE INDEX one_active_reservation_per_job ON reservations (dataset_id, job_id) WHERE state = 'active'",
     "CREATE INDEX reservations_by_dataset ON reservations (dataset_id, state)",
+    _LEASE_INDEX,
     """CREATE TABLE commits (
         reservation_id TEXT NOT NULL REFERENCES reservations(id),
-        sequence INTEGER NOT NULL,
-        steps INTEGER NOT NULL,
-        committed_steps INTEGER NOT NULL,
+        sequence {integer} NOT NULL,
+        steps {integer} NOT NULL,
+        committed_steps {integer} NOT NULL,
         at TEXT NOT NULL,
         PRIMARY KEY (reservation_id, sequence)
     )""",
     """CREATE TABLE history (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        id {history_id},
         at TEXT NOT NULL,
         actor TEXT NOT NULL,
         action TEXT NOT NULL,
         tenant TEXT,
-        dataset_id INTEGER REFERENCES datasets(id),
-        details TEXT NOT NULL
+        dataset_id {integer} REFERENCES datasets(id),
+        details TEXT NOT NULL,
+        previous_hash TEXT NOT NULL,
+        hash TEXT NOT NULL
     )""",
     "CREATE INDEX history_by_tenant ON history (tenant, id)",
     "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
-    """CREATE TRIGGER history_is_append_only_update BEFORE UPDATE ON history
-        BEGIN SELECT RAISE(ABORT, 'the ledger history is append-only'); END""",
-    """CREATE TRIGGER history_is_append_only_delete BEFORE DELETE ON history
-        BEGIN SELECT RAISE(ABORT, 'the ledger history is append-only'); END""",
 )
 
-# Each version's statements bring a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {
-    # A count of released jobs per dataset, so a status reads one row, not an index of every job it ever had.
-    2: (
-        "ALTER TABLE datasets ADD COLUMN released_jobs INTEGER NOT NULL DEFAULT 0",
-        "UPDATE datasets SET released_jobs = "
-        "(SELECT COUNT(*) FROM reservations r WHERE r.dataset_id = datasets.id AND r.state = 'released')",
-    ),
-}
 
-_DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs"
+def _schema(database: Database) -> tuple[str, ...]:
+    """The statements that create a new ledger in `database`."""
+    return (*(statement.format(**database.types) for statement in _TABLES), *database.append_only)
+
+
+_DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule"
 _RESERVATION_COLUMNS = (
-    "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at"
+    "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
+    "r.lease_seconds, r.expires_at, r.lease_expired"
 )
+_HISTORY_COLUMNS = "id, at, actor, action, tenant, dataset_id, details, previous_hash, hash"
+
+
+class _DatasetRow(NamedTuple):
+    """A row of `datasets` as _DATASET_COLUMNS selects it."""
+
+    dataset_id: int
+    tenant: str
+    name: str
+    budget_epsilon: float
+    delta: float
+    held_rdp: str
+    committed_events: str
+    released_jobs: int
+    admission_rule: str
+
+
+def _count_released_jobs(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 2: a count of released jobs per dataset, so a status reads one row, not every job it ever had."""
+    connection.execute("ALTER TABLE datasets ADD COLUMN released_jobs INTEGER NOT NULL DEFAULT 0")
+    connection.execute(
+        "UPDATE datasets SET released_jobs = "
+        "(SELECT COUNT(*) FROM reservations r WHERE r.dataset_id = datasets.id AND r.state = 'released')"
+    )
+
+
+def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 3: hash-chained history, leases, and an RDP filter for every dataset, keeping its events.
+
+    Each dataset gets the rule a new dataset of its budget would get, in a
+    history entry of its own that says whether what it holds fits the
+    filter; one that does not admits no new job, and its reservations
+    commit only what still fits.
+    """
+    for statement in (
+        "ALTER TABLE datasets ADD COLUMN admission_rule TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE reservations ADD COLUMN lease_seconds REAL",
+        "ALTER TABLE reservations ADD COLUMN expires_at TEXT",
+        "ALTER TABLE reservations ADD COLUMN lease_expired INTEGER NOT NULL DEFAULT 0",
+        _LEASE_INDEX,
+        "ALTER TABLE history ADD COLUMN previous_hash TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE history ADD COLUMN hash TEXT NOT NULL DEFAULT ''",
+        "DROP TRIGGER history_is_append_only_update",
+        "DROP TRIGGER history_is_append_only_delete",
+    ):
+        connection.execute(statement)
+    previous = ""
+    for entry_id, at, actor, action, tenant, dataset_id, details in connection.execute(
+        "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+    ).fetchall():
+        entry_hash = history_hash(previous, entry_id, at, actor, action, tenant, dataset_id, details)
+        connection.execute(
+            "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry_id)
+        )
+        previous = entry_hash
+    for statement in database.append_only:
+        connection.execute(statement)
+    for dataset_id, tenant, budget_epsilon, delta, held in connection.execute(
+        "SELECT id, tenant, budget_epsilon, delta, held_rdp FROM datasets ORDER BY id"
+    ).fetchall():
+        rule = AdmissionRule.for_budget(budget_epsilon, delta)
+        connection.execute(
+            "UPDATE datasets SET admission_rule = ? WHERE id = ?", (json.dumps(rule.to_dict()), dataset_id)
+        )
+        held_epsilon = rule.epsilon(RdpTally.from_json(held))
+        Ledger._record(
+            connection, caller, "adopt_admission_rule", tenant, dataset_id,
+            {"admission": rule.to_dict(), "held_epsilon_filter": held_epsilon,
+             "held_fits_budget": fits_budget(held_epsilon, budget_epsilon)},
+        )
+
+
+# Each version's step brings a file of the previous version up to it, in the transaction that opens it.
+_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes}
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -171,6 +269,17 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+def _expiry(lease_seconds: float | None) -> str | None:
+    """When a lease of `lease_seconds` taken now ends (None without a lease); compares as text with `_now()`."""
+    if lease_seconds is None:
+        return None
+    return (datetime.now(timezone.utc) + timedelta(seconds=lease_seconds)).isoformat(timespec="milliseconds")
+
+
+def _rule(row: _DatasetRow) -> AdmissionRule:
+    return AdmissionRule.from_dict(json.loads(row.admission_rule))
+
+
 def default_ledger_path() -> Path:
     """The embedded ledger file: $DPFLEET_HOME/ledger.db, else ~/.local/share/dpfleet/ledger.db."""
     home = os.environ.get("DPFLEET_HOME")
@@ -178,36 +287,26 @@ def default_ledger_path() -> Path:
     return base / "ledger.db"
 
 
-def _connect(path: Path) -> sqlite3.Connection:
-    connection = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
-    mode = connection.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-    if mode.lower() != "wal":
-        connection.close()
-        raise FailedPrecondition(
-            f"the ledger file {path} cannot use SQLite's WAL journal (got {mode!r}); put it on a local disk"
-        )
-    connection.execute("PRAGMA synchronous=FULL")
-    connection.execute("PRAGMA foreign_keys=ON")
-    return connection
-
-
 class Ledger:
-    """The privacy ledger on one SQLite file: the embedded ledger, and what the gRPC server serves.
+    """The privacy ledger on an SQLite file or a PostgreSQL database: the embedded ledger, and what a server serves.
 
-    Every method takes the `caller` it acts for; it defaults to the caller
-    the ledger was opened with (the local admin for `open_embedded_ledger`).
-    Safe to share between threads; several processes may open the same file.
+    `path` is the SQLite file, or a postgresql:// URL. Every method takes
+    the `caller` it acts for; it defaults to the caller the ledger was
+    opened with (the local admin for `open_embedded_ledger`). Safe to share
+    between threads; several processes (servers) may open the same file or
+    database.
     """
 
     def __init__(self, path: str | os.PathLike, caller: Caller | None = None) -> None:
-        self.path = Path(path)
+        self._database = open_database(path)
+        self.path = Path(path) if self._database.is_file else str(path)
         self._default_caller = caller
-        self._writer = _connect(self.path)
+        self._writer = None
         self._write_lock = threading.Lock()
         self._writers_waiting = 0
         self._waiting_lock = threading.Lock()
         self._batch: _Batch | None = None
-        self._idle_readers: list[sqlite3.Connection] = []
+        self._idle_readers: list = []
         self._readers_lock = threading.Lock()
         self._closed = False
         self._verified_tokens: dict[bytes, str] = {}
@@ -224,18 +323,38 @@ class Ledger:
         self.close()
 
     def close(self) -> None:
-        """Close the file; a read in progress finishes first on its own connection, which closes after it."""
+        """Close the store; a read in progress finishes first on its own connection, which closes after it."""
         with self._write_lock, self._readers_lock:
             self._closed = True
             for reader in self._idle_readers:
                 reader.close()
             self._idle_readers.clear()
-            self._writer.close()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
 
     # ------------------------------------------------------------ plumbing
 
+    def _unavailable(self, error: BaseException) -> LedgerUnavailable:
+        return LedgerUnavailable(
+            f"the ledger's database {self._database.location} did not answer ({type(error).__name__}: "
+            f"{str(error).strip()}); nothing of this request was acknowledged: retry it"
+        )
+
+    def _drop_writer(self, error: BaseException) -> LedgerUnavailable:
+        """Forget a writer whose database went away; the changes of its open batch fail with LedgerUnavailable."""
+        unavailable = self._unavailable(error)
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.error = unavailable
+            batch.committed.set()
+        writer, self._writer = self._writer, None
+        with contextlib.suppress(Exception):
+            writer.close()
+        return unavailable
+
     @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self) -> Iterator:
         """One state change, in its own savepoint; on success, returns only once it is durable.
 
         Group commit: changes that queue up while one transaction is being
@@ -243,7 +362,10 @@ class Ledger:
         each in a savepoint, and the last of them commits it. A change that
         fails rolls back its savepoint and raises at once; a change that
         succeeds waits until the COMMIT of its transaction has returned.
+        A database that stops answering fails every change of the open
+        transaction with LedgerUnavailable; the next change connects again.
         """
+        unavailable_errors = self._database.unavailable_errors
         with self._waiting_lock:
             self._writers_waiting += 1
         self._write_lock.acquire()
@@ -251,17 +373,33 @@ class Ledger:
             self._writers_waiting -= 1
         batch = None
         try:
-            if self._batch is None:
-                self._writer.execute("BEGIN IMMEDIATE")
-                self._batch = _Batch()
-            self._writer.execute("SAVEPOINT change")
+            try:
+                if self._closed:
+                    raise FailedPrecondition(f"the ledger {self._database.location} is closed")
+                if self._writer is None:
+                    self._writer = self._database.connect()
+                if self._batch is None:
+                    for statement in self._database.begin_change:
+                        self._writer.execute(statement)
+                    self._batch = _Batch()
+                self._writer.execute("SAVEPOINT change")
+            except unavailable_errors as error:
+                raise self._drop_writer(error) from None
             try:
                 yield self._writer
-            except BaseException:
-                self._writer.execute("ROLLBACK TO change")
-                self._writer.execute("RELEASE change")
+            except BaseException as error:
+                try:
+                    self._writer.execute("ROLLBACK TO change")
+                    self._writer.execute("RELEASE change")
+                except unavailable_errors as lost:
+                    raise self._drop_writer(lost) from None
+                if isinstance(error, unavailable_errors):
+                    raise self._drop_writer(error) from None
                 raise
-            self._writer.execute("RELEASE change")
+            try:
+                self._writer.execute("RELEASE change")
+            except unavailable_errors as error:
+                raise self._drop_writer(error) from None
             batch = self._batch
             batch.changes += 1
         finally:
@@ -276,6 +414,8 @@ class Ledger:
         batch, self._batch = self._batch, None
         try:
             self._writer.execute("COMMIT")
+        except self._database.unavailable_errors as error:
+            batch.error = self._drop_writer(error)
         except BaseException as error:
             if self._writer.in_transaction:
                 self._writer.execute("ROLLBACK")
@@ -283,34 +423,37 @@ class Ledger:
         batch.committed.set()
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        """A snapshot of what is committed, on a connection of its own (WAL lets reads run beside writes)."""
+    def _read(self) -> Iterator:
+        """A snapshot of what is committed, on a connection of its own (reads run beside writes)."""
+        unavailable_errors = self._database.unavailable_errors
         with self._readers_lock:
             if self._closed:
-                raise sqlite3.ProgrammingError(f"the ledger {self.path} is closed")
+                raise FailedPrecondition(f"the ledger {self._database.location} is closed")
             reader = self._idle_readers.pop() if self._idle_readers else None
-        if reader is None:
-            reader = _connect(self.path)
+        keep = True
         try:
-            reader.execute("BEGIN")
+            if reader is None:
+                reader = self._database.connect()
+            reader.execute(self._database.begin_read)
             try:
                 yield reader
             finally:
                 reader.execute("COMMIT")
+        except unavailable_errors as error:
+            keep = False
+            raise self._unavailable(error) from None
         finally:
             with self._readers_lock:
-                if self._closed:
-                    reader.close()
-                else:
+                if reader is not None and (self._closed or not keep):
+                    with contextlib.suppress(Exception):
+                        reader.close()
+                elif reader is not None:
                     self._idle_readers.append(reader)
 
     def _create_or_check_schema(self) -> None:
         with self._transaction() as connection:
-            exists = connection.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'schema_version'"
-            ).fetchone()
-            if not exists:
-                for statement in _SCHEMA:
+            if not connection.execute(self._database.schema_exists).fetchone():
+                for statement in _schema(self._database):
                     connection.execute(statement)
                 connection.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
                 return
@@ -320,17 +463,16 @@ class Ledger:
                 return
         if version != SCHEMA_VERSION:
             raise FailedPrecondition(
-                f"the ledger file {self.path} has schema version {version}; this dpfleet reads versions up to "
-                f"{SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
+                f"the ledger {self._database.location} has schema version {version}; this dpfleet reads versions "
+                f"up to {SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
             )
 
-    def _migrate(self, connection: sqlite3.Connection, version: int) -> None:
+    def _migrate(self, connection: Connection, version: int) -> None:
         """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
-        for target in range(version + 1, SCHEMA_VERSION + 1):
-            for statement in _MIGRATIONS[target]:
-                connection.execute(statement)
-        connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
         caller = self._default_caller or Caller(actor=f"{_local_user()} (opening the file)", tenant=None)
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            _MIGRATIONS[target](connection, caller, self._database)
+        connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
         self._record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
 
     def _caller(self, caller: Caller | None) -> Caller:
@@ -341,20 +483,24 @@ class Ledger:
 
     @staticmethod
     def _record(
-        connection: sqlite3.Connection,
+        connection: Connection,
         caller: Caller,
         action: str,
         tenant: str | None,
         dataset_id: int | None,
         details: dict,
     ) -> None:
+        last = connection.execute("SELECT id, hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
+        entry_id, previous = (last[0] + 1, last[1]) if last is not None else (1, "")
+        at, details_json = _now(), json.dumps(details, sort_keys=True)
+        entry_hash = history_hash(previous, entry_id, at, caller.actor, action, tenant, dataset_id, details_json)
         connection.execute(
-            "INSERT INTO history (at, actor, action, tenant, dataset_id, details) VALUES (?, ?, ?, ?, ?, ?)",
-            (_now(), caller.actor, action, tenant, dataset_id, json.dumps(details, sort_keys=True)),
+            f"INSERT INTO history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
         )
 
     @staticmethod
-    def _dataset_row(connection: sqlite3.Connection, caller: Caller, reference: str) -> tuple:
+    def _dataset_row(connection: Connection, caller: Caller, reference: str) -> _DatasetRow:
         dataset = resolve_dataset(caller, reference)
         row = connection.execute(
             f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? AND name = ?", (dataset.tenant, dataset.name)
@@ -363,10 +509,10 @@ class Ledger:
             if caller.admin:
                 raise NotFound(f"dataset {reference!r} does not exist; create it with dpfleet ledger dataset create")
             raise no_access(reference)
-        return row
+        return _DatasetRow(*row)
 
     @staticmethod
-    def _reservation_row(connection: sqlite3.Connection, caller: Caller, reservation_id: str) -> tuple:
+    def _reservation_row(connection: Connection, caller: Caller, reservation_id: str) -> tuple:
         check_name("reservation id", reservation_id)
         row = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r "
@@ -381,7 +527,10 @@ class Ledger:
 
     @staticmethod
     def _reservation(caller: Caller, row: tuple) -> Reservation:
-        reservation_id, tenant, name, job_id, state, planned, committed, created_at, released_at = row[:9]
+        (
+            reservation_id, tenant, name, job_id, state, planned, committed, created_at, released_at,
+            lease_seconds, expires_at, lease_expired,
+        ) = row[:12]
         return Reservation(
             reservation_id=reservation_id,
             dataset=display_name(caller, DatasetRef(tenant, name)),
@@ -391,44 +540,50 @@ class Ledger:
             committed_steps=committed,
             created_at=created_at,
             released_at=released_at,
+            lease_seconds=lease_seconds,
+            expires_at=expires_at,
+            lease_expired=bool(lease_expired),
         )
 
-    @staticmethod
-    def _status_rows(connection: sqlite3.Connection, row: tuple) -> tuple[tuple, list[tuple]]:
+    def _status_rows(self, connection: Connection, row: _DatasetRow) -> tuple[_DatasetRow, list[tuple]]:
         """What a status needs from the file: read inside a transaction, computed on outside it."""
         jobs = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-            "WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.rowid",
-            (row[0], ACTIVE),
+            f"WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.{self._database.insertion_order}",
+            (row.dataset_id, ACTIVE),
         ).fetchall()
         return row, jobs
 
     def _status(
-        self, caller: Caller, rows: tuple[tuple, list[tuple]], pld_may_be_pending: bool = False
+        self, caller: Caller, rows: tuple[_DatasetRow, list[tuple]], pld_may_be_pending: bool = False
     ) -> DatasetStatus:
         # The PLD epsilon can take a second when the committed events changed; no lock is held here.
-        (_, tenant, name, budget_epsilon, delta, held, committed_events, released), jobs = rows
+        row, jobs = rows
+        rule = _rule(row)
         figures = budget_figures(
-            budget_epsilon, delta, Composition.from_json(committed_events), RdpTally.from_json(held), pld_may_be_pending
+            row.budget_epsilon, rule, Composition.from_json(row.committed_events), RdpTally.from_json(row.held_rdp),
+            pld_may_be_pending,
         )
         return DatasetStatus(
-            name=display_name(caller, DatasetRef(tenant, name)),
-            tenant=tenant,
-            budget_epsilon=budget_epsilon,
-            delta=delta,
+            name=display_name(caller, DatasetRef(row.tenant, row.name)),
+            tenant=row.tenant,
+            budget_epsilon=row.budget_epsilon,
+            delta=row.delta,
+            admission=rule,
             spent_epsilon=figures.spent_epsilon,
             spent_epsilon_rdp=figures.spent_epsilon_rdp,
+            spent_epsilon_filter=figures.spent_epsilon_filter,
             reserved_epsilon=figures.reserved_epsilon,
             remaining_epsilon=figures.remaining_epsilon,
             jobs=tuple(self._reservation(caller, job) for job in jobs),
-            released_jobs=released,
+            released_jobs=row.released_jobs,
             spent_epsilon_accountant=figures.spent_epsilon_accountant,
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
         with self._transaction() as connection:
             created = connection.execute(
-                "INSERT OR IGNORE INTO tenants (name, created_at) VALUES (?, ?)", (tenant, _now())
+                "INSERT INTO tenants (name, created_at) VALUES (?, ?) ON CONFLICT DO NOTHING", (tenant, _now())
             ).rowcount
             if created:
                 self._record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False})
@@ -474,7 +629,7 @@ class Ledger:
                     "INSERT INTO tenants (name, key_id, token_salt, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
                     (tenant, key_id, salt, token_hash, _now()),
                 )
-            except sqlite3.IntegrityError:
+            except self._database.duplicate_errors:
                 raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name") from None
             self._record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "key_id": key_id})
         return TenantCreated(tenant, token)
@@ -490,23 +645,28 @@ class Ledger:
         delta = check_delta(delta)
         reference = resolve_dataset(caller, dataset)
         zero = RdpTally.zero().to_json()
+        rule = AdmissionRule.for_budget(epsilon, delta)
         with self._transaction() as connection:
             if not connection.execute("SELECT 1 FROM tenants WHERE name = ?", (reference.tenant,)).fetchone():
                 raise NotFound(
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
                 )
             try:
-                dataset_id = connection.execute(
+                (dataset_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now()),
-                ).lastrowid
-            except sqlite3.IntegrityError:
+                    "created_at, admission_rule) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    (
+                        reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
+                        json.dumps(rule.to_dict()),
+                    ),
+                ).fetchone()
+            except self._database.duplicate_errors:
                 raise AlreadyExists(
                     f"dataset {dataset!r} already exists; an admin can raise its budget (dpfleet ledger dataset raise)"
                 ) from None
             self._record(
-                connection, caller, "create_dataset", reference.tenant, dataset_id, {"epsilon": epsilon, "delta": delta}
+                connection, caller, "create_dataset", reference.tenant, dataset_id,
+                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict()},
             )
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
@@ -520,10 +680,13 @@ class Ledger:
             )
         epsilon = check_budget_epsilon(epsilon)
         with self._transaction() as connection:
-            dataset_id, tenant, _, old_epsilon, delta, held = self._dataset_row(connection, caller, dataset)[:6]
-            check_new_budget(dataset, epsilon, delta, RdpTally.from_json(held))
-            connection.execute("UPDATE datasets SET budget_epsilon = ? WHERE id = ?", (epsilon, dataset_id))
-            self._record(connection, caller, "raise_budget", tenant, dataset_id, {"from": old_epsilon, "to": epsilon})
+            row = self._dataset_row(connection, caller, dataset)
+            check_new_budget(dataset, _rule(row), epsilon, RdpTally.from_json(row.held_rdp))
+            connection.execute("UPDATE datasets SET budget_epsilon = ? WHERE id = ?", (epsilon, row.dataset_id))
+            self._record(
+                connection, caller, "raise_budget", row.tenant, row.dataset_id,
+                {"from": row.budget_epsilon, "to": epsilon},
+            )
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
 
@@ -553,7 +716,7 @@ class Ledger:
                 datasets = connection.execute(
                     f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? ORDER BY name", (caller.tenant,)
                 )
-            all_rows = [self._status_rows(connection, row) for row in datasets.fetchall()]
+            all_rows = [self._status_rows(connection, _DatasetRow(*row)) for row in datasets.fetchall()]
         return [self._status(caller, rows, pld_may_be_pending) for rows in all_rows]
 
     # ------------------------------------------------------------ jobs
@@ -568,7 +731,7 @@ class Ledger:
         with self._read() as connection:
             if dataset is not None:
                 conditions.append("r.dataset_id = ?")
-                parameters.append(self._dataset_row(connection, caller, dataset)[0])
+                parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
             elif not caller.admin:
                 conditions.append("d.tenant = ?")
                 parameters.append(caller.tenant)
@@ -578,30 +741,41 @@ class Ledger:
             where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
             rows = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-                f"{where} ORDER BY r.rowid",
+                f"{where} ORDER BY r.{self._database.insertion_order}",
                 parameters,
             ).fetchall()
         return [self._reservation(caller, row) for row in rows]
 
     def reserve(
-        self, dataset: str, job_id: str, planned: EventsLike, *, caller: Caller | None = None
+        self,
+        dataset: str,
+        job_id: str,
+        planned: EventsLike,
+        lease_seconds: float | None = None,
+        *,
+        caller: Caller | None = None,
     ) -> Reservation:
         """Hold budget for all of a job's planned events, or raise BudgetExceeded.
 
-        A job id holds at most one active reservation per dataset: asking
-        again with the same plan returns that reservation (a retried reserve
-        holds budget once); a different plan is refused until it is released.
+        The dataset's admission rule decides. A job id holds at most one
+        active reservation per dataset: asking again with the same plan
+        returns that reservation (a retried reserve holds budget once); a
+        different plan is refused until it is released. With
+        `lease_seconds`, the reservation expires that long after this call
+        or its last commit, and its unrun steps are released.
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
         planned = check_plan(planned)
+        lease_seconds = check_lease_seconds(lease_seconds)
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
-            dataset_id, tenant, _, budget_epsilon, delta, held = self._dataset_row(connection, caller, dataset)[:6]
+            row = self._dataset_row(connection, caller, dataset)
+            self._expire_leases(connection, row.dataset_id)
             existing = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
                 "WHERE r.dataset_id = ? AND r.job_id = ? AND r.state = ?",
-                (dataset_id, job_id, ACTIVE),
+                (row.dataset_id, job_id, ACTIVE),
             ).fetchone()
             if existing is not None:
                 reservation = self._reservation(caller, existing)
@@ -611,53 +785,62 @@ class Ledger:
                         f"{dataset!r} with another plan; release it first or use another job id"
                     )
                 return reservation
+            (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (row.dataset_id,)).fetchone()
             held = RdpTally.from_json(held)
-            total_epsilon = check_admission(dataset, budget_epsilon, delta, held, planned_tally)
+            total_epsilon = check_admission(dataset, _rule(row), row.budget_epsilon, held, planned_tally)
             reservation_id = f"r-{secrets.token_hex(8)}"
             connection.execute(
-                "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at) "
-                "VALUES (?, ?, ?, ?, 0, ?, ?)",
-                (reservation_id, dataset_id, job_id, planned.to_json(), ACTIVE, _now()),
+                "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at, "
+                "lease_seconds, expires_at) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?)",
+                (
+                    reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, _now(), lease_seconds,
+                    _expiry(lease_seconds),
+                ),
             )
             connection.execute(
-                "UPDATE datasets SET held_rdp = ? WHERE id = ?", ((held + planned_tally).to_json(), dataset_id)
+                "UPDATE datasets SET held_rdp = ? WHERE id = ?", ((held + planned_tally).to_json(), row.dataset_id)
             )
             self._record(
                 connection,
                 caller,
                 "reserve",
-                tenant,
-                dataset_id,
+                row.tenant,
+                row.dataset_id,
                 {
                     "reservation_id": reservation_id,
                     "job_id": job_id,
                     "planned_events": planned.to_dict(),
-                    "held_epsilon_rdp": total_epsilon,
+                    "held_epsilon_filter": total_epsilon,
+                    "lease_seconds": lease_seconds,
                 },
             )
-            row = connection.execute(
+            reserved = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
                 "WHERE r.id = ?",
                 (reservation_id,),
             ).fetchone()
-        return self._reservation(caller, row)
+        return self._reservation(caller, reserved)
 
     def commit(
         self, reservation_id: str, steps: int, sequence: int, *, caller: Caller | None = None
     ) -> CommitResult:
-        """Charge the next `steps` planned steps of a reservation (in plan order) as spent.
+        """Charge the next `steps` planned steps of a reservation (in plan order) as spent; renew its lease.
 
         Idempotent per `sequence`: a retry with the same sequence and steps
         charges nothing more and returns the first result; the same sequence
-        with other steps is refused.
+        with other steps is refused. A reservation whose lease expired takes
+        no new commit (FailedPrecondition).
         """
         caller = self._caller(caller)
         steps = check_steps(steps)
         sequence = check_sequence(sequence)
         with self._transaction() as connection:
             row = self._reservation_row(connection, caller, reservation_id)
+            dataset_id = row[12]
+            if row[4] == ACTIVE and row[10] is not None and row[10] <= _now():  # its own lease ran out
+                self._expire_leases(connection, dataset_id)
+                row = self._reservation_row(connection, caller, reservation_id)
             reservation = self._reservation(caller, row)
-            dataset_id = row[9]
             earlier = connection.execute(
                 "SELECT steps, committed_steps FROM commits WHERE reservation_id = ? AND sequence = ?",
                 (reservation_id, sequence),
@@ -669,6 +852,11 @@ class Ledger:
                         f"(got {steps}); a retry must repeat the same steps, a new block needs a new sequence"
                     )
                 return CommitResult(reservation_id, sequence, steps, earlier[1], reservation.planned_steps)
+            if reservation.lease_expired:
+                raise FailedPrecondition(
+                    f"the lease of reservation {reservation_id} expired at {reservation.expires_at} and its unrun "
+                    "steps were released, so it takes no more commits; stop the job's steps and reserve again"
+                )
             if reservation.state != ACTIVE:
                 raise FailedPrecondition(
                     f"reservation {reservation_id} was released; reserve again for more steps"
@@ -680,16 +868,24 @@ class Ledger:
                 )
             _, unrun = split_steps(reservation.planned, reservation.committed_steps)
             block, _ = split_steps(unrun, steps)
-            (committed_events,) = connection.execute(
-                "SELECT committed_events FROM datasets WHERE id = ?", (dataset_id,)
-            ).fetchone()
+            dataset = _DatasetRow(
+                *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
+            )
+            committed_events = Composition.from_json(dataset.committed_events)
+            # Admission keeps every commit within the filter; this holds the line for reservations made before
+            # the dataset had one (a file of schema version 2), whose unrun steps may not fit it.
+            check_admission(
+                reservation.dataset, _rule(dataset), dataset.budget_epsilon, RdpTally.of(committed_events),
+                RdpTally.of(block),
+            )
             connection.execute(
                 "UPDATE datasets SET committed_events = ? WHERE id = ?",
-                (canonical(Composition.from_json(committed_events).then(block)).to_json(), dataset_id),
+                (canonical(committed_events.then(block)).to_json(), dataset_id),
             )
             committed_steps = reservation.committed_steps + steps
             connection.execute(
-                "UPDATE reservations SET committed_steps = ? WHERE id = ?", (committed_steps, reservation_id)
+                "UPDATE reservations SET committed_steps = ?, expires_at = ? WHERE id = ?",
+                (committed_steps, _expiry(reservation.lease_seconds), reservation_id),
             )
             connection.execute(
                 "INSERT INTO commits (reservation_id, sequence, steps, committed_steps, at) VALUES (?, ?, ?, ?, ?)",
@@ -715,34 +911,93 @@ class Ledger:
         caller = self._caller(caller)
         with self._transaction() as connection:
             row = self._reservation_row(connection, caller, reservation_id)
-            reservation = self._reservation(caller, row)
-            if reservation.state != ACTIVE:
-                return reservation
-            dataset_id = row[9]
-            _, unrun = split_steps(reservation.planned, reservation.committed_steps)
-            (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
-            connection.execute(
-                "UPDATE datasets SET held_rdp = ?, released_jobs = released_jobs + 1 WHERE id = ?",
-                ((RdpTally.from_json(held) - RdpTally.of(unrun)).to_json(), dataset_id),
-            )
-            connection.execute(
-                "UPDATE reservations SET state = ?, released_at = ? WHERE id = ?", (RELEASED, _now(), reservation_id)
-            )
-            self._record(
-                connection,
-                caller,
-                "release",
-                row[1],
-                dataset_id,
-                {
-                    "reservation_id": reservation_id,
-                    "job_id": reservation.job_id,
-                    "committed_steps": reservation.committed_steps,
-                    "freed_steps": unrun.steps,
-                },
-            )
+            self._expire_leases(connection, row[12])
+            self._free(connection, caller, self._reservation_row(connection, caller, reservation_id), "release")
             row = self._reservation_row(connection, caller, reservation_id)
         return self._reservation(caller, row)
+
+    def expire_leases(self) -> None:
+        """Release the unrun steps of every reservation whose lease ran out (a server calls this every second).
+
+        Looks first on a reader, so a sweep that finds nothing writes nothing and waits for no fsync.
+        """
+        with self._read() as connection:
+            due = connection.execute(
+                "SELECT 1 FROM reservations WHERE state = ? AND expires_at IS NOT NULL AND expires_at <= ? LIMIT 1",
+                (ACTIVE, _now()),
+            ).fetchone()
+        if due is not None:
+            with self._transaction() as connection:
+                self._expire_leases(connection, None)
+
+    def _expire_leases(self, connection: Connection, dataset_id: int | None) -> None:
+        condition, parameters = ("AND r.dataset_id = ?", (dataset_id,)) if dataset_id is not None else ("", ())
+        expired = connection.execute(
+            f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
+            f"WHERE r.state = ? AND r.expires_at IS NOT NULL AND r.expires_at <= ? {condition} "
+            f"ORDER BY r.{self._database.insertion_order}",
+            (ACTIVE, _now(), *parameters),
+        ).fetchall()
+        for row in expired:
+            self._free(connection, LEASE_EXPIRY, row, "expire")
+
+    def _free(self, connection: Connection, caller: Caller, row: tuple, action: str) -> None:
+        """Release an active reservation's unrun steps (`action`: "release", or "expire" for a lease that ran out)."""
+        reservation = self._reservation(caller, row)
+        if reservation.state != ACTIVE:
+            return
+        dataset_id = row[12]
+        _, unrun = split_steps(reservation.planned, reservation.committed_steps)
+        (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
+        connection.execute(
+            "UPDATE datasets SET held_rdp = ?, released_jobs = released_jobs + 1 WHERE id = ?",
+            ((RdpTally.from_json(held) - RdpTally.of(unrun)).to_json(), dataset_id),
+        )
+        connection.execute(
+            "UPDATE reservations SET state = ?, released_at = ?, lease_expired = ? WHERE id = ?",
+            (RELEASED, _now(), int(action == "expire"), reservation.reservation_id),
+        )
+        self._record(
+            connection,
+            caller,
+            action,
+            row[1],
+            dataset_id,
+            {
+                "reservation_id": reservation.reservation_id,
+                "job_id": reservation.job_id,
+                "committed_steps": reservation.committed_steps,
+                "freed_steps": unrun.steps,
+            },
+        )
+
+    def verify(self, *, caller: Caller | None = None) -> Verification:
+        """Check the history's hash chain and replay every dataset's history against its row (admin only)."""
+        caller = self._caller(caller)
+        if not caller.admin:
+            raise PermissionDenied("verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
+        with self._read() as connection:
+            entries = [
+                StoredEntry(*row)
+                for row in connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
+            ]
+            rows = [
+                _DatasetRow(*row)
+                for row in connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets ORDER BY id").fetchall()
+            ]
+        datasets = [
+            StoredDataset(
+                dataset_id=row.dataset_id,
+                name=f"{row.tenant}/{row.name}",
+                budget_epsilon=row.budget_epsilon,
+                delta=row.delta,
+                admission=_rule(row),
+                held=RdpTally.from_json(row.held_rdp),
+                committed_events=Composition.from_json(row.committed_events),
+            )
+            for row in rows
+        ]
+        return verify_history(entries, datasets)
 
     def history(
         self, dataset: str | None = None, limit: int = 1000, *, caller: Caller | None = None
@@ -754,7 +1009,7 @@ class Ledger:
         with self._read() as connection:
             if dataset is not None:
                 conditions.append("h.dataset_id = ?")
-                parameters.append(self._dataset_row(connection, caller, dataset)[0])
+                parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
             elif not caller.admin:
                 conditions.append("h.tenant = ?")
                 parameters.append(caller.tenant)

@@ -16,14 +16,18 @@ from pathlib import Path
 from typing import Callable
 
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
+from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
+from accounting.ledger.databases import is_postgresql, shown_location
 from accounting.ledger.service import LedgerServer, serve
-from accounting.ledger.store import default_ledger_path, open_embedded_ledger
+from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
 from orchestrator import checks
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError
 
-_ADDRESS_HELP = "ledger server HOST:PORT (default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
+_ADDRESS_HELP = (
+    "ledger server HOST:PORT, or HOST:PORT,HOST:PORT for servers of one database to fail over between "
+    "(default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
+)
 
 
 def _ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -68,18 +72,19 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def _status_table(statuses: list[DatasetStatus]) -> str:
     headers = [
-        "dataset", "budget ε", "δ", "spent ε", "spent ε (rdp)", "reserved ε", "remaining ε",
-        "active jobs", "released jobs",
+        "dataset", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
+        "filter orders", "active jobs", "released jobs",
     ]
     rows = [
         [
             status.name,
             status.budget_epsilon,
             status.delta,
-            f"{format_number(status.spent_epsilon)} ({status.spent_epsilon_accountant})",
-            status.spent_epsilon_rdp,
+            status.spent_epsilon_filter,
             status.reserved_epsilon,
             status.remaining_epsilon,
+            f"{format_number(status.spent_epsilon)} ({status.spent_epsilon_accountant})",
+            " ".join(format_number(order) for order in status.admission.orders),
             len(status.jobs),
             status.released_jobs,
         ]
@@ -88,19 +93,27 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
     text = format_table(headers, rows)
     if any(status.spent_epsilon_accountant != "pld" for status in statuses):
         text += (
-            "\n\nspent ε (rdp): the PLD figure of new commits was not ready yet (--no-wait); "
+            "\n\n(rdp): the PLD figure of new commits was not ready yet (--no-wait); "
             "a status without --no-wait waits for it."
         )
     jobs = [job for status in statuses for job in status.jobs]
     if jobs:
         text += "\n\njobs holding budget:\n" + _jobs_table(jobs)
-    return text + "\n\nremaining ε = budget ε - RDP ε of committed and reserved steps (what admission checks)."
+    return text + (
+        "\n\nspent ε (filter) + reserved ε + remaining ε = budget ε: the RDP filter at the dataset's orders, "
+        "each at δ/(number of orders), admits jobs and bounds them however they were chosen. spent ε "
+        "(non-adaptive): the PLD ε of the committed steps, which holds only if no job was chosen after seeing "
+        "another's results."
+    )
 
 
 def _jobs_table(jobs: list) -> str:
-    headers = ["reservation", "dataset", "job", "state", "committed steps", "planned steps", "created"]
+    headers = ["reservation", "dataset", "job", "state", "committed steps", "planned steps", "created", "lease ends"]
     rows = [
-        [job.reservation_id, job.dataset, job.job_id, job.state, job.committed_steps, job.planned_steps, job.created_at]
+        [
+            job.reservation_id, job.dataset, job.job_id, "lease expired" if job.lease_expired else job.state,
+            job.committed_steps, job.planned_steps, job.created_at, job.expires_at or "",
+        ]
         for job in jobs
     ]
     return format_table(headers, rows)
@@ -238,6 +251,28 @@ def run_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+@_ledger_command
+def run_verify(args: argparse.Namespace) -> int:
+    """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
+    path = args.db if args.db and is_postgresql(args.db) else Path(args.db) if args.db else default_ledger_path()
+    if isinstance(path, Path) and not path.exists():
+        raise UsageError(f"no ledger file at {path}; give the file or URL dpfleet ledger serve --db uses")
+    with Ledger(path, caller=ADMIN) as ledger:
+        verification = ledger.verify()
+    if args.json:
+        print_json(verification.to_dict())
+    else:
+        for finding in verification.findings:
+            print(finding)
+        outcome = f"{len(verification.findings)} finding(s)" if verification.findings else "no findings"
+        print(
+            f"{outcome} in {verification.entries} history entries and {verification.datasets} datasets of "
+            f"{shown_location(str(path))}; "
+            f"head hash {verification.head_hash} (keep it elsewhere to notice a history rewritten from the start)"
+        )
+    return 1 if verification.findings else 0
+
+
 def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `ledger` and its commands on the top-level subcommands."""
     ledger = subparsers.add_parser(
@@ -254,7 +289,11 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
         "prints 'listening on HOST:PORT' when ready.",
     )
-    serve_parser.add_argument("--db", required=True, help="the SQLite ledger file (created if missing)")
+    serve_parser.add_argument(
+        "--db", required=True,
+        help="the SQLite ledger file (created if missing), or a postgresql://USER@HOST:PORT/DATABASE URL "
+        "that several servers may share",
+    )
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
     serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
@@ -311,6 +350,18 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     release.add_argument("reservation_id", help="the reservation, as listed by dpfleet ledger jobs")
     _add_client_flags(release)
     release.set_defaults(handler=run_release)
+
+    verify = commands.add_parser(
+        "verify",
+        help="check the history's hash chain and replay every dataset's admissions, tally and commits",
+        description="Check that each history entry carries the hash of the one before it, and replay every "
+        "dataset's history from its events: each admission and commit against the dataset's rule, and the "
+        "replayed RDP tally and committed events against the dataset's row. Prints each finding with its "
+        "dataset and entry; exits 1 when there is any.",
+    )
+    verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    verify.set_defaults(handler=run_verify)
 
     jobs = commands.add_parser("jobs", help="reservations, oldest first")
     jobs.add_argument("--dataset", help="only jobs on this dataset")

@@ -93,8 +93,8 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
         "Exit statuses: 0 on success; 2 on a usage mistake (one line on stderr naming the flag or key and its",
         "valid range); 3 when the ledger refuses a budget; 4 when `dpfleet train` stops after a ledger outage",
         "longer than `ledger_timeout`, 5 after a shard outage longer than `shard_timeout` (both at a checkpoint",
-        "that `--resume` continues); 1 from `dpfleet submit` when the job failed or was stopped; 130 when",
-        "interrupted.",
+        "that `--resume` continues); 1 from `dpfleet submit` when the job failed or was stopped, and from",
+        "`dpfleet ledger verify` when it finds a problem; 130 when interrupted.",
         "",
     ]
     parser.formatter_class = _formatter

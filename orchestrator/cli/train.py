@@ -39,8 +39,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     length.add_argument("--steps", help="number of steps (overrides the config)")
     train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
     train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
-    train.add_argument("--ledger", metavar="HOST:PORT",
-                       help="privacy ledger server (default: the config's ledger, DPFLEET_LEDGER, else embedded)")
+    train.add_argument("--ledger", metavar="HOST:PORT[,HOST:PORT...]",
+                       help="privacy ledger server, or servers of one database to fail over between "
+                            "(default: the config's ledger, DPFLEET_LEDGER, else embedded)")
     train.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
     train.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
     train.add_argument("--show-train-loss", action="store_true",
@@ -119,8 +120,9 @@ def run_train(args: argparse.Namespace) -> int:
         ["samples/s", summary["samples_per_second"]],
         ["run dir", config.run_dir],
         [f"ledger: {trainer.ledger.dataset!r} budget", f"epsilon {budget.budget_epsilon:g} at delta {budget.delta:g}"],
-        ["ledger: spent (pld)", budget.spent_epsilon],
+        ["ledger: spent (filter)", budget.spent_epsilon_filter],
         ["ledger: remaining", budget.remaining_epsilon],
+        [f"ledger: spent ({budget.spent_epsilon_accountant}, non-adaptive)", budget.spent_epsilon],
     ]
     rows.extend(outage_rows(summary.get("shard_outages", [])))
     if args.mia:
@@ -174,7 +176,8 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say)
     job = JobLedger.reserve(
-        ledger, dataset, new_job_id(config.run_dir), trainer.plan.row_level_events, config.ledger_timeout, say
+        ledger, dataset, new_job_id(config.run_dir), trainer.plan.row_level_events, config.ledger_timeout, say,
+        config.ledger_lease,
     )
     say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
     return job

