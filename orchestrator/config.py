@@ -138,6 +138,13 @@ class TrainConfig:
         '`"sgd"`',
     )
     learning_rate: float = key(0.1, "optimizer", "number", "> 0", "The optimizer's step size.")
+    ema_decay: float | None = key(
+        None, "optimizer", "number", "in (0, 1)",
+        "Parameter averaging: the driver keeps an exponential moving average of the weights (decay warmed up "
+        "as min(decay, (1 + t) / (10 + t)) at step t), evaluates it instead of the weights, and saves it with "
+        "the checkpoints (post-processing: no privacy cost).",
+        "off",
+    )
     lr_schedule: LearningRateSchedule = key(
         LearningRateSchedule(), "optimizer", "string or table",
         '`{ kind = "constant" | "cosine" | "step" | "exponential", gamma, step_size }`; '
@@ -200,6 +207,12 @@ class TrainConfig:
         "torchvision v2 transforms applied in the worker to each sampled example on its own. "
         "MixUp and CutMix mix examples and are refused.",
         "none",
+    )
+    augmentations_per_example: int = key(
+        1, "model and task", "integer", "≥ 1; above 1 needs `train_transforms`",
+        "Augmentation multiplicity (De et al. 2022): each sampled example's gradient is the mean over K views "
+        "drawn by `train_transforms`, and that mean is clipped to C, so the sensitivity stays C. Not with "
+        "`microbatch_size`. The fast engine hands such steps to the vmap engine.",
     )
     microbatch_size: int | None = key(
         None, "privacy", "integer", "≥ 1",
@@ -466,6 +479,9 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         loss=_loss(values.get("loss", "cross_entropy")),
         metrics=_metrics(values.get("loss", "cross_entropy"), values.get("metrics")),
         train_transforms=_train_transforms(values.get("train_transforms", [])),
+        augmentations_per_example=checks.integer_at_least(
+            "augmentations_per_example", values.get("augmentations_per_example", 1), 1),
+        ema_decay=_optional(values, "ema_decay", checks.open_unit_interval),
         microbatch_size=_optional(values, "microbatch_size", lambda key, v: checks.integer_at_least(key, v, 1)),
         adaptive_clipping=parse_adaptive_clipping(values.get("adaptive_clipping")),
         layer_clip_norms=_layer_clip_norms(values.get("layer_clip_norms")),
@@ -498,6 +514,15 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
     if not shards:
         # With shards, N is known once the workers report their sizes; the trainer checks it then.
         checks.batch_within_dataset("batch_size", config.batch_size, sampled_unit_count(config))
+    if config.augmentations_per_example > 1 and not config.train_transforms:
+        raise UsageError(f"augmentations_per_example = {config.augmentations_per_example} needs train_transforms "
+                         "to draw the views from; without them every view is the same example")
+    if config.augmentations_per_example > 1 and config.microbatch_size:
+        raise UsageError("augmentations_per_example clips each example's mean gradient over its views; "
+                         "it cannot be combined with microbatch_size")
+    if config.augmentations_per_example > 1 and config.privacy_unit == "user":
+        raise UsageError("augmentations_per_example averages one example's views; with privacy_unit = \"user\" "
+                         "a user's rows are combined instead: leave augmentations_per_example at 1")
     if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
         raise UsageError("layer_clip_norms clips single examples with fixed norms; "
                          "it cannot be combined with microbatch_size or adaptive_clipping")

@@ -87,7 +87,7 @@ class ShardFleet:
         ).remote(
             spec, shard, worker, config.seed, config.model, config.max_physical_batch,
             threads=config.cpus_per_worker, data_root=config.data_root, engine=config.engine, loss=config.loss,
-            train_transforms=config.train_transforms,
+            train_transforms=config.train_transforms, augmentations_per_example=config.augmentations_per_example,
         )
         if self.sampling_rate is not None:
             # Calls from one caller run in order on an actor: this lands before the step that follows.

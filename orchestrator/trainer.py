@@ -58,7 +58,7 @@ from orchestrator.noise import (
     driver_threads,
     noisy_mean_gradient,
 )
-from orchestrator.optimizers import build_optimizer
+from orchestrator.optimizers import build_optimizer, update_ema
 from orchestrator.report import plot_curves
 from orchestrator.sampling import (
     assign_microbatches,
@@ -369,6 +369,8 @@ class Trainer:
         self.flat_weights, self.flat_gradient = bind_flat_views(self.model)
         self.optimizer = build_optimizer(config.optimizer, config.learning_rate, self.model.parameters())
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
+        # Parameter averaging: a function of the noisy updates only, kept here and shipped for evaluation.
+        self.ema_weights = None if config.ema_decay is None else self.flat_weights.clone()
         self.events = Composition()
         # The bound noise is scaled to: the total of the per-layer norms, or the (possibly adaptive) clip norm.
         self.clip_norm = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm
@@ -450,6 +452,8 @@ class Trainer:
             "dataset_size": self.plan.dataset_size,
             "shard_outages": self.shard_outages,
             "step_times": asdict(self.times),
+            # Laid out as workers.models.flat_parameters: load_flat_parameters(model, ...) gives the averaged model.
+            "ema_weights": None if self.ema_weights is None else self.ema_weights.cpu().clone(),
         }
 
     def load_state(self, state: dict) -> None:
@@ -475,6 +479,11 @@ class Trainer:
         self.resumed_reservation_id = state["reservation_id"]
         self.shard_outages = list(state.get("shard_outages", []))
         self.times = self.times_at_last_row = StepTimes(**state.get("step_times", {}))
+        if self.ema_weights is not None:
+            if state.get("ema_weights") is None:
+                raise ValueError("the checkpoint holds no averaged weights, but the run has ema_decay set; "
+                                 "resume with the configuration the run started with")
+            self.ema_weights.copy_(state["ema_weights"])
 
     def _save_checkpoint(self) -> None:
         self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
@@ -530,15 +539,19 @@ class Trainer:
         """The workers to evaluate on and ask for reports: `workers`, or the shards' workers that are up."""
         return workers if self.shards is None else self.shards.present_actors()
 
-    def _weights(self) -> ray.ObjectRef:
-        """The current flat float32 weights in the object store (one copy, straight from the model's buffer)."""
-        return ray.put(self.flat_weights.numpy() if self.device.type == "cpu" else self.flat_weights.cpu().numpy())
+    def _weights(self, evaluated: bool = False) -> ray.ObjectRef:
+        """The current flat float32 weights in the object store (one copy, straight from the model's buffer).
+
+        With ``evaluated``, the weights an evaluation uses: their moving average when ``ema_decay`` is set.
+        """
+        weights = self.ema_weights if evaluated and self.ema_weights is not None else self.flat_weights
+        return ray.put(weights.numpy() if self.device.type == "cpu" else weights.cpu().numpy())
 
     def _start_evaluation(self, workers: list, split: str, size: int) -> list[ray.ObjectRef]:
         """Ask the workers for their parts of an evaluation over the first ``size`` examples of a split."""
         workers = self._workers_now(workers)
         bounds = np.linspace(0, size, len(workers) + 1).astype(int)
-        weights = self._weights()
+        weights = self._weights(evaluated=True)
         return [worker.evaluate.remote(weights, split, int(start), int(stop), self.config.metrics)
                 for worker, start, stop in zip(workers, bounds[:-1], bounds[1:]) if stop > start]
 
@@ -576,6 +589,7 @@ class Trainer:
             engine=config.engine,
             loss=config.loss,
             train_transforms=config.train_transforms,
+            augmentations_per_example=config.augmentations_per_example,
             users=user_spec(config),
         )
 
@@ -765,6 +779,8 @@ class Trainer:
             # DP-FedAvg: the noisy mean is a model delta, a step the server optimizer takes as minus a gradient.
             self.flat_gradient.neg_()
         self.optimizer.step()
+        if self.ema_weights is not None:
+            update_ema(self.ema_weights, self.flat_weights, self.config.ema_decay, self.step)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 

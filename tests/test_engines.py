@@ -21,7 +21,8 @@ from workers.actor import GradientWorker
 from workers.engines import ENGINES, _units, clipped_sum, fast_clipped_sum
 from workers.layer_rules import attention_rule, instantiation_is_cheaper, vmap_rule
 from workers.vmap_engine import per_example_clipped_sum
-from workers.models import MODEL_NAMES, build_model, flat_parameters
+from workers.features import compute_features, feature_map
+from workers.models import MODEL_NAMES, build_model, flat_parameters, input_shape
 
 TOLERANCE = 1e-5
 
@@ -72,7 +73,12 @@ def rules_of(model):
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
 def test_registry_models(model_name):
     torch.manual_seed(11)
-    assert_engines_agree(build_model(model_name), torch.rand(12, 1, 28, 28), torch.randint(0, 10, (12,)))
+    inputs = torch.rand(12, *input_shape(model_name))
+    # A ScatterNet's workers run the engines on its head, over the fixed features.
+    features, model = feature_map(build_model(model_name))
+    if features is not None:
+        inputs = compute_features(features, inputs)
+    assert_engines_agree(model, inputs, torch.randint(0, 10, (12,)))
 
 
 def test_resnet18_with_group_norm():

@@ -15,7 +15,7 @@ from ray.cluster_utils import Cluster
 
 from orchestrator.config import build_config
 from orchestrator.errors import ShardTimeoutError
-from orchestrator.cli.train import _job_ledger
+from orchestrator.cli.train import job_ledger
 from orchestrator.trainer import Trainer, resume_trainer
 from workers.models import flat_parameters
 
@@ -52,7 +52,7 @@ def sharded_config(tmp_path, name, **overrides):
 
 def run_charged(trainer):
     """Run `trainer` charging the embedded ledger as `dpfleet train` does; return the summary and the job."""
-    trainer.ledger = _job_ledger(NO_LEDGER_FLAGS, trainer)
+    trainer.ledger = job_ledger(NO_LEDGER_FLAGS, trainer)
     summary = trainer.run()
     trainer.ledger.release()
     (job,) = trainer.ledger.ledger.list_jobs(trainer.ledger.dataset)
@@ -180,7 +180,7 @@ def test_wait_stops_at_a_checkpoint_after_shard_timeout_and_resume_finishes_the_
 
     # At a block boundary (commit_every = 2): the loss is found before block [4, 6) is charged, so it never is.
     trainer.cluster, trainer.remove_at, trainer.then = cluster, None, remove_silo_c_after_step_4
-    trainer.ledger = _job_ledger(NO_LEDGER_FLAGS, trainer)
+    trainer.ledger = job_ledger(NO_LEDGER_FLAGS, trainer)
     with pytest.raises(ShardTimeoutError) as stopped:
         trainer.run()
     message = str(stopped.value)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import orchestrator.trainer as trainer_module
@@ -15,12 +16,15 @@ from orchestrator.adaptive_clipping import effective_noise_multiplier
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.noise import GRADIENT_NOISE, GaussianNoise
+from orchestrator.checkpoint import latest_checkpoint
 from orchestrator.sampling import assign_microbatches, make_generator, poisson_sample, worker_shares
-from orchestrator.trainer import BREAKDOWN, Trainer
+from orchestrator.trainer import BREAKDOWN, Trainer, resume_trainer
+from accounting.ledger.store import open_embedded_ledger
+from servers import TINY_JOB
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.actor import GradientWorkerActor
 from workers.data import load_split
-from workers.models import MODEL_NAMES, build_model, flat_parameters
+from workers.models import MODEL_NAMES, build_model, flat_parameters, load_flat_parameters
 
 
 class RecordingNoise(GaussianNoise):
@@ -57,7 +61,8 @@ def local_ray():
     ray.shutdown()
 
 
-@pytest.mark.parametrize("model_name", MODEL_NAMES)
+# The ScatterNets' workers train their heads on cached features: tests/test_accuracy_features.py checks those sums.
+@pytest.mark.parametrize("model_name", [name for name in MODEL_NAMES if not name.startswith("scatternet")])
 def test_distributed_clipped_sum_equals_a_plain_loop(local_ray, model_name):
     torch.manual_seed(5)
     model = build_model(model_name)
@@ -136,6 +141,41 @@ def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, tmp_
         assert 0 < worker <= wait + 0.005 and driver > 0
         assert 60 * (driver + wait) <= saved["wall_seconds"]
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class WeightRecordingTrainer(Trainer):
+    """A trainer that keeps the training weights after each step."""
+
+    def _apply_noise(self, partial_sums, unit_noise, noise_std):
+        super()._apply_noise(partial_sums, unit_noise, noise_std)
+        self.trained = getattr(self, "trained", []) + [self.flat_weights.clone()]
+
+
+def test_parameter_averaging_is_what_is_evaluated_and_saved_while_training_steps_the_weights(local_ray, tmp_path):
+    config = small_config(tmp_path, steps=4, ema_decay=0.2, test_subset=300, workers=1)
+    trainer = WeightRecordingTrainer(config, show_progress=False)
+    average = trainer.flat_weights.clone()
+    summary = trainer.run()
+    # decay min(0.2, (1 + t) / (10 + t)) at step t: 0.1, 2/11, then 0.2.
+    for decay, weights in zip([0.1, 2 / 11, 0.2, 0.2], trainer.trained, strict=True):
+        average = decay * average + (1 - decay) * weights
+    torch.testing.assert_close(trainer.ema_weights, average)
+    # Training went on from the weights themselves: each step starts where the last one left them.
+    assert torch.equal(trainer.flat_weights, trainer.trained[-1])
+    assert (trainer.flat_weights - average).norm() > 1e-3 * average.norm()
+    images, labels = load_split("mnist", "test")
+
+    def test_loss(weights):
+        model = build_model("gdp_cnn")
+        load_flat_parameters(model, weights)
+        with torch.no_grad():
+            return F.cross_entropy(model(images[:300]), labels[:300]).item()
+
+    assert summary["test_loss"] == pytest.approx(test_loss(average), rel=1e-5)
+    assert summary["test_loss"] != pytest.approx(test_loss(trainer.flat_weights), rel=1e-3)
+    _, state = latest_checkpoint(tmp_path / "run")
+    torch.testing.assert_close(state["ema_weights"], average)
+    torch.testing.assert_close(resume_trainer(str(tmp_path / "run"), show_progress=False).ema_weights, average)
 
 
 class SampleRecordingTrainer(Trainer):
@@ -263,3 +303,22 @@ def test_missing_and_broken_config_files_exit_2(tmp_path, capsys):
     assert main(["train", "--config", write_config(tmp_path, "steps = [")]) == 2
     assert main(["train", "--config", write_config(tmp_path, BASE), "--workers", "-3"]) == 2
     assert "workers must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_tune_runs_each_trial_as_a_charged_job_and_prices_the_choice_at_all_of_them(local_ray, tmp_path, capsys):
+    base, grid = tmp_path / "base.toml", tmp_path / "grid.toml"
+    base.write_text(TINY_JOB.replace("workers = 2", "workers = 1") + "steps = 3\nseed = 2\n")
+    grid.write_text("learning_rate = [0.05, 0.5]\n")
+    assert main(["tune", "--config", str(base), "--grid", str(grid), "--run-dir", str(tmp_path / "tune"),
+                 "--no-progress", "--json"]) == 0
+    outcome = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert outcome["configurations_tried"] == 2
+    assert [trial["overrides"] for trial in outcome["trials"]] == [{"learning_rate": 0.05}, {"learning_rate": 0.5}]
+    pld = get_accountant("pld")
+    one_trial, both_trials = (pld.epsilon(SampledGaussian(30 / 600, 1.0, steps), 1e-5) for steps in (3, 6))
+    assert [trial["epsilon"] for trial in outcome["trials"]] == [pytest.approx(one_trial)] * 2
+    assert outcome["selection_epsilon"] == pytest.approx(both_trials, rel=1e-6) and both_trials > one_trial
+    assert outcome["best"] == max(outcome["trials"], key=lambda trial: trial["test_accuracy"])
+    with open_embedded_ledger() as ledger:
+        assert ledger.get_budget("mnist").spent_epsilon == pytest.approx(both_trials, rel=1e-6)
+        assert [job.committed_steps for job in ledger.list_jobs()] == [3, 3]

@@ -12,14 +12,14 @@ from workers.clipping import FLOAT32_PRECISION_SETTINGS, clip_factors, ieee_floa
 from workers.engines import clipped_sum
 from workers.vmap_engine import microbatch_clipped_sum, per_example_clipped_sum
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
-from workers.models import MODEL_NAMES, build_model, flat_parameters
+from workers.models import MODEL_NAMES, build_model, flat_parameters, input_shape
 
 
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
 def test_clipped_sum_matches_per_example_loop(model_name):
     torch.manual_seed(1234)
     model = build_model(model_name)
-    inputs = torch.rand(20, 1, 28, 28)
+    inputs = torch.rand(20, *input_shape(model_name))
     labels = torch.randint(0, 10, (20,))
     flat_weights = flat_parameters(model)
     gradients = per_example_gradients_by_loop(model, flat_weights, inputs, labels)

@@ -36,8 +36,9 @@ def batchnorm_model():
     )
 
 
-def test_registry_holds_the_seed_models():
-    assert set(MODEL_NAMES) == {"gdp_cnn", "opacus_cnn", "lenet5"}
+def test_registry_holds_the_seed_models_and_the_scatternets():
+    assert set(MODEL_NAMES) == {"gdp_cnn", "opacus_cnn", "lenet5", "scatternet_linear", "scatternet_cnn",
+                                "scatternet_linear_32", "scatternet_cnn_32"}
 
 
 # Counts worked out from the layer shapes: conv 1->16 k8 (1040), conv 16->32 k4

@@ -24,11 +24,20 @@ from torch.func import functional_call
 
 from workers.clipping import functional_parameters
 from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
+from workers.features import FeatureCache, compute_features, feature_map
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
-from workers.tasks import build_loss, build_metric, build_transform, metric_inputs, task_of, transform_each
+from workers.tasks import (
+    augmented_views,
+    build_loss,
+    build_metric,
+    build_transform,
+    metric_inputs,
+    task_of,
+    transform_each,
+)
 from workers.user_clipping import clipped_user_sum
 from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index
 from workers.validation import check_model
@@ -81,7 +90,15 @@ class GradientWorker:
     the CPUs Ray gave the actor; ``engine`` names the clipping engine
     (``workers.engines.ENGINES``); ``loss`` names the per-example loss
     (``workers.tasks.build_loss``); ``train_transforms`` are applied to each
-    sampled training example on its own (``workers.tasks.build_transform``).
+    sampled training example on its own (``workers.tasks.build_transform``);
+    with ``augmentations_per_example`` K > 1, K times, and each example's
+    gradient is the mean over its K views (augmentation multiplicity).
+
+    A model with a fixed feature map in front (``workers.features.
+    FeatureModel``, the ScatterNets) is trained as its head on the map's
+    features: without transforms, each example's features are computed the
+    first time it is sampled and kept (``FeatureCache``); with transforms,
+    each view's features are computed afresh.
     ``users`` (user-level privacy) says who owns which rows, for
     ``user_clipped_sum``.
     """
@@ -97,9 +114,13 @@ class GradientWorker:
         engine: str = "fast",
         loss: str = "cross_entropy",
         train_transforms: Sequence[Mapping[str, Any]] = (),
+        augmentations_per_example: int = 1,
         users: UserSpec | None = None,
     ) -> None:
         check_engine(engine)
+        if augmentations_per_example != 1 and not train_transforms:
+            raise ValueError(f"augmentations_per_example = {augmentations_per_example} needs train_transforms: "
+                             "without them every view of an example is the same")
         if threads < 1:
             raise ValueError(f"threads must be >= 1 (got {threads}); match it to the actor's num_cpus")
         if max_physical_batch < 1:
@@ -113,6 +134,7 @@ class GradientWorker:
         self.loss = loss
         self.loss_fn = build_loss(loss)
         self.transform = build_transform(train_transforms) if train_transforms else None
+        self.augmentations = augmentations_per_example
         self.dataset, self.data_root = dataset, data_root
         self.test_examples: tuple[int, int, torch.Tensor, torch.Tensor] | None = None
         self.max_physical_batch = max_physical_batch
@@ -120,7 +142,11 @@ class GradientWorker:
         self.model = build_model(model_spec)
         check_model(self.model)
         self.model.to(self.device).train()
+        # The engines and evaluation run the model that takes the feature map's output: the whole model without one.
+        self.feature_map, self.gradient_model = feature_map(self.model)
         self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
+        self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
+                              if self.feature_map is not None and self.transform is None else None)
         self.users = users
         self.user_index = None if users is None else user_index(users, dataset, self.train_size)
 
@@ -168,15 +194,16 @@ class GradientWorker:
         indices = self._checked_indices(indices)
         flat_weights = _as_tensor(weights)
         wants_norms = count_unclipped or count_zeroed
-        inputs, labels = self.source.read(indices)
+        inputs, labels = (self.feature_cache or self.source).read(indices)
         if next_indices is not None and isinstance(self.source, PrefetchingSource):
             self.source.prefetch(self._checked_indices(next_indices))
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        if self.transform is not None:
-            inputs = transform_each(self.transform, inputs)
+        inputs, labels = self._model_inputs(inputs.to(self.device)), labels.to(self.device)
         if group_ids is not None:
+            if self.augmentations != 1:
+                raise ValueError("microbatches clip each microbatch's mean gradient; they cannot be combined with "
+                                 "augmentations_per_example")
             result = microbatch_clipped_sum(
-                self.model, flat_weights, inputs, labels,
+                self.gradient_model, flat_weights, inputs, labels,
                 torch.as_tensor(np.asarray(group_ids, dtype=np.int64)), clip_norm, self.loss_fn,
                 return_norms=wants_norms,
             )
@@ -184,8 +211,9 @@ class GradientWorker:
                 summed, norms, zeroed = result
         else:
             result = clipped_sum(
-                self.engine, self.model, flat_weights, inputs, labels,
+                self.engine, self.gradient_model, flat_weights, inputs, labels,
                 clip_norm, self.max_physical_batch, self.loss_fn, return_norms=wants_norms,
+                augmentations=self.augmentations,
             )
             if wants_norms:
                 summed, norms_by_parameter = result
@@ -199,6 +227,21 @@ class GradientWorker:
         counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
         return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
 
+    def _model_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """What the gradient model takes for training examples read from the cache or the source.
+
+        Cached features as they are; otherwise each example's views (with
+        transforms), then their features (with a feature map).
+        """
+        if self.feature_cache is not None:
+            return inputs
+        if self.transform is not None:
+            inputs = augmented_views(self.transform, inputs, self.augmentations)
+        if self.feature_map is not None and self.augmentations == 1:
+            inputs = compute_features(self.feature_map, inputs)
+        elif self.feature_map is not None:
+            inputs = compute_features(self.feature_map, inputs.flatten(0, 1)).unflatten(0, inputs.shape[:2])
+        return inputs
     def user_clipped_sum(self, weights: np.ndarray, users: np.ndarray, clip_norm: float, step: int) -> np.ndarray:
         """Sum over ``users`` (sampled user numbers) of each user's contribution, clipped to L2 norm ``clip_norm``.
 
@@ -248,7 +291,8 @@ class GradientWorker:
         caller merges with the other parts' (``merge_state``) before computing.
         """
         inputs, labels = self._split_examples(split, start, stop)
-        _, params, fixed = functional_parameters(self.model, _as_tensor(weights), self.device)
+        model = self.gradient_model
+        _, params, fixed = functional_parameters(model, _as_tensor(weights), self.device)
         task = task_of(self.loss)
         built: dict = {}
         loss_sum = 0.0
@@ -257,7 +301,7 @@ class GradientWorker:
             with torch.no_grad():
                 for first in range(0, len(labels), EVALUATION_BATCH):
                     batch_labels = labels[first : first + EVALUATION_BATCH]
-                    outputs = functional_call(self.model, (params, fixed), (inputs[first : first + EVALUATION_BATCH],))
+                    outputs = functional_call(model, (params, fixed), (inputs[first : first + EVALUATION_BATCH],))
                     loss_sum += per_example_losses(self.loss_fn, outputs, batch_labels).double().sum().item()
                     for name in metrics:
                         metric = built.setdefault(name, build_metric(name, task, outputs))
@@ -267,13 +311,22 @@ class GradientWorker:
         return {"loss_sum": loss_sum, "count": len(labels), "metrics": built}
 
     def _split_examples(self, split: str, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Examples start..stop-1 of a split, read through its source; the test part is kept for the next call."""
+        """Examples start..stop-1 of a split as the gradient model takes them (features, with a feature map).
+
+        Read through the split's source; the test part is kept for the next call.
+        """
         if split == "train":
-            inputs, labels = self.source.read(np.arange(start, stop))
+            reader = self.feature_cache or self.source
+            inputs, labels = reader.read(np.arange(start, stop))
+            if self.feature_map is not None and self.feature_cache is None:
+                inputs = compute_features(self.feature_map, inputs.to(self.device))
             return inputs.to(self.device), labels.to(self.device)
         if self.test_examples is None or self.test_examples[:2] != (start, stop):
             inputs, labels = open_source(self.dataset, split, self.data_root).read(np.arange(start, stop))
-            self.test_examples = (start, stop, inputs.to(self.device), labels.to(self.device))
+            inputs = inputs.to(self.device)
+            if self.feature_map is not None:
+                inputs = compute_features(self.feature_map, inputs)
+            self.test_examples = (start, stop, inputs, labels.to(self.device))
         return self.test_examples[2], self.test_examples[3]
 
     def engine_report(self) -> list[str] | None:
@@ -284,7 +337,10 @@ class GradientWorker:
         """
         if self.engine == "vmap":
             return ['every layer: vmap (engine = "vmap")']
-        plan = engine_plan(self.model)
+        if self.augmentations != 1:
+            return [f"every layer: vmap (the mean gradient of each example's {self.augmentations} augmentations; "
+                    "the layer rules see one view per row)"]
+        plan = engine_plan(self.gradient_model)
         return None if plan is None else plan.describe()
 
     def timed_call(self, method: str, *args, **kwargs) -> tuple[Any, float]:

@@ -483,6 +483,7 @@ def fast_clipped_sum(
     max_physical_batch: int,
     loss_fn: clipping.LossFunction = F.cross_entropy,
     return_norms: bool = False,
+    augmentations: int = 1,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``, by book-keeping.
 
@@ -499,6 +500,11 @@ def fast_clipped_sum(
     The first call with examples checks the rules on this model
     (``check_rules``); a model they cannot serve runs on the vmap engine from
     then on, with one warning that says why (``engine_plan`` tells).
+
+    With ``augmentations`` K > 1 the layer rules, which see one example per
+    row, cannot give the norm of the mean of K rows' gradients: the call runs
+    on the vmap engine, which takes each example's K views in one
+    per-example gradient.
     """
     clipping.check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
     device = clipping.device_of(model)
@@ -508,6 +514,9 @@ def fast_clipped_sum(
         return (empty, {}) if return_norms else empty
     plan = _PLANS.get(model)
     vmap_physical_batch = fallback_physical_batch(max_physical_batch, sum(p.numel() for _, p in trainable))
+    if augmentations != 1:
+        return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
+                                       loss_fn, return_norms, augmentations)
     if plan is None and inputs.shape[0]:
         plan = check_rules(model, flat_weights, inputs[:RULE_CHECK_EXAMPLES], labels[:RULE_CHECK_EXAMPLES], loss_fn)
         if plan is None:
@@ -623,7 +632,9 @@ def clipped_sum(
     max_physical_batch: int,
     loss_fn: clipping.LossFunction = F.cross_entropy,
     return_norms: bool = False,
+    augmentations: int = 1,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """``per_example_clipped_sum`` computed by the named engine (see ``ENGINES``); same arguments and result."""
     check_engine(engine)
-    return ENGINES[engine](model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms)
+    return ENGINES[engine](model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms,
+                           augmentations)

@@ -1,6 +1,7 @@
 """Model registry and the flat-vector view of a model's trainable parameters.
 
-Built-in models take MNIST-shaped input [B,1,28,28] and return logits [B,10].
+Built-in models take MNIST-shaped input [B,1,28,28] and return logits [B,10];
+the ``_32`` ScatterNets take CIFAR-shaped input [B,3,32,32].
 A job names a model by a registry name or by ``package.module:function``, a
 factory that takes no arguments and returns an ``nn.Module``.
 
@@ -18,6 +19,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import nn
+
+from workers import features
 
 ModelFactory = Callable[[], nn.Module]
 
@@ -101,7 +104,38 @@ def lenet5() -> nn.Module:
     return model
 
 
+@_register("scatternet_linear")
+def scatternet_linear() -> nn.Module:
+    """Tramèr & Boneh's ScatterNet + linear for 28x28 grayscale images (``workers.features``)."""
+    return features.scatternet_linear((28, 28), 1)
+
+
+@_register("scatternet_cnn")
+def scatternet_cnn() -> nn.Module:
+    """ScatterNet + a small tanh CNN for 28x28 grayscale images (``workers.features``)."""
+    return features.scatternet_cnn((28, 28), 1)
+
+
+@_register("scatternet_linear_32")
+def scatternet_linear_32() -> nn.Module:
+    """ScatterNet + linear for 32x32 RGB images (CIFAR-10's shape)."""
+    return features.scatternet_linear((32, 32), 3)
+
+
+@_register("scatternet_cnn_32")
+def scatternet_cnn_32() -> nn.Module:
+    """ScatterNet + a small tanh CNN for 32x32 RGB images (CIFAR-10's shape)."""
+    return features.scatternet_cnn((32, 32), 3)
+
+
 MODEL_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
+
+
+def input_shape(name: str) -> tuple[int, int, int]:
+    """The [C, H, W] of one input example of a built-in model: 3x32x32 for the ``_32`` ScatterNets, else 1x28x28."""
+    if name not in _FACTORIES:
+        raise ValueError(f"{name!r} is not a built-in model; use one of {', '.join(MODEL_NAMES)}")
+    return (3, 32, 32) if name.endswith("_32") else (1, 28, 28)
 
 
 def build_model(spec: str) -> nn.Module:

@@ -43,6 +43,7 @@ class ShardWorker(GradientWorker):
         engine: str = "fast",
         loss: str = "cross_entropy",
         train_transforms: Sequence[Mapping[str, Any]] = (),
+        augmentations_per_example: int = 1,
     ) -> None:
         if not 0 <= worker_index < shard.workers:
             raise ValueError(f"worker_index must be in 0..{shard.workers - 1} for a shard of {shard.workers} "
@@ -50,7 +51,8 @@ class ShardWorker(GradientWorker):
         self.shard, self.shard_index, self.worker_index, self.seed = shard, shard_index, worker_index, seed
         self.sampling_rate: float | None = None
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
-                         engine=engine, loss=loss, train_transforms=train_transforms)
+                         engine=engine, loss=loss, train_transforms=train_transforms,
+                         augmentations_per_example=augmentations_per_example)
 
     def _training_source(
         self, dataset: str, train_subset: int | None, data_root: str | None

@@ -165,3 +165,10 @@ def transform_each(transform: v2.Compose, inputs: torch.Tensor) -> torch.Tensor:
     if not len(inputs):
         return inputs
     return torch.stack([transform(example) for example in inputs])
+
+
+def augmented_views(transform: v2.Compose, inputs: torch.Tensor, views: int) -> torch.Tensor:
+    """``views`` K independent transforms of each example: [B, ...] for K = 1, else [B, K, ...]."""
+    if views == 1:
+        return transform_each(transform, inputs)
+    return torch.stack([transform_each(transform, inputs) for _ in range(views)], dim=1)

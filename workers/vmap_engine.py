@@ -87,6 +87,16 @@ def microbatch_clipped_sum(
     return total
 
 
+def check_views(inputs: torch.Tensor, augmentations: int) -> None:
+    """Raise ValueError unless ``augmentations`` is an integer >= 1 and, above 1, ``inputs`` are [n, K, ...]."""
+    if isinstance(augmentations, bool) or not isinstance(augmentations, int) or augmentations < 1:
+        raise ValueError(f"augmentations must be an integer >= 1 (got {augmentations!r}); it is K, the views "
+                         "whose mean gradient is clipped per example")
+    if augmentations > 1 and (inputs.dim() < 2 or inputs.shape[1] != augmentations):
+        raise ValueError(f"with {augmentations} augmentations per example, inputs must be [n, {augmentations}, ...] "
+                         f"(got shape {tuple(inputs.shape)}); stack each example's views along dimension 1")
+
+
 @in_ieee_float32
 def per_example_clipped_sum(
     model: nn.Module,
@@ -97,6 +107,7 @@ def per_example_clipped_sum(
     max_physical_batch: int,
     loss_fn: LossFunction = F.cross_entropy,
     return_norms: bool = False,
+    augmentations: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``: the vmap engine.
 
@@ -105,6 +116,12 @@ def per_example_clipped_sum(
     ``workers.models.flat_parameters``); the model's own parameters and their
     ``.grad`` are neither used nor touched, only its buffers and structure.
     Examples are processed ``max_physical_batch`` at a time to bound memory.
+
+    With ``augmentations`` K > 1 (augmentation multiplicity), ``inputs`` are
+    [n, K, ...]: K views of each example. Example i's gradient is then the
+    mean over its views of ``loss_fn(model(v[None]), y_i[None])``'s gradient,
+    and that mean is what is clipped: all K views come from one example, so
+    the example still moves the sum by at most ``clip_norm``.
 
     Returns a 1-D float32 tensor of length ``parameter_count(model)`` on the
     model's device; zeros when there are no examples. An example whose
@@ -122,9 +139,15 @@ def per_example_clipped_sum(
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return (empty, {}) if return_norms else empty
 
+    check_views(inputs, augmentations)
+
     def example_loss(trainable_params, example, label):
-        logits = functional_call(model, (trainable_params, fixed), (example.unsqueeze(0),))
-        return loss_fn(logits, label.unsqueeze(0))
+        if augmentations == 1:
+            logits = functional_call(model, (trainable_params, fixed), (example.unsqueeze(0),))
+            return loss_fn(logits, label.unsqueeze(0))
+        # The K views run as one batch; each view's loss is the loss of a batch of one, as for a single example.
+        logits = functional_call(model, (trainable_params, fixed), (example,))
+        return vmap(lambda view_logits: loss_fn(view_logits.unsqueeze(0), label.unsqueeze(0)))(logits).mean()
 
     # randomness="different" gives each example its own dropout mask, as a
     # plain per-example loop would.

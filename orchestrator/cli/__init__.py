@@ -1,7 +1,7 @@
 """The `dpfleet` command: one parser, one module per command group.
 
-`eps` and `noise` (privacy), `train`, `init`, `ledger`, `audit`, `submit` and
-`data` each register their parser from their own module; `main` runs one command.
+`eps` and `noise` (privacy), `train`, `tune`, `init`, `ledger`, `audit`,
+`submit` and `data` each register their parser from their own module; `main` runs one command.
 `python -m orchestrator.cli` is the same as the `dpfleet` console script.
 """
 
@@ -20,6 +20,7 @@ from orchestrator.cli.ledger import add_ledger_parser
 from orchestrator.cli.privacy import add_privacy_parsers
 from orchestrator.cli.submit import add_submit_parser
 from orchestrator.cli.train import add_train_parser
+from orchestrator.cli.tune import add_tune_parser
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
 
 
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     add_privacy_parsers(subparsers)
     add_train_parser(subparsers)
+    add_tune_parser(subparsers)
     add_init_parser(subparsers)
     add_ledger_parser(subparsers)
     add_audit_parser(subparsers)

@@ -59,13 +59,14 @@ def config_keys_help(width: int = 100) -> str:
     """The config keys by group, each with its meaning and default, as `dpfleet train --help` ends."""
     lines = ["config keys (TOML), by group; docs/config-reference.md also gives each one's type and valid range:"]
     keys = documented_keys()
+    column = max(24, max(len(item.name) for item in keys) + 1)
     for group in GROUPS:
         lines += ["", f"{group}:"]
         for item in keys:
             if item.group == group:
                 text = f"{item.meaning} Default: {item.default}.".replace("`", "")
-                lines += textwrap.wrap(text, width, initial_indent=f"  {item.name:<24}", subsequent_indent=" " * 26,
-                                       break_on_hyphens=False)
+                lines += textwrap.wrap(text, width, initial_indent=f"  {item.name:<{column}}",
+                                       subsequent_indent=" " * (column + 2), break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -91,7 +92,7 @@ def run_train(args: argparse.Namespace) -> int:
                          "its nodes; leave --mia off")
     if args.mia and config.privacy_unit == "user":
         raise UsageError("--mia attacks single examples, and privacy_unit = \"user\" protects users; leave --mia off")
-    trainer.ledger = _job_ledger(args, trainer)
+    trainer.ledger = job_ledger(args, trainer)
     try:
         summary = trainer.run()
     except LedgerTimeoutError as error:
@@ -163,7 +164,7 @@ def ledger_name(name: str) -> str:
     return cleaned[-128:] or "dataset"
 
 
-def _job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
+def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
