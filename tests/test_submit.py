@@ -502,7 +502,8 @@ def test_the_dockerfile_installs_dpfleet_with_the_pinned_torch_on_cuda_as_a_non_
     copies = [index for index, keyword in enumerate(keywords) if keyword == "COPY"]
     copied = {word for index in copies for word in instructions[index][1].split()[:-1] if not word.startswith("--")}
     assert {"pyproject.toml", "README.md", "accounting", "orchestrator", "workers"} <= copied
+    # The checkout itself, with or without extras (`pip install .` or `pip install ".[postgresql]"`).
     (install,) = [index for index, (keyword, argument) in enumerate(instructions)
-                  if keyword == "RUN" and argument.startswith("pip install . ")]
+                  if keyword == "RUN" and re.match(r'pip install "?\.(\[[\w,]+\])?"? ', argument)]
     assert keywords.index("USER") < max(copies) < install
     assert "ENTRYPOINT" not in keywords
