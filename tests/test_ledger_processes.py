@@ -37,7 +37,7 @@ def test_serve_announces_its_address_answers_health_and_stops_on_sigterm(tmp_pat
         with RemoteLedger(address, ADMIN_TOKEN) as admin:
             assert admin.create_tenant("acme").tenant == "acme"
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
+        assert process.wait(timeout=60) == 0  # a loaded machine exits a torch-importing process slowly
     finally:
         process.kill()
 
@@ -97,7 +97,7 @@ def test_kill_9_during_a_burst_of_commits_keeps_every_acknowledged_commit_exactl
             job = acme.list_jobs("mnist")[0]
         assert job.committed_steps == len(set(acknowledged) | set(unanswered))
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 0
+        assert process.wait(timeout=60) == 0  # a loaded machine exits a torch-importing process slowly
     finally:
         process.kill()
 
