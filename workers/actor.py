@@ -36,7 +36,6 @@ from workers.tasks import (
     build_transform,
     metric_inputs,
     task_of,
-    transform_each,
 )
 from workers.user_clipping import clipped_user_sum
 from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index
@@ -242,6 +241,7 @@ class GradientWorker:
         elif self.feature_map is not None:
             inputs = compute_features(self.feature_map, inputs.flatten(0, 1)).unflatten(0, inputs.shape[:2])
         return inputs
+
     def user_clipped_sum(self, weights: np.ndarray, users: np.ndarray, clip_norm: float, step: int) -> np.ndarray:
         """Sum over ``users`` (sampled user numbers) of each user's contribution, clipped to L2 norm ``clip_norm``.
 
@@ -260,12 +260,10 @@ class GradientWorker:
             raise ValueError(f"users must lie in 0..{self.user_index.user_count - 1} (got {users.min()}..{users.max()})")
         rows, owners = rows_of_users(self.user_index, users, self.users.max_examples_per_user,
                                      make_generator(self.users.seed, USER_ROWS_STREAM, step, *users[:1].tolist()))
-        inputs, labels = self.source.read(rows)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        if self.transform is not None:
-            inputs = transform_each(self.transform, inputs)
+        inputs, labels = (self.feature_cache or self.source).read(rows)
+        inputs, labels = self._model_inputs(inputs.to(self.device)), labels.to(self.device)
         summed, left_out = clipped_user_sum(
-            self.model, _as_tensor(weights), inputs, labels, torch.from_numpy(owners), clip_norm, self.loss_fn,
+            self.gradient_model, _as_tensor(weights), inputs, labels, torch.from_numpy(owners), clip_norm, self.loss_fn,
             self.users.local_steps or 0, self.users.local_learning_rate or 0.0,
         )
         return torch.cat([summed, summed.new_tensor([left_out])]).cpu().numpy()
