@@ -121,8 +121,7 @@ class RunPlan:
 
     def events_between(self, start: int, end: int) -> Composition:
         """The events of steps start..end-1 (0-based) of the plan."""
-        before_end, _ = self.planned_events.split(end)
-        return before_end.split(start)[1]
+        return steps_between(self.planned_events, start, end)
 
     @functools.cached_property
     def row_level_events(self) -> Composition:
@@ -139,8 +138,7 @@ class RunPlan:
 
     def row_level_events_between(self, start: int, end: int) -> Composition:
         """`row_level_events` of steps start..end-1 (0-based)."""
-        before_end, _ = self.row_level_events.split(end)
-        return before_end.split(start)[1]
+        return steps_between(self.row_level_events, start, end)
 
     def sigma_at(self, step: int) -> float:
         """The noise multiplier of step `step` (0-based)."""
@@ -149,6 +147,12 @@ class RunPlan:
                 return sigma
             step -= steps
         raise IndexError(f"step {step} is past the planned run")
+
+
+def steps_between(events: Composition, start: int, end: int) -> Composition:
+    """The events of steps start..end-1 (0-based) of a composition of per-step events."""
+    before_end, _ = events.split(end)
+    return before_end.split(start)[1]
 
 
 def accounted_blocks(
