@@ -495,6 +495,23 @@ class AdmissionRule:
         """The filter's epsilon of a tally: the least of `order_epsilons`; it fits a budget when one order does."""
         return min(self.order_epsilons(tally))
 
+    def order_divergences(self, tally: RdpTally) -> tuple[float, ...]:
+        """Per order of the rule, the tally's Renyi divergence (nats, rounded up; inf where unbounded)."""
+        divergences = tally.divergences()
+        return tuple(float(divergences[_order_index(order)]) for order in self.orders)
+
+    def capacities(self, budget_epsilon: float) -> tuple[float, ...]:
+        """Per order of the rule, the divergence (nats) at which its epsilon at delta / K reaches `budget_epsilon`.
+
+        Inverts eps_k(rho) = rho + log(1 - 1/a) - log(a * delta / K) / (a - 1),
+        which is linear in rho. What a scheduler compares demands with;
+        admission itself stays `check_admission`.
+        """
+        return tuple(
+            budget_epsilon - math.log1p(-1.0 / order) + math.log(order * self.delta_per_order) / (order - 1.0)
+            for order in self.orders
+        )
+
     def to_dict(self) -> dict:
         """JSON-ready dict, as stored with the dataset and in its history."""
         return {
