@@ -66,6 +66,14 @@ def integer_at_least(name: str, value: Any, least: int) -> int:
     return int(number)
 
 
+def integer_in_range(name: str, value: Any, least: int, most: int) -> int:
+    """An integer in [`least`, `most`]."""
+    number = integer_at_least(name, value, least)
+    if number > most:
+        raise UsageError(f"{name} must be an integer in [{least}, {most}] (got {number})")
+    return number
+
+
 def one_of(name: str, value: Any, choices: Iterable[str]) -> str:
     """A string from `choices`."""
     choices = list(choices)

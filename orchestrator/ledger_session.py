@@ -14,12 +14,24 @@ from typing import Callable
 
 from accounting.events import Composition
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerUnavailable, NotFound, PermissionDenied
+from accounting.ledger.core import (
+    ADMITTED,
+    QUEUED,
+    BudgetExceeded,
+    DatasetStatus,
+    LedgerUnavailable,
+    NotFound,
+    PermissionDenied,
+    QueuedJob,
+)
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 
 _FIRST_BACKOFF_SECONDS = 0.5
 _LONGEST_BACKOFF_SECONDS = 10.0
+# How often a waiting job asks the ledger where it stands, and how often it says so when nothing changed.
+_QUEUE_POLL_SECONDS = 1.0
+_QUEUE_REMINDER_SECONDS = 60.0
 
 
 def open_ledger(address: str | None, token: str | None):
@@ -100,6 +112,46 @@ class JobLedger:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
         return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
 
+    @classmethod
+    def wait_for_budget(
+        cls, ledger, dataset: str, job_id: str, planned: Composition, timeout_seconds: float,
+        say: Callable[[str], None], lease_seconds: float | None = None, priority: int = 0,
+        max_wait_seconds: float | None = None,
+    ) -> "JobLedger":
+        """Queue the planned run on `dataset` and wait until its policy admits it; BudgetRefusedError (exit 3)
+        when it could never fit, is cancelled, or waits past `max_wait_seconds`.
+
+        Says where the job stands whenever its position or reason changes. An
+        interrupt (Ctrl-C) while waiting takes it out of the queue.
+        """
+        try:
+            queued = with_retries(
+                lambda: ledger.enqueue(dataset, job_id, planned, lease_seconds, priority, max_wait_seconds),
+                timeout_seconds, say, "queueing for budget",
+            )
+        except (BudgetExceeded, PermissionDenied) as error:
+            raise BudgetRefusedError(f"the ledger refused to queue the job: {error}") from None
+        started, shown, shown_at = time.monotonic(), None, 0.0
+        try:
+            while queued.state == QUEUED:
+                now = time.monotonic()
+                if (queued.position, queued.reason) != shown or now - shown_at >= _QUEUE_REMINDER_SECONDS:
+                    say(_waiting_line(queued, now - started))
+                    shown, shown_at = (queued.position, queued.reason), now
+                time.sleep(_QUEUE_POLL_SECONDS)
+                queued = with_retries(lambda: ledger.queued_job(queued.queue_id), timeout_seconds, say,
+                                      "waiting for budget")
+        except KeyboardInterrupt:
+            with_retries(lambda: ledger.cancel_queued(queued.queue_id), timeout_seconds, say, "leaving the queue")
+            raise
+        if queued.state != ADMITTED:
+            raise BudgetRefusedError(
+                f"the job left the queue of {dataset!r} without budget ({queued.state}: {queued.reason}) after "
+                f"{time.monotonic() - started:.0f} s; dpfleet ledger jobs --queued shows the queue"
+            )
+        say(f"ledger: admitted after {time.monotonic() - started:.0f} s in the queue ({queued.reason})")
+        return cls(ledger, dataset, queued.reservation_id, timeout_seconds, say)
+
     def charge(self, sequence: int, events: Composition) -> None:
         """Commit block `sequence` before it runs; a repeat of the same block charges nothing more."""
         with_retries(
@@ -118,6 +170,13 @@ class JobLedger:
         """The dataset's budget as the ledger sees it now."""
         return with_retries(lambda: self.ledger.get_budget(self.dataset), self.timeout_seconds, self.say,
                             "reading the budget")
+
+
+def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
+    """One line on where a waiting job stands."""
+    deadline = f", gives up at {queued.deadline}" if queued.deadline else ""
+    return (f"ledger: waiting for budget on {queued.dataset!r} ({queued.queue_id}): position {queued.position}, "
+            f"{queued.reason}; {waited_seconds:.0f} s so far{deadline}")
 
 
 def ensure_embedded_dataset(ledger, dataset: str, budget_epsilon: float, delta: float, say) -> None:

@@ -27,14 +27,20 @@ from accounting.ledger.core import (
     InvalidArgument,
     LedgerError,
     LedgerUnavailable,
+    QueuedJob,
     Reservation,
     TenantCreated,
     check_history_limit,
     check_lease_seconds,
+    check_max_wait_seconds,
     check_plan,
+    check_priority,
+    check_queue_state,
+    check_scheduling,
     check_sequence,
     check_steps,
 )
+from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.messages import (
     DATASET_KEY,
     DELTA_KEY,
@@ -154,9 +160,15 @@ class RemoteLedger:
         reply = self._call("CreateTenant", self._request(pb.CreateTenantRequest, tenant=tenant))
         return messages.tenant_from_proto(reply)
 
-    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta`."""
-        request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta)
+    def create_dataset(
+        self, dataset: str, epsilon: float, delta: float, scheduling: SchedulingPolicy | dict | None = None
+    ) -> DatasetStatus:
+        """Create a dataset with a budget of `epsilon` at `delta`; `scheduling` serves its queue (None: the server's)."""
+        policy = check_scheduling(scheduling) if scheduling is not None else None
+        request = self._request(
+            pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta,
+            scheduling=messages.scheduling_to_proto(policy),
+        )
         return messages.status_from_proto(self._call("CreateDataset", request))
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
@@ -212,3 +224,35 @@ class RemoteLedger:
         """The newest `limit` changes the token may see, oldest first."""
         request = self._request(pb.HistoryRequest, dataset=dataset or "", limit=check_history_limit(limit))
         return [messages.history_from_proto(entry) for entry in self._call("History", request).entries]
+
+    def enqueue(
+        self,
+        dataset: str,
+        job_id: str,
+        planned: EventsLike,
+        lease_seconds: float | None = None,
+        priority: int = 0,
+        max_wait_seconds: float | None = None,
+    ) -> QueuedJob:
+        """Queue a job for budget; admitted when the dataset's policy finds it fits (see Ledger.enqueue)."""
+        request = self._request(
+            pb.EnqueueRequest, dataset=dataset, job_id=job_id, planned_events_json=check_plan(planned).to_json(),
+            lease_seconds=check_lease_seconds(lease_seconds) or 0.0, priority=check_priority(priority),
+            max_wait_seconds=check_max_wait_seconds(max_wait_seconds) or 0.0,
+        )
+        return messages.queued_from_proto(self._call("Enqueue", request))
+
+    def queued_job(self, queue_id: str) -> QueuedJob:
+        """A queued job as it stands now: waiting (position, reason), admitted (reservation), cancelled, timed out."""
+        request = self._request(pb.QueuedJobRequest, queue_id=queue_id)
+        return messages.queued_from_proto(self._call("GetQueuedJob", request))
+
+    def cancel_queued(self, queue_id: str) -> QueuedJob:
+        """Take a waiting job out of the queue (an admitted one holds a reservation: release it)."""
+        request = self._request(pb.QueuedJobRequest, queue_id=queue_id)
+        return messages.queued_from_proto(self._call("CancelQueued", request))
+
+    def list_queued(self, dataset: str | None = None, state: str | None = "queued") -> list[QueuedJob]:
+        """Queued jobs on the token's datasets (waiting ones by default; None: any state)."""
+        request = self._request(pb.ListQueuedRequest, dataset=dataset or "", state=check_queue_state(state) or "")
+        return [messages.queued_from_proto(job) for job in self._call("ListQueued", request).jobs]

@@ -56,6 +56,7 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
 from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition
+from accounting.ledger.scheduling import PRIORITY_RANGE, SchedulingPolicy
 
 # Renyi divergences are tallied in integer units of 2**-60 nats: exact under
 # addition and subtraction, and finer than any float we would compare.
@@ -77,6 +78,13 @@ MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 ACTIVE = "active"
 RELEASED = "released"
 RESERVATION_STATES = (ACTIVE, RELEASED)
+# A queued job waits, then is admitted (it holds a reservation), cancelled, or gives up at its deadline.
+QUEUED = "queued"
+ADMITTED = "admitted"
+CANCELLED = "cancelled"
+TIMED_OUT = "timed_out"
+QUEUE_STATES = (QUEUED, ADMITTED, CANCELLED, TIMED_OUT)
+MAX_WAIT_SECONDS = 365 * 24 * 3600.0
 
 ADMIN_ACTOR = "admin"
 LOCAL_TENANT = "local"
@@ -225,6 +233,39 @@ def check_lease_seconds(value: object) -> float | None:
             "choose more than the time between two commits of the job"
         )
     return seconds
+
+
+def check_max_wait_seconds(value: object) -> float | None:
+    """How long a queued job may wait (seconds); None waits until admitted or cancelled."""
+    if value is None:
+        return None
+    seconds = _finite("max_wait_seconds", value)
+    if not 0 < seconds <= MAX_WAIT_SECONDS:
+        raise InvalidArgument(
+            f"max_wait_seconds must be in (0, {MAX_WAIT_SECONDS:g}] (got {seconds!r}); leave it out to wait until "
+            "admitted or cancelled"
+        )
+    return seconds
+
+
+def check_priority(value: object) -> int:
+    """A queued job's priority: higher is served first, within PRIORITY_RANGE."""
+    return _integer("priority", value, *PRIORITY_RANGE)
+
+
+def check_queue_state(value: object) -> str | None:
+    """A queued job's state filter: one of QUEUE_STATES, or None for any."""
+    if value is not None and value not in QUEUE_STATES:
+        raise InvalidArgument(f"queued job state must be one of {', '.join(QUEUE_STATES)} (got {value!r})")
+    return value
+
+
+def check_scheduling(value: object) -> SchedulingPolicy:
+    """A dataset's scheduling policy, from its dict (SchedulingPolicy.to_dict) or itself."""
+    try:
+        return value if isinstance(value, SchedulingPolicy) else SchedulingPolicy.from_dict(value)
+    except (KeyError, TypeError, ValueError) as error:
+        raise InvalidArgument(f"scheduling: {error}") from None
 
 
 def check_history_limit(value: object) -> int:
@@ -732,6 +773,9 @@ def tenant_caller(tenant: str) -> Caller:
 ADMIN = Caller(actor=ADMIN_ACTOR, tenant=None, admin=True)
 # Who releases a reservation whose lease ran out, in the history.
 LEASE_EXPIRY = Caller(actor="ledger (lease expired)", tenant=None, admin=True)
+# Who admits a queued job, and who takes one out of the queue at its deadline, in the history.
+QUEUE_ADMISSION = Caller(actor="ledger (queue)", tenant=None, admin=True)
+QUEUE_TIMEOUT = Caller(actor="ledger (queue deadline)", tenant=None, admin=True)
 
 
 @dataclass(frozen=True)
@@ -880,6 +924,50 @@ class Reservation:
             "lease_seconds": self.lease_seconds,
             "expires_at": self.expires_at,
             "lease_expired": self.lease_expired,
+        }
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job waiting for budget on a dataset, or what became of it.
+
+    `state` is one of QUEUE_STATES; once admitted, `reservation_id` is the
+    reservation it holds. While queued, `position` (1 = next) and `reason`
+    say where it stands under the dataset's policy; `deadline` (UTC, ISO
+    8601) is when it gives up waiting, None to wait until admitted or
+    cancelled.
+    """
+
+    queue_id: str
+    dataset: str
+    job_id: str
+    state: str
+    planned: Composition
+    priority: int
+    created_at: str
+    deadline: str | None = None
+    position: int = 0
+    reason: str = ""
+    reservation_id: str | None = None
+    ended_at: str | None = None
+    lease_seconds: float | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "queue_id": self.queue_id,
+            "dataset": self.dataset,
+            "job_id": self.job_id,
+            "state": self.state,
+            "planned_steps": self.planned.steps,
+            "priority": self.priority,
+            "created_at": self.created_at,
+            "deadline": self.deadline,
+            "position": self.position,
+            "reason": self.reason,
+            "reservation_id": self.reservation_id,
+            "ended_at": self.ended_at,
+            "lease_seconds": self.lease_seconds,
         }
 
 
@@ -1089,6 +1177,7 @@ class _Replay:
         self.committed = Composition()
         self.plans: dict[str, Composition] = {}
         self.committed_steps: dict[str, int] = {}
+        self.queued: dict[str, Composition] = {}
 
     def note(self, entry: StoredEntry, problem: str) -> None:
         self.findings.append(Finding(entry.entry_id, self.dataset, problem))
@@ -1118,9 +1207,23 @@ class _Replay:
             self.commit(entry, details)
         elif action in ("release", "expire"):
             self.release(entry, details)
+        elif action == "enqueue":
+            self.queued[details["queue_id"]] = Composition.from_dict(details["planned_events"])
+        elif action in ("cancel_queued", "queue_timeout"):
+            self.leave_queue(entry, details["queue_id"])
+
+    def leave_queue(self, entry: StoredEntry, queue_id: str) -> Composition | None:
+        """A queued job leaves the queue (admitted, cancelled or timed out): it must be waiting in the replay."""
+        if queue_id not in self.queued:
+            self.note(entry, f"takes queued job {queue_id} out of the queue, where the replay does not have it")
+        return self.queued.pop(queue_id, None)
 
     def reserve(self, entry: StoredEntry, details: dict) -> None:
         planned = Composition.from_dict(details["planned_events"])
+        if "queue_id" in details:
+            waited = self.leave_queue(entry, details["queue_id"])
+            if waited is not None and waited != planned:
+                self.note(entry, f"admits queued job {details['queue_id']} with a plan other than the one it queued")
         admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
         if not admitted:
             self.note(entry, f"admitted a job to ε {epsilon:.6g} over the budget ε {self.budget_epsilon:g}")
@@ -1228,7 +1331,9 @@ class PrivacyLedger(Protocol):
     def create_tenant(self, tenant: str) -> TenantCreated:
         """Create a tenant and return its token (admin only)."""
 
-    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
+    def create_dataset(
+        self, dataset: str, epsilon: float, delta: float, scheduling: SchedulingPolicy | dict | None = None
+    ) -> DatasetStatus:
         """Create a dataset with a budget of (epsilon, delta)."""
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
@@ -1253,6 +1358,21 @@ class PrivacyLedger(Protocol):
 
     def release(self, reservation_id: str) -> Reservation:
         """Free the reservation's unrun steps; what was committed stays spent."""
+
+    def enqueue(
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None, priority: int = 0,
+        max_wait_seconds: float | None = None,
+    ) -> QueuedJob:
+        """Queue a job for budget; the dataset's scheduling policy admits it (as a reservation) when it fits."""
+
+    def queued_job(self, queue_id: str) -> QueuedJob:
+        """A queued job as it stands now: waiting (position and reason), admitted, cancelled or timed out."""
+
+    def cancel_queued(self, queue_id: str) -> QueuedJob:
+        """Take a waiting job out of the queue."""
+
+    def list_queued(self, dataset: str | None = None, state: str | None = QUEUED) -> list[QueuedJob]:
+        """Queued jobs on the caller's datasets (waiting ones by default; None: any state)."""
 
     def history(self, dataset: str | None = None, limit: int = 1000) -> list[HistoryEntry]:
         """The newest `limit` changes the caller may see, oldest first."""

@@ -84,6 +84,26 @@ class LedgerStub:
                 request_serializer=accounting_dot_ledger__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=accounting_dot_ledger__pb2.HistoryReply.FromString,
                 _registered_method=True)
+        self.Enqueue = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/Enqueue',
+                request_serializer=accounting_dot_ledger__pb2.EnqueueRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.QueuedJob.FromString,
+                _registered_method=True)
+        self.GetQueuedJob = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/GetQueuedJob',
+                request_serializer=accounting_dot_ledger__pb2.QueuedJobRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.QueuedJob.FromString,
+                _registered_method=True)
+        self.CancelQueued = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/CancelQueued',
+                request_serializer=accounting_dot_ledger__pb2.QueuedJobRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.QueuedJob.FromString,
+                _registered_method=True)
+        self.ListQueued = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/ListQueued',
+                request_serializer=accounting_dot_ledger__pb2.ListQueuedRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.ListQueuedReply.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -156,6 +176,37 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Enqueue(self, request, context):
+        """Queues a job for budget: the dataset's scheduling policy admits it when it
+        fits (at once if it does), as a reservation like Reserve's.
+        RESOURCE_EXHAUSTED when it could never fit, even with every reservation released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetQueuedJob(self, request, context):
+        """A queued job as it stands: waiting (its position and why), or admitted
+        (its reservation), cancelled or timed out. Schedules its dataset first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelQueued(self, request, context):
+        """Takes a waiting job out of the queue; FAILED_PRECONDITION once admitted
+        (release its reservation instead). Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListQueued(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +259,26 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.History,
                     request_deserializer=accounting_dot_ledger__pb2.HistoryRequest.FromString,
                     response_serializer=accounting_dot_ledger__pb2.HistoryReply.SerializeToString,
+            ),
+            'Enqueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.Enqueue,
+                    request_deserializer=accounting_dot_ledger__pb2.EnqueueRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.QueuedJob.SerializeToString,
+            ),
+            'GetQueuedJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueuedJob,
+                    request_deserializer=accounting_dot_ledger__pb2.QueuedJobRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.QueuedJob.SerializeToString,
+            ),
+            'CancelQueued': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelQueued,
+                    request_deserializer=accounting_dot_ledger__pb2.QueuedJobRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.QueuedJob.SerializeToString,
+            ),
+            'ListQueued': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueued,
+                    request_deserializer=accounting_dot_ledger__pb2.ListQueuedRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.ListQueuedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +551,114 @@ class Ledger:
             '/dpfleet.ledger.v1.Ledger/History',
             accounting_dot_ledger__pb2.HistoryRequest.SerializeToString,
             accounting_dot_ledger__pb2.HistoryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Enqueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/Enqueue',
+            accounting_dot_ledger__pb2.EnqueueRequest.SerializeToString,
+            accounting_dot_ledger__pb2.QueuedJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueuedJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/GetQueuedJob',
+            accounting_dot_ledger__pb2.QueuedJobRequest.SerializeToString,
+            accounting_dot_ledger__pb2.QueuedJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelQueued(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/CancelQueued',
+            accounting_dot_ledger__pb2.QueuedJobRequest.SerializeToString,
+            accounting_dot_ledger__pb2.QueuedJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueued(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/ListQueued',
+            accounting_dot_ledger__pb2.ListQueuedRequest.SerializeToString,
+            accounting_dot_ledger__pb2.ListQueuedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,11 +26,13 @@ from accounting.ledger.core import (
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
+    QueuedJob,
     Reservation,
     TenantCreated,
     Unauthenticated,
     check_state,
 )
+from accounting.ledger.scheduling import SchedulingPolicy
 
 STATUS_CODES: dict[type[LedgerError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -197,4 +199,59 @@ def history_from_proto(message: pb.HistoryEntry) -> HistoryEntry:
         action=message.action,
         dataset=message.dataset or None,
         details=json.loads(message.details_json),
+    )
+
+
+def scheduling_to_proto(policy: SchedulingPolicy | None) -> pb.Scheduling | None:
+    """A SchedulingPolicy as its message (None: unset, the server's default)."""
+    if policy is None:
+        return None
+    return pb.Scheduling(
+        policy=policy.name, unlock_jobs=policy.unlock_jobs or 0, unlock_seconds=policy.unlock_seconds or 0.0
+    )
+
+
+def scheduling_from_proto(message: pb.Scheduling) -> dict | None:
+    """Inverse of scheduling_to_proto, as the dict the ledger checks (None when the policy is unset)."""
+    if not message.policy:
+        return None
+    return {"policy": message.policy, "unlock_jobs": message.unlock_jobs or None,
+            "unlock_seconds": message.unlock_seconds or None}
+
+
+def queued_to_proto(job: QueuedJob) -> pb.QueuedJob:
+    """A QueuedJob as its message."""
+    return pb.QueuedJob(
+        queue_id=job.queue_id,
+        dataset=job.dataset,
+        job_id=job.job_id,
+        state=job.state,
+        planned_events_json=job.planned.to_json(),
+        priority=job.priority,
+        created_at=job.created_at,
+        deadline=job.deadline or "",
+        position=job.position,
+        reason=job.reason,
+        reservation_id=job.reservation_id or "",
+        ended_at=job.ended_at or "",
+        lease_seconds=job.lease_seconds or 0.0,
+    )
+
+
+def queued_from_proto(message: pb.QueuedJob) -> QueuedJob:
+    """Inverse of queued_to_proto."""
+    return QueuedJob(
+        queue_id=message.queue_id,
+        dataset=message.dataset,
+        job_id=message.job_id,
+        state=message.state,
+        planned=Composition.from_json(message.planned_events_json),
+        priority=message.priority,
+        created_at=message.created_at,
+        deadline=message.deadline or None,
+        position=message.position,
+        reason=message.reason,
+        reservation_id=message.reservation_id or None,
+        ended_at=message.ended_at or None,
+        lease_seconds=message.lease_seconds or None,
     )

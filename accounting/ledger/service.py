@@ -46,6 +46,7 @@ from accounting.ledger.core import (
     Unauthenticated,
     parse_plan,
 )
+from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import Ledger
 
 LOG = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Ledger"].full_name
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_HISTORY_LIMIT = 1000
 MIN_ADMIN_TOKEN_LENGTH = 16
-# How often a server releases the reservations whose lease ran out, besides at every change to their dataset.
+# How often a server releases the reservations whose lease ran out, besides at every change to their dataset,
+# and serves the queues (unlocking over time, deadlines).
 LEASE_SWEEP_SECONDS = 1.0
 
 def bearer_token(metadata: tuple) -> str | None:
@@ -121,8 +123,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     @_rpc
     def CreateDataset(self, request: pb.CreateDatasetRequest, caller: Caller) -> pb.DatasetStatus:
         """Create a dataset with its budget."""
+        scheduling = messages.scheduling_from_proto(request.scheduling)
         return messages.status_to_proto(
-            self._ledger.create_dataset(request.dataset, request.epsilon, request.delta, caller=caller)
+            self._ledger.create_dataset(request.dataset, request.epsilon, request.delta, scheduling, caller=caller)
         )
 
     @_rpc
@@ -168,6 +171,31 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def Release(self, request: pb.ReleaseRequest, caller: Caller) -> pb.Reservation:
         """Free a reservation's unrun steps."""
         return messages.reservation_to_proto(self._ledger.release(request.reservation_id, caller=caller))
+
+    @_rpc
+    def Enqueue(self, request: pb.EnqueueRequest, caller: Caller) -> pb.QueuedJob:
+        """Queue a job for budget; admitted at once when its dataset's policy finds it fits."""
+        queued = self._ledger.enqueue(
+            request.dataset, request.job_id, parse_plan(request.planned_events_json), request.lease_seconds or None,
+            request.priority, request.max_wait_seconds or None, caller=caller,
+        )
+        return messages.queued_to_proto(queued)
+
+    @_rpc
+    def GetQueuedJob(self, request: pb.QueuedJobRequest, caller: Caller) -> pb.QueuedJob:
+        """A queued job as it stands now."""
+        return messages.queued_to_proto(self._ledger.queued_job(request.queue_id, caller=caller))
+
+    @_rpc
+    def CancelQueued(self, request: pb.QueuedJobRequest, caller: Caller) -> pb.QueuedJob:
+        """Take a waiting job out of the queue."""
+        return messages.queued_to_proto(self._ledger.cancel_queued(request.queue_id, caller=caller))
+
+    @_rpc
+    def ListQueued(self, request: pb.ListQueuedRequest, caller: Caller) -> pb.ListQueuedReply:
+        """Queued jobs on the caller's datasets, of one state or any."""
+        jobs = self._ledger.list_queued(request.dataset or None, request.state or None, caller=caller)
+        return pb.ListQueuedReply(jobs=[messages.queued_to_proto(job) for job in jobs])
 
     @_rpc
     def History(self, request: pb.HistoryRequest, caller: Caller) -> pb.HistoryReply:
@@ -221,18 +249,20 @@ def start_server(
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
     max_workers: int = 16,
+    scheduling: SchedulingPolicy | None = None,
 ) -> LedgerServer:
     """Open the ledger (an SQLite file or a postgresql:// URL) and serve it on host:port; returns at once.
 
     Port 0 picks a free port.
 
     Without `admin_token` no admin RPC can succeed. TLS is used when both
-    `tls_cert` and `tls_key` (PEM files) are given.
+    `tls_cert` and `tls_key` (PEM files) are given. `scheduling` is the
+    queue policy of datasets created without one (fcfs by default).
     """
     admin_token = check_admin_token(admin_token)
     if (tls_cert is None) != (tls_key is None):
         raise InvalidArgument("TLS needs both a certificate and its key (--tls-cert and --tls-key), or neither")
-    ledger = Ledger(db_path)
+    ledger = Ledger(db_path, scheduling=scheduling)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger"),
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
@@ -262,12 +292,13 @@ def start_server(
 
 
 def _sweep_leases(ledger: Ledger, stopping: threading.Event) -> None:
-    """Release expired leases every LEASE_SWEEP_SECONDS until `stopping` is set."""
+    """Release expired leases and serve the queues every LEASE_SWEEP_SECONDS until `stopping` is set."""
     while not stopping.wait(LEASE_SWEEP_SECONDS):
         try:
             ledger.expire_leases()
+            ledger.serve_queues()
         except Exception:  # noqa: BLE001 - the next sweep tries again; every change to a dataset sweeps it too
-            LOG.exception("releasing expired leases failed")
+            LOG.exception("releasing expired leases or serving the queues failed")
 
 
 # A PLD epsilon computing in the background (a status that did not wait for it started it) runs long Python
@@ -284,6 +315,7 @@ def serve(
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
     announce: Callable[[LedgerServer], None] | None = None,
+    scheduling: SchedulingPolicy | None = None,
 ) -> None:
     """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
 
@@ -291,7 +323,7 @@ def serve(
     """
     previous_switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
-    running = start_server(db_path, host, port, admin_token, tls_cert, tls_key)
+    running = start_server(db_path, host, port, admin_token, tls_cert, tls_key, scheduling=scheduling)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -39,6 +39,7 @@ import json
 import os
 import secrets
 import threading
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -46,11 +47,18 @@ from typing import Iterator, NamedTuple
 from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
     ACTIVE,
+    ADMITTED,
+    CANCELLED,
     LEASE_EXPIRY,
     LOCAL_TENANT,
+    QUEUE_ADMISSION,
+    QUEUE_TIMEOUT,
+    QUEUED,
     RELEASED,
+    TIMED_OUT,
     AdmissionRule,
     AlreadyExists,
+    BudgetExceeded,
     Caller,
     CommitResult,
     DatasetRef,
@@ -61,6 +69,7 @@ from accounting.ledger.core import (
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
+    QueuedJob,
     RdpTally,
     Reservation,
     StoredDataset,
@@ -75,9 +84,13 @@ from accounting.ledger.core import (
     check_delta,
     check_history_limit,
     check_lease_seconds,
+    check_max_wait_seconds,
     check_name,
     check_new_budget,
     check_plan,
+    check_priority,
+    check_queue_state,
+    check_scheduling,
     check_sequence,
     check_state,
     check_steps,
@@ -96,11 +109,32 @@ from accounting.ledger.core import (
     verify_history,
 )
 from accounting.ledger.databases import Connection, Database, open_database
+from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
+)
+
+# Jobs waiting for budget (schema version 4); `position` and `reason` are what the last scheduling pass said.
+_QUEUE_TABLES = (
+    """CREATE TABLE queued_jobs (
+        id TEXT PRIMARY KEY,
+        dataset_id {integer} NOT NULL REFERENCES datasets(id),
+        job_id TEXT NOT NULL,
+        planned_events TEXT NOT NULL,
+        priority {integer} NOT NULL,
+        lease_seconds {float},
+        created_at TEXT NOT NULL,
+        deadline TEXT,
+        state TEXT NOT NULL CHECK (state IN ('queued', 'admitted', 'cancelled', 'timed_out')),
+        position {integer} NOT NULL DEFAULT 0,
+        reason TEXT NOT NULL DEFAULT '',
+        reservation_id TEXT REFERENCES reservations(id),
+        ended_at TEXT
+    )""",
+    "CREATE INDEX queued_jobs_by_dataset ON queued_jobs (dataset_id, state, created_at)",
 )
 
 # The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
@@ -124,6 +158,8 @@ _TABLES = (
         created_at TEXT NOT NULL,
         released_jobs {integer} NOT NULL DEFAULT 0,
         admission_rule TEXT NOT NULL,
+        scheduling TEXT NOT NULL DEFAULT '{fcfs}',
+        arrived_jobs {integer} NOT NULL DEFAULT 0,
         UNIQUE (tenant, name)
     )""",
     """CREATE TABLE reservations (
@@ -163,20 +199,33 @@ _TABLES = (
     )""",
     "CREATE INDEX history_by_tenant ON history (tenant, id)",
     "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
+    *_QUEUE_TABLES,
 )
 
 
 def _schema(database: Database) -> tuple[str, ...]:
     """The statements that create a new ledger in `database`."""
-    return (*(statement.format(**database.types) for statement in _TABLES), *database.append_only)
+    return (*(_formatted(statement, database) for statement in _TABLES), *database.append_only)
 
 
-_DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule"
+def _formatted(statement: str, database: Database) -> str:
+    """A statement of the schema with the database's type names and the default scheduling policy filled in."""
+    return statement.format(fcfs=json.dumps(SchedulingPolicy().to_dict()), **database.types)
+
+
+_DATASET_COLUMNS = (
+    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, "
+    "scheduling, arrived_jobs, created_at"
+)
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
     "r.lease_seconds, r.expires_at, r.lease_expired"
 )
 _HISTORY_COLUMNS = "id, at, actor, action, tenant, dataset_id, details, previous_hash, hash"
+_QUEUE_COLUMNS = (
+    "q.id, d.tenant, d.name, q.job_id, q.state, q.planned_events, q.priority, q.created_at, q.deadline, q.position, "
+    "q.reason, q.reservation_id, q.ended_at, q.lease_seconds"
+)
 
 
 class _DatasetRow(NamedTuple):
@@ -191,6 +240,9 @@ class _DatasetRow(NamedTuple):
     committed_events: str
     released_jobs: int
     admission_rule: str
+    scheduling: str
+    arrived_jobs: int
+    created_at: str
 
 
 def _count_released_jobs(connection: Connection, caller: Caller, database: Database) -> None:
@@ -248,8 +300,18 @@ def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, dat
         )
 
 
+def _add_queues(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 4: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
+    for statement in (
+        "ALTER TABLE datasets ADD COLUMN scheduling TEXT NOT NULL DEFAULT '{fcfs}'",
+        "ALTER TABLE datasets ADD COLUMN arrived_jobs {integer} NOT NULL DEFAULT 0",
+        *_QUEUE_TABLES,
+    ):
+        connection.execute(_formatted(statement, database))
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes}
+_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes, 4: _add_queues}
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -290,15 +352,20 @@ def default_ledger_path() -> Path:
 class Ledger:
     """The privacy ledger on an SQLite file or a PostgreSQL database: the embedded ledger, and what a server serves.
 
-    `path` is the SQLite file, or a postgresql:// URL. Every method takes
+    `path` is the SQLite file, or a postgresql:// URL; `scheduling` the
+    policy of queued jobs for datasets created without one (fcfs by
+    default). Every method takes
     the `caller` it acts for; it defaults to the caller the ledger was
     opened with (the local admin for `open_embedded_ledger`). Safe to share
     between threads; several processes (servers) may open the same file or
     database.
     """
 
-    def __init__(self, path: str | os.PathLike, caller: Caller | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike, caller: Caller | None = None, scheduling: SchedulingPolicy | None = None
+    ) -> None:
         self._database = open_database(path)
+        self._default_scheduling = scheduling or SchedulingPolicy()
         self.path = Path(path) if self._database.is_file else str(path)
         self._default_caller = caller
         self._writer = None
@@ -637,10 +704,20 @@ class Ledger:
     # ------------------------------------------------------------ datasets
 
     def create_dataset(
-        self, dataset: str, epsilon: float, delta: float, *, caller: Caller | None = None
+        self,
+        dataset: str,
+        epsilon: float,
+        delta: float,
+        scheduling: SchedulingPolicy | dict | None = None,
+        *,
+        caller: Caller | None = None,
     ) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data."""
+        """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data.
+
+        `scheduling` is how its queue of waiting jobs is served (default: the ledger's).
+        """
         caller = self._caller(caller)
+        scheduling = check_scheduling(scheduling) if scheduling is not None else self._default_scheduling
         epsilon = check_budget_epsilon(epsilon)
         delta = check_delta(delta)
         reference = resolve_dataset(caller, dataset)
@@ -654,10 +731,10 @@ class Ledger:
             try:
                 (dataset_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    "created_at, admission_rule, scheduling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (
                         reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
-                        json.dumps(rule.to_dict()),
+                        json.dumps(rule.to_dict()), json.dumps(scheduling.to_dict()),
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
@@ -666,7 +743,7 @@ class Ledger:
                 ) from None
             self._record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
-                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict()},
+                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "scheduling": scheduling.to_dict()},
             )
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
@@ -785,41 +862,65 @@ class Ledger:
                         f"{dataset!r} with another plan; release it first or use another job id"
                     )
                 return reservation
-            (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (row.dataset_id,)).fetchone()
-            held = RdpTally.from_json(held)
-            total_epsilon = check_admission(dataset, _rule(row), row.budget_epsilon, held, planned_tally)
-            reservation_id = f"r-{secrets.token_hex(8)}"
-            connection.execute(
-                "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at, "
-                "lease_seconds, expires_at) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?)",
-                (
-                    reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, _now(), lease_seconds,
-                    _expiry(lease_seconds),
-                ),
+            reservation_id = self._hold(
+                connection, caller, dataset, row, job_id, planned, planned_tally, lease_seconds, {}
             )
-            connection.execute(
-                "UPDATE datasets SET held_rdp = ? WHERE id = ?", ((held + planned_tally).to_json(), row.dataset_id)
-            )
-            self._record(
-                connection,
-                caller,
-                "reserve",
-                row.tenant,
-                row.dataset_id,
-                {
-                    "reservation_id": reservation_id,
-                    "job_id": job_id,
-                    "planned_events": planned.to_dict(),
-                    "held_epsilon_filter": total_epsilon,
-                    "lease_seconds": lease_seconds,
-                },
-            )
+            connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (row.dataset_id,))
+            self._serve_queue(connection, row.dataset_id)
             reserved = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
                 "WHERE r.id = ?",
                 (reservation_id,),
             ).fetchone()
         return self._reservation(caller, reserved)
+
+    def _hold(
+        self,
+        connection: Connection,
+        caller: Caller,
+        dataset: str,
+        row: _DatasetRow,
+        job_id: str,
+        planned: Composition,
+        planned_tally: RdpTally,
+        lease_seconds: float | None,
+        details: dict,
+    ) -> str:
+        """Admit a plan through the dataset's filter (or raise BudgetExceeded) and hold it; the new reservation's id.
+
+        `dataset` is the name a refusal gives; `details` go into the `reserve` history entry besides the plan.
+        """
+        (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (row.dataset_id,)).fetchone()
+        held = RdpTally.from_json(held)
+        total_epsilon = check_admission(dataset, _rule(row), row.budget_epsilon, held, planned_tally)
+        reservation_id = f"r-{secrets.token_hex(8)}"
+        connection.execute(
+            "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at, "
+            "lease_seconds, expires_at) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?)",
+            (
+                reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, _now(), lease_seconds,
+                _expiry(lease_seconds),
+            ),
+        )
+        connection.execute(
+            "UPDATE datasets SET held_rdp = ? WHERE id = ?", ((held + planned_tally).to_json(), row.dataset_id)
+        )
+        self._record(
+            connection,
+            caller,
+            "reserve",
+            row.tenant,
+            row.dataset_id,
+            {
+                "reservation_id": reservation_id,
+                "job_id": job_id,
+                "planned_events": planned.to_dict(),
+                "held_epsilon_filter": total_epsilon,
+                "lease_seconds": lease_seconds,
+                **details,
+            },
+        )
+        return reservation_id
 
     def commit(
         self, reservation_id: str, steps: int, sequence: int, *, caller: Caller | None = None
@@ -913,6 +1014,7 @@ class Ledger:
             row = self._reservation_row(connection, caller, reservation_id)
             self._expire_leases(connection, row[12])
             self._free(connection, caller, self._reservation_row(connection, caller, reservation_id), "release")
+            self._serve_queue(connection, row[12])
             row = self._reservation_row(connection, caller, reservation_id)
         return self._reservation(caller, row)
 
@@ -940,6 +1042,8 @@ class Ledger:
         ).fetchall()
         for row in expired:
             self._free(connection, LEASE_EXPIRY, row, "expire")
+        for freed_dataset_id in sorted({row[12] for row in expired}):
+            self._serve_queue(connection, freed_dataset_id)
 
     def _free(self, connection: Connection, caller: Caller, row: tuple, action: str) -> None:
         """Release an active reservation's unrun steps (`action`: "release", or "expire" for a lease that ran out)."""
@@ -969,6 +1073,260 @@ class Ledger:
                 "committed_steps": reservation.committed_steps,
                 "freed_steps": unrun.steps,
             },
+        )
+
+    # ------------------------------------------------------------ the queue
+
+    def enqueue(
+        self,
+        dataset: str,
+        job_id: str,
+        planned: EventsLike,
+        lease_seconds: float | None = None,
+        priority: int = 0,
+        max_wait_seconds: float | None = None,
+        *,
+        caller: Caller | None = None,
+    ) -> QueuedJob:
+        """Queue a job for budget; the dataset's scheduling policy admits it when it fits (at once if it does).
+
+        Admitted, it holds a reservation like `reserve` gives (`lease_seconds`
+        as there). Higher `priority` is served first. With
+        `max_wait_seconds`, it gives up waiting that long after now. A plan
+        that could never fit, even with every reservation released, is
+        refused at once (BudgetExceeded). Queueing the same job id and plan
+        again returns the same entry; another plan is refused while it waits.
+        """
+        caller = self._caller(caller)
+        check_name("job id", job_id)
+        planned = check_plan(planned)
+        lease_seconds = check_lease_seconds(lease_seconds)
+        priority = check_priority(priority)
+        max_wait_seconds = check_max_wait_seconds(max_wait_seconds)
+        planned_tally = RdpTally.of(planned)
+        with self._transaction() as connection:
+            row = self._dataset_row(connection, caller, dataset)
+            self._expire_leases(connection, row.dataset_id)
+            earlier = connection.execute(
+                f"SELECT {_QUEUE_COLUMNS} FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
+                "LEFT JOIN reservations r ON r.id = q.reservation_id "
+                "WHERE q.dataset_id = ? AND q.job_id = ? AND (q.state = ? OR (q.state = ? AND r.state = ?))",
+                (row.dataset_id, job_id, QUEUED, ADMITTED, ACTIVE),
+            ).fetchone()
+            if earlier is not None:
+                queued = self._queued_job(caller, earlier)
+                if queued.planned != planned:
+                    raise FailedPrecondition(
+                        f"job {job_id!r} is already {queued.state} on dataset {dataset!r} as {queued.queue_id} with "
+                        "another plan; cancel or release it first, or use another job id"
+                    )
+                return queued
+            if connection.execute(
+                "SELECT 1 FROM reservations WHERE dataset_id = ? AND job_id = ? AND state = ?",
+                (row.dataset_id, job_id, ACTIVE),
+            ).fetchone():
+                raise FailedPrecondition(
+                    f"job {job_id!r} already holds a reservation on dataset {dataset!r}; release it first or use "
+                    "another job id"
+                )
+            # Committed steps are never freed: a plan that does not fit beside them would wait forever.
+            check_admission(
+                dataset, _rule(row), row.budget_epsilon, RdpTally.of(Composition.from_json(row.committed_events)),
+                planned_tally,
+            )
+            queue_id = f"q-{secrets.token_hex(8)}"
+            deadline = _expiry(max_wait_seconds)
+            connection.execute(
+                "INSERT INTO queued_jobs (id, dataset_id, job_id, planned_events, priority, lease_seconds, created_at, "
+                "deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (queue_id, row.dataset_id, job_id, planned.to_json(), priority, lease_seconds, _now(), deadline, QUEUED),
+            )
+            connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (row.dataset_id,))
+            self._record(
+                connection, caller, "enqueue", row.tenant, row.dataset_id,
+                {"queue_id": queue_id, "job_id": job_id, "planned_events": planned.to_dict(), "priority": priority,
+                 "deadline": deadline, "lease_seconds": lease_seconds},
+            )
+            self._serve_queue(connection, row.dataset_id)
+            queued = self._queued_job(caller, self._queued_row(connection, caller, queue_id))
+        return queued
+
+    def queued_job(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
+        """A queued job as it stands now; a waiting one is scheduled first, so time-based unlocking shows."""
+        caller = self._caller(caller)
+        with self._transaction() as connection:
+            row = self._queued_row(connection, caller, queue_id)
+            if row[4] == QUEUED:
+                self._expire_leases(connection, row[14])
+                self._serve_queue(connection, row[14])
+                row = self._queued_row(connection, caller, queue_id)
+        return self._queued_job(caller, row)
+
+    def cancel_queued(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
+        """Take a waiting job out of the queue; a job already admitted holds a reservation: release that instead."""
+        caller = self._caller(caller)
+        with self._transaction() as connection:
+            row = self._queued_row(connection, caller, queue_id)
+            if row[4] == ADMITTED:
+                raise FailedPrecondition(
+                    f"queued job {queue_id} was already admitted as reservation {row[11]}; release that instead "
+                    "(dpfleet ledger release)"
+                )
+            if row[4] == QUEUED:
+                connection.execute(
+                    "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
+                    (CANCELLED, _now(), f"cancelled by {caller.actor}", queue_id),
+                )
+                self._record(
+                    connection, caller, "cancel_queued", row[1], row[14], {"queue_id": queue_id, "job_id": row[3]}
+                )
+                self._serve_queue(connection, row[14])
+                row = self._queued_row(connection, caller, queue_id)
+        return self._queued_job(caller, row)
+
+    def list_queued(
+        self, dataset: str | None = None, state: str | None = QUEUED, *, caller: Caller | None = None
+    ) -> list[QueuedJob]:
+        """Queued jobs on the caller's datasets (waiting ones by default), by dataset then queue position."""
+        caller = self._caller(caller)
+        state = check_queue_state(state)
+        conditions, parameters = [], []
+        with self._read() as connection:
+            if dataset is not None:
+                conditions.append("q.dataset_id = ?")
+                parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
+            elif not caller.admin:
+                conditions.append("d.tenant = ?")
+                parameters.append(caller.tenant)
+            if state is not None:
+                conditions.append("q.state = ?")
+                parameters.append(state)
+            where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+            rows = connection.execute(
+                f"SELECT {_QUEUE_COLUMNS}, q.dataset_id FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
+                f"{where} ORDER BY d.tenant, d.name, q.position, q.created_at, q.id",
+                parameters,
+            ).fetchall()
+        return [self._queued_job(caller, row) for row in rows]
+
+    def serve_queues(self) -> None:
+        """Schedule every dataset with waiting jobs: time-based unlocking and deadlines (a server runs this every second).
+
+        Looks first on a reader, so a sweep with nothing queued writes nothing.
+        """
+        with self._read() as connection:
+            waiting = [
+                dataset_id
+                for (dataset_id,) in connection.execute(
+                    "SELECT DISTINCT dataset_id FROM queued_jobs WHERE state = ? ORDER BY dataset_id", (QUEUED,)
+                ).fetchall()
+            ]
+        if waiting:
+            with self._transaction() as connection:
+                for dataset_id in waiting:
+                    self._serve_queue(connection, dataset_id)
+
+    def _serve_queue(self, connection: Connection, dataset_id: int) -> None:
+        """Time out the dataset's overdue waiting jobs, admit those its policy picks, note where the rest stand."""
+        now = _now()
+        row = _DatasetRow(
+            *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
+        )
+        for queue_id, job_id in connection.execute(
+            "SELECT id, job_id FROM queued_jobs WHERE dataset_id = ? AND state = ? AND deadline IS NOT NULL "
+            "AND deadline <= ? ORDER BY created_at, id",
+            (dataset_id, QUEUED, now),
+        ).fetchall():
+            connection.execute(
+                "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
+                (TIMED_OUT, now, "gave up waiting at its deadline", queue_id),
+            )
+            self._record(
+                connection, QUEUE_TIMEOUT, "queue_timeout", row.tenant, dataset_id,
+                {"queue_id": queue_id, "job_id": job_id},
+            )
+        waiting = connection.execute(
+            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason FROM queued_jobs "
+            "WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
+            (dataset_id, QUEUED),
+        ).fetchall()
+        if not waiting:
+            return
+        rule, policy = _rule(row), SchedulingPolicy.from_dict(json.loads(row.scheduling))
+        age_seconds = (datetime.fromisoformat(now) - datetime.fromisoformat(row.created_at)).total_seconds()
+        # A dataset without blocks is one block.
+        block = BlockBudget(
+            row.name, rule.capacities(row.budget_epsilon), rule.order_divergences(RdpTally.from_json(row.held_rdp)),
+            policy.unlocked_fraction(row.arrived_jobs, age_seconds),
+        )
+        plans = {queue_id: Composition.from_json(planned) for queue_id, _, planned, *_ in waiting}
+        tallies = {queue_id: RdpTally.of(plan) for queue_id, plan in plans.items()}
+        queue = [
+            QueuedDemand(queue_id, {row.name: rule.order_divergences(tallies[queue_id])}, float(arrival), priority)
+            for arrival, (queue_id, _, _, priority, *_) in enumerate(waiting)
+        ]
+        shown = dict((queue_id, (job_id, lease, position, reason)) for queue_id, job_id, _, _, lease, position, reason
+                     in waiting)
+        for decision in schedule(policy, {row.name: block}, queue):
+            job_id, lease_seconds, position, reason = shown[decision.job]
+            if decision.admitted:
+                try:
+                    reservation_id = self._hold(
+                        connection, QUEUE_ADMISSION, f"{row.tenant}/{row.name}", row, job_id, plans[decision.job],
+                        tallies[decision.job], lease_seconds, {"queue_id": decision.job, "policy": policy.name},
+                    )
+                except BudgetExceeded:
+                    # The policy's float arithmetic let it through at the very edge; the exact filter did not.
+                    decision = replace(decision, admitted=False, reason="at the edge of the budget; waits for more")
+                else:
+                    connection.execute(
+                        "UPDATE queued_jobs SET state = ?, reservation_id = ?, ended_at = ?, position = 0, reason = ? "
+                        "WHERE id = ?",
+                        (ADMITTED, reservation_id, _now(), f"admitted by {policy.name}", decision.job),
+                    )
+                    continue
+            if (decision.position, decision.reason) != (position, reason):
+                connection.execute(
+                    "UPDATE queued_jobs SET position = ?, reason = ? WHERE id = ?",
+                    (decision.position, decision.reason, decision.job),
+                )
+
+    @staticmethod
+    def _queued_row(connection: Connection, caller: Caller, queue_id: str) -> tuple:
+        check_name("queued job id", queue_id)
+        row = connection.execute(
+            f"SELECT {_QUEUE_COLUMNS}, q.dataset_id FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
+            "WHERE q.id = ?",
+            (queue_id,),
+        ).fetchone()
+        if row is None and caller.admin:
+            raise NotFound(f"queued job {queue_id!r} does not exist (dpfleet ledger jobs --queued lists them)")
+        if row is None or not (caller.admin or row[1] == caller.tenant):
+            raise PermissionDenied(
+                f"queued job {queue_id!r} is not one of yours, or does not exist (dpfleet ledger jobs --queued)"
+            )
+        return row
+
+    @staticmethod
+    def _queued_job(caller: Caller, row: tuple) -> QueuedJob:
+        (
+            queue_id, tenant, name, job_id, state, planned, priority, created_at, deadline, position, reason,
+            reservation_id, ended_at, lease_seconds,
+        ) = row[:14]
+        return QueuedJob(
+            queue_id=queue_id,
+            dataset=display_name(caller, DatasetRef(tenant, name)),
+            job_id=job_id,
+            state=state,
+            planned=Composition.from_json(planned),
+            priority=priority,
+            created_at=created_at,
+            deadline=deadline,
+            position=position,
+            reason=reason,
+            reservation_id=reservation_id,
+            ended_at=ended_at,
+            lease_seconds=lease_seconds,
         )
 
     def verify(self, *, caller: Caller | None = None) -> Verification:

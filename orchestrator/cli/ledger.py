@@ -18,6 +18,7 @@ from typing import Callable
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
 from accounting.ledger.databases import is_postgresql, shown_location
+from accounting.ledger.scheduling import POLICIES, SchedulingPolicy
 from accounting.ledger.service import LedgerServer, serve
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
 from orchestrator import checks
@@ -70,6 +71,27 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
+    parser.add_argument("--scheduling", choices=POLICIES,
+                        help=f"how {whose} queue of waiting jobs is served: fcfs (in arrival order), dpf "
+                             "(dominant-share fairness, PrivateKube) or dpack (packing by efficiency, DPack); "
+                             "docs/ledger.md#the-queue")
+    parser.add_argument("--unlock-jobs", help="dpf, dpack: unlock 1/N of the budget per arriving job (N >= 1)")
+    parser.add_argument("--unlock-seconds",
+                        help="dpf, dpack: unlock the budget linearly over this many seconds from the dataset's creation")
+
+
+def _scheduling(args: argparse.Namespace) -> SchedulingPolicy | None:
+    """The policy the scheduling flags give, or None when --scheduling is not given."""
+    if args.scheduling is None:
+        if args.unlock_jobs is not None or args.unlock_seconds is not None:
+            raise UsageError("--unlock-jobs and --unlock-seconds need --scheduling dpf or dpack")
+        return None
+    unlock_jobs = checks.integer_at_least("--unlock-jobs", args.unlock_jobs, 1) if args.unlock_jobs else None
+    unlock_seconds = checks.positive_number("--unlock-seconds", args.unlock_seconds) if args.unlock_seconds else None
+    return SchedulingPolicy(args.scheduling, unlock_jobs, unlock_seconds)
+
+
 def _status_table(statuses: list[DatasetStatus]) -> str:
     headers = [
         "dataset", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
@@ -105,6 +127,19 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
         "(non-adaptive): the PLD ε of the committed steps, which holds only if no job was chosen after seeing "
         "another's results."
     )
+
+
+def _queued_table(jobs: list) -> str:
+    headers = ["queued job", "dataset", "job", "state", "position", "priority", "planned steps", "queued at",
+               "deadline", "why it waits / reservation"]
+    rows = [
+        [
+            job.queue_id, job.dataset, job.job_id, job.state, job.position or "", job.priority, job.planned.steps,
+            job.created_at, job.deadline or "", job.reservation_id or job.reason,
+        ]
+        for job in jobs
+    ]
+    return format_table(headers, rows)
 
 
 def _jobs_table(jobs: list) -> str:
@@ -146,7 +181,8 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             print(f"listening on {server.address}", flush=True)
 
-    serve(args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce)
+    serve(args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
+          scheduling=_scheduling(args))
     return 0
 
 
@@ -175,7 +211,7 @@ def run_dataset_create(args: argparse.Namespace) -> int:
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = checks.open_unit_interval("--delta", args.delta)
     with _open(args) as ledger:
-        status = ledger.create_dataset(args.name, epsilon, delta)
+        status = ledger.create_dataset(args.name, epsilon, delta, _scheduling(args))
     _print_statuses([status], args.json)
     return 0
 
@@ -241,13 +277,35 @@ def run_release(args: argparse.Namespace) -> int:
 
 @_ledger_command
 def run_jobs(args: argparse.Namespace) -> int:
-    """List reservations, oldest first."""
+    """List reservations, oldest first; with --queued, the jobs waiting for budget, by position."""
+    if args.queued and args.active:
+        raise UsageError("--queued lists waiting jobs and --active jobs holding budget; give one of them")
     with _open(args) as ledger:
-        jobs = ledger.list_jobs(args.dataset, "active" if args.active else None)
-    if args.json:
+        if args.queued:
+            queued = ledger.list_queued(args.dataset)
+        else:
+            jobs = ledger.list_jobs(args.dataset, "active" if args.active else None)
+    if args.queued:
+        if args.json:
+            print_json({"queued": [job.to_dict() for job in queued]})
+        else:
+            print(_queued_table(queued))
+    elif args.json:
         print_json({"jobs": [job.to_dict() for job in jobs]})
     else:
         print(_jobs_table(jobs))
+    return 0
+
+
+@_ledger_command
+def run_cancel(args: argparse.Namespace) -> int:
+    """Take a waiting job out of its dataset's queue."""
+    with _open(args) as ledger:
+        queued = ledger.cancel_queued(args.queue_id)
+    if args.json:
+        print_json(queued.to_dict())
+    else:
+        print(f"{queued.queue_id} (job {queued.job_id} on {queued.dataset}): {queued.state}")
     return 0
 
 
@@ -300,6 +358,7 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
+    _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
     serve_parser.set_defaults(handler=run_serve)
 
     tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
@@ -319,6 +378,7 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     dataset_create.add_argument(
         "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
     )
+    _add_scheduling_flags(dataset_create, "the dataset's")
     _add_client_flags(dataset_create)
     dataset_create.set_defaults(handler=run_dataset_create)
     dataset_raise = dataset.add_parser("raise", help="set a dataset's budget epsilon (admin)")
@@ -366,5 +426,12 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     jobs = commands.add_parser("jobs", help="reservations, oldest first")
     jobs.add_argument("--dataset", help="only jobs on this dataset")
     jobs.add_argument("--active", action="store_true", help="only jobs still holding budget")
+    jobs.add_argument("--queued", action="store_true",
+                      help="the jobs waiting for budget instead: position, priority, deadline and why each waits")
     _add_client_flags(jobs)
     jobs.set_defaults(handler=run_jobs)
+
+    cancel = commands.add_parser("cancel", help="take a waiting job out of its dataset's queue")
+    cancel.add_argument("queue_id", help="the queued job, as listed by dpfleet ledger jobs --queued")
+    _add_client_flags(cancel)
+    cancel.set_defaults(handler=run_cancel)

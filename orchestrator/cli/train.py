@@ -7,6 +7,8 @@ import re
 import sys
 import textwrap
 
+from accounting.ledger.scheduling import PRIORITY_RANGE
+from orchestrator import checks
 from orchestrator.config import GROUPS, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
@@ -44,6 +46,14 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                             "(default: the config's ledger, DPFLEET_LEDGER, else embedded)")
     train.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
     train.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
+    train.add_argument("--wait-for-budget", action="store_true",
+                       help="when the plan does not fit the dataset's budget now, wait in its queue until the "
+                            "ledger's scheduling policy admits it (instead of exiting with status 3)")
+    train.add_argument("--max-wait", metavar="SECONDS",
+                       help="with --wait-for-budget: give up (exit 3) after waiting this long (default: no limit)")
+    train.add_argument("--priority", default="0",
+                       help="with --wait-for-budget: the job's priority in the queue, higher first "
+                            "(-1000 to 1000, default 0)")
     train.add_argument("--show-train-loss", action="store_true",
                        help="also print the training loss after each epoch (NOT private)")
     train.add_argument("--mia", action="store_true",
@@ -72,6 +82,8 @@ def config_keys_help(width: int = 100) -> str:
 
 def run_train(args: argparse.Namespace) -> int:
     """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
+    if not args.wait_for_budget and (args.max_wait is not None or args.priority != "0"):
+        raise UsageError("--max-wait and --priority are for a job that waits in the queue; add --wait-for-budget")
     options = {"show_progress": show_progress(args.no_progress, sys.stderr),
                "show_train_loss": args.show_train_loss}
     try:
@@ -175,9 +187,14 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say)
-    job = JobLedger.reserve(
-        ledger, dataset, new_job_id(config.run_dir), trainer.plan.row_level_events, config.ledger_timeout, say,
-        config.ledger_lease,
-    )
+    job_id, planned = new_job_id(config.run_dir), trainer.plan.row_level_events
+    if args.wait_for_budget:
+        job = JobLedger.wait_for_budget(
+            ledger, dataset, job_id, planned, config.ledger_timeout, say, config.ledger_lease,
+            checks.integer_in_range("--priority", args.priority, *PRIORITY_RANGE),
+            checks.positive_number("--max-wait", args.max_wait) if args.max_wait is not None else None,
+        )
+    else:
+        job = JobLedger.reserve(ledger, dataset, job_id, planned, config.ledger_timeout, say, config.ledger_lease)
     say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
     return job
