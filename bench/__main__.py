@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 
-from bench import admission, fan_in, ledger, mnist, out_of_core, scaling, seeds, throughput
+from bench import admission, fan_in, ledger, mnist, out_of_core, scaling, scheduling, seeds, throughput
 
 BENCHMARKS = {
     "throughput": throughput.main,
     "ledger": ledger.main,
     "admission": admission.main,
+    "scheduling": scheduling.main,
     "mnist": mnist.main,
     "seeds": seeds.main,
     "out_of_core": out_of_core.main,
