@@ -24,6 +24,7 @@ from accounting.ledger.core import (
     RdpTally,
     fits_budget,
 )
+from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger
 from bench.postgres import PostgresCluster, postgresql_binaries
@@ -113,6 +114,29 @@ def test_the_ledger_on_postgresql_admits_charges_expires_and_verifies(cluster, c
         assert (finding.entry_id, finding.dataset) == (entry_id, "acme/mnist")
     assert main(["ledger", "verify", "--db", url]) == 1
     assert capsys.readouterr().out.startswith(f"entry {entry_id} of dataset acme/mnist: its fields do not match")
+
+
+def test_the_queue_on_postgresql_admits_by_policy_times_out_cancels_and_verifies(cluster):
+    url = cluster.create_database("queue")
+    big = SampledGaussian(0.01, 1.0, 5000)  # 27.7% of a budget of epsilon 10 at the best filter order
+    with Ledger(url, caller=ADMIN, scheduling=SchedulingPolicy("dpf", unlock_jobs=5)) as ledger:
+        ledger.create_tenant("acme")
+        ledger.create_dataset("acme/fair", 10.0, DELTA)  # the ledger's default policy: dpf, 1/5 per arrival
+        waiting = ledger.enqueue("acme/fair", "big", big)
+        assert (waiting.state, waiting.position) == ("queued", 1)
+        small = ledger.enqueue("acme/fair", "small", big.with_steps(1000))  # 40% unlocked: both fit now
+        assert small.state == "admitted" and ledger.queued_job(waiting.queue_id).state == "admitted"
+        holders = [ledger.reserve("acme/fair", f"holder-{index}", big) for index in range(2)]
+        assert ledger.enqueue("acme/fair", "late", big, max_wait_seconds=0.2).state == "queued"
+        cancelled = ledger.enqueue("acme/fair", "cancelled", big)
+        assert ledger.cancel_queued(cancelled.queue_id).state == "cancelled"
+        time.sleep(0.3)
+        ledger.serve_queues()
+        assert [job.state for job in ledger.list_queued("acme/fair", None)] == [
+            "admitted", "admitted", "timed_out", "cancelled"
+        ]
+        ledger.release(holders[0].reservation_id)
+        assert ledger.verify().findings == ()
 
 
 # A client process on the bare stubs (grpc and the messages only, so that 8 of them start quickly).
