@@ -11,14 +11,13 @@ from accounting.events import SampledGaussian
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, AdmissionRule, BudgetExceeded, FailedPrecondition, RdpTally
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.service import start_server
 from accounting.ledger.store import SCHEMA_VERSION, open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.errors import BudgetRefusedError
 from orchestrator.ledger_session import JobLedger
+from tests.test_ledger_service import ADMIN_TOKEN, acme_token, admin, server  # noqa: F401 - fixtures
 from tests.test_ledger_store import FIRST, version_2_file
 
-ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 BUDGET, DELTA = 10.0, 1e-5
 # At budget 10 and delta 1e-5 the filter watches orders 2.5, 4 and 6.9; at order 4, where these plans use the
 # budget best, BIG holds 27.7% of it and SMALL 5.5%.
@@ -40,17 +39,8 @@ def until(condition, seconds=20.0):
 
 
 @pytest.fixture
-def server(tmp_path):
-    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
-    yield running
-    running.stop(grace_seconds=1.0)
-
-
-@pytest.fixture
-def acme(server):
-    with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
-        token = admin.create_tenant("acme").token
-    with RemoteLedger(server.address, token) as client:
+def acme(server, acme_token):
+    with RemoteLedger(server.address, acme_token) as client:
         yield client
 
 
@@ -184,3 +174,21 @@ def test_training_waits_for_budget_with_a_progress_line_then_runs_or_gives_up(tm
         with pytest.raises(BudgetRefusedError, match="without budget \\(timed_out"):
             JobLedger.wait_for_budget(ledger, "mnist", "train-2", BIG, 30.0, lines.append, max_wait_seconds=0.5)
         assert ledger.verify().findings == ()
+
+
+def test_a_job_id_that_reserved_directly_while_waiting_is_not_admitted_twice(tmp_path):
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("mnist", BUDGET, DELTA, SchedulingPolicy("dpf", unlock_jobs=5))
+        waiting = ledger.enqueue("mnist", "job", BIG)  # 20% unlocked: waits
+        held = ledger.reserve("mnist", "job", SMALL)  # a direct reserve is admitted by the filter alone
+        ledger.enqueue("mnist", "other", SMALL)  # 60% unlocked now: BIG would fit beside both SMALL
+        shown = ledger.queued_job(waiting.queue_id)
+        assert (shown.state, shown.reason) == (
+            "queued", f"job id already holds reservation {held.reservation_id}; cancel this or release that"
+        )
+        assert ledger.verify().findings == ()
+
+
+def test_train_takes_max_wait_and_priority_only_with_wait_for_budget(capsys):
+    assert main(["train", "--config", "examples/mnist.toml", "--max-wait", "60"]) == 2
+    assert "add --wait-for-budget" in capsys.readouterr().err

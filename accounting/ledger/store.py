@@ -804,24 +804,30 @@ class Ledger:
         """Reservations on the caller's datasets, oldest first; optionally of one dataset or state."""
         caller = self._caller(caller)
         state = check_state(state)
-        conditions, parameters = [], []
         with self._read() as connection:
-            if dataset is not None:
-                conditions.append("r.dataset_id = ?")
-                parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
-            elif not caller.admin:
-                conditions.append("d.tenant = ?")
-                parameters.append(caller.tenant)
-            if state is not None:
-                conditions.append("r.state = ?")
-                parameters.append(state)
-            where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+            where, parameters = self._visible(connection, caller, "r", dataset, state)
             rows = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
                 f"{where} ORDER BY r.{self._database.insertion_order}",
                 parameters,
             ).fetchall()
         return [self._reservation(caller, row) for row in rows]
+
+    def _visible(
+        self, connection: Connection, caller: Caller, table: str, dataset: str | None, state: str | None
+    ) -> tuple[str, list]:
+        """The WHERE clause and its parameters for rows of `table` (joined to datasets as d) the caller may list."""
+        conditions, parameters = [], []
+        if dataset is not None:
+            conditions.append(f"{table}.dataset_id = ?")
+            parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
+        elif not caller.admin:
+            conditions.append("d.tenant = ?")
+            parameters.append(caller.tenant)
+        if state is not None:
+            conditions.append(f"{table}.state = ?")
+            parameters.append(state)
+        return (f"WHERE {' AND '.join(conditions)}" if conditions else ""), parameters
 
     def reserve(
         self,
@@ -1190,18 +1196,8 @@ class Ledger:
         """Queued jobs on the caller's datasets (waiting ones by default), by dataset then queue position."""
         caller = self._caller(caller)
         state = check_queue_state(state)
-        conditions, parameters = [], []
         with self._read() as connection:
-            if dataset is not None:
-                conditions.append("q.dataset_id = ?")
-                parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
-            elif not caller.admin:
-                conditions.append("d.tenant = ?")
-                parameters.append(caller.tenant)
-            if state is not None:
-                conditions.append("q.state = ?")
-                parameters.append(state)
-            where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+            where, parameters = self._visible(connection, caller, "q", dataset, state)
             rows = connection.execute(
                 f"SELECT {_QUEUE_COLUMNS}, q.dataset_id FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
                 f"{where} ORDER BY d.tenant, d.name, q.position, q.created_at, q.id",
@@ -1229,27 +1225,27 @@ class Ledger:
     def _serve_queue(self, connection: Connection, dataset_id: int) -> None:
         """Time out the dataset's overdue waiting jobs, admit those its policy picks, note where the rest stand."""
         now = _now()
-        row = _DatasetRow(
-            *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
-        )
-        for queue_id, job_id in connection.execute(
-            "SELECT id, job_id FROM queued_jobs WHERE dataset_id = ? AND state = ? AND deadline IS NOT NULL "
-            "AND deadline <= ? ORDER BY created_at, id",
-            (dataset_id, QUEUED, now),
-        ).fetchall():
-            connection.execute(
-                "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
-                (TIMED_OUT, now, "gave up waiting at its deadline", queue_id),
-            )
-            self._record(
-                connection, QUEUE_TIMEOUT, "queue_timeout", row.tenant, dataset_id,
-                {"queue_id": queue_id, "job_id": job_id},
-            )
         waiting = connection.execute(
-            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason FROM queued_jobs "
+            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, deadline FROM queued_jobs "
             "WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
             (dataset_id, QUEUED),
         ).fetchall()
+        if not waiting:
+            return
+        row = _DatasetRow(
+            *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
+        )
+        for queue_id, job_id, *_, deadline in waiting:
+            if deadline is not None and deadline <= now:
+                connection.execute(
+                    "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
+                    (TIMED_OUT, now, "gave up waiting at its deadline", queue_id),
+                )
+                self._record(
+                    connection, QUEUE_TIMEOUT, "queue_timeout", row.tenant, dataset_id,
+                    {"queue_id": queue_id, "job_id": job_id},
+                )
+        waiting = [entry for entry in waiting if entry[-1] is None or entry[-1] > now]
         if not waiting:
             return
         rule, policy = _rule(row), SchedulingPolicy.from_dict(json.loads(row.scheduling))
@@ -1265,10 +1261,18 @@ class Ledger:
             QueuedDemand(queue_id, {row.name: rule.order_divergences(tallies[queue_id])}, float(arrival), priority)
             for arrival, (queue_id, _, _, priority, *_) in enumerate(waiting)
         ]
-        shown = dict((queue_id, (job_id, lease, position, reason)) for queue_id, job_id, _, _, lease, position, reason
-                     in waiting)
+        shown = {queue_id: (job_id, lease, position, reason)
+                 for queue_id, job_id, _, _, lease, position, reason, _ in waiting}
         for decision in schedule(policy, {row.name: block}, queue):
             job_id, lease_seconds, position, reason = shown[decision.job]
+            holding = connection.execute(
+                "SELECT id FROM reservations WHERE dataset_id = ? AND job_id = ? AND state = ?",
+                (dataset_id, job_id, ACTIVE),
+            ).fetchone() if decision.admitted else None
+            if holding is not None:
+                # The same job id reserved directly while it waited: one active reservation per job id.
+                decision = replace(decision, admitted=False,
+                                   reason=f"job id already holds reservation {holding[0]}; cancel this or release that")
             if decision.admitted:
                 try:
                     reservation_id = self._hold(
