@@ -3,14 +3,18 @@
 import json
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
 
+from accounting.events import SampledGaussian
 from accounting.ledger.client import RemoteLedger
+from accounting.ledger.core import AdmissionRule, RdpTally, fits_budget
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.checkpoint import checkpoint_files
+from orchestrator.trainer import Trainer
 from servers import DPFLEET, REPOSITORY, TINY_JOB, free_port, start_serve_process, tiny_job_epsilon
 
 ADMIN_TOKEN = "admin-token-for-training-tests-0123"
@@ -161,3 +165,29 @@ def test_train_with_mia_reports_the_membership_attack(tmp_path, capsys):
     attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference"]
     assert 0.0 <= attack["auc"] <= 1.0 and 0.0 <= attack["tpr_at_1pct_fpr"] <= 1.0
     assert attack["members"] == 600 and attack["nonmembers"] == 1000
+
+
+def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(tmp_path, monkeypatch):
+    step = SampledGaussian(30 / 600, 1.0, 1)  # TINY_JOB's step
+    rule = AdmissionRule.for_budget(10.0, 1e-5)
+    # The longest holder that leaves no room for 20 steps of the job, found by bisection over its steps.
+    fits = lambda steps: fits_budget(rule.epsilon(RdpTally.of(step.with_steps(steps))), 10.0)  # noqa: E731
+    low, high = 1, 1_000_000
+    while high - low > 1:
+        low, high = ((low + high) // 2, high) if fits((low + high) // 2) else (low, (low + high) // 2)
+    with open_embedded_ledger() as ledger:
+        ledger.create_dataset("mnist", 10.0, 1e-5)
+        holder = ledger.reserve("mnist", "holder", step.with_steps(low - 10))
+    config = write_config(tmp_path, f'steps = 20\nrun_dir = "{tmp_path / "waited"}"\n')
+    said, say = [], Trainer.say
+    monkeypatch.setattr(Trainer, "say", lambda trainer, text: (said.append(text), say(trainer, text)))
+    with open_embedded_ledger() as ledger:
+        releaser = threading.Timer(3.0, ledger.release, args=(holder.reservation_id,))
+        releaser.start()
+        assert main(["train", "--config", config, "--no-progress", "--wait-for-budget", "--max-wait", "600"]) == 0
+        releaser.join()
+        (job,) = [job for job in ledger.list_jobs("mnist") if job.job_id != "holder"]
+        assert job.state == "released" and job.committed_steps == 20
+        assert [entry.action for entry in ledger.history("mnist")][-4:-2] == ["release", "reserve"]
+    assert said[0].startswith("ledger: waiting for budget on 'mnist' (q-") and "position 1, needs" in said[0]
+    assert said[1].startswith("ledger: admitted after")
