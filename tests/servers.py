@@ -41,11 +41,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_serve_process(db_path: Path, token_file: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start `dpfleet ledger serve` on 127.0.0.1:port (0: any free port); return it and its HOST:PORT."""
+def start_serve_process(
+    db_path: Path, token_file: Path, port: int = 0, extra_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """Start `dpfleet ledger serve` on 127.0.0.1:port (0: any free port); return it and its HOST:PORT.
+
+    `extra_args` go to `serve` too; what it prints after its address is left to read on the process's stdout.
+    """
     process = subprocess.Popen(
         [*DPFLEET, "ledger", "serve", "--db", str(db_path), "--port", str(port)]
-        + ["--admin-token-file", str(token_file)],
+        + ["--admin-token-file", str(token_file), *extra_args],
         cwd=REPOSITORY,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
