@@ -5,6 +5,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import urllib.error
 import urllib.parse
@@ -19,6 +21,7 @@ from accounting.ledger import view
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, burn_down, tenant_caller
 from accounting.ledger.metrics import DATASET_GAUGES, RPC_SECONDS, exposition
+from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger
 from orchestrator.cli import main
 from servers import start_serve_process
@@ -156,6 +159,8 @@ def served(tmp_path_factory):
         with RemoteLedger(address, tokens["globex"]) as globex:
             globex.create_dataset("cifar", 1.0, DELTA)
         yield {"address": address, "tokens": tokens, **urls}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stderr.read()  # the HTTP side stops with the server
     finally:
         process.kill()
         process.wait()
@@ -227,6 +232,30 @@ def test_page_and_its_data_refuse_without_a_token_and_sign_in_sets_a_cookie(serv
         assert response.status == 200 and 'data-dataset' not in response.read().decode()  # drawn by page.js
     with opener.open(served["page"] + "view.json", timeout=30) as response:
         assert [dataset["name"] for dataset in json.load(response)["datasets"]] == ["cifar"]
+
+
+def test_a_busy_port_is_refused_by_name_and_a_ledger_that_cannot_answer_is_a_503(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*choose another --metrics-port"):
+            start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, http_port=0, metrics_port=port)
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, metrics_port=0)  # the file is free
+    try:
+        metrics = f"http://127.0.0.1:{running.web.metrics_port}/metrics"
+        assert running.web.http_port is None and get(metrics)[0] == 401
+        running.ledger.close()  # a ledger that cannot answer: the scrape says why
+        status, _, body = get(metrics, ADMIN_TOKEN)
+        assert status == 503 and "is closed" in body
+    finally:
+        running.stop(grace_seconds=1.0)
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--metrics-port"])
+def test_serve_refuses_a_port_out_of_range(tmp_path, capsys, flag):
+    assert main(["ledger", "serve", "--db", str(tmp_path / "ledger.db"), flag, "65536"]) == 2
+    assert f"{flag} must be in [0, 65535] (got 65536)" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------ the page in a real browser

@@ -293,6 +293,7 @@ def start_server(
                 metrics_port, _https_context(tls_cert, tls_key),
             )
         except BaseException:
+            server.stop(None)
             ledger.close()
             raise
     server.start()

@@ -28,7 +28,7 @@ from typing import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from accounting.ledger.core import Caller, Unauthenticated
+from accounting.ledger.core import Caller, LedgerError, Unauthenticated
 from accounting.ledger.metrics import exposition
 from accounting.ledger.store import Ledger
 from accounting.ledger.view import ledger_view
@@ -92,6 +92,15 @@ def view_page(view: dict) -> str:
     return _page_file("page.html").replace("{{VIEW_JSON}}", embedded)
 
 
+@web.middleware
+async def _ledger_refusals(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """A ledger that cannot answer (its database gone, say) is a 503 with the ledger's reason, not a traceback."""
+    try:
+        return await handler(request)
+    except LedgerError as error:
+        return web.Response(status=503, text=f"{error}\n", headers=_HEADERS)
+
+
 def page_app(ledger: Ledger, authenticate: Authenticate, secure_cookie: bool) -> web.Application:
     """The read-only web page: / (the page), /view.json (its data), /sign-in, /sign-out and its scripts."""
 
@@ -142,7 +151,7 @@ def page_app(ledger: Ledger, authenticate: Authenticate, secure_cookie: bool) ->
         text = await asyncio.to_thread(_plotly_js)
         return web.Response(text=text, content_type="text/javascript", headers={"Cache-Control": "max-age=86400"})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_ledger_refusals])
     app.router.add_get("/", page)
     app.router.add_get("/view.json", view_json)
     app.router.add_post("/sign-in", sign_in)
@@ -168,7 +177,7 @@ def metrics_app(ledger: Ledger, authenticate: Authenticate, server_registry: Col
         body = exposition(statuses, server_registry if caller.admin else None)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
+    app = web.Application(middlewares=[_ledger_refusals])
     app.router.add_get("/metrics", metrics)
     return app
 
