@@ -64,6 +64,18 @@ def start_serve_process(
     return process, match.group(1)
 
 
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A one-day certificate for localhost and 127.0.0.1 and its key (PEM files in `folder`), made by openssl."""
+    certificate, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(certificate), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return certificate, key
+
+
 def start_racers(commands: list[list[str]]) -> list[subprocess.Popen]:
     """Start one process per command, wait until each prints "ready", then release them all at once ("go")."""
     racers = [

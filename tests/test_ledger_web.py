@@ -7,6 +7,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import urllib.error
 import urllib.parse
@@ -23,8 +24,9 @@ from accounting.ledger.core import ADMIN, BudgetExceeded, burn_down, tenant_call
 from accounting.ledger.metrics import DATASET_GAUGES, RPC_SECONDS, exposition
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger
+from accounting.ledger.web import TOKEN_COOKIE
 from orchestrator.cli import main
-from servers import start_serve_process
+from servers import self_signed_certificate, start_serve_process
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
@@ -164,6 +166,8 @@ def served(tmp_path_factory):
     finally:
         process.kill()
         process.wait()
+        process.stdout.close()
+        process.stderr.close()
 
 
 def status_json(capsys, served, token):
@@ -248,6 +252,44 @@ def test_a_busy_port_is_refused_by_name_and_a_ledger_that_cannot_answer_is_a_503
         running.ledger.close()  # a ledger that cannot answer: the scrape says why
         status, _, body = get(metrics, ADMIN_TOKEN)
         assert status == 503 and "is closed" in body
+    finally:
+        running.stop(grace_seconds=1.0)
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Hands a redirect back as an HTTPError, so that a test can read its headers."""
+
+    def redirect_request(self, *args):
+        return None
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_with_tls_the_page_and_metrics_are_https_and_the_cookie_is_secure(tmp_path):
+    certificate, key = self_signed_certificate(tmp_path)
+    running = start_server(
+        tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=certificate, tls_key=key, http_port=0,
+        metrics_port=0,
+    )
+    trusting = ssl.create_default_context(cafile=str(certificate))
+    try:
+        metrics = urllib.request.Request(
+            f"https://127.0.0.1:{running.web.metrics_port}/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        )
+        with urllib.request.urlopen(metrics, context=trusting, timeout=30) as response:
+            assert response.status == 200
+        sign_in = urllib.request.Request(
+            f"https://127.0.0.1:{running.web.http_port}/sign-in", urllib.parse.urlencode({"token": ADMIN_TOKEN}).encode()
+        )
+        no_redirect = urllib.request.build_opener(urllib.request.HTTPSHandler(context=trusting), NoRedirect())
+        with pytest.raises(urllib.error.HTTPError) as redirected:
+            no_redirect.open(sign_in, timeout=30)
+        assert redirected.value.code == 303
+        cookie = redirected.value.headers["Set-Cookie"]
+        assert cookie.startswith(f"{TOKEN_COOKIE}=") and {"HttpOnly", "Secure", "SameSite=Strict"} <= {
+            part.strip() for part in cookie.split(";")
+        }
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(metrics, timeout=30)  # plain trust store: the self-signed server is refused
     finally:
         running.stop(grace_seconds=1.0)
 

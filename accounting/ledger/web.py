@@ -92,6 +92,11 @@ def view_page(view: dict) -> str:
     return _page_file("page.html").replace("{{VIEW_JSON}}", embedded)
 
 
+def _see_the_page() -> web.Response:
+    """303 See Other to the page, after signing in or out."""
+    return web.Response(status=303, headers={**_HEADERS, "Location": "/"})
+
+
 @web.middleware
 async def _ledger_refusals(request: web.Request, handler: Callable) -> web.StreamResponse:
     """A ledger that cannot answer (its database gone, say) is a 503 with the ledger's reason, not a traceback."""
@@ -134,12 +139,12 @@ def page_app(ledger: Ledger, authenticate: Authenticate, secure_cookie: bool) ->
             await _caller(authenticate, token or None)
         except Unauthenticated as error:
             return refused(str(error))
-        response = web.HTTPSeeOther("/", headers=_HEADERS)
+        response = _see_the_page()
         response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict", secure=secure_cookie, path="/")
         return response
 
     async def sign_out(request: web.Request) -> web.Response:
-        response = web.HTTPSeeOther("/", headers=_HEADERS)
+        response = _see_the_page()
         response.del_cookie(TOKEN_COOKIE, path="/")
         return response
 
