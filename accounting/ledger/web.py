@@ -17,6 +17,7 @@ the page needs nothing from outside the machine.
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import ssl
 import threading
@@ -81,8 +82,7 @@ async def _caller(authenticate: Authenticate, token: str | None) -> Caller:
 
 def sign_in_page(message: str) -> str:
     """The page a visitor without a valid token sees: why, and a form for the token."""
-    escaped = message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-    return _page_file("sign_in.html").replace("{{MESSAGE}}", escaped)
+    return _page_file("sign_in.html").replace("{{MESSAGE}}", html.escape(message))
 
 
 def view_page(view: dict) -> str:
