@@ -46,6 +46,7 @@ from accounting.ledger.messages import (
 )
 from accounting.ledger.core import (
     ADMIN,
+    EXAMPLE,
     BudgetExceeded,
     Caller,
     InvalidArgument,
@@ -144,7 +145,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def CreateDataset(self, request: pb.CreateDatasetRequest, caller: Caller) -> pb.DatasetStatus:
         """Create a dataset with its budget."""
         return messages.status_to_proto(
-            self._ledger.create_dataset(request.dataset, request.epsilon, request.delta, caller=caller)
+            self._ledger.create_dataset(
+                request.dataset, request.epsilon, request.delta, request.privacy_unit or EXAMPLE, caller=caller
+            )
         )
 
     @_rpc
@@ -176,7 +179,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         """Hold budget for a job's plan, with a lease when lease_seconds > 0."""
         planned = parse_plan(request.planned_events_json)
         reservation = self._ledger.reserve(
-            request.dataset, request.job_id, planned, request.lease_seconds or None, caller=caller
+            request.dataset, request.job_id, planned, request.lease_seconds or None,
+            request.privacy_unit or EXAMPLE, request.rows_per_person or None, caller=caller,
         )
         return messages.reservation_to_proto(reservation)
 
