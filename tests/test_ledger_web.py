@@ -40,7 +40,7 @@ GAUGE_FIGURES = {
     "dpfleet_ledger_remaining_epsilon": "remaining_epsilon",
 }
 # Shown figure of each status key on the page
-PAGE_FIGURES = ("budget_epsilon", "delta", "spent_epsilon_filter", "reserved_epsilon", "remaining_epsilon",
+PAGE_FIGURES = ("privacy_unit", "budget_epsilon", "delta", "spent_epsilon_filter", "reserved_epsilon", "remaining_epsilon",
                 "spent_epsilon", "released_jobs")
 
 
@@ -113,7 +113,7 @@ def test_a_tenants_view_holds_its_own_datasets_and_each_tables_that_plug_in(ledg
     assert [row[1:5] for row in jobs["rows"]] == [["job-1", "released", 300, 1000], ["job-2", "active", 50, 200]]
     assert queue == {"title": "queue", "columns": ["job"], "rows": [["mnist"]]}
     (tenant,) = shown["tenants"]
-    assert tenant["tenant"] == "acme" and tenant["tables"][0]["rows"][0][0] == "mnist"
+    assert tenant["tenant"] == "acme" and tenant["tables"][0]["rows"][0][:2] == ["mnist", "example"]
     everything = view.ledger_view(ledger, ADMIN)
     assert [dataset["name"] for dataset in everything["datasets"]] == ["acme/mnist", "globex/cifar"]
     assert [tenant["tenant"] for tenant in everything["tenants"]] == ["acme", "globex"]
@@ -353,11 +353,18 @@ def wait_for_chart(driver, dataset):
 
 
 def shown_figures(driver, dataset):
-    """{status key: (exact value, text shown)} of a dataset's figures on the page."""
+    """{status key: (exact value, text shown)} of a dataset's figures on the page; a number's exact value is its
+    data-value, a word's its text."""
     from selenium.webdriver.common.by import By
 
     cells = driver.find_elements(By.CSS_SELECTOR, f'section[data-dataset="{dataset}"] [data-figure]')
-    return {cell.get_attribute("data-figure"): (float(cell.get_attribute("data-value")), cell.text) for cell in cells}
+    return {
+        cell.get_attribute("data-figure"): (
+            float(cell.get_attribute("data-value")) if cell.get_attribute("data-value") is not None else cell.text,
+            cell.text,
+        )
+        for cell in cells
+    }
 
 
 def test_browser_is_refused_without_a_token_then_signs_in_and_shows_the_status(served, browser, capsys, tmp_path):
@@ -376,6 +383,7 @@ def test_browser_is_refused_without_a_token_then_signs_in_and_shows_the_status(s
     (status,) = status_json(capsys, served, served["tokens"]["acme"]).values()
     figures = shown_figures(browser, "mnist")
     assert set(figures) == set(PAGE_FIGURES)
+    assert figures.pop("privacy_unit") == ("example", "example")
     for key, (exact, text) in figures.items():
         assert exact == status[key], key
         assert float(text) == pytest.approx(status[key], rel=1e-5), key

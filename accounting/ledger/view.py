@@ -44,13 +44,15 @@ def jobs_table(ledger: Ledger, caller: Caller, status: DatasetStatus) -> dict:
 
 
 def datasets_table(ledger: Ledger, caller: Caller, tenant: str, statuses: list[DatasetStatus]) -> dict:
-    """The tenant's datasets and the ε each has left, at its own δ."""
+    """The tenant's datasets and the ε each has left, per its privacy unit at its own δ."""
     rows = [
-        [status.name, status.budget_epsilon, status.delta, status.spent_epsilon_filter, status.reserved_epsilon,
-         status.remaining_epsilon, len(status.jobs)]
+        [status.name, status.privacy_unit, status.budget_epsilon, status.delta, status.spent_epsilon_filter,
+         status.reserved_epsilon, status.remaining_epsilon, len(status.jobs)]
         for status in statuses
     ]
-    columns = ["dataset", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "active jobs"]
+    columns = [
+        "dataset", "privacy unit", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "active jobs",
+    ]
     return table("datasets", columns, rows)
 
 

@@ -6,6 +6,7 @@ const view = JSON.parse(document.getElementById("ledger-view").textContent);
 
 // The figures of a status, in the order shown, with their labels.
 const FIGURES = [
+  ["privacy_unit", "privacy unit (each ε is per one)"],
   ["budget_epsilon", "budget ε"],
   ["delta", "δ"],
   ["spent_epsilon_filter", "spent ε (filter)"],
