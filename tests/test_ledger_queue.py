@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from accounting.events import SampledGaussian
+from accounting.events import SampledGaussian, group_events
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, AdmissionRule, BudgetExceeded, FailedPrecondition, RdpTally
 from accounting.ledger.scheduling import SchedulingPolicy
@@ -88,7 +88,7 @@ def test_fcfs_queue_on_a_server_admits_when_budget_is_released_higher_priority_f
 
 
 def test_dpf_on_a_server_unlocks_per_arriving_job_and_serves_the_smallest_share_first(server, acme):
-    acme.create_dataset("fair", BUDGET, DELTA, SchedulingPolicy("dpf", unlock_jobs=5))
+    acme.create_dataset("fair", BUDGET, DELTA, scheduling=SchedulingPolicy("dpf", unlock_jobs=5))
     big = acme.enqueue("fair", "big", BIG)  # one arrival of five: 20% unlocked, BIG needs 27.7%
     assert (big.state, big.position, big.reason) == (
         "queued", 1, "needs 27.7% of the budget; 20.0% is unlocked and not held"
@@ -100,10 +100,10 @@ def test_dpf_on_a_server_unlocks_per_arriving_job_and_serves_the_smallest_share_
         ("ledger (queue)", "reserve", "big"),
     ]
     # Under fcfs the same big job is admitted the moment it arrives.
-    acme.create_dataset("first-come", BUDGET, DELTA, SchedulingPolicy("fcfs"))
+    acme.create_dataset("first-come", BUDGET, DELTA, scheduling=SchedulingPolicy("fcfs"))
     assert acme.enqueue("first-come", "big", BIG).state == "admitted"
 
-    acme.create_dataset("timed", BUDGET, DELTA, SchedulingPolicy("dpf", unlock_seconds=3.0))
+    acme.create_dataset("timed", BUDGET, DELTA, scheduling=SchedulingPolicy("dpf", unlock_seconds=3.0))
     timed = acme.enqueue("timed", "big", BIG)
     assert timed.state == "queued"  # the server's sweep admits it once 27.7% of 3 s have passed
     until(lambda: acme.queued_job(timed.queue_id).state == "admitted")
@@ -164,7 +164,8 @@ def test_training_waits_for_budget_with_a_progress_line_then_runs_or_gives_up(tm
         holders = [ledger.reserve("mnist", f"holder-{index}", BIG) for index in range(3)]
         releaser = threading.Timer(1.5, ledger.release, args=(holders[0].reservation_id,))
         releaser.start()
-        job = JobLedger.wait_for_budget(ledger, "mnist", "train-1", BIG, 30.0, lines.append)
+        big_job = lambda dataset_unit: (BIG, "example", None)  # noqa: E731 - the plan RunPlan.ledger_plan gives
+        job = JobLedger.wait_for_budget(ledger, "mnist", "train-1", big_job, 30.0, lines.append)
         releaser.join()
         assert [reservation.job_id for reservation in ledger.get_budget("mnist").jobs][-1] == "train-1"
         assert job.reservation_id == ledger.get_budget("mnist").jobs[-1].reservation_id
@@ -172,13 +173,13 @@ def test_training_waits_for_budget_with_a_progress_line_then_runs_or_gives_up(tm
         assert lines[-1].startswith("ledger: admitted after ")
 
         with pytest.raises(BudgetRefusedError, match="without budget \\(timed_out"):
-            JobLedger.wait_for_budget(ledger, "mnist", "train-2", BIG, 30.0, lines.append, max_wait_seconds=0.5)
+            JobLedger.wait_for_budget(ledger, "mnist", "train-2", big_job, 30.0, lines.append, max_wait_seconds=0.5)
         assert ledger.verify().findings == ()
 
 
 def test_a_job_id_that_reserved_directly_while_waiting_is_not_admitted_twice(tmp_path):
     with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
-        ledger.create_dataset("mnist", BUDGET, DELTA, SchedulingPolicy("dpf", unlock_jobs=5))
+        ledger.create_dataset("mnist", BUDGET, DELTA, scheduling=SchedulingPolicy("dpf", unlock_jobs=5))
         waiting = ledger.enqueue("mnist", "job", BIG)  # 20% unlocked: waits
         held = ledger.reserve("mnist", "job", SMALL)  # a direct reserve is admitted by the filter alone
         ledger.enqueue("mnist", "other", SMALL)  # 60% unlocked now: BIG would fit beside both SMALL
@@ -192,3 +193,18 @@ def test_a_job_id_that_reserved_directly_while_waiting_is_not_admitted_twice(tmp
 def test_train_takes_max_wait_and_priority_only_with_wait_for_budget(capsys):
     assert main(["train", "--config", "examples/mnist.toml", "--max-wait", "60"]) == 2
     assert "add --wait-for-budget" in capsys.readouterr().err
+
+
+def test_a_queued_example_level_job_on_a_user_level_dataset_is_charged_its_group_bound(tmp_path):
+    job = SampledGaussian(0.01, 2.0, 1000)  # for people of at most 2 rows: q 0.0199 at sigma 1, 23% of the budget
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("people", BUDGET, DELTA, "user")
+        holders = [ledger.reserve("people", f"holder-{index}", BIG, privacy_unit="user") for index in range(3)]
+        queued = ledger.enqueue("people", "job", job, privacy_unit="example", rows_per_person=2)
+        assert queued.state == "queued" and queued.planned == group_events(job, 2)
+        ledger.release(holders[0].reservation_id)
+        admitted = ledger.queued_job(queued.queue_id)
+        assert admitted.state == "admitted"
+        assert ledger.get_budget("people").jobs[-1].planned == group_events(job, 2)
+        assert ledger.history("people")[-1].details["rows_per_person"] == 2
+        assert ledger.verify().findings == ()

@@ -20,6 +20,7 @@ from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
 from accounting.ledger.core import (
+    EXAMPLE,
     BudgetExceeded,
     CommitResult,
     DatasetStatus,
@@ -37,6 +38,8 @@ from accounting.ledger.core import (
     check_priority,
     check_queue_state,
     check_scheduling,
+    check_privacy_unit,
+    check_rows_per_person,
     check_sequence,
     check_steps,
 )
@@ -161,13 +164,17 @@ class RemoteLedger:
         return messages.tenant_from_proto(reply)
 
     def create_dataset(
-        self, dataset: str, epsilon: float, delta: float, scheduling: SchedulingPolicy | dict | None = None
+        self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE,
+        scheduling: SchedulingPolicy | dict | None = None,
     ) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta`; `scheduling` serves its queue (None: the server's)."""
+        """Create a dataset with a budget of `epsilon` at `delta` per `privacy_unit` ('example' or 'user').
+
+        `scheduling` serves its queue of waiting jobs (None: the server's default).
+        """
         policy = check_scheduling(scheduling) if scheduling is not None else None
         request = self._request(
             pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta,
-            scheduling=messages.scheduling_to_proto(policy),
+            privacy_unit=check_privacy_unit(privacy_unit), scheduling=messages.scheduling_to_proto(policy),
         )
         return messages.status_from_proto(self._call("CreateDataset", request))
 
@@ -198,13 +205,18 @@ class RemoteLedger:
         return [messages.reservation_from_proto(job) for job in self._call("ListJobs", request).jobs]
 
     def reserve(
-        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
     ) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
+
+        `privacy_unit` and `rows_per_person` as in the embedded Ledger.reserve.
+        """
         planned_json = check_plan(planned).to_json()
         request = self._request(
             pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
-            lease_seconds=check_lease_seconds(lease_seconds) or 0.0,
+            lease_seconds=check_lease_seconds(lease_seconds) or 0.0, privacy_unit=check_privacy_unit(privacy_unit),
+            rows_per_person=check_rows_per_person(rows_per_person) or 0,
         )
         return messages.reservation_from_proto(self._call("Reserve", request))
 
@@ -233,12 +245,15 @@ class RemoteLedger:
         lease_seconds: float | None = None,
         priority: int = 0,
         max_wait_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE,
+        rows_per_person: int | None = None,
     ) -> QueuedJob:
         """Queue a job for budget; admitted when the dataset's policy finds it fits (see Ledger.enqueue)."""
         request = self._request(
             pb.EnqueueRequest, dataset=dataset, job_id=job_id, planned_events_json=check_plan(planned).to_json(),
             lease_seconds=check_lease_seconds(lease_seconds) or 0.0, priority=check_priority(priority),
             max_wait_seconds=check_max_wait_seconds(max_wait_seconds) or 0.0,
+            privacy_unit=check_privacy_unit(privacy_unit), rows_per_person=check_rows_per_person(rows_per_person) or 0,
         )
         return messages.queued_from_proto(self._call("Enqueue", request))
 

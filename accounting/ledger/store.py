@@ -49,6 +49,7 @@ from accounting.ledger.core import (
     ACTIVE,
     ADMITTED,
     CANCELLED,
+    EXAMPLE,
     LEASE_EXPIRY,
     LOCAL_TENANT,
     QUEUE_ADMISSION,
@@ -79,12 +80,15 @@ from accounting.ledger.core import (
     Verification,
     budget_figures,
     canonical,
+    charged_plan,
     check_admission,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
     check_lease_seconds,
     check_max_wait_seconds,
+    check_privacy_unit,
+    check_rows_per_person,
     check_name,
     check_new_budget,
     check_plan,
@@ -111,19 +115,21 @@ from accounting.ledger.core import (
 from accounting.ledger.databases import Connection, Database, open_database
 from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
 )
 
-# Jobs waiting for budget (schema version 4); `position` and `reason` are what the last scheduling pass said.
+# Jobs waiting for budget (schema version 5); `position` and `reason` are what the last scheduling pass said,
+# `conversion` what the `reserve` entry of its admission records of a job charged other events than its own.
 _QUEUE_TABLES = (
     """CREATE TABLE queued_jobs (
         id TEXT PRIMARY KEY,
         dataset_id {integer} NOT NULL REFERENCES datasets(id),
         job_id TEXT NOT NULL,
         planned_events TEXT NOT NULL,
+        conversion TEXT NOT NULL,
         priority {integer} NOT NULL,
         lease_seconds {float},
         created_at TEXT NOT NULL,
@@ -158,6 +164,7 @@ _TABLES = (
         created_at TEXT NOT NULL,
         released_jobs {integer} NOT NULL DEFAULT 0,
         admission_rule TEXT NOT NULL,
+        privacy_unit TEXT NOT NULL DEFAULT 'example',
         scheduling TEXT NOT NULL DEFAULT '{fcfs}',
         arrived_jobs {integer} NOT NULL DEFAULT 0,
         UNIQUE (tenant, name)
@@ -214,7 +221,7 @@ def _formatted(statement: str, database: Database) -> str:
 
 
 _DATASET_COLUMNS = (
-    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, "
+    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit, "
     "scheduling, arrived_jobs, created_at"
 )
 _RESERVATION_COLUMNS = (
@@ -240,6 +247,7 @@ class _DatasetRow(NamedTuple):
     committed_events: str
     released_jobs: int
     admission_rule: str
+    privacy_unit: str
     scheduling: str
     arrived_jobs: int
     created_at: str
@@ -300,8 +308,13 @@ def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, dat
         )
 
 
+def _add_privacy_units(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 4: each dataset says what it protects; every existing one protects rows ('example')."""
+    connection.execute("ALTER TABLE datasets ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'")
+
+
 def _add_queues(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 4: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
+    """Version 5: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
     for statement in (
         "ALTER TABLE datasets ADD COLUMN scheduling TEXT NOT NULL DEFAULT '{fcfs}'",
         "ALTER TABLE datasets ADD COLUMN arrived_jobs {integer} NOT NULL DEFAULT 0",
@@ -311,7 +324,7 @@ def _add_queues(connection: Connection, caller: Caller, database: Database) -> N
 
 
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes, 4: _add_queues}
+_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes, 4: _add_privacy_units, 5: _add_queues}
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -336,6 +349,13 @@ def _expiry(lease_seconds: float | None) -> str | None:
     if lease_seconds is None:
         return None
     return (datetime.now(timezone.utc) + timedelta(seconds=lease_seconds)).isoformat(timespec="milliseconds")
+
+
+def _conversion(planned: Composition, job_events: Composition, rows_per_person: int | None) -> dict:
+    """What a `reserve` history entry records of a job's own events when the ledger charged it others."""
+    if planned == job_events:
+        return {}
+    return {"job_events": job_events.to_dict(), "rows_per_person": rows_per_person}
 
 
 def _rule(row: _DatasetRow) -> AdmissionRule:
@@ -645,6 +665,7 @@ class Ledger:
             jobs=tuple(self._reservation(caller, job) for job in jobs),
             released_jobs=row.released_jobs,
             spent_epsilon_accountant=figures.spent_epsilon_accountant,
+            privacy_unit=row.privacy_unit,
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
@@ -708,18 +729,22 @@ class Ledger:
         dataset: str,
         epsilon: float,
         delta: float,
+        privacy_unit: str = EXAMPLE,
         scheduling: SchedulingPolicy | dict | None = None,
         *,
         caller: Caller | None = None,
     ) -> DatasetStatus:
         """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data.
 
+        The budget is per `privacy_unit`: one row ('example') or one person
+        with all its rows ('user'); see `charged_plan` for jobs of the other unit.
         `scheduling` is how its queue of waiting jobs is served (default: the ledger's).
         """
         caller = self._caller(caller)
-        scheduling = check_scheduling(scheduling) if scheduling is not None else self._default_scheduling
         epsilon = check_budget_epsilon(epsilon)
         delta = check_delta(delta)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        scheduling = check_scheduling(scheduling) if scheduling is not None else self._default_scheduling
         reference = resolve_dataset(caller, dataset)
         zero = RdpTally.zero().to_json()
         rule = AdmissionRule.for_budget(epsilon, delta)
@@ -731,10 +756,11 @@ class Ledger:
             try:
                 (dataset_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule, scheduling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    "created_at, admission_rule, privacy_unit, scheduling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                    "RETURNING id",
                     (
                         reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
-                        json.dumps(rule.to_dict()), json.dumps(scheduling.to_dict()),
+                        json.dumps(rule.to_dict()), privacy_unit, json.dumps(scheduling.to_dict()),
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
@@ -743,7 +769,8 @@ class Ledger:
                 ) from None
             self._record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
-                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "scheduling": scheduling.to_dict()},
+                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
+                 "scheduling": scheduling.to_dict()},
             )
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
@@ -835,12 +862,18 @@ class Ledger:
         job_id: str,
         planned: EventsLike,
         lease_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE,
+        rows_per_person: int | None = None,
         *,
         caller: Caller | None = None,
     ) -> Reservation:
         """Hold budget for all of a job's planned events, or raise BudgetExceeded.
 
-        The dataset's admission rule decides. A job id holds at most one
+        `planned` protects `privacy_unit`; on a dataset of the other unit it
+        is converted or refused by `charged_plan` (an example-level job on a
+        user-level dataset is charged its group-privacy bound for people of at
+        most `rows_per_person` rows), and the reservation holds the events
+        charged. The dataset's admission rule decides. A job id holds at most one
         active reservation per dataset: asking again with the same plan
         returns that reservation (a retried reserve holds budget once); a
         different plan is refused until it is released. With
@@ -849,8 +882,13 @@ class Ledger:
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
-        planned = check_plan(planned)
+        job_events = check_plan(planned)
         lease_seconds = check_lease_seconds(lease_seconds)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
+        with self._read() as connection:
+            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
+        planned = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -869,7 +907,8 @@ class Ledger:
                     )
                 return reservation
             reservation_id = self._hold(
-                connection, caller, dataset, row, job_id, planned, planned_tally, lease_seconds, {}
+                connection, caller, dataset, row, job_id, planned, planned_tally, lease_seconds,
+                _conversion(planned, job_events, rows_per_person),
             )
             connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (row.dataset_id,))
             self._serve_queue(connection, row.dataset_id)
@@ -1091,6 +1130,8 @@ class Ledger:
         lease_seconds: float | None = None,
         priority: int = 0,
         max_wait_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE,
+        rows_per_person: int | None = None,
         *,
         caller: Caller | None = None,
     ) -> QueuedJob:
@@ -1102,13 +1143,20 @@ class Ledger:
         that could never fit, even with every reservation released, is
         refused at once (BudgetExceeded). Queueing the same job id and plan
         again returns the same entry; another plan is refused while it waits.
+        `privacy_unit` and `rows_per_person` as in `reserve`: the queue holds
+        the events charged.
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
-        planned = check_plan(planned)
+        job_events = check_plan(planned)
         lease_seconds = check_lease_seconds(lease_seconds)
         priority = check_priority(priority)
         max_wait_seconds = check_max_wait_seconds(max_wait_seconds)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
+        with self._read() as connection:
+            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
+        planned = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         planned_tally = RdpTally.of(planned)
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -1143,9 +1191,13 @@ class Ledger:
             queue_id = f"q-{secrets.token_hex(8)}"
             deadline = _expiry(max_wait_seconds)
             connection.execute(
-                "INSERT INTO queued_jobs (id, dataset_id, job_id, planned_events, priority, lease_seconds, created_at, "
-                "deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (queue_id, row.dataset_id, job_id, planned.to_json(), priority, lease_seconds, _now(), deadline, QUEUED),
+                "INSERT INTO queued_jobs (id, dataset_id, job_id, planned_events, conversion, priority, lease_seconds, "
+                "created_at, deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    queue_id, row.dataset_id, job_id, planned.to_json(),
+                    json.dumps(_conversion(planned, job_events, rows_per_person)), priority, lease_seconds, _now(),
+                    deadline, QUEUED,
+                ),
             )
             connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (row.dataset_id,))
             self._record(
@@ -1226,7 +1278,8 @@ class Ledger:
         """Time out the dataset's overdue waiting jobs, admit those its policy picks, note where the rest stand."""
         now = _now()
         waiting = connection.execute(
-            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, deadline FROM queued_jobs "
+            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, conversion, deadline "
+            "FROM queued_jobs "
             "WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
             (dataset_id, QUEUED),
         ).fetchall()
@@ -1261,10 +1314,10 @@ class Ledger:
             QueuedDemand(queue_id, {row.name: rule.order_divergences(tallies[queue_id])}, float(arrival), priority)
             for arrival, (queue_id, _, _, priority, *_) in enumerate(waiting)
         ]
-        shown = {queue_id: (job_id, lease, position, reason)
-                 for queue_id, job_id, _, _, lease, position, reason, _ in waiting}
+        shown = {queue_id: (job_id, lease, position, reason, json.loads(conversion))
+                 for queue_id, job_id, _, _, lease, position, reason, conversion, _ in waiting}
         for decision in schedule(policy, {row.name: block}, queue):
-            job_id, lease_seconds, position, reason = shown[decision.job]
+            job_id, lease_seconds, position, reason, conversion = shown[decision.job]
             holding = connection.execute(
                 "SELECT id FROM reservations WHERE dataset_id = ? AND job_id = ? AND state = ?",
                 (dataset_id, job_id, ACTIVE),
@@ -1277,7 +1330,8 @@ class Ledger:
                 try:
                     reservation_id = self._hold(
                         connection, QUEUE_ADMISSION, f"{row.tenant}/{row.name}", row, job_id, plans[decision.job],
-                        tallies[decision.job], lease_seconds, {"queue_id": decision.job, "policy": policy.name},
+                        tallies[decision.job], lease_seconds,
+                        {**conversion, "queue_id": decision.job, "policy": policy.name},
                     )
                 except BudgetExceeded:
                     # The policy's float arithmetic let it through at the very edge; the exact filter did not.

@@ -186,15 +186,15 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     if is_embedded(ledger):
-        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say)
-    job_id, planned = new_job_id(config.run_dir), trainer.plan.row_level_events
+        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say)
+    job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
     if args.wait_for_budget:
         job = JobLedger.wait_for_budget(
-            ledger, dataset, job_id, planned, config.ledger_timeout, say, config.ledger_lease,
+            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease,
             checks.integer_in_range("--priority", args.priority, *PRIORITY_RANGE),
             checks.positive_number("--max-wait", args.max_wait) if args.max_wait is not None else None,
         )
     else:
-        job = JobLedger.reserve(ledger, dataset, job_id, planned, config.ledger_timeout, say, config.ledger_lease)
+        job = JobLedger.reserve(ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease)
     say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
     return job
