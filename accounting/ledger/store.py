@@ -882,13 +882,8 @@ class Ledger:
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
-        job_events = check_plan(planned)
         lease_seconds = check_lease_seconds(lease_seconds)
-        privacy_unit = check_privacy_unit(privacy_unit)
-        rows_per_person = check_rows_per_person(rows_per_person)
-        with self._read() as connection:
-            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
-        planned = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
+        job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -918,6 +913,18 @@ class Ledger:
                 (reservation_id,),
             ).fetchone()
         return self._reservation(caller, reserved)
+
+    def _charged(
+        self, caller: Caller, dataset: str, planned: EventsLike, privacy_unit: str, rows_per_person: int | None
+    ) -> tuple[Composition, Composition, int | None]:
+        """A job's own events, the events the dataset charges for them (see `charged_plan`), and the checked bound."""
+        job_events = check_plan(planned)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
+        with self._read() as connection:
+            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
+        charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
+        return job_events, charged, rows_per_person
 
     def _hold(
         self,
@@ -1148,15 +1155,10 @@ class Ledger:
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
-        job_events = check_plan(planned)
         lease_seconds = check_lease_seconds(lease_seconds)
         priority = check_priority(priority)
         max_wait_seconds = check_max_wait_seconds(max_wait_seconds)
-        privacy_unit = check_privacy_unit(privacy_unit)
-        rows_per_person = check_rows_per_person(rows_per_person)
-        with self._read() as connection:
-            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
-        planned = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
+        job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
         planned_tally = RdpTally.of(planned)
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -1258,7 +1260,7 @@ class Ledger:
         return [self._queued_job(caller, row) for row in rows]
 
     def serve_queues(self) -> None:
-        """Schedule every dataset with waiting jobs: time-based unlocking and deadlines (a server runs this every second).
+        """Serve every dataset with waiting jobs, for unlocking over time and deadlines (a server: every second).
 
         Looks first on a reader, so a sweep with nothing queued writes nothing.
         """

@@ -78,7 +78,8 @@ def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
                              "docs/ledger.md#the-queue")
     parser.add_argument("--unlock-jobs", help="dpf, dpack: unlock 1/N of the budget per arriving job (N >= 1)")
     parser.add_argument("--unlock-seconds",
-                        help="dpf, dpack: unlock the budget linearly over this many seconds from the dataset's creation")
+                        help="dpf, dpack: unlock the budget linearly over this many seconds from the dataset's "
+                             "creation")
 
 
 def _scheduling(args: argparse.Namespace) -> SchedulingPolicy | None:
