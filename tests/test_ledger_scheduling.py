@@ -12,6 +12,7 @@ from accounting.ledger.scheduling import (
     BlockBudget,
     QueuedDemand,
     SchedulingPolicy,
+    best_orders,
     dominant_share,
     schedule,
 )
@@ -125,3 +126,18 @@ def test_bad_policies_and_unknown_blocks_are_refused_with_the_valid_choices():
         SchedulingPolicy(DPF, unlock_seconds=float("nan"))
     with pytest.raises(ValueError, match="blocks \\['x'\\]"):
         schedule(SchedulingPolicy(DPF), one_block(), [job("j", 0.1, 0.0, block="x")])
+
+
+def test_dpack_fills_a_block_at_the_order_where_most_waiting_jobs_fit():
+    # Order 0 fits three of these jobs, order 1 only two: dpack ranks them at order 0, where "low" is cheaper.
+    blocks = {"d": BlockBudget("d", (1.0, 1.0), (0.0, 0.0))}
+    queue = [
+        QueuedDemand("high", {"d": (0.35, 0.2)}, 0.0),
+        QueuedDemand("low", {"d": (0.3, 0.5)}, 1.0),
+        QueuedDemand("low-2", {"d": (0.3, 0.5)}, 2.0),
+    ]
+    free = {"d": (1.0, 1.0)}
+    assert best_orders(queue, free) == {"d": 0}
+    assert [d.job for d in schedule(SchedulingPolicy(DPACK), blocks, queue)][:2] == ["low", "low-2"]
+    # dpf goes by each job's own best order: "high" has the smallest dominant share, 0.2.
+    assert [d.job for d in schedule(SchedulingPolicy(DPF), blocks, queue)][0] == "high"

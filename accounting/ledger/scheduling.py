@@ -26,11 +26,13 @@ Policies (`POLICIES`):
   being the largest, over the blocks a job asks for, of its demand over the
   block's capacity (at the order where that is least, as the filter needs
   only one order).
-- "dpack": DPack's greedy packing (Tholoniat et al., 2024): as dpf unlocks,
-  but the most efficient job first, its efficiency being 1 over the sum,
-  over its blocks, of its demand over what is left unlocked there (at that
-  block's best order), so jobs that fit in the leftover of many blocks go
-  first.
+- "dpack": DPack's greedy packing (Tholoniat et al., EuroSys 2025): as dpf
+  unlocks, but each block first gets its best order, the one at which the
+  most waiting jobs fit in what is unlocked and free, and the most
+  efficient job goes first, its efficiency being 1 over the sum, over its
+  blocks, of its demand over what is free there at the block's best order.
+  Jobs whose RDP curves suit the order a block is filling at pack it
+  tighter.
 Higher `priority` comes first under every policy; the policy orders within
 a priority.
 """
@@ -147,11 +149,32 @@ def _fits(needs: tuple[float, ...], free: tuple[float, ...]) -> bool:
     return any(need <= room for need, room in zip(needs, free))
 
 
-def _efficiency(demand: Mapping[str, tuple[float, ...]], free: Mapping[str, tuple[float, ...]]) -> float:
+def _packed(needs: list[float], room: float) -> int:
+    """How many of `needs` fit in `room`, smallest first."""
+    count, taken = 0, 0.0
+    for need in sorted(needs):
+        if taken + need > room:
+            break
+        count, taken = count + 1, taken + need
+    return count
+
+
+def best_orders(queue: list[QueuedDemand], free: Mapping[str, tuple[float, ...]]) -> dict[str, int]:
+    """Per block, the filter order at which the most waiting jobs fit in what is free (DPack's best alpha)."""
+    best = {}
+    for name, room in free.items():
+        asking = [job.demand[name] for job in queue if name in job.demand]
+        best[name] = max(range(len(room)), key=lambda k: (_packed([needs[k] for needs in asking], room[k]), -k))
+    return best
+
+
+def _efficiency(
+    demand: Mapping[str, tuple[float, ...]], free: Mapping[str, tuple[float, ...]], orders: Mapping[str, int]
+) -> float:
     total = 0.0
     for name, needs in demand.items():
-        shares = [need / room if room > 0 else math.inf for need, room in zip(needs, free[name])]
-        total += min(shares)
+        room = free[name][orders[name]]
+        total += needs[orders[name]] / room if room > 0 else math.inf
     return 1.0 / total if total > 0 else math.inf
 
 
@@ -190,8 +213,10 @@ def schedule(
         def key(job: QueuedDemand) -> tuple:
             return (-job.priority, dominant_share(job.demand, blocks), job.arrival, job.job)
     else:
+        orders = best_orders(queue, free)
+
         def key(job: QueuedDemand) -> tuple:
-            return (-job.priority, -_efficiency(job.demand, free), job.arrival, job.job)
+            return (-job.priority, -_efficiency(job.demand, free, orders), job.arrival, job.job)
     admitted, waiting = [], []
     for job in sorted(queue, key=key):
         if all(_fits(needs, free[name]) for name, needs in job.demand.items()):
