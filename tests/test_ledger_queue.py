@@ -93,6 +93,8 @@ def test_dpf_on_a_server_unlocks_per_arriving_job_and_serves_the_smallest_share_
     assert (big.state, big.position, big.reason) == (
         "queued", 1, "needs 27.7% of the budget; 20.0% is unlocked and not held"
     )
+    status = acme.get_budget("fair")
+    assert (status.scheduling, status.queued_jobs) == (SchedulingPolicy("dpf", unlock_jobs=5), 1)
     small = acme.enqueue("fair", "small", SMALL)  # 40% unlocked: the small share goes first, then the big one fits
     assert small.state == "admitted" and acme.queued_job(big.queue_id).state == "admitted"
     assert actions(acme, "fair") == [

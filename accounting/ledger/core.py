@@ -1059,6 +1059,7 @@ class DatasetStatus:
     new commits is computed for a caller that chose not to wait for it.
     `privacy_unit` is what one unit of protection is: a row ('example') or a
     person with all its rows ('user'); every epsilon is per that unit.
+    `scheduling` is how its queue is served; `queued_jobs` counts the jobs waiting.
     """
 
     name: str
@@ -1075,6 +1076,8 @@ class DatasetStatus:
     released_jobs: int = 0
     spent_epsilon_accountant: str = "pld"
     privacy_unit: str = EXAMPLE
+    scheduling: SchedulingPolicy = SchedulingPolicy()
+    queued_jobs: int = 0
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the `dpfleet ledger status --json` shape)."""
@@ -1093,6 +1096,8 @@ class DatasetStatus:
             "remaining_epsilon": self.remaining_epsilon,
             "jobs": [job.to_dict() for job in self.jobs],
             "released_jobs": self.released_jobs,
+            "scheduling": self.scheduling.to_dict(),
+            "queued_jobs": self.queued_jobs,
         }
 
 

@@ -136,6 +136,8 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
         released_jobs=status.released_jobs,
         spent_epsilon_accountant=status.spent_epsilon_accountant,
         privacy_unit=status.privacy_unit,
+        scheduling=scheduling_to_proto(status.scheduling),
+        queued_jobs=status.queued_jobs,
     )
 
 
@@ -156,6 +158,8 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
         released_jobs=message.released_jobs,
         spent_epsilon_accountant=message.spent_epsilon_accountant or "pld",
         privacy_unit=message.privacy_unit or EXAMPLE,
+        scheduling=SchedulingPolicy.from_dict(scheduling_from_proto(message.scheduling) or SchedulingPolicy().to_dict()),
+        queued_jobs=message.queued_jobs,
     )
 
 

@@ -632,20 +632,23 @@ class Ledger:
             lease_expired=bool(lease_expired),
         )
 
-    def _status_rows(self, connection: Connection, row: _DatasetRow) -> tuple[_DatasetRow, list[tuple]]:
+    def _status_rows(self, connection: Connection, row: _DatasetRow) -> tuple[_DatasetRow, list[tuple], int]:
         """What a status needs from the file: read inside a transaction, computed on outside it."""
         jobs = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
             f"WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.{self._database.insertion_order}",
             (row.dataset_id, ACTIVE),
         ).fetchall()
-        return row, jobs
+        (queued,) = connection.execute(
+            "SELECT COUNT(*) FROM queued_jobs WHERE dataset_id = ? AND state = ?", (row.dataset_id, QUEUED)
+        ).fetchone()
+        return row, jobs, queued
 
     def _status(
-        self, caller: Caller, rows: tuple[_DatasetRow, list[tuple]], pld_may_be_pending: bool = False
+        self, caller: Caller, rows: tuple[_DatasetRow, list[tuple], int], pld_may_be_pending: bool = False
     ) -> DatasetStatus:
         # The PLD epsilon can take a second when the committed events changed; no lock is held here.
-        row, jobs = rows
+        row, jobs, queued = rows
         rule = _rule(row)
         figures = budget_figures(
             row.budget_epsilon, rule, Composition.from_json(row.committed_events), RdpTally.from_json(row.held_rdp),
@@ -666,6 +669,8 @@ class Ledger:
             released_jobs=row.released_jobs,
             spent_epsilon_accountant=figures.spent_epsilon_accountant,
             privacy_unit=row.privacy_unit,
+            scheduling=SchedulingPolicy.from_dict(json.loads(row.scheduling)),
+            queued_jobs=queued,
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:

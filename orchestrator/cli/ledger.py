@@ -96,7 +96,7 @@ def _scheduling(args: argparse.Namespace) -> SchedulingPolicy | None:
 def _status_table(statuses: list[DatasetStatus]) -> str:
     headers = [
         "dataset", "unit", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
-        "filter orders", "active jobs", "released jobs",
+        "filter orders", "active jobs", "released jobs", "queue",
     ]
     rows = [
         [
@@ -111,6 +111,7 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
             " ".join(format_number(order) for order in status.admission.orders),
             len(status.jobs),
             status.released_jobs,
+            f"{status.scheduling.name}, {status.queued_jobs} waiting",
         ]
         for status in statuses
     ]
