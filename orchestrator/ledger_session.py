@@ -14,7 +14,9 @@ from typing import Callable
 
 from accounting.events import Composition
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerUnavailable, NotFound, PermissionDenied
+from accounting.ledger.core import (
+    BudgetExceeded, DatasetStatus, FailedPrecondition, LedgerUnavailable, NotFound, PermissionDenied,
+)
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 
@@ -82,21 +84,23 @@ class JobLedger:
 
     @classmethod
     def reserve(
-        cls, ledger, dataset: str, job_id: str, planned: Composition, timeout_seconds: float,
-        say: Callable[[str], None], lease_seconds: float | None = None,
+        cls, ledger, dataset: str, job_id: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
+        timeout_seconds: float, say: Callable[[str], None], lease_seconds: float | None = None,
     ) -> "JobLedger":
         """Hold the whole planned run on `dataset`, or raise BudgetRefusedError (exit 3).
 
-        With `lease_seconds`, the hold lapses unless a charge renews it that often.
+        `plan_for_unit(privacy unit of the dataset)` gives the events to
+        reserve, the unit they protect and the rows-per-person bound (see
+        RunPlan.ledger_plan). With `lease_seconds`, the hold lapses unless a
+        charge renews it that often.
         """
+        def reserve():
+            planned, privacy_unit, rows_per_person = plan_for_unit(ledger.get_budget(dataset).privacy_unit)
+            return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person)
+
         try:
-            reservation = with_retries(
-                lambda: ledger.reserve(dataset, job_id, planned, lease_seconds), timeout_seconds, say,
-                "reserving budget",
-            )
-        except BudgetExceeded as error:
-            raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
-        except PermissionDenied as error:
+            reservation = with_retries(reserve, timeout_seconds, say, "reserving budget")
+        except (BudgetExceeded, PermissionDenied, FailedPrecondition) as error:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
         return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
 
@@ -120,13 +124,16 @@ class JobLedger:
                             "reading the budget")
 
 
-def ensure_embedded_dataset(ledger, dataset: str, budget_epsilon: float, delta: float, say) -> None:
-    """Register `dataset` in the embedded ledger on first use, with the given budget."""
+def ensure_embedded_dataset(
+    ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
+) -> None:
+    """Register `dataset` in the embedded ledger on first use, with the given budget per `privacy_unit`."""
     try:
         ledger.get_budget(dataset)
     except (NotFound, PermissionDenied):
-        ledger.create_dataset(dataset, budget_epsilon, delta)
+        ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit)
+        per = " per person" if privacy_unit == "user" else ""
         say(
-            f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g} "
+            f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g}{per} "
             f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
         )

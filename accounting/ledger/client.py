@@ -20,6 +20,7 @@ from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
 from accounting.ledger.core import (
+    EXAMPLE,
     BudgetExceeded,
     CommitResult,
     DatasetStatus,
@@ -32,6 +33,8 @@ from accounting.ledger.core import (
     check_history_limit,
     check_lease_seconds,
     check_plan,
+    check_privacy_unit,
+    check_rows_per_person,
     check_sequence,
     check_steps,
 )
@@ -154,9 +157,10 @@ class RemoteLedger:
         reply = self._call("CreateTenant", self._request(pb.CreateTenantRequest, tenant=tenant))
         return messages.tenant_from_proto(reply)
 
-    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta`."""
-        request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta)
+    def create_dataset(self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE) -> DatasetStatus:
+        """Create a dataset with a budget of `epsilon` at `delta` per `privacy_unit` ('example' or 'user')."""
+        request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta,
+                                privacy_unit=check_privacy_unit(privacy_unit))
         return messages.status_from_proto(self._call("CreateDataset", request))
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
@@ -186,13 +190,18 @@ class RemoteLedger:
         return [messages.reservation_from_proto(job) for job in self._call("ListJobs", request).jobs]
 
     def reserve(
-        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
     ) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
+
+        `privacy_unit` and `rows_per_person` as in the embedded Ledger.reserve.
+        """
         planned_json = check_plan(planned).to_json()
         request = self._request(
             pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
-            lease_seconds=check_lease_seconds(lease_seconds) or 0.0,
+            lease_seconds=check_lease_seconds(lease_seconds) or 0.0, privacy_unit=check_privacy_unit(privacy_unit),
+            rows_per_person=check_rows_per_person(rows_per_person) or 0,
         )
         return messages.reservation_from_proto(self._call("Reserve", request))
 

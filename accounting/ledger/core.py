@@ -55,7 +55,7 @@ import numpy as np
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
-from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition
+from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition, group_events
 
 # Renyi divergences are tallied in integer units of 2**-60 nats: exact under
 # addition and subtraction, and finer than any float we would compare.
@@ -77,6 +77,10 @@ MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 ACTIVE = "active"
 RELEASED = "released"
 RESERVATION_STATES = (ACTIVE, RELEASED)
+
+EXAMPLE = "example"
+USER = "user"
+PRIVACY_UNITS = (EXAMPLE, USER)
 
 ADMIN_ACTOR = "admin"
 LOCAL_TENANT = "local"
@@ -237,6 +241,48 @@ def check_state(value: object) -> str | None:
     if value is not None and value not in RESERVATION_STATES:
         raise InvalidArgument(f"job state must be one of {', '.join(RESERVATION_STATES)} (got {value!r})")
     return value
+
+
+def check_privacy_unit(value: object) -> str:
+    """A privacy unit: 'example' (one row is protected) or 'user' (one person, all its rows)."""
+    if value not in PRIVACY_UNITS:
+        raise InvalidArgument(f"privacy unit must be one of {', '.join(PRIVACY_UNITS)} (got {value!r})")
+    return value
+
+
+def check_rows_per_person(value: object) -> int | None:
+    """A bound on each person's rows (None: no bound given)."""
+    return None if value is None else _integer("rows per person", value, 1, MAX_STEPS)
+
+
+def charged_plan(
+    dataset: str, dataset_unit: str, job_unit: str, planned: Composition, rows_per_person: int | None
+) -> Composition:
+    """The events a dataset of `dataset_unit` is charged for a job whose `planned` events protect `job_unit`.
+
+    Same unit: the plan itself. An example-level job on a user-level dataset
+    is charged the group-privacy bound for people of at most
+    `rows_per_person` rows (`group_events`), and refused without that bound.
+    A user-level job on an example-level dataset is refused: its events
+    bound a person, and the job must send events that bound one row
+    (dpfleet train does: the sampled Gaussian at sensitivity factor 2).
+    """
+    if dataset_unit == job_unit:
+        return planned
+    if dataset_unit == USER:
+        if rows_per_person is None:
+            raise FailedPrecondition(
+                f"dataset {dataset!r} has a user-level budget (privacy unit 'user') and this example-level job does "
+                "not bound how many rows one person has; train with privacy_unit = \"user\", or give "
+                "max_examples_per_user (with user_id or synthetic_users) so the ledger can charge the group-privacy "
+                "bound for people of that many rows"
+            )
+        return group_events(planned, rows_per_person)
+    raise FailedPrecondition(
+        f"dataset {dataset!r} has an example-level budget (privacy unit 'example'); a user-level job's events bound "
+        "one person, not one row: reserve the events that bound one row (a user-level dpfleet train sends them: "
+        "the sampled Gaussian over people at sensitivity factor 2), or use a dataset created with --privacy-unit user"
+    )
 
 
 def check_plan(planned: EventsLike) -> Composition:
@@ -906,6 +952,8 @@ class DatasetStatus:
     `released_jobs` counts the finished ones (dpfleet ledger jobs lists them).
     `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
     new commits is computed for a caller that chose not to wait for it.
+    `privacy_unit` is what one unit of protection is: a row ('example') or a
+    person with all its rows ('user'); every epsilon is per that unit.
     """
 
     name: str
@@ -921,12 +969,14 @@ class DatasetStatus:
     jobs: tuple[Reservation, ...] = ()
     released_jobs: int = 0
     spent_epsilon_accountant: str = "pld"
+    privacy_unit: str = EXAMPLE
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the `dpfleet ledger status --json` shape)."""
         return {
             "name": self.name,
             "tenant": self.tenant,
+            "privacy_unit": self.privacy_unit,
             "budget_epsilon": self.budget_epsilon,
             "delta": self.delta,
             "admission": self.admission.to_dict(),
@@ -1085,8 +1135,9 @@ class _Replay:
         return self.admission.epsilon(tally) if self.admission is not None else tally.epsilon(self.delta)
 
     def apply(self, entry: StoredEntry) -> None:
-        details = json.loads(entry.details_json)
-        action = entry.action
+        self.apply_details(entry, entry.action, json.loads(entry.details_json))
+
+    def apply_details(self, entry: StoredEntry | HistoryEntry, action: str, details: dict) -> None:
         if action == "create_dataset":
             self.budget_epsilon, self.delta = float(details["epsilon"]), float(details["delta"])
             if "admission" in details:
@@ -1104,6 +1155,11 @@ class _Replay:
 
     def reserve(self, entry: StoredEntry, details: dict) -> None:
         planned = Composition.from_dict(details["planned_events"])
+        if "job_events" in details:
+            job_events = Composition.from_dict(details["job_events"])
+            if group_events(job_events, details["rows_per_person"]) != planned:
+                self.note(entry, f"charges events that are not the group-privacy bound of its job's events for "
+                                 f"{details['rows_per_person']} rows per person")
         admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
         if not admitted:
             self.note(entry, f"admitted a job to ε {epsilon:.6g} over the budget ε {self.budget_epsilon:g}")
@@ -1201,6 +1257,58 @@ def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[
     return findings
 
 
+@dataclass(frozen=True)
+class BurnDownPoint:
+    """A dataset's figures (ε at its δ, see `budget_figures`) just after one change to it, at `at` (UTC)."""
+
+    at: str
+    action: str
+    budget_epsilon: float
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "at": self.at,
+            "action": self.action,
+            "budget_epsilon": self.budget_epsilon,
+            "spent_epsilon_filter": self.spent_epsilon_filter,
+            "reserved_epsilon": self.reserved_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+        }
+
+
+def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
+    """A dataset's budget over time: its figures after each change, replayed from its whole history, oldest first.
+
+    `entries` must start at the dataset's creation (ValueError otherwise).
+    The figures are those a status gives at that moment: spent (filter),
+    reserved and remaining add up to the budget, so the last point equals
+    the dataset's status now.
+    """
+    if not entries or entries[0].action != "create_dataset":
+        raise ValueError("a burn-down replays a dataset's history from its creation; the first entry is not it")
+    replay = _Replay(entries[0].dataset or "")
+    points = []
+    for entry in entries:
+        replay.apply_details(entry, entry.action, entry.details)
+        spent_filter = replay.admission_epsilon(RdpTally.of(replay.committed))
+        held_filter = replay.admission_epsilon(replay.held)
+        points.append(
+            BurnDownPoint(
+                at=entry.at,
+                action=entry.action,
+                budget_epsilon=replay.budget_epsilon,
+                spent_epsilon_filter=spent_filter,
+                reserved_epsilon=max(0.0, held_filter - spent_filter),
+                remaining_epsilon=max(0.0, replay.budget_epsilon - held_filter),
+            )
+        )
+    return points
+
+
 class PrivacyLedger(Protocol):
     """What the embedded `Ledger` and the `RemoteLedger` both offer; the trainer uses either.
 
@@ -1211,8 +1319,8 @@ class PrivacyLedger(Protocol):
     def create_tenant(self, tenant: str) -> TenantCreated:
         """Create a tenant and return its token (admin only)."""
 
-    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
-        """Create a dataset with a budget of (epsilon, delta)."""
+    def create_dataset(self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE) -> DatasetStatus:
+        """Create a dataset with a budget of (epsilon, delta) per `privacy_unit` ('example' or 'user')."""
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only; never below what is committed and reserved)."""
@@ -1227,9 +1335,14 @@ class PrivacyLedger(Protocol):
         """Reservations on the caller's datasets, oldest first, optionally of one dataset or state."""
 
     def reserve(
-        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
     ) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
+
+        `privacy_unit` is what the events protect; `rows_per_person` bounds
+        each person's rows for an example-level job (see `charged_plan`).
+        """
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
         """Charge the next `steps` planned steps and renew the lease; the same `sequence` twice charges once."""

@@ -13,6 +13,7 @@ from accounting.events import Composition
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger.core import (
     ACTIVE,
+    EXAMPLE,
     AdmissionRule,
     RELEASED,
     AlreadyExists,
@@ -132,6 +133,7 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
         jobs=[reservation_to_proto(job) for job in status.jobs],
         released_jobs=status.released_jobs,
         spent_epsilon_accountant=status.spent_epsilon_accountant,
+        privacy_unit=status.privacy_unit,
     )
 
 
@@ -151,6 +153,7 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
         jobs=tuple(reservation_from_proto(job) for job in message.jobs),
         released_jobs=message.released_jobs,
         spent_epsilon_accountant=message.spent_epsilon_accountant or "pld",
+        privacy_unit=message.privacy_unit or EXAMPLE,
     )
 
 

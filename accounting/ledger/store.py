@@ -46,6 +46,7 @@ from typing import Iterator, NamedTuple
 from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
     ACTIVE,
+    EXAMPLE,
     LEASE_EXPIRY,
     LOCAL_TENANT,
     RELEASED,
@@ -70,11 +71,14 @@ from accounting.ledger.core import (
     Verification,
     budget_figures,
     canonical,
+    charged_plan,
     check_admission,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
     check_lease_seconds,
+    check_privacy_unit,
+    check_rows_per_person,
     check_name,
     check_new_budget,
     check_plan,
@@ -97,7 +101,7 @@ from accounting.ledger.core import (
 )
 from accounting.ledger.databases import Connection, Database, open_database
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
@@ -124,6 +128,7 @@ _TABLES = (
         created_at TEXT NOT NULL,
         released_jobs {integer} NOT NULL DEFAULT 0,
         admission_rule TEXT NOT NULL,
+        privacy_unit TEXT NOT NULL DEFAULT 'example',
         UNIQUE (tenant, name)
     )""",
     """CREATE TABLE reservations (
@@ -171,7 +176,9 @@ def _schema(database: Database) -> tuple[str, ...]:
     return (*(statement.format(**database.types) for statement in _TABLES), *database.append_only)
 
 
-_DATASET_COLUMNS = "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule"
+_DATASET_COLUMNS = (
+    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit"
+)
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
     "r.lease_seconds, r.expires_at, r.lease_expired"
@@ -191,6 +198,7 @@ class _DatasetRow(NamedTuple):
     committed_events: str
     released_jobs: int
     admission_rule: str
+    privacy_unit: str
 
 
 def _count_released_jobs(connection: Connection, caller: Caller, database: Database) -> None:
@@ -248,8 +256,13 @@ def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, dat
         )
 
 
+def _add_privacy_units(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 4: each dataset says what it protects; every existing one protects rows ('example')."""
+    connection.execute("ALTER TABLE datasets ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'")
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes}
+_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes, 4: _add_privacy_units}
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -578,6 +591,7 @@ class Ledger:
             jobs=tuple(self._reservation(caller, job) for job in jobs),
             released_jobs=row.released_jobs,
             spent_epsilon_accountant=figures.spent_epsilon_accountant,
+            privacy_unit=row.privacy_unit,
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
@@ -637,12 +651,18 @@ class Ledger:
     # ------------------------------------------------------------ datasets
 
     def create_dataset(
-        self, dataset: str, epsilon: float, delta: float, *, caller: Caller | None = None
+        self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE, *,
+        caller: Caller | None = None,
     ) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data."""
+        """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data.
+
+        The budget is per `privacy_unit`: one row ('example') or one person
+        with all its rows ('user'); see `charged_plan` for jobs of the other unit.
+        """
         caller = self._caller(caller)
         epsilon = check_budget_epsilon(epsilon)
         delta = check_delta(delta)
+        privacy_unit = check_privacy_unit(privacy_unit)
         reference = resolve_dataset(caller, dataset)
         zero = RdpTally.zero().to_json()
         rule = AdmissionRule.for_budget(epsilon, delta)
@@ -654,10 +674,10 @@ class Ledger:
             try:
                 (dataset_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    "created_at, admission_rule, privacy_unit) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (
                         reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
-                        json.dumps(rule.to_dict()),
+                        json.dumps(rule.to_dict()), privacy_unit,
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
@@ -666,7 +686,7 @@ class Ledger:
                 ) from None
             self._record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
-                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict()},
+                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit},
             )
             rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
@@ -752,12 +772,18 @@ class Ledger:
         job_id: str,
         planned: EventsLike,
         lease_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE,
+        rows_per_person: int | None = None,
         *,
         caller: Caller | None = None,
     ) -> Reservation:
         """Hold budget for all of a job's planned events, or raise BudgetExceeded.
 
-        The dataset's admission rule decides. A job id holds at most one
+        `planned` protects `privacy_unit`; on a dataset of the other unit it
+        is converted or refused by `charged_plan` (an example-level job on a
+        user-level dataset is charged its group-privacy bound for people of at
+        most `rows_per_person` rows), and the reservation holds the events
+        charged. The dataset's admission rule decides. A job id holds at most one
         active reservation per dataset: asking again with the same plan
         returns that reservation (a retried reserve holds budget once); a
         different plan is refused until it is released. With
@@ -766,8 +792,13 @@ class Ledger:
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
-        planned = check_plan(planned)
+        job_events = check_plan(planned)
         lease_seconds = check_lease_seconds(lease_seconds)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
+        with self._read() as connection:
+            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
+        planned = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -812,6 +843,8 @@ class Ledger:
                     "planned_events": planned.to_dict(),
                     "held_epsilon_filter": total_epsilon,
                     "lease_seconds": lease_seconds,
+                    **({"job_events": job_events.to_dict(), "rows_per_person": rows_per_person}
+                       if planned != job_events else {}),
                 },
             )
             reserved = connection.execute(

@@ -72,12 +72,13 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def _status_table(statuses: list[DatasetStatus]) -> str:
     headers = [
-        "dataset", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
+        "dataset", "unit", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
         "filter orders", "active jobs", "released jobs",
     ]
     rows = [
         [
             status.name,
+            status.privacy_unit,
             status.budget_epsilon,
             status.delta,
             status.spent_epsilon_filter,
@@ -103,7 +104,10 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
         "\n\nspent ε (filter) + reserved ε + remaining ε = budget ε: the RDP filter at the dataset's orders, "
         "each at δ/(number of orders), admits jobs and bounds them however they were chosen. spent ε "
         "(non-adaptive): the PLD ε of the committed steps, which holds only if no job was chosen after seeing "
-        "another's results."
+        "another's results." + (
+            " unit user: every ε is per person, with all its rows."
+            if any(status.privacy_unit == "user" for status in statuses) else ""
+        )
     )
 
 
@@ -122,9 +126,9 @@ def _jobs_table(jobs: list) -> str:
 @_ledger_command
 def run_serve(args: argparse.Namespace) -> int:
     """Serve a ledger file over gRPC until SIGTERM or SIGINT."""
-    port = checks.integer_at_least("--port", args.port, 0)
-    if port > 65535:
-        raise UsageError(f"--port must be in [0, 65535] (got {port}); 0 picks a free port")
+    port = _port("--port", args.port)
+    http_port = _port("--http-port", args.http_port) if args.http_port is not None else None
+    metrics_port = _port("--metrics-port", args.metrics_port) if args.metrics_port is not None else None
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together; give both, or neither for plaintext")
     if args.admin_token_file:
@@ -141,13 +145,35 @@ def run_serve(args: argparse.Namespace) -> int:
         )
 
     def announce(server: LedgerServer) -> None:
+        scheme = "https" if args.tls_cert else "http"
+        urls = {}
+        if server.web is not None and server.web.http_port is not None:
+            urls["page"] = f"{scheme}://{_url_host(server.host)}:{server.web.http_port}/"
+        if server.web is not None and server.web.metrics_port is not None:
+            urls["metrics"] = f"{scheme}://{_url_host(server.host)}:{server.web.metrics_port}/metrics"
         if args.json:
-            print_json({"listening": server.address})
+            print_json({"listening": server.address, **urls})
         else:
             print(f"listening on {server.address}", flush=True)
+            for what, url in urls.items():
+                print(f"{what} on {url}", flush=True)
 
-    serve(args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce)
+    serve(
+        args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
+        http_port=http_port, metrics_port=metrics_port,
+    )
     return 0
+
+
+def _port(flag: str, value: str) -> int:
+    port = checks.integer_at_least(flag, value, 0)
+    if port > 65535:
+        raise UsageError(f"{flag} must be in [0, 65535] (got {port}); 0 picks a free port")
+    return port
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 @_ledger_command
@@ -175,7 +201,7 @@ def run_dataset_create(args: argparse.Namespace) -> int:
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = checks.open_unit_interval("--delta", args.delta)
     with _open(args) as ledger:
-        status = ledger.create_dataset(args.name, epsilon, delta)
+        status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit)
     _print_statuses([status], args.json)
     return 0
 
@@ -287,7 +313,8 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a ledger file over gRPC",
         description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
-        "prints 'listening on HOST:PORT' when ready.",
+        "prints 'listening on HOST:PORT' when ready, then 'page on URL' and 'metrics on URL' for --http-port "
+        "and --metrics-port.",
     )
     serve_parser.add_argument(
         "--db", required=True,
@@ -297,6 +324,16 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
     serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
+    serve_parser.add_argument(
+        "--http-port",
+        help="also serve the read-only web page (budgets, burn-down, jobs) on this port, behind the same tokens; "
+        "0 picks a free one (default: no page)",
+    )
+    serve_parser.add_argument(
+        "--metrics-port",
+        help="also serve Prometheus metrics at /metrics on this port (send the token as 'Authorization: Bearer'); "
+        "0 picks a free one (default: no metrics)",
+    )
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
@@ -318,6 +355,11 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
     dataset_create.add_argument(
         "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
+    )
+    dataset_create.add_argument(
+        "--privacy-unit", choices=("example", "user"), default="example",
+        help="what the budget protects: one row (example, the default) or one person with all its rows (user); "
+        "an example-level job is charged on a user-level dataset by group privacy, given max_examples_per_user",
     )
     _add_client_flags(dataset_create)
     dataset_create.set_defaults(handler=run_dataset_create)
