@@ -53,8 +53,9 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-from accounting.accountants import get_accountant  # noqa: E402
+from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon  # noqa: E402
 from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
+from accounting.events import group_events  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
@@ -267,22 +268,41 @@ def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: 
         )
 
 
-def verdict(epsilon_lower: float, epsilon_upper: float, privacy_unit: str = "example", rows_per_canary: int = 1) -> str:
+def verdict(
+    epsilon_lower: float,
+    epsilon_upper: float,
+    privacy_unit: str = "example",
+    rows_per_canary: int = 1,
+    epsilon_upper_person: float | None = None,
+) -> str:
     """One line: does the measured leakage stay within the accountant's bound?
 
     Canaries of several rows trained at example level are persons that the
     example-level epsilon does not cover: a lower bound above it is the
     missing user-level protection showing, not a fault of the implementation.
+    Their bound is `epsilon_upper_person`, the group-privacy epsilon of a
+    person of `rows_per_canary` rows; only a lower bound above that is a
+    violation.
     """
     if privacy_unit == "example" and rows_per_canary > 1:
+        if epsilon_upper_person is None:
+            raise ValueError("canaries of several rows at example level need epsilon_upper_person, the group-privacy "
+                             "bound of a person of that many rows")
+        if epsilon_lower > epsilon_upper_person:
+            return (
+                f"VIOLATION: measured leakage (epsilon >= {epsilon_lower:.3g}) for canary users of {rows_per_canary} "
+                f"rows exceeds their group-privacy bound {epsilon_upper_person:.3g}; the implementation is not as "
+                "private as claimed"
+            )
         if epsilon_lower > epsilon_upper:
             return (
                 f"user-level leakage: epsilon >= {epsilon_lower:.3g} for canary users of {rows_per_canary} rows "
                 f"exceeds the example-level epsilon {epsilon_upper:.3g}: rows of one person are not protected "
-                'together (privacy_unit = "user" protects them)'
+                f'together (group-privacy bound {epsilon_upper_person:.3g}; privacy_unit = "user" protects them)'
             )
         return (f"not shown: lower bound {epsilon_lower:.3g} for canary users of {rows_per_canary} rows <= "
-                f"example-level epsilon {epsilon_upper:.3g}, which still does not cover a person's rows together")
+                f"example-level epsilon {epsilon_upper:.3g}; a person of {rows_per_canary} rows is bounded only by "
+                f"{epsilon_upper_person:.3g} (group privacy)")
     if epsilon_lower > epsilon_upper:
         return (
             f"VIOLATION: measured leakage (epsilon >= {epsilon_lower:.3g}) exceeds the accountant's bound "
@@ -339,7 +359,9 @@ def run_audit(
     when the config's privacy_unit is "user" and sampled row by row
     otherwise. epsilon_lower holds at `confidence` and the config's delta;
     epsilon_upper is the PLD epsilon of the steps that ran, per the config's
-    privacy unit. The run is not charged to the privacy ledger.
+    privacy unit; for canary users at example level, epsilon_upper_person is
+    the group-privacy epsilon of a person of that many rows. The run is not
+    charged to the privacy ledger.
     """
     canaries = DEFAULT_CANARIES.get(mode, 0) if canaries is None else canaries
     _check_request(config, canaries, confidence, mode, rows_per_canary)
@@ -382,6 +404,12 @@ def run_audit(
         statistic = "minus the final model's loss on the mislabelled canary"
     bound = audit_scores(scores, included, config.delta, confidence)
     epsilon_upper = get_accountant("pld").epsilon(trainer.events, config.delta)
+    epsilon_upper_person, person_accountant = None, None
+    if rows_per_canary > 1 and not grouped:
+        # What the run's example-level events bound for a person of that many rows: the canaries' own bound.
+        epsilon_upper_person, person_label = labelled_epsilon(
+            get_accountant("pld"), group_events(trainer.events, rows_per_canary), config.delta)
+        person_accountant = "rdp" if person_label == PLD_FALLBACK_LABEL else "pld"
 
     train_images, train_labels = load_split(config.dataset, "train", config.data_root)
     members = min(_MEMBERSHIP_EXAMPLES, training_set_size(config))  # rows, also when users are sampled
@@ -411,7 +439,10 @@ def run_audit(
         "rows_per_canary": rows_per_canary,
         "privacy_unit": config.privacy_unit,
         "statistic": statistic,
-        "verdict": verdict(bound.epsilon_lower, epsilon_upper, config.privacy_unit, rows_per_canary),
+        "epsilon_upper_person": epsilon_upper_person,
+        "epsilon_upper_person_accountant": person_accountant,
+        "verdict": verdict(bound.epsilon_lower, epsilon_upper, config.privacy_unit, rows_per_canary,
+                           epsilon_upper_person),
         # Higher score = guessed included, so minus the score plays the part of a loss.
         "canary_membership": loss_attack_figures(-scores[included], -scores[~included]),
         "membership": membership,

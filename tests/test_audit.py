@@ -24,6 +24,7 @@ from scipy import special, stats
 from torch import nn
 
 import orchestrator.cli.audit as audit_cli
+from accounting.accountants import get_accountant
 from accounting.auditing import (
     AuditError,
     audit_scores,
@@ -35,6 +36,7 @@ from accounting.auditing import (
     perfect_guess_bound,
     randomized_response_accuracy,
 )
+from accounting.events import SampledGaussian, group_events
 from orchestrator.audit import CanaryTrainer, DiracCanaries, mislabelled, run_audit, verdict
 from orchestrator.cli import main
 from orchestrator.config import build_config
@@ -240,12 +242,30 @@ def test_canary_users_add_c_once_per_sampled_user_or_once_per_sampled_row():
 
 
 def test_verdict_of_canary_users_trained_row_by_row_names_the_missing_user_protection():
-    line = verdict(4.2, 1.0, "example", 20)
+    line = verdict(4.2, 1.0, "example", 20, epsilon_upper_person=99.8)
     assert line.startswith("user-level leakage: epsilon >= 4.2 for canary users of 20 rows exceeds the "
                            "example-level epsilon 1")
-    assert verdict(0.5, 1.0, "example", 20).startswith("not shown")
+    assert "group-privacy bound 99.8" in line
+    assert verdict(0.5, 1.0, "example", 20, epsilon_upper_person=99.8).startswith("not shown")
+    # Above the group-privacy bound of a person of 20 rows, the implementation itself leaks too much.
+    assert verdict(4.2, 1.0, "example", 20, epsilon_upper_person=3.0).startswith("VIOLATION")
     assert verdict(0.5, 1.0, "user", 20) == "consistent: lower bound 0.5 <= accountant 1 (per user)"
     assert verdict(4.2, 1.0, "user", 20).startswith("VIOLATION")
+
+
+def test_audit_table_shows_the_group_privacy_bound_of_canary_users_at_example_level():
+    result = {"membership": {"auc": 0.5, "tpr_at_1pct_fpr": 0.01}, "canary_membership": {"auc": 1.0},
+              "privacy_unit": "example", "confidence": 0.95, "epsilon_lower": 4.98, "epsilon_upper": 1.0,
+              "epsilon_upper_person": 472.1, "epsilon_upper_person_accountant": "rdp", "rows_per_canary": 50}
+    result.update({key: 0 for key in ("delta", "mode", "canaries", "guesses", "guesses_in", "guesses_out", "correct",
+                                      "test_accuracy", "steps", "sampling_rate", "noise_multiplier", "scores_png")})
+    rows = audit_cli.audit_rows(result)
+    assert rows[:3] == [["epsilon lower bound (95% confidence)", 4.98],
+                        ["epsilon upper bound (accountant, pld, per example)", 1.0],
+                        ["epsilon upper bound, person of 50 rows (group privacy, rdp)", 472.1]]
+    result.update(epsilon_upper_person=None, privacy_unit="user")
+    assert audit_cli.audit_rows(result)[1:3] == [["epsilon upper bound (accountant, pld, per user)", 1.0],
+                                                 ["delta", 0]]
 
 
 def test_mislabelled_canaries_never_keep_their_label():
@@ -434,6 +454,10 @@ def test_canary_users_sampled_row_by_row_leak_more_than_the_example_level_epsilo
     assert result["privacy_unit"] == "example" and result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)
     # Seed 3 gives 4.21, every one of the 400 guesses right: the most 400 guesses certify here.
     assert result["epsilon_lower"] > 3 * result["epsilon_upper"]
+    # What the run does bound for a person of 20 rows is group privacy: 99.8, far above what was measured.
+    person = get_accountant("pld").epsilon(group_events(SampledGaussian(0.5, NOISE_FOR_EPSILON[1], 30), 20), DELTA)
+    assert result["epsilon_upper_person"] == pytest.approx(person, rel=1e-6)
+    assert result["epsilon_lower"] <= result["epsilon_upper_person"]
     assert result["verdict"].startswith("user-level leakage: epsilon >= ")
     assert "rows of one person are not protected together" in result["verdict"]
 

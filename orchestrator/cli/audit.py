@@ -78,7 +78,7 @@ def audit_rows(result: dict) -> list[list]:
     """The table rows of an audit result (see `orchestrator.audit.run_audit`)."""
     membership, canary = result["membership"], result["canary_membership"]
     unit = "per user" if result["privacy_unit"] == "user" else "per example"
-    return [
+    rows = [
         [f"epsilon lower bound ({result['confidence']:.0%} confidence)", result["epsilon_lower"]],
         [f"epsilon upper bound (accountant, pld, {unit})", result["epsilon_upper"]],
         ["delta", result["delta"]],
@@ -96,3 +96,7 @@ def audit_rows(result: dict) -> list[list]:
         ["noise multiplier", result["noise_multiplier"]],
         ["score histograms", result["scores_png"]],
     ]
+    if result["epsilon_upper_person"] is not None:
+        rows.insert(2, [f"epsilon upper bound, person of {result['rows_per_canary']} rows (group privacy, "
+                        f"{result['epsilon_upper_person_accountant']})", result["epsilon_upper_person"]])
+    return rows
