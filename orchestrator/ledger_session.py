@@ -14,7 +14,14 @@ from typing import Callable
 
 from accounting.events import Composition
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import BudgetExceeded, DatasetStatus, LedgerUnavailable, NotFound, PermissionDenied
+from accounting.ledger.core import (
+    BudgetExceeded,
+    DatasetStatus,
+    FailedPrecondition,
+    LedgerUnavailable,
+    NotFound,
+    PermissionDenied,
+)
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 
@@ -83,20 +90,18 @@ class JobLedger:
     @classmethod
     def reserve(
         cls, ledger, dataset: str, job_id: str, planned: Composition, timeout_seconds: float,
-        say: Callable[[str], None], lease_seconds: float | None = None,
+        say: Callable[[str], None], lease_seconds: float | None = None, blocks: tuple[str, ...] = (),
     ) -> "JobLedger":
-        """Hold the whole planned run on `dataset`, or raise BudgetRefusedError (exit 3).
+        """Hold the whole planned run on `dataset` (each of `blocks` in full), or raise BudgetRefusedError (exit 3).
 
         With `lease_seconds`, the hold lapses unless a charge renews it that often.
         """
         try:
             reservation = with_retries(
-                lambda: ledger.reserve(dataset, job_id, planned, lease_seconds), timeout_seconds, say,
+                lambda: ledger.reserve(dataset, job_id, planned, lease_seconds, blocks), timeout_seconds, say,
                 "reserving budget",
             )
-        except BudgetExceeded as error:
-            raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
-        except PermissionDenied as error:
+        except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
         return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
 
@@ -120,13 +125,21 @@ class JobLedger:
                             "reading the budget")
 
 
-def ensure_embedded_dataset(ledger, dataset: str, budget_epsilon: float, delta: float, say) -> None:
-    """Register `dataset` in the embedded ledger on first use, with the given budget."""
+def ensure_embedded_dataset(
+    ledger, dataset: str, budget_epsilon: float, delta: float, say, blocks: tuple[str, ...] = ()
+) -> None:
+    """Register `dataset`, and each of its `blocks`, in the embedded ledger on first use, with the given budget."""
     try:
-        ledger.get_budget(dataset)
+        status = ledger.get_budget(dataset)
     except (NotFound, PermissionDenied):
-        ledger.create_dataset(dataset, budget_epsilon, delta)
+        status = ledger.create_dataset(dataset, budget_epsilon, delta)
         say(
             f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g} "
             f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
         )
+    known = {block.name for block in status.blocks}
+    for block in blocks:
+        if block not in known:
+            ledger.add_block(dataset, block, budget_epsilon)
+            say(f"registered block {block!r} of {dataset!r} in the embedded ledger with budget epsilon "
+                f"{budget_epsilon:g} (first use)")

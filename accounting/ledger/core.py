@@ -1540,9 +1540,22 @@ class PrivacyLedger(Protocol):
         """Reservations on the caller's datasets, oldest first, optionally of one dataset or state."""
 
     def reserve(
-        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None
+        self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
+        blocks: tuple[str, ...] | list[str] = (),
     ) -> Reservation:
-        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`."""
+        """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
+
+        With `blocks`, the job is charged in full to each of those blocks, all or nothing.
+        """
+
+    def add_block(self, dataset: str, block: str, epsilon: float, delta: float | None = None) -> DatasetStatus:
+        """Add a block with its own (epsilon, delta) budget to a dataset (its owner or an admin)."""
+
+    def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
+        """Give a tenant a quota on a dataset or one of its blocks (admin only)."""
+
+    def fits(self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = ()) -> FitReport:
+        """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing."""
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
         """Charge the next `steps` planned steps and renew the lease; the same `sequence` twice charges once."""

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61\x63\x63ounting/ledger.proto\x12\x11\x64pfleet.ledger.v1\"%\n\x13\x43reateTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"2\n\x11\x43reateTenantReply\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"G\n\x14\x43reateDatasetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\"6\n\x12RaiseBudgetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\"?\n\x10GetBudgetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x1a\n\x12pld_may_be_pending\x18\x02 \x01(\x08\"1\n\x13ListDatasetsRequest\x12\x1a\n\x12pld_may_be_pending\x18\x01 \x01(\x08\"G\n\x11ListDatasetsReply\x12\x32\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32 .dpfleet.ledger.v1.DatasetStatus\"N\n\x0fListJobsRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.dpfleet.ledger.v1.JobState\"=\n\rListJobsReply\x12,\n\x04jobs\x18\x01 \x03(\x0b\x32\x1e.dpfleet.ledger.v1.Reservation\"e\n\x0eReserveRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x1b\n\x13planned_events_json\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\"H\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"v\n\x0b\x43ommitReply\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x63ommitted_steps\x18\x04 \x01(\x03\x12\x15\n\rplanned_steps\x18\x05 \x01(\x03\"(\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"0\n\x0eHistoryRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\"@\n\x0cHistoryReply\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.dpfleet.ledger.v1.HistoryEntry\"\x93\x02\n\x0bReservation\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.dpfleet.ledger.v1.JobState\x12\x1b\n\x13planned_events_json\x18\x05 \x01(\t\x12\x17\n\x0f\x63ommitted_steps\x18\x06 \x01(\x03\x12\x12\n\ncreated_at\x18\x07 \x01(\t\x12\x13\n\x0breleased_at\x18\x08 \x01(\t\x12\x15\n\rlease_seconds\x18\t \x01(\x01\x12\x12\n\nexpires_at\x18\n \x01(\t\x12\x15\n\rlease_expired\x18\x0b \x01(\x08\"F\n\rAdmissionRule\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x0e\n\x06orders\x18\x02 \x03(\x01\x12\x17\n\x0f\x64\x65lta_per_order\x18\x03 \x01(\x01\"\xf5\x02\n\rDatasetStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x16\n\x0e\x62udget_epsilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12\x15\n\rspent_epsilon\x18\x05 \x01(\x01\x12\x19\n\x11spent_epsilon_rdp\x18\x06 \x01(\x01\x12\x18\n\x10reserved_epsilon\x18\x07 \x01(\x01\x12\x19\n\x11remaining_epsilon\x18\x08 \x01(\x01\x12,\n\x04jobs\x18\t \x03(\x0b\x32\x1e.dpfleet.ledger.v1.Reservation\x12\x15\n\rreleased_jobs\x18\n \x01(\x03\x12 \n\x18spent_epsilon_accountant\x18\x0b \x01(\t\x12\x1c\n\x14spent_epsilon_filter\x18\x0c \x01(\x01\x12\x33\n\tadmission\x18\r \x01(\x0b\x32 .dpfleet.ledger.v1.AdmissionRule\"r\n\x0cHistoryEntry\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\x03\x12\n\n\x02\x61t\x18\x02 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x06 \x01(\t*S\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_ACTIVE\x10\x01\x12\x16\n\x12JOB_STATE_RELEASED\x10\x02\x32\xd5\x06\n\x06Ledger\x12\\\n\x0c\x43reateTenant\x12&.dpfleet.ledger.v1.CreateTenantRequest\x1a$.dpfleet.ledger.v1.CreateTenantReply\x12Z\n\rCreateDataset\x12\'.dpfleet.ledger.v1.CreateDatasetRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12V\n\x0bRaiseBudget\x12%.dpfleet.ledger.v1.RaiseBudgetRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12R\n\tGetBudget\x12#.dpfleet.ledger.v1.GetBudgetRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12\\\n\x0cListDatasets\x12&.dpfleet.ledger.v1.ListDatasetsRequest\x1a$.dpfleet.ledger.v1.ListDatasetsReply\x12P\n\x08ListJobs\x12\".dpfleet.ledger.v1.ListJobsRequest\x1a .dpfleet.ledger.v1.ListJobsReply\x12L\n\x07Reserve\x12!.dpfleet.ledger.v1.ReserveRequest\x1a\x1e.dpfleet.ledger.v1.Reservation\x12J\n\x06\x43ommit\x12 .dpfleet.ledger.v1.CommitRequest\x1a\x1e.dpfleet.ledger.v1.CommitReply\x12L\n\x07Release\x12!.dpfleet.ledger.v1.ReleaseRequest\x1a\x1e.dpfleet.ledger.v1.Reservation\x12M\n\x07History\x12!.dpfleet.ledger.v1.HistoryRequest\x1a\x1f.dpfleet.ledger.v1.HistoryReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x61\x63\x63ounting/ledger.proto\x12\x11\x64pfleet.ledger.v1\"%\n\x13\x43reateTenantRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"2\n\x11\x43reateTenantReply\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\"G\n\x14\x43reateDatasetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\"6\n\x12RaiseBudgetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x02 \x01(\x01\"?\n\x10GetBudgetRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x1a\n\x12pld_may_be_pending\x18\x02 \x01(\x08\"1\n\x13ListDatasetsRequest\x12\x1a\n\x12pld_may_be_pending\x18\x01 \x01(\x08\"G\n\x11ListDatasetsReply\x12\x32\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32 .dpfleet.ledger.v1.DatasetStatus\"N\n\x0fListJobsRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.dpfleet.ledger.v1.JobState\"=\n\rListJobsReply\x12,\n\x04jobs\x18\x01 \x03(\x0b\x32\x1e.dpfleet.ledger.v1.Reservation\"u\n\x0eReserveRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x1b\n\x13planned_events_json\x18\x03 \x01(\t\x12\x15\n\rlease_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06\x62locks\x18\x05 \x03(\t\"Q\n\x0f\x41\x64\x64\x42lockRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\"R\n\x0fSetQuotaRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0f\n\x07\x65psilon\x18\x03 \x01(\x01\x12\r\n\x05\x62lock\x18\x04 \x01(\t\"K\n\x0b\x46itsRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x1b\n\x13planned_events_json\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x03(\t\"\xd8\x01\n\x0b\x42udgetCheck\x12\x0e\n\x06\x62udget\x18\x01 \x01(\t\x12\x16\n\x0e\x62udget_epsilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\x14\n\x0cheld_epsilon\x18\x04 \x01(\x01\x12\x1a\n\x12held_after_epsilon\x18\x05 \x01(\x01\x12\x16\n\x0eneeded_epsilon\x18\x06 \x01(\x01\x12\x19\n\x11remaining_epsilon\x18\x07 \x01(\x01\x12\x1f\n\x17remaining_after_epsilon\x18\x08 \x01(\x01\x12\x0c\n\x04\x66its\x18\t \x01(\x08\"j\n\tFitsReply\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x03(\t\x12\x0c\n\x04\x66its\x18\x03 \x01(\x08\x12.\n\x06\x63hecks\x18\x04 \x03(\x0b\x32\x1e.dpfleet.ledger.v1.BudgetCheck\"H\n\rCommitRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\r\n\x05steps\x18\x02 \x01(\x03\x12\x10\n\x08sequence\x18\x03 \x01(\x03\"v\n\x0b\x43ommitReply\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x03\x12\r\n\x05steps\x18\x03 \x01(\x03\x12\x17\n\x0f\x63ommitted_steps\x18\x04 \x01(\x03\x12\x15\n\rplanned_steps\x18\x05 \x01(\x03\"(\n\x0eReleaseRequest\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"0\n\x0eHistoryRequest\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05limit\x18\x02 \x01(\x05\"@\n\x0cHistoryReply\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.dpfleet.ledger.v1.HistoryEntry\"\xa3\x02\n\x0bReservation\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x02 \x01(\t\x12\x0e\n\x06job_id\x18\x03 \x01(\t\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.dpfleet.ledger.v1.JobState\x12\x1b\n\x13planned_events_json\x18\x05 \x01(\t\x12\x17\n\x0f\x63ommitted_steps\x18\x06 \x01(\x03\x12\x12\n\ncreated_at\x18\x07 \x01(\t\x12\x13\n\x0breleased_at\x18\x08 \x01(\t\x12\x15\n\rlease_seconds\x18\t \x01(\x01\x12\x12\n\nexpires_at\x18\n \x01(\t\x12\x15\n\rlease_expired\x18\x0b \x01(\x08\x12\x0e\n\x06\x62locks\x18\x0c \x03(\t\"F\n\rAdmissionRule\x12\x0c\n\x04rule\x18\x01 \x01(\t\x12\x0e\n\x06orders\x18\x02 \x03(\x01\x12\x17\n\x0f\x64\x65lta_per_order\x18\x03 \x01(\x01\"\xd5\x03\n\rDatasetStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x16\n\x0e\x62udget_epsilon\x18\x03 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x04 \x01(\x01\x12\x15\n\rspent_epsilon\x18\x05 \x01(\x01\x12\x19\n\x11spent_epsilon_rdp\x18\x06 \x01(\x01\x12\x18\n\x10reserved_epsilon\x18\x07 \x01(\x01\x12\x19\n\x11remaining_epsilon\x18\x08 \x01(\x01\x12,\n\x04jobs\x18\t \x03(\x0b\x32\x1e.dpfleet.ledger.v1.Reservation\x12\x15\n\rreleased_jobs\x18\n \x01(\x03\x12 \n\x18spent_epsilon_accountant\x18\x0b \x01(\t\x12\x1c\n\x14spent_epsilon_filter\x18\x0c \x01(\x01\x12\x33\n\tadmission\x18\r \x01(\x0b\x32 .dpfleet.ledger.v1.AdmissionRule\x12.\n\x06\x62locks\x18\x0e \x03(\x0b\x32\x1e.dpfleet.ledger.v1.BlockStatus\x12.\n\x06quotas\x18\x0f \x03(\x0b\x32\x1e.dpfleet.ledger.v1.QuotaStatus\"\x9e\x02\n\x0b\x42lockStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x62udget_epsilon\x18\x02 \x01(\x01\x12\r\n\x05\x64\x65lta\x18\x03 \x01(\x01\x12\x33\n\tadmission\x18\x04 \x01(\x0b\x32 .dpfleet.ledger.v1.AdmissionRule\x12\x15\n\rspent_epsilon\x18\x05 \x01(\x01\x12\x19\n\x11spent_epsilon_rdp\x18\x06 \x01(\x01\x12\x1c\n\x14spent_epsilon_filter\x18\x07 \x01(\x01\x12\x18\n\x10reserved_epsilon\x18\x08 \x01(\x01\x12\x19\n\x11remaining_epsilon\x18\t \x01(\x01\x12 \n\x18spent_epsilon_accountant\x18\n \x01(\t\"\xed\x01\n\x0bQuotaStatus\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05\x62lock\x18\x02 \x01(\t\x12\x15\n\rquota_epsilon\x18\x03 \x01(\x01\x12\x33\n\tadmission\x18\x04 \x01(\x0b\x32 .dpfleet.ledger.v1.AdmissionRule\x12\x1c\n\x14spent_epsilon_filter\x18\x05 \x01(\x01\x12\x18\n\x10reserved_epsilon\x18\x06 \x01(\x01\x12\x19\n\x11remaining_epsilon\x18\x07 \x01(\x01\x12\x11\n\tinherited\x18\x08 \x01(\x08\x12\r\n\x05\x64\x65lta\x18\t \x01(\x01\"r\n\x0cHistoryEntry\x12\x10\n\x08\x65ntry_id\x18\x01 \x01(\x03\x12\n\n\x02\x61t\x18\x02 \x01(\t\x12\r\n\x05\x61\x63tor\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x05 \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x06 \x01(\t*S\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_ACTIVE\x10\x01\x12\x16\n\x12JOB_STATE_RELEASED\x10\x02\x32\xbf\x08\n\x06Ledger\x12\\\n\x0c\x43reateTenant\x12&.dpfleet.ledger.v1.CreateTenantRequest\x1a$.dpfleet.ledger.v1.CreateTenantReply\x12Z\n\rCreateDataset\x12\'.dpfleet.ledger.v1.CreateDatasetRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12V\n\x0bRaiseBudget\x12%.dpfleet.ledger.v1.RaiseBudgetRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12R\n\tGetBudget\x12#.dpfleet.ledger.v1.GetBudgetRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12\\\n\x0cListDatasets\x12&.dpfleet.ledger.v1.ListDatasetsRequest\x1a$.dpfleet.ledger.v1.ListDatasetsReply\x12P\n\x08ListJobs\x12\".dpfleet.ledger.v1.ListJobsRequest\x1a .dpfleet.ledger.v1.ListJobsReply\x12L\n\x07Reserve\x12!.dpfleet.ledger.v1.ReserveRequest\x1a\x1e.dpfleet.ledger.v1.Reservation\x12J\n\x06\x43ommit\x12 .dpfleet.ledger.v1.CommitRequest\x1a\x1e.dpfleet.ledger.v1.CommitReply\x12L\n\x07Release\x12!.dpfleet.ledger.v1.ReleaseRequest\x1a\x1e.dpfleet.ledger.v1.Reservation\x12M\n\x07History\x12!.dpfleet.ledger.v1.HistoryRequest\x1a\x1f.dpfleet.ledger.v1.HistoryReply\x12P\n\x08\x41\x64\x64\x42lock\x12\".dpfleet.ledger.v1.AddBlockRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12P\n\x08SetQuota\x12\".dpfleet.ledger.v1.SetQuotaRequest\x1a .dpfleet.ledger.v1.DatasetStatus\x12\x44\n\x04\x46its\x12\x1e.dpfleet.ledger.v1.FitsRequest\x1a\x1c.dpfleet.ledger.v1.FitsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'accounting.ledger.ledger_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1895
-  _globals['_JOBSTATE']._serialized_end=1978
+  _globals['_JOBSTATE']._serialized_start=3123
+  _globals['_JOBSTATE']._serialized_end=3206
   _globals['_CREATETENANTREQUEST']._serialized_start=46
   _globals['_CREATETENANTREQUEST']._serialized_end=83
   _globals['_CREATETENANTREPLY']._serialized_start=85
@@ -52,25 +52,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTJOBSREPLY']._serialized_start=535
   _globals['_LISTJOBSREPLY']._serialized_end=596
   _globals['_RESERVEREQUEST']._serialized_start=598
-  _globals['_RESERVEREQUEST']._serialized_end=699
-  _globals['_COMMITREQUEST']._serialized_start=701
-  _globals['_COMMITREQUEST']._serialized_end=773
-  _globals['_COMMITREPLY']._serialized_start=775
-  _globals['_COMMITREPLY']._serialized_end=893
-  _globals['_RELEASEREQUEST']._serialized_start=895
-  _globals['_RELEASEREQUEST']._serialized_end=935
-  _globals['_HISTORYREQUEST']._serialized_start=937
-  _globals['_HISTORYREQUEST']._serialized_end=985
-  _globals['_HISTORYREPLY']._serialized_start=987
-  _globals['_HISTORYREPLY']._serialized_end=1051
-  _globals['_RESERVATION']._serialized_start=1054
-  _globals['_RESERVATION']._serialized_end=1329
-  _globals['_ADMISSIONRULE']._serialized_start=1331
-  _globals['_ADMISSIONRULE']._serialized_end=1401
-  _globals['_DATASETSTATUS']._serialized_start=1404
-  _globals['_DATASETSTATUS']._serialized_end=1777
-  _globals['_HISTORYENTRY']._serialized_start=1779
-  _globals['_HISTORYENTRY']._serialized_end=1893
-  _globals['_LEDGER']._serialized_start=1981
-  _globals['_LEDGER']._serialized_end=2834
+  _globals['_RESERVEREQUEST']._serialized_end=715
+  _globals['_ADDBLOCKREQUEST']._serialized_start=717
+  _globals['_ADDBLOCKREQUEST']._serialized_end=798
+  _globals['_SETQUOTAREQUEST']._serialized_start=800
+  _globals['_SETQUOTAREQUEST']._serialized_end=882
+  _globals['_FITSREQUEST']._serialized_start=884
+  _globals['_FITSREQUEST']._serialized_end=959
+  _globals['_BUDGETCHECK']._serialized_start=962
+  _globals['_BUDGETCHECK']._serialized_end=1178
+  _globals['_FITSREPLY']._serialized_start=1180
+  _globals['_FITSREPLY']._serialized_end=1286
+  _globals['_COMMITREQUEST']._serialized_start=1288
+  _globals['_COMMITREQUEST']._serialized_end=1360
+  _globals['_COMMITREPLY']._serialized_start=1362
+  _globals['_COMMITREPLY']._serialized_end=1480
+  _globals['_RELEASEREQUEST']._serialized_start=1482
+  _globals['_RELEASEREQUEST']._serialized_end=1522
+  _globals['_HISTORYREQUEST']._serialized_start=1524
+  _globals['_HISTORYREQUEST']._serialized_end=1572
+  _globals['_HISTORYREPLY']._serialized_start=1574
+  _globals['_HISTORYREPLY']._serialized_end=1638
+  _globals['_RESERVATION']._serialized_start=1641
+  _globals['_RESERVATION']._serialized_end=1932
+  _globals['_ADMISSIONRULE']._serialized_start=1934
+  _globals['_ADMISSIONRULE']._serialized_end=2004
+  _globals['_DATASETSTATUS']._serialized_start=2007
+  _globals['_DATASETSTATUS']._serialized_end=2476
+  _globals['_BLOCKSTATUS']._serialized_start=2479
+  _globals['_BLOCKSTATUS']._serialized_end=2765
+  _globals['_QUOTASTATUS']._serialized_start=2768
+  _globals['_QUOTASTATUS']._serialized_end=3005
+  _globals['_HISTORYENTRY']._serialized_start=3007
+  _globals['_HISTORYENTRY']._serialized_end=3121
+  _globals['_LEDGER']._serialized_start=3209
+  _globals['_LEDGER']._serialized_end=4296
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,7 @@ from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
 from accounting.ledger.messages import (
+    BUDGET_KEY,
     DATASET_KEY,
     DELTA_KEY,
     NEEDED_EPSILON_KEY,
@@ -83,6 +84,7 @@ def _rpc(method: Callable) -> Callable:
                     (NEEDED_EPSILON_KEY, repr(error.needed_epsilon)),
                     (DELTA_KEY, repr(error.delta)),
                     (DATASET_KEY, error.dataset),
+                    (BUDGET_KEY, error.budget),
                 )
             )
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
@@ -154,7 +156,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         """Hold budget for a job's plan, with a lease when lease_seconds > 0."""
         planned = parse_plan(request.planned_events_json)
         reservation = self._ledger.reserve(
-            request.dataset, request.job_id, planned, request.lease_seconds or None, caller=caller
+            request.dataset, request.job_id, planned, request.lease_seconds or None, tuple(request.blocks),
+            caller=caller,
         )
         return messages.reservation_to_proto(reservation)
 
@@ -168,6 +171,28 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def Release(self, request: pb.ReleaseRequest, caller: Caller) -> pb.Reservation:
         """Free a reservation's unrun steps."""
         return messages.reservation_to_proto(self._ledger.release(request.reservation_id, caller=caller))
+
+    @_rpc
+    def AddBlock(self, request: pb.AddBlockRequest, caller: Caller) -> pb.DatasetStatus:
+        """Add a block with its own budget to a dataset (its owner or an admin)."""
+        status = self._ledger.add_block(
+            request.dataset, request.block, request.epsilon, request.delta or None, caller=caller
+        )
+        return messages.status_to_proto(status)
+
+    @_rpc
+    def SetQuota(self, request: pb.SetQuotaRequest, caller: Caller) -> pb.DatasetStatus:
+        """Give a tenant a quota on a dataset or one of its blocks (admin)."""
+        status = self._ledger.set_quota(
+            request.dataset, request.tenant, request.epsilon, request.block or None, caller=caller
+        )
+        return messages.status_to_proto(status)
+
+    @_rpc
+    def Fits(self, request: pb.FitsRequest, caller: Caller) -> pb.FitsReply:
+        """Whether a job would be admitted now, and at what cost; reserves nothing."""
+        planned = parse_plan(request.planned_events_json)
+        return messages.fit_to_proto(self._ledger.fits(request.dataset, planned, tuple(request.blocks), caller=caller))
 
     @_rpc
     def History(self, request: pb.HistoryRequest, caller: Caller) -> pb.HistoryReply:
