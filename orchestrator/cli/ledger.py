@@ -252,6 +252,8 @@ def run_fits(args: argparse.Namespace) -> int:
     config = load_config(args.config, {})
     plan = plan_run(config)
     dataset = ledger_dataset_name(args, config)
+    # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
+    args.ledger = args.ledger or config.ledger
     with _open(args) as ledger:
         report = ledger.fits(dataset, plan.row_level_events, config.blocks)
     if args.json:
