@@ -9,6 +9,7 @@ import pytest
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import (
+    ADMIN,
     AdmissionRule,
     BudgetExceeded,
     FailedPrecondition,
@@ -19,6 +20,7 @@ from accounting.ledger.core import (
     RdpTally,
     assess_admission,
     check_block_names,
+    tenant_caller,
 )
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger, open_embedded_ledger
@@ -134,8 +136,6 @@ def test_a_job_on_blocks_is_charged_to_each_in_full_all_or_nothing_and_verify_re
 def test_quotas_limit_a_tenant_beside_the_global_filter_and_verify_finds_an_edited_tally(tmp_path):
     path = tmp_path / "ledger.db"
     with Ledger(path) as ledger:
-        from accounting.ledger.core import ADMIN, tenant_caller
-
         ledger.create_tenant("owner", caller=ADMIN)
         ledger.create_tenant("guest", caller=ADMIN)
         owner, guest = tenant_caller("owner"), tenant_caller("guest")
@@ -172,8 +172,6 @@ def test_quotas_limit_a_tenant_beside_the_global_filter_and_verify_finds_an_edit
         connection.execute("UPDATE tenant_use SET held_rdp = ? WHERE tenant = 'guest' AND budget_id = "
                            "(SELECT id FROM datasets WHERE block = 'd2')", (RdpTally.zero().to_json(),))
     with Ledger(path) as ledger:
-        from accounting.ledger.core import ADMIN
-
         problems = [str(finding) for finding in ledger.verify(caller=ADMIN).findings]
     assert problems == ["dataset row of dataset owner/logs:d2 (tenant guest): the tenant's RDP tally of committed "
                         "and reserved steps is not what its history replays to"]
@@ -219,7 +217,7 @@ def test_blocks_quotas_and_the_dry_run_over_grpc(server):
             assert caught.value.needed_epsilon == refused.checks[1].needed_epsilon
             assert owner.get_budget("logs").jobs == () and owner.list_jobs() == []
             assert [status.name for status in guest.list_datasets()] == ["owner/logs"]
-    assert server.ledger.verify(caller=__import__("accounting.ledger.core", fromlist=["ADMIN"]).ADMIN).findings == ()
+    assert server.ledger.verify(caller=ADMIN).findings == ()
 
 
 # ---------------------------------------------------------------- training on blocks, end to end
@@ -259,4 +257,4 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     assert d1.spent_epsilon_filter == d2.spent_epsilon_filter == d1.admission.epsilon(charged)
     assert d1.spent_epsilon_filter == pytest.approx(dry_run["checks"][0]["needed_epsilon"], rel=1e-12)
     assert d3.spent_epsilon_filter == 0.0 and status.spent_epsilon_filter == 0.0
-    assert Composition.from_dict(json.loads(json.dumps(job.planned.to_dict()))).steps == 4
+    assert job.planned == Composition((SampledGaussian(30 / 600, 1.0, 4),))
