@@ -1022,18 +1022,22 @@ class BlockStatus:
 
     def to_dict(self) -> dict:
         """JSON-ready dict."""
-        return {
-            "name": self.name,
-            "budget_epsilon": self.budget_epsilon,
-            "delta": self.delta,
-            "admission": self.admission.to_dict(),
-            "spent_epsilon_filter": self.spent_epsilon_filter,
-            "spent_epsilon": self.spent_epsilon,
-            "spent_epsilon_accountant": self.spent_epsilon_accountant,
-            "spent_epsilon_rdp": self.spent_epsilon_rdp,
-            "reserved_epsilon": self.reserved_epsilon,
-            "remaining_epsilon": self.remaining_epsilon,
-        }
+        return {"name": self.name, **budget_dict(self)}
+
+
+def budget_dict(status: "BlockStatus | DatasetStatus") -> dict:
+    """The budget and figures a dataset's or a block's status share, as JSON-ready dict entries."""
+    return {
+        "budget_epsilon": status.budget_epsilon,
+        "delta": status.delta,
+        "admission": status.admission.to_dict(),
+        "spent_epsilon_filter": status.spent_epsilon_filter,
+        "spent_epsilon": status.spent_epsilon,
+        "spent_epsilon_accountant": status.spent_epsilon_accountant,
+        "spent_epsilon_rdp": status.spent_epsilon_rdp,
+        "reserved_epsilon": status.reserved_epsilon,
+        "remaining_epsilon": status.remaining_epsilon,
+    }
 
 
 @dataclass(frozen=True)
@@ -1122,15 +1126,7 @@ class DatasetStatus:
         return {
             "name": self.name,
             "tenant": self.tenant,
-            "budget_epsilon": self.budget_epsilon,
-            "delta": self.delta,
-            "admission": self.admission.to_dict(),
-            "spent_epsilon_filter": self.spent_epsilon_filter,
-            "spent_epsilon": self.spent_epsilon,
-            "spent_epsilon_accountant": self.spent_epsilon_accountant,
-            "spent_epsilon_rdp": self.spent_epsilon_rdp,
-            "reserved_epsilon": self.reserved_epsilon,
-            "remaining_epsilon": self.remaining_epsilon,
+            **budget_dict(self),
             "jobs": [job.to_dict() for job in self.jobs],
             "released_jobs": self.released_jobs,
             "blocks": [block.to_dict() for block in self.blocks],

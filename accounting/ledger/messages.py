@@ -127,36 +127,44 @@ def _rule_from_proto(message: pb.AdmissionRule, delta: float) -> AdmissionRule:
     return AdmissionRule(tuple(message.orders), delta, message.rule)
 
 
+def _budget_to_proto(status: BlockStatus | DatasetStatus) -> dict:
+    """The fields a dataset's and a block's status messages share."""
+    return {
+        "budget_epsilon": status.budget_epsilon,
+        "delta": status.delta,
+        "admission": _rule_to_proto(status.admission),
+        "spent_epsilon": status.spent_epsilon,
+        "spent_epsilon_rdp": status.spent_epsilon_rdp,
+        "spent_epsilon_filter": status.spent_epsilon_filter,
+        "reserved_epsilon": status.reserved_epsilon,
+        "remaining_epsilon": status.remaining_epsilon,
+        "spent_epsilon_accountant": status.spent_epsilon_accountant,
+    }
+
+
+def _budget_from_proto(message: pb.BlockStatus | pb.DatasetStatus) -> dict:
+    """Inverse of _budget_to_proto."""
+    return {
+        "budget_epsilon": message.budget_epsilon,
+        "delta": message.delta,
+        "admission": _rule_from_proto(message.admission, message.delta),
+        "spent_epsilon": message.spent_epsilon,
+        "spent_epsilon_rdp": message.spent_epsilon_rdp,
+        "spent_epsilon_filter": message.spent_epsilon_filter,
+        "reserved_epsilon": message.reserved_epsilon,
+        "remaining_epsilon": message.remaining_epsilon,
+        "spent_epsilon_accountant": message.spent_epsilon_accountant or "pld",
+    }
+
+
 def block_to_proto(block: BlockStatus) -> pb.BlockStatus:
     """A BlockStatus as its message."""
-    return pb.BlockStatus(
-        name=block.name,
-        budget_epsilon=block.budget_epsilon,
-        delta=block.delta,
-        admission=_rule_to_proto(block.admission),
-        spent_epsilon=block.spent_epsilon,
-        spent_epsilon_rdp=block.spent_epsilon_rdp,
-        spent_epsilon_filter=block.spent_epsilon_filter,
-        reserved_epsilon=block.reserved_epsilon,
-        remaining_epsilon=block.remaining_epsilon,
-        spent_epsilon_accountant=block.spent_epsilon_accountant,
-    )
+    return pb.BlockStatus(name=block.name, **_budget_to_proto(block))
 
 
 def block_from_proto(message: pb.BlockStatus) -> BlockStatus:
     """Inverse of block_to_proto."""
-    return BlockStatus(
-        name=message.name,
-        budget_epsilon=message.budget_epsilon,
-        delta=message.delta,
-        admission=_rule_from_proto(message.admission, message.delta),
-        spent_epsilon=message.spent_epsilon,
-        spent_epsilon_rdp=message.spent_epsilon_rdp,
-        spent_epsilon_filter=message.spent_epsilon_filter,
-        reserved_epsilon=message.reserved_epsilon,
-        remaining_epsilon=message.remaining_epsilon,
-        spent_epsilon_accountant=message.spent_epsilon_accountant or "pld",
-    )
+    return BlockStatus(name=message.name, **_budget_from_proto(message))
 
 
 def quota_to_proto(quota: QuotaStatus) -> pb.QuotaStatus:
@@ -238,17 +246,9 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
     return pb.DatasetStatus(
         name=status.name,
         tenant=status.tenant,
-        budget_epsilon=status.budget_epsilon,
-        delta=status.delta,
-        admission=_rule_to_proto(status.admission),
-        spent_epsilon=status.spent_epsilon,
-        spent_epsilon_rdp=status.spent_epsilon_rdp,
-        spent_epsilon_filter=status.spent_epsilon_filter,
-        reserved_epsilon=status.reserved_epsilon,
-        remaining_epsilon=status.remaining_epsilon,
+        **_budget_to_proto(status),
         jobs=[reservation_to_proto(job) for job in status.jobs],
         released_jobs=status.released_jobs,
-        spent_epsilon_accountant=status.spent_epsilon_accountant,
         blocks=[block_to_proto(block) for block in status.blocks],
         quotas=[quota_to_proto(quota) for quota in status.quotas],
     )
@@ -259,17 +259,9 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
     return DatasetStatus(
         name=message.name,
         tenant=message.tenant,
-        budget_epsilon=message.budget_epsilon,
-        delta=message.delta,
-        admission=_rule_from_proto(message.admission, message.delta),
-        spent_epsilon=message.spent_epsilon,
-        spent_epsilon_rdp=message.spent_epsilon_rdp,
-        spent_epsilon_filter=message.spent_epsilon_filter,
-        reserved_epsilon=message.reserved_epsilon,
-        remaining_epsilon=message.remaining_epsilon,
+        **_budget_from_proto(message),
         jobs=tuple(reservation_from_proto(job) for job in message.jobs),
         released_jobs=message.released_jobs,
-        spent_epsilon_accountant=message.spent_epsilon_accountant or "pld",
         blocks=tuple(block_from_proto(block) for block in message.blocks),
         quotas=tuple(quota_from_proto(quota) for quota in message.quotas),
     )

@@ -339,6 +339,26 @@ def _rule(row: _DatasetRow) -> AdmissionRule:
     return AdmissionRule.from_dict(json.loads(row.admission_rule))
 
 
+def _budget_fields(budget: _DatasetRow, pld_may_be_pending: bool) -> dict:
+    """A dataset's or block's budget, rule and figures, as the fields its status shares with the other's."""
+    rule = _rule(budget)
+    figures = budget_figures(
+        budget.budget_epsilon, rule, Composition.from_json(budget.committed_events),
+        RdpTally.from_json(budget.held_rdp), pld_may_be_pending,
+    )
+    return {
+        "budget_epsilon": budget.budget_epsilon,
+        "delta": budget.delta,
+        "admission": rule,
+        "spent_epsilon": figures.spent_epsilon,
+        "spent_epsilon_rdp": figures.spent_epsilon_rdp,
+        "spent_epsilon_filter": figures.spent_epsilon_filter,
+        "reserved_epsilon": figures.reserved_epsilon,
+        "remaining_epsilon": figures.remaining_epsilon,
+        "spent_epsilon_accountant": figures.spent_epsilon_accountant,
+    }
+
+
 def _budget_label(reference: str, budget: _DatasetRow) -> str:
     """A budget in words, for refusals: the dataset's, or one block's."""
     return f"dataset {reference!r}" if budget.block is None else f"block {budget.block!r} of dataset {reference!r}"
@@ -782,47 +802,15 @@ class Ledger:
     def _status(self, caller: Caller, rows: tuple, pld_may_be_pending: bool = False) -> DatasetStatus:
         # The PLD epsilon can take a second when the committed events changed; no lock is held here.
         row, jobs, blocks, uses = rows
-        rule = _rule(row)
-        figures = budget_figures(
-            row.budget_epsilon, rule, Composition.from_json(row.committed_events), RdpTally.from_json(row.held_rdp),
-            pld_may_be_pending,
-        )
-        block_statuses = []
-        for block in blocks:
-            block_rule = _rule(block)
-            block_figures = budget_figures(
-                block.budget_epsilon, block_rule, Composition.from_json(block.committed_events),
-                RdpTally.from_json(block.held_rdp), pld_may_be_pending,
-            )
-            block_statuses.append(
-                BlockStatus(
-                    name=block.block,
-                    budget_epsilon=block.budget_epsilon,
-                    delta=block.delta,
-                    admission=block_rule,
-                    spent_epsilon=block_figures.spent_epsilon,
-                    spent_epsilon_rdp=block_figures.spent_epsilon_rdp,
-                    spent_epsilon_filter=block_figures.spent_epsilon_filter,
-                    reserved_epsilon=block_figures.reserved_epsilon,
-                    remaining_epsilon=block_figures.remaining_epsilon,
-                    spent_epsilon_accountant=block_figures.spent_epsilon_accountant,
-                )
-            )
         return DatasetStatus(
             name=display_name(caller, DatasetRef(row.tenant, row.name)),
             tenant=row.tenant,
-            budget_epsilon=row.budget_epsilon,
-            delta=row.delta,
-            admission=rule,
-            spent_epsilon=figures.spent_epsilon,
-            spent_epsilon_rdp=figures.spent_epsilon_rdp,
-            spent_epsilon_filter=figures.spent_epsilon_filter,
-            reserved_epsilon=figures.reserved_epsilon,
-            remaining_epsilon=figures.remaining_epsilon,
+            **_budget_fields(row, pld_may_be_pending),
             jobs=tuple(self._reservation(caller, job) for job in jobs),
             released_jobs=row.released_jobs,
-            spent_epsilon_accountant=figures.spent_epsilon_accountant,
-            blocks=tuple(block_statuses),
+            blocks=tuple(
+                BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending)) for block in blocks
+            ),
             quotas=self._quota_statuses(row, blocks, uses),
         )
 
