@@ -187,7 +187,7 @@ def server(tmp_path):
     running.stop(grace_seconds=1.0)
 
 
-def test_blocks_quotas_and_the_dry_run_over_grpc(server):
+def test_blocks_quotas_and_the_dry_run_over_grpc(server, capsys):
     with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
         owner_token = admin.create_tenant("owner").token
         guest_token = admin.create_tenant("guest").token
@@ -199,7 +199,11 @@ def test_blocks_quotas_and_the_dry_run_over_grpc(server):
                 owner.set_quota("logs", "guest", 1.0)
             with pytest.raises(PermissionDenied):
                 guest.fits("owner/logs", steps(10), ["d1"])
-            admin.set_quota("owner/logs", "guest", 1.5, block="d1")
+            assert main(["ledger", "quota", "set", "owner/logs", "guest", "--epsilon", "1.5", "--block", "d1",
+                         "--ledger", server.address, "--token", ADMIN_TOKEN, "--json"]) == 0
+            (shown,) = json.loads(capsys.readouterr().out)["datasets"]
+            assert [(quota["tenant"], quota["block"], quota["quota_epsilon"]) for quota in shown["quotas"]] == [
+                ("guest", "d1", 1.5)]
             report = guest.fits("owner/logs", steps(200), ["d1"])
             assert report.fits and [check.budget for check in report.checks] == [
                 "block 'd1' of dataset 'owner/logs'", "tenant 'guest''s quota on block 'd1' of dataset 'owner/logs'"]
@@ -229,10 +233,13 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     dataset = parquet_dataset(locations, test)
     with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
         token = admin.create_tenant("acme").token
-    with RemoteLedger(server.address, token) as acme:
-        acme.create_dataset("logs", 10.0, DELTA)
-        for block in ("d1", "d2", "d3"):
-            acme.add_block("logs", block, 4.0)
+    client = ["--ledger", server.address, "--token", token, "--json"]
+    assert main(["ledger", "dataset", "create", "logs", "--epsilon", "10", "--delta", "1e-5", *client]) == 0
+    for block in ("d1", "d2", "d3"):
+        assert main(["ledger", "block", "add", "logs", block, "--epsilon", "4", *client]) == 0
+    (added,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["datasets"]
+    assert [(block["name"], block["budget_epsilon"], block["delta"]) for block in added["blocks"]] == [
+        ("d1", 4.0, DELTA), ("d2", 4.0, DELTA), ("d3", 4.0, DELTA)]
     blocks_toml = "".join(f'"{name}" = "{location}"\n' for name, location in dataset["blocks"].items())
     config = tmp_path / "job.toml"
     config.write_text(
