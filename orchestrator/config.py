@@ -253,7 +253,7 @@ class TrainConfig:
         (), "ledger", "list of strings, or table",
         '`["2026-11-01", ...]`, or `{ from = "2026-11-01", to = "2026-11-07" }` (names between, inclusive)',
         "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only their rows, samples "
-        "at batch_size / their row count, and the ledger charges each of them in full (see docs/ledger.md, Blocks).",
+        "at batch_size / their row count, and the ledger charges each of them in full (see docs/ledger.md, Blocks). Not with shards.",
         "none: the dataset as a whole",
     )
     dataset_name: str | None = key(
@@ -461,6 +461,9 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
     shards = parse_shards(values.get("shards"), BUILTINS, values.get("dataset", "mnist"))
     shard_workers = check_shard_mode(values, shards)
     dataset, blocks = _dataset_blocks(_dataset(values.get("dataset", "mnist")), values.get("blocks"))
+    if blocks and shards:
+        # Each shard reads its own dataset, so the blocks charged would not be the rows the run reads.
+        raise UsageError("blocks is not supported with shards; train on blocks of one Parquet dataset without shards")
     config = TrainConfig(
         dataset=dataset,
         blocks=blocks,

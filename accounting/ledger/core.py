@@ -1465,7 +1465,7 @@ def use_findings(
         except (KeyError, TypeError, ValueError, EventError) as error:
             replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
     findings = replay.findings
-    if use.quota_epsilon is None and replay.budget_epsilon is None:
+    if use.quota_epsilon is None and replay.budget_epsilon is None and replay.dataset_quota is None:
         return findings  # no quota: the tally limits nothing, and the budget's replay checks the jobs
     for what, replayed, stored in (
         ("quota ε", replay.budget_epsilon, use.quota_epsilon),
