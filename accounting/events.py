@@ -212,6 +212,41 @@ class Composition:
 EventsLike = Union[SampledGaussian, Composition, Sequence[SampledGaussian]]
 
 
+def group_sampling_rate(sampling_rate: float, group_size: int) -> float:
+    """The chance that at least one of `group_size` rows joins a step, each with `sampling_rate`, rounded up."""
+    rate = -math.expm1(group_size * math.log1p(-sampling_rate)) if sampling_rate < 1.0 else 1.0
+    # Two ulps up cover the rounding of log1p and expm1, so the rate is never below the true one.
+    return min(1.0, math.nextafter(math.nextafter(rate, 2.0), 2.0))
+
+
+def group_events(events: "EventsLike", rows_per_person: int) -> "Composition":
+    """Events that bound what one person with at most `rows_per_person` rows reveals, from example-level events.
+
+    A step of `SampledGaussian(q, sigma, s)` samples each of the person's k
+    rows independently with probability q, and the rows that join move the
+    noisy sum by at most k*s*C together. Its output is the mixture, over the
+    non-empty sets S of the person's rows, of the pairs N(0) against
+    (1 - q')N(0) + q'N(mu_S), with q' = 1 - (1 - q)^k and |mu_S| <= k*s*C.
+    Rényi and hockey-stick divergences are jointly convex, so the mixture's
+    divergence is at most the largest pair's, and a sampled Gaussian's
+    divergences grow with the shift: the step is bounded by
+    `SampledGaussian(q', sigma, k*s)`, in both directions. With k = 1 the
+    events are unchanged. See docs/privacy.md ("A person's rows at example
+    level").
+    """
+    if isinstance(rows_per_person, bool) or not isinstance(rows_per_person, numbers.Integral) \
+            or rows_per_person < 1:
+        raise EventError(f"rows_per_person must be an integer >= 1 (got {rows_per_person!r})")
+    composition = as_composition(events)
+    if rows_per_person == 1:
+        return composition
+    return Composition(tuple(
+        SampledGaussian(group_sampling_rate(event.sampling_rate, rows_per_person), event.noise_multiplier,
+                        event.steps, event.sensitivity_factor * rows_per_person)
+        for event in composition.events
+    ))
+
+
 def as_composition(events: EventsLike | Iterable[SampledGaussian]) -> Composition:
     """Accept one record, a list of records or a composition; return a composition."""
     if isinstance(events, Composition):

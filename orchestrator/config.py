@@ -334,7 +334,9 @@ class TrainConfig:
     max_examples_per_user: int | None = key(
         None, "privacy unit", "integer", "≥ 1",
         "Under `privacy_unit = \"user\"`, a sampled user gives at most this many of its rows a step, drawn at random "
-        "each time.",
+        "each time. At example level, with `user_id` or `synthetic_users`, a bound on every person's rows, checked "
+        "against the data before training: the summary's `user_epsilon` and a ledger dataset with a user-level "
+        "budget then count each person by group privacy over that many rows.",
         "all its rows",
     )
     local_steps: int | None = key(
@@ -523,6 +525,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         local_learning_rate=_optional(values, "local_learning_rate", checks.positive_number),
     )
     _check_privacy_unit(config)
+    check_rows_per_person(config)
     if not shards:
         # With shards, N is known once the workers report their sizes; the trainer checks it then.
         checks.batch_within_dataset("batch_size", config.batch_size, sampled_unit_count(config))
@@ -548,19 +551,21 @@ def _column_name(key: str, value: Any) -> str:
 
 
 def _check_privacy_unit(config: TrainConfig) -> None:
-    """Refuse user-level keys that do not fit together, naming the keys and what to do."""
+    """Refuse keys about people (user level, or a rows-per-person bound) that do not fit together, and say why."""
     user_keys = {"user_id": config.user_id, "synthetic_users": config.synthetic_users,
                  "max_examples_per_user": config.max_examples_per_user, "local_steps": config.local_steps,
                  "local_learning_rate": config.local_learning_rate}
     if config.privacy_unit == "example":
         given = [name for name, value in user_keys.items() if value is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)} apply to user-level privacy; add privacy_unit = \"user\" or remove "
-                             "them")
-        return
-    if (config.user_id is None) == (config.synthetic_users is None):
-        raise UsageError("privacy_unit = \"user\" needs exactly one of user_id (the column naming each row's person) "
-                         "or synthetic_users (a number of users to assign the rows to)")
+        people = config.user_id is not None or config.synthetic_users is not None
+        if not given or (config.max_examples_per_user is not None and people
+                         and set(given) <= {"user_id", "synthetic_users", "max_examples_per_user"}):
+            _check_people_keys(config)
+            return
+        raise UsageError(f"{', '.join(given)} apply to user-level privacy; add privacy_unit = \"user\", or at "
+                         "example level give max_examples_per_user with user_id or synthetic_users to bound each "
+                         "person's rows (local_steps needs user level), or remove them")
+    _check_people_keys(config)
     if (config.local_steps is None) != (config.local_learning_rate is None):
         raise UsageError("DP-FedAvg needs both local_steps (>= 1) and local_learning_rate (> 0); give both or neither")
     clashing = [name for name, value in (("shards", config.shards), ("microbatch_size", config.microbatch_size),
@@ -569,6 +574,44 @@ def _check_privacy_unit(config: TrainConfig) -> None:
     if clashing:
         raise UsageError(f"privacy_unit = \"user\" clips each user's gradient whole with a fixed norm over one "
                          f"dataset; it cannot be combined with {', '.join(clashing)}")
+
+
+def _check_people_keys(config: TrainConfig) -> None:
+    """Exactly one of user_id and synthetic_users names the people, when any key about people is given."""
+    if config.privacy_unit == "example" and config.max_examples_per_user is None:
+        return
+    if (config.user_id is None) == (config.synthetic_users is None):
+        raise UsageError("naming each row's person needs exactly one of user_id (the column naming each row's "
+                         "person) or synthetic_users (a number of users to assign the rows to)")
+    if config.privacy_unit == "example" and config.shards:
+        raise UsageError("max_examples_per_user at example level reads the people of one dataset; it cannot be "
+                         "combined with shards")
+
+
+def check_rows_per_person(config: TrainConfig) -> None:
+    """At example level with max_examples_per_user, refuse data in which a person owns more rows than that.
+
+    Reads the people (the user_id column, or the synthetic assignment), never
+    a feature or label: like N, how many rows a person owns is treated as
+    public structure.
+    """
+    bound = rows_per_person(config)
+    if bound is None:
+        return
+    try:
+        largest = user_index(UserSpec(config.user_id, config.synthetic_users), config.dataset,
+                             training_set_size(config)).largest_user()
+    except (DataError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    if largest > bound:
+        raise UsageError(f"max_examples_per_user = {bound} bounds every person's rows at example level, but one "
+                         f"person owns {largest} rows of the training data; set it to at least {largest}, keep at "
+                         "most that many rows a person in the data, or train with privacy_unit = \"user\"")
+
+
+def rows_per_person(config: TrainConfig) -> int | None:
+    """At example level, the bound max_examples_per_user puts on every person's rows; else None."""
+    return config.max_examples_per_user if config.privacy_unit == "example" else None
 
 
 def _dataset(value: Any) -> str | dict:

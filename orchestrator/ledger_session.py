@@ -89,18 +89,23 @@ class JobLedger:
 
     @classmethod
     def reserve(
-        cls, ledger, dataset: str, job_id: str, planned: Composition, timeout_seconds: float,
-        say: Callable[[str], None], lease_seconds: float | None = None, blocks: tuple[str, ...] = (),
+        cls, ledger, dataset: str, job_id: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
+        timeout_seconds: float, say: Callable[[str], None], lease_seconds: float | None = None,
+        blocks: tuple[str, ...] = (),
     ) -> "JobLedger":
         """Hold the whole planned run on `dataset` (each of `blocks` in full), or raise BudgetRefusedError (exit 3).
 
-        With `lease_seconds`, the hold lapses unless a charge renews it that often.
+        `plan_for_unit(privacy unit of the dataset)` gives the events to
+        reserve, the unit they protect and the rows-per-person bound (see
+        RunPlan.ledger_plan). With `lease_seconds`, the hold lapses unless a
+        charge renews it that often.
         """
+        def reserve():
+            planned, privacy_unit, rows_per_person = plan_for_unit(ledger.get_budget(dataset).privacy_unit)
+            return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person, blocks)
+
         try:
-            reservation = with_retries(
-                lambda: ledger.reserve(dataset, job_id, planned, lease_seconds, blocks), timeout_seconds, say,
-                "reserving budget",
-            )
+            reservation = with_retries(reserve, timeout_seconds, say, "reserving budget")
         except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
         return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
@@ -126,15 +131,17 @@ class JobLedger:
 
 
 def ensure_embedded_dataset(
-    ledger, dataset: str, budget_epsilon: float, delta: float, say, blocks: tuple[str, ...] = ()
+    ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
+    blocks: tuple[str, ...] = (),
 ) -> None:
-    """Register `dataset`, and each of its `blocks`, in the embedded ledger on first use, with the given budget."""
+    """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget."""
     try:
         status = ledger.get_budget(dataset)
     except (NotFound, PermissionDenied):
-        status = ledger.create_dataset(dataset, budget_epsilon, delta)
+        status = ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit)
+        per = " per person" if privacy_unit == "user" else ""
         say(
-            f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g} "
+            f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g}{per} "
             f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
         )
     known = {block.name for block in status.blocks}

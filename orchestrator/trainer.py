@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from accounting.accountants import get_accountant, label, labelled_epsilon
 from accounting.calibration import scale_for_target
-from accounting.events import Composition
+from accounting.events import Composition, group_events
 from orchestrator.adaptive_clipping import (
     effective_noise_multiplier,
     next_clip_norm,
@@ -45,6 +45,7 @@ from orchestrator.config import (
     sampling_rate,
     test_set_size,
     total_steps,
+    rows_per_person,
     sampled_unit_count,
     user_spec,
 )
@@ -99,6 +100,7 @@ class RunPlan:
     microbatches: int | None = None
     count_noise_multiplier: float | None = None
     privacy_unit: str = "example"
+    rows_per_person: int | None = None
 
     @property
     def sensitivity_factor(self) -> float:
@@ -139,6 +141,20 @@ class RunPlan:
     def row_level_events_between(self, start: int, end: int) -> Composition:
         """`row_level_events` of steps start..end-1 (0-based)."""
         return steps_between(self.row_level_events, start, end)
+
+    def ledger_plan(self, dataset_unit: str) -> tuple[Composition, str, int | None]:
+        """What to reserve on a ledger dataset of `dataset_unit`: (events, the unit they protect, rows per person).
+
+        A user-level run reserves its per-user events on a user-level dataset
+        and its row-level events on an example-level one. An example-level run
+        reserves its events with its rows-per-person bound, which a user-level
+        dataset turns into a group-privacy charge (and refuses without one).
+        """
+        if self.privacy_unit == "user":
+            if dataset_unit == "user":
+                return self.planned_events, "user", None
+            return self.row_level_events, "example", None
+        return self.planned_events, "example", self.rows_per_person
 
     def sigma_at(self, step: int) -> float:
         """The noise multiplier of step `step` (0-based)."""
@@ -216,7 +232,7 @@ def plan_run(config: TrainConfig, dataset_size: int | None = None) -> RunPlan:
         dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
         tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
         evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends), microbatches,
-        count_noise_multiplier, config.privacy_unit,
+        count_noise_multiplier, config.privacy_unit, rows_per_person(config),
     )
 
 
@@ -925,6 +941,11 @@ class Trainer:
             summary["users"] = plan.dataset_size
             summary["row_epsilon"] = labelled_epsilon(self.accountant, plan.row_level_events_between(0, self.step),
                                                       config.delta)[0]
+        if plan.rows_per_person is not None:
+            # Group privacy: what the events so far reveal about a person of at most this many rows.
+            summary["rows_per_person"] = plan.rows_per_person
+            summary["user_epsilon"] = labelled_epsilon(self.accountant, group_events(self.events, plan.rows_per_person),
+                                                       config.delta)[0]
         if config.shards:
             summary["shards"] = len(config.shards)
             summary["shard_outages"] = self.shard_outages

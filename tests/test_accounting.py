@@ -2,6 +2,7 @@
 
 import math
 import warnings
+from fractions import Fraction
 
 import dp_accounting
 import numpy as np
@@ -209,3 +210,50 @@ def test_the_label_says_when_pld_fell_back_to_the_rdp_bound():
     assert shown == PLD_FALLBACK_LABEL and value > 100
     assert labelled_epsilon(get_accountant("pld"), SampledGaussian(0.004, 1.3, 100), 1e-5)[1] == "pld"
     assert labelled_epsilon(get_accountant("gdp"), SampledGaussian(0.004, 1.3, 100), 1e-5)[1] == "gdp (approximate)"
+
+
+
+def hockey_stick_deltas(first, second, epsilons, step):
+    """delta(eps) of `first` against `second` and back, for densities on one grid of spacing `step`."""
+    return [(np.maximum(first - math.exp(eps) * second, 0).sum() * step,
+             np.maximum(second - math.exp(eps) * first, 0).sum() * step) for eps in epsilons]
+
+
+@pytest.mark.parametrize(("rate", "sigma", "rows"), [(0.05, 1.0, 3), (0.2, 2.0, 5), (0.01, 0.8, 10)])
+def test_group_events_bound_a_persons_rows_in_both_directions(rate, sigma, rows):
+    from scipy import stats
+
+    from accounting.events import group_events
+
+    (bound,) = group_events(SampledGaussian(rate, sigma, 1), rows).events
+    touched = 1 - (1 - Fraction(rate)) ** rows  # exactly, from the float rate
+    assert Fraction(bound.sampling_rate) >= touched > Fraction(bound.sampling_rate) - Fraction(1, 10**15)
+    assert (bound.noise_multiplier, bound.sensitivity_factor) == (sigma, rows)
+    # The person's rows, each sampled at `rate`, with clipped gradients all pointing the same way (the worst
+    # case for their sum): N(0, sigma^2) against the mixture over j ~ Binomial(rows, rate) of N(j, sigma^2).
+    grid = np.linspace(-12 * sigma, rows + 12 * sigma, 400_001)
+    step = grid[1] - grid[0]
+    without = stats.norm.pdf(grid, scale=sigma)
+    weights = stats.binom.pmf(np.arange(rows + 1), rows, rate)
+    with_person = sum(weight * stats.norm.pdf(grid, loc=j, scale=sigma) for j, weight in enumerate(weights))
+    # The bound's pair: one sampled Gaussian at rate q' and shift `rows`.
+    bounding = (1 - bound.sampling_rate) * without + bound.sampling_rate * stats.norm.pdf(grid, loc=rows, scale=sigma)
+    epsilons = [0.1, 0.5, 1.0, 2.0, 4.0]
+    exact = hockey_stick_deltas(with_person, without, epsilons, step)
+    bounded = hockey_stick_deltas(bounding, without, epsilons, step)
+    for (add, remove), (add_bound, remove_bound) in zip(exact, bounded):
+        assert add_bound >= add - 1e-12 and remove_bound >= remove - 1e-12
+    assert any(add_bound > 1.01 * add for (add, _), (add_bound, _) in zip(exact, bounded) if add > 1e-6)
+
+
+def test_group_events_keep_one_row_and_scale_every_record():
+    from accounting.events import group_events
+
+    plan = Composition((SampledGaussian(0.01, 1.0, 30), SampledGaussian(0.02, 2.0, 10, sensitivity_factor=2.0)))
+    assert group_events(plan, 1) == plan
+    grouped = group_events(plan, 4)
+    assert [event.steps for event in grouped.events] == [30, 10]
+    assert [event.sensitivity_factor for event in grouped.events] == [4.0, 8.0]
+    assert epsilon("pld", grouped) > epsilon("pld", plan)
+    with pytest.raises(EventError, match="rows_per_person must be an integer >= 1"):
+        group_events(plan, 0)

@@ -15,7 +15,7 @@ from orchestrator.cli import main
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
 STATUS_KEYS = {
-    "name", "tenant", "budget_epsilon", "delta", "admission", "spent_epsilon_filter", "spent_epsilon",
+    "name", "tenant", "privacy_unit", "budget_epsilon", "delta", "admission", "spent_epsilon_filter", "spent_epsilon",
     "spent_epsilon_accountant", "spent_epsilon_rdp",
     "reserved_epsilon", "remaining_epsilon", "jobs", "released_jobs", "blocks", "quotas",
 }
@@ -74,7 +74,8 @@ def test_embedded_ledger_needs_no_server_and_shows_spending(capsys, embedded):
 
     status, table, _ = run(capsys, "ledger", "status", "--dataset", "mnist")
     assert status == 0
-    assert table.splitlines()[0].split()[:3] == ["dataset", "budget", "ε"]
+    assert table.splitlines()[0].split()[:4] == ["dataset", "unit", "budget", "ε"]
+    assert table.splitlines()[2].split()[:2] == ["mnist", "example"]
     assert "job-1" in table and reservation.reservation_id in table
 
     released = run_json(capsys, "ledger", "release", reservation.reservation_id)

@@ -307,6 +307,23 @@ def test_client_maps_refusals_back_to_the_core_exceptions(server, acme):
         RemoteLedger("127.0.0.1:1", "token", timeout_seconds=2).list_datasets()
 
 
+def test_privacy_units_travel_over_grpc_and_mixed_units_are_refused_as_failed_precondition(server, acme):
+    from accounting.events import group_events
+
+    assert acme.create_dataset("people", 8.0, DELTA, "user").privacy_unit == "user"
+    assert acme.get_budget("mnist").privacy_unit == "example"
+    plan = SampledGaussian(0.004, 5.0, 100)
+    with pytest.raises(FailedPrecondition, match="does not bound how many rows one person has"):
+        acme.reserve("people", "unbounded", plan)
+    with pytest.raises(FailedPrecondition, match="bound one person, not one row"):
+        acme.reserve("mnist", "per-person", plan, privacy_unit="user")
+    with pytest.raises(InvalidArgument, match="privacy unit must be one of example, user"):
+        acme.create_dataset("households", 8.0, DELTA, "household")
+    bounded = acme.reserve("people", "bounded", plan, privacy_unit="example", rows_per_person=7)
+    assert bounded.planned == group_events(plan, 7)
+    assert acme.get_budget("people").reserved_epsilon > 0
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_serves_clients_that_trust_the_certificate_only(tmp_path):
     certificate, key = tmp_path / "cert.pem", tmp_path / "key.pem"

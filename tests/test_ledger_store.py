@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from accounting.accountants import get_accountant
-from accounting.events import Composition, SampledGaussian
+from accounting.events import Composition, SampledGaussian, group_events
 from accounting.ledger.core import (
     ADMIN,
     AdmissionRule,
@@ -110,6 +110,7 @@ def test_a_version_2_file_keeps_its_events_and_its_reservations_commit_only_what
         status = migrated.get_budget("mnist")
         rule = AdmissionRule.for_budget(2.0, DELTA)
         assert status.admission == rule
+        assert status.privacy_unit == "example"  # what every dataset protected before units were recorded
         assert status.spent_epsilon_filter == filter_epsilon(FIRST.with_steps(1800), 2.0)
         adopted = [entry.details for entry in migrated.history() if entry.action == "adopt_admission_rule"]
         held_epsilon = rule.epsilon(RdpTally.from_json(before[0]))
@@ -495,3 +496,34 @@ def test_a_lease_expires_frees_its_unrun_steps_and_fences_off_later_commits(ledg
     assert ledger.verify().findings == ()
     with pytest.raises(InvalidArgument, match="lease_seconds must be in"):
         ledger.reserve("mnist", "bad", job, lease_seconds=-1.0)
+
+
+def test_a_user_level_dataset_refuses_jobs_of_mixed_units_and_charges_a_row_bound_by_group_privacy(ledger):
+    ledger.create_dataset("people", 8.0, DELTA, "user")
+    ledger.create_dataset("rows", 8.0, DELTA)
+    assert [(status.name, status.privacy_unit) for status in ledger.list_datasets()] == [
+        ("people", "user"), ("rows", "example")]
+    plan = Composition((SampledGaussian(0.004, 5.0, 200),))
+    before = row_counts(ledger)
+    with pytest.raises(FailedPrecondition, match="user-level budget .* does not bound how many rows one person has"):
+        ledger.reserve("people", "rows-unbounded", plan)
+    with pytest.raises(FailedPrecondition, match="example-level budget .* bound one person, not one row"):
+        ledger.reserve("rows", "per-person", plan, privacy_unit="user")
+    assert row_counts(ledger) == before
+    # A user-level job charges its own events; an example-level one with at most 5 rows a person its group bound.
+    ledger.reserve("people", "per-person", plan, privacy_unit="user")
+    bounded = ledger.reserve("people", "rows-bounded", plan, privacy_unit="example", rows_per_person=5)
+    assert bounded.planned == group_events(plan, 5)
+    ledger.commit(bounded.reservation_id, 200, 0)
+    status = ledger.get_budget("people")
+    assert status.spent_epsilon == get_accountant("pld").epsilon(group_events(plan, 5), DELTA)
+    assert status.spent_epsilon > get_accountant("pld").epsilon(plan, DELTA)
+    (reserve,) = [entry for entry in ledger.history("people")
+                  if entry.action == "reserve" and entry.details["job_id"] == "rows-bounded"]
+    assert (reserve.details["job_events"], reserve.details["rows_per_person"]) == (plan.to_dict(), 5)
+    assert ledger.verify().findings == ()
+    # A history that claims a smaller person than the charge was made for is caught by the replay.
+    edit_history(ledger.path, reserve.entry_id, dict(reserve.details, rows_per_person=2), rechain=True)
+    assert findings(ledger) == [
+        f"entry {reserve.entry_id} of dataset local/people: charges events that are not the group-privacy bound "
+        "of its job's events for 2 rows per person"]

@@ -10,7 +10,7 @@ import ray
 from scipy import stats
 
 from accounting.accountants import get_accountant
-from accounting.events import SampledGaussian
+from accounting.events import SampledGaussian, group_events
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.config import build_config
@@ -122,7 +122,8 @@ def local_ray():
     ray.shutdown()
 
 
-def test_user_and_fedavg_runs_account_per_user_and_charge_the_ledger_at_the_row_bound(local_ray, tmp_path, capsys):
+def people_dataset(tmp_path):
+    """A Parquet dataset of ROWS random rows with a `person` column: 30 people owning 20 rows each; its TOML."""
     directory = tmp_path / "people"
     images = np.random.default_rng(0).random((ROWS, 784), dtype=np.float32)
     labels = np.arange(ROWS) % 10
@@ -136,6 +137,13 @@ def test_user_and_fedavg_runs_account_per_user_and_charge_the_ledger_at_the_row_
         pq.write_table(table.append_column("person", people), part, row_group_size=16)
     dataset = (f'[dataset]\nformat = "parquet"\ntrain = "{directory / "train"}"\ntest = "{directory / "test"}"\n'
                'shape = [1, 28, 28]\nfeatures = "features"\nname = "people"\n')
+    return dataset
+
+
+def test_user_and_fedavg_runs_account_per_user_and_charge_the_ledger_at_the_row_bound(local_ray, tmp_path, capsys):
+    dataset = people_dataset(tmp_path)
+    with open_embedded_ledger() as ledger:
+        ledger.create_dataset("people", 50.0, 1e-5)  # a budget over rows
     common = ('privacy_unit = "user"\nuser_id = "person"\nbatch_size = 6\nsteps = 3\nnoise_multiplier = 2.0\n'
               'seed = 2\nworkers = 1\ndataset_budget_epsilon = 50.0\n')
     summaries = []
@@ -151,10 +159,48 @@ def test_user_and_fedavg_runs_account_per_user_and_charge_the_ledger_at_the_row_
         assert summary["row_epsilon"] == pytest.approx(
             pld.epsilon(SampledGaussian(6 / 30, 2.0, 3, sensitivity_factor=2.0), 1e-5), rel=1e-9)
         assert summary["row_epsilon"] > summary["epsilon"]
-    # Both jobs charged the ledger what one row reveals, composed: the example-level budget stays sound.
+    # On a dataset with a budget over rows, both jobs charged what one row reveals, composed.
     with open_embedded_ledger() as ledger:
         spent = ledger.get_budget("people").spent_epsilon
     assert spent == pytest.approx(pld.epsilon(SampledGaussian(6 / 30, 2.0, 6, sensitivity_factor=2.0), 1e-5),
                                   rel=1e-9)
     assert summaries[0]["test_accuracy"] != summaries[1]["test_accuracy"] or \
         summaries[0]["test_loss"] != summaries[1]["test_loss"]
+
+
+def test_example_level_runs_on_a_user_level_budget_are_charged_by_group_privacy_or_refused(local_ray, tmp_path,
+                                                                                           capsys):
+    dataset = people_dataset(tmp_path)
+    with open_embedded_ledger() as ledger:
+        ledger.create_dataset("people", 8.0, 1e-5, "user")
+    common = "batch_size = 6\nsteps = 3\nnoise_multiplier = 20.0\nseed = 2\nworkers = 1\n"
+
+    def train(name, extra):
+        config = tmp_path / f"{name}.toml"
+        config.write_text(f'run_dir = "{tmp_path / name}"\n' + common + extra + dataset)
+        return main(["train", "--config", str(config), "--no-progress", "--json"])
+
+    # Without a bound on each person's rows, the ledger refuses the example-level job (exit 3).
+    assert train("unbounded", "") == 3
+    assert "does not bound how many rows one person has" in capsys.readouterr().err
+    # A bound below what the data holds is refused before anything runs.
+    with pytest.raises(UsageError, match="one person owns 20 rows of the training data"):
+        build_config({"dataset": {"format": "parquet", "train": str(tmp_path / "people" / "train"),
+                                  "test": str(tmp_path / "people" / "test"), "shape": [1, 28, 28],
+                                  "features": "features"},
+                      "user_id": "person", "max_examples_per_user": 10, "steps": 1, "noise_multiplier": 1.0,
+                      "batch_size": 6})
+    capsys.readouterr()
+    assert train("bounded", 'user_id = "person"\nmax_examples_per_user = 20\n') == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = SampledGaussian(6 / ROWS, 20.0, 3)
+    pld = get_accountant("pld")
+    assert summary["epsilon"] == pytest.approx(pld.epsilon(rows, 1e-5), rel=1e-9)
+    assert summary["rows_per_person"] == 20
+    assert summary["user_epsilon"] == pytest.approx(pld.epsilon(group_events(rows, 20), 1e-5), rel=1e-9)
+    # A user-level job on the same budget is charged its own per-person events, composed with the group bound.
+    assert train("per-person", 'privacy_unit = "user"\nuser_id = "person"\n') == 0
+    with open_embedded_ledger() as ledger:
+        status = ledger.get_budget("people")
+    assert status.spent_epsilon == pytest.approx(
+        pld.epsilon(group_events(rows, 20).then(SampledGaussian(6 / 30, 20.0, 3)), 1e-5), rel=1e-9)

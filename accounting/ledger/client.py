@@ -20,6 +20,7 @@ from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
 from accounting.ledger.core import (
+    EXAMPLE,
     BudgetExceeded,
     CommitResult,
     DatasetStatus,
@@ -34,6 +35,8 @@ from accounting.ledger.core import (
     check_history_limit,
     check_lease_seconds,
     check_plan,
+    check_privacy_unit,
+    check_rows_per_person,
     check_sequence,
     check_steps,
 )
@@ -158,9 +161,10 @@ class RemoteLedger:
         reply = self._call("CreateTenant", self._request(pb.CreateTenantRequest, tenant=tenant))
         return messages.tenant_from_proto(reply)
 
-    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta`."""
-        request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta)
+    def create_dataset(self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE) -> DatasetStatus:
+        """Create a dataset with a budget of `epsilon` at `delta` per `privacy_unit` ('example' or 'user')."""
+        request = self._request(pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta,
+                                privacy_unit=check_privacy_unit(privacy_unit))
         return messages.status_from_proto(self._call("CreateDataset", request))
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
@@ -191,16 +195,18 @@ class RemoteLedger:
 
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
-        blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, blocks: tuple[str, ...] | list[str] = (),
     ) -> Reservation:
         """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
 
-        With `blocks`, the job is charged in full to each of those blocks of the dataset.
+        `privacy_unit` and `rows_per_person` as in the embedded Ledger.reserve. With `blocks`, the job is
+        charged in full to each of those blocks of the dataset.
         """
         planned_json = check_plan(planned).to_json()
         request = self._request(
             pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
-            lease_seconds=check_lease_seconds(lease_seconds) or 0.0, blocks=check_block_names(blocks),
+            lease_seconds=check_lease_seconds(lease_seconds) or 0.0, privacy_unit=check_privacy_unit(privacy_unit),
+            rows_per_person=check_rows_per_person(rows_per_person) or 0, blocks=check_block_names(blocks),
         )
         return messages.reservation_from_proto(self._call("Reserve", request))
 
@@ -216,11 +222,15 @@ class RemoteLedger:
         )
         return messages.status_from_proto(self._call("SetQuota", request))
 
-    def fits(self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = ()) -> FitReport:
+    def fits(
+        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+    ) -> FitReport:
         """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing."""
         request = self._request(
             pb.FitsRequest, dataset=dataset, planned_events_json=check_plan(planned).to_json(),
-            blocks=check_block_names(blocks),
+            blocks=check_block_names(blocks), privacy_unit=check_privacy_unit(privacy_unit),
+            rows_per_person=check_rows_per_person(rows_per_person) or 0,
         )
         return messages.fit_from_proto(self._call("Fits", request))
 

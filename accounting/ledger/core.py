@@ -55,7 +55,7 @@ import numpy as np
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
-from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition
+from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition, group_events
 
 # Renyi divergences are tallied in integer units of 2**-60 nats: exact under
 # addition and subtraction, and finer than any float we would compare.
@@ -78,6 +78,10 @@ MAX_BLOCKS_PER_JOB = 1000
 ACTIVE = "active"
 RELEASED = "released"
 RESERVATION_STATES = (ACTIVE, RELEASED)
+
+EXAMPLE = "example"
+USER = "user"
+PRIVACY_UNITS = (EXAMPLE, USER)
 
 ADMIN_ACTOR = "admin"
 LOCAL_TENANT = "local"
@@ -256,6 +260,48 @@ def check_state(value: object) -> str | None:
     if value is not None and value not in RESERVATION_STATES:
         raise InvalidArgument(f"job state must be one of {', '.join(RESERVATION_STATES)} (got {value!r})")
     return value
+
+
+def check_privacy_unit(value: object) -> str:
+    """A privacy unit: 'example' (one row is protected) or 'user' (one person, all its rows)."""
+    if value not in PRIVACY_UNITS:
+        raise InvalidArgument(f"privacy unit must be one of {', '.join(PRIVACY_UNITS)} (got {value!r})")
+    return value
+
+
+def check_rows_per_person(value: object) -> int | None:
+    """A bound on each person's rows (None: no bound given)."""
+    return None if value is None else _integer("rows per person", value, 1, MAX_STEPS)
+
+
+def charged_plan(
+    dataset: str, dataset_unit: str, job_unit: str, planned: Composition, rows_per_person: int | None
+) -> Composition:
+    """The events a dataset of `dataset_unit` is charged for a job whose `planned` events protect `job_unit`.
+
+    Same unit: the plan itself. An example-level job on a user-level dataset
+    is charged the group-privacy bound for people of at most
+    `rows_per_person` rows (`group_events`), and refused without that bound.
+    A user-level job on an example-level dataset is refused: its events
+    bound a person, and the job must send events that bound one row
+    (dpfleet train does: the sampled Gaussian at sensitivity factor 2).
+    """
+    if dataset_unit == job_unit:
+        return planned
+    if dataset_unit == USER:
+        if rows_per_person is None:
+            raise FailedPrecondition(
+                f"dataset {dataset!r} has a user-level budget (privacy unit 'user') and this example-level job does "
+                "not bound how many rows one person has; train with privacy_unit = \"user\", or give "
+                "max_examples_per_user (with user_id or synthetic_users) so the ledger can charge the group-privacy "
+                "bound for people of that many rows"
+            )
+        return group_events(planned, rows_per_person)
+    raise FailedPrecondition(
+        f"dataset {dataset!r} has an example-level budget (privacy unit 'example'); a user-level job's events bound "
+        "one person, not one row: reserve the events that bound one row (a user-level dpfleet train sends them: "
+        "the sampled Gaussian over people at sensitivity factor 2), or use a dataset created with --privacy-unit user"
+    )
 
 
 def check_plan(planned: EventsLike) -> Composition:
@@ -1103,6 +1149,8 @@ class DatasetStatus:
     the tenants' quotas on the dataset and its blocks (a tenant sees its own).
     `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
     new commits is computed for a caller that chose not to wait for it.
+    `privacy_unit` is what one unit of protection is: a row ('example') or a
+    person with all its rows ('user'); every epsilon is per that unit.
     """
 
     name: str
@@ -1118,6 +1166,7 @@ class DatasetStatus:
     jobs: tuple[Reservation, ...] = ()
     released_jobs: int = 0
     spent_epsilon_accountant: str = "pld"
+    privacy_unit: str = EXAMPLE
     blocks: tuple[BlockStatus, ...] = ()
     quotas: tuple[QuotaStatus, ...] = ()
 
@@ -1126,6 +1175,7 @@ class DatasetStatus:
         return {
             "name": self.name,
             "tenant": self.tenant,
+            "privacy_unit": self.privacy_unit,
             **budget_dict(self),
             "jobs": [job.to_dict() for job in self.jobs],
             "released_jobs": self.released_jobs,
@@ -1338,6 +1388,11 @@ class _Replay:
 
     def reserve(self, entry: StoredEntry, details: dict) -> None:
         planned = Composition.from_dict(details["planned_events"])
+        if "job_events" in details:
+            job_events = Composition.from_dict(details["job_events"])
+            if group_events(job_events, details["rows_per_person"]) != planned:
+                self.note(entry, f"charges events that are not the group-privacy bound of its job's events for "
+                                 f"{details['rows_per_person']} rows per person")
         if self.limit() is not None:
             admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
             if not admitted:
@@ -1520,8 +1575,8 @@ class PrivacyLedger(Protocol):
     def create_tenant(self, tenant: str) -> TenantCreated:
         """Create a tenant and return its token (admin only)."""
 
-    def create_dataset(self, dataset: str, epsilon: float, delta: float) -> DatasetStatus:
-        """Create a dataset with a budget of (epsilon, delta)."""
+    def create_dataset(self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE) -> DatasetStatus:
+        """Create a dataset with a budget of (epsilon, delta) per `privacy_unit` ('example' or 'user')."""
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only; never below what is committed and reserved)."""
@@ -1537,10 +1592,12 @@ class PrivacyLedger(Protocol):
 
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
-        blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, blocks: tuple[str, ...] | list[str] = (),
     ) -> Reservation:
         """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
 
+        `privacy_unit` is what the events protect; `rows_per_person` bounds
+        each person's rows for an example-level job (see `charged_plan`).
         With `blocks`, the job is charged in full to each of those blocks, all or nothing.
         """
 
@@ -1550,7 +1607,10 @@ class PrivacyLedger(Protocol):
     def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
         """Give a tenant a quota on a dataset or one of its blocks (admin only)."""
 
-    def fits(self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = ()) -> FitReport:
+    def fits(
+        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+    ) -> FitReport:
         """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing."""
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:

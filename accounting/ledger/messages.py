@@ -13,6 +13,7 @@ from accounting.events import Composition
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger.core import (
     ACTIVE,
+    EXAMPLE,
     AdmissionRule,
     RELEASED,
     AlreadyExists,
@@ -251,6 +252,7 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
         released_jobs=status.released_jobs,
         blocks=[block_to_proto(block) for block in status.blocks],
         quotas=[quota_to_proto(quota) for quota in status.quotas],
+        privacy_unit=status.privacy_unit,
     )
 
 
@@ -264,6 +266,7 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
         released_jobs=message.released_jobs,
         blocks=tuple(block_from_proto(block) for block in message.blocks),
         quotas=tuple(quota_from_proto(quota) for quota in message.quotas),
+        privacy_unit=message.privacy_unit or EXAMPLE,
     )
 
 

@@ -40,6 +40,7 @@ from accounting.ledger.messages import (
 )
 from accounting.ledger.core import (
     ADMIN,
+    EXAMPLE,
     BudgetExceeded,
     Caller,
     InvalidArgument,
@@ -124,7 +125,9 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def CreateDataset(self, request: pb.CreateDatasetRequest, caller: Caller) -> pb.DatasetStatus:
         """Create a dataset with its budget."""
         return messages.status_to_proto(
-            self._ledger.create_dataset(request.dataset, request.epsilon, request.delta, caller=caller)
+            self._ledger.create_dataset(
+                request.dataset, request.epsilon, request.delta, request.privacy_unit or EXAMPLE, caller=caller
+            )
         )
 
     @_rpc
@@ -156,8 +159,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         """Hold budget for a job's plan, with a lease when lease_seconds > 0."""
         planned = parse_plan(request.planned_events_json)
         reservation = self._ledger.reserve(
-            request.dataset, request.job_id, planned, request.lease_seconds or None, tuple(request.blocks),
-            caller=caller,
+            request.dataset, request.job_id, planned, request.lease_seconds or None,
+            request.privacy_unit or EXAMPLE, request.rows_per_person or None, tuple(request.blocks), caller=caller,
         )
         return messages.reservation_to_proto(reservation)
 
@@ -192,7 +195,11 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def Fits(self, request: pb.FitsRequest, caller: Caller) -> pb.FitsReply:
         """Whether a job would be admitted now, and at what cost; reserves nothing."""
         planned = parse_plan(request.planned_events_json)
-        return messages.fit_to_proto(self._ledger.fits(request.dataset, planned, tuple(request.blocks), caller=caller))
+        report = self._ledger.fits(
+            request.dataset, planned, tuple(request.blocks), request.privacy_unit or EXAMPLE,
+            request.rows_per_person or None, caller=caller,
+        )
+        return messages.fit_to_proto(report)
 
     @_rpc
     def History(self, request: pb.HistoryRequest, caller: Caller) -> pb.HistoryReply:

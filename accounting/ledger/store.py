@@ -46,6 +46,7 @@ from typing import Iterator, NamedTuple
 from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
     ACTIVE,
+    EXAMPLE,
     LEASE_EXPIRY,
     LOCAL_TENANT,
     RELEASED,
@@ -76,11 +77,14 @@ from accounting.ledger.core import (
     assess_admission,
     budget_figures,
     canonical,
+    charged_plan,
     check_block_names,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
     check_lease_seconds,
+    check_privacy_unit,
+    check_rows_per_person,
     check_name,
     check_new_budget,
     check_plan,
@@ -104,7 +108,7 @@ from accounting.ledger.core import (
 )
 from accounting.ledger.databases import Connection, Database, open_database
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
@@ -146,6 +150,7 @@ _TABLES = (
         created_at TEXT NOT NULL,
         released_jobs {integer} NOT NULL DEFAULT 0,
         admission_rule TEXT NOT NULL,
+        privacy_unit TEXT NOT NULL DEFAULT 'example',
         block_of {integer} REFERENCES datasets(id),
         block TEXT,
         UNIQUE (tenant, name)
@@ -199,8 +204,8 @@ def _schema(database: Database) -> tuple[str, ...]:
 
 
 _DATASET_COLUMNS = (
-    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, block_of, "
-    "block"
+    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit, "
+    "block_of, block"
 )
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
@@ -225,6 +230,7 @@ class _DatasetRow(NamedTuple):
     committed_events: str
     released_jobs: int
     admission_rule: str
+    privacy_unit: str
     block_of: int | None
     block: str | None
 
@@ -284,8 +290,14 @@ def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, dat
         )
 
 
+def _add_privacy_units(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 4: each dataset says what it protects; every existing one protects rows ('example')."""
+    connection.execute("ALTER TABLE datasets ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'")
+
+
+
 def _add_blocks_and_quotas(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 4: blocks of a dataset, and each tenant's tally and quota per budget.
+    """Version 5: blocks of a dataset, and each tenant's tally and quota per budget.
 
     Until now only a dataset's owner could reserve on it, so the owner's
     tally on each dataset is the dataset's own, and every reservation is the
@@ -308,7 +320,12 @@ def _add_blocks_and_quotas(connection: Connection, caller: Caller, database: Dat
 
 
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes, 4: _add_blocks_and_quotas}
+_MIGRATIONS = {
+    2: _count_released_jobs,
+    3: _adopt_filters_leases_and_hashes,
+    4: _add_privacy_units,
+    5: _add_blocks_and_quotas,
+}
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -812,6 +829,7 @@ class Ledger:
                 BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending)) for block in blocks
             ),
             quotas=self._quota_statuses(row, blocks, uses),
+            privacy_unit=row.privacy_unit,
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
@@ -871,12 +889,18 @@ class Ledger:
     # ------------------------------------------------------------ datasets
 
     def create_dataset(
-        self, dataset: str, epsilon: float, delta: float, *, caller: Caller | None = None
+        self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE, *,
+        caller: Caller | None = None,
     ) -> DatasetStatus:
-        """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data."""
+        """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data.
+
+        The budget is per `privacy_unit`: one row ('example') or one person
+        with all its rows ('user'); see `charged_plan` for jobs of the other unit.
+        """
         caller = self._caller(caller)
         epsilon = check_budget_epsilon(epsilon)
         delta = check_delta(delta)
+        privacy_unit = check_privacy_unit(privacy_unit)
         reference = resolve_dataset(caller, dataset)
         zero = RdpTally.zero().to_json()
         rule = AdmissionRule.for_budget(epsilon, delta)
@@ -888,10 +912,10 @@ class Ledger:
             try:
                 (dataset_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule) VALUES (?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    "created_at, admission_rule, privacy_unit) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (
                         reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
-                        json.dumps(rule.to_dict()),
+                        json.dumps(rule.to_dict()), privacy_unit,
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
@@ -900,7 +924,7 @@ class Ledger:
                 ) from None
             self._record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
-                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict()},
+                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit},
             )
             rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
@@ -929,7 +953,7 @@ class Ledger:
     ) -> DatasetStatus:
         """Add a block (a part of the dataset's data, e.g. one day's) with its own budget of `epsilon` at `delta`.
 
-        `delta` defaults to the dataset's. The dataset's owner or an admin
+        `delta` defaults to the dataset's; the block protects the dataset's privacy unit. The dataset's owner or an admin
         may add one. Jobs on the dataset then name the blocks they train on,
         and each is charged in full to every block it names.
         """
@@ -943,11 +967,13 @@ class Ledger:
             try:
                 (block_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule, block_of, block) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    "created_at, admission_rule, privacy_unit, block_of, block) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (
                         # ':' is in no dataset name, so a block's row never takes a dataset's name.
                         row.tenant, f"{row.name}:{block}", epsilon, delta, RdpTally.zero().to_json(),
-                        Composition().to_json(), _now(), json.dumps(rule.to_dict()), row.dataset_id, block,
+                        Composition().to_json(), _now(), json.dumps(rule.to_dict()), row.privacy_unit,
+                        row.dataset_id, block,
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
@@ -1002,20 +1028,24 @@ class Ledger:
         return self._status(caller, rows)
 
     def fits(
-        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (), *,
-        caller: Caller | None = None,
+        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, *, caller: Caller | None = None,
     ) -> FitReport:
         """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing.
 
-        The same checks as `reserve`, on the same snapshot of the budgets;
-        a reservation made later meets the budgets as they are then.
+        The same conversion (`charged_plan`) and checks as `reserve`, on one
+        snapshot of the budgets; a reservation made later meets the budgets
+        as they are then.
         """
         caller = self._caller(caller)
-        planned = check_plan(planned)
+        job_events = check_plan(planned)
         blocks = check_block_names(blocks)
-        planned_tally = RdpTally.of(planned)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
         with self._read() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
+            planned_tally = RdpTally.of(charged_plan(dataset, row.privacy_unit, privacy_unit, job_events,
+                                                     rows_per_person))
             budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
             checks, quota_checks = self._admission_checks(
                 connection, _job_tenant(caller, row), row, budgets, planned_tally, dataset
@@ -1090,27 +1120,38 @@ class Ledger:
         job_id: str,
         planned: EventsLike,
         lease_seconds: float | None = None,
+        privacy_unit: str = EXAMPLE,
+        rows_per_person: int | None = None,
         blocks: tuple[str, ...] | list[str] = (),
         *,
         caller: Caller | None = None,
     ) -> Reservation:
         """Hold budget for all of a job's planned events, or raise BudgetExceeded.
 
-        The job is charged to the dataset, or in full to each of `blocks`
-        (block composition): every budget's admission rule, and the tenant's
-        quota on each where one is set, must admit it; all or nothing. A job
-        id holds at most one active reservation per dataset and tenant:
-        asking again with the same plan and blocks returns that reservation
-        (a retried reserve holds budget once); a different one is refused
-        until it is released. With `lease_seconds`, the reservation expires
-        that long after this call or its last commit, and its unrun steps
-        are released.
+        `planned` protects `privacy_unit`; on a dataset of the other unit it
+        is converted or refused by `charged_plan` (an example-level job on a
+        user-level dataset is charged its group-privacy bound for people of at
+        most `rows_per_person` rows), and the reservation holds the events
+        charged. The job is charged to the dataset, or in full to each of
+        `blocks` (block composition): every budget's admission rule, and the
+        tenant's quota on each where one is set, must admit it; all or
+        nothing. A job id holds at most one active reservation per dataset
+        and tenant: asking again with the same plan and blocks returns that
+        reservation (a retried reserve holds budget once); a different one is
+        refused until it is released. With `lease_seconds`, the reservation
+        expires that long after this call or its last commit, and its unrun
+        steps are released.
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
-        planned = check_plan(planned)
+        job_events = check_plan(planned)
         blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
+        with self._read() as connection:
+            dataset_unit = self._dataset_row(connection, caller, dataset, shared=True).privacy_unit
+        planned = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
@@ -1171,6 +1212,8 @@ class Ledger:
                     "planned_events": planned.to_dict(),
                     "lease_seconds": lease_seconds,
                     **placement,
+                    **({"job_events": job_events.to_dict(), "rows_per_person": rows_per_person}
+                       if planned != job_events else {}),
                 },
             )
             reserved = connection.execute(

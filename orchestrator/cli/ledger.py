@@ -72,12 +72,13 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
 
 def _status_table(statuses: list[DatasetStatus]) -> str:
     headers = [
-        "dataset", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
+        "dataset", "unit", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε", "spent ε (non-adaptive)",
         "filter orders", "active jobs", "released jobs",
     ]
     rows = [
         [
             status.name,
+            status.privacy_unit,
             status.budget_epsilon,
             status.delta,
             status.spent_epsilon_filter,
@@ -130,7 +131,10 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
         "\n\nspent ε (filter) + reserved ε + remaining ε = budget ε: the RDP filter at the dataset's orders, "
         "each at δ/(number of orders), admits jobs and bounds them however they were chosen. spent ε "
         "(non-adaptive): the PLD ε of the committed steps, which holds only if no job was chosen after seeing "
-        "another's results."
+        "another's results." + (
+            " unit user: every ε is per person, with all its rows."
+            if any(status.privacy_unit == "user" for status in statuses) else ""
+        )
     )
 
 
@@ -205,7 +209,7 @@ def run_dataset_create(args: argparse.Namespace) -> int:
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = checks.open_unit_interval("--delta", args.delta)
     with _open(args) as ledger:
-        status = ledger.create_dataset(args.name, epsilon, delta)
+        status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit)
     _print_statuses([status], args.json)
     return 0
 
@@ -255,7 +259,8 @@ def run_fits(args: argparse.Namespace) -> int:
     # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
     args.ledger = args.ledger or config.ledger
     with _open(args) as ledger:
-        report = ledger.fits(dataset, plan.row_level_events, config.blocks)
+        planned, privacy_unit, rows_per_person = plan.ledger_plan(ledger.get_budget(dataset).privacy_unit)
+        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
     if args.json:
         print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate})
     else:
@@ -403,6 +408,11 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
     dataset_create.add_argument(
         "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
+    )
+    dataset_create.add_argument(
+        "--privacy-unit", choices=("example", "user"), default="example",
+        help="what the budget protects: one row (example, the default) or one person with all its rows (user); "
+        "an example-level job is charged on a user-level dataset by group privacy, given max_examples_per_user",
     )
     _add_client_flags(dataset_create)
     dataset_create.set_defaults(handler=run_dataset_create)

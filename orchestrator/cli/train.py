@@ -179,9 +179,10 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     if is_embedded(ledger):
-        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, say, config.blocks)
+        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
+                                config.blocks)
     job = JobLedger.reserve(
-        ledger, dataset, new_job_id(config.run_dir), trainer.plan.row_level_events, config.ledger_timeout, say,
+        ledger, dataset, new_job_id(config.run_dir), trainer.plan.ledger_plan, config.ledger_timeout, say,
         config.ledger_lease, config.blocks,
     )
     on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
