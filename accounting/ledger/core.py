@@ -1391,8 +1391,8 @@ class _Replay:
         if "job_events" in details:
             job_events = Composition.from_dict(details["job_events"])
             if group_events(job_events, details["rows_per_person"]) != planned:
-                self.note(entry, f"charges events that are not the group-privacy bound of its job's events for "
-                                 f"{details['rows_per_person']} rows per person")
+                self.note_structure(entry, f"charges events that are not the group-privacy bound of its job's "
+                                           f"events for {details['rows_per_person']} rows per person")
         if self.limit() is not None:
             admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
             if not admitted:
