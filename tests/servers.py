@@ -41,11 +41,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_serve_process(db_path: Path, token_file: Path, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start `dpfleet ledger serve` on 127.0.0.1:port (0: any free port); return it and its HOST:PORT."""
+def start_serve_process(
+    db_path: Path, token_file: Path, port: int = 0, extra_args: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    """Start `dpfleet ledger serve` on 127.0.0.1:port (0: any free port); return it and its HOST:PORT.
+
+    `extra_args` go to `serve` too; what it prints after its address is left to read on the process's stdout.
+    """
     process = subprocess.Popen(
         [*DPFLEET, "ledger", "serve", "--db", str(db_path), "--port", str(port)]
-        + ["--admin-token-file", str(token_file)],
+        + ["--admin-token-file", str(token_file), *extra_args],
         cwd=REPOSITORY,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -57,6 +62,18 @@ def start_serve_process(db_path: Path, token_file: Path, port: int = 0) -> tuple
         process.kill()
         pytest.fail(f"ledger serve printed {line!r}; stderr: {process.stderr.read()}")
     return process, match.group(1)
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A one-day certificate for localhost and 127.0.0.1 and its key (PEM files in `folder`), made by openssl."""
+    certificate, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", str(key), "-out", str(certificate), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )
+    return certificate, key
 
 
 def start_racers(commands: list[list[str]]) -> list[subprocess.Popen]:

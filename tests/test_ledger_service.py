@@ -27,6 +27,7 @@ from accounting.ledger.core import (
     Unauthenticated,
 )
 from accounting.ledger.service import SERVICE_NAME, start_server
+from servers import self_signed_certificate
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
@@ -326,13 +327,7 @@ def test_privacy_units_travel_over_grpc_and_mixed_units_are_refused_as_failed_pr
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_serves_clients_that_trust_the_certificate_only(tmp_path):
-    certificate, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", str(key), "-out", str(certificate), "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )
+    certificate, key = self_signed_certificate(tmp_path)
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=certificate, tls_key=key)
     try:
         with RemoteLedger(running.address, ADMIN_TOKEN, tls_ca=certificate) as secure:

@@ -439,6 +439,7 @@ def test_rayjob_yaml_runs_dpfleet_train_on_gpu_workers_with_secrets_for_the_ledg
 
 
 def test_ledger_yaml_serves_a_persistent_ledger_with_grpc_health_probes_and_a_secret_admin_token():
+    """Also its page and metrics on ports of their own, which the pod's Prometheus annotations name."""
     documents = {document["kind"]: document for document in load_yaml_documents("ledger.yaml")}
     assert documents.keys() == {"Deployment", "Service", "PersistentVolumeClaim"}
     deployment, service, claim = documents["Deployment"], documents["Service"], documents["PersistentVolumeClaim"]
@@ -450,12 +451,16 @@ def test_ledger_yaml_serves_a_persistent_ledger_with_grpc_health_probes_and_a_se
     assert container["image"] == IMAGE
     command = container["command"]
     assert command[:3] == ["dpfleet", "ledger", "serve"]
-    flag = {name: command[command.index(name) + 1] for name in ("--db", "--host", "--port", "--admin-token-file")}
+    flags = ("--db", "--host", "--port", "--admin-token-file", "--http-port", "--metrics-port")
+    flag = {name: command[command.index(name) + 1] for name in flags}
     assert flag["--host"] == "0.0.0.0"
     port = int(flag["--port"])
 
-    (container_port,) = container["ports"]
-    assert container_port["containerPort"] == port
+    container_ports = {entry["name"]: entry["containerPort"] for entry in container["ports"]}
+    assert container_ports == {"grpc": port, "http": int(flag["--http-port"]), "metrics": int(flag["--metrics-port"])}
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == container_ports["metrics"]
     for probe in ("readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == port, probe
 
@@ -469,8 +474,7 @@ def test_ledger_yaml_serves_a_persistent_ledger_with_grpc_health_probes_and_a_se
     assert Path(flag["--admin-token-file"]).parent == Path(mounts[secret])
 
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    (service_port,) = service["spec"]["ports"]
-    assert service_port["targetPort"] in (port, container_port["name"])
+    assert {entry["targetPort"] for entry in service["spec"]["ports"]} == set(container_ports)
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
 
 

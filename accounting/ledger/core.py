@@ -1364,8 +1364,11 @@ class _Replay:
         return rule.epsilon(tally) if rule is not None else tally.epsilon(self.delta)
 
     def apply(self, entry: StoredEntry, from_dataset: bool = False) -> None:
-        details = json.loads(entry.details_json)
-        action = entry.action
+        self.apply_details(entry, entry.action, json.loads(entry.details_json), from_dataset)
+
+    def apply_details(
+        self, entry: StoredEntry | HistoryEntry, action: str, details: dict, from_dataset: bool = False
+    ) -> None:
         if action in ("create_dataset", "add_block"):
             self.budget_epsilon, self.delta = float(details["epsilon"]), float(details["delta"])
             if "admission" in details:
@@ -1563,6 +1566,60 @@ def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[
         if replayed != stored:
             findings.append(Finding(None, dataset.name, f"the row's {what} is not what its history replays to"))
     return findings
+
+
+@dataclass(frozen=True)
+class BurnDownPoint:
+    """A dataset's figures (ε at its δ, see `budget_figures`) just after one change to it, at `at` (UTC)."""
+
+    at: str
+    action: str
+    budget_epsilon: float
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "at": self.at,
+            "action": self.action,
+            "budget_epsilon": self.budget_epsilon,
+            "spent_epsilon_filter": self.spent_epsilon_filter,
+            "reserved_epsilon": self.reserved_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+        }
+
+
+def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
+    """A dataset's budget over time: its figures after each change, replayed from its whole history, oldest first.
+
+    `entries` must start at the dataset's creation (ValueError otherwise).
+    The figures are those a status gives at that moment: spent (filter),
+    reserved and remaining add up to the budget, so the last point equals
+    the dataset's status now.
+    """
+    if not entries or entries[0].action != "create_dataset":
+        raise ValueError("a burn-down replays a dataset's history from its creation; the first entry is not it")
+    replay = _Replay(entries[0].dataset or "")
+    points = []
+    for entry in entries:
+        if entry.action in ("add_block", "set_quota") or entry.details.get("blocks"):
+            continue  # a block's budget, a tenant's quota or a job on blocks: not the dataset's own budget
+        replay.apply_details(entry, entry.action, entry.details)
+        spent_filter = replay.admission_epsilon(RdpTally.of(replay.committed))
+        held_filter = replay.admission_epsilon(replay.held)
+        points.append(
+            BurnDownPoint(
+                at=entry.at,
+                action=entry.action,
+                budget_epsilon=replay.budget_epsilon,
+                spent_epsilon_filter=spent_filter,
+                reserved_epsilon=max(0.0, held_filter - spent_filter),
+                remaining_epsilon=max(0.0, replay.budget_epsilon - held_filter),
+            )
+        )
+    return points
 
 
 class PrivacyLedger(Protocol):

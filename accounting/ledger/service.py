@@ -9,6 +9,10 @@ gRPC itself with RESOURCE_EXHAUSTED before any handler runs.
 
 The standard health service (grpc.health.v1) answers SERVING for "" and for
 the ledger service, and NOT_SERVING once a graceful stop begins.
+
+Beside it, in the same process, the server may serve a read-only web page
+and Prometheus metrics over HTTP (`accounting.ledger.web`), behind the same
+tokens; every RPC's duration goes to the metrics' latency histogram.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ import functools
 import hmac
 import logging
 import signal
+import ssl
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +32,7 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Histogram
 
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
@@ -48,7 +55,9 @@ from accounting.ledger.core import (
     Unauthenticated,
     parse_plan,
 )
+from accounting.ledger.metrics import rpc_latency_histogram
 from accounting.ledger.store import Ledger
+from accounting.ledger.web import WebServer, start_web
 
 LOG = logging.getLogger(__name__)
 
@@ -71,14 +80,24 @@ def bearer_token(metadata: tuple) -> str | None:
     return None
 
 
+def token_caller(ledger: Ledger, admin_token: str | None, token: str) -> Caller:
+    """Who holds a bearer token: the admin, or the tenant the ledger knows it for (else Unauthenticated)."""
+    if admin_token is not None and hmac.compare_digest(token.encode(), admin_token.encode()):
+        return ADMIN
+    return ledger.authenticate(token)
+
+
 def _rpc(method: Callable) -> Callable:
-    """Authenticate, call the ledger, and turn a LedgerError into its status code."""
+    """Authenticate, call the ledger, turn a LedgerError into its status code, and time the call."""
 
     @functools.wraps(method)
     def handler(self: "LedgerServicer", request: object, context: grpc.ServicerContext) -> object:
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
         try:
             return method(self, request, self.caller(context))
         except BudgetExceeded as error:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
             context.set_trailing_metadata(
                 (
                     (REMAINING_EPSILON_KEY, repr(error.remaining_epsilon)),
@@ -88,12 +107,16 @@ def _rpc(method: Callable) -> Callable:
                     (BUDGET_KEY, error.budget),
                 )
             )
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            context.abort(code, str(error))
         except LedgerError as error:
-            context.abort(STATUS_CODES.get(type(error), grpc.StatusCode.UNKNOWN), str(error))
+            code = STATUS_CODES.get(type(error), grpc.StatusCode.UNKNOWN)
+            context.abort(code, str(error))
         except Exception:  # noqa: BLE001 - a client gets a status, the log gets the traceback
             LOG.exception("ledger request %s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, "the ledger server failed on this request; see its log")
+            code = grpc.StatusCode.INTERNAL
+            context.abort(code, "the ledger server failed on this request; see its log")
+        finally:
+            self.rpc_seconds.labels(method.__name__, code.name).observe(time.perf_counter() - started)
 
     return handler
 
@@ -101,9 +124,10 @@ def _rpc(method: Callable) -> Callable:
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     """The Ledger gRPC service over one `Ledger`."""
 
-    def __init__(self, ledger: Ledger, admin_token: str | None) -> None:
+    def __init__(self, ledger: Ledger, admin_token: str | None, rpc_seconds: Histogram) -> None:
         self._ledger = ledger
         self._admin_token = admin_token
+        self.rpc_seconds = rpc_seconds
 
     def caller(self, context: grpc.ServicerContext) -> Caller:
         """Who sent the request, from its bearer token."""
@@ -112,9 +136,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
             raise Unauthenticated(
                 "no token: send metadata 'authorization: Bearer <token>' (dpfleet ledger --token or DPFLEET_TOKEN)"
             )
-        if self._admin_token is not None and hmac.compare_digest(token.encode(), self._admin_token.encode()):
-            return ADMIN
-        return self._ledger.authenticate(token)
+        return token_caller(self._ledger, self._admin_token, token)
 
     @_rpc
     def CreateTenant(self, request: pb.CreateTenantRequest, caller: Caller) -> pb.CreateTenantReply:
@@ -210,7 +232,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
 
 @dataclass
 class LedgerServer:
-    """A running ledger server; `port` is the port actually bound."""
+    """A running ledger server; `port` is the port actually bound, `web` its page and metrics (None: neither)."""
 
     server: grpc.Server
     ledger: Ledger
@@ -219,6 +241,7 @@ class LedgerServer:
     port: int
     stopping: threading.Event
     lease_sweeper: threading.Thread
+    web: WebServer | None = None
 
     @property
     def address(self) -> str:
@@ -229,6 +252,8 @@ class LedgerServer:
     def stop(self, grace_seconds: float = 5.0) -> None:
         """Report NOT_SERVING, finish requests in flight (up to the grace period), close the file."""
         self.health.enter_graceful_shutdown()
+        if self.web is not None:
+            self.web.stop()
         self.server.stop(grace_seconds).wait()
         self.stopping.set()
         self.lease_sweeper.join()
@@ -253,13 +278,17 @@ def start_server(
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
     max_workers: int = 16,
+    http_port: int | None = None,
+    metrics_port: int | None = None,
 ) -> LedgerServer:
     """Open the ledger (an SQLite file or a postgresql:// URL) and serve it on host:port; returns at once.
 
-    Port 0 picks a free port.
+    Port 0 picks a free port. With `http_port` the read-only web page is
+    served on it, with `metrics_port` Prometheus metrics (see `web`), on the
+    same host, behind the same tokens.
 
     Without `admin_token` no admin RPC can succeed. TLS is used when both
-    `tls_cert` and `tls_key` (PEM files) are given.
+    `tls_cert` and `tls_key` (PEM files) are given, for the page and metrics too.
     """
     admin_token = check_admin_token(admin_token)
     if (tls_cert is None) != (tls_key is None):
@@ -269,7 +298,9 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger"),
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
     )
-    ledger_pb2_grpc.add_LedgerServicer_to_server(LedgerServicer(ledger, admin_token), server)
+    metrics_registry = CollectorRegistry(auto_describe=True)
+    servicer = LedgerServicer(ledger, admin_token, rpc_latency_histogram(metrics_registry))
+    ledger_pb2_grpc.add_LedgerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", SERVICE_NAME):
@@ -286,11 +317,31 @@ def start_server(
     if not bound:
         ledger.close()
         raise OSError(f"cannot listen on {bind}; is the port in use? Choose another --port (0 picks a free one)")
+    web_server = None
+    if http_port is not None or metrics_port is not None:
+        try:
+            web_server = start_web(
+                ledger, functools.partial(token_caller, ledger, admin_token), metrics_registry, host, http_port,
+                metrics_port, _https_context(tls_cert, tls_key),
+            )
+        except BaseException:
+            server.stop(None)
+            ledger.close()
+            raise
     server.start()
     stopping = threading.Event()
     sweeper = threading.Thread(target=_sweep_leases, args=(ledger, stopping), name="ledger-leases", daemon=True)
     sweeper.start()
-    return LedgerServer(server, ledger, health_servicer, host, bound, stopping, sweeper)
+    return LedgerServer(server, ledger, health_servicer, host, bound, stopping, sweeper, web_server)
+
+
+def _https_context(tls_cert: str | Path | None, tls_key: str | Path | None) -> ssl.SSLContext | None:
+    """The page's and metrics' TLS context from the gRPC server's own certificate and key (None: plain HTTP)."""
+    if tls_cert is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls_cert, tls_key)
+    return context
 
 
 def _sweep_leases(ledger: Ledger, stopping: threading.Event) -> None:
@@ -316,14 +367,19 @@ def serve(
     tls_cert: str | Path | None = None,
     tls_key: str | Path | None = None,
     announce: Callable[[LedgerServer], None] | None = None,
+    http_port: int | None = None,
+    metrics_port: int | None = None,
 ) -> None:
     """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
 
     `announce` is called with the running server once it accepts requests.
+    `http_port` and `metrics_port` serve the web page and metrics (see `start_server`).
     """
     previous_switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
-    running = start_server(db_path, host, port, admin_token, tls_cert, tls_key)
+    running = start_server(
+        db_path, host, port, admin_token, tls_cert, tls_key, http_port=http_port, metrics_port=metrics_port
+    )
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

@@ -156,9 +156,9 @@ def _jobs_table(jobs: list) -> str:
 @_ledger_command
 def run_serve(args: argparse.Namespace) -> int:
     """Serve a ledger file over gRPC until SIGTERM or SIGINT."""
-    port = checks.integer_at_least("--port", args.port, 0)
-    if port > 65535:
-        raise UsageError(f"--port must be in [0, 65535] (got {port}); 0 picks a free port")
+    port = _port("--port", args.port)
+    http_port = _port("--http-port", args.http_port) if args.http_port is not None else None
+    metrics_port = _port("--metrics-port", args.metrics_port) if args.metrics_port is not None else None
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together; give both, or neither for plaintext")
     if args.admin_token_file:
@@ -175,13 +175,35 @@ def run_serve(args: argparse.Namespace) -> int:
         )
 
     def announce(server: LedgerServer) -> None:
+        scheme = "https" if args.tls_cert else "http"
+        urls = {}
+        if server.web is not None and server.web.http_port is not None:
+            urls["page"] = f"{scheme}://{_url_host(server.host)}:{server.web.http_port}/"
+        if server.web is not None and server.web.metrics_port is not None:
+            urls["metrics"] = f"{scheme}://{_url_host(server.host)}:{server.web.metrics_port}/metrics"
         if args.json:
-            print_json({"listening": server.address})
+            print_json({"listening": server.address, **urls})
         else:
             print(f"listening on {server.address}", flush=True)
+            for what, url in urls.items():
+                print(f"{what} on {url}", flush=True)
 
-    serve(args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce)
+    serve(
+        args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
+        http_port=http_port, metrics_port=metrics_port,
+    )
     return 0
+
+
+def _port(flag: str, value: str) -> int:
+    port = checks.integer_at_least(flag, value, 0)
+    if port > 65535:
+        raise UsageError(f"{flag} must be in [0, 65535] (got {port}); 0 picks a free port")
+    return port
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 @_ledger_command
@@ -377,7 +399,8 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a ledger file over gRPC",
         description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
-        "prints 'listening on HOST:PORT' when ready.",
+        "prints 'listening on HOST:PORT' when ready, then 'page on URL' and 'metrics on URL' for --http-port "
+        "and --metrics-port.",
     )
     serve_parser.add_argument(
         "--db", required=True,
@@ -387,6 +410,16 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
     serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
+    serve_parser.add_argument(
+        "--http-port",
+        help="also serve the read-only web page (budgets, burn-down, jobs) on this port, behind the same tokens; "
+        "0 picks a free one (default: no page)",
+    )
+    serve_parser.add_argument(
+        "--metrics-port",
+        help="also serve Prometheus metrics at /metrics on this port (send the token as 'Authorization: Bearer'); "
+        "0 picks a free one (default: no metrics)",
+    )
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
