@@ -630,7 +630,7 @@ def _dataset_blocks(spec: str | dict, value: Any) -> tuple[str | dict, tuple[str
     `from` and `to`, both included (ISO dates sort as time does).
     """
     known = list(spec.get("blocks", {})) if isinstance(spec, dict) else []
-    if value is None:
+    if value is None or value == []:  # a run's config.json writes "no blocks" as []
         if known and "train" not in spec:
             raise UsageError(
                 f"the dataset is made of blocks ({', '.join(known)}); choose the run's with blocks = [...] or "

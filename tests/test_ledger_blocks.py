@@ -19,6 +19,7 @@ from accounting.ledger.core import (
     PermissionDenied,
     RdpTally,
     assess_admission,
+    burn_down,
     check_block_names,
     tenant_caller,
 )
@@ -96,6 +97,8 @@ def test_a_config_chooses_blocks_by_name_or_by_range_and_reads_back_the_same(tmp
     assert by_range.dataset["train"] == [locations["2026-11-02"], locations["2026-11-03"]]
     assert build_config(json.loads(json.dumps(by_range.to_dict()))) == by_range  # a resumed run: the same blocks
     assert build_config({**common, "blocks": ["2026-11-03"]}).dataset["train"] == [locations["2026-11-03"]]
+    whole = build_config({"steps": 1, "noise_multiplier": 1.0})
+    assert whole.blocks == () and build_config(json.loads(json.dumps(whole.to_dict()))) == whole
     for blocks, problem in ((None, "made of blocks"), (["2026-12-01"], "unknown: 2026-12-01"),
                             ({"from": "2027", "to": "2028"}, "no block of the dataset lies between")):
         with pytest.raises(UsageError, match=problem):
@@ -131,6 +134,9 @@ def test_a_job_on_blocks_is_charged_to_each_in_full_all_or_nothing_and_verify_re
         with pytest.raises(NotFound, match="no block 'd9'"):
             ledger.reserve("logs", "third", steps(10), blocks=["d9"])
         assert ledger.verify().findings == ()
+        # The page's burn-down of the dataset's own budget leaves the blocks' entries out.
+        last = burn_down(ledger.history("logs"))[-1]
+        assert (last.budget_epsilon, last.spent_epsilon_filter, last.remaining_epsilon) == (10.0, 0.0, 10.0)
 
 
 def test_quotas_limit_a_tenant_beside_the_global_filter_and_verify_finds_an_edited_tally(tmp_path):
