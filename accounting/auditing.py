@@ -129,17 +129,25 @@ def perfect_guess_bound(guesses: int, confidence: float) -> float:
 
 
 def dirac_canary_scores(
-    observations: np.ndarray, sampling_rate: float, noise_multipliers: np.ndarray, clip_norm: float
+    observations: np.ndarray,
+    sampling_rate: float,
+    noise_multipliers: np.ndarray,
+    clip_norm: float,
+    rows_per_canary: int = 1,
 ) -> np.ndarray:
     """One score per gradient canary: the log-likelihood ratio of "included" against "absent".
 
     `observations` is [steps, canaries]: at each step, the noisy gradient sum
-    on each canary's own coordinate. An included canary adds `clip_norm` to
-    that coordinate when Poisson sampling (rate q) picks it; the step's noise
-    is N(0, (sigma_t * C)^2). Each step's likelihood ratio is therefore
-    1 - q + q * exp((x * C - C^2 / 2) / (sigma_t * C)^2), and the score is the
-    sum of their logarithms over the steps: by Neyman-Pearson, the most
-    powerful statistic for one canary when nothing else touches its
+    on each canary's own coordinate. An included canary owns
+    `rows_per_canary` (m) rows, each sampled on its own by Poisson sampling
+    (rate q) and each adding `clip_norm` to that coordinate; with m = 1 the
+    canary is one sampled unit (an example, or a user under user-level
+    privacy). The step's noise is N(0, (sigma_t * C)^2), so given b of the m
+    rows sampled the likelihood ratio is exp(b (x / C - b / 2) / sigma_t^2),
+    and with b ~ Binomial(m, q) the step's ratio is its binomial mixture
+    (1 - q + q * exp((x C - C^2 / 2) / (sigma_t * C)^2) when m = 1). The score
+    is the sum of their logarithms over the steps: by Neyman-Pearson, the
+    most powerful statistic for one canary when nothing else touches its
     coordinate. Real examples' gradients on that coordinate only add noise.
     """
     observations = np.asarray(observations, dtype=np.float64)
@@ -153,10 +161,18 @@ def dirac_canary_scores(
         raise AuditError(f"sampling_rate must be in (0, 1] (got {sampling_rate!r})")
     if not (clip_norm > 0 and np.all(noise_multipliers > 0)):
         raise AuditError("clip_norm and every noise multiplier must be > 0")
-    exponent = (observations / clip_norm - 0.5) / noise_multipliers[:, None] ** 2
+    if isinstance(rows_per_canary, bool) or not isinstance(rows_per_canary, (int, np.integer)) or rows_per_canary < 1:
+        raise AuditError(f"rows_per_canary must be an integer >= 1 (got {rows_per_canary!r})")
+    rows = np.arange(rows_per_canary + 1, dtype=np.float64)
+    # log P[b rows sampled] is -inf for b = 0 when q = 1: every row is in every batch.
     with np.errstate(divide="ignore"):
-        absent = np.log1p(-sampling_rate)  # -inf when q = 1: the canary is in every batch
-    return np.logaddexp(absent, np.log(sampling_rate) + exponent).sum(axis=0)
+        log_sampled = stats.binom.logpmf(rows, rows_per_canary, sampling_rate)
+    scores = np.zeros(observations.shape[1])
+    # One step at a time keeps the [canaries, m + 1] terms small for long runs.
+    for observed, sigma in zip(observations, noise_multipliers):
+        exponent = rows * (observed[:, None] / clip_norm - rows / 2) / sigma**2
+        scores += special.logsumexp(log_sampled + exponent, axis=-1)
+    return scores
 
 
 def count_correct(scores: np.ndarray, included: np.ndarray, guesses_in: int, guesses_out: int) -> tuple[int, int]:

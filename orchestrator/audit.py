@@ -11,13 +11,21 @@ steps): ``epsilon_upper`` is the PLD epsilon of what ran. Real indices go to
 the gradient workers unchanged; the canaries' clipped gradients are added at
 the partial-sum stage, before the driver's one noise draw.
 
-- white-box (default): Dirac gradient canaries. Canary k is a per-example
-  gradient of norm exactly C on its own parameter coordinate (already
-  clipped); the coordinates are the K that real examples' gradients touch
-  least at initialisation, since real gradients there only blur the scores.
-  The auditor sees every noisy sum the driver computes and scores each canary
-  by the log-likelihood ratio of its coordinate across the steps
+- white-box (default): Dirac gradient canaries. Canary k's gradient lies
+  on its own parameter coordinate and is clipped to C by the workers'
+  ``clip_factors``; the coordinates are the K that real examples' gradients
+  touch least at initialisation, since real gradients there only blur the
+  scores. The auditor sees every noisy sum the driver computes and scores
+  each canary by the log-likelihood ratio of its coordinate across the steps
   (``accounting.auditing.dirac_canary_scores``).
+- canary users (white-box, ``rows_per_canary`` m > 1): canary k is a person
+  owning m rows whose gradients all lie on its coordinate. Under
+  privacy_unit = "user" the person is one sampled unit (one of the sampler's
+  user numbers) whose clipped contribution is at most C, so the bound must
+  stay below the user-level epsilon. At example level its m rows are sampled
+  and clipped one by one (m of the sampler's indices), the person moves a
+  step's sum by up to m C, and the bound on persons exceeds the run's
+  example-level epsilon: the audit says so.
 - black-box: input canaries, K images from the end of the test split with a
   wrong label. Their gradients are clipped on the driver by
   ``workers.vmap_engine.per_example_clipped_sum`` (the workers' clipping code):
@@ -45,14 +53,16 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
-from accounting.accountants import get_accountant  # noqa: E402
+from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon  # noqa: E402
 from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
+from accounting.events import group_events  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
 from orchestrator.noise import GaussianNoise, noisy_sum_at  # noqa: E402
 from orchestrator.sampling import make_generator, partition  # noqa: E402
 from orchestrator.trainer import Trainer  # noqa: E402
+from workers.clipping import clip_factors  # noqa: E402
 from workers.vmap_engine import per_example_clipped_sum  # noqa: E402
 from workers.data import DATASETS, dataset_size, load_split  # noqa: E402
 from workers.sources import spec_name  # noqa: E402
@@ -66,34 +76,57 @@ SCORES_PNG = "audit_scores.png"
 AUDIT_JSON = "audit.json"
 _MEMBERSHIP_EXAMPLES = 1000
 PROBE_EXAMPLES = 64
+# A Dirac canary row's gradient norm, in clip norms: above 1, so the workers' clipping brings it to C.
+ROW_GRADIENT_NORM_FACTOR = 2.0
 
 
 class Canaries(Protocol):
-    """K canaries at the sampler's indices N..N+K-1: which are in the dataset, and their clipped gradients."""
+    """K canaries taking the sampler's `units` indices after its N: which are in the dataset, their clipped sums."""
 
     count: int
+    units: int
     included: np.ndarray
 
     def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
-        """Sum of the clipped gradients of the `sampled` canaries (0-based) that are in the dataset (float64)."""
+        """Sum of the clipped gradients of the `sampled` canary units (0-based) that are in the dataset (float64)."""
 
 
 class DiracCanaries:
-    """Gradient canaries: canary k, when included and sampled, adds `clip_norm` on parameter `coordinates[k]`.
+    """Gradient canaries: every row of canary k has gradient ROW_GRADIENT_NORM_FACTOR * C on `coordinates[k]` alone.
 
     `included[k]` says whether canary k is in the dataset; the scorer must
-    never see it.
+    never see it. A canary owns `rows_per_canary` rows. `grouped` (privacy_unit
+    = "user") makes a canary one sampled unit whose contribution is the mean
+    of its rows' gradients, clipped, as a worker clips a user's; otherwise
+    each row is a sampled unit clipped on its own, as a worker clips an
+    example, and `units` counts rows. Either way the clipping is the
+    workers' ``clip_factors``.
     """
 
-    def __init__(self, coordinates: np.ndarray, included: np.ndarray):
+    def __init__(self, coordinates: np.ndarray, included: np.ndarray, rows_per_canary: int = 1,
+                 grouped: bool = False):
         self.coordinates = np.asarray(coordinates, dtype=np.int64)
         self.included = np.asarray(included, dtype=bool)
         self.count = len(self.included)
+        self.rows_per_canary = rows_per_canary
+        self.grouped = grouped
+        self.units = self.count if grouped else self.count * rows_per_canary
 
     def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
-        """Sum of the clipped gradients of the sampled canaries that are in the dataset (float64)."""
+        """Sum of the clipped gradients of the sampled canary units that are in the dataset (float64).
+
+        A sampled unit is a canary (grouped) or one of its rows: unit u of
+        canary u // rows_per_canary.
+        """
+        owners = np.asarray(sampled, dtype=np.int64)
+        if not self.grouped:
+            owners = owners // self.rows_per_canary
+        owners = owners[self.included[owners]]
+        # A unit's gradient (one row's, or the mean of a canary's identical rows) has this norm before clipping.
+        norm = torch.tensor(ROW_GRADIENT_NORM_FACTOR * clip_norm, dtype=torch.float64)
+        clipped = float(norm * clip_factors(norm, clip_norm))
         total = np.zeros(parameter_count(model), dtype=np.float64)
-        total[self.coordinates[sampled[self.included[sampled]]]] = clip_norm
+        np.add.at(total, self.coordinates[owners], clipped)
         return total
 
 
@@ -109,6 +142,7 @@ class MislabelledCanaries:
         self.labels = labels
         self.included = np.asarray(included, dtype=bool)
         self.count = len(self.included)
+        self.units = self.count
         self.max_physical_batch = max_physical_batch
 
     def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
@@ -123,7 +157,9 @@ class MislabelledCanaries:
 
 
 class CanaryTrainer(Trainer):
-    """The real Trainer over N + K indices: indices >= N are canaries, added at the partial-sum stage.
+    """The real Trainer over N + `canaries.units` indices: indices >= N are canaries, added at the partial-sum stage.
+
+    N counts examples, or users under privacy_unit = "user".
 
     With `watch` (parameter coordinates), every noisy sum the driver computes
     is recorded at those coordinates in `observations`, with the step's
@@ -139,7 +175,7 @@ class CanaryTrainer(Trainer):
         self.real_dataset_size = self.plan.dataset_size
         # The sampling rate, and so the accountant's events, stay the plan's; the divisor q * N stays too
         # (post-processing, so it cannot change what leaks).
-        self.plan = dataclasses.replace(self.plan, dataset_size=self.real_dataset_size + canaries.count)
+        self.plan = dataclasses.replace(self.plan, dataset_size=self.real_dataset_size + canaries.units)
         self.watch = watch
         self.observations: list[np.ndarray] = []
         self.noise_multipliers: list[float] = []
@@ -197,9 +233,14 @@ def mislabelled(
     return images, (labels + shift) % 10
 
 
-def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: str) -> None:
+def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: str, rows_per_canary: int) -> None:
     if mode not in MODES:
         raise UsageError(f"mode must be one of {', '.join(MODES)} (got {mode!r})")
+    if isinstance(rows_per_canary, bool) or not isinstance(rows_per_canary, int) or rows_per_canary < 1:
+        raise UsageError(f"rows_per_canary must be an integer >= 1 (got {rows_per_canary!r})")
+    if rows_per_canary > 1 and mode != "white-box":
+        raise UsageError(f"canary users of {rows_per_canary} rows are gradient canaries: audit them in white-box "
+                         "mode, or leave rows per canary at 1 for black-box")
     if config.shards:
         raise UsageError("an audit injects canaries at the driver's sampled indices, and with shards the examples "
                          "are sampled on their own nodes; audit the same model and settings without shards")
@@ -227,14 +268,48 @@ def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: 
         )
 
 
-def verdict(epsilon_lower: float, epsilon_upper: float) -> str:
-    """One line: does the measured leakage stay within the accountant's bound?"""
+def verdict(
+    epsilon_lower: float,
+    epsilon_upper: float,
+    privacy_unit: str = "example",
+    rows_per_canary: int = 1,
+    epsilon_upper_person: float | None = None,
+) -> str:
+    """One line: does the measured leakage stay within the accountant's bound?
+
+    Canaries of several rows trained at example level are persons that the
+    example-level epsilon does not cover: a lower bound above it is the
+    missing user-level protection showing, not a fault of the implementation.
+    Their bound is `epsilon_upper_person`, the group-privacy epsilon of a
+    person of `rows_per_canary` rows; only a lower bound above that is a
+    violation.
+    """
+    if privacy_unit == "example" and rows_per_canary > 1:
+        if epsilon_upper_person is None:
+            raise ValueError("canaries of several rows at example level need epsilon_upper_person, the group-privacy "
+                             "bound of a person of that many rows")
+        if epsilon_lower > epsilon_upper_person:
+            return (
+                f"VIOLATION: measured leakage (epsilon >= {epsilon_lower:.3g}) for canary users of {rows_per_canary} "
+                f"rows exceeds their group-privacy bound {epsilon_upper_person:.3g}; the implementation is not as "
+                "private as claimed"
+            )
+        if epsilon_lower > epsilon_upper:
+            return (
+                f"user-level leakage: epsilon >= {epsilon_lower:.3g} for canary users of {rows_per_canary} rows "
+                f"exceeds the example-level epsilon {epsilon_upper:.3g}: rows of one person are not protected "
+                f'together (group-privacy bound {epsilon_upper_person:.3g}; privacy_unit = "user" protects them)'
+            )
+        return (f"not shown: lower bound {epsilon_lower:.3g} for canary users of {rows_per_canary} rows <= "
+                f"example-level epsilon {epsilon_upper:.3g}; a person of {rows_per_canary} rows is bounded only by "
+                f"{epsilon_upper_person:.3g} (group privacy)")
     if epsilon_lower > epsilon_upper:
         return (
             f"VIOLATION: measured leakage (epsilon >= {epsilon_lower:.3g}) exceeds the accountant's bound "
             f"{epsilon_upper:.3g}; the implementation is not as private as claimed"
         )
-    return f"consistent: lower bound {epsilon_lower:.3g} <= accountant {epsilon_upper:.3g}"
+    per_user = " (per user)" if privacy_unit == "user" else ""
+    return f"consistent: lower bound {epsilon_lower:.3g} <= accountant {epsilon_upper:.3g}{per_user}"
 
 
 def plot_scores(
@@ -254,7 +329,8 @@ def plot_scores(
         axis.axvline(ranked[-guesses_in], color="tab:red", linestyle="--", linewidth=1)
     if guesses_out:
         axis.axvline(ranked[guesses_out - 1], color="tab:blue", linestyle="--", linewidth=1)
-    axis.set(xlabel="canary score (higher = guessed included)", ylabel="canaries", title=title)
+    axis.set(xlabel="canary score (higher = guessed included)", ylabel="canaries")
+    axis.set_title(title, fontsize="medium")
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -271,24 +347,31 @@ def run_audit(
     seed: int | None = None,
     show_progress: bool = False,
     out=sys.stdout,
+    rows_per_canary: int = 1,
 ) -> dict:
     """Train `config` once with canaries and return the audit (also written to run_dir/audit.json).
 
     `canaries` defaults to DEFAULT_CANARIES[mode]; `seed` fixes the canaries'
     inclusions and coordinates (default: the config's seed; entropy when both
     are None). `noise` and `trainer_class` are the Trainer's hooks (tests
-    inject faults through them). epsilon_lower holds at `confidence` and the
-    config's delta; epsilon_upper is the PLD epsilon of the steps that ran.
-    The run is not charged to the privacy ledger.
+    inject faults through them). With `rows_per_canary` > 1 (white-box) each
+    canary is a person owning that many rows, grouped into one sampled user
+    when the config's privacy_unit is "user" and sampled row by row
+    otherwise. epsilon_lower holds at `confidence` and the config's delta;
+    epsilon_upper is the PLD epsilon of the steps that ran, per the config's
+    privacy unit; for canary users at example level, epsilon_upper_person is
+    the group-privacy epsilon of a person of that many rows. The run is not
+    charged to the privacy ledger.
     """
     canaries = DEFAULT_CANARIES.get(mode, 0) if canaries is None else canaries
-    _check_request(config, canaries, confidence, mode)
+    _check_request(config, canaries, confidence, mode, rows_per_canary)
+    grouped = config.privacy_unit == "user"
     generator = make_generator(config.seed if seed is None else seed, CANARY_STREAM)
     included = generator.random(canaries) < 0.5
     test_images, test_labels = load_split(config.dataset, "test", config.data_root)
     if mode == "white-box":
         watch = quietest_coordinates(config, canaries, generator)
-        canary_set = DiracCanaries(watch, included)
+        canary_set = DiracCanaries(watch, included, rows_per_canary, grouped)
     else:
         watch = None
         canary_set = MislabelledCanaries(
@@ -296,26 +379,40 @@ def run_audit(
             config.max_physical_batch,
         )
     trainer = trainer_class(config, canary_set, watch=watch, noise=noise, show_progress=show_progress, out=out)
+    owning = f" of {rows_per_canary} rows each" if rows_per_canary > 1 else ""
     trainer.say(
-        f"audit: {canaries} {mode} canaries at indices {trainer.real_dataset_size}..{trainer.plan.dataset_size - 1} "
-        f"of the sampler's {trainer.plan.dataset_size}, each in the dataset with probability 1/2"
+        f"audit: {canaries} {mode} canaries{owning} at indices {trainer.real_dataset_size}.."
+        f"{trainer.plan.dataset_size - 1} of the sampler's {trainer.plan.dataset_size}, each in the dataset with "
+        "probability 1/2"
     )
     summary = trainer.run()
 
     if mode == "white-box":
+        # Grouped, a canary is one sampled unit, however many rows it owns.
+        sampled_rows = 1 if grouped else rows_per_canary
         scores = dirac_canary_scores(
             np.array(trainer.observations), trainer.plan.sampling_rate, np.array(trainer.noise_multipliers),
-            config.clip_norm,
+            config.clip_norm, sampled_rows,
         )
-        statistic = "sum over steps of log(1 - q + q exp((x C - C^2/2) / (sigma C)^2)) on the canary's coordinate"
+        if sampled_rows == 1:
+            statistic = "sum over steps of log(1 - q + q exp((x C - C^2/2) / (sigma C)^2)) on the canary's coordinate"
+        else:
+            statistic = (f"sum over steps of log E[exp(b (x / C - b / 2) / sigma^2)], b ~ Binomial({sampled_rows}, q), "
+                         "on the canary's coordinate")
     else:
         scores = -example_losses(trainer.model, canary_set.images, canary_set.labels)
         statistic = "minus the final model's loss on the mislabelled canary"
     bound = audit_scores(scores, included, config.delta, confidence)
     epsilon_upper = get_accountant("pld").epsilon(trainer.events, config.delta)
+    epsilon_upper_person, person_accountant = None, None
+    if rows_per_canary > 1 and not grouped:
+        # What the run's example-level events bound for a person of that many rows: the canaries' own bound.
+        epsilon_upper_person, person_label = labelled_epsilon(
+            get_accountant("pld"), group_events(trainer.events, rows_per_canary), config.delta)
+        person_accountant = "rdp" if person_label == PLD_FALLBACK_LABEL else "pld"
 
     train_images, train_labels = load_split(config.dataset, "train", config.data_root)
-    members = min(_MEMBERSHIP_EXAMPLES, trainer.real_dataset_size)
+    members = min(_MEMBERSHIP_EXAMPLES, training_set_size(config))  # rows, also when users are sampled
     # Black-box canaries come from the second half of the test split, so the first half is never trained on.
     nonmembers = min(_MEMBERSHIP_EXAMPLES, len(test_labels) // 2)
     membership = membership_report(
@@ -324,8 +421,9 @@ def run_audit(
     )
     run_dir = Path(config.run_dir)
     png = run_dir / SCORES_PNG
+    kind = f"{rows_per_canary}-row users, {config.privacy_unit} level" if rows_per_canary > 1 else f"{mode} canaries"
     plot_scores(scores, included, bound.guesses_in, bound.guesses_out, png,
-                f"{mode} canaries: epsilon >= {bound.epsilon_lower:.2f} (accountant {epsilon_upper:.2f})")
+                f"{kind}: epsilon >= {bound.epsilon_lower:.2f} (accountant {epsilon_upper:.2f})")
     result = {
         "epsilon_lower": bound.epsilon_lower,
         "epsilon_upper": epsilon_upper,
@@ -338,8 +436,13 @@ def run_audit(
         "guesses_out": bound.guesses_out,
         "guess_counts_tried": bound.tried,
         "mode": mode,
+        "rows_per_canary": rows_per_canary,
+        "privacy_unit": config.privacy_unit,
         "statistic": statistic,
-        "verdict": verdict(bound.epsilon_lower, epsilon_upper),
+        "epsilon_upper_person": epsilon_upper_person,
+        "epsilon_upper_person_accountant": person_accountant,
+        "verdict": verdict(bound.epsilon_lower, epsilon_upper, config.privacy_unit, rows_per_canary,
+                           epsilon_upper_person),
         # Higher score = guessed included, so minus the score plays the part of a loss.
         "canary_membership": loss_attack_figures(-scores[included], -scores[~included]),
         "membership": membership,

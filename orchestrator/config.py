@@ -18,7 +18,7 @@ from accounting.accountants import ACCOUNTANTS
 from workers.clipping import LayerClipNorms
 from workers.engines import ENGINES
 from workers.shards import ShardSpec
-from workers.sources import BUILTINS, DataError
+from workers.sources import BUILTINS, DataError, select_blocks
 from workers.users import UserSpec, user_index
 from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
@@ -249,6 +249,13 @@ class TrainConfig:
         "next); `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
         "the embedded ledger",
     )
+    blocks: tuple[str, ...] = key(
+        (), "ledger", "list of strings, or table",
+        '`["2026-11-01", ...]`, or `{ from = "2026-11-01", to = "2026-11-07" }` (names between, inclusive)',
+        "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only their rows, samples "
+        "at batch_size / their row count, and the ledger charges each of them in full (see docs/ledger.md, Blocks). Not with shards.",
+        "none: the dataset as a whole",
+    )
     dataset_name: str | None = key(
         None, "ledger", "string", "1 to 128 characters",
         "The dataset's name in the ledger (also `--dataset-name`).",
@@ -455,8 +462,13 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         raise UsageError("give exactly one of noise_multiplier (> 0) or target_epsilon (> 0)")
     shards = parse_shards(values.get("shards"), BUILTINS, values.get("dataset", "mnist"))
     shard_workers = check_shard_mode(values, shards)
+    dataset, blocks = _dataset_blocks(_dataset(values.get("dataset", "mnist")), values.get("blocks"))
+    if blocks and shards:
+        # Each shard reads its own dataset, so the blocks charged would not be the rows the run reads.
+        raise UsageError("blocks is not supported with shards; train on blocks of one Parquet dataset without shards")
     config = TrainConfig(
-        dataset=_dataset(values.get("dataset", "mnist")),
+        dataset=dataset,
+        blocks=blocks,
         model=_model_spec(values.get("model", "gdp_cnn")),
         workers=shard_workers or checks.integer_at_least("workers", values.get("workers", 2), 1),
         cpus_per_worker=checks.integer_at_least("cpus_per_worker", values.get("cpus_per_worker", 1), 1),
@@ -609,6 +621,41 @@ def _dataset(value: Any) -> str | dict:
         return parse_spec(value)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def _dataset_blocks(spec: str | dict, value: Any) -> tuple[str | dict, tuple[str, ...]]:
+    """The spec a run reads and the blocks it names: a list of block names, or a range { from, to } of them.
+
+    A range takes every block of the dataset whose name sorts between
+    `from` and `to`, both included (ISO dates sort as time does).
+    """
+    known = list(spec.get("blocks", {})) if isinstance(spec, dict) else []
+    if value is None or value == []:  # a run's config.json writes "no blocks" as []
+        if known and "train" not in spec:
+            raise UsageError(
+                f"the dataset is made of blocks ({', '.join(known)}); choose the run's with blocks = [...] or "
+                'blocks = { from = "...", to = "..." }'
+            )
+        return spec, ()
+    if isinstance(value, Mapping):
+        if set(value) != {"from", "to"} or not all(isinstance(value[end], str) for end in ("from", "to")):
+            raise UsageError(f'blocks as a range is a table {{ from = "NAME", to = "NAME" }} (got {value!r})')
+        chosen = [name for name in sorted(known) if value["from"] <= name <= value["to"]]
+        if not chosen:
+            raise UsageError(
+                f"no block of the dataset lies between {value['from']!r} and {value['to']!r} "
+                f"(its blocks: {', '.join(known) or 'none'})"
+            )
+    elif isinstance(value, list) and all(isinstance(name, str) for name in value):
+        chosen = list(value)
+    else:
+        raise UsageError(f'blocks must be a list of block names or a table {{ from, to }} (got {value!r})')
+    if len(set(chosen)) != len(chosen):
+        raise UsageError(f"blocks must name each block once (got {chosen!r})")
+    try:
+        return select_blocks(spec if isinstance(spec, dict) else {}, chosen), tuple(chosen)
+    except ValueError as error:
+        raise UsageError(f"blocks: {error}") from None
 
 
 def _model_spec(value: Any) -> str:

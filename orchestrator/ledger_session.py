@@ -97,8 +97,9 @@ class JobLedger:
     def reserve(
         cls, ledger, dataset: str, job_id: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
         timeout_seconds: float, say: Callable[[str], None], lease_seconds: float | None = None,
+        blocks: tuple[str, ...] = (),
     ) -> "JobLedger":
-        """Hold the whole planned run on `dataset`, or raise BudgetRefusedError (exit 3).
+        """Hold the whole planned run on `dataset` (each of `blocks` in full), or raise BudgetRefusedError (exit 3).
 
         `plan_for_unit(privacy unit of the dataset)` gives the events to
         reserve, the unit they protect and the rows-per-person bound (see
@@ -107,35 +108,35 @@ class JobLedger:
         """
         def reserve():
             planned, privacy_unit, rows_per_person = plan_for_unit(ledger.get_budget(dataset).privacy_unit)
-            return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person)
+            return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person, blocks)
 
         try:
             reservation = with_retries(reserve, timeout_seconds, say, "reserving budget")
-        except (BudgetExceeded, PermissionDenied, FailedPrecondition) as error:
+        except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
         return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
 
     @classmethod
     def wait_for_budget(
         cls, ledger, dataset: str, job_id: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
-        timeout_seconds: float, say: Callable[[str], None], lease_seconds: float | None = None, priority: int = 0,
-        max_wait_seconds: float | None = None,
+        timeout_seconds: float, say: Callable[[str], None], lease_seconds: float | None = None,
+        blocks: tuple[str, ...] = (), priority: int = 0, max_wait_seconds: float | None = None,
     ) -> "JobLedger":
         """Queue the planned run on `dataset` and wait until its policy admits it; BudgetRefusedError (exit 3)
         when it could never fit, is cancelled, or waits past `max_wait_seconds`.
 
-        `plan_for_unit` as in `reserve`. Says where the job stands whenever
+        `plan_for_unit` and `blocks` as in `reserve`. Says where the job stands whenever
         its position or reason changes. An interrupt (Ctrl-C) while waiting
         takes it out of the queue.
         """
         def enqueue():
             planned, privacy_unit, rows_per_person = plan_for_unit(ledger.get_budget(dataset).privacy_unit)
             return ledger.enqueue(dataset, job_id, planned, lease_seconds, priority, max_wait_seconds, privacy_unit,
-                                  rows_per_person)
+                                  rows_per_person, blocks)
 
         try:
             queued = with_retries(enqueue, timeout_seconds, say, "queueing for budget")
-        except (BudgetExceeded, PermissionDenied, FailedPrecondition) as error:
+        except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
             raise BudgetRefusedError(f"the ledger refused to queue the job: {error}") from None
         started, shown, shown_at = time.monotonic(), None, 0.0
         try:
@@ -187,14 +188,21 @@ def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
 
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
+    blocks: tuple[str, ...] = (),
 ) -> None:
-    """Register `dataset` in the embedded ledger on first use, with the given budget per `privacy_unit`."""
+    """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget."""
     try:
-        ledger.get_budget(dataset)
+        status = ledger.get_budget(dataset)
     except (NotFound, PermissionDenied):
-        ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit)
+        status = ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit)
         per = " per person" if privacy_unit == "user" else ""
         say(
             f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g}{per} "
             f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
         )
+    known = {block.name for block in status.blocks}
+    for block in blocks:
+        if block not in known:
+            ledger.add_block(dataset, block, budget_epsilon)
+            say(f"registered block {block!r} of {dataset!r} in the embedded ledger with budget epsilon "
+                f"{budget_epsilon:g} (first use)")

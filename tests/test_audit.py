@@ -2,7 +2,8 @@
 
 The pipeline tests run the real trainer (sampler, Ray workers, clipping, noise)
 on 200 MNIST examples, q = 0.5, 30 steps, with noise multipliers calibrated
-(PLD, delta = 1e-5) to epsilon 1, 4 and 8. Every seed is fixed, so each audit
+(PLD, delta = 1e-5) to epsilon 1, 4 and 8; the user-level run samples 40
+synthetic users at q = 0.5 instead. Every seed is fixed, so each audit
 is reproducible; the stated margins come from those seeds and from the
 idealised simulation in `test_white_box_statistic_reaches_its_expected_power`.
 """
@@ -23,6 +24,7 @@ from scipy import special, stats
 from torch import nn
 
 import orchestrator.cli.audit as audit_cli
+from accounting.accountants import get_accountant
 from accounting.auditing import (
     AuditError,
     audit_scores,
@@ -34,7 +36,8 @@ from accounting.auditing import (
     perfect_guess_bound,
     randomized_response_accuracy,
 )
-from orchestrator.audit import CanaryTrainer, DiracCanaries, mislabelled, run_audit
+from accounting.events import SampledGaussian, group_events
+from orchestrator.audit import CanaryTrainer, DiracCanaries, mislabelled, run_audit, verdict
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
@@ -180,6 +183,24 @@ def test_dirac_scores_are_the_per_step_likelihood_ratio():
     assert np.all(np.isfinite(dirac_canary_scores(np.array([[1e6, -1e6]]), 0.5, np.array([0.1]), 1.0)))
 
 
+def test_scores_of_many_row_canaries_mix_over_how_many_rows_were_sampled():
+    observations = np.array([[0.0, 4.0, -1.0], [2.5, 1.0, 3.0]])
+    sigmas = np.array([1.5, 2.0])
+    q, clip_norm, rows = 0.3, 2.0, 3
+    # Given b of the 3 rows sampled, the coordinate is N(b C, (sigma C)^2) against N(0, (sigma C)^2).
+    by_hand = sum(
+        np.log(sum(stats.binom.pmf(b, rows, q) * np.exp((observations[t] * b * clip_norm - (b * clip_norm) ** 2 / 2)
+                                                         / (sigmas[t] * clip_norm) ** 2) for b in range(rows + 1)))
+        for t in range(2)
+    )
+    np.testing.assert_allclose(dirac_canary_scores(observations, q, sigmas, clip_norm, rows), by_hand, rtol=1e-12)
+    np.testing.assert_allclose(dirac_canary_scores(observations, q, sigmas, clip_norm, 1),
+                               dirac_canary_scores(observations, q, sigmas, clip_norm), rtol=1e-12)
+    assert np.all(np.isfinite(dirac_canary_scores(np.array([[1e6, -1e6]]), 1.0, np.array([0.1]), 1.0, 50)))
+    with pytest.raises(AuditError, match="rows_per_canary must be an integer >= 1"):
+        dirac_canary_scores(observations, q, sigmas, clip_norm, 0)
+
+
 def test_white_box_statistic_reaches_its_expected_power():
     # Idealised canaries (nothing else on their coordinates) at the test pipeline's epsilon-8 setting:
     # what the audit could reach without real-gradient interference. Seeds 0-4 give 2.8 to 3.1.
@@ -203,6 +224,48 @@ def test_dirac_canaries_add_exactly_the_clip_norm_for_included_sampled_canaries(
     expected[[5, 7]] = 1.5
     np.testing.assert_array_equal(total, expected)
     assert canaries.clipped_sum(np.array([], dtype=np.int64), model, 1.5).sum() == 0.0
+
+
+def test_canary_users_add_c_once_per_sampled_user_or_once_per_sampled_row():
+    model = nn.Linear(3, 2)  # 8 parameters
+    coordinates, included = np.array([5, 0, 7]), np.array([True, False, True])
+    grouped = DiracCanaries(coordinates, included, rows_per_canary=4, grouped=True)
+    assert grouped.units == 3  # a person is one of the sampler's users, whatever its rows
+    expected = np.zeros(8)
+    expected[[5, 7]] = 1.5
+    np.testing.assert_array_equal(grouped.clipped_sum(np.array([0, 1, 2]), model, 1.5), expected)
+    by_rows = DiracCanaries(coordinates, included, rows_per_canary=4, grouped=False)
+    assert by_rows.units == 12  # rows 0-3 are canary 0's, 4-7 canary 1's (left out), 8-11 canary 2's
+    expected = np.zeros(8)
+    expected[5], expected[7] = 3 * 1.5, 1 * 1.5
+    np.testing.assert_array_equal(by_rows.clipped_sum(np.array([0, 2, 3, 4, 5, 9]), model, 1.5), expected)
+
+
+def test_verdict_of_canary_users_trained_row_by_row_names_the_missing_user_protection():
+    line = verdict(4.2, 1.0, "example", 20, epsilon_upper_person=99.8)
+    assert line.startswith("user-level leakage: epsilon >= 4.2 for canary users of 20 rows exceeds the "
+                           "example-level epsilon 1")
+    assert "group-privacy bound 99.8" in line
+    assert verdict(0.5, 1.0, "example", 20, epsilon_upper_person=99.8).startswith("not shown")
+    # Above the group-privacy bound of a person of 20 rows, the implementation itself leaks too much.
+    assert verdict(4.2, 1.0, "example", 20, epsilon_upper_person=3.0).startswith("VIOLATION")
+    assert verdict(0.5, 1.0, "user", 20) == "consistent: lower bound 0.5 <= accountant 1 (per user)"
+    assert verdict(4.2, 1.0, "user", 20).startswith("VIOLATION")
+
+
+def test_audit_table_shows_the_group_privacy_bound_of_canary_users_at_example_level():
+    result = {"membership": {"auc": 0.5, "tpr_at_1pct_fpr": 0.01}, "canary_membership": {"auc": 1.0},
+              "privacy_unit": "example", "confidence": 0.95, "epsilon_lower": 4.98, "epsilon_upper": 1.0,
+              "epsilon_upper_person": 472.1, "epsilon_upper_person_accountant": "rdp", "rows_per_canary": 50}
+    result.update({key: 0 for key in ("delta", "mode", "canaries", "guesses", "guesses_in", "guesses_out", "correct",
+                                      "test_accuracy", "steps", "sampling_rate", "noise_multiplier", "scores_png")})
+    rows = audit_cli.audit_rows(result)
+    assert rows[:3] == [["epsilon lower bound (95% confidence)", 4.98],
+                        ["epsilon upper bound (accountant, pld, per example)", 1.0],
+                        ["epsilon upper bound, person of 50 rows (group privacy, rdp)", 472.1]]
+    result.update(epsilon_upper_person=None, privacy_unit="user")
+    assert audit_cli.audit_rows(result)[1:3] == [["epsilon upper bound (accountant, pld, per user)", 1.0],
+                                                 ["delta", 0]]
 
 
 def test_mislabelled_canaries_never_keep_their_label():
@@ -267,12 +330,20 @@ class PooledCanaryTrainer(CanaryTrainer):
     """The audit's trainer, reusing the module's gradient workers from run to run (actor start-up is slow).
 
     The workers are the real GradientWorkerActor with the same arguments;
-    their calls are pure functions of (weights, indices, clip norm).
+    their calls are pure functions of (weights, indices, clip norm). The
+    pool holds workers of one privacy unit (user-level workers hold the
+    users): a run of the other unit ends them first, freeing their CPUs.
     """
 
     pool: list = []
+    pool_unit = ["example"]
 
     def _new_worker(self):
+        if self.config.privacy_unit != self.pool_unit[0]:
+            for worker in self.pool:
+                ray.kill(worker)
+            self.pool.clear()
+            self.pool_unit[0] = self.config.privacy_unit
         handed = getattr(self, "_handed", 0)
         self._handed = handed + 1
         if handed >= len(self.pool):
@@ -364,6 +435,33 @@ def test_black_box_audit_scores_mislabelled_canaries_by_loss(local_ray, tmp_path
     assert 0.0 <= result["membership"]["auc"] <= 1.0 and result["membership"]["members"] == 200
 
 
+def test_canary_users_sampled_as_users_stay_below_the_user_level_epsilon(local_ray, tmp_path):
+    # 40 synthetic users, 20 expected a step: q = 0.5 over users, 30 steps, sigma for user-level epsilon 8.
+    config = audit_config(tmp_path, 8, privacy_unit="user", synthetic_users=40, batch_size=20)
+    result = run_audit(config, rows_per_canary=50, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    assert result["privacy_unit"] == "user" and result["rows_per_canary"] == 50
+    assert result["epsilon_upper"] == pytest.approx(8, rel=0.01)
+    assert result["epsilon_lower"] <= result["epsilon_upper"]
+    assert result["verdict"].startswith("consistent") and result["verdict"].endswith("(per user)")
+    # Seed 3 gives 2.81: a person of 50 rows leaks what one sampled unit does (the idealised audit: 2.8 to 3.1).
+    assert result["epsilon_lower"] >= 0.3 * result["epsilon_upper"]
+
+
+def test_canary_users_sampled_row_by_row_leak_more_than_the_example_level_epsilon(local_ray, tmp_path):
+    # Example-level epsilon 1; each of 1000 canary users owns 20 rows, sampled and clipped one by one.
+    result = run_audit(audit_config(tmp_path, 1), canaries=1000, rows_per_canary=20,
+                       trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    assert result["privacy_unit"] == "example" and result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)
+    # Seed 3 gives 4.21, every one of the 400 guesses right: the most 400 guesses certify here.
+    assert result["epsilon_lower"] > 3 * result["epsilon_upper"]
+    # What the run does bound for a person of 20 rows is group privacy: 99.8, far above what was measured.
+    person = get_accountant("pld").epsilon(group_events(SampledGaussian(0.5, NOISE_FOR_EPSILON[1], 30), 20), DELTA)
+    assert result["epsilon_upper_person"] == pytest.approx(person, rel=1e-6)
+    assert result["epsilon_lower"] <= result["epsilon_upper_person"]
+    assert result["verdict"].startswith("user-level leakage: epsilon >= ")
+    assert "rows of one person are not protected together" in result["verdict"]
+
+
 def test_audit_command_prints_the_verdict_and_json(local_ray, tmp_path, monkeypatch, capsys):
     config = tmp_path / "audit.toml"
     config.write_text(
@@ -394,6 +492,8 @@ def test_audit_command_prints_the_verdict_and_json(local_ray, tmp_path, monkeypa
         (["--confidence", "1.5"], r"--confidence must be in \(0, 1\)"),
         (["--mode", "grey-box"], "--mode must be one of white-box, black-box"),
         (["--canaries", "30000"], "white-box canaries each need their own parameter"),
+        (["--rows-per-canary", "0"], "--rows-per-canary must be an integer >= 1"),
+        (["--rows-per-canary", "5", "--mode", "black-box"], "canary users of 5 rows are gradient canaries"),
     ],
 )
 def test_audit_command_refuses_bad_flags(tmp_path, capsys, flags, message):

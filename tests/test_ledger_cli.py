@@ -17,7 +17,7 @@ DELTA = 1e-5
 STATUS_KEYS = {
     "name", "tenant", "privacy_unit", "budget_epsilon", "delta", "admission", "spent_epsilon_filter", "spent_epsilon",
     "spent_epsilon_accountant", "spent_epsilon_rdp",
-    "reserved_epsilon", "remaining_epsilon", "jobs", "released_jobs", "scheduling", "queued_jobs",
+    "reserved_epsilon", "remaining_epsilon", "jobs", "released_jobs", "blocks", "quotas", "scheduling", "queued_jobs",
 }
 
 

@@ -23,6 +23,7 @@ from accounting.ledger.core import (
     LedgerUnavailable,
     RdpTally,
     fits_budget,
+    tenant_caller,
 )
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.service import start_server
@@ -103,6 +104,20 @@ def test_the_ledger_on_postgresql_admits_charges_expires_and_verifies(cluster, c
         status = ledger.get_budget("acme/mnist")
         assert status.spent_epsilon_filter == status.admission.epsilon(RdpTally.of(STEP.with_steps(200)))
         assert [job.job_id for job in ledger.list_jobs("acme/mnist")] == ["kept", "leased"]
+        # Blocks and quotas: a job on two blocks is charged to both, within the tenant's quota.
+        ledger.create_tenant("guest")
+        ledger.create_dataset("acme/logs", 5.0, DELTA)
+        ledger.add_block("acme/logs", "d1", 3.0)
+        ledger.add_block("acme/logs", "d2", 3.0)
+        ledger.set_quota("acme/logs", "guest", 2.0)
+        guest = tenant_caller("guest")
+        assert not ledger.fits("acme/logs", STEP.with_steps(100_000), ["d1", "d2"], caller=guest).fits
+        on_blocks = ledger.reserve("acme/logs", "guest-job", STEP.with_steps(10), blocks=["d1", "d2"], caller=guest)
+        ledger.commit(on_blocks.reservation_id, 10, 0, caller=guest)
+        blocks = ledger.get_budget("acme/logs").blocks
+        assert [block.spent_epsilon_filter for block in blocks] == [
+            block.admission.epsilon(RdpTally.of(STEP.with_steps(10))) for block in blocks]
+        assert {quota.block for quota in ledger.get_budget("acme/logs", caller=guest).quotas} == {None, "d1", "d2"}
         assert ledger.verify().findings == ()
         with psycopg.connect(url, autocommit=True) as connection:
             with pytest.raises(psycopg.errors.RaiseException, match="append-only"):

@@ -211,3 +211,24 @@ def test_a_queued_example_level_job_on_a_user_level_dataset_is_charged_its_group
         assert ledger.get_budget("people").jobs[-1].planned == group_events(job, 2)
         assert ledger.history("people")[-1].details["rows_per_person"] == 2
         assert ledger.verify().findings == ()
+
+
+def test_a_job_on_blocks_waits_for_each_block_to_unlock_under_dpf(tmp_path):
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("days", BUDGET, DELTA, scheduling=SchedulingPolicy("dpf", unlock_jobs=5))
+        for block in ("d1", "d2"):
+            ledger.add_block("days", block, BUDGET)
+        big = ledger.enqueue("days", "big", BIG, blocks=["d1", "d2"])  # one arrival on each block: 20% unlocked
+        assert (big.state, big.reason) == (
+            "queued", "block 'd1': needs 27.7% of the budget; 20.0% is unlocked and not held"
+        )
+        assert ledger.enqueue("days", "small", SMALL, blocks=["d1"]).state == "admitted"  # d1 at 40%, d2 at 20%
+        assert ledger.queued_job(big.queue_id).reason == (
+            "block 'd2': needs 27.7% of the budget; 20.0% is unlocked and not held"
+        )
+        assert ledger.enqueue("days", "small-2", SMALL, blocks=["d2"]).state == "admitted"  # d2 at 40%: big fits
+        admitted = ledger.queued_job(big.queue_id)
+        assert admitted.state == "admitted"
+        (reservation,) = [job for job in ledger.get_budget("days").jobs if job.job_id == "big"]
+        assert reservation.blocks == ("d1", "d2") and reservation.reservation_id == admitted.reservation_id
+        assert ledger.verify().findings == ()

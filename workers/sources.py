@@ -99,14 +99,24 @@ def parse_spec(value: Any) -> str | dict:
     if file_format not in FORMATS:
         raise ValueError(f"dataset.format must be one of {', '.join(FORMATS)} (got {file_format!r})")
     allowed = _FORMAT_KEYS[file_format] | {"format", "train", "test", "num_classes", "name"}
+    if file_format == "parquet":
+        allowed = allowed | {"blocks"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(
             f"a {file_format} dataset takes {', '.join(sorted(allowed))}; unknown: {', '.join(sorted(unknown))}"
         )
+    if "blocks" in spec:
+        spec["blocks"] = _parse_blocks(spec["blocks"])
     for split in SPLITS:
         if split not in spec:
+            if split == "train" and "blocks" in spec:
+                continue  # the training rows are the blocks a run chooses (select_blocks)
             raise ValueError(f"dataset.{split} is required: where the {split} split of the {file_format} data is")
+        if split == "train" and "blocks" in spec and isinstance(spec[split], list):
+            # The chosen blocks' locations, as select_blocks wrote them into a run's config.
+            spec[split] = [_location(f"dataset.{split}", location) for location in spec[split]]
+            continue
         spec[split] = _parse_location(f"dataset.{split}", spec[split], file_format)
     if "features" in spec:
         features = spec["features"]
@@ -132,13 +142,43 @@ def parse_spec(value: Any) -> str | dict:
     return spec
 
 
+def _parse_blocks(value: Any) -> dict[str, str]:
+    """A Parquet dataset's blocks: { name = location of its training rows }, in the order given."""
+    if not (isinstance(value, Mapping) and value):
+        raise ValueError(
+            f'dataset.blocks must be a table {{ "2026-11-01" = "data/2026-11-01/", ... }} of block names and the '
+            f"locations of their training rows (got {value!r})"
+        )
+    return {str(name): _location(f"dataset.blocks.{name}", location) for name, location in value.items()}
+
+
+def select_blocks(spec: Mapping, blocks: Iterable[str]) -> dict:
+    """The spec of a run on some blocks of a Parquet dataset: its training rows are those blocks' rows only.
+
+    ``train`` becomes the list of the chosen blocks' locations, in the
+    order given, so a source opened from it reads no other block's file.
+    ``blocks`` stays, so that the spec reads back the same.
+    """
+    chosen = list(blocks)
+    known = spec.get("blocks") or {}
+    missing = [name for name in chosen if name not in known]
+    if missing or not chosen:
+        raise ValueError(
+            f"blocks must name one or more of the dataset's blocks ({', '.join(known) or 'it has none'}); "
+            f"unknown: {', '.join(missing) or 'none given'}"
+        )
+    return {**spec, "train": [known[name] for name in chosen]}
+
+
 def spec_name(spec: str | Mapping) -> str:
     """A short name for a spec: the built-in or function name, else the table's ``name``, else its train location."""
     if isinstance(spec, str):
         return spec
     if "name" in spec:
         return spec["name"]
-    train = spec["train"]
+    train = spec["train"] if "train" in spec else list(spec["blocks"].values())
+    if isinstance(train, list):
+        train = train[0]
     return train if isinstance(train, str) else train["features"]
 
 
@@ -355,8 +395,18 @@ def _pyarrow_filesystem(location: str) -> tuple[pa_fs.FileSystem, str]:
         return pa_fs.PyFileSystem(pa_fs.FSSpecHandler(filesystem)), path
 
 
-def _files_at(location: str, suffixes: tuple[str, ...]) -> tuple[pa_fs.FileSystem, list[str]]:
-    """The file at ``location``, or the files under that directory ending in one of ``suffixes``, sorted."""
+def _files_at(location: str | list[str], suffixes: tuple[str, ...]) -> tuple[pa_fs.FileSystem, list[str]]:
+    """The file at ``location``, or the files under that directory ending in one of ``suffixes``, sorted.
+
+    A list of locations (the chosen blocks of a dataset) gives the files of
+    each in turn; they must be on one filesystem.
+    """
+    if isinstance(location, list):
+        found = [_files_at(part, suffixes) for part in location]
+        kinds = {filesystem.type_name for filesystem, _ in found}
+        if len(kinds) > 1:
+            raise DataError(f"{', '.join(location)}: the blocks of one dataset must be on one filesystem")
+        return found[0][0], [path for _, paths in found for path in paths]
     filesystem, path = _pyarrow_filesystem(location)
     info = filesystem.get_file_info(path)
     if info.type == pa_fs.FileType.NotFound:

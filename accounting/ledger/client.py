@@ -24,6 +24,7 @@ from accounting.ledger.core import (
     BudgetExceeded,
     CommitResult,
     DatasetStatus,
+    FitReport,
     HistoryEntry,
     InvalidArgument,
     LedgerError,
@@ -31,6 +32,7 @@ from accounting.ledger.core import (
     QueuedJob,
     Reservation,
     TenantCreated,
+    check_block_names,
     check_history_limit,
     check_lease_seconds,
     check_max_wait_seconds,
@@ -45,6 +47,7 @@ from accounting.ledger.core import (
 )
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.messages import (
+    BUDGET_KEY,
     DATASET_KEY,
     DELTA_KEY,
     NEEDED_EPSILON_KEY,
@@ -68,6 +71,7 @@ def _ledger_error(address: str, error: grpc.RpcError) -> LedgerError:
                 float(trailers[REMAINING_EPSILON_KEY]),
                 float(trailers[NEEDED_EPSILON_KEY]),
                 float(trailers[DELTA_KEY]),
+                trailers.get(BUDGET_KEY),
             )
         return InvalidArgument(f"the ledger at {address} refused the request as too large: {details}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -206,19 +210,44 @@ class RemoteLedger:
 
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
-        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, blocks: tuple[str, ...] | list[str] = (),
     ) -> Reservation:
         """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
 
-        `privacy_unit` and `rows_per_person` as in the embedded Ledger.reserve.
+        `privacy_unit` and `rows_per_person` as in the embedded Ledger.reserve. With `blocks`, the job is
+        charged in full to each of those blocks of the dataset.
         """
         planned_json = check_plan(planned).to_json()
         request = self._request(
             pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
             lease_seconds=check_lease_seconds(lease_seconds) or 0.0, privacy_unit=check_privacy_unit(privacy_unit),
-            rows_per_person=check_rows_per_person(rows_per_person) or 0,
+            rows_per_person=check_rows_per_person(rows_per_person) or 0, blocks=check_block_names(blocks),
         )
         return messages.reservation_from_proto(self._call("Reserve", request))
+
+    def add_block(self, dataset: str, block: str, epsilon: float, delta: float | None = None) -> DatasetStatus:
+        """Add a block with its own budget of `epsilon` at `delta` (default: the dataset's) to a dataset."""
+        request = self._request(pb.AddBlockRequest, dataset=dataset, block=block, epsilon=epsilon, delta=delta or 0.0)
+        return messages.status_from_proto(self._call("AddBlock", request))
+
+    def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
+        """Give `tenant` a quota of `epsilon` on a dataset or one of its blocks (admin token only)."""
+        request = self._request(
+            pb.SetQuotaRequest, dataset=dataset, tenant=tenant, epsilon=epsilon, block=block or ""
+        )
+        return messages.status_from_proto(self._call("SetQuota", request))
+
+    def fits(
+        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+    ) -> FitReport:
+        """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing."""
+        request = self._request(
+            pb.FitsRequest, dataset=dataset, planned_events_json=check_plan(planned).to_json(),
+            blocks=check_block_names(blocks), privacy_unit=check_privacy_unit(privacy_unit),
+            rows_per_person=check_rows_per_person(rows_per_person) or 0,
+        )
+        return messages.fit_from_proto(self._call("Fits", request))
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
         """Charge the next `steps` planned steps; the same `sequence` twice charges once."""
@@ -247,6 +276,7 @@ class RemoteLedger:
         max_wait_seconds: float | None = None,
         privacy_unit: str = EXAMPLE,
         rows_per_person: int | None = None,
+        blocks: tuple[str, ...] | list[str] = (),
     ) -> QueuedJob:
         """Queue a job for budget; admitted when the dataset's policy finds it fits (see Ledger.enqueue)."""
         request = self._request(
@@ -254,6 +284,7 @@ class RemoteLedger:
             lease_seconds=check_lease_seconds(lease_seconds) or 0.0, priority=check_priority(priority),
             max_wait_seconds=check_max_wait_seconds(max_wait_seconds) or 0.0,
             privacy_unit=check_privacy_unit(privacy_unit), rows_per_person=check_rows_per_person(rows_per_person) or 0,
+            blocks=list(check_block_names(blocks)),
         )
         return messages.queued_from_proto(self._call("Enqueue", request))
 

@@ -74,6 +74,7 @@ MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1
 HISTORY_LIMIT = (1, 100_000)
 MAX_LEASE_SECONDS = 30 * 24 * 3600.0
+MAX_BLOCKS_PER_JOB = 1000
 
 ACTIVE = "active"
 RELEASED = "released"
@@ -134,14 +135,18 @@ class BudgetExceeded(LedgerError):
     that RDP epsilon. Both at the dataset's `delta`.
     """
 
-    def __init__(self, dataset: str, remaining_epsilon: float, needed_epsilon: float, delta: float) -> None:
+    def __init__(
+        self, dataset: str, remaining_epsilon: float, needed_epsilon: float, delta: float, budget: str | None = None
+    ) -> None:
         self.dataset = dataset
         self.remaining_epsilon = remaining_epsilon
         self.needed_epsilon = needed_epsilon
         self.delta = delta
+        # Which budget refused: the dataset's, a block's, or a tenant's quota on either.
+        self.budget = budget or f"dataset {dataset!r}"
         shown_remaining, shown_needed = _shown_shortfall(remaining_epsilon, needed_epsilon)
         super().__init__(
-            f"dataset {dataset!r} has ε {shown_remaining} left at δ={delta:g}; this job needs ε {shown_needed}. "
+            f"{self.budget} has ε {shown_remaining} left at δ={delta:g}; this job needs ε {shown_needed}. "
             "Run fewer steps or more noise, release reservations that are no longer needed "
             "(dpfleet ledger jobs, dpfleet ledger release), or ask an admin to raise the budget"
         )
@@ -237,6 +242,20 @@ def check_lease_seconds(value: object) -> float | None:
             "choose more than the time between two commits of the job"
         )
     return seconds
+
+
+def check_block_names(value: object) -> tuple[str, ...]:
+    """The blocks a job names: distinct block names, or () for the dataset as a whole."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise InvalidArgument(f"blocks must be a list of block names (got {value!r})")
+    names = tuple(check_name("block name", name) for name in value)
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"blocks must name each block once (got {list(names)!r})")
+    if len(names) > MAX_BLOCKS_PER_JOB:
+        raise InvalidArgument(f"a job may name at most {MAX_BLOCKS_PER_JOB} blocks (got {len(names)})")
+    return names
 
 
 def check_max_wait_seconds(value: object) -> float | None:
@@ -622,21 +641,108 @@ def fits_budget(epsilon: float, budget_epsilon: float) -> bool:
     return epsilon * (1.0 + ADMISSION_MARGIN) <= budget_epsilon
 
 
+@dataclass(frozen=True)
+class BudgetCheck:
+    """One budget's answer to a job: does held + planned pass its filter, and by how much.
+
+    `budget` says which budget ("dataset 'mnist'", "block 'd1' of dataset
+    'mnist'", "tenant 'b''s quota on ..."); epsilons are the filter's, at
+    `delta`: `held_epsilon` of what is committed and reserved now,
+    `needed_epsilon` what the job adds to it, `remaining_epsilon` the budget
+    minus held (what is left now); `held_after_epsilon` that of held +
+    planned and `remaining_after_epsilon` the budget minus it (what would be
+    left; negative when the job does not fit).
+    """
+
+    budget: str
+    budget_epsilon: float
+    delta: float
+    held_epsilon: float
+    held_after_epsilon: float
+    needed_epsilon: float
+    remaining_epsilon: float
+    remaining_after_epsilon: float
+    fits: bool
+
+    def refusal(self, dataset: str) -> BudgetExceeded:
+        """The BudgetExceeded this check stands for, on `dataset` as the caller names it."""
+        return BudgetExceeded(dataset, self.remaining_epsilon, self.needed_epsilon, self.delta, self.budget)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "budget": self.budget,
+            "budget_epsilon": self.budget_epsilon,
+            "delta": self.delta,
+            "held_epsilon": self.held_epsilon,
+            "held_after_epsilon": self.held_after_epsilon,
+            "needed_epsilon": self.needed_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+            "remaining_after_epsilon": self.remaining_after_epsilon,
+            "fits": self.fits,
+        }
+
+
+def assess_admission(
+    budget: str, rule: AdmissionRule, budget_epsilon: float, held: RdpTally, planned: RdpTally
+) -> BudgetCheck:
+    """Whether held + planned passes the filter `rule` within `budget_epsilon`, with the figures (see BudgetCheck)."""
+    total_epsilon = rule.epsilon(held + planned)
+    held_epsilon = rule.epsilon(held)
+    return BudgetCheck(
+        budget=budget,
+        budget_epsilon=budget_epsilon,
+        delta=rule.delta,
+        held_epsilon=held_epsilon,
+        held_after_epsilon=total_epsilon,
+        needed_epsilon=total_epsilon - held_epsilon,
+        remaining_epsilon=max(0.0, budget_epsilon - held_epsilon),
+        remaining_after_epsilon=budget_epsilon - total_epsilon,
+        fits=fits_budget(total_epsilon, budget_epsilon),
+    )
+
+
 def check_admission(
-    dataset: str, rule: AdmissionRule, budget_epsilon: float, held: RdpTally, planned: RdpTally
+    dataset: str, rule: AdmissionRule, budget_epsilon: float, held: RdpTally, planned: RdpTally,
+    budget: str | None = None,
 ) -> float:
     """Return the filter's epsilon of held + planned, or raise BudgetExceeded if it does not fit the budget.
 
-    `held` is the dataset's tally of committed and reserved steps; `planned`
-    the tally of the job asking for a reservation.
+    `held` is the tally of committed and reserved steps on the budget (the
+    dataset's, a block's or a tenant's quota: `budget` says which, in
+    words); `planned` the tally of the job asking for a reservation.
     """
-    total_epsilon = rule.epsilon(held + planned)
-    if not fits_budget(total_epsilon, budget_epsilon):
-        held_epsilon = rule.epsilon(held)
-        raise BudgetExceeded(
-            dataset, max(0.0, budget_epsilon - held_epsilon), total_epsilon - held_epsilon, rule.delta
-        )
-    return total_epsilon
+    check = assess_admission(budget or f"dataset {dataset!r}", rule, budget_epsilon, held, planned)
+    if not check.fits:
+        raise check.refusal(dataset)
+    return check.held_after_epsilon
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """A dry run of a reservation: `fits` when every budget the job would be charged to admits it.
+
+    `checks` has one BudgetCheck per budget: the dataset's or each named
+    block's, then the caller's quota on each where one is set.
+    """
+
+    dataset: str
+    blocks: tuple[str, ...]
+    checks: tuple[BudgetCheck, ...]
+
+    @property
+    def fits(self) -> bool:
+        """True when every budget admits the job."""
+        return all(check.fits for check in self.checks)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the `dpfleet ledger fits --json` shape)."""
+        return {
+            "dataset": self.dataset,
+            "blocks": list(self.blocks),
+            "fits": self.fits,
+            "checks": [check.to_dict() for check in self.checks],
+        }
 
 
 def check_new_budget(dataset: str, rule: AdmissionRule, budget_epsilon: float, held: RdpTally) -> float:
@@ -847,11 +953,12 @@ def no_reservation(reservation_id: str) -> PermissionDenied:
     )
 
 
-def resolve_dataset(caller: Caller, reference: object) -> DatasetRef:
+def resolve_dataset(caller: Caller, reference: object, shared: bool = False) -> DatasetRef:
     """The dataset a caller means by `reference`: 'name' in its own tenant, or 'tenant/name'.
 
-    A tenant naming another tenant's dataset gets PermissionDenied; an admin
-    with no tenant of its own must write 'tenant/name'.
+    A tenant naming another tenant's dataset gets PermissionDenied, unless
+    `shared`: then the store lets it through only where the tenant holds a
+    quota there. An admin with no tenant of its own must write 'tenant/name'.
     """
     if not isinstance(reference, str):
         raise InvalidArgument(f"dataset must be a name (got {reference!r})")
@@ -865,7 +972,7 @@ def resolve_dataset(caller: Caller, reference: object) -> DatasetRef:
                 f"the admin owns no datasets; name a tenant's dataset as TENANT/NAME (got {reference!r})"
             )
         tenant = caller.tenant
-    if not caller.admin and tenant != caller.tenant:
+    if not caller.admin and tenant != caller.tenant and not shared:
         raise no_access(reference)
     return DatasetRef(tenant, name)
 
@@ -929,7 +1036,8 @@ class Reservation:
 
     With a lease (`lease_seconds`), the hold ends at `expires_at` (UTC, ISO
     8601) unless a commit renews it first; `lease_expired` says the
-    reservation was released that way.
+    reservation was released that way. `blocks` are the dataset's blocks the
+    job is charged to, every one of them in full; () for the dataset itself.
     """
 
     reservation_id: str
@@ -943,6 +1051,7 @@ class Reservation:
     lease_seconds: float | None = None
     expires_at: str | None = None
     lease_expired: bool = False
+    blocks: tuple[str, ...] = ()
 
     @property
     def planned_steps(self) -> int:
@@ -970,6 +1079,7 @@ class Reservation:
             "lease_seconds": self.lease_seconds,
             "expires_at": self.expires_at,
             "lease_expired": self.lease_expired,
+            "blocks": list(self.blocks),
         }
 
 
@@ -1044,6 +1154,90 @@ class CommitResult:
 
 
 @dataclass(frozen=True)
+class BlockStatus:
+    """One block of a dataset: its own (epsilon, delta) budget and filter, and the figures of its tally.
+
+    The figures mean what they mean for a dataset (see DatasetStatus).
+    """
+
+    name: str
+    budget_epsilon: float
+    delta: float
+    admission: AdmissionRule
+    spent_epsilon: float
+    spent_epsilon_rdp: float
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+    spent_epsilon_accountant: str = "pld"
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {"name": self.name, **budget_dict(self)}
+
+
+def budget_dict(status: "BlockStatus | DatasetStatus") -> dict:
+    """The budget and figures a dataset's or a block's status share, as JSON-ready dict entries."""
+    return {
+        "budget_epsilon": status.budget_epsilon,
+        "delta": status.delta,
+        "admission": status.admission.to_dict(),
+        "spent_epsilon_filter": status.spent_epsilon_filter,
+        "spent_epsilon": status.spent_epsilon,
+        "spent_epsilon_accountant": status.spent_epsilon_accountant,
+        "spent_epsilon_rdp": status.spent_epsilon_rdp,
+        "reserved_epsilon": status.reserved_epsilon,
+        "remaining_epsilon": status.remaining_epsilon,
+    }
+
+
+@dataclass(frozen=True)
+class QuotaStatus:
+    """A tenant's quota on a dataset (`block` None) or one of its blocks, and the tenant's use of it.
+
+    The quota is an extra RDP filter at its own orders on the tenant's own
+    tally, beside the budget's filter. `quota_epsilon` is at the budget's
+    delta; `spent_epsilon_filter` + `reserved_epsilon` + `remaining_epsilon`
+    = `quota_epsilon`, in the quota's filter epsilon. `inherited` marks a
+    quota set on the dataset that applies to this block.
+    """
+
+    tenant: str
+    block: str | None
+    quota_epsilon: float
+    admission: AdmissionRule
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+    inherited: bool = False
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "tenant": self.tenant,
+            "block": self.block,
+            "quota_epsilon": self.quota_epsilon,
+            "admission": self.admission.to_dict(),
+            "spent_epsilon_filter": self.spent_epsilon_filter,
+            "reserved_epsilon": self.reserved_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+            "inherited": self.inherited,
+        }
+
+
+def quota_status(
+    tenant: str, block: str | None, quota_epsilon: float, rule: AdmissionRule, committed_events: Composition,
+    held: RdpTally, inherited: bool = False,
+) -> QuotaStatus:
+    """A tenant's quota figures from its committed events and its tally on the budget (filter epsilons only)."""
+    figures = _rdp_figures(quota_epsilon, rule, committed_events, held)
+    return QuotaStatus(
+        tenant, block, quota_epsilon, rule, figures.spent_epsilon_filter, figures.reserved_epsilon,
+        figures.remaining_epsilon, inherited,
+    )
+
+
+@dataclass(frozen=True)
 class DatasetStatus:
     """A dataset's budget and where it went, in epsilon at `delta`.
 
@@ -1053,8 +1247,11 @@ class DatasetStatus:
     `spent_epsilon` (PLD) and `spent_epsilon_rdp` are the epsilon of the same
     steps as if every job had been fixed in advance: non-adaptive figures,
     tighter, not what the guarantee rests on.
-    `jobs` are the reservations still active (holding budget);
+    `jobs` are the reservations still active (holding budget) that the
+    caller may see: a tenant sees only its own;
     `released_jobs` counts the finished ones (dpfleet ledger jobs lists them).
+    `blocks` are the dataset's blocks, each with its own budget; `quotas`
+    the tenants' quotas on the dataset and its blocks (a tenant sees its own).
     `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
     new commits is computed for a caller that chose not to wait for it.
     `privacy_unit` is what one unit of protection is: a row ('example') or a
@@ -1076,6 +1273,8 @@ class DatasetStatus:
     released_jobs: int = 0
     spent_epsilon_accountant: str = "pld"
     privacy_unit: str = EXAMPLE
+    blocks: tuple[BlockStatus, ...] = ()
+    quotas: tuple[QuotaStatus, ...] = ()
     scheduling: SchedulingPolicy = SchedulingPolicy()
     queued_jobs: int = 0
 
@@ -1085,17 +1284,11 @@ class DatasetStatus:
             "name": self.name,
             "tenant": self.tenant,
             "privacy_unit": self.privacy_unit,
-            "budget_epsilon": self.budget_epsilon,
-            "delta": self.delta,
-            "admission": self.admission.to_dict(),
-            "spent_epsilon_filter": self.spent_epsilon_filter,
-            "spent_epsilon": self.spent_epsilon,
-            "spent_epsilon_accountant": self.spent_epsilon_accountant,
-            "spent_epsilon_rdp": self.spent_epsilon_rdp,
-            "reserved_epsilon": self.reserved_epsilon,
-            "remaining_epsilon": self.remaining_epsilon,
+            **budget_dict(self),
             "jobs": [job.to_dict() for job in self.jobs],
             "released_jobs": self.released_jobs,
+            "blocks": [block.to_dict() for block in self.blocks],
+            "quotas": [quota.to_dict() for quota in self.quotas],
             "scheduling": self.scheduling.to_dict(),
             "queued_jobs": self.queued_jobs,
         }
@@ -1176,6 +1369,20 @@ class StoredDataset:
     admission: AdmissionRule
     held: RdpTally
     committed_events: Composition
+    block_of: int | None = None
+    block: str | None = None
+
+
+@dataclass(frozen=True)
+class StoredTenantUse:
+    """A tenant's tally on one budget (a dataset or a block) and its quota there, if any, for `verify`."""
+
+    budget_id: int
+    tenant: str
+    quota_epsilon: float | None
+    quota_rule: AdmissionRule | None
+    held: RdpTally
+    committed_events: Composition
 
 
 @dataclass(frozen=True)
@@ -1220,39 +1427,67 @@ def chain_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) ->
 
 
 class _Replay:
-    """A dataset's state rebuilt from its history, entry by entry, noting each departure from the rules."""
+    """A budget's state rebuilt from its history, entry by entry, noting each departure from the rules.
 
-    def __init__(self, dataset: str) -> None:
+    The budget is a dataset's or a block's (`recorded_held` finds the
+    filter epsilon the reserve entry recorded for it), or a tenant's use of
+    one (`quota`: its quota, set on the budget itself or on the dataset the
+    block belongs to; nothing is checked while none is set).
+    """
+
+    def __init__(self, dataset: str, recorded_held: Callable[[dict], float | None] | None = None,
+                 quota: bool = False) -> None:
         self.dataset = dataset
+        self.recorded_held = recorded_held or (lambda details: None)
+        self.quota = quota
         self.findings: list[Finding] = []
         self.budget_epsilon: float | None = None
         self.delta: float | None = None
         self.admission: AdmissionRule | None = None
+        # A tenant's quota set on the dataset applies to each of its blocks that has none of its own.
+        self.dataset_quota: tuple[float, AdmissionRule] | None = None
         self.held = RdpTally.zero()
         self.committed = Composition()
         self.plans: dict[str, Composition] = {}
         self.committed_steps: dict[str, int] = {}
-        self.queued: dict[str, Composition] = {}
 
     def note(self, entry: StoredEntry, problem: str) -> None:
         self.findings.append(Finding(entry.entry_id, self.dataset, problem))
 
+    def note_structure(self, entry: StoredEntry, problem: str) -> None:
+        # A tenant's use replays the same jobs as its budget, whose replay reports how they fit together.
+        if not self.quota:
+            self.note(entry, problem)
+
+    def limit(self) -> tuple[float, AdmissionRule | None] | None:
+        if self.budget_epsilon is not None:
+            return self.budget_epsilon, self.admission
+        return self.dataset_quota
+
     def fits(self, epsilon_of: Callable[[RdpTally], float], tally: RdpTally) -> tuple[bool, float]:
         epsilon = epsilon_of(tally)
-        return fits_budget(epsilon, self.budget_epsilon), epsilon
+        return fits_budget(epsilon, self.limit()[0]), epsilon
 
     def admission_epsilon(self, tally: RdpTally) -> float:
         # Before a file had filters (schema version 2) a job was admitted by the RDP epsilon over the whole grid.
-        return self.admission.epsilon(tally) if self.admission is not None else tally.epsilon(self.delta)
+        rule = self.limit()[1]
+        return rule.epsilon(tally) if rule is not None else tally.epsilon(self.delta)
 
-    def apply(self, entry: StoredEntry) -> None:
-        self.apply_details(entry, entry.action, json.loads(entry.details_json))
+    def apply(self, entry: StoredEntry, from_dataset: bool = False) -> None:
+        self.apply_details(entry, entry.action, json.loads(entry.details_json), from_dataset)
 
-    def apply_details(self, entry: StoredEntry | HistoryEntry, action: str, details: dict) -> None:
-        if action == "create_dataset":
+    def apply_details(
+        self, entry: StoredEntry | HistoryEntry, action: str, details: dict, from_dataset: bool = False
+    ) -> None:
+        if action in ("create_dataset", "add_block"):
             self.budget_epsilon, self.delta = float(details["epsilon"]), float(details["delta"])
             if "admission" in details:
                 self.admission = AdmissionRule.from_dict(details["admission"])
+        elif action == "set_quota" and from_dataset:
+            self.dataset_quota = (float(details["epsilon"]), AdmissionRule.from_dict(details["admission"]))
+        elif action == "set_quota":
+            self.budget_epsilon = float(details["epsilon"])
+            self.admission = AdmissionRule.from_dict(details["admission"])
         elif action == "adopt_admission_rule":
             self.admission = AdmissionRule.from_dict(details["admission"])
         elif action == "raise_budget":
@@ -1263,63 +1498,57 @@ class _Replay:
             self.commit(entry, details)
         elif action in ("release", "expire"):
             self.release(entry, details)
-        elif action == "enqueue":
-            self.queued[details["queue_id"]] = Composition.from_dict(details["planned_events"])
-        elif action in ("cancel_queued", "queue_timeout"):
-            self.leave_queue(entry, details["queue_id"])
-
-    def leave_queue(self, entry: StoredEntry, queue_id: str) -> Composition | None:
-        """A queued job leaves the queue (admitted, cancelled or timed out): it must be waiting in the replay."""
-        if queue_id not in self.queued:
-            self.note(entry, f"takes queued job {queue_id} out of the queue, where the replay does not have it")
-        return self.queued.pop(queue_id, None)
 
     def reserve(self, entry: StoredEntry, details: dict) -> None:
         planned = Composition.from_dict(details["planned_events"])
-        if "queue_id" in details:
-            waited = self.leave_queue(entry, details["queue_id"])
-            if waited is not None and waited != planned:
-                self.note(entry, f"admits queued job {details['queue_id']} with a plan other than the one it queued")
         if "job_events" in details:
             job_events = Composition.from_dict(details["job_events"])
             if group_events(job_events, details["rows_per_person"]) != planned:
-                self.note(entry, f"charges events that are not the group-privacy bound of its job's events for "
-                                 f"{details['rows_per_person']} rows per person")
-        admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
-        if not admitted:
-            self.note(entry, f"admitted a job to ε {epsilon:.6g} over the budget ε {self.budget_epsilon:g}")
-        recorded = details.get("held_epsilon_filter", details.get("held_epsilon_rdp"))
-        if recorded is not None and recorded != epsilon:
-            self.note(entry, f"records ε {recorded!r} held after admission; its events give {epsilon!r}")
+                self.note_structure(entry, f"charges events that are not the group-privacy bound of its job's "
+                                           f"events for {details['rows_per_person']} rows per person")
+        if self.limit() is not None:
+            admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
+            if not admitted:
+                self.note(entry, f"admitted a job to ε {epsilon:.6g} over the {self.kind} ε {self.limit()[0]:g}")
+            recorded = self.recorded_held(details)
+            if recorded is not None and recorded != epsilon:
+                self.note(entry, f"records ε {recorded!r} held after admission; its events give {epsilon!r}")
         self.plans[details["reservation_id"]] = planned
         self.committed_steps[details["reservation_id"]] = 0
         self.held = self.held + RdpTally.of(planned)
+
+    @property
+    def kind(self) -> str:
+        return "quota" if self.quota else "budget"
 
     def commit(self, entry: StoredEntry, details: dict) -> None:
         reservation_id = details["reservation_id"]
         block = Composition.from_dict(details["events"])
         if reservation_id not in self.plans:
-            self.note(entry, f"commits to reservation {reservation_id}, which is not active in the replay")
+            self.note_structure(entry, f"commits to reservation {reservation_id}, which is not active in the replay")
             return
         _, unrun = split_steps(self.plans[reservation_id], self.committed_steps[reservation_id])
         if block.steps > unrun.steps or split_steps(unrun, block.steps)[0] != block:
-            self.note(entry, f"charges events that are not the next {block.steps} planned steps of {reservation_id}")
-        if self.admission is not None:
-            admitted, epsilon = self.fits(self.admission.epsilon, RdpTally.of(self.committed.then(block)))
+            self.note_structure(
+                entry, f"charges events that are not the next {block.steps} planned steps of {reservation_id}"
+            )
+        limit = self.limit()
+        if limit is not None and limit[1] is not None:
+            admitted, epsilon = self.fits(limit[1].epsilon, RdpTally.of(self.committed.then(block)))
             if not admitted:
-                self.note(entry, f"commits to filter ε {epsilon:.6g}, over the budget ε {self.budget_epsilon:g}")
+                self.note(entry, f"commits to filter ε {epsilon:.6g}, over the {self.kind} ε {limit[0]:g}")
         self.committed = canonical(self.committed.then(block))
         self.committed_steps[reservation_id] += block.steps
 
     def release(self, entry: StoredEntry, details: dict) -> None:
         reservation_id = details["reservation_id"]
         if reservation_id not in self.plans:
-            self.note(entry, f"releases reservation {reservation_id}, which is not active in the replay")
+            self.note_structure(entry, f"releases reservation {reservation_id}, which is not active in the replay")
             return
         plan = self.plans.pop(reservation_id)
         committed_steps = self.committed_steps.pop(reservation_id)
         if (details["committed_steps"], details["freed_steps"]) != (committed_steps, plan.steps - committed_steps):
-            self.note(
+            self.note_structure(
                 entry,
                 f"records {details['committed_steps']} committed and {details['freed_steps']} freed steps of "
                 f"{reservation_id}; its commits give {committed_steps} and {plan.steps - committed_steps}",
@@ -1346,13 +1575,100 @@ class Verification:
         }
 
 
-def verify_history(entries: list[StoredEntry], datasets: list[StoredDataset]) -> Verification:
-    """Check the hash chain of every entry, then replay each dataset's history against its row."""
+_JOB_ACTIONS = ("reserve", "commit", "release", "expire")
+_QUEUE_ACTIONS = ("enqueue", "reserve", "cancel_queued", "queue_timeout")
+
+
+def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> list[int]:
+    """The budgets (dataset or block rows) an entry is about: a job's entries name the blocks it is charged to."""
+    if entry.action in _JOB_ACTIONS:
+        blocks = json.loads(entry.details_json).get("blocks") or ()
+        if blocks:
+            return [block_ids.get((entry.dataset_id, block), -1) for block in blocks]
+    return [entry.dataset_id] if entry.dataset_id is not None else []
+
+
+def verify_history(
+    entries: list[StoredEntry], datasets: list[StoredDataset], uses: list[StoredTenantUse] = ()
+) -> Verification:
+    """Check the hash chain of every entry, then replay each dataset's, block's and tenant use's history.
+
+    `datasets` holds the blocks too (their `block_of` names the dataset
+    they belong to); `uses` each tenant's tally and quota on a budget.
+    """
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
     findings = chain_findings(entries, names)
+    block_ids = {(row.block_of, row.block): row.dataset_id for row in datasets if row.block_of is not None}
+    by_budget: dict[int, list[StoredEntry]] = {}
+    for entry in entries:
+        for budget_id in _budgets_of(entry, block_ids):
+            by_budget.setdefault(budget_id, []).append(entry)
     for dataset in datasets:
-        findings += replay_findings(dataset, [entry for entry in entries if entry.dataset_id == dataset.dataset_id])
+        findings += replay_findings(dataset, [entry for entry in by_budget.get(dataset.dataset_id, ())
+                                              if entry.action != "set_quota"])
+    findings += queue_findings(entries, names)
+    parent = {row.dataset_id: row.block_of for row in datasets}
+    for use in uses:
+        findings += use_findings(use, names.get(use.budget_id, str(use.budget_id)), by_budget.get(use.budget_id, []),
+                                 by_budget.get(parent.get(use.budget_id), []))
     return Verification(len(entries), len(datasets), entries[-1].entry_hash if entries else "", tuple(findings))
+
+
+def queue_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) -> list[Finding]:
+    """Replay the queues: a job leaves one (admitted by a `reserve` with its `queue_id`, cancelled or timed
+    out) only while it waits there, and is admitted with the plan and blocks it queued with."""
+    waiting: dict[tuple[int | None, str], dict] = {}
+    findings = []
+    for entry in entries:
+        details = json.loads(entry.details_json) if entry.action in _QUEUE_ACTIONS else {}
+        if entry.action == "enqueue":
+            waiting[(entry.dataset_id, details["queue_id"])] = details
+        elif "queue_id" in details:
+            queued = waiting.pop((entry.dataset_id, details["queue_id"]), None)
+            where = dataset_names.get(entry.dataset_id, str(entry.dataset_id))
+            if queued is None:
+                findings.append(Finding(entry.entry_id, where, f"takes queued job {details['queue_id']} out of "
+                                                               "the queue, where the replay does not have it"))
+            elif entry.action == "reserve" and (
+                (queued["planned_events"], queued.get("blocks") or []) !=
+                (details["planned_events"], details.get("blocks") or [])
+            ):
+                findings.append(Finding(entry.entry_id, where, f"admits queued job {details['queue_id']} with a "
+                                                               "plan or blocks other than it queued with"))
+    return findings
+
+
+def use_findings(
+    use: StoredTenantUse, budget_name: str, entries: list[StoredEntry], dataset_entries: list[StoredEntry]
+) -> list[Finding]:
+    """Replay a tenant's use of one budget: its jobs' admissions and commits against its quota, and its tally.
+
+    `entries` are the budget's history; `dataset_entries` that of the
+    dataset a block belongs to (a quota set there applies to the block).
+    """
+    replay = _Replay(f"{budget_name} (tenant {use.tenant})", quota=True)
+    quota_on_dataset = {entry.entry_id for entry in dataset_entries if entry.action == "set_quota"}
+    mine = sorted(
+        (entry for entry in [*entries, *(e for e in dataset_entries if e.entry_id in quota_on_dataset)]
+         if entry.tenant == use.tenant and (entry.action in _JOB_ACTIONS or entry.action == "set_quota")),
+        key=lambda entry: entry.entry_id,
+    )
+    for entry in mine:
+        try:
+            replay.apply(entry, from_dataset=entry.entry_id in quota_on_dataset)
+        except (KeyError, TypeError, ValueError, EventError) as error:
+            replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
+    findings = replay.findings
+    if use.quota_epsilon is None and replay.budget_epsilon is None and replay.dataset_quota is None:
+        return findings  # no quota: the tally limits nothing, and the budget's replay checks the jobs
+    for what, replayed, stored in (
+        ("quota ε", replay.budget_epsilon, use.quota_epsilon),
+        ("RDP tally of committed and reserved steps", replay.held, use.held),
+        ("set of committed events", canonical(replay.committed), use.committed_events),
+    ):
+        if replayed != stored:
+            findings.append(Finding(None, replay.dataset, f"the tenant's {what} is not what its history replays to"))
+    return findings
 
 
 def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[Finding]:
@@ -1364,7 +1680,13 @@ def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[
     end the replayed RDP tally, committed events, budget and rule must be
     what the dataset's row holds.
     """
-    replay = _Replay(dataset.name)
+    if dataset.block is None:
+        def recorded(details: dict) -> float | None:
+            return details.get("held_epsilon_filter", details.get("held_epsilon_rdp"))
+    else:
+        def recorded(details: dict) -> float | None:
+            return details.get("held_epsilon_filter_by_block", {}).get(dataset.block)
+    replay = _Replay(dataset.name, recorded)
     for entry in entries:
         try:
             replay.apply(entry)
@@ -1418,6 +1740,8 @@ def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
     replay = _Replay(entries[0].dataset or "")
     points = []
     for entry in entries:
+        if entry.action in ("add_block", "set_quota") or entry.details.get("blocks"):
+            continue  # a block's budget, a tenant's quota or a job on blocks: not the dataset's own budget
         replay.apply_details(entry, entry.action, entry.details)
         spent_filter = replay.admission_epsilon(RdpTally.of(replay.committed))
         held_filter = replay.admission_epsilon(replay.held)
@@ -1464,13 +1788,26 @@ class PrivacyLedger(Protocol):
 
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
-        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, blocks: tuple[str, ...] | list[str] = (),
     ) -> Reservation:
         """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
 
         `privacy_unit` is what the events protect; `rows_per_person` bounds
         each person's rows for an example-level job (see `charged_plan`).
+        With `blocks`, the job is charged in full to each of those blocks, all or nothing.
         """
+
+    def add_block(self, dataset: str, block: str, epsilon: float, delta: float | None = None) -> DatasetStatus:
+        """Add a block with its own (epsilon, delta) budget to a dataset (its owner or an admin)."""
+
+    def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
+        """Give a tenant a quota on a dataset or one of its blocks (admin only)."""
+
+    def fits(
+        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+    ) -> FitReport:
+        """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing."""
 
     def commit(self, reservation_id: str, steps: int, sequence: int) -> CommitResult:
         """Charge the next `steps` planned steps and renew the lease; the same `sequence` twice charges once."""
@@ -1480,7 +1817,8 @@ class PrivacyLedger(Protocol):
 
     def enqueue(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None, priority: int = 0,
-        max_wait_seconds: float | None = None,
+        max_wait_seconds: float | None = None, privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+        blocks: tuple[str, ...] = (),
     ) -> QueuedJob:
         """Queue a job for budget; the dataset's scheduling policy admits it (as a reservation) when it fits."""
 

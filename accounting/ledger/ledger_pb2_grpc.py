@@ -84,6 +84,21 @@ class LedgerStub:
                 request_serializer=accounting_dot_ledger__pb2.HistoryRequest.SerializeToString,
                 response_deserializer=accounting_dot_ledger__pb2.HistoryReply.FromString,
                 _registered_method=True)
+        self.AddBlock = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/AddBlock',
+                request_serializer=accounting_dot_ledger__pb2.AddBlockRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.DatasetStatus.FromString,
+                _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/SetQuota',
+                request_serializer=accounting_dot_ledger__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.DatasetStatus.FromString,
+                _registered_method=True)
+        self.Fits = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/Fits',
+                request_serializer=accounting_dot_ledger__pb2.FitsRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.FitsReply.FromString,
+                _registered_method=True)
         self.Enqueue = channel.unary_unary(
                 '/dpfleet.ledger.v1.Ledger/Enqueue',
                 request_serializer=accounting_dot_ledger__pb2.EnqueueRequest.SerializeToString,
@@ -176,6 +191,30 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddBlock(self, request, context):
+        """The dataset's owner or an admin. A block has its own budget; a job on
+        blocks is charged in full to each block it names.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuota(self, request, context):
+        """Admin only. A tenant's quota on a dataset or block: an extra RDP filter on
+        the tenant's own tally, checked beside the budget's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fits(self, request, context):
+        """Whether a job would be admitted now, what it would cost and what would
+        remain; reserves nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Enqueue(self, request, context):
         """Queues a job for budget: the dataset's scheduling policy admits it when it
         fits (at once if it does), as a reservation like Reserve's.
@@ -259,6 +298,21 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.History,
                     request_deserializer=accounting_dot_ledger__pb2.HistoryRequest.FromString,
                     response_serializer=accounting_dot_ledger__pb2.HistoryReply.SerializeToString,
+            ),
+            'AddBlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddBlock,
+                    request_deserializer=accounting_dot_ledger__pb2.AddBlockRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.DatasetStatus.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=accounting_dot_ledger__pb2.SetQuotaRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.DatasetStatus.SerializeToString,
+            ),
+            'Fits': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fits,
+                    request_deserializer=accounting_dot_ledger__pb2.FitsRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.FitsReply.SerializeToString,
             ),
             'Enqueue': grpc.unary_unary_rpc_method_handler(
                     servicer.Enqueue,
@@ -551,6 +605,87 @@ class Ledger:
             '/dpfleet.ledger.v1.Ledger/History',
             accounting_dot_ledger__pb2.HistoryRequest.SerializeToString,
             accounting_dot_ledger__pb2.HistoryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddBlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/AddBlock',
+            accounting_dot_ledger__pb2.AddBlockRequest.SerializeToString,
+            accounting_dot_ledger__pb2.DatasetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/SetQuota',
+            accounting_dot_ledger__pb2.SetQuotaRequest.SerializeToString,
+            accounting_dot_ledger__pb2.DatasetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/Fits',
+            accounting_dot_ledger__pb2.FitsRequest.SerializeToString,
+            accounting_dot_ledger__pb2.FitsReply.FromString,
             options,
             channel_credentials,
             insecure,

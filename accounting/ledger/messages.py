@@ -17,10 +17,13 @@ from accounting.ledger.core import (
     AdmissionRule,
     RELEASED,
     AlreadyExists,
+    BlockStatus,
+    BudgetCheck,
     BudgetExceeded,
     CommitResult,
     DatasetStatus,
     FailedPrecondition,
+    FitReport,
     HistoryEntry,
     InvalidArgument,
     LedgerError,
@@ -28,6 +31,7 @@ from accounting.ledger.core import (
     NotFound,
     PermissionDenied,
     QueuedJob,
+    QuotaStatus,
     Reservation,
     TenantCreated,
     Unauthenticated,
@@ -51,6 +55,7 @@ REMAINING_EPSILON_KEY = "dpfleet-remaining-epsilon"
 NEEDED_EPSILON_KEY = "dpfleet-needed-epsilon"
 DELTA_KEY = "dpfleet-delta"
 DATASET_KEY = "dpfleet-dataset"
+BUDGET_KEY = "dpfleet-budget"
 
 _STATE_TO_PROTO = {None: pb.JOB_STATE_UNSPECIFIED, ACTIVE: pb.JOB_STATE_ACTIVE, RELEASED: pb.JOB_STATE_RELEASED}
 _STATE_FROM_PROTO = {value: state for state, value in _STATE_TO_PROTO.items()}
@@ -95,6 +100,7 @@ def reservation_to_proto(reservation: Reservation) -> pb.Reservation:
         lease_seconds=reservation.lease_seconds or 0.0,
         expires_at=reservation.expires_at or "",
         lease_expired=reservation.lease_expired,
+        blocks=reservation.blocks,
     )
 
 
@@ -112,6 +118,129 @@ def reservation_from_proto(message: pb.Reservation) -> Reservation:
         lease_seconds=message.lease_seconds or None,
         expires_at=message.expires_at or None,
         lease_expired=message.lease_expired,
+        blocks=tuple(message.blocks),
+    )
+
+
+def _rule_to_proto(rule: AdmissionRule) -> pb.AdmissionRule:
+    return pb.AdmissionRule(rule=rule.name, orders=rule.orders, delta_per_order=rule.delta_per_order)
+
+
+def _rule_from_proto(message: pb.AdmissionRule, delta: float) -> AdmissionRule:
+    return AdmissionRule(tuple(message.orders), delta, message.rule)
+
+
+def _budget_to_proto(status: BlockStatus | DatasetStatus) -> dict:
+    """The fields a dataset's and a block's status messages share."""
+    return {
+        "budget_epsilon": status.budget_epsilon,
+        "delta": status.delta,
+        "admission": _rule_to_proto(status.admission),
+        "spent_epsilon": status.spent_epsilon,
+        "spent_epsilon_rdp": status.spent_epsilon_rdp,
+        "spent_epsilon_filter": status.spent_epsilon_filter,
+        "reserved_epsilon": status.reserved_epsilon,
+        "remaining_epsilon": status.remaining_epsilon,
+        "spent_epsilon_accountant": status.spent_epsilon_accountant,
+    }
+
+
+def _budget_from_proto(message: pb.BlockStatus | pb.DatasetStatus) -> dict:
+    """Inverse of _budget_to_proto."""
+    return {
+        "budget_epsilon": message.budget_epsilon,
+        "delta": message.delta,
+        "admission": _rule_from_proto(message.admission, message.delta),
+        "spent_epsilon": message.spent_epsilon,
+        "spent_epsilon_rdp": message.spent_epsilon_rdp,
+        "spent_epsilon_filter": message.spent_epsilon_filter,
+        "reserved_epsilon": message.reserved_epsilon,
+        "remaining_epsilon": message.remaining_epsilon,
+        "spent_epsilon_accountant": message.spent_epsilon_accountant or "pld",
+    }
+
+
+def block_to_proto(block: BlockStatus) -> pb.BlockStatus:
+    """A BlockStatus as its message."""
+    return pb.BlockStatus(name=block.name, **_budget_to_proto(block))
+
+
+def block_from_proto(message: pb.BlockStatus) -> BlockStatus:
+    """Inverse of block_to_proto."""
+    return BlockStatus(name=message.name, **_budget_from_proto(message))
+
+
+def quota_to_proto(quota: QuotaStatus) -> pb.QuotaStatus:
+    """A QuotaStatus as its message."""
+    return pb.QuotaStatus(
+        tenant=quota.tenant,
+        block=quota.block or "",
+        quota_epsilon=quota.quota_epsilon,
+        admission=_rule_to_proto(quota.admission),
+        spent_epsilon_filter=quota.spent_epsilon_filter,
+        reserved_epsilon=quota.reserved_epsilon,
+        remaining_epsilon=quota.remaining_epsilon,
+        inherited=quota.inherited,
+        delta=quota.admission.delta,
+    )
+
+
+def quota_from_proto(message: pb.QuotaStatus) -> QuotaStatus:
+    """Inverse of quota_to_proto."""
+    return QuotaStatus(
+        tenant=message.tenant,
+        block=message.block or None,
+        quota_epsilon=message.quota_epsilon,
+        admission=_rule_from_proto(message.admission, message.delta),
+        spent_epsilon_filter=message.spent_epsilon_filter,
+        reserved_epsilon=message.reserved_epsilon,
+        remaining_epsilon=message.remaining_epsilon,
+        inherited=message.inherited,
+    )
+
+
+def fit_to_proto(report: FitReport) -> pb.FitsReply:
+    """A FitReport as its reply."""
+    return pb.FitsReply(
+        dataset=report.dataset,
+        blocks=report.blocks,
+        fits=report.fits,
+        checks=[
+            pb.BudgetCheck(
+                budget=check.budget,
+                budget_epsilon=check.budget_epsilon,
+                delta=check.delta,
+                held_epsilon=check.held_epsilon,
+                held_after_epsilon=check.held_after_epsilon,
+                needed_epsilon=check.needed_epsilon,
+                remaining_epsilon=check.remaining_epsilon,
+                remaining_after_epsilon=check.remaining_after_epsilon,
+                fits=check.fits,
+            )
+            for check in report.checks
+        ],
+    )
+
+
+def fit_from_proto(message: pb.FitsReply) -> FitReport:
+    """Inverse of fit_to_proto."""
+    return FitReport(
+        dataset=message.dataset,
+        blocks=tuple(message.blocks),
+        checks=tuple(
+            BudgetCheck(
+                budget=check.budget,
+                budget_epsilon=check.budget_epsilon,
+                delta=check.delta,
+                held_epsilon=check.held_epsilon,
+                held_after_epsilon=check.held_after_epsilon,
+                needed_epsilon=check.needed_epsilon,
+                remaining_epsilon=check.remaining_epsilon,
+                remaining_after_epsilon=check.remaining_after_epsilon,
+                fits=check.fits,
+            )
+            for check in message.checks
+        ),
     )
 
 
@@ -120,21 +249,11 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
     return pb.DatasetStatus(
         name=status.name,
         tenant=status.tenant,
-        budget_epsilon=status.budget_epsilon,
-        delta=status.delta,
-        admission=pb.AdmissionRule(
-            rule=status.admission.name,
-            orders=status.admission.orders,
-            delta_per_order=status.admission.delta_per_order,
-        ),
-        spent_epsilon=status.spent_epsilon,
-        spent_epsilon_rdp=status.spent_epsilon_rdp,
-        spent_epsilon_filter=status.spent_epsilon_filter,
-        reserved_epsilon=status.reserved_epsilon,
-        remaining_epsilon=status.remaining_epsilon,
+        **_budget_to_proto(status),
         jobs=[reservation_to_proto(job) for job in status.jobs],
         released_jobs=status.released_jobs,
-        spent_epsilon_accountant=status.spent_epsilon_accountant,
+        blocks=[block_to_proto(block) for block in status.blocks],
+        quotas=[quota_to_proto(quota) for quota in status.quotas],
         privacy_unit=status.privacy_unit,
         scheduling=scheduling_to_proto(status.scheduling),
         queued_jobs=status.queued_jobs,
@@ -146,19 +265,15 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
     return DatasetStatus(
         name=message.name,
         tenant=message.tenant,
-        budget_epsilon=message.budget_epsilon,
-        delta=message.delta,
-        admission=AdmissionRule(tuple(message.admission.orders), message.delta, message.admission.rule),
-        spent_epsilon=message.spent_epsilon,
-        spent_epsilon_rdp=message.spent_epsilon_rdp,
-        spent_epsilon_filter=message.spent_epsilon_filter,
-        reserved_epsilon=message.reserved_epsilon,
-        remaining_epsilon=message.remaining_epsilon,
+        **_budget_from_proto(message),
         jobs=tuple(reservation_from_proto(job) for job in message.jobs),
         released_jobs=message.released_jobs,
-        spent_epsilon_accountant=message.spent_epsilon_accountant or "pld",
+        blocks=tuple(block_from_proto(block) for block in message.blocks),
+        quotas=tuple(quota_from_proto(quota) for quota in message.quotas),
         privacy_unit=message.privacy_unit or EXAMPLE,
-        scheduling=SchedulingPolicy.from_dict(scheduling_from_proto(message.scheduling) or SchedulingPolicy().to_dict()),
+        scheduling=SchedulingPolicy.from_dict(
+            scheduling_from_proto(message.scheduling) or SchedulingPolicy().to_dict()
+        ),
         queued_jobs=message.queued_jobs,
     )
 

@@ -38,6 +38,7 @@ from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
 from accounting.ledger.messages import (
+    BUDGET_KEY,
     DATASET_KEY,
     DELTA_KEY,
     NEEDED_EPSILON_KEY,
@@ -105,6 +106,7 @@ def _rpc(method: Callable) -> Callable:
                     (NEEDED_EPSILON_KEY, repr(error.needed_epsilon)),
                     (DELTA_KEY, repr(error.delta)),
                     (DATASET_KEY, error.dataset),
+                    (BUDGET_KEY, error.budget),
                 )
             )
             context.abort(code, str(error))
@@ -184,7 +186,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         planned = parse_plan(request.planned_events_json)
         reservation = self._ledger.reserve(
             request.dataset, request.job_id, planned, request.lease_seconds or None,
-            request.privacy_unit or EXAMPLE, request.rows_per_person or None, caller=caller,
+            request.privacy_unit or EXAMPLE, request.rows_per_person or None, tuple(request.blocks), caller=caller,
         )
         return messages.reservation_to_proto(reservation)
 
@@ -200,12 +202,38 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         return messages.reservation_to_proto(self._ledger.release(request.reservation_id, caller=caller))
 
     @_rpc
+    def AddBlock(self, request: pb.AddBlockRequest, caller: Caller) -> pb.DatasetStatus:
+        """Add a block with its own budget to a dataset (its owner or an admin)."""
+        status = self._ledger.add_block(
+            request.dataset, request.block, request.epsilon, request.delta or None, caller=caller
+        )
+        return messages.status_to_proto(status)
+
+    @_rpc
+    def SetQuota(self, request: pb.SetQuotaRequest, caller: Caller) -> pb.DatasetStatus:
+        """Give a tenant a quota on a dataset or one of its blocks (admin)."""
+        status = self._ledger.set_quota(
+            request.dataset, request.tenant, request.epsilon, request.block or None, caller=caller
+        )
+        return messages.status_to_proto(status)
+
+    @_rpc
+    def Fits(self, request: pb.FitsRequest, caller: Caller) -> pb.FitsReply:
+        """Whether a job would be admitted now, and at what cost; reserves nothing."""
+        planned = parse_plan(request.planned_events_json)
+        report = self._ledger.fits(
+            request.dataset, planned, tuple(request.blocks), request.privacy_unit or EXAMPLE,
+            request.rows_per_person or None, caller=caller,
+        )
+        return messages.fit_to_proto(report)
+
+    @_rpc
     def Enqueue(self, request: pb.EnqueueRequest, caller: Caller) -> pb.QueuedJob:
         """Queue a job for budget; admitted at once when its dataset's policy finds it fits."""
         queued = self._ledger.enqueue(
             request.dataset, request.job_id, parse_plan(request.planned_events_json), request.lease_seconds or None,
             request.priority, request.max_wait_seconds or None, request.privacy_unit or EXAMPLE,
-            request.rows_per_person or None, caller=caller,
+            request.rows_per_person or None, tuple(request.blocks), caller=caller,
         )
         return messages.queued_to_proto(queued)
 

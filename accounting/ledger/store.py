@@ -60,28 +60,34 @@ from accounting.ledger.core import (
     AdmissionRule,
     AlreadyExists,
     BudgetExceeded,
+    BlockStatus,
+    BudgetCheck,
     Caller,
     CommitResult,
     DatasetRef,
     DatasetStatus,
     FailedPrecondition,
+    FitReport,
     HistoryEntry,
     InvalidArgument,
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
     QueuedJob,
+    QuotaStatus,
     RdpTally,
     Reservation,
     StoredDataset,
     StoredEntry,
+    StoredTenantUse,
     TenantCreated,
     Unauthenticated,
     Verification,
+    assess_admission,
     budget_figures,
     canonical,
     charged_plan,
-    check_admission,
+    check_block_names,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
@@ -105,6 +111,7 @@ from accounting.ledger.core import (
     new_token,
     no_access,
     no_reservation,
+    quota_status,
     resolve_dataset,
     split_steps,
     tenant_caller,
@@ -115,19 +122,36 @@ from accounting.ledger.core import (
 from accounting.ledger.databases import Connection, Database, open_database
 from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
 )
 
-# Jobs waiting for budget (schema version 5); `position` and `reason` are what the last scheduling pass said,
+_ONE_ACTIVE_RESERVATION_PER_JOB = (
+    "CREATE UNIQUE INDEX one_active_reservation_per_job ON reservations (dataset_id, tenant, job_id) "
+    "WHERE state = 'active'"
+)
+# A tenant's tally on one budget (a dataset or a block), and its quota there when an admin set one.
+_TENANT_USE = """CREATE TABLE tenant_use (
+        budget_id {integer} NOT NULL REFERENCES datasets(id),
+        tenant TEXT NOT NULL REFERENCES tenants(name),
+        quota_epsilon {float},
+        quota_rule TEXT,
+        held_rdp TEXT NOT NULL,
+        committed_events TEXT NOT NULL,
+        PRIMARY KEY (budget_id, tenant)
+    )"""
+
+# Jobs waiting for budget (schema version 6); `position` and `reason` are what the last scheduling pass said,
 # `conversion` what the `reserve` entry of its admission records of a job charged other events than its own.
 _QUEUE_TABLES = (
     """CREATE TABLE queued_jobs (
         id TEXT PRIMARY KEY,
         dataset_id {integer} NOT NULL REFERENCES datasets(id),
         job_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        blocks TEXT NOT NULL,
         planned_events TEXT NOT NULL,
         conversion TEXT NOT NULL,
         priority {integer} NOT NULL,
@@ -165,6 +189,8 @@ _TABLES = (
         released_jobs {integer} NOT NULL DEFAULT 0,
         admission_rule TEXT NOT NULL,
         privacy_unit TEXT NOT NULL DEFAULT 'example',
+        block_of {integer} REFERENCES datasets(id),
+        block TEXT,
         scheduling TEXT NOT NULL DEFAULT '{fcfs}',
         arrived_jobs {integer} NOT NULL DEFAULT 0,
         UNIQUE (tenant, name)
@@ -180,9 +206,11 @@ _TABLES = (
         released_at TEXT,
         lease_seconds {float},
         expires_at TEXT,
-        lease_expired {integer} NOT NULL DEFAULT 0{order_column}
+        lease_expired {integer} NOT NULL DEFAULT 0,
+        tenant TEXT NOT NULL,
+        blocks TEXT NOT NULL DEFAULT '[]'{order_column}
     )""",
-    "CREATE UNIQUE INDEX one_active_reservation_per_job ON reservations (dataset_id, job_id) WHERE state = 'active'",
+    _ONE_ACTIVE_RESERVATION_PER_JOB,
     "CREATE INDEX reservations_by_dataset ON reservations (dataset_id, state)",
     _LEASE_INDEX,
     """CREATE TABLE commits (
@@ -206,6 +234,7 @@ _TABLES = (
     )""",
     "CREATE INDEX history_by_tenant ON history (tenant, id)",
     "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
+    _TENANT_USE,
     *_QUEUE_TABLES,
 )
 
@@ -222,12 +251,16 @@ def _formatted(statement: str, database: Database) -> str:
 
 _DATASET_COLUMNS = (
     "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit, "
-    "scheduling, arrived_jobs, created_at"
+    "block_of, block, scheduling, arrived_jobs, created_at"
 )
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
-    "r.lease_seconds, r.expires_at, r.lease_expired"
+    "r.lease_seconds, r.expires_at, r.lease_expired, r.tenant, r.blocks"
 )
+# Where a reservation row, as _RESERVATION_COLUMNS selects it, holds the tenant that made it; a row selected
+# with ", r.dataset_id" after them holds the dataset's id next.
+_JOB_TENANT = 12
+_JOB_DATASET_ID = 14
 _HISTORY_COLUMNS = "id, at, actor, action, tenant, dataset_id, details, previous_hash, hash"
 _QUEUE_COLUMNS = (
     "q.id, d.tenant, d.name, q.job_id, q.state, q.planned_events, q.priority, q.created_at, q.deadline, q.position, "
@@ -248,6 +281,8 @@ class _DatasetRow(NamedTuple):
     released_jobs: int
     admission_rule: str
     privacy_unit: str
+    block_of: int | None
+    block: str | None
     scheduling: str
     arrived_jobs: int
     created_at: str
@@ -313,8 +348,32 @@ def _add_privacy_units(connection: Connection, caller: Caller, database: Databas
     connection.execute("ALTER TABLE datasets ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'")
 
 
+
+def _add_blocks_and_quotas(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 5: blocks of a dataset, and each tenant's tally and quota per budget.
+
+    Until now only a dataset's owner could reserve on it, so the owner's
+    tally on each dataset is the dataset's own, and every reservation is the
+    owner's.
+    """
+    types = database.types
+    for statement in (
+        f"ALTER TABLE datasets ADD COLUMN block_of {types['integer']} REFERENCES datasets(id)",
+        "ALTER TABLE datasets ADD COLUMN block TEXT",
+        "ALTER TABLE reservations ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE reservations ADD COLUMN blocks TEXT NOT NULL DEFAULT '[]'",
+        "UPDATE reservations SET tenant = (SELECT d.tenant FROM datasets d WHERE d.id = reservations.dataset_id)",
+        "DROP INDEX one_active_reservation_per_job",
+        _ONE_ACTIVE_RESERVATION_PER_JOB,
+        _TENANT_USE.format(**types),
+        "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) "
+        "SELECT id, tenant, held_rdp, committed_events FROM datasets",
+    ):
+        connection.execute(statement)
+
+
 def _add_queues(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 5: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
+    """Version 6: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
     for statement in (
         "ALTER TABLE datasets ADD COLUMN scheduling TEXT NOT NULL DEFAULT '{fcfs}'",
         "ALTER TABLE datasets ADD COLUMN arrived_jobs {integer} NOT NULL DEFAULT 0",
@@ -324,7 +383,13 @@ def _add_queues(connection: Connection, caller: Caller, database: Database) -> N
 
 
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {2: _count_released_jobs, 3: _adopt_filters_leases_and_hashes, 4: _add_privacy_units, 5: _add_queues}
+_MIGRATIONS = {
+    2: _count_released_jobs,
+    3: _adopt_filters_leases_and_hashes,
+    4: _add_privacy_units,
+    5: _add_blocks_and_quotas,
+    6: _add_queues,
+}
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -360,6 +425,41 @@ def _conversion(planned: Composition, job_events: Composition, rows_per_person: 
 
 def _rule(row: _DatasetRow) -> AdmissionRule:
     return AdmissionRule.from_dict(json.loads(row.admission_rule))
+
+
+def _budget_fields(budget: _DatasetRow, pld_may_be_pending: bool) -> dict:
+    """A dataset's or block's budget, rule and figures, as the fields its status shares with the other's."""
+    rule = _rule(budget)
+    figures = budget_figures(
+        budget.budget_epsilon, rule, Composition.from_json(budget.committed_events),
+        RdpTally.from_json(budget.held_rdp), pld_may_be_pending,
+    )
+    return {
+        "budget_epsilon": budget.budget_epsilon,
+        "delta": budget.delta,
+        "admission": rule,
+        "spent_epsilon": figures.spent_epsilon,
+        "spent_epsilon_rdp": figures.spent_epsilon_rdp,
+        "spent_epsilon_filter": figures.spent_epsilon_filter,
+        "reserved_epsilon": figures.reserved_epsilon,
+        "remaining_epsilon": figures.remaining_epsilon,
+        "spent_epsilon_accountant": figures.spent_epsilon_accountant,
+    }
+
+
+def _budget_label(reference: str, budget: _DatasetRow) -> str:
+    """A budget in words, for refusals: the dataset's, or one block's."""
+    return f"dataset {reference!r}" if budget.block is None else f"block {budget.block!r} of dataset {reference!r}"
+
+
+def _blocks_detail(blocks: tuple[str, ...]) -> dict:
+    """The history detail naming the blocks a job is charged to (none for a job on the dataset itself)."""
+    return {"blocks": list(blocks)} if blocks else {}
+
+
+def _job_tenant(caller: Caller, dataset: _DatasetRow) -> str:
+    """Whose job a reservation is: the tenant's that makes it; an admin's jobs count as the dataset owner's."""
+    return dataset.tenant if caller.admin else caller.tenant
 
 
 def default_ledger_path() -> Path:
@@ -587,16 +687,125 @@ class Ledger:
         )
 
     @staticmethod
-    def _dataset_row(connection: Connection, caller: Caller, reference: str) -> _DatasetRow:
-        dataset = resolve_dataset(caller, reference)
+    def _dataset_row(connection: Connection, caller: Caller, reference: str, shared: bool = False) -> _DatasetRow:
+        """The dataset `reference` names; with `shared`, also another tenant's where the caller holds a quota."""
+        dataset = resolve_dataset(caller, reference, shared)
         row = connection.execute(
-            f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? AND name = ?", (dataset.tenant, dataset.name)
+            f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? AND name = ? AND block_of IS NULL",
+            (dataset.tenant, dataset.name),
         ).fetchone()
         if row is None:
             if caller.admin:
                 raise NotFound(f"dataset {reference!r} does not exist; create it with dpfleet ledger dataset create")
             raise no_access(reference)
-        return _DatasetRow(*row)
+        row = _DatasetRow(*row)
+        if not caller.admin and row.tenant != caller.tenant and not connection.execute(
+            "SELECT 1 FROM tenant_use u JOIN datasets d ON d.id = u.budget_id "
+            "WHERE u.tenant = ? AND u.quota_epsilon IS NOT NULL AND (d.id = ? OR d.block_of = ?) LIMIT 1",
+            (caller.tenant, row.dataset_id, row.dataset_id),
+        ).fetchone():
+            raise no_access(reference)
+        return row
+
+    @staticmethod
+    def _budget_rows(connection: Connection, dataset: _DatasetRow, blocks: tuple[str, ...], reference: str,
+                     new_job: bool = False) -> list[_DatasetRow]:
+        """The budgets a job on `blocks` of `dataset` is charged to: each block's, or the dataset's own for ().
+
+        A `new_job` on a dataset made of blocks must name them; a job
+        reserved before the dataset had blocks stays on its own budget.
+        """
+        rows = [
+            _DatasetRow(*row) for row in connection.execute(
+                f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of = ? ORDER BY block", (dataset.dataset_id,)
+            ).fetchall()
+        ]
+        if not blocks:
+            if rows and new_job:
+                raise FailedPrecondition(
+                    f"dataset {reference!r} is made of blocks ({', '.join(row.block for row in rows)}); a job names "
+                    "the blocks it trains on (the config's blocks = [...], or a range of them)"
+                )
+            return [dataset]
+        by_name = {row.block: row for row in rows}
+        missing = [block for block in blocks if block not in by_name]
+        if missing:
+            raise NotFound(
+                f"dataset {reference!r} has no block {', '.join(map(repr, missing))}; its blocks are "
+                f"{', '.join(by_name) or 'none'} (dpfleet ledger block add creates one)"
+            )
+        return [by_name[block] for block in blocks]
+
+    @staticmethod
+    def _use(connection: Connection, budget_id: int, tenant: str) -> tuple[RdpTally, Composition]:
+        """A tenant's tally of committed and reserved steps on a budget, and its committed events."""
+        row = connection.execute(
+            "SELECT held_rdp, committed_events FROM tenant_use WHERE budget_id = ? AND tenant = ?", (budget_id, tenant)
+        ).fetchone()
+        if row is None:
+            return RdpTally.zero(), Composition()
+        return RdpTally.from_json(row[0]), Composition.from_json(row[1])
+
+    @staticmethod
+    def _set_use(connection: Connection, budget_id: int, tenant: str, held: RdpTally, committed: Composition) -> None:
+        connection.execute(
+            "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (budget_id, tenant) DO UPDATE SET held_rdp = excluded.held_rdp, "
+            "committed_events = excluded.committed_events",
+            (budget_id, tenant, held.to_json(), canonical(committed).to_json()),
+        )
+
+    @staticmethod
+    def _quota(connection: Connection, budget: _DatasetRow, tenant: str) -> tuple[float, AdmissionRule] | None:
+        """The tenant's quota on a budget: its own, else (for a block) the one set on its dataset; None if none."""
+        for budget_id in (budget.dataset_id, budget.block_of):
+            if budget_id is None:
+                continue
+            row = connection.execute(
+                "SELECT quota_epsilon, quota_rule FROM tenant_use WHERE budget_id = ? AND tenant = ? "
+                "AND quota_epsilon IS NOT NULL",
+                (budget_id, tenant),
+            ).fetchone()
+            if row is not None:
+                return row[0], AdmissionRule.from_dict(json.loads(row[1]))
+        return None
+
+    def _admission_checks(
+        self, connection: Connection, tenant: str, dataset: _DatasetRow, budgets: list[_DatasetRow],
+        planned: RdpTally, reference: str, committed: bool = False,
+    ) -> tuple[list[BudgetCheck], list[BudgetCheck]]:
+        """Every filter a job of `tenant` must pass: each budget's (in order), and the tenant's quotas where set.
+
+        Against what is committed and reserved, or with `committed`, against
+        what is committed only (a commit's check). Another tenant than the
+        owner needs a quota on each budget it is charged to.
+        """
+        checks, quota_checks = [], []
+        for budget in budgets:
+            label = _budget_label(reference, budget)
+            if committed:
+                held = RdpTally.of(Composition.from_json(budget.committed_events))
+            else:
+                (held,) = connection.execute(
+                    "SELECT held_rdp FROM datasets WHERE id = ?", (budget.dataset_id,)
+                ).fetchone()
+                held = RdpTally.from_json(held)
+            checks.append(assess_admission(label, _rule(budget), budget.budget_epsilon, held, planned))
+            quota = self._quota(connection, budget, tenant)
+            if quota is None:
+                if tenant != dataset.tenant:
+                    raise PermissionDenied(
+                        f"tenant {tenant!r} has no quota on {label}; an admin gives one with dpfleet ledger quota set"
+                    )
+                continue
+            use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
+            quota_checks.append(
+                assess_admission(
+                    f"tenant {tenant!r}'s quota on {label}", quota[1], quota[0],
+                    RdpTally.of(use_committed) if committed else use_held, planned,
+                )
+            )
+        return checks, quota_checks
 
     @staticmethod
     def _reservation_row(connection: Connection, caller: Caller, reservation_id: str) -> tuple:
@@ -608,7 +817,7 @@ class Ledger:
         ).fetchone()
         if row is None and caller.admin:
             raise NotFound(f"reservation {reservation_id!r} does not exist (dpfleet ledger jobs lists them)")
-        if row is None or not (caller.admin or row[1] == caller.tenant):
+        if row is None or not (caller.admin or row[_JOB_TENANT] == caller.tenant):
             raise no_reservation(reservation_id)
         return row
 
@@ -616,8 +825,8 @@ class Ledger:
     def _reservation(caller: Caller, row: tuple) -> Reservation:
         (
             reservation_id, tenant, name, job_id, state, planned, committed, created_at, released_at,
-            lease_seconds, expires_at, lease_expired,
-        ) = row[:12]
+            lease_seconds, expires_at, lease_expired, _, blocks,
+        ) = row[:14]
         return Reservation(
             reservation_id=reservation_id,
             dataset=display_name(caller, DatasetRef(tenant, name)),
@@ -630,44 +839,75 @@ class Ledger:
             lease_seconds=lease_seconds,
             expires_at=expires_at,
             lease_expired=bool(lease_expired),
+            blocks=tuple(json.loads(blocks)),
         )
 
-    def _status_rows(self, connection: Connection, row: _DatasetRow) -> tuple[_DatasetRow, list[tuple], int]:
-        """What a status needs from the file: read inside a transaction, computed on outside it."""
+    def _status_rows(self, connection: Connection, caller: Caller, row: _DatasetRow) -> tuple:
+        """What a status needs from the file: read inside a transaction, computed on outside it.
+
+        A tenant sees its own jobs and quotas only; an admin every tenant's.
+        """
+        mine, parameters = ("", ()) if caller.admin else ("AND r.tenant = ?", (caller.tenant,))
         jobs = connection.execute(
             f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-            f"WHERE r.dataset_id = ? AND r.state = ? ORDER BY r.{self._database.insertion_order}",
-            (row.dataset_id, ACTIVE),
+            f"WHERE r.dataset_id = ? AND r.state = ? {mine} ORDER BY r.{self._database.insertion_order}",
+            (row.dataset_id, ACTIVE, *parameters),
+        ).fetchall()
+        blocks = [
+            _DatasetRow(*block) for block in connection.execute(
+                f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of = ? ORDER BY block", (row.dataset_id,)
+            ).fetchall()
+        ]
+        mine, parameters = ("", ()) if caller.admin else ("AND u.tenant = ?", (caller.tenant,))
+        uses = connection.execute(
+            "SELECT u.budget_id, u.tenant, u.quota_epsilon, u.quota_rule, u.held_rdp, u.committed_events "
+            f"FROM tenant_use u JOIN datasets d ON d.id = u.budget_id WHERE (d.id = ? OR d.block_of = ?) {mine} "
+            "ORDER BY u.tenant, u.budget_id",
+            (row.dataset_id, row.dataset_id, *parameters),
         ).fetchall()
         (queued,) = connection.execute(
             "SELECT COUNT(*) FROM queued_jobs WHERE dataset_id = ? AND state = ?", (row.dataset_id, QUEUED)
         ).fetchone()
-        return row, jobs, queued
+        return row, jobs, blocks, uses, queued
 
-    def _status(
-        self, caller: Caller, rows: tuple[_DatasetRow, list[tuple], int], pld_may_be_pending: bool = False
-    ) -> DatasetStatus:
+    @staticmethod
+    def _quota_statuses(row: _DatasetRow, blocks: list[_DatasetRow], uses: list[tuple]) -> tuple[QuotaStatus, ...]:
+        """Each tenant's quota on the dataset and on each block; a quota set on the dataset stands in for a
+        block that has none of its own."""
+        by_budget = {(budget_id, tenant): tuple(use) for budget_id, tenant, *use in uses}
+        statuses = []
+        for tenant in sorted({use[1] for use in uses}):
+            dataset_quota = by_budget.get((row.dataset_id, tenant))
+            for budget in [row, *blocks]:
+                quota_epsilon, quota_rule, held, committed = by_budget.get(
+                    (budget.dataset_id, tenant), (None, None, RdpTally.zero().to_json(), Composition().to_json())
+                )
+                inherited = quota_epsilon is None and budget is not row and dataset_quota is not None
+                if inherited:
+                    quota_epsilon, quota_rule = dataset_quota[0], dataset_quota[1]
+                if quota_epsilon is None:
+                    continue
+                statuses.append(
+                    quota_status(
+                        tenant, budget.block, quota_epsilon, AdmissionRule.from_dict(json.loads(quota_rule)),
+                        Composition.from_json(committed), RdpTally.from_json(held), inherited,
+                    )
+                )
+        return tuple(statuses)
+
+    def _status(self, caller: Caller, rows: tuple, pld_may_be_pending: bool = False) -> DatasetStatus:
         # The PLD epsilon can take a second when the committed events changed; no lock is held here.
-        row, jobs, queued = rows
-        rule = _rule(row)
-        figures = budget_figures(
-            row.budget_epsilon, rule, Composition.from_json(row.committed_events), RdpTally.from_json(row.held_rdp),
-            pld_may_be_pending,
-        )
+        row, jobs, blocks, uses, queued = rows
         return DatasetStatus(
             name=display_name(caller, DatasetRef(row.tenant, row.name)),
             tenant=row.tenant,
-            budget_epsilon=row.budget_epsilon,
-            delta=row.delta,
-            admission=rule,
-            spent_epsilon=figures.spent_epsilon,
-            spent_epsilon_rdp=figures.spent_epsilon_rdp,
-            spent_epsilon_filter=figures.spent_epsilon_filter,
-            reserved_epsilon=figures.reserved_epsilon,
-            remaining_epsilon=figures.remaining_epsilon,
+            **_budget_fields(row, pld_may_be_pending),
             jobs=tuple(self._reservation(caller, job) for job in jobs),
             released_jobs=row.released_jobs,
-            spent_epsilon_accountant=figures.spent_epsilon_accountant,
+            blocks=tuple(
+                BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending)) for block in blocks
+            ),
+            quotas=self._quota_statuses(row, blocks, uses),
             privacy_unit=row.privacy_unit,
             scheduling=SchedulingPolicy.from_dict(json.loads(row.scheduling)),
             queued_jobs=queued,
@@ -777,7 +1017,7 @@ class Ledger:
                 {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
                  "scheduling": scheduling.to_dict()},
             )
-            rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
+            rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
 
     def raise_budget(self, dataset: str, epsilon: float, *, caller: Caller | None = None) -> DatasetStatus:
@@ -796,8 +1036,112 @@ class Ledger:
                 connection, caller, "raise_budget", row.tenant, row.dataset_id,
                 {"from": row.budget_epsilon, "to": epsilon},
             )
-            rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
+            rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset))
         return self._status(caller, rows)
+
+    def add_block(
+        self, dataset: str, block: str, epsilon: float, delta: float | None = None, *, caller: Caller | None = None
+    ) -> DatasetStatus:
+        """Add a block (a part of the dataset's data, e.g. one day's) with its own budget of `epsilon` at `delta`.
+
+        `delta` defaults to the dataset's; the block protects the dataset's privacy unit. The dataset's owner or an admin
+        may add one. Jobs on the dataset then name the blocks they train on,
+        and each is charged in full to every block it names.
+        """
+        caller = self._caller(caller)
+        check_name("block name", block)
+        epsilon = check_budget_epsilon(epsilon)
+        with self._transaction() as connection:
+            row = self._dataset_row(connection, caller, dataset)
+            delta = row.delta if delta is None else check_delta(delta)
+            rule = AdmissionRule.for_budget(epsilon, delta)
+            try:
+                (block_id,) = connection.execute(
+                    "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
+                    "created_at, admission_rule, privacy_unit, block_of, block) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    (
+                        # ':' is in no dataset name, so a block's row never takes a dataset's name.
+                        row.tenant, f"{row.name}:{block}", epsilon, delta, RdpTally.zero().to_json(),
+                        Composition().to_json(), _now(), json.dumps(rule.to_dict()), row.privacy_unit,
+                        row.dataset_id, block,
+                    ),
+                ).fetchone()
+            except self._database.duplicate_errors:
+                raise AlreadyExists(f"dataset {dataset!r} already has a block {block!r}; choose another name") from None
+            self._record(
+                connection, caller, "add_block", row.tenant, block_id,
+                {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta, "admission": rule.to_dict()},
+            )
+            rows = self._status_rows(connection, caller, row)
+        return self._status(caller, rows)
+
+    def set_quota(
+        self, dataset: str, tenant: str, epsilon: float, block: str | None = None, *, caller: Caller | None = None
+    ) -> DatasetStatus:
+        """Give `tenant` a quota of `epsilon` on a dataset, or on one of its blocks (admin only).
+
+        The quota is an extra RDP filter, at orders of its own taken from
+        (epsilon, the budget's delta), on the tenant's own tally: a job of
+        the tenant needs both the budget's filter and this one. A quota set
+        on a dataset applies to each of its blocks that has none of its own.
+        It lets a tenant other than the owner use the dataset. Setting it
+        again replaces it; a quota below what the tenant holds admits no new
+        job until enough is released.
+        """
+        caller = self._caller(caller)
+        if not caller.admin:
+            raise PermissionDenied(
+                "setting a quota needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
+            )
+        check_name("tenant name", tenant)
+        epsilon = check_budget_epsilon(epsilon)
+        blocks = () if block is None else check_block_names([block])
+        with self._transaction() as connection:
+            row = self._dataset_row(connection, caller, dataset)
+            if not connection.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant,)).fetchone():
+                raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
+            (budget,) = self._budget_rows(connection, row, blocks, dataset) if blocks else (row,)
+            rule = AdmissionRule.for_budget(epsilon, budget.delta)
+            held, committed = self._use(connection, budget.dataset_id, tenant)
+            self._set_use(connection, budget.dataset_id, tenant, held, committed)
+            connection.execute(
+                "UPDATE tenant_use SET quota_epsilon = ?, quota_rule = ? WHERE budget_id = ? AND tenant = ?",
+                (epsilon, json.dumps(rule.to_dict()), budget.dataset_id, tenant),
+            )
+            held_epsilon = rule.epsilon(held)
+            self._record(
+                connection, caller, "set_quota", tenant, budget.dataset_id,
+                {"tenant": tenant, "block": block, "epsilon": epsilon, "admission": rule.to_dict(),
+                 "held_epsilon_filter": held_epsilon, "held_fits_quota": fits_budget(held_epsilon, epsilon)},
+            )
+            rows = self._status_rows(connection, caller, row)
+        return self._status(caller, rows)
+
+    def fits(
+        self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, *, caller: Caller | None = None,
+    ) -> FitReport:
+        """Whether a job would be admitted now, what it would cost and what would remain; reserves nothing.
+
+        The same conversion (`charged_plan`) and checks as `reserve`, on one
+        snapshot of the budgets; a reservation made later meets the budgets
+        as they are then.
+        """
+        caller = self._caller(caller)
+        job_events = check_plan(planned)
+        blocks = check_block_names(blocks)
+        privacy_unit = check_privacy_unit(privacy_unit)
+        rows_per_person = check_rows_per_person(rows_per_person)
+        with self._read() as connection:
+            row = self._dataset_row(connection, caller, dataset, shared=True)
+            planned_tally = RdpTally.of(charged_plan(dataset, row.privacy_unit, privacy_unit, job_events,
+                                                     rows_per_person))
+            budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
+            checks, quota_checks = self._admission_checks(
+                connection, _job_tenant(caller, row), row, budgets, planned_tally, dataset
+            )
+        return FitReport(dataset, blocks, (*checks, *quota_checks))
 
     def get_budget(
         self, dataset: str, pld_may_be_pending: bool = False, *, caller: Caller | None = None
@@ -810,7 +1154,7 @@ class Ledger:
         """
         caller = self._caller(caller)
         with self._read() as connection:
-            rows = self._status_rows(connection, self._dataset_row(connection, caller, dataset))
+            rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset, shared=True))
         return self._status(caller, rows, pld_may_be_pending)
 
     def list_datasets(
@@ -820,12 +1164,18 @@ class Ledger:
         caller = self._caller(caller)
         with self._read() as connection:
             if caller.admin:
-                datasets = connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets ORDER BY tenant, name")
-            else:
                 datasets = connection.execute(
-                    f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? ORDER BY name", (caller.tenant,)
+                    f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of IS NULL ORDER BY tenant, name"
                 )
-            all_rows = [self._status_rows(connection, _DatasetRow(*row)) for row in datasets.fetchall()]
+            else:
+                # Its own datasets, and those where it holds a quota on the dataset or one of its blocks.
+                datasets = connection.execute(
+                    f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of IS NULL AND (tenant = ? OR id IN "
+                    "(SELECT COALESCE(d.block_of, d.id) FROM tenant_use u JOIN datasets d ON d.id = u.budget_id "
+                    "WHERE u.tenant = ? AND u.quota_epsilon IS NOT NULL)) ORDER BY tenant, name",
+                    (caller.tenant, caller.tenant),
+                )
+            all_rows = [self._status_rows(connection, caller, _DatasetRow(*row)) for row in datasets.fetchall()]
         return [self._status(caller, rows, pld_may_be_pending) for rows in all_rows]
 
     # ------------------------------------------------------------ jobs
@@ -836,8 +1186,18 @@ class Ledger:
         """Reservations on the caller's datasets, oldest first; optionally of one dataset or state."""
         caller = self._caller(caller)
         state = check_state(state)
+        conditions, parameters = [], []
         with self._read() as connection:
-            where, parameters = self._visible(connection, caller, "r", dataset, state)
+            if dataset is not None:
+                conditions.append("r.dataset_id = ?")
+                parameters.append(self._dataset_row(connection, caller, dataset, shared=True).dataset_id)
+            if not caller.admin:
+                conditions.append("r.tenant = ?")
+                parameters.append(caller.tenant)
+            if state is not None:
+                conditions.append("r.state = ?")
+                parameters.append(state)
+            where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
             rows = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
                 f"{where} ORDER BY r.{self._database.insertion_order}",
@@ -869,6 +1229,7 @@ class Ledger:
         lease_seconds: float | None = None,
         privacy_unit: str = EXAMPLE,
         rows_per_person: int | None = None,
+        blocks: tuple[str, ...] | list[str] = (),
         *,
         caller: Caller | None = None,
     ) -> Reservation:
@@ -878,39 +1239,45 @@ class Ledger:
         is converted or refused by `charged_plan` (an example-level job on a
         user-level dataset is charged its group-privacy bound for people of at
         most `rows_per_person` rows), and the reservation holds the events
-        charged. The dataset's admission rule decides. A job id holds at most one
-        active reservation per dataset: asking again with the same plan
-        returns that reservation (a retried reserve holds budget once); a
-        different plan is refused until it is released. With
-        `lease_seconds`, the reservation expires that long after this call
-        or its last commit, and its unrun steps are released.
+        charged. The job is charged to the dataset, or in full to each of
+        `blocks` (block composition): every budget's admission rule, and the
+        tenant's quota on each where one is set, must admit it; all or
+        nothing. A job id holds at most one active reservation per dataset
+        and tenant: asking again with the same plan and blocks returns that
+        reservation (a retried reserve holds budget once); a different one is
+        refused until it is released. With `lease_seconds`, the reservation
+        expires that long after this call or its last commit, and its unrun
+        steps are released.
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
+        blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
-            row = self._dataset_row(connection, caller, dataset)
+            row = self._dataset_row(connection, caller, dataset, shared=True)
+            tenant = _job_tenant(caller, row)
             self._expire_leases(connection, row.dataset_id)
             existing = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-                "WHERE r.dataset_id = ? AND r.job_id = ? AND r.state = ?",
-                (row.dataset_id, job_id, ACTIVE),
+                "WHERE r.dataset_id = ? AND r.tenant = ? AND r.job_id = ? AND r.state = ?",
+                (row.dataset_id, tenant, job_id, ACTIVE),
             ).fetchone()
             if existing is not None:
                 reservation = self._reservation(caller, existing)
-                if reservation.planned != planned:
+                if reservation.planned != planned or reservation.blocks != blocks:
                     raise FailedPrecondition(
                         f"job {job_id!r} already holds reservation {reservation.reservation_id} on dataset "
-                        f"{dataset!r} with another plan; release it first or use another job id"
+                        f"{dataset!r} with another plan or blocks; release it first or use another job id"
                     )
                 return reservation
+            budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
             reservation_id = self._hold(
-                connection, caller, dataset, row, job_id, planned, planned_tally, lease_seconds,
-                _conversion(planned, job_events, rows_per_person),
+                connection, caller, tenant, dataset, row, budgets, blocks, job_id, planned, planned_tally,
+                lease_seconds, _conversion(planned, job_events, rows_per_person),
             )
-            connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (row.dataset_id,))
+            self._count_arrival(connection, budgets)
             self._serve_queue(connection, row.dataset_id)
             reserved = connection.execute(
                 f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
@@ -927,53 +1294,77 @@ class Ledger:
         privacy_unit = check_privacy_unit(privacy_unit)
         rows_per_person = check_rows_per_person(rows_per_person)
         with self._read() as connection:
-            dataset_unit = self._dataset_row(connection, caller, dataset).privacy_unit
+            dataset_unit = self._dataset_row(connection, caller, dataset, shared=True).privacy_unit
         charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         return job_events, charged, rows_per_person
+
+    @staticmethod
+    def _count_arrival(connection: Connection, budgets: list[_DatasetRow]) -> None:
+        """A job arrived on `budgets` (the dataset, or the blocks it names): what DPF-N unlocks by."""
+        for budget in budgets:
+            connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (budget.dataset_id,))
 
     def _hold(
         self,
         connection: Connection,
         caller: Caller,
+        tenant: str,
         dataset: str,
         row: _DatasetRow,
+        budgets: list[_DatasetRow],
+        blocks: tuple[str, ...],
         job_id: str,
         planned: Composition,
         planned_tally: RdpTally,
         lease_seconds: float | None,
         details: dict,
     ) -> str:
-        """Admit a plan through the dataset's filter (or raise BudgetExceeded) and hold it; the new reservation's id.
+        """Admit `tenant`'s plan on `budgets` (the dataset, or its `blocks`) through every budget's filter and
+        the tenant's quotas (or raise BudgetExceeded), and hold it; the new reservation's id.
 
         `dataset` is the name a refusal gives; `details` go into the `reserve` history entry besides the plan.
         """
-        (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (row.dataset_id,)).fetchone()
-        held = RdpTally.from_json(held)
-        total_epsilon = check_admission(dataset, _rule(row), row.budget_epsilon, held, planned_tally)
+        checks, quota_checks = self._admission_checks(connection, tenant, row, budgets, planned_tally, dataset)
+        for check in [*checks, *quota_checks]:
+            if not check.fits:
+                raise check.refusal(dataset)
         reservation_id = f"r-{secrets.token_hex(8)}"
         connection.execute(
             "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at, "
-            "lease_seconds, expires_at) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?)",
+            "lease_seconds, expires_at, tenant, blocks) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)",
             (
                 reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, _now(), lease_seconds,
-                _expiry(lease_seconds),
+                _expiry(lease_seconds), tenant, json.dumps(list(blocks)),
             ),
         )
-        connection.execute(
-            "UPDATE datasets SET held_rdp = ? WHERE id = ?", ((held + planned_tally).to_json(), row.dataset_id)
+        for budget in budgets:
+            (held,) = connection.execute(
+                "SELECT held_rdp FROM datasets WHERE id = ?", (budget.dataset_id,)
+            ).fetchone()
+            connection.execute(
+                "UPDATE datasets SET held_rdp = ? WHERE id = ?",
+                ((RdpTally.from_json(held) + planned_tally).to_json(), budget.dataset_id),
+            )
+            use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
+            self._set_use(connection, budget.dataset_id, tenant, use_held + planned_tally, use_committed)
+        # The filter epsilon each budget holds after admission, as verify replays it.
+        held_after = [check.held_after_epsilon for check in checks]
+        placement = (
+            {"blocks": list(blocks), "held_epsilon_filter_by_block": dict(zip(blocks, held_after))}
+            if blocks else {"held_epsilon_filter": held_after[0]}
         )
         self._record(
             connection,
             caller,
             "reserve",
-            row.tenant,
+            tenant,
             row.dataset_id,
             {
                 "reservation_id": reservation_id,
                 "job_id": job_id,
                 "planned_events": planned.to_dict(),
-                "held_epsilon_filter": total_epsilon,
                 "lease_seconds": lease_seconds,
+                **placement,
                 **details,
             },
         )
@@ -994,7 +1385,7 @@ class Ledger:
         sequence = check_sequence(sequence)
         with self._transaction() as connection:
             row = self._reservation_row(connection, caller, reservation_id)
-            dataset_id = row[12]
+            dataset_id = row[_JOB_DATASET_ID]
             if row[4] == ACTIVE and row[10] is not None and row[10] <= _now():  # its own lease ran out
                 self._expire_leases(connection, dataset_id)
                 row = self._reservation_row(connection, caller, reservation_id)
@@ -1029,17 +1420,23 @@ class Ledger:
             dataset = _DatasetRow(
                 *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
             )
-            committed_events = Composition.from_json(dataset.committed_events)
-            # Admission keeps every commit within the filter; this holds the line for reservations made before
-            # the dataset had one (a file of schema version 2), whose unrun steps may not fit it.
-            check_admission(
-                reservation.dataset, _rule(dataset), dataset.budget_epsilon, RdpTally.of(committed_events),
-                RdpTally.of(block),
+            tenant = row[_JOB_TENANT]
+            budgets = self._budget_rows(connection, dataset, reservation.blocks, reservation.dataset)
+            # Admission keeps every commit within the filters; this holds the line for reservations made before
+            # a dataset had one (a file of schema version 2), or before a tenant's quota was set or lowered.
+            checks, quota_checks = self._admission_checks(
+                connection, tenant, dataset, budgets, RdpTally.of(block), reservation.dataset, committed=True
             )
-            connection.execute(
-                "UPDATE datasets SET committed_events = ? WHERE id = ?",
-                (canonical(committed_events.then(block)).to_json(), dataset_id),
-            )
+            for check in [*checks, *quota_checks]:
+                if not check.fits:
+                    raise check.refusal(reservation.dataset)
+            for budget in budgets:
+                connection.execute(
+                    "UPDATE datasets SET committed_events = ? WHERE id = ?",
+                    (canonical(Composition.from_json(budget.committed_events).then(block)).to_json(), budget.dataset_id),
+                )
+                use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
+                self._set_use(connection, budget.dataset_id, tenant, use_held, use_committed.then(block))
             committed_steps = reservation.committed_steps + steps
             connection.execute(
                 "UPDATE reservations SET committed_steps = ?, expires_at = ? WHERE id = ?",
@@ -1053,13 +1450,14 @@ class Ledger:
                 connection,
                 caller,
                 "commit",
-                row[1],
+                tenant,
                 dataset_id,
                 {
                     "reservation_id": reservation_id,
                     "job_id": reservation.job_id,
                     "sequence": sequence,
                     "events": block.to_dict(),
+                    **_blocks_detail(reservation.blocks),
                 },
             )
         return CommitResult(reservation_id, sequence, steps, committed_steps, reservation.planned_steps)
@@ -1069,7 +1467,7 @@ class Ledger:
         caller = self._caller(caller)
         with self._transaction() as connection:
             row = self._reservation_row(connection, caller, reservation_id)
-            self._expire_leases(connection, row[12])
+            self._expire_leases(connection, row[_JOB_DATASET_ID])
             self._free(connection, caller, self._reservation_row(connection, caller, reservation_id), "release")
             self._serve_queue(connection, row[12])
             row = self._reservation_row(connection, caller, reservation_id)
@@ -1107,13 +1505,21 @@ class Ledger:
         reservation = self._reservation(caller, row)
         if reservation.state != ACTIVE:
             return
-        dataset_id = row[12]
+        dataset_id, tenant = row[_JOB_DATASET_ID], row[_JOB_TENANT]
         _, unrun = split_steps(reservation.planned, reservation.committed_steps)
-        (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
-        connection.execute(
-            "UPDATE datasets SET held_rdp = ?, released_jobs = released_jobs + 1 WHERE id = ?",
-            ((RdpTally.from_json(held) - RdpTally.of(unrun)).to_json(), dataset_id),
+        unrun_tally = RdpTally.of(unrun)
+        dataset = _DatasetRow(
+            *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
         )
+        for budget in self._budget_rows(connection, dataset, reservation.blocks, reservation.dataset):
+            (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (budget.dataset_id,)).fetchone()
+            connection.execute(
+                "UPDATE datasets SET held_rdp = ? WHERE id = ?",
+                ((RdpTally.from_json(held) - unrun_tally).to_json(), budget.dataset_id),
+            )
+            use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
+            self._set_use(connection, budget.dataset_id, tenant, use_held - unrun_tally, use_committed)
+        connection.execute("UPDATE datasets SET released_jobs = released_jobs + 1 WHERE id = ?", (dataset_id,))
         connection.execute(
             "UPDATE reservations SET state = ?, released_at = ?, lease_expired = ? WHERE id = ?",
             (RELEASED, _now(), int(action == "expire"), reservation.reservation_id),
@@ -1122,13 +1528,14 @@ class Ledger:
             connection,
             caller,
             action,
-            row[1],
+            tenant,
             dataset_id,
             {
                 "reservation_id": reservation.reservation_id,
                 "job_id": reservation.job_id,
                 "committed_steps": reservation.committed_steps,
                 "freed_steps": unrun.steps,
+                **_blocks_detail(reservation.blocks),
             },
         )
 
@@ -1144,6 +1551,7 @@ class Ledger:
         max_wait_seconds: float | None = None,
         privacy_unit: str = EXAMPLE,
         rows_per_person: int | None = None,
+        blocks: tuple[str, ...] | list[str] = (),
         *,
         caller: Caller | None = None,
     ) -> QueuedJob:
@@ -1155,11 +1563,13 @@ class Ledger:
         that could never fit, even with every reservation released, is
         refused at once (BudgetExceeded). Queueing the same job id and plan
         again returns the same entry; another plan is refused while it waits.
-        `privacy_unit` and `rows_per_person` as in `reserve`: the queue holds
-        the events charged.
+        `privacy_unit`, `rows_per_person` and `blocks` as in `reserve`: the
+        queue holds the events charged, and a job on blocks waits for each.
+        Only the dataset's owner (or an admin) queues on it.
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
+        blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
         priority = check_priority(priority)
         max_wait_seconds = check_max_wait_seconds(max_wait_seconds)
@@ -1167,6 +1577,7 @@ class Ledger:
         planned_tally = RdpTally.of(planned)
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
+            tenant = _job_tenant(caller, row)
             self._expire_leases(connection, row.dataset_id)
             earlier = connection.execute(
                 f"SELECT {_QUEUE_COLUMNS} FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
@@ -1183,34 +1594,37 @@ class Ledger:
                     )
                 return queued
             if connection.execute(
-                "SELECT 1 FROM reservations WHERE dataset_id = ? AND job_id = ? AND state = ?",
-                (row.dataset_id, job_id, ACTIVE),
+                "SELECT 1 FROM reservations WHERE dataset_id = ? AND tenant = ? AND job_id = ? AND state = ?",
+                (row.dataset_id, tenant, job_id, ACTIVE),
             ).fetchone():
                 raise FailedPrecondition(
                     f"job {job_id!r} already holds a reservation on dataset {dataset!r}; release it first or use "
                     "another job id"
                 )
+            budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
             # Committed steps are never freed: a plan that does not fit beside them would wait forever.
-            check_admission(
-                dataset, _rule(row), row.budget_epsilon, RdpTally.of(Composition.from_json(row.committed_events)),
-                planned_tally,
+            checks, quota_checks = self._admission_checks(
+                connection, tenant, row, budgets, planned_tally, dataset, committed=True
             )
+            for check in [*checks, *quota_checks]:
+                if not check.fits:
+                    raise check.refusal(dataset)
             queue_id = f"q-{secrets.token_hex(8)}"
             deadline = _expiry(max_wait_seconds)
             connection.execute(
-                "INSERT INTO queued_jobs (id, dataset_id, job_id, planned_events, conversion, priority, lease_seconds, "
-                "created_at, deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO queued_jobs (id, dataset_id, job_id, tenant, blocks, planned_events, conversion, "
+                "priority, lease_seconds, created_at, deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    queue_id, row.dataset_id, job_id, planned.to_json(),
+                    queue_id, row.dataset_id, job_id, tenant, json.dumps(list(blocks)), planned.to_json(),
                     json.dumps(_conversion(planned, job_events, rows_per_person)), priority, lease_seconds, _now(),
                     deadline, QUEUED,
                 ),
             )
-            connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (row.dataset_id,))
+            self._count_arrival(connection, budgets)
             self._record(
-                connection, caller, "enqueue", row.tenant, row.dataset_id,
+                connection, caller, "enqueue", tenant, row.dataset_id,
                 {"queue_id": queue_id, "job_id": job_id, "planned_events": planned.to_dict(), "priority": priority,
-                 "deadline": deadline, "lease_seconds": lease_seconds},
+                 "deadline": deadline, "lease_seconds": lease_seconds, "blocks": list(blocks)},
             )
             self._serve_queue(connection, row.dataset_id)
             queued = self._queued_job(caller, self._queued_row(connection, caller, queue_id))
@@ -1282,12 +1696,16 @@ class Ledger:
                     self._serve_queue(connection, dataset_id)
 
     def _serve_queue(self, connection: Connection, dataset_id: int) -> None:
-        """Time out the dataset's overdue waiting jobs, admit those its policy picks, note where the rest stand."""
+        """Time out the dataset's overdue waiting jobs, admit those its policy picks, note where the rest stand.
+
+        Each budget a waiting job asks for (the dataset's own, or each block
+        it names) is one block of the policy, unlocked from its own creation
+        and by the jobs that arrived on it.
+        """
         now = _now()
         waiting = connection.execute(
-            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, conversion, deadline "
-            "FROM queued_jobs "
-            "WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
+            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, conversion, tenant, blocks, "
+            "deadline FROM queued_jobs WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
             (dataset_id, QUEUED),
         ).fetchall()
         if not waiting:
@@ -1308,26 +1726,37 @@ class Ledger:
         waiting = [entry for entry in waiting if entry[-1] is None or entry[-1] > now]
         if not waiting:
             return
-        rule, policy = _rule(row), SchedulingPolicy.from_dict(json.loads(row.scheduling))
-        age_seconds = (datetime.fromisoformat(now) - datetime.fromisoformat(row.created_at)).total_seconds()
-        # A dataset without blocks is one block.
-        block = BlockBudget(
-            row.name, rule.capacities(row.budget_epsilon), rule.order_divergences(RdpTally.from_json(row.held_rdp)),
-            policy.unlocked_fraction(row.arrived_jobs, age_seconds),
-        )
-        plans = {queue_id: Composition.from_json(planned) for queue_id, _, planned, *_ in waiting}
-        tallies = {queue_id: RdpTally.of(plan) for queue_id, plan in plans.items()}
-        queue = [
-            QueuedDemand(queue_id, {row.name: rule.order_divergences(tallies[queue_id])}, float(arrival), priority)
-            for arrival, (queue_id, _, _, priority, *_) in enumerate(waiting)
-        ]
-        shown = {queue_id: (job_id, lease, position, reason, json.loads(conversion))
-                 for queue_id, job_id, _, _, lease, position, reason, conversion, _ in waiting}
-        for decision in schedule(policy, {row.name: block}, queue):
-            job_id, lease_seconds, position, reason, conversion = shown[decision.job]
+        policy = SchedulingPolicy.from_dict(json.loads(row.scheduling))
+        reference = f"{row.tenant}/{row.name}"
+        jobs, budget_blocks = {}, {}
+        for arrival, (queue_id, job_id, planned, priority, lease, position, reason, conversion, tenant, blocks, _) in \
+                enumerate(waiting):
+            blocks = tuple(json.loads(blocks))
+            budgets = self._budget_rows(connection, row, blocks, reference)
+            plan = Composition.from_json(planned)
+            tally = RdpTally.of(plan)
+            demand = {}
+            for budget in budgets:
+                name = budget.block if budget.block is not None else row.name
+                rule = _rule(budget)
+                if name not in budget_blocks:
+                    age = datetime.fromisoformat(now) - datetime.fromisoformat(budget.created_at)
+                    budget_blocks[name] = BlockBudget(
+                        name, rule.capacities(budget.budget_epsilon),
+                        rule.order_divergences(RdpTally.from_json(budget.held_rdp)),
+                        policy.unlocked_fraction(budget.arrived_jobs, age.total_seconds()),
+                    )
+                demand[name] = rule.order_divergences(tally)
+            jobs[queue_id] = (
+                QueuedDemand(queue_id, demand, float(arrival), priority),
+                job_id, plan, tally, lease, position, reason, json.loads(conversion), tenant, blocks, budgets,
+            )
+        for decision in schedule(policy, budget_blocks, [entry[0] for entry in jobs.values()]):
+            _, job_id, plan, tally, lease_seconds, position, reason, conversion, tenant, blocks, budgets = \
+                jobs[decision.job]
             holding = connection.execute(
-                "SELECT id FROM reservations WHERE dataset_id = ? AND job_id = ? AND state = ?",
-                (dataset_id, job_id, ACTIVE),
+                "SELECT id FROM reservations WHERE dataset_id = ? AND tenant = ? AND job_id = ? AND state = ?",
+                (dataset_id, tenant, job_id, ACTIVE),
             ).fetchone() if decision.admitted else None
             if holding is not None:
                 # The same job id reserved directly while it waited: one active reservation per job id.
@@ -1336,13 +1765,13 @@ class Ledger:
             if decision.admitted:
                 try:
                     reservation_id = self._hold(
-                        connection, QUEUE_ADMISSION, f"{row.tenant}/{row.name}", row, job_id, plans[decision.job],
-                        tallies[decision.job], lease_seconds,
-                        {**conversion, "queue_id": decision.job, "policy": policy.name},
+                        connection, QUEUE_ADMISSION, tenant, reference, row, budgets, blocks, job_id, plan, tally,
+                        lease_seconds, {**conversion, "queue_id": decision.job, "policy": policy.name},
                     )
                 except BudgetExceeded:
-                    # The policy's float arithmetic let it through at the very edge; the exact filter did not.
-                    decision = replace(decision, admitted=False, reason="at the edge of the budget; waits for more")
+                    # The policy's float arithmetic let it through at the very edge, or a tenant's quota refused it.
+                    decision = replace(decision, admitted=False,
+                                       reason="at the edge of the budget or of the tenant's quota; waits for more")
                 else:
                     connection.execute(
                         "UPDATE queued_jobs SET state = ?, reservation_id = ?, ended_at = ?, position = 0, reason = ? "
@@ -1408,6 +1837,17 @@ class Ledger:
                 _DatasetRow(*row)
                 for row in connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets ORDER BY id").fetchall()
             ]
+            uses = [
+                StoredTenantUse(
+                    budget_id, tenant, quota_epsilon,
+                    AdmissionRule.from_dict(json.loads(quota_rule)) if quota_rule else None,
+                    RdpTally.from_json(held), Composition.from_json(committed),
+                )
+                for budget_id, tenant, quota_epsilon, quota_rule, held, committed in connection.execute(
+                    "SELECT budget_id, tenant, quota_epsilon, quota_rule, held_rdp, committed_events FROM tenant_use "
+                    "ORDER BY budget_id, tenant"
+                ).fetchall()
+            ]
         datasets = [
             StoredDataset(
                 dataset_id=row.dataset_id,
@@ -1417,10 +1857,12 @@ class Ledger:
                 admission=_rule(row),
                 held=RdpTally.from_json(row.held_rdp),
                 committed_events=Composition.from_json(row.committed_events),
+                block_of=row.block_of,
+                block=row.block,
             )
             for row in rows
         ]
-        return verify_history(entries, datasets)
+        return verify_history(entries, datasets, uses)
 
     def history(
         self, dataset: str | None = None, limit: int = 1000, *, caller: Caller | None = None
@@ -1431,9 +1873,11 @@ class Ledger:
         conditions, parameters = [], []
         with self._read() as connection:
             if dataset is not None:
-                conditions.append("h.dataset_id = ?")
-                parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
-            elif not caller.admin:
+                # A block's own entries (its creation, quotas on it) are the dataset's too.
+                conditions.append("(h.dataset_id = ? OR h.dataset_id IN (SELECT id FROM datasets WHERE block_of = ?))")
+                dataset_id = self._dataset_row(connection, caller, dataset, shared=True).dataset_id
+                parameters += [dataset_id, dataset_id]
+            if not caller.admin:
                 conditions.append("h.tenant = ?")
                 parameters.append(caller.tenant)
             where = f"WHERE {' AND '.join(conditions)}" if conditions else ""

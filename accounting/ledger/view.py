@@ -63,7 +63,8 @@ TENANT_TABLES: list[Callable[[Ledger, Caller, str, list[DatasetStatus]], dict]] 
 def dataset_burn_down(ledger: Ledger, caller: Caller, status: DatasetStatus) -> list[dict] | None:
     """The dataset's figures after each change, or None when its history is longer than BURN_DOWN_ENTRIES."""
     entries = ledger.history(status.name, BURN_DOWN_ENTRIES, caller=caller)
-    if entries[0].action != "create_dataset":  # its creation is older than the newest BURN_DOWN_ENTRIES
+    # Its creation is older than the newest BURN_DOWN_ENTRIES, or the caller sees none of its entries.
+    if not entries or entries[0].action != "create_dataset":
         return None
     return [point.to_dict() for point in burn_down(entries)]
 

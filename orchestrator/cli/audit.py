@@ -40,6 +40,12 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
         help="white-box (gradient canaries, all noisy sums seen; default) or black-box "
         "(mislabelled examples, final model only)",
     )
+    audit.add_argument(
+        "--rows-per-canary",
+        default="1",
+        help="rows each canary owns, integer >= 1 (default 1); above 1 each white-box canary is a person whose rows "
+        'all push one coordinate: one sampled user under privacy_unit = "user", else rows sampled one by one',
+    )
     audit.add_argument("--run-dir", help="where audit.json, audit_scores.png and the run's files go")
     audit.add_argument("--seed", help="fixed seed for sampling, noise and canaries: tests only, never production")
     audit.add_argument("--no-progress", action="store_true",
@@ -53,11 +59,12 @@ def run_audit_command(args: argparse.Namespace) -> int:
     mode = checks.one_of("--mode", args.mode, MODES)
     canaries = None if args.canaries is None else checks.integer_at_least("--canaries", args.canaries, MIN_CANARIES)
     confidence = checks.open_unit_interval("--confidence", args.confidence)
+    rows_per_canary = checks.integer_at_least("--rows-per-canary", args.rows_per_canary, 1)
     try:
         config = load_config(args.config, {"run_dir": args.run_dir, "seed": args.seed})
     except ValueError as error:
         raise UsageError(str(error)) from None
-    result = run_audit(config, canaries=canaries, confidence=confidence, mode=mode,
+    result = run_audit(config, canaries=canaries, confidence=confidence, mode=mode, rows_per_canary=rows_per_canary,
                        show_progress=show_progress(args.no_progress, sys.stderr))
     if args.json:
         print_json(result)
@@ -70,12 +77,14 @@ def run_audit_command(args: argparse.Namespace) -> int:
 def audit_rows(result: dict) -> list[list]:
     """The table rows of an audit result (see `orchestrator.audit.run_audit`)."""
     membership, canary = result["membership"], result["canary_membership"]
-    return [
+    unit = "per user" if result["privacy_unit"] == "user" else "per example"
+    rows = [
         [f"epsilon lower bound ({result['confidence']:.0%} confidence)", result["epsilon_lower"]],
-        ["epsilon upper bound (accountant, pld)", result["epsilon_upper"]],
+        [f"epsilon upper bound (accountant, pld, {unit})", result["epsilon_upper"]],
         ["delta", result["delta"]],
         ["mode", result["mode"]],
         ["canaries", result["canaries"]],
+        ["rows per canary", result["rows_per_canary"]],
         ["guesses (in + out)", f"{result['guesses']} ({result['guesses_in']} + {result['guesses_out']})"],
         ["correct guesses", result["correct"]],
         ["canary AUC", canary["auc"]],
@@ -87,3 +96,7 @@ def audit_rows(result: dict) -> list[list]:
         ["noise multiplier", result["noise_multiplier"]],
         ["score histograms", result["scores_png"]],
     ]
+    if result["epsilon_upper_person"] is not None:
+        rows.insert(2, [f"epsilon upper bound, person of {result['rows_per_canary']} rows (group privacy, "
+                        f"{result['epsilon_upper_person_accountant']})", result["epsilon_upper_person"]])
+    return rows

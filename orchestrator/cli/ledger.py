@@ -121,6 +121,33 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
             "\n\n(rdp): the PLD figure of new commits was not ready yet (--no-wait); "
             "a status without --no-wait waits for it."
         )
+    blocks = [
+        [
+            status.name, block.name, block.budget_epsilon, block.delta, block.spent_epsilon_filter,
+            block.reserved_epsilon, block.remaining_epsilon,
+            f"{format_number(block.spent_epsilon)} ({block.spent_epsilon_accountant})",
+            " ".join(format_number(order) for order in block.admission.orders),
+        ]
+        for status in statuses for block in status.blocks
+    ]
+    if blocks:
+        text += "\n\nblocks (each its own budget):\n" + format_table(
+            ["dataset", "block", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε",
+             "spent ε (non-adaptive)", "filter orders"],
+            blocks,
+        )
+    quotas = [
+        [
+            status.name, quota.block or "(dataset)", quota.tenant,
+            f"{format_number(quota.quota_epsilon)}{' (dataset-wide)' if quota.inherited else ''}",
+            quota.spent_epsilon_filter, quota.reserved_epsilon, quota.remaining_epsilon,
+        ]
+        for status in statuses for quota in status.quotas
+    ]
+    if quotas:
+        text += "\n\ntenant quotas (an extra filter on the tenant's own use):\n" + format_table(
+            ["dataset", "block", "tenant", "quota ε", "spent ε (filter)", "reserved ε", "remaining ε"], quotas
+        )
     jobs = [job for status in statuses for job in status.jobs]
     if jobs:
         text += "\n\njobs holding budget:\n" + _jobs_table(jobs)
@@ -149,11 +176,14 @@ def _queued_table(jobs: list) -> str:
 
 
 def _jobs_table(jobs: list) -> str:
-    headers = ["reservation", "dataset", "job", "state", "committed steps", "planned steps", "created", "lease ends"]
+    headers = [
+        "reservation", "dataset", "blocks", "job", "state", "committed steps", "planned steps", "created", "lease ends",
+    ]
     rows = [
         [
-            job.reservation_id, job.dataset, job.job_id, "lease expired" if job.lease_expired else job.state,
-            job.committed_steps, job.planned_steps, job.created_at, job.expires_at or "",
+            job.reservation_id, job.dataset, " ".join(job.blocks), job.job_id,
+            "lease expired" if job.lease_expired else job.state, job.committed_steps, job.planned_steps,
+            job.created_at, job.expires_at or "",
         ]
         for job in jobs
     ]
@@ -251,6 +281,62 @@ def run_dataset_raise(args: argparse.Namespace) -> int:
         status = ledger.raise_budget(args.name, epsilon)
     _print_statuses([status], args.json)
     return 0
+
+
+@_ledger_command
+def run_block_add(args: argparse.Namespace) -> int:
+    """Add a block with its own budget to a dataset."""
+    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    delta = None if args.delta is None else checks.open_unit_interval("--delta", args.delta)
+    with _open(args) as ledger:
+        status = ledger.add_block(args.dataset, args.name, epsilon, delta)
+    _print_statuses([status], args.json)
+    return 0
+
+
+@_ledger_command
+def run_quota_set(args: argparse.Namespace) -> int:
+    """Give a tenant a quota on a dataset or one of its blocks (admin)."""
+    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    with _open(args) as ledger:
+        status = ledger.set_quota(args.dataset, args.tenant, epsilon, args.block)
+    _print_statuses([status], args.json)
+    return 0
+
+
+@_ledger_command
+def run_fits(args: argparse.Namespace) -> int:
+    """Say whether a training config's job would be admitted now, what it costs and what would remain."""
+    # Planning a job reads the data's size and imports torch; only this command pays for that.
+    from orchestrator.cli.train import ledger_dataset_name
+    from orchestrator.config import load_config
+    from orchestrator.trainer import plan_run
+
+    config = load_config(args.config, {})
+    plan = plan_run(config)
+    dataset = ledger_dataset_name(args, config)
+    # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
+    args.ledger = args.ledger or config.ledger
+    with _open(args) as ledger:
+        planned, privacy_unit, rows_per_person = plan.ledger_plan(ledger.get_budget(dataset).privacy_unit)
+        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+    if args.json:
+        print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate})
+    else:
+        rows = [
+            [check.budget, check.budget_epsilon, check.held_epsilon, check.needed_epsilon, check.remaining_epsilon,
+             check.remaining_after_epsilon, "yes" if check.fits else "no"]
+            for check in report.checks
+        ]
+        print(format_table(
+            ["budget", "budget ε", "held ε", "job needs ε", "remaining ε now", "remaining ε after", "fits"], rows
+        ))
+        verdict = "fits" if report.fits else "does not fit"
+        print(
+            f"\nthe job ({plan.steps} steps at q = {format_number(plan.sampling_rate)}) {verdict} now; nothing was "
+            "reserved. ε are the filters' at each budget's δ; another job may change the answer before this one runs."
+        )
+    return 0 if report.fits else 3
 
 
 @_ledger_command
@@ -431,6 +517,46 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     _add_client_flags(dataset_raise)
     dataset_raise.set_defaults(handler=run_dataset_raise)
+
+    block = commands.add_parser("block", help="blocks of a dataset, each with its own budget").add_subparsers(
+        dest="block_command", required=True, metavar="COMMAND"
+    )
+    block_add = block.add_parser(
+        "add", help="add a block (e.g. one day of data) with its own epsilon budget to a dataset (owner or admin)"
+    )
+    block_add.add_argument("dataset", help="dataset name (admins: TENANT/NAME)")
+    block_add.add_argument("name", help="block name: 1-128 letters, digits, '.', '_' or '-' (e.g. 2026-11-23)")
+    block_add.add_argument("--epsilon", required=True, help="the block's budget epsilon, > 0")
+    block_add.add_argument("--delta", help="the block's budget delta, in (0, 1) (default: the dataset's)")
+    _add_client_flags(block_add)
+    block_add.set_defaults(handler=run_block_add)
+
+    quota = commands.add_parser("quota", help="tenants' quotas on datasets and blocks (admin)").add_subparsers(
+        dest="quota_command", required=True, metavar="COMMAND"
+    )
+    quota_set = quota.add_parser(
+        "set", help="give a tenant a quota on a dataset or block: an extra filter on its own use (admin)"
+    )
+    quota_set.add_argument("dataset", help="dataset name, TENANT/NAME")
+    quota_set.add_argument("tenant", help="the tenant the quota is for")
+    quota_set.add_argument("--epsilon", required=True, help="the tenant's quota epsilon, > 0, at the budget's delta")
+    quota_set.add_argument(
+        "--block", help="only this block (default: the dataset, and each block without a quota of its own)"
+    )
+    _add_client_flags(quota_set)
+    quota_set.set_defaults(handler=run_quota_set)
+
+    fits = commands.add_parser(
+        "fits",
+        help="would a training config's job be admitted now? its cost and what would remain; reserves nothing",
+        description="Plan the job of a training config as dpfleet train would, and ask the ledger whether every "
+        "budget it would be charged to (the dataset's or each block's, and the tenant's quotas) admits it now. "
+        "Reserves nothing. Exits 0 when it fits, 3 when it does not.",
+    )
+    fits.add_argument("--config", required=True, help="the training config (TOML) to plan")
+    fits.add_argument("--dataset-name", help="the dataset's name in the ledger (default: as dpfleet train names it)")
+    _add_client_flags(fits)
+    fits.set_defaults(handler=run_fits)
 
     status = commands.add_parser("status", help="budget, spent, reserved and remaining epsilon per dataset")
     status.add_argument("--dataset", help="only this dataset")

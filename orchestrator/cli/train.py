@@ -176,25 +176,34 @@ def ledger_name(name: str) -> str:
     return cleaned[-128:] or "dataset"
 
 
+def ledger_dataset_name(args: argparse.Namespace, config) -> str:
+    """The dataset's name in the ledger: --dataset-name, else the config's dataset_name, else its spec's name."""
+    return args.dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
+
+
 def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
-    dataset = args.dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
+    dataset = ledger_dataset_name(args, config)
     say = trainer.say
     if trainer.resumed_reservation_id is not None:
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     if is_embedded(ledger):
-        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say)
+        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
+                                config.blocks)
     job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
     if args.wait_for_budget:
         job = JobLedger.wait_for_budget(
-            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease,
+            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease, config.blocks,
             checks.integer_in_range("--priority", args.priority, *PRIORITY_RANGE),
             checks.positive_number("--max-wait", args.max_wait) if args.max_wait is not None else None,
         )
     else:
-        job = JobLedger.reserve(ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease)
-    say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r} (reservation {job.reservation_id})")
+        job = JobLedger.reserve(
+            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease, config.blocks
+        )
+    on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
+    say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r}{on_blocks} (reservation {job.reservation_id})")
     return job
