@@ -67,6 +67,7 @@ def test_fcfs_queue_on_a_server_admits_when_budget_is_released_higher_priority_f
         acme.enqueue("mnist", "low", SMALL)
 
     acme.release(holders[0].reservation_id)  # room for one BIG: the higher priority goes first
+    assert [job.job_id for job in acme.list_queued("mnist", "admitted")] == ["high"]  # the release served it
     admitted = acme.queued_job(high.queue_id)
     assert admitted.state == "admitted" and admitted.reservation_id
     assert [job.job_id for job in acme.get_budget("mnist").jobs] == ["holder-1", "holder-2", "high"]

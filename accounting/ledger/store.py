@@ -1469,7 +1469,7 @@ class Ledger:
             row = self._reservation_row(connection, caller, reservation_id)
             self._expire_leases(connection, row[_JOB_DATASET_ID])
             self._free(connection, caller, self._reservation_row(connection, caller, reservation_id), "release")
-            self._serve_queue(connection, row[12])
+            self._serve_queue(connection, row[_JOB_DATASET_ID])
             row = self._reservation_row(connection, caller, reservation_id)
         return self._reservation(caller, row)
 
@@ -1497,7 +1497,7 @@ class Ledger:
         ).fetchall()
         for row in expired:
             self._free(connection, LEASE_EXPIRY, row, "expire")
-        for freed_dataset_id in sorted({row[12] for row in expired}):
+        for freed_dataset_id in sorted({row[_JOB_DATASET_ID] for row in expired}):
             self._serve_queue(connection, freed_dataset_id)
 
     def _free(self, connection: Connection, caller: Caller, row: tuple, action: str) -> None:
