@@ -21,7 +21,7 @@ from accounting.events import SampledGaussian
 from accounting.ledger import view
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, burn_down, tenant_caller
-from accounting.ledger.metrics import DATASET_GAUGES, RPC_SECONDS, exposition
+from accounting.ledger.metrics import BLOCK_GAUGES, DATASET_GAUGES, QUOTA_GAUGES, RPC_SECONDS, exposition
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger
 from accounting.ledger.web import TOKEN_COOKIE
@@ -109,9 +109,10 @@ def test_a_tenants_view_holds_its_own_datasets_and_each_tables_that_plug_in(ledg
     (mnist,) = shown["datasets"]
     assert mnist["status"] == ledger.get_budget("mnist", caller=acme).to_dict()
     assert [point["action"] for point in mnist["burn_down"]][-1] == "commit"
-    jobs, queue = mnist["tables"]
+    blocks, quotas, jobs, queue, plugged = mnist["tables"]
+    assert (blocks["title"], blocks["rows"], quotas["rows"], queue["rows"]) == ("blocks", [], [], [])
     assert [row[1:5] for row in jobs["rows"]] == [["job-1", "released", 300, 1000], ["job-2", "active", 50, 200]]
-    assert queue == {"title": "queue", "columns": ["job"], "rows": [["mnist"]]}
+    assert plugged == {"title": "queue", "columns": ["job"], "rows": [["mnist"]]}
     (tenant,) = shown["tenants"]
     assert tenant["tenant"] == "acme" and tenant["tables"][0]["rows"][0][:2] == ["mnist", "example"]
     everything = view.ledger_view(ledger, ADMIN)
@@ -123,14 +124,49 @@ def test_metrics_text_holds_each_datasets_figures_by_tenant_and_bare_name(ledger
     spend(ledger)
     statuses = ledger.list_datasets()
     families = {family.name: family for family in text_string_to_metric_families(exposition(statuses, None).decode())}
-    assert set(families) == {name for name, _, _ in DATASET_GAUGES} | {"dpfleet_ledger_jobs"}
+    assert set(families) == {name for name, _, _ in (*DATASET_GAUGES, *BLOCK_GAUGES, *QUOTA_GAUGES)} | {
+        "dpfleet_ledger_jobs"}
     for status in statuses:
         bare = status.name.split("/")[1]
         for name, key in GAUGE_FIGURES.items():
             (sample,) = [s for s in families[name].samples if s.labels == {"tenant": status.tenant, "dataset": bare}]
             assert sample.value == getattr(status, key)
     jobs = {(s.labels["dataset"], s.labels["state"]): s.value for s in families["dpfleet_ledger_jobs"].samples}
-    assert jobs == {("mnist", "active"): 1, ("mnist", "released"): 1, ("cifar", "active"): 0, ("cifar", "released"): 0}
+    assert jobs == {("mnist", "active"): 1, ("mnist", "released"): 1, ("mnist", "queued"): 0,
+                    ("cifar", "active"): 0, ("cifar", "released"): 0, ("cifar", "queued"): 0}
+
+
+def test_blocks_quotas_and_the_queue_show_on_the_page_and_in_the_metrics_as_the_status_has_them(ledger):
+    ledger.create_dataset("acme/daily", 10.0, DELTA)
+    for day in ("day-1", "day-2"):
+        ledger.add_block("acme/daily", day, 10.0)
+    ledger.set_quota("acme/daily", "globex", 0.5, block="day-1")
+    held = ledger.reserve("acme/daily", "job-1", STEP.with_steps(100_000), blocks=["day-1"])
+    ledger.commit(held.reservation_id, 300, 0)
+    waiting = ledger.enqueue("acme/daily", "job-2", STEP.with_steps(100_000), priority=2, blocks=["day-1"])
+    status = ledger.get_budget("acme/daily")
+    (daily,) = view.ledger_view(ledger, ADMIN)["datasets"]
+    blocks, quotas, jobs, queue = daily["tables"]
+    assert blocks["rows"] == [
+        [block.name, block.budget_epsilon, block.delta, block.spent_epsilon_filter, block.reserved_epsilon,
+         block.remaining_epsilon] for block in status.blocks]
+    assert [row[0] for row in blocks["rows"]] == ["day-1", "day-2"] and blocks["rows"][0][3] > 0
+    (quota,) = status.quotas
+    assert quotas["rows"] == [["globex", "day-1", 0.5, quota.spent_epsilon_filter, quota.reserved_epsilon,
+                               quota.remaining_epsilon, "no"]]
+    assert queue["title"] == f"queue ({status.scheduling.name})"
+    assert [row[:5] for row in queue["rows"]] == [[1, waiting.queue_id, "job-2", 2, 100_000]] and queue["rows"][0][7]
+    families = {family.name: family
+                for family in text_string_to_metric_families(exposition([status], None).decode())}
+    for name, _, figure in BLOCK_GAUGES:
+        assert {s.labels["block"]: s.value for s in families[name].samples} == {
+            block.name: figure(block) for block in status.blocks}
+    for name, _, figure in QUOTA_GAUGES:
+        (sample,) = families[name].samples
+        assert sample.labels == {"tenant": "acme", "dataset": "daily", "block": "day-1", "quota_tenant": "globex"}
+        assert sample.value == figure(quota)
+    queued = [s.value for s in families["dpfleet_ledger_jobs"].samples if s.labels["state"] == "queued"]
+    assert queued == [status.queued_jobs] == [1]
 
 
 # ------------------------------------------------------------ a real server: metrics and page over HTTP

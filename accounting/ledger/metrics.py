@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from accounting.ledger.core import DatasetStatus
+from accounting.ledger.core import BlockStatus, DatasetStatus, QuotaStatus
 
 RPC_SECONDS = "dpfleet_ledger_rpc_duration_seconds"
 
@@ -40,13 +40,37 @@ DATASET_GAUGES: tuple[tuple[str, str, Callable[[DatasetStatus], float]], ...] = 
 )
 
 
+# name, help, the figure of a block's status (labels: the dataset's tenant, the dataset, the block)
+BLOCK_GAUGES: tuple[tuple[str, str, Callable[[BlockStatus], float]], ...] = (
+    ("dpfleet_ledger_block_budget_epsilon", "The block's budget ε at its δ.", lambda block: block.budget_epsilon),
+    ("dpfleet_ledger_block_spent_epsilon", "ε the block's RDP filter counts against its committed steps.",
+     lambda block: block.spent_epsilon_filter),
+    ("dpfleet_ledger_block_reserved_epsilon", "ε the active reservations on the block add to spent.",
+     lambda block: block.reserved_epsilon),
+    ("dpfleet_ledger_block_remaining_epsilon", "ε the block has left for new reservations.",
+     lambda block: block.remaining_epsilon),
+)
+
+# name, help, the figure of a quota (labels: the dataset's tenant, the dataset, the block or "", the quota's tenant)
+QUOTA_GAUGES: tuple[tuple[str, str, Callable[[QuotaStatus], float]], ...] = (
+    ("dpfleet_ledger_quota_epsilon", "A tenant's quota ε on the dataset or a block.", lambda quota: quota.quota_epsilon),
+    ("dpfleet_ledger_quota_spent_epsilon", "ε the quota's filter counts against the tenant's committed steps.",
+     lambda quota: quota.spent_epsilon_filter),
+    ("dpfleet_ledger_quota_reserved_epsilon", "ε the tenant's active reservations add to its quota's spent.",
+     lambda quota: quota.reserved_epsilon),
+    ("dpfleet_ledger_quota_remaining_epsilon", "ε the tenant has left under its quota.",
+     lambda quota: quota.remaining_epsilon),
+)
+
+
 def rpc_latency_histogram(registry: CollectorRegistry) -> Histogram:
     """The histogram of RPC durations in seconds, by method and gRPC status code, registered in `registry`."""
     return Histogram(RPC_SECONDS, "Time the ledger took to answer an RPC.", ["method", "code"], registry=registry)
 
 
 def dataset_metrics(statuses: Iterable[DatasetStatus]) -> list[Metric]:
-    """The gauges of every dataset in `statuses`, labelled by tenant and dataset (its bare name)."""
+    """The gauges of every dataset in `statuses`, labelled by tenant and dataset (its bare name), and of its blocks,
+    quotas and jobs (active, released and queued)."""
     statuses = list(statuses)
     families = []
     for name, documentation, figure in DATASET_GAUGES:
@@ -61,6 +85,19 @@ def dataset_metrics(statuses: Iterable[DatasetStatus]) -> list[Metric]:
     for status in statuses:
         jobs.add_metric([*_labels(status), "active"], len(status.jobs))
         jobs.add_metric([*_labels(status), "released"], status.released_jobs)
+        jobs.add_metric([*_labels(status), "queued"], status.queued_jobs)
+    for name, documentation, figure in BLOCK_GAUGES:
+        family = GaugeMetricFamily(name, documentation, labels=["tenant", "dataset", "block"])
+        for status in statuses:
+            for block in status.blocks:
+                family.add_metric([*_labels(status), block.name], figure(block))
+        families.append(family)
+    for name, documentation, figure in QUOTA_GAUGES:
+        family = GaugeMetricFamily(name, documentation, labels=["tenant", "dataset", "block", "quota_tenant"])
+        for status in statuses:
+            for quota in status.quotas:
+                family.add_metric([*_labels(status), quota.block or "", quota.tenant], figure(quota))
+        families.append(family)
     return [*families, jobs]
 
 

@@ -56,7 +56,42 @@ def datasets_table(ledger: Ledger, caller: Caller, tenant: str, statuses: list[D
     return table("datasets", columns, rows)
 
 
-DATASET_TABLES: list[Callable[[Ledger, Caller, DatasetStatus], dict]] = [jobs_table]
+def queue_table(ledger: Ledger, caller: Caller, status: DatasetStatus) -> dict:
+    """The jobs waiting for budget on the dataset, next first, with why each waits (its dataset's policy decides)."""
+    waiting = ledger.list_queued(status.name, caller=caller)
+    rows = [
+        [job.position, job.queue_id, job.job_id, job.priority, job.planned.steps, job.created_at, job.deadline,
+         job.reason]
+        for job in waiting
+    ]
+    columns = ["position", "queue id", "job", "priority", "planned steps", "queued", "gives up at", "waits because"]
+    return table(f"queue ({status.scheduling.name})", columns, rows)
+
+
+def blocks_table(ledger: Ledger, caller: Caller, status: DatasetStatus) -> dict:
+    """The dataset's blocks, each with its own budget and what its filter counts, at the block's δ."""
+    rows = [
+        [block.name, block.budget_epsilon, block.delta, block.spent_epsilon_filter, block.reserved_epsilon,
+         block.remaining_epsilon]
+        for block in status.blocks
+    ]
+    return table("blocks", ["block", "budget ε", "δ", "spent ε (filter)", "reserved ε", "remaining ε"], rows)
+
+
+def quotas_table(ledger: Ledger, caller: Caller, status: DatasetStatus) -> dict:
+    """Each tenant's quota on the dataset or a block, and its use (a tenant sees only its own)."""
+    rows = [
+        [quota.tenant, quota.block or "(whole dataset)", quota.quota_epsilon, quota.spent_epsilon_filter,
+         quota.reserved_epsilon, quota.remaining_epsilon, "yes" if quota.inherited else "no"]
+        for quota in status.quotas
+    ]
+    columns = ["tenant", "on", "quota ε", "spent ε (filter)", "reserved ε", "remaining ε", "from the dataset's"]
+    return table("tenant quotas", columns, rows)
+
+
+DATASET_TABLES: list[Callable[[Ledger, Caller, DatasetStatus], dict]] = [
+    blocks_table, quotas_table, jobs_table, queue_table,
+]
 TENANT_TABLES: list[Callable[[Ledger, Caller, str, list[DatasetStatus]], dict]] = [datasets_table]
 
 
