@@ -91,6 +91,23 @@ def test_burn_down_follows_each_change_and_ends_at_the_status(ledger):
     )
 
 
+def test_the_owners_burn_down_counts_another_tenants_jobs_on_a_shared_dataset_and_shows_only_figures(ledger):
+    ledger.create_dataset("acme/shared", 5.0, DELTA)
+    ledger.set_quota("acme/shared", "globex", 2.0)
+    globex, acme = tenant_caller("globex"), tenant_caller("acme")
+    theirs = ledger.reserve("acme/shared", "theirs", STEP.with_steps(400), caller=globex)
+    ledger.commit(theirs.reservation_id, 400, 0, caller=globex)
+    ledger.reserve("shared", "ours", STEP.with_steps(300), caller=acme)
+    (shared,) = [dataset for dataset in view.ledger_view(ledger, acme)["datasets"] if dataset["name"] == "shared"]
+    status = ledger.get_budget("shared", caller=acme)
+    last = shared["burn_down"][-1]
+    assert [last[key] for key in ("spent_epsilon_filter", "reserved_epsilon", "remaining_epsilon")] == [
+        status.spent_epsilon_filter, status.reserved_epsilon, status.remaining_epsilon]
+    assert status.spent_epsilon_filter > 0  # globex's commit, which acme's own history entries do not hold
+    assert set(last) == {"at", "action", "budget_epsilon", "spent_epsilon_filter", "reserved_epsilon",
+                         "remaining_epsilon"}
+
+
 def test_burn_down_refuses_a_history_that_does_not_start_at_the_creation(ledger):
     spend(ledger)
     with pytest.raises(ValueError, match="from its creation"):

@@ -2,7 +2,9 @@
 
 The page draws whatever this returns; it reads the ledger only through the
 store's own queries (statuses, jobs, history), as the caller, so a tenant's
-view holds only its own datasets.
+view holds only its own datasets. The one exception is a dataset's
+burn-down, replayed from every tenant's entries on it so that it ends at
+the dataset's status; it shows aggregate figures only.
 
 Each dataset carries its status (the `dpfleet ledger status --json` shape),
 its burn-down over time, and a list of tables; each tenant a list of tables.
@@ -17,7 +19,7 @@ from datetime import datetime, timezone
 from itertools import groupby
 from typing import Callable
 
-from accounting.ledger.core import HISTORY_LIMIT, Caller, DatasetStatus, burn_down
+from accounting.ledger.core import ADMIN, HISTORY_LIMIT, Caller, DatasetStatus, burn_down
 from accounting.ledger.store import Ledger
 
 # The newest changes a burn-down replays; a dataset with more shows its figures and tables without the chart.
@@ -96,9 +98,15 @@ TENANT_TABLES: list[Callable[[Ledger, Caller, str, list[DatasetStatus]], dict]] 
 
 
 def dataset_burn_down(ledger: Ledger, caller: Caller, status: DatasetStatus) -> list[dict] | None:
-    """The dataset's figures after each change, or None when its history is longer than BURN_DOWN_ENTRIES."""
-    entries = ledger.history(status.name, BURN_DOWN_ENTRIES, caller=caller)
-    # Its creation is older than the newest BURN_DOWN_ENTRIES, or the caller sees none of its entries.
+    """The dataset's figures after each change, or None when its history is longer than BURN_DOWN_ENTRIES.
+
+    Replayed from every tenant's entries on the dataset, as its status
+    counts them: a caller who may see the dataset sees its aggregate figures
+    over time, never another tenant's jobs or their details.
+    """
+    bare_name = status.name.rsplit("/", 1)[-1]
+    entries = ledger.history(f"{status.tenant}/{bare_name}", BURN_DOWN_ENTRIES, caller=ADMIN)
+    # Its creation is older than the newest BURN_DOWN_ENTRIES.
     if not entries or entries[0].action != "create_dataset":
         return None
     return [point.to_dict() for point in burn_down(entries)]
