@@ -41,19 +41,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     length.add_argument("--steps", help="number of steps (overrides the config)")
     train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
     train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
-    train.add_argument("--ledger", metavar="HOST:PORT[,HOST:PORT...]",
-                       help="privacy ledger server, or servers of one database to fail over between "
-                            "(default: the config's ledger, DPFLEET_LEDGER, else embedded)")
-    train.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
-    train.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
-    train.add_argument("--wait-for-budget", action="store_true",
-                       help="when the plan does not fit the dataset's budget now, wait in its queue until the "
-                            "ledger's scheduling policy admits it (instead of exiting with status 3)")
-    train.add_argument("--max-wait", metavar="SECONDS",
-                       help="with --wait-for-budget: give up (exit 3) after waiting this long (default: no limit)")
-    train.add_argument("--priority", default="0",
-                       help="with --wait-for-budget: the job's priority in the queue, higher first "
-                            "(-1000 to 1000, default 0)")
+    add_job_ledger_flags(train)
     train.add_argument("--show-train-loss", action="store_true",
                        help="also print the training loss after each epoch (NOT private)")
     train.add_argument("--mia", action="store_true",
@@ -63,6 +51,29 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     train.set_defaults(handler=run_train)
+
+
+def add_job_ledger_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that say which ledger and dataset a training job charges, and whether it waits in the queue."""
+    parser.add_argument("--ledger", metavar="HOST:PORT[,HOST:PORT...]",
+                        help="privacy ledger server, or servers of one database to fail over between "
+                             "(default: the config's ledger, DPFLEET_LEDGER, else embedded)")
+    parser.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
+    parser.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
+    parser.add_argument("--wait-for-budget", action="store_true",
+                        help="when the plan does not fit the dataset's budget now, wait in its queue until the "
+                             "ledger's scheduling policy admits it (instead of exiting with status 3)")
+    parser.add_argument("--max-wait", metavar="SECONDS",
+                        help="with --wait-for-budget: give up (exit 3) after waiting this long (default: no limit)")
+    parser.add_argument("--priority", default="0",
+                        help="with --wait-for-budget: the job's priority in the queue, higher first "
+                             "(-1000 to 1000, default 0)")
+
+
+def check_queue_flags(args: argparse.Namespace) -> None:
+    """Refuse --max-wait or --priority without --wait-for-budget."""
+    if not args.wait_for_budget and (args.max_wait is not None or args.priority != "0"):
+        raise UsageError("--max-wait and --priority are for a job that waits in the queue; add --wait-for-budget")
 
 
 def config_keys_help(width: int = 100) -> str:
@@ -82,8 +93,7 @@ def config_keys_help(width: int = 100) -> str:
 
 def run_train(args: argparse.Namespace) -> int:
     """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
-    if not args.wait_for_budget and (args.max_wait is not None or args.priority != "0"):
-        raise UsageError("--max-wait and --priority are for a job that waits in the queue; add --wait-for-budget")
+    check_queue_flags(args)
     options = {"show_progress": show_progress(args.no_progress, sys.stderr),
                "show_train_loss": args.show_train_loss}
     try:

@@ -12,7 +12,7 @@ import numpy as np
 from accounting.accountants import get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.cli.display import format_table, print_json, show_progress
-from orchestrator.cli.train import job_ledger
+from orchestrator.cli.train import add_job_ledger_flags, check_queue_flags, job_ledger
 from orchestrator.config import load_config, tomllib
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
@@ -38,10 +38,7 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     tune.add_argument("--search-seed", type=int, default=0,
                       help="seed of the random draw of combinations (it touches no data; default 0)")
     tune.add_argument("--run-dir", default="runs/tune", help="trial k runs in RUN_DIR/trial-k (default runs/tune)")
-    tune.add_argument("--ledger", metavar="HOST:PORT",
-                      help="privacy ledger server (default: the config's ledger, DPFLEET_LEDGER, else embedded)")
-    tune.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
-    tune.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
+    add_job_ledger_flags(tune)
     tune.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     tune.add_argument("--json", action="store_true", help="print the search's result as JSON on the last line")
     tune.set_defaults(handler=run_tune)
@@ -49,6 +46,7 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_tune(args: argparse.Namespace) -> int:
     """Run every trial as a charged job, then report the trials, the best one and the ε of choosing it."""
+    check_queue_flags(args)
     try:
         with open(args.grid, "rb") as handle:
             grid = parse_grid(tomllib.load(handle))
