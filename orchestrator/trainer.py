@@ -245,10 +245,8 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     With shards, a local Ray is one node standing in for every shard's
     custom resources (and says so); on a cluster, only the nodes started
     with a shard's resources run its workers. A local start that times out
-    (a loaded machine, or the processes of a killed run still exiting) is
-    retried, up to LOCAL_RAY_START_ATTEMPTS
-    tries in all, each announced through `say`. Returns True when this call
-    started Ray (and so should shut it down).
+    is retried (`init_local_ray`). Returns True when this call started Ray
+    (and so should shut it down).
     """
     if ray.is_initialized():
         return False
@@ -260,13 +258,25 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     resources = local_shard_resources(config)
     if resources:
         say(f"local Ray: this machine stands in for every shard's resources ({resources})")
+    init_local_ray(cpus, gpus, resources, log_to_driver=True, say=say)
+    return True
+
+
+def init_local_ray(num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
+                   log_to_driver: bool = True, say: Callable[[str], None] = print) -> None:
+    """Start a new in-process Ray of this size, retrying a start that timed out (LOCAL_RAY_START_ATTEMPTS in all).
+
+    A loaded machine, or the processes of a killed run still exiting, can
+    keep the GCS or the raylet from answering in Ray's own 30 s; each retry
+    is announced through `say`.
+    """
     attempt = 1
     while True:
         try:
             # address="local": a new in-process cluster, never one some other program left running here.
-            ray.init(address="local", num_cpus=cpus, num_gpus=gpus, resources=resources, include_dashboard=False,
-                     log_to_driver=True)
-            return True
+            ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
+                     include_dashboard=False, log_to_driver=log_to_driver)
+            return
         # Ray reports a node that did not come up as a bare Exception, or as a RuntimeError from the wait for the
         # GCS port file ("Timed out waiting for file ...").
         except Exception as error:  # noqa: BLE001

@@ -42,6 +42,7 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
 from orchestrator.noise import GaussianNoise
+from orchestrator.trainer import init_local_ray
 
 DELTA = 1e-5
 # Noise multipliers that give PLD epsilon 1, 4 and 8 at delta 1e-5 for q = 0.5 and 30 steps.
@@ -320,7 +321,7 @@ def test_membership_report_uses_each_examples_loss():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     yield
     PooledCanaryTrainer.pool.clear()
     ray.shutdown()

@@ -13,7 +13,7 @@ from orchestrator.checkpoint import checkpoint_files, latest_checkpoint, read_ch
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator import trainer as trainer_module
-from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, resume_trainer, start_ray
+from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, init_local_ray, resume_trainer, start_ray
 from workers.models import flat_parameters
 
 
@@ -50,7 +50,7 @@ def test_resume_without_a_checkpoint_is_a_usage_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     yield
     ray.shutdown()
 

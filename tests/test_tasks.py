@@ -10,7 +10,7 @@ from torchmetrics.functional.classification import binary_auroc, multiclass_accu
 import workers.data
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import Trainer, init_local_ray
 from workers.actor import GradientWorker
 from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
@@ -99,7 +99,7 @@ def test_binary_metrics_take_probabilities_from_logits():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     yield
     ray.shutdown()
 

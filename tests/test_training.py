@@ -18,7 +18,7 @@ from orchestrator.config import build_config
 from orchestrator.noise import GRADIENT_NOISE, GaussianNoise
 from orchestrator.checkpoint import latest_checkpoint
 from orchestrator.sampling import assign_microbatches, make_generator, poisson_sample, worker_shares
-from orchestrator.trainer import BREAKDOWN, Trainer, resume_trainer
+from orchestrator.trainer import BREAKDOWN, Trainer, init_local_ray, resume_trainer
 from accounting.ledger.store import open_embedded_ledger
 from servers import TINY_JOB
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
@@ -56,7 +56,7 @@ def batchnorm_cnn():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     yield
     ray.shutdown()
 

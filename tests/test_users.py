@@ -16,7 +16,7 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.sampling import partition
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import Trainer, init_local_ray
 from workers.actor import GradientWorker
 from workers.models import build_model, flat_parameters
 from workers.sources import write_parquet_shards
@@ -117,7 +117,7 @@ def test_user_keys_that_do_not_fit_together_are_refused(values, message):
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray for the module's runs, which then do not start their own."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -11,6 +11,7 @@ import ray
 import torch
 from torch import nn
 
+from orchestrator.trainer import init_local_ray
 from workers.actor import GradientWorker, GradientWorkerActor
 from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
@@ -26,7 +27,7 @@ def batchnorm_factory():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     yield
     ray.shutdown()
 
