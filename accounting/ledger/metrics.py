@@ -72,12 +72,6 @@ def dataset_metrics(statuses: Iterable[DatasetStatus]) -> list[Metric]:
     """The gauges of every dataset in `statuses`, labelled by tenant and dataset (its bare name), and of its blocks,
     quotas and jobs (active, released and queued)."""
     statuses = list(statuses)
-    families = []
-    for name, documentation, figure in DATASET_GAUGES:
-        family = GaugeMetricFamily(name, documentation, labels=["tenant", "dataset"])
-        for status in statuses:
-            family.add_metric(_labels(status), figure(status))
-        families.append(family)
     jobs = GaugeMetricFamily(
         "dpfleet_ledger_jobs", "Reservations on the dataset: active ones hold budget.",
         labels=["tenant", "dataset", "state"],
@@ -86,19 +80,27 @@ def dataset_metrics(statuses: Iterable[DatasetStatus]) -> list[Metric]:
         jobs.add_metric([*_labels(status), "active"], len(status.jobs))
         jobs.add_metric([*_labels(status), "released"], status.released_jobs)
         jobs.add_metric([*_labels(status), "queued"], status.queued_jobs)
-    for name, documentation, figure in BLOCK_GAUGES:
-        family = GaugeMetricFamily(name, documentation, labels=["tenant", "dataset", "block"])
-        for status in statuses:
-            for block in status.blocks:
-                family.add_metric([*_labels(status), block.name], figure(block))
+    return [
+        *_gauge_families(DATASET_GAUGES, ["tenant", "dataset"],
+                         [(_labels(status), status) for status in statuses]),
+        *_gauge_families(BLOCK_GAUGES, ["tenant", "dataset", "block"],
+                         [([*_labels(status), block.name], block) for status in statuses for block in status.blocks]),
+        *_gauge_families(QUOTA_GAUGES, ["tenant", "dataset", "block", "quota_tenant"],
+                         [([*_labels(status), quota.block or "", quota.tenant], quota)
+                          for status in statuses for quota in status.quotas]),
+        jobs,
+    ]
+
+
+def _gauge_families(gauges: tuple, labels: list[str], labelled: list[tuple[list[str], object]]) -> list[Metric]:
+    """One gauge family per (name, help, figure) of `gauges`, with a sample per (label values, record) of `labelled`."""
+    families = []
+    for name, documentation, figure in gauges:
+        family = GaugeMetricFamily(name, documentation, labels=labels)
+        for values, record in labelled:
+            family.add_metric(values, figure(record))
         families.append(family)
-    for name, documentation, figure in QUOTA_GAUGES:
-        family = GaugeMetricFamily(name, documentation, labels=["tenant", "dataset", "block", "quota_tenant"])
-        for status in statuses:
-            for quota in status.quotas:
-                family.add_metric([*_labels(status), quota.block or "", quota.tenant], figure(quota))
-        families.append(family)
-    return [*families, jobs]
+    return families
 
 
 def _labels(status: DatasetStatus) -> list[str]:
