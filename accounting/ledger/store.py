@@ -1129,14 +1129,11 @@ class Ledger:
         as they are then.
         """
         caller = self._caller(caller)
-        job_events = check_plan(planned)
         blocks = check_block_names(blocks)
-        privacy_unit = check_privacy_unit(privacy_unit)
-        rows_per_person = check_rows_per_person(rows_per_person)
+        _, charged, _ = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
+        planned_tally = RdpTally.of(charged)
         with self._read() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
-            planned_tally = RdpTally.of(charged_plan(dataset, row.privacy_unit, privacy_unit, job_events,
-                                                     rows_per_person))
             budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
             checks, quota_checks = self._admission_checks(
                 connection, _job_tenant(caller, row), row, budgets, planned_tally, dataset
