@@ -107,7 +107,7 @@ class JobLedger:
         charge renews it that often.
         """
         def reserve():
-            planned, privacy_unit, rows_per_person = plan_for_unit(ledger.get_budget(dataset).privacy_unit)
+            planned, privacy_unit, rows_per_person = _plan_for_dataset(ledger, dataset, plan_for_unit)
             return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person, blocks)
 
         try:
@@ -130,7 +130,7 @@ class JobLedger:
         takes it out of the queue.
         """
         def enqueue():
-            planned, privacy_unit, rows_per_person = plan_for_unit(ledger.get_budget(dataset).privacy_unit)
+            planned, privacy_unit, rows_per_person = _plan_for_dataset(ledger, dataset, plan_for_unit)
             return ledger.enqueue(dataset, job_id, planned, lease_seconds, priority, max_wait_seconds, privacy_unit,
                                   rows_per_person, blocks)
 
@@ -177,6 +177,13 @@ class JobLedger:
         """The dataset's budget as the ledger sees it now."""
         return with_retries(lambda: self.ledger.get_budget(self.dataset), self.timeout_seconds, self.say,
                             "reading the budget")
+
+
+def _plan_for_dataset(
+    ledger, dataset: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
+) -> tuple[Composition, str, int | None]:
+    """`plan_for_unit` of the dataset's privacy unit; the status is read without waiting for its PLD figure."""
+    return plan_for_unit(ledger.get_budget(dataset, pld_may_be_pending=True).privacy_unit)
 
 
 def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
