@@ -278,9 +278,7 @@ def check_priority(value: object) -> int:
 
 def check_queue_state(value: object) -> str | None:
     """A queued job's state filter: one of QUEUE_STATES, or None for any."""
-    if value is not None and value not in QUEUE_STATES:
-        raise InvalidArgument(f"queued job state must be one of {', '.join(QUEUE_STATES)} (got {value!r})")
-    return value
+    return _state_filter("queued job state", value, QUEUE_STATES)
 
 
 def check_scheduling(value: object) -> SchedulingPolicy:
@@ -298,8 +296,12 @@ def check_history_limit(value: object) -> int:
 
 def check_state(value: object) -> str | None:
     """A reservation state filter: None (any), 'active' or 'released'."""
-    if value is not None and value not in RESERVATION_STATES:
-        raise InvalidArgument(f"job state must be one of {', '.join(RESERVATION_STATES)} (got {value!r})")
+    return _state_filter("job state", value, RESERVATION_STATES)
+
+
+def _state_filter(kind: str, value: object, states: tuple[str, ...]) -> str | None:
+    if value is not None and value not in states:
+        raise InvalidArgument(f"{kind} must be one of {', '.join(states)} (got {value!r})")
     return value
 
 
