@@ -525,7 +525,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         local_learning_rate=_optional(values, "local_learning_rate", checks.positive_number),
     )
     _check_privacy_unit(config)
-    check_rows_per_person(config)
+    check_people_within_bound(config)
     if not shards:
         # With shards, N is known once the workers report their sizes; the trainer checks it then.
         checks.batch_within_dataset("batch_size", config.batch_size, sampled_unit_count(config))
@@ -588,7 +588,7 @@ def _check_people_keys(config: TrainConfig) -> None:
                          "combined with shards")
 
 
-def check_rows_per_person(config: TrainConfig) -> None:
+def check_people_within_bound(config: TrainConfig) -> None:
     """At example level with max_examples_per_user, refuse data in which a person owns more rows than that.
 
     Reads the people (the user_id column, or the synthetic assignment), never
