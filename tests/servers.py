@@ -1,13 +1,17 @@
-"""Servers that tests start on loopback themselves (the ledger as a real `dpfleet ledger serve` process),
-and the tiny training job the tests run against them."""
+"""Servers that tests start on loopback themselves (the ledger as a real `dpfleet ledger serve` process, Ray
+clusters of several nodes), and the tiny training job the tests run against them."""
 
 import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import ray
+from ray.cluster_utils import Cluster
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
@@ -27,6 +31,10 @@ clip_norm = 1.0
 learning_rate = 0.5
 max_physical_batch = 64
 """
+
+
+# Ray waits a fixed 30 s for a new node's raylet to register; a loaded 2-core machine can take longer.
+NODE_START_ATTEMPTS = 3
 
 
 def tiny_job_epsilon(steps: int) -> float:
@@ -88,3 +96,48 @@ def start_racers(commands: list[list[str]]) -> list[subprocess.Popen]:
         racer.stdin.write("go\n")
         racer.stdin.flush()
     return racers
+
+
+def add_loopback_node(cluster: Cluster, **node_args) -> "ray._private.node.Node":
+    """Add a node to `cluster` (its head if it has none), starting it afresh when it does not come up in time.
+
+    The processes a timed-out start left behind are the test process's new children: they are killed, so the node
+    is never counted twice. Each retry waits a little longer for the machine to calm down.
+    """
+    attempt = 1
+    while True:
+        earlier_children = {child.pid for child in psutil.Process().children()}
+        try:
+            return cluster.add_node(**node_args)
+        # Ray reports a node that did not come up as a bare Exception ("... timed out during startup ...").
+        except Exception as error:  # noqa: BLE001
+            if "timed out" not in str(error).lower() or attempt == NODE_START_ATTEMPTS:
+                raise
+        for child in psutil.Process().children():
+            if child.pid not in earlier_children:
+                for process in [*child.children(recursive=True), child]:
+                    process.kill()
+        time.sleep(5.0 * attempt)
+        attempt += 1
+
+
+def start_loopback_cluster(nodes: list[dict]) -> tuple[Cluster, list["ray._private.node.Node"]]:
+    """A Ray cluster on loopback with the driver connected: a head with no CPUs and a node per `nodes` entry.
+
+    Each entry holds `add_node` arguments (num_cpus, resources); the head runs no dashboard. Stop it with
+    `stop_loopback_cluster`.
+    """
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster()
+    add_loopback_node(cluster, num_cpus=0, include_dashboard=False)
+    added = [add_loopback_node(cluster, **node_args) for node_args in nodes]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster, added
+
+
+def stop_loopback_cluster(cluster: Cluster) -> None:
+    """Disconnect the driver and stop every node of `cluster`."""
+    ray.shutdown()
+    cluster.shutdown()

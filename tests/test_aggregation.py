@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from servers import start_loopback_cluster, stop_loopback_cluster
 
 from orchestrator.aggregation import NodeAggregation
 from orchestrator.config import build_config
@@ -24,16 +24,10 @@ WORKERS_PER_NODE = 2
 @pytest.fixture(scope="module")
 def cluster():
     """A head with no CPUs and two nodes of two CPUs each."""
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for node in NODES:
-        cluster.add_node(num_cpus=WORKERS_PER_NODE, resources={node: WORKERS_PER_NODE})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    cluster, _ = start_loopback_cluster([dict(num_cpus=WORKERS_PER_NODE, resources={node: WORKERS_PER_NODE})
+                                         for node in NODES])
     yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    stop_loopback_cluster(cluster)
 
 
 def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster):

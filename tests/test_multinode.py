@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
+from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster
 
 from orchestrator.config import build_config
 from orchestrator.errors import ShardTimeoutError
@@ -28,15 +28,9 @@ NO_LEDGER_FLAGS = argparse.Namespace(ledger=None, token=None, dataset_name=None,
 @pytest.fixture(scope="module")
 def cluster():
     """A head with no CPUs and one 1-CPU node per silo; `nodes` maps each silo to its node (tests swap them)."""
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = {silo: cluster.add_node(num_cpus=1, resources={silo: 1}) for silo in SILOS}
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
+    cluster, added = start_loopback_cluster([dict(num_cpus=1, resources={silo: 1}) for silo in SILOS])
+    yield cluster, dict(zip(SILOS, added))
+    stop_loopback_cluster(cluster)
 
 
 def sharded_config(tmp_path, name, **overrides):
@@ -115,7 +109,7 @@ class RemoveNodeBefore(Trainer):
 
 def add_silo(cluster, silo):
     _, nodes = cluster
-    nodes[silo] = cluster[0].add_node(num_cpus=1, resources={silo: 1})
+    nodes[silo] = add_loopback_node(cluster[0], num_cpus=1, resources={silo: 1})
 
 
 def test_skip_runs_without_a_lost_silo_records_its_steps_and_takes_it_back(cluster, undisturbed, tmp_path):
