@@ -57,34 +57,68 @@ def scale_for_target(
 
     `events_at` maps a base noise multiplier to the run's events (a constant
     sigma, or a whole noise schedule scaled by it); epsilon must fall as s
-    grows. Bracketed bisection in log space.
+    grows. The answer is bracketed by doubling and halving, then the bracket
+    is closed by `_close_bracket`.
     """
     target_epsilon = _check_target(target_epsilon)
     interpreter = get_accountant(accountant)
 
-    def epsilon_at(scale: float) -> float:
-        return interpreter.epsilon(events_at(scale), delta)
+    def excess(scale: float) -> float:
+        """log(epsilon / target): positive where `scale` is too small, never NaN."""
+        epsilon = interpreter.epsilon(events_at(scale), delta)
+        return math.log(epsilon / target_epsilon) if epsilon > 0.0 else -math.inf
 
-    upper = 1.0
-    while epsilon_at(upper) > target_epsilon:
+    upper, upper_excess = 1.0, excess(1.0)
+    while upper_excess > 0.0:
         upper *= 2.0
         if upper > _LARGEST_NOISE_MULTIPLIER:
             raise UnreachableTargetError(
                 f"target epsilon {target_epsilon:g} needs a noise multiplier above {_LARGEST_NOISE_MULTIPLIER:g}; "
                 "raise the target, or lower the batch size or the number of steps"
             )
-    lower = upper / 2.0
-    while epsilon_at(lower) <= target_epsilon:
-        upper, lower = lower, lower / 2.0
+        upper_excess = excess(upper)
+    lower, lower_excess = upper / 2.0, excess(upper / 2.0)
+    while lower_excess <= 0.0:
+        upper, upper_excess = lower, lower_excess
+        lower = lower / 2.0
         if lower < _SMALLEST_NOISE_MULTIPLIER:
             return upper
-    while upper / lower - 1.0 > _RELATIVE_TOLERANCE:
-        middle = math.sqrt(upper * lower)
-        if epsilon_at(middle) <= target_epsilon:
-            upper = middle
+        lower_excess = excess(lower)
+    return _close_bracket(excess, (lower, lower_excess), (upper, upper_excess))
+
+
+def _close_bracket(excess: Callable[[float], float], lower: tuple[float, float], upper: tuple[float, float]) -> float:
+    """The upper end of [lower, upper] once it is within _RELATIVE_TOLERANCE, keeping excess(lower) > 0 >= excess(upper).
+
+    Each probe is the root of the secant through the two ends in (log scale,
+    log epsilon), where epsilon is nearly straight; when one end has stayed
+    put twice running, its excess is halved (the Illinois rule), so both ends
+    close in. A probe keeps a quarter of the tolerance from either end, and
+    an infinite end falls back to bisection: a handful of accountant calls
+    instead of bisection's dozen or more.
+    """
+    (low, low_excess), (high, high_excess) = lower, upper
+    margin = math.log1p(_RELATIVE_TOLERANCE / 4.0)
+    kept = 0  # +1: the upper end moved last; -1: the lower end moved last
+    while high / low - 1.0 > _RELATIVE_TOLERANCE:
+        log_low, log_high = math.log(low), math.log(high)
+        if math.isfinite(low_excess) and math.isfinite(high_excess):
+            probe = log_high - high_excess * (log_high - log_low) / (high_excess - low_excess)
         else:
-            lower = middle
-    return upper
+            probe = (log_low + log_high) / 2.0
+        scale = math.exp(min(max(probe, log_low + margin), log_high - margin))
+        scale_excess = excess(scale)
+        if scale_excess <= 0.0:
+            high, high_excess = scale, scale_excess
+            if kept == 1:
+                low_excess /= 2.0
+            kept = 1
+        else:
+            low, low_excess = scale, scale_excess
+            if kept == -1:
+                high_excess /= 2.0
+            kept = -1
+    return high
 
 
 def max_steps_for(
