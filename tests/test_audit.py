@@ -42,7 +42,6 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
 from orchestrator.noise import GaussianNoise
-from orchestrator.trainer import init_local_ray
 
 DELTA = 1e-5
 # Noise multipliers that give PLD epsilon 1, 4 and 8 at delta 1e-5 for q = 0.5 and 30 steps.
@@ -320,11 +319,10 @@ def test_membership_report_uses_each_examples_loss():
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    init_local_ray(2, log_to_driver=False)
+def pooled_workers(local_ray):
+    """The module's shared Ray; its pooled gradient workers are let go after the module."""
     yield
     PooledCanaryTrainer.pool.clear()
-    ray.shutdown()
 
 
 class PooledCanaryTrainer(CanaryTrainer):
@@ -398,7 +396,7 @@ def audit_config(tmp_path, epsilon, seed=3, **overrides):
 
 
 @pytest.mark.parametrize("epsilon", [1, 4, 8])
-def test_white_box_audit_of_correct_noise_stays_below_the_accountant(local_ray, tmp_path, epsilon):
+def test_white_box_audit_of_correct_noise_stays_below_the_accountant(pooled_workers, tmp_path, epsilon):
     result = run_audit(audit_config(tmp_path, epsilon), trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
     assert result["epsilon_upper"] == pytest.approx(epsilon, rel=0.01)
     assert result["epsilon_lower"] <= result["epsilon_upper"]
@@ -412,7 +410,7 @@ def test_white_box_audit_of_correct_noise_stays_below_the_accountant(local_ray, 
     assert json.loads((run_dir / "audit.json").read_text())["epsilon_lower"] == result["epsilon_lower"]
 
 
-def test_white_box_audit_catches_noise_scaled_down_4x(local_ray, tmp_path):
+def test_white_box_audit_catches_noise_scaled_down_4x(pooled_workers, tmp_path):
     result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(3), trainer_class=PooledCanaryTrainer,
                        out=open("/dev/null", "w"))
     # Seed 3 gives about 2.1 against 1.0.
@@ -420,13 +418,13 @@ def test_white_box_audit_catches_noise_scaled_down_4x(local_ray, tmp_path):
     assert result["verdict"].startswith("VIOLATION")
 
 
-def test_white_box_audit_catches_noise_drawn_per_worker(local_ray, tmp_path):
+def test_white_box_audit_catches_noise_drawn_per_worker(pooled_workers, tmp_path):
     result = run_audit(audit_config(tmp_path, 1), trainer_class=NoisePerWorkerTrainer, out=open("/dev/null", "w"))
     assert result["epsilon_lower"] > result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)
     assert result["verdict"].startswith("VIOLATION")
 
 
-def test_black_box_audit_scores_mislabelled_canaries_by_loss(local_ray, tmp_path):
+def test_black_box_audit_scores_mislabelled_canaries_by_loss(pooled_workers, tmp_path):
     result = run_audit(audit_config(tmp_path, 8), canaries=200, mode="black-box",
                        trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
     assert result["mode"] == "black-box" and result["canaries"] == 200
@@ -436,7 +434,7 @@ def test_black_box_audit_scores_mislabelled_canaries_by_loss(local_ray, tmp_path
     assert 0.0 <= result["membership"]["auc"] <= 1.0 and result["membership"]["members"] == 200
 
 
-def test_canary_users_sampled_as_users_stay_below_the_user_level_epsilon(local_ray, tmp_path):
+def test_canary_users_sampled_as_users_stay_below_the_user_level_epsilon(pooled_workers, tmp_path):
     # 40 synthetic users, 20 expected a step: q = 0.5 over users, 30 steps, sigma for user-level epsilon 8.
     config = audit_config(tmp_path, 8, privacy_unit="user", synthetic_users=40, batch_size=20)
     result = run_audit(config, rows_per_canary=50, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
@@ -448,7 +446,7 @@ def test_canary_users_sampled_as_users_stay_below_the_user_level_epsilon(local_r
     assert result["epsilon_lower"] >= 0.3 * result["epsilon_upper"]
 
 
-def test_canary_users_sampled_row_by_row_leak_more_than_the_example_level_epsilon(local_ray, tmp_path):
+def test_canary_users_sampled_row_by_row_leak_more_than_the_example_level_epsilon(pooled_workers, tmp_path):
     # Example-level epsilon 1; each of 1000 canary users owns 20 rows, sampled and clipped one by one.
     result = run_audit(audit_config(tmp_path, 1), canaries=1000, rows_per_canary=20,
                        trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
@@ -463,7 +461,7 @@ def test_canary_users_sampled_row_by_row_leak_more_than_the_example_level_epsilo
     assert "rows of one person are not protected together" in result["verdict"]
 
 
-def test_audit_command_prints_the_verdict_and_json(local_ray, tmp_path, monkeypatch, capsys):
+def test_audit_command_prints_the_verdict_and_json(pooled_workers, tmp_path, monkeypatch, capsys):
     config = tmp_path / "audit.toml"
     config.write_text(
         'dataset = "mnist"\nmodel = "gdp_cnn"\nworkers = 2\nsteps = 4\nbatch_size = 100\ntrain_subset = 200\n'

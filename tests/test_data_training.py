@@ -22,13 +22,15 @@ TRAIN_ROWS, TEST_ROWS = 600, 200
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-    """A local Ray whose workers can import this module and know the driver's pid."""
+def ray_with_read_probe(tmp_path_factory):
+    """A local Ray of its own whose workers can import this module and know the driver's pid."""
     reads = tmp_path_factory.mktemp("reads")
     variables = {"DPFLEET_TEST_DRIVER_PID": str(os.getpid()), "DPFLEET_TEST_READS": str(reads),
                  "PYTHONPATH": os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")])}
     os.environ.update({key: variables[key] for key in ("DPFLEET_TEST_DRIVER_PID", "DPFLEET_TEST_READS")})
     # "local": a new Ray for this module even while another on this machine advertises itself.
+    if ray.is_initialized():
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": variables})
     yield reads
@@ -51,7 +53,7 @@ def export_mnist_head(directory: Path) -> dict:
             "shape": [1, 28, 28], "features": "features"}
 
 
-def test_parquet_training_matches_the_built_in_run_on_the_same_examples(local_ray, tmp_path):
+def test_parquet_training_matches_the_built_in_run_on_the_same_examples(ray_with_read_probe, tmp_path):
     table = export_mnist_head(tmp_path / "mnist")
     from_files = Trainer(small_config(tmp_path / "a", table, check_data="full"), show_progress=False)
     built_in = Trainer(small_config(tmp_path / "b", "mnist", train_subset=TRAIN_ROWS, test_subset=TEST_ROWS),
@@ -85,8 +87,8 @@ def guarded_datasets():
     return GuardedDataset(TRAIN_ROWS, "train"), GuardedDataset(TEST_ROWS, "test")
 
 
-def test_the_driver_never_reads_a_training_example(local_ray, tmp_path):
-    reads = local_ray
+def test_the_driver_never_reads_a_training_example(ray_with_read_probe, tmp_path):
+    reads = ray_with_read_probe
     config = small_config(tmp_path, "test_data_training:guarded_datasets")
     summary = Trainer(config, show_progress=False).run()
     assert summary["dataset_size"] == TRAIN_ROWS and summary["steps"] == 4

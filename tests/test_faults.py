@@ -48,13 +48,6 @@ def test_resume_without_a_checkpoint_is_a_usage_error(tmp_path):
         resume_trainer(str(tmp_path))
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    init_local_ray(2, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def fault_config(tmp_path, name, **overrides):
     values = dict(
         dataset="mnist", model="gdp_cnn", workers=2, steps=12, batch_size=60, train_subset=600,

@@ -10,7 +10,7 @@ from torchmetrics.functional.classification import binary_auroc, multiclass_accu
 import workers.data
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.trainer import Trainer, init_local_ray
+from orchestrator.trainer import Trainer
 from workers.actor import GradientWorker
 from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
@@ -95,13 +95,6 @@ def test_binary_metrics_take_probabilities_from_logits():
     metric = build_metric("auroc", "binary", logits)
     metric.update(*metric_inputs("binary", logits, labels))
     assert metric.compute().item() == pytest.approx(binary_auroc(torch.sigmoid(logits.reshape(-1)), labels.long()).item())
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    init_local_ray(2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_the_driver_loads_no_example_for_training_or_evaluation(local_ray, tmp_path, monkeypatch):

@@ -54,13 +54,6 @@ def batchnorm_cnn():
     )
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    init_local_ray(2, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 # The ScatterNets' workers train their heads on cached features: tests/test_accuracy_features.py checks those sums.
 @pytest.mark.parametrize("model_name", [name for name in MODEL_NAMES if not name.startswith("scatternet")])
 def test_distributed_clipped_sum_equals_a_plain_loop(local_ray, model_name):

@@ -26,7 +26,7 @@ def write_config(tmp_path, extra, name="job.toml"):
     return str(path)
 
 
-def test_embedded_ledger_charges_exactly_what_dpfleet_eps_reports(tmp_path, capsys):
+def test_embedded_ledger_charges_exactly_what_dpfleet_eps_reports(local_ray, tmp_path, capsys):
     config = write_config(tmp_path, f'steps = 25\nrun_dir = "{tmp_path / "run"}"\nseed = 1\n')
     assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -50,7 +50,7 @@ def test_a_job_that_does_not_fit_is_refused_before_it_trains(tmp_path, capsys):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(tmp_path, capsys):
+def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(local_ray, tmp_path, capsys):
     for name in ("first", "second"):
         config = write_config(tmp_path, f'steps = 20\nrun_dir = "{tmp_path / name}"\n', f"{name}.toml")
         assert main(["train", "--config", config, "--no-progress"]) == 0
@@ -106,14 +106,14 @@ def wait_for_line(process, fragment, timeout=180):
 def test_a_ledger_outage_pauses_training_which_then_completes(tmp_path, ledger_server):
     run_dir = tmp_path / "outage"
     training = start_training(
-        tmp_path, f'steps = 150\ncommit_every = 5\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
+        tmp_path, f'steps = 100\ncommit_every = 5\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
         f'ledger = "{ledger_server["address"]}"\nledger_timeout = 120\n', "--token", ledger_server["token"],
     )
-    # 20 steps an epoch: after epoch 1, 130 steps and 26 charges remain to fall into the outage.
+    # 20 steps an epoch: after epoch 1, 80 steps and 16 charges remain to fall into the outage.
     wait_for_line(training, "epoch 1:")
     ledger_server["process"].send_signal(signal.SIGKILL)
     ledger_server["process"].wait(timeout=30)
-    time.sleep(10.0)
+    time.sleep(5.0)
     ledger_server["process"], _ = start_serve_process(ledger_server["db"], ledger_server["token_file"],
                                                       ledger_server["port"])
     output, _ = training.communicate(timeout=600)
@@ -121,8 +121,8 @@ def test_a_ledger_outage_pauses_training_which_then_completes(tmp_path, ledger_s
     assert "ledger unreachable" in output and "ledger reachable again" in output
     with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
         (job,) = acme.list_jobs()
-        assert job.committed_steps == 150 and job.state == "released"
-        assert acme.get_budget("digits").spent_epsilon == pytest.approx(tiny_job_epsilon(150), rel=1e-9)
+        assert job.committed_steps == 100 and job.state == "released"
+        assert acme.get_budget("digits").spent_epsilon == pytest.approx(tiny_job_epsilon(100), rel=1e-9)
 
 
 def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_path, ledger_server):
@@ -159,7 +159,7 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
     assert tiny_job_epsilon(80) - 1e-9 <= spent <= tiny_job_epsilon(80 + 10) + 1e-9
 
 
-def test_train_with_mia_reports_the_membership_attack(tmp_path, capsys):
+def test_train_with_mia_reports_the_membership_attack(local_ray, tmp_path, capsys):
     config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\n')
     assert main(["train", "--config", config, "--no-progress", "--mia", "--json"]) == 0
     attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference"]
@@ -167,7 +167,7 @@ def test_train_with_mia_reports_the_membership_attack(tmp_path, capsys):
     assert attack["members"] == 600 and attack["nonmembers"] == 1000
 
 
-def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(tmp_path, monkeypatch):
+def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(local_ray, tmp_path, monkeypatch):
     step = SampledGaussian(30 / 600, 1.0, 1)  # TINY_JOB's step
     rule = AdmissionRule.for_budget(10.0, 1e-5)
     # The longest holder that leaves no room for 20 steps of the job, found by bisection over its steps.

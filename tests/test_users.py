@@ -16,7 +16,7 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.sampling import partition
-from orchestrator.trainer import Trainer, init_local_ray
+from orchestrator.trainer import Trainer
 from workers.actor import GradientWorker
 from workers.models import build_model, flat_parameters
 from workers.sources import write_parquet_shards
@@ -112,14 +112,6 @@ def test_user_keys_that_do_not_fit_together_are_refused(values, message):
     base = dict(dataset="mnist", train_subset=ROWS, steps=2, noise_multiplier=1.0, batch_size=5)
     with pytest.raises(UsageError, match=message):
         build_config({**base, **values})
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray for the module's runs, which then do not start their own."""
-    init_local_ray(2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def people_dataset(tmp_path):

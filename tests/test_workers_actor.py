@@ -11,7 +11,6 @@ import ray
 import torch
 from torch import nn
 
-from orchestrator.trainer import init_local_ray
 from workers.actor import GradientWorker, GradientWorkerActor
 from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
@@ -23,13 +22,6 @@ TRAIN_SUBSET = 600
 
 def batchnorm_factory():
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 26 * 26, 10))
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    init_local_ray(2, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
