@@ -210,6 +210,21 @@ def noisy_sum_at(
     return noisy + noise_std * np.asarray(torch.as_tensor(unit_noise)[torch.as_tensor(coordinates)].cpu())
 
 
+_scratch = threading.local()
+
+
+def _scratch_pair(length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two float64 buffers of `length` values, kept by this thread from call to call.
+
+    Fresh temporaries of a chunk's size cost page faults on every chunk of
+    every step; reused ones stay mapped.
+    """
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None or buffers.shape[1] < length:
+        buffers = _scratch.buffers = np.empty((2, length))
+    return buffers[0, :length], buffers[1, :length]
+
+
 def noisy_mean_gradient(
     partial_sums: Sequence[np.ndarray], unit_noise, noise_std: float, contributions: float, out,
     pool: ThreadPoolExecutor | None = None,
@@ -220,8 +235,9 @@ def noisy_mean_gradient(
     once to their sum; dividing by the expected batch size q*N (or the
     microbatch count), never the realised one, keeps the realised count (a
     raw, un-noised statistic) out of what is released. On the CPU this runs
-    chunk by chunk in cache, on `pool`'s threads when given: one pass over
-    memory instead of one per operation. `out` on a GPU takes the sum there.
+    chunk by chunk in scratch buffers each thread keeps, on `pool`'s threads
+    when given: one pass over memory instead of one per operation, and no
+    fresh temporaries. `out` on a GPU takes the sum there.
     """
     if isinstance(out, torch.Tensor) and out.device.type != "cpu":
         noisy = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
@@ -234,13 +250,14 @@ def noisy_mean_gradient(
 
     def combine(bounds: tuple[int, int]) -> None:
         start, stop = bounds
-        noisy = np.zeros(stop - start)
+        noisy, scaled_noise = _scratch_pair(stop - start)
+        noisy.fill(0.0)
         for part in partial_sums:
             noisy += part[start:stop]
-        noisy += np.multiply(unit_noise[start:stop], noise_std)
+        noisy += np.multiply(unit_noise[start:stop], noise_std, out=scaled_noise)
         np.divide(noisy, contributions, out=array[start:stop])
 
-    bounds = chunk_bounds(array.size, CHUNK_VALUES // 4)
+    bounds = chunk_bounds(array.size)
     if pool is None:
         for chunk_bound in bounds:
             combine(chunk_bound)
