@@ -18,7 +18,9 @@ repeat, and reports the median samples/s over the repeats:
   (half each) and the driver uses the GPU too. For these rows the report
   adds where a step's time goes: the driver's own seconds (what the
   workers wait for), of which its wait for the noise, the slowest worker's
-  seconds in its call, and the driver's wait for the sums.
+  seconds in its call, and the driver's wait for the sums. A third Ray row,
+  ``ray 1, fast noise``, draws the fast (not secure) noise the in-process
+  row draws, so the two compare like for like.
 
 Models: ``gdp_cnn`` and ``lenet5`` at batch 256 on MNIST; torchvision's
 ResNet-18 with GroupNorm at batch 64 on synthetic 3x32x32 images; a small
@@ -338,14 +340,15 @@ class RayStep:
     worker, wait for the sums) in seconds.
     """
 
-    def __init__(self, setting: Setting, actors: list) -> None:
+    def __init__(self, setting: Setting, actors: list, secure_noise: bool = True) -> None:
         import ray
 
         self.setting, self.actors = setting, dict(enumerate(actors))
         self.model = setting.model()
         self.weights, self.gradient = bind_flat_views(self.model)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
-        noise = (TorchGaussianNoise(device=setting.device) if setting.device.type == "cuda" else GaussianNoise())
+        noise = (TorchGaussianNoise(device=setting.device, secure=secure_noise) if setting.device.type == "cuda"
+                 else GaussianNoise(secure=secure_noise))
         self.noise = NoiseFeed(noise, self.weights.numel())
         self.arithmetic = ThreadPoolExecutor(driver_threads())
         self.aggregation = NodeAggregation()
@@ -378,11 +381,11 @@ class RayStep:
         self.step_index += 1
 
 
-def over_ray(workers: int) -> Callable[[Setting], Callable[[], None]]:
+def over_ray(workers: int, secure_noise: bool = True) -> Callable[[Setting], Callable[[], None]]:
     """One DP-SGD step with the clipped sum split over ``workers`` Ray gradient workers (1 thread each)."""
 
     def make(setting: Setting) -> Callable[[], None]:
-        return RayStep(setting, _ray_workers(setting)[:workers])
+        return RayStep(setting, _ray_workers(setting)[:workers], secure_noise)
 
     return make
 
@@ -419,6 +422,7 @@ VARIANTS: dict[str, Callable[[Setting], Callable[[], None]]] = {
     "dpfleet fast": in_process("fast"),
     "dpfleet vmap": in_process("vmap"),
     "ray 1 worker": over_ray(1),
+    "ray 1, fast noise": over_ray(1, secure_noise=False),
     "ray 2 workers": over_ray(2),
 }
 
@@ -558,8 +562,9 @@ def summarise(result: dict) -> dict:
                   "vs_opacus_hooks": _ratio(rate, rates.get("opacus hooks"))}
         for variant, rate in rates.items()
     }
-    ratios["ray 1 worker"] = {**ratios.get("ray 1 worker", {}),
-                              "vs_in_process": _ratio(rates.get("ray 1 worker"), rates.get("dpfleet fast"))}
+    for variant in ("ray 1 worker", "ray 1, fast noise"):
+        ratios[variant] = {**ratios.get(variant, {}),
+                           "vs_in_process": _ratio(rates.get(variant), rates.get("dpfleet fast"))}
     ratios["ray 2 workers"] = {**ratios.get("ray 2 workers", {}),
                                "vs_1_worker": _ratio(rates.get("ray 2 workers"), rates.get("ray 1 worker"))}
     return {variant: values for variant, values in ratios.items() if variant in rates}
@@ -576,7 +581,7 @@ def _device_label(device: torch.device) -> str:
 def print_report(results: list[dict], memory: dict, threads: int, device: torch.device) -> None:
     """Print the throughput table (samples/s and ratios) and the memory table."""
     print(f"device {_device_label(device)}, {threads} torch thread(s) in process; medians of alternating repeats")
-    header = f"{'model':12s} {'variant':14s} {'samples/s':>10s} {'vs non-priv':>12s} {'vs opacus':>10s} {'other':>16s}"
+    header = f"{'model':12s} {'variant':17s} {'samples/s':>10s} {'vs non-priv':>12s} {'vs opacus':>10s} {'other':>16s}"
     print(header)
     print("-" * len(header))
     for result in results:
@@ -587,12 +592,12 @@ def print_report(results: list[dict], memory: dict, threads: int, device: torch.
                 other = f"{_format(ratio['vs_in_process'])} in-proc"
             if "vs_1_worker" in ratio:
                 other = f"{_format(ratio['vs_1_worker'])} 1 worker"
-            print(f"{result['model']:12s} {variant:14s} {rate:10.1f} {_format(ratio['vs_non_private']):>12s} "
+            print(f"{result['model']:12s} {variant:17s} {rate:10.1f} {_format(ratio['vs_non_private']):>12s} "
                   f"{_format(ratio['vs_opacus_hooks']):>10s} {other:>16s}")
         for variant, reason in result["skipped"].items():
-            print(f"{result['model']:12s} {variant:14s} skipped: {reason}")
+            print(f"{result['model']:12s} {variant:17s} skipped: {reason}")
         for variant, figures in result["breakdown"].items():
-            print(f"{result['model']:12s} {variant:14s} per step: driver "
+            print(f"{result['model']:12s} {variant:17s} per step: driver "
                   f"{figures['driver_seconds_per_step'] * 1e3:.1f} ms ({figures['driver_share_of_step']:.0%} of the "
                   "step; waiting for noise "
                   f"{figures['noise_wait_seconds_per_step'] * 1e3:.1f} ms), slowest worker "
@@ -604,9 +609,9 @@ def print_report(results: list[dict], memory: dict, threads: int, device: torch.
         reference = memory.get("non-private", {})
         for variant, figures in memory.items():
             if "error" in figures:
-                print(f"  {variant:14s} failed: {figures['error']}")
+                print(f"  {variant:17s} failed: {figures['error']}")
                 continue
-            print(f"  {variant:14s} peak {figures['peak_mb']:8.0f} MB ({_format(_ratio(figures['peak_mb'], reference.get('peak_mb')))})"
+            print(f"  {variant:17s} peak {figures['peak_mb']:8.0f} MB ({_format(_ratio(figures['peak_mb'], reference.get('peak_mb')))})"
                   f"  step {figures['step_mb']:8.0f} MB ({_format(_ratio(figures['step_mb'], reference.get('step_mb')))})")
 
 
