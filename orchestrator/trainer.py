@@ -262,6 +262,16 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     return True
 
 
+def ray_start_timed_out(error: Exception) -> bool:
+    """Whether `error` is Ray giving up on a node that did not come up in time, which a later try may not hit.
+
+    Ray reports it as a bare Exception ("The current node timed out during
+    startup"), or as a RuntimeError from the wait for the GCS port file
+    ("Timed out waiting for file ...").
+    """
+    return "timed out" in str(error).lower()
+
+
 def init_local_ray(num_cpus: int, num_gpus: int = 0, resources: dict[str, float] | None = None,
                    log_to_driver: bool = True, say: Callable[[str], None] = print) -> None:
     """Start a new in-process Ray of this size, retrying a start that timed out (LOCAL_RAY_START_ATTEMPTS in all).
@@ -277,10 +287,8 @@ def init_local_ray(num_cpus: int, num_gpus: int = 0, resources: dict[str, float]
             ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, resources=resources,
                      include_dashboard=False, log_to_driver=log_to_driver)
             return
-        # Ray reports a node that did not come up as a bare Exception, or as a RuntimeError from the wait for the
-        # GCS port file ("Timed out waiting for file ...").
-        except Exception as error:  # noqa: BLE001
-            if "timed out" not in str(error).lower() or attempt == LOCAL_RAY_START_ATTEMPTS:
+        except Exception as error:  # noqa: BLE001 - Ray's start-up errors have no class of their own
+            if not ray_start_timed_out(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
         ray.shutdown()
         say(f"local Ray did not start in time (try {attempt} of {LOCAL_RAY_START_ATTEMPTS}); trying again")

@@ -7,8 +7,6 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from orchestrator.trainer import init_local_ray
-
 # The in-process Ray `local_ray` started (its GCS address) and the module that uses it now; None when there is none.
 _shared_ray = {"address": None, "module": None}
 
@@ -28,6 +26,8 @@ def local_ray(request):
     Ray running (`no_ray_left_from_another_module`). Each module's actors are
     gone with its fixtures, and the trainer kills its own.
     """
+    from orchestrator.trainer import init_local_ray  # torch and the trainer, only for modules that train
+
     if not _is_shared_ray_up():
         if ray.is_initialized():
             ray.shutdown()

@@ -15,6 +15,7 @@ from ray.cluster_utils import Cluster
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
+from orchestrator.trainer import ray_start_timed_out
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 DPFLEET = [sys.executable, "-m", "orchestrator.cli"]
@@ -109,9 +110,8 @@ def add_loopback_node(cluster: Cluster, **node_args) -> "ray._private.node.Node"
         earlier_children = {child.pid for child in psutil.Process().children()}
         try:
             return cluster.add_node(**node_args)
-        # Ray reports a node that did not come up as a bare Exception ("... timed out during startup ...").
-        except Exception as error:  # noqa: BLE001
-            if "timed out" not in str(error).lower() or attempt == NODE_START_ATTEMPTS:
+        except Exception as error:  # noqa: BLE001 - Ray's start-up errors have no class of their own
+            if not ray_start_timed_out(error) or attempt == NODE_START_ATTEMPTS:
                 raise
         for child in psutil.Process().children():
             if child.pid not in earlier_children:
