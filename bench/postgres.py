@@ -50,7 +50,33 @@ class PostgresCluster:
         self.data = self.folder / "data"
         if self.user is not None:
             shutil.chown(self.folder, self.user)
+            if not self._can_run_binaries():
+                self.binaries = self._copy_installation()
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-locale", "-E", "UTF8")
+
+    def _can_run_binaries(self) -> bool:
+        """Whether the server's user can run initdb where it is installed."""
+        try:
+            return subprocess.run([str(self.binaries / "initdb"), "--version"], user=self.user, capture_output=True,
+                                  timeout=60, cwd=self.folder).returncode == 0
+        except PermissionError:
+            return False
+
+    def _copy_installation(self) -> Path:
+        """Copy the server's installation into the cluster's folder; return the copy's bin folder.
+
+        For a checkout under a folder that only root may enter (`mktemp -d`).
+        The copy keeps the layout the binaries' RPATH expects
+        (``$ORIGIN/../../../<package>.libs``, where a wheel keeps the libraries
+        it vendors).
+        """
+        installation = self.binaries.parent
+        copy = self.folder / "postgresql" / installation.parent.name / installation.name
+        shutil.copytree(installation, copy, symlinks=True)
+        vendored = installation.parent.parent / f"{installation.parent.name}.libs"
+        if vendored.is_dir():
+            shutil.copytree(vendored, self.folder / "postgresql" / vendored.name, symlinks=True)
+        return copy / self.binaries.name
 
     def _run(self, program: str, *arguments: str) -> None:
         completed = subprocess.run(
