@@ -1,7 +1,7 @@
 """The `dpfleet` command: one parser, one module per command group.
 
 `eps` and `noise` (privacy), `train`, `tune`, `init`, `ledger`, `audit`,
-`submit` and `data` each register their parser from their own module; `main` runs one command.
+`submit`, `data` and `export` each register their parser from their own module; `main` runs one command.
 `python -m orchestrator.cli` is the same as the `dpfleet` console script.
 """
 
@@ -15,6 +15,7 @@ from orchestrator import __version__
 from orchestrator.cli.audit import add_audit_parser
 from orchestrator.cli.data import add_data_parser
 from orchestrator.cli.display import plain_when_asked
+from orchestrator.cli.export import add_export_parser
 from orchestrator.cli.init import add_init_parser
 from orchestrator.cli.ledger import add_ledger_parser
 from orchestrator.cli.privacy import add_privacy_parsers
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_audit_parser(subparsers)
     add_submit_parser(subparsers)
     add_data_parser(subparsers)
+    add_export_parser(subparsers)
     return parser
 
 

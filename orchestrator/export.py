@@ -1,0 +1,258 @@
+"""What a run releases, in files anyone may read: the model's tensors (safetensors) and its model card (JSON).
+
+A checkpoint is the run's working state, for the run's operator only: it
+holds the optimizer, the sampler, the events so far and the ledger
+reservation beside the model. An export holds the released model and
+nothing else: its trained parameters (their moving average when
+``ema_decay`` is set, since that is what the run evaluated and released)
+and its buffers as the run's model holds them. The card beside it says what
+guarantee the weights carry and how to rebuild the model. Loading an export
+takes torch and safetensors, not dpfleet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+from torch import nn
+
+from accounting.accountants import get_accountant, labelled_epsilon
+from accounting.events import Composition, group_events
+from orchestrator import __version__
+from orchestrator.checkpoint import latest_checkpoint
+from orchestrator.config import TrainConfig, build_config, rows_per_person, sampling_rate, total_steps
+from orchestrator.errors import UsageError
+from workers.data import write_atomically
+from workers.models import MODEL_NAMES, build_model, load_flat_parameters
+from workers.sources import DataError, read_first, spec_name
+from workers.tasks import task_of
+
+WEIGHTS_SUFFIX = ".safetensors"
+CARD_SUFFIX = ".model-card.json"
+CARD_FORMAT = "dpfleet model card 1"
+"""The card's ``format``: its name and version, changed whenever a field changes meaning."""
+
+# The summary's figures that say what guarantee the released weights carry; the last three only for some runs.
+PRIVACY_FIGURES = (
+    "epsilon", "epsilon_label", "epsilon_rigorous", "delta", "accountant", "steps", "noise_multiplier",
+    "sampling_rate", "clip_norm", "final_clip_norm", "events", "row_epsilon", "rows_per_person", "user_epsilon",
+)
+SEEDED_WARNING = ("seeded run: a fixed seed makes its sampling and noise reproducible by anyone who knows it; "
+                  "for tests only, not private")
+
+
+@dataclass(frozen=True)
+class RunRelease:
+    """What an export reads from a run directory.
+
+    ``state`` is the newest intact checkpoint's; ``summary`` is summary.json
+    when the run finished (that checkpoint is then the final model), else None.
+    """
+
+    run_dir: Path
+    config: TrainConfig
+    state: dict[str, Any]
+    summary: dict[str, Any] | None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run trained every planned step (its summary is written after the final checkpoint)."""
+        return self.summary is not None
+
+
+def card_path(weights_path: str | Path) -> Path:
+    """Where an export's model card goes: beside the weights, ``NAME.safetensors`` -> ``NAME.model-card.json``."""
+    weights_path = Path(weights_path)
+    return weights_path.with_name(weights_path.name.removesuffix(WEIGHTS_SUFFIX) + CARD_SUFFIX)
+
+
+def read_run(run_dir: str | Path, last_checkpoint: bool = False) -> RunRelease:
+    """The config, newest intact checkpoint and summary of the run in ``run_dir``.
+
+    An unfinished run (no summary, or a summary of fewer steps than the
+    newest checkpoint, or of more steps than it because the final checkpoint
+    is torn) is refused with a UsageError unless ``last_checkpoint``.
+    """
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.exists():
+        raise UsageError(f"{str(run_dir)!r} holds no config.json; export takes the run_dir of a `dpfleet train` run")
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise UsageError(f"{str(run_dir)!r} holds no intact checkpoint, so it has no model to export")
+    _, state = found
+    values = json.loads(config_path.read_text())
+    values["run_dir"] = str(run_dir)
+    # As a resume does: the checkpoint fixes sigma, so nothing recalibrates it from target_epsilon.
+    values["noise_multiplier"], values["target_epsilon"] = state["noise_multiplier"], None
+    config = build_config(values)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    if summary is not None and summary["steps"] != state["step"]:
+        summary = None
+    if summary is None and not last_checkpoint:
+        raise UsageError(
+            f"the run in {str(run_dir)!r} is unfinished: its newest intact checkpoint is at step {state['step']} and "
+            "no summary.json covers it. Finish it with `dpfleet train --resume RUN_DIR`, or export that checkpoint "
+            "with --last-checkpoint (the model card then marks the run partial, with the epsilon of its steps so far)"
+        )
+    return RunRelease(run_dir, config, state, summary)
+
+
+def released_model(release: RunRelease) -> nn.Module:
+    """The model the run released, in eval mode: the averaged weights when ``ema_decay`` is set, else the trained ones.
+
+    Buffers are the checkpointed model's own; the driver's model never runs a
+    training batch, so they are what the run's model holds, not statistics of one.
+    """
+    model = build_model(release.config.model)
+    model.load_state_dict(release.state["model"])
+    if release.config.ema_decay is not None:
+        load_flat_parameters(model, release.state["ema_weights"])
+    return model.eval()
+
+
+def released_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as safetensors stores it: every entry its own contiguous CPU copy.
+
+    Tied parameters appear once per name, each name with its own copy:
+    safetensors refuses shared storage, and ``load_state_dict`` fills both.
+    """
+    return {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in model.state_dict().items()}
+
+
+def model_description(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
+    """How to rebuild and feed the model: its spec, one example's input shape and dtype, its output and classes.
+
+    The input shape is read from the first test example, whose values are
+    never used; the output shape comes from a forward pass on zeros of that shape.
+    """
+    try:
+        example = read_first(config.dataset, "test", 1, config.data_root)[0][0]
+    except (DataError, OSError, ValueError) as error:
+        raise UsageError(f"cannot read a test example of {spec_name(config.dataset)!r} for the model's input shape "
+                         f"({error}); export where the run's test data can be read") from None
+    with torch.no_grad():
+        output = model(torch.zeros_like(example).unsqueeze(0))
+    task = task_of(config.loss)
+    classes = None
+    if task == "multiclass":
+        declared = config.dataset.get("num_classes") if isinstance(config.dataset, dict) else None
+        classes = declared or int(output.shape[-1])
+    elif task == "binary":
+        classes = 2
+    return {
+        "spec": config.model,
+        "builtin": config.model in MODEL_NAMES,
+        "input_shape": list(example.shape),
+        "input_dtype": str(example.dtype).removeprefix("torch."),
+        "output_shape": list(output.shape[1:]),
+        "task": task,
+        "loss": config.loss,
+        "classes": classes,
+    }
+
+
+def privacy_so_far(release: RunRelease) -> dict[str, Any]:
+    """The PRIVACY_FIGURES of an unfinished run's checkpoint, at its privacy unit: the epsilon of the steps it ran.
+
+    Under privacy_unit = "user" the row-level epsilon is left out: it needs
+    the run's plan, and the per-user epsilon is the guarantee.
+    """
+    config, state = release.config, release.state
+    accountant = get_accountant(config.accountant)
+    events = Composition.from_dict(state["events"])
+    epsilon, epsilon_label = labelled_epsilon(accountant, events, config.delta)
+    figures = {
+        "epsilon": epsilon,
+        "epsilon_label": epsilon_label,
+        "epsilon_rigorous": accountant.rigorous,
+        "delta": config.delta,
+        "accountant": config.accountant,
+        "steps": events.steps,
+        "noise_multiplier": state["noise_multiplier"],
+        "sampling_rate": sampling_rate(config, state["dataset_size"]),
+        "clip_norm": config.clip_norm,
+        "final_clip_norm": state["clip_norm"],
+        "events": state["events"],
+    }
+    person_rows = rows_per_person(config)
+    if person_rows is not None:
+        figures["rows_per_person"] = person_rows
+        figures["user_epsilon"] = labelled_epsilon(accountant, group_events(events, person_rows), config.delta)[0]
+    return figures
+
+
+def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights_sha256: str) -> dict[str, Any]:
+    """The model card of an export: the guarantee its weights carry, how to rebuild the model, what was measured."""
+    config, state = release.config, release.state
+    if release.finished:
+        summary = release.summary
+        privacy = {key: summary[key] for key in PRIVACY_FIGURES if key in summary}
+        metrics = {key: value for key, value in summary.items() if key.startswith("test_")}
+        planned_steps = summary["steps"]
+    else:
+        privacy = privacy_so_far(release)
+        metrics = {key: value for key, value in state["metrics"][-1].items() if key.startswith("test_")}
+        metrics["evaluated_at_step"] = state["metrics"][-1]["step"]
+        planned_steps = total_steps(config, state["dataset_size"])
+    seeded = config.seed is not None
+    warnings = [SEEDED_WARNING] if seeded else []
+    if not release.finished:
+        warnings.append(f"partial run: the weights after step {privacy['steps']} of {planned_steps}, and epsilon "
+                        "covers those steps only")
+    return {
+        "format": CARD_FORMAT,
+        "dpfleet_version": __version__,
+        "weights": {
+            "file": weights_name,
+            "sha256": weights_sha256,
+            "parameters": "moving average of the trained weights" if config.ema_decay is not None else "trained",
+            "ema_decay": config.ema_decay,
+        },
+        "model": model_description(config, model),
+        "dataset": config.dataset_name or spec_name(config.dataset),
+        "privacy": {
+            "privacy_unit": config.privacy_unit,
+            **privacy,
+            "planned_steps": planned_steps,
+            "finished": release.finished,
+            "seeded": seeded,
+        },
+        "test_metrics": metrics,
+        "warnings": warnings,
+    }
+
+
+@dataclass(frozen=True)
+class Export:
+    """The files an export wrote and the card it wrote."""
+
+    weights_path: Path
+    card_path: Path
+    card: dict[str, Any]
+
+
+def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = False) -> Export:
+    """Write the released model of the run in ``run_dir`` to ``out`` (safetensors) and its card beside it.
+
+    ``out`` must end in ``.safetensors``; the card goes to ``card_path(out)``.
+    Both files are written atomically and replace any files of those names.
+    """
+    out = Path(out)
+    if out.suffix != WEIGHTS_SUFFIX or out.name == WEIGHTS_SUFFIX:
+        raise UsageError(f"--out must name a file ending in {WEIGHTS_SUFFIX}, e.g. model.safetensors (got {str(out)!r})")
+    release = read_run(run_dir, last_checkpoint)
+    model = released_model(release)
+    # The safetensors header: the tensors' names, dtypes and shapes, and this one conventional entry.
+    payload = safetensors_bytes(released_tensors(model), metadata={"format": "pt"})
+    card = model_card(release, model, out.name, hashlib.sha256(payload).hexdigest())
+    write_atomically(out, payload)
+    write_atomically(card_path(out), (json.dumps(card, indent=2, sort_keys=True) + "\n").encode())
+    return Export(out, card_path(out), card)
