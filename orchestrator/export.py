@@ -108,8 +108,7 @@ def read_run(run_dir: str | Path, last_checkpoint: bool = False) -> RunRelease:
 def released_model(release: RunRelease) -> nn.Module:
     """The model the run released, in eval mode: the averaged weights when ``ema_decay`` is set, else the trained ones.
 
-    Buffers are the checkpointed model's own; the driver's model never runs a
-    training batch, so they are what the run's model holds, not statistics of one.
+    Buffers are the checkpointed model's, as the run's model holds them.
     """
     model = build_model(release.config.model)
     model.load_state_dict(release.state["model"])
@@ -247,7 +246,8 @@ def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = Fal
     """
     out = Path(out)
     if out.suffix != WEIGHTS_SUFFIX or out.name == WEIGHTS_SUFFIX:
-        raise UsageError(f"--out must name a file ending in {WEIGHTS_SUFFIX}, e.g. model.safetensors (got {str(out)!r})")
+        raise UsageError(f"--out must name a file ending in {WEIGHTS_SUFFIX}, e.g. model.safetensors "
+                         f"(got {str(out)!r})")
     release = read_run(run_dir, last_checkpoint)
     model = released_model(release)
     # The safetensors header: the tensors' names, dtypes and shapes, and this one conventional entry.

@@ -1,4 +1,4 @@
-"""`dpfleet export`: the released model alone, loadable by plain torch and safetensors, with a card that tells the truth."""
+"""`dpfleet export`: the released model alone, loadable by plain torch and safetensors, with a card true to the run."""
 
 import hashlib
 import json
@@ -33,10 +33,12 @@ PLAIN_TORCH_USER = """
 import json
 import sys
 
+DPFLEET = ("orchestrator", "workers", "accounting")
+
 
 class NoDpfleet:
     def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("orchestrator", "workers", "accounting"):
+        if name.partition(".")[0] in DPFLEET:
             raise ImportError(f"{name} is part of dpfleet, which this user does not have")
         return None
 
@@ -44,9 +46,7 @@ class NoDpfleet:
 sys.meta_path.insert(0, NoDpfleet())
 import torch
 from torch import nn
-from safetensors.torch import load as safetensors_load
 from safetensors.torch import load_file, save_file
-from safetensors.torch import save as safetensors_bytes
 
 weights_path, inputs_path, logits_path = sys.argv[1:]
 model = nn.Sequential(
@@ -59,7 +59,7 @@ model.eval()
 with torch.no_grad():
     logits = model(load_file(inputs_path)["inputs"])
 save_file({"logits": logits}, logits_path)
-print(json.dumps(sorted(name for name in sys.modules if name.partition(".")[0] in ("orchestrator", "workers", "accounting"))))
+print(json.dumps(sorted(name for name in sys.modules if name.partition(".")[0] in DPFLEET)))
 """
 
 
@@ -87,7 +87,7 @@ def finished_run(local_ray, tmp_path_factory):
 
 def test_plain_torch_rebuilds_the_released_model_and_gets_the_runs_predictions(finished_run, tmp_path):
     run_dir, summary, released = finished_run
-    weights = tmp_path / "mnist-mlp.safetensors"
+    weights = tmp_path / "gdp-cnn.safetensors"
     assert main(["export", str(run_dir), "--out", str(weights)]) == 0
     images, labels = load_split("mnist", "test")
     inputs = images[:TEST_EXAMPLES].contiguous()
@@ -128,11 +128,13 @@ def test_the_file_holds_the_models_tensors_and_nothing_else(finished_run, tmp_pa
     assert not torch.equal(exported["9.weight"], state["model"]["9.weight"])
 
 
-def test_the_model_card_gives_the_runs_guarantee_and_how_to_rebuild_the_model(finished_run, tmp_path):
+def test_the_model_card_gives_the_runs_guarantee_and_how_to_rebuild_the_model(finished_run, tmp_path, capsys):
     run_dir, summary, _ = finished_run
     weights = tmp_path / "model.safetensors"
     assert main(["export", str(run_dir), "--out", str(weights)]) == 0
     assert card_path(weights) == tmp_path / "model.model-card.json"
+    printed = capsys.readouterr().out
+    assert str(card_path(weights)) in printed and "\nwarning: seeded run" in printed
     card = json.loads(card_path(weights).read_text())
     privacy = card["privacy"]
     for key in ("epsilon", "epsilon_label", "epsilon_rigorous", "delta", "accountant", "steps", "noise_multiplier",
