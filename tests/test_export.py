@@ -176,8 +176,9 @@ def test_an_unfinished_run_exports_only_when_asked_and_its_card_says_partial(loc
     assert main(["export", str(run_dir), "--out", str(weights)]) == 2
     error = capsys.readouterr().err
     assert "unfinished" in error and "--last-checkpoint" in error and not weights.exists()
-    assert main(["export", str(run_dir), "--out", str(weights), "--last-checkpoint"]) == 0
+    assert main(["export", str(run_dir), "--out", str(weights), "--last-checkpoint", "--json"]) == 0
     card = json.loads(card_path(weights).read_text())
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == card
     privacy = card["privacy"]
     assert privacy["finished"] is False and privacy["steps"] == 2 and privacy["planned_steps"] == 4
     assert privacy["epsilon"] == get_accountant("pld").epsilon(SampledGaussian(30 / 600, 1.0, 2), 1e-5)
