@@ -23,8 +23,9 @@ import torch
 from torch.func import functional_call
 
 from workers.clipping import functional_parameters
-from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
+from workers.engines import check_engine, clipped_sum, engine_plan
 from workers.features import FeatureCache, compute_features, feature_map
+from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.sampling import make_generator
