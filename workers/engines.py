@@ -64,6 +64,7 @@ from workers.layer_rules import (
     vmap_rule,
 )
 from workers.losses import per_example_losses
+from workers.validation import keeps_buffers
 from workers.vmap_engine import per_example_clipped_sum
 
 
@@ -461,6 +462,7 @@ def _restore_random_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
 # The engine
 
 
+@keeps_buffers
 @clipping.in_ieee_float32
 def fast_clipped_sum(
     model: nn.Module,

@@ -25,8 +25,10 @@ from workers.clipping import (
 )
 from workers.losses import class_loss_of, per_example_losses
 from workers.recurrent import unrolled_recurrences
+from workers.validation import keeps_buffers
 
 
+@keeps_buffers
 @in_ieee_float32
 def microbatch_clipped_sum(
     model: nn.Module,
@@ -98,6 +100,7 @@ def check_views(inputs: torch.Tensor, augmentations: int) -> None:
                          f"(got shape {tuple(inputs.shape)}); stack each example's views along dimension 1")
 
 
+@keeps_buffers
 @in_ieee_float32
 def per_example_clipped_sum(
     model: nn.Module,
