@@ -20,6 +20,7 @@ from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relati
 from workers.engines import fast_clipped_sum
 from workers.losses import ClassLoss, class_loss_of, per_example_losses
 from workers.models import flat_parameters
+from workers.tasks import LOSSES as BUILT_IN_LOSSES
 from workers.tasks import token_cross_entropy
 from workers.vmap_engine import per_example_clipped_sum
 
@@ -182,3 +183,26 @@ def test_a_loss_vmap_cannot_batch_sees_the_outputs_its_gradient_flows_back_throu
                                      half_squared_norm_of_finite_outputs).reshape(6, 6)
     assert summed.any() and not torch.equal(summed, torch.diag(summed.diagonal()))
     assert torch.equal(summed, summed.T)
+
+
+BUILT_IN_EXAMPLES = {
+    # A built-in loss: (outputs, labels) of 5 examples as its task has them.
+    "cross_entropy": lambda: (torch.randn(5, 4), torch.tensor([0, 3, -100, 1, 2])),
+    "token_cross_entropy": lambda: (torch.randn(5, 3, 4), torch.tensor([[1, 2, -100]] * 4 + [[-100] * 3])),
+    "mse": lambda: (torch.randn(5, 2), torch.randn(5, 2)),
+    "bce_with_logits": lambda: (torch.randn(5), torch.randint(0, 2, (5,)).double()),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN_EXAMPLES))
+def test_every_built_in_loss_gives_each_example_its_loss_alone(name):
+    assert set(BUILT_IN_EXAMPLES) == set(BUILT_IN_LOSSES)
+    torch.manual_seed(7)
+    outputs, labels = BUILT_IN_EXAMPLES[name]()
+    outputs = outputs.double()
+    loss_fn = BUILT_IN_LOSSES[name]
+    alone = torch.stack([loss_fn(outputs[row : row + 1], labels[row : row + 1]) for row in range(5)])
+    losses = per_example_losses(loss_fn, outputs, labels)
+    # Where the example alone is 0/0 (every position ignored) its loss is 0.
+    assert torch.allclose(losses, torch.nan_to_num(alone, nan=0.0), rtol=1e-12, atol=0)
+    assert alone.isnan().any() == (name in ("cross_entropy", "token_cross_entropy"))

@@ -145,12 +145,11 @@ def _same(tensor: torch.Tensor, values: torch.Tensor) -> bool:
 
 
 def _buffer_message(model: nn.Module, written: list[str]) -> str:
-    listing = ", ".join(
-        f"{name} (in {name.rpartition('.')[0] or '(root)'}, {type(model.get_submodule(name.rpartition('.')[0])).__name__})"
-        for name in written
-    )
+    owners = [name.rpartition(".")[0] for name in written]
+    listing = ", ".join(f"{name} (in {owner or '(root)'}, {type(model.get_submodule(owner)).__name__})"
+                        for name, owner in zip(written, owners, strict=True))
     return (
-        f"the model's training forward writes buffer(s) {listing}: a buffer would learn from private batches "
+        f"the model's forward writes buffer(s) {listing}: a buffer would learn from private batches "
         "without clipping or noise and carry that into evaluation and the saved model. Keep what the module "
         "learns in parameters (nn.Parameter), compute statistics per example without storing them, or for "
         "normalisation layers set track_running_stats=False. The buffers were put back as they were."
@@ -172,8 +171,6 @@ def keeps_buffers(engine: Callable) -> Callable:
             return engine(*args, **kwargs)
 
     return wrapper
-
-
 
 
 def group_count(num_channels: int) -> int:
