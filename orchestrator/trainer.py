@@ -73,7 +73,7 @@ from orchestrator.shard_fleet import ShardFleet
 from workers.actor import GradientWorkerActor, retain_freed_memory
 from workers.models import bind_flat_views, build_model, parameter_count
 from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
-from workers.validation import check_model
+from workers.validation import check_model, unchanged_buffers
 
 SAMPLER_STREAM = 0
 CHECKPOINT_VERSION = 1
@@ -443,7 +443,8 @@ class Trainer:
             if full:
                 check_source(config.dataset, "test")
                 first_test_input, _ = read_first(config.dataset, "test", 1)
-                with torch.no_grad():
+                # The saved model's buffers are the ones it was built with: this forward may not write them.
+                with torch.no_grad(), unchanged_buffers(self.model):
                     num_classes = self.model(first_test_input).shape[-1]
             for split in SPLITS:
                 check_source(config.dataset, split, full, num_classes)

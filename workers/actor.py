@@ -23,8 +23,9 @@ import torch
 from torch.func import functional_call
 
 from workers.clipping import functional_parameters
-from workers.engines import check_engine, clipped_sum, engine_plan, per_example_losses
+from workers.engines import check_engine, clipped_sum, engine_plan
 from workers.features import FeatureCache, compute_features, feature_map
+from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.sampling import make_generator
@@ -39,7 +40,7 @@ from workers.tasks import (
 )
 from workers.user_clipping import clipped_user_sum
 from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index
-from workers.validation import check_model
+from workers.validation import check_model, unchanged_buffers
 
 
 # glibc's mallopt parameters (malloc.h), and the largest mmap threshold it accepts on 64-bit systems.
@@ -284,9 +285,11 @@ class GradientWorker:
     def evaluate(self, weights: np.ndarray, split: str, start: int, stop: int, metrics: tuple[str, ...]) -> dict:
         """The model at ``weights``, in eval mode, on examples start..stop-1 of ``split``: sums to merge.
 
-        Returns ``loss_sum`` (the per-example losses added up), ``count`` and,
-        by name, a torchmetrics object updated on these examples, which the
-        caller merges with the other parts' (``merge_state``) before computing.
+        Like a training step, it leaves every buffer as it was (a model whose
+        forward writes one is refused). Returns ``loss_sum`` (the per-example
+        losses added up), ``count`` and, by name, a torchmetrics object
+        updated on these examples, which the caller merges with the other
+        parts' (``merge_state``) before computing.
         """
         inputs, labels = self._split_examples(split, start, stop)
         model = self.gradient_model
@@ -296,7 +299,7 @@ class GradientWorker:
         loss_sum = 0.0
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), unchanged_buffers(model):
                 for first in range(0, len(labels), EVALUATION_BATCH):
                     batch_labels = labels[first : first + EVALUATION_BATCH]
                     outputs = functional_call(model, (params, fixed), (inputs[first : first + EVALUATION_BATCH],))

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -63,6 +63,8 @@ from workers.layer_rules import (
     rule_for,
     vmap_rule,
 )
+from workers.losses import per_example_losses
+from workers.validation import keeps_buffers
 from workers.vmap_engine import per_example_clipped_sum
 
 
@@ -231,19 +233,6 @@ def _operation_name(func: Callable) -> str:
     if name == "__get__":
         return f".{getattr(getattr(func, '__self__', None), '__name__', 'attribute')}"
     return name
-
-
-def per_example_losses(loss_fn: clipping.LossFunction, logits: Tensor, labels: Tensor) -> Tensor:
-    """Each example's loss [B], as ``loss_fn(logits[i:i+1], labels[i:i+1])`` defines it.
-
-    F.cross_entropy and F.nll_loss on one example average over a batch of one
-    (and over any further positions), so they run once with reduction="none";
-    other losses go through vmap, one example at a time.
-    """
-    if loss_fn in (F.cross_entropy, F.nll_loss):
-        losses = loss_fn(logits, labels, reduction="none")
-        return losses.flatten(1).mean(1) if losses.dim() > 1 else losses
-    return vmap(lambda logit, label: loss_fn(logit.unsqueeze(0), label.unsqueeze(0)))(logits, labels)
 
 
 def _record(
@@ -473,6 +462,7 @@ def _restore_random_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
 # The engine
 
 
+@keeps_buffers
 @clipping.in_ieee_float32
 def fast_clipped_sum(
     model: nn.Module,

@@ -3,7 +3,11 @@
 A loss here is the loss of one example, called with a batch of one
 (``loss_fn(model(x_i[None]), y_i[None])``); the clipping engines take each
 example's gradient of it. A job names its loss by ``LOSSES`` key or by
-``package.module:function``. Training transforms (torchvision v2) are part
+``package.module:name``, a function or a module-level loss object: class
+weights, ``ignore_index`` and label smoothing come with
+``workers.losses.ClassLoss``, ``functools.partial(F.cross_entropy, ...)`` or
+``nn.CrossEntropyLoss(...)``, each normalised per example as torch does on a
+batch of one (``workers.losses``). Training transforms (torchvision v2) are part
 of the mechanism: each sampled example is transformed on its own, in the
 worker, before its gradient is taken. Metrics are torchmetrics objects, built by the
 workers that evaluate a split in parts and merged by the driver; nothing
@@ -23,6 +27,7 @@ from torchmetrics import classification, regression
 from torchvision.transforms import v2
 
 from workers.clipping import LossFunction
+from workers.losses import ClassLoss
 
 
 def _per_example_columns(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +46,8 @@ def binary_cross_entropy_with_logits(outputs: torch.Tensor, labels: torch.Tensor
     return F.binary_cross_entropy_with_logits(*_per_example_columns(outputs, labels))
 
 
-def token_cross_entropy(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sequence outputs: logits [B, T, V] against token labels [B, T], averaged over the tokens; -100 is ignored."""
-    return F.cross_entropy(outputs.flatten(0, 1), labels.flatten(), ignore_index=-100)
+token_cross_entropy = ClassLoss(F.cross_entropy, ignore_index=-100, classes_last=True)
+"""Sequence outputs: logits [B, T, V] against token labels [B, T], averaged over the tokens; -100 is ignored."""
 
 
 LOSSES: dict[str, LossFunction] = {
@@ -52,7 +56,8 @@ LOSSES: dict[str, LossFunction] = {
     "bce_with_logits": binary_cross_entropy_with_logits,
     "token_cross_entropy": token_cross_entropy,
 }
-"""Built-in losses by name. ``cross_entropy`` is torch's own function, which the fast engine batches."""
+"""Built-in losses by name. The two cross-entropies run once over a batch, normalised per example
+(``workers.losses.ClassLoss``); the others are evaluated per example by vmap."""
 
 TASK_OF_LOSS = {
     "cross_entropy": "multiclass",

@@ -22,8 +22,10 @@ from workers.clipping import (
     functional_parameters,
     in_ieee_float32,
 )
+from workers.validation import keeps_buffers
 
 
+@keeps_buffers
 @in_ieee_float32
 def clipped_user_sum(
     model: nn.Module,

@@ -23,9 +23,12 @@ from workers.clipping import (
     in_ieee_float32,
     without_non_finite,
 )
+from workers.losses import class_loss_of, per_example_losses
 from workers.recurrent import unrolled_recurrences
+from workers.validation import keeps_buffers
 
 
+@keeps_buffers
 @in_ieee_float32
 def microbatch_clipped_sum(
     model: nn.Module,
@@ -97,6 +100,7 @@ def check_views(inputs: torch.Tensor, augmentations: int) -> None:
                          f"(got shape {tuple(inputs.shape)}); stack each example's views along dimension 1")
 
 
+@keeps_buffers
 @in_ieee_float32
 def per_example_clipped_sum(
     model: nn.Module,
@@ -112,7 +116,8 @@ def per_example_clipped_sum(
     """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``: the vmap engine.
 
     The gradient of example i is that of ``loss_fn(model(x_i[None]), y_i[None])``
-    at the parameters ``flat_weights`` (laid out as by
+    (``workers.losses.per_example_losses``: an example with nothing to average
+    over has loss 0) at the parameters ``flat_weights`` (laid out as by
     ``workers.models.flat_parameters``); the model's own parameters and their
     ``.grad`` are neither used nor touched, only its buffers and structure.
     Examples are processed ``max_physical_batch`` at a time to bound memory.
@@ -141,17 +146,39 @@ def per_example_clipped_sum(
 
     check_views(inputs, augmentations)
 
+    def example_outputs(trainable_params, example):
+        # One example's outputs [1, ...], or with K views [K, ...]: the K views run as one batch.
+        views = example.unsqueeze(0) if augmentations == 1 else example
+        return functional_call(model, (trainable_params, fixed), (views,))
+
     def example_loss(trainable_params, example, label):
-        if augmentations == 1:
-            logits = functional_call(model, (trainable_params, fixed), (example.unsqueeze(0),))
-            return loss_fn(logits, label.unsqueeze(0))
-        # The K views run as one batch; each view's loss is the loss of a batch of one, as for a single example.
-        logits = functional_call(model, (trainable_params, fixed), (example,))
-        return vmap(lambda view_logits: loss_fn(view_logits.unsqueeze(0), label.unsqueeze(0)))(logits).mean()
+        # Each view's loss is the loss of a batch of one, as for a single example.
+        outputs = example_outputs(trainable_params, example)
+        return per_example_losses(loss_fn, outputs, label.expand(outputs.shape[0], *label.shape)).mean()
+
+    def output_dot(trainable_params, example, output_gradient):
+        return (example_outputs(trainable_params, example) * output_gradient).sum()
 
     # randomness="different" gives each example its own dropout mask, as a
     # plain per-example loop would.
     per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
+
+    def through_output_gradients(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-example gradients for a loss torch.func cannot batch: its output gradients are taken outside vmap.
+
+        Each example's outputs come from one vmapped forward; the loss's
+        gradient at them from autograd over ``per_example_losses`` (which then
+        runs one example at a time); the parameters' gradients from a second
+        vmapped pass that draws the same random numbers as the first.
+        """
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            outputs = vmap(example_outputs, in_dims=(None, 0), randomness="different")(params, chunk)
+        views = outputs.shape[1]
+        leaf = outputs.detach().requires_grad_()
+        with torch.enable_grad():
+            losses = per_example_losses(loss_fn, leaf.flatten(0, 1), chunk_labels.repeat_interleave(views, 0))
+            (output_gradients,) = torch.autograd.grad(losses.reshape(-1, views).mean(1).sum(), leaf)
+        return vmap(grad(output_dot), in_dims=(None, 0, 0), randomness="different")(params, chunk, output_gradients)
 
     sums = {name: torch.zeros(parameter.shape, dtype=torch.float32, device=device) for name, parameter in trainable}
     norms: dict[str, list[torch.Tensor]] = {name: [] for name, _ in trainable}
@@ -159,10 +186,14 @@ def per_example_clipped_sum(
     labels = labels.to(device)
     for start in range(0, inputs.shape[0], max_physical_batch):
         # torch.func can batch recurrent layers unrolled step by step, not their fused kernels.
+        chunk, chunk_labels = inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
         with unrolled_recurrences(model):
-            grads = per_example_grads(
-                params, inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
-            )
+            try:
+                grads = per_example_grads(params, chunk, chunk_labels)
+            except RuntimeError:
+                if class_loss_of(loss_fn) is not None:
+                    raise
+                grads = through_output_gradients(chunk, chunk_labels)
         squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
         finite = torch.stack(list(squared.values())).sum(0).isfinite()
         factors = clip_factors_by_parameter(squared, clip_norm)
