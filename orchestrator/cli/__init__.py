@@ -44,7 +44,8 @@ COMMANDS = {
                      "orchestrator.cli.audit:add_audit_arguments"),
     "submit": Command("run `dpfleet train` as a job on a running Ray cluster",
                       "orchestrator.cli.submit:add_submit_arguments"),
-    "data": Command("write datasets into the file formats training reads", "orchestrator.cli.data_parser:add_data_arguments"),
+    "data": Command("write datasets into the file formats training reads",
+                    "orchestrator.cli.data_parser:add_data_arguments"),
 }
 
 
