@@ -15,6 +15,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from accounting.accountants import ACCOUNTANTS
+from accounting.lazy import LazyModule
 from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
 from orchestrator.errors import UsageError
@@ -25,7 +26,6 @@ from orchestrator.shard_config import (
     parse_on_shard_loss,
     parse_shards,
 )
-from orchestrator.lazy import LazyModule
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
 
 # The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help),

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from accounting.lazy import LazyModule
 from orchestrator import checks
 from orchestrator.errors import UsageError
-from orchestrator.lazy import LazyModule
 
-# workers.shards loads torch; the config keys are documented without it (see orchestrator.lazy).
+# workers.shards loads torch; the config keys are documented without it (see accounting.lazy).
 worker_shards = LazyModule("workers.shards")
 
 SHARD_LOSS_POLICIES = ("wait", "skip")

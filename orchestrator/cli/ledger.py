@@ -15,15 +15,18 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from accounting.lazy import LazyModule
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
 from accounting.ledger.databases import is_postgresql, shown_location
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.service import LedgerServer, serve
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
 from orchestrator import checks
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError
+
+# The server (gRPC, the web page, metrics) loads only for `ledger serve`.
+service = LazyModule("accounting.ledger.service")
 
 
 def ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -187,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    def announce(server: LedgerServer) -> None:
+    def announce(server: service.LedgerServer) -> None:
         scheme = "https" if args.tls_cert else "http"
         urls = {}
         if server.web is not None and server.web.http_port is not None:
@@ -201,7 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
             for what, url in urls.items():
                 print(f"{what} on {url}", flush=True)
 
-    serve(
+    service.serve(
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
     )

@@ -1,9 +1,11 @@
 """Modules loaded on first use, for light modules that name heavy ones only in the code that needs them.
 
-``orchestrator.config`` declares and documents every config key, which
-`dpfleet init` and the command line's help read, and checks a config against
-the workers' modules (engines, clipping, data sources), which load torch.
-Holding those as lazy modules keeps torch out until a config is checked.
+The event records and the ledger use dp-accounting (and scipy) only to
+compute an epsilon, and a ledger client, which only shows the figures a
+server computed, never does; ``orchestrator.config`` declares and documents
+every config key (`dpfleet init`, the help) without the workers' modules,
+which load torch, and needs them only to check a config. Holding such
+modules as ``LazyModule`` stand-ins lets the command line answer at once.
 """
 
 from __future__ import annotations
