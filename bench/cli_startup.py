@@ -4,7 +4,9 @@ Each command runs as a new process, as a user or a cron job runs it, in
 rounds: one warm-up round (to fill the page cache), then ``--rounds`` rounds,
 each running every command once in turn, so that a change in the machine's
 load touches every command alike. The table gives each command's median wall
-time and its ratio to the median of `python -c "import torch"`. The goals:
+time and its ratio to the median of `python -c "import torch"`. `ledger
+status --json` asks a `dpfleet ledger serve` that the benchmark starts on
+loopback (as a cron job or an exporter asks a ledger server). The goals:
 `--help`, `--version` and the ledger commands at most 0.25x the torch import;
 `eps` and `noise`, which need dp-accounting and scipy, at most 0.75x.
 `--json` also writes bench/results/cli_startup.json.
@@ -13,14 +15,18 @@ time and its ratio to the median of `python -c "import torch"`. The goals:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 from orchestrator.cli.display import format_table
 
@@ -33,6 +39,7 @@ COMMANDS = [
     ("dpfleet --version", ["--version"], 0.25),
     ("dpfleet --help", ["--help"], 0.25),
     ("dpfleet ledger status --help", ["ledger", "status", "--help"], 0.25),
+    ("dpfleet ledger status --json (a server on loopback)", ["ledger", "status", "--json"], 0.25),
     ("dpfleet eps (main job, pld)", ["eps", "--noise-multiplier", "1.3", *MAIN_JOB], 0.75),
     ("dpfleet noise (main job, pld)", ["noise", "--target-epsilon", "1", *MAIN_JOB], 0.75),
     ('python -c "import torch"', None, None),
@@ -50,22 +57,45 @@ def command_line(arguments: list[str] | None) -> list[str]:
     return [sys.executable, "-c", "import torch"] if arguments is None else [*dpfleet(), *arguments]
 
 
-def wall_seconds(command: list[str]) -> float:
+def wall_seconds(command: list[str], environment: dict[str, str]) -> float:
     """The wall time of one run of ``command`` from the repository root; a failed run stops the benchmark."""
     began = time.perf_counter()
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=environment)
     return time.perf_counter() - began
 
 
-def measure(rounds: int) -> list[dict]:
+@contextlib.contextmanager
+def ledger_server() -> Iterator[dict[str, str]]:
+    """A `dpfleet ledger serve` on loopback with one dataset; the environment that points dpfleet at it."""
+    with tempfile.TemporaryDirectory(prefix="dpfleet-cli-startup-") as folder:
+        token = "admin-token-of-the-cli-startup-benchmark"
+        environment = {**os.environ, "DPFLEET_ADMIN_TOKEN": token}
+        server = subprocess.Popen([*dpfleet(), "ledger", "serve", "--db", f"{folder}/ledger.db", "--port", "0"],
+                                  cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True)
+        try:
+            address = server.stdout.readline().removeprefix("listening on ").strip()
+            environment = {**environment, "DPFLEET_LEDGER": address, "DPFLEET_TOKEN": token}
+            for command in (["tenant", "create", "acme"],
+                            ["dataset", "create", "acme/mnist", "--epsilon", "10", "--delta", "1e-5"]):
+                subprocess.run([*dpfleet(), "ledger", *command], cwd=ROOT, env=environment, check=True,
+                               stdout=subprocess.DEVNULL)
+            yield environment
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=60)
+
+
+def measure(rounds: int, environment: dict[str, str]) -> list[dict]:
     """One warm-up round, then ``rounds`` rounds of every command; each row's times, median and ratio to torch."""
     lines = [command_line(arguments) for _, arguments, _ in COMMANDS]
     for line in lines:
-        wall_seconds(line)
+        wall_seconds(line, environment)
     times: list[list[float]] = [[] for _ in COMMANDS]
     for _ in range(rounds):
         for index, line in enumerate(lines):
-            times[index].append(wall_seconds(line))
+            times[index].append(wall_seconds(line, environment))
     torch_median = statistics.median(times[-1])
     rows = []
     for (shown, arguments, goal), seconds in zip(COMMANDS, times):
@@ -83,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="also write bench/results/cli_startup.json")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()[0]
-    rows = measure(args.rounds)
+    with ledger_server() as environment:
+        rows = measure(args.rounds, environment)
     load_after = os.getloadavg()[0]
     print(format_table(
         ["command", "median wall (s)", "× import torch", "goal"],
