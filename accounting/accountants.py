@@ -17,24 +17,29 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
-from dp_accounting import rdp
-from dp_accounting.pld import privacy_loss_distribution
-from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
-from scipy import optimize, special
 
 from accounting.events import Composition, EventsLike, as_composition
+from accounting.lazy import LazyModule
+
+# dp-accounting and scipy load when an epsilon is first computed: a ledger client, which shows the figures its
+# server computed, and the command line's help never load them (dp-accounting's import is half of torch's).
+rdp = LazyModule("dp_accounting.rdp")
+privacy_loss_distribution = LazyModule("dp_accounting.pld.privacy_loss_distribution")
+optimize = LazyModule("scipy.optimize")
+special = LazyModule("scipy.special")
 
 DEFAULT_ACCOUNTANT = "pld"
 
-# dp-accounting's default grid, widened at both ends: orders just above 1
-# matter for very large epsilon, orders in the thousands for tiny ones.
+# dp-accounting's default grid (rdp_privacy_accountant.DEFAULT_RDP_ORDERS, written out so that the grid needs no
+# import of it; a test keeps it in), widened at both ends: orders just above 1 matter for very large epsilon, orders
+# in the thousands for tiny ones.
 RDP_ORDERS = np.array(
     sorted(
         set([1.01, 1.02, 1.03, 1.05, 1.07])
-        | set(rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+        | set([1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024])
         | set(range(64, 128, 8))
         | {1536, 2048, 4096, 8192}
     ),
@@ -85,7 +90,7 @@ _PLD_VALUE_INTERVAL = 1e-4
 
 
 @functools.lru_cache(maxsize=64)
-def _one_step_pld(sampling_rate: float, noise_multiplier: float) -> PrivacyLossDistribution:
+def _one_step_pld(sampling_rate: float, noise_multiplier: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     # Discretising one step takes a Python loop over tens of thousands of grid points, most of an epsilon's cost;
     # a ledger recomputing a growing composition of the same few mechanisms builds each of them once.
     return privacy_loss_distribution.from_gaussian_mechanism(
@@ -96,7 +101,7 @@ def _one_step_pld(sampling_rate: float, noise_multiplier: float) -> PrivacyLossD
 
 
 @functools.lru_cache(maxsize=16)
-def _pld_of(composition: Composition) -> PrivacyLossDistribution:
+def _pld_of(composition: Composition) -> privacy_loss_distribution.PrivacyLossDistribution:
     # What dp-accounting's PLDAccountant composes for these events, from the cached one-step distributions.
     total = privacy_loss_distribution.identity(value_discretization_interval=_PLD_VALUE_INTERVAL)
     for event in composition.events:
@@ -157,13 +162,18 @@ def rdp_vector(events: EventsLike) -> np.ndarray:
     return np.array(accountant.rdp, dtype=np.float64)
 
 
+def compute_epsilon(orders: Sequence[float], rdp_values: Sequence[float], delta: float) -> tuple[float, float]:
+    """dp-accounting's conversion of Renyi divergences at ``orders`` to (epsilon at ``delta``, the best order)."""
+    return rdp.rdp_privacy_accountant.compute_epsilon(orders, rdp_values, delta)
+
+
 def epsilon_from_rdp(rdp_values: np.ndarray, delta: float, warn: bool = True) -> float:
     """Epsilon at `delta` from an RDP vector over RDP_ORDERS (warns at the grid's edge)."""
     delta = _check_delta(delta)
     rdp_values = np.asarray(rdp_values, dtype=np.float64)
     if not np.any(rdp_values):
         return 0.0
-    epsilon, order = rdp.rdp_privacy_accountant.compute_epsilon(RDP_ORDERS, rdp_values, delta)
+    epsilon, order = compute_epsilon(RDP_ORDERS, rdp_values, delta)
     if warn and epsilon > 0 and order in (RDP_ORDERS[0], RDP_ORDERS[-1]):
         warnings.warn(
             f"the best RDP order ({order:g}) is at the edge of the grid "

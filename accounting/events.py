@@ -16,7 +16,10 @@ from fractions import Fraction
 from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
-import dp_accounting
+from accounting.lazy import LazyModule
+
+# Only to_dp_event needs dp-accounting, whose import is heavy (see accounting.lazy).
+dp_accounting = LazyModule("dp_accounting")
 
 SCHEMA_NAME = "dpfleet.events"
 SCHEMA_VERSION = 1

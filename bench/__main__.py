@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import admission, fan_in, ledger, mnist, out_of_core, scaling, scheduling, seeds, throughput
+from bench import admission, cli_startup, fan_in, ledger, mnist, out_of_core, scaling, scheduling, seeds, throughput
 
 BENCHMARKS = {
     "throughput": throughput.main,
@@ -16,6 +16,7 @@ BENCHMARKS = {
     "out_of_core": out_of_core.main,
     "scaling": scaling.main,
     "fan_in": fan_in.main,
+    "cli_startup": cli_startup.main,
 }
 
 

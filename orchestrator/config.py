@@ -15,11 +15,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from accounting.accountants import ACCOUNTANTS
-from workers.clipping import LayerClipNorms
-from workers.engines import ENGINES
-from workers.shards import ShardSpec
-from workers.sources import BUILTINS, DataError, select_blocks
-from workers.users import UserSpec, user_index
+from accounting.lazy import LazyModule
 from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping, parse_adaptive_clipping
 from orchestrator.errors import UsageError
@@ -31,6 +27,14 @@ from orchestrator.shard_config import (
     parse_shards,
 )
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
+
+# The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help),
+# and they load when a config is first checked.
+clipping = LazyModule("workers.clipping")
+engines = LazyModule("workers.engines")
+worker_shards = LazyModule("workers.shards")
+sources = LazyModule("workers.sources")
+users = LazyModule("workers.users")
 
 CHECK_DATA_LEVELS = ("basic", "full")
 PRIVACY_UNITS = ("example", "user")
@@ -229,7 +233,7 @@ class TrainConfig:
         "that is accounted together with the gradient. Not with shards or `layer_clip_norms`.",
         "off",
     )
-    layer_clip_norms: LayerClipNorms | None = key(
+    layer_clip_norms: clipping.LayerClipNorms | None = key(
         None, "privacy", "table", '`{ "conv1" = 0.5, "fc" = 1.0 }`: parameter-name prefix = clip norm (> 0)',
         "Per-layer clipping: each group of parameters is clipped to its own norm; the noise is scaled to the "
         "root of the sum of their squares. Every trainable parameter needs a prefix.",
@@ -298,7 +302,7 @@ class TrainConfig:
         "(missing files or columns, wrong types, empty files, examples of the wrong size); `full` also every "
         "value (NaN, infinity, nulls, integer labels outside 0..num_classes-1).",
     )
-    shards: tuple[ShardSpec, ...] = key(
+    shards: tuple[worker_shards.ShardSpec, ...] = key(
         (), "shards", "list of tables",
         '`[{ dataset, part, parts, resources = { "silo-a" = 1 }, workers }, ...]`; shards may not overlap',
         "Training data that stays on its nodes and is Poisson-sampled there (see docs/training.md, Shards).",
@@ -460,7 +464,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         raise UsageError("give exactly one of epochs (> 0) or steps (integer >= 1)")
     if (values.get("noise_multiplier") is None) == (values.get("target_epsilon") is None):
         raise UsageError("give exactly one of noise_multiplier (> 0) or target_epsilon (> 0)")
-    shards = parse_shards(values.get("shards"), BUILTINS, values.get("dataset", "mnist"))
+    shards = parse_shards(values.get("shards"), sources.BUILTINS, values.get("dataset", "mnist"))
     shard_workers = check_shard_mode(values, shards)
     dataset, blocks = _dataset_blocks(_dataset(values.get("dataset", "mnist")), values.get("blocks"))
     if blocks and shards:
@@ -489,7 +493,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         seed=_optional(values, "seed", lambda key, v: checks.integer_at_least(key, v, 0)),
         run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
-        engine=checks.one_of("engine", values.get("engine", "fast"), ENGINES),
+        engine=checks.one_of("engine", values.get("engine", "fast"), engines.ENGINES),
         loss=_loss(values.get("loss", "cross_entropy")),
         metrics=_metrics(values.get("loss", "cross_entropy"), values.get("metrics")),
         train_transforms=_train_transforms(values.get("train_transforms", [])),
@@ -599,9 +603,9 @@ def check_people_within_bound(config: TrainConfig) -> None:
     if bound is None:
         return
     try:
-        largest = user_index(UserSpec(config.user_id, config.synthetic_users), config.dataset,
+        largest = users.user_index(users.UserSpec(config.user_id, config.synthetic_users), config.dataset,
                              training_set_size(config)).largest_user()
-    except (DataError, ValueError) as error:
+    except (sources.DataError, ValueError) as error:
         raise UsageError(str(error)) from None
     if largest > bound:
         raise UsageError(f"max_examples_per_user = {bound} bounds every person's rows at example level, but one "
@@ -615,10 +619,8 @@ def rows_per_person(config: TrainConfig) -> int | None:
 
 
 def _dataset(value: Any) -> str | dict:
-    from workers.sources import parse_spec
-
     try:
-        return parse_spec(value)
+        return sources.parse_spec(value)
     except ValueError as error:
         raise UsageError(str(error)) from None
 
@@ -653,7 +655,7 @@ def _dataset_blocks(spec: str | dict, value: Any) -> tuple[str | dict, tuple[str
     if len(set(chosen)) != len(chosen):
         raise UsageError(f"blocks must name each block once (got {chosen!r})")
     try:
-        return select_blocks(spec if isinstance(spec, dict) else {}, chosen), tuple(chosen)
+        return sources.select_blocks(spec if isinstance(spec, dict) else {}, chosen), tuple(chosen)
     except ValueError as error:
         raise UsageError(f"blocks: {error}") from None
 
@@ -715,7 +717,7 @@ def _train_transforms(value: Any) -> tuple[Mapping[str, Any], ...]:
     return tuple(dict(step) for step in value)
 
 
-def _layer_clip_norms(value: Any) -> LayerClipNorms | None:
+def _layer_clip_norms(value: Any) -> clipping.LayerClipNorms | None:
     if value is None:
         return None
     if not isinstance(value, Mapping) or not value:
@@ -723,7 +725,7 @@ def _layer_clip_norms(value: Any) -> LayerClipNorms | None:
             f"layer_clip_norms must be a table of parameter-name prefix = clip norm, e.g. "
             f'{{ "0" = 1.0, "7" = 0.5 }} (got {value!r})'
         )
-    return LayerClipNorms(tuple(
+    return clipping.LayerClipNorms(tuple(
         (str(prefix), checks.positive_number(f"layer_clip_norms.{prefix}", norm)) for prefix, norm in value.items()
     ))
 
@@ -755,18 +757,16 @@ def training_set_size(config: TrainConfig) -> int:
 
     Unsharded configs only: a sharded config's N is the sum its workers report.
     """
-    from workers.sources import source_size, spec_name
-
     if config.shards:
         raise UsageError("a sharded config's N is the sum of its shards' sizes, which only their workers report; "
                          "pass the reported N as dataset_size")
     try:
-        full = source_size(config.dataset, "train")
+        full = sources.source_size(config.dataset, "train")
     except ValueError as error:
         raise UsageError(str(error)) from None
     if config.train_subset is not None and config.train_subset > full:
         raise UsageError(
-            f"train_subset must be <= {full} for {spec_name(config.dataset)} (got {config.train_subset})"
+            f"train_subset must be <= {full} for {sources.spec_name(config.dataset)} (got {config.train_subset})"
         )
     return config.train_subset or full
 
@@ -781,24 +781,22 @@ def sampled_unit_count(config: TrainConfig) -> int:
     if config.privacy_unit == "example":
         return training_set_size(config)
     try:
-        return user_index(user_spec(config), config.dataset, training_set_size(config)).user_count
-    except (DataError, ValueError) as error:
+        return users.user_index(user_spec(config), config.dataset, training_set_size(config)).user_count
+    except (sources.DataError, ValueError) as error:
         raise UsageError(str(error)) from None
 
 
-def user_spec(config: TrainConfig) -> UserSpec | None:
+def user_spec(config: TrainConfig) -> users.UserSpec | None:
     """The workers' description of the run's users, or None at example level."""
     if config.privacy_unit == "example":
         return None
-    return UserSpec(config.user_id, config.synthetic_users, config.max_examples_per_user, config.local_steps,
+    return users.UserSpec(config.user_id, config.synthetic_users, config.max_examples_per_user, config.local_steps,
                     config.local_learning_rate, config.seed)
 
 
 def test_set_size(config: TrainConfig) -> int:
     """The number of test examples each evaluation covers: the test split, or its first ``test_subset``."""
-    from workers.sources import source_size
-
-    full = source_size(config.dataset, "test")
+    full = sources.source_size(config.dataset, "test")
     return min(full, config.test_subset or full)
 
 

@@ -7,6 +7,7 @@ from typing import Iterable
 import torch
 
 from orchestrator.config import OptimizerConfig
+from orchestrator.schedules import LearningRateSchedule
 
 
 def build_optimizer(
@@ -21,6 +22,19 @@ def build_optimizer(
     if optimizer.name == "adam":
         return torch.optim.Adam(parameters, lr=learning_rate, **options)
     return torch.optim.AdamW(parameters, lr=learning_rate, **options)
+
+
+def build_lr_scheduler(
+    schedule: LearningRateSchedule, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """A torch scheduler stepped once per DP step, or None for a constant rate."""
+    if schedule.kind == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
+    if schedule.kind == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=schedule.step_size, gamma=schedule.gamma)
+    if schedule.kind == "exponential":
+        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=schedule.gamma)
+    return None
 
 
 EMA_WARMUP = 10.0

@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
-
 from accounting.events import Composition, SampledGaussian
 from orchestrator import checks
 from orchestrator.errors import UsageError
@@ -110,16 +108,3 @@ def schedule_events(
     return Composition(
         tuple(SampledGaussian(sampling_rate, sigma, steps, sensitivity_factor) for sigma, steps in blocks)
     )
-
-
-def build_lr_scheduler(
-    schedule: LearningRateSchedule, optimizer: torch.optim.Optimizer, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler | None:
-    """A torch scheduler stepped once per DP step, or None for a constant rate."""
-    if schedule.kind == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, total_steps))
-    if schedule.kind == "step":
-        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=schedule.step_size, gamma=schedule.gamma)
-    if schedule.kind == "exponential":
-        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=schedule.gamma)
-    return None

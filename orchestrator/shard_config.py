@@ -6,9 +6,12 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from accounting.lazy import LazyModule
 from orchestrator import checks
 from orchestrator.errors import UsageError
-from workers.shards import ShardSpec
+
+# workers.shards loads torch; the config keys are documented without it (see accounting.lazy).
+worker_shards = LazyModule("workers.shards")
 
 SHARD_LOSS_POLICIES = ("wait", "skip")
 DEFAULT_ON_SHARD_LOSS = "wait"
@@ -17,7 +20,7 @@ _SHARD_KEYS = {"dataset", "part", "parts", "resources", "workers"}
 _EXAMPLE = '[{ dataset = "mnist", part = 0, parts = 3, resources = { "silo-a" = 1 }, workers = 1 }, ...]'
 
 
-def parse_shards(value: Any, datasets: tuple[str, ...], default_dataset: Any) -> tuple[ShardSpec, ...]:
+def parse_shards(value: Any, datasets: tuple[str, ...], default_dataset: Any) -> tuple[worker_shards.ShardSpec, ...]:
     """The `shards` list as ShardSpecs; none means the unsharded, driver-sampled run.
 
     Refuses two shards that would hold the same example: it would be sampled
@@ -41,7 +44,7 @@ def parse_shards(value: Any, datasets: tuple[str, ...], default_dataset: Any) ->
     return shards
 
 
-def _shard(index: int, table: Mapping, datasets: tuple[str, ...], default_dataset: Any) -> ShardSpec:
+def _shard(index: int, table: Mapping, datasets: tuple[str, ...], default_dataset: Any) -> worker_shards.ShardSpec:
     unknown = set(table) - _SHARD_KEYS
     if unknown:
         raise UsageError(f"shards[{index}] has unknown key(s) {', '.join(sorted(unknown))}; "
@@ -58,10 +61,10 @@ def _shard(index: int, table: Mapping, datasets: tuple[str, ...], default_datase
     resources = {str(name): checks.positive_number(f"shards[{index}].resources.{name}", amount)
                  for name, amount in resources.items()}
     workers = checks.integer_at_least(f"shards[{index}].workers", table.get("workers", 1), 1)
-    return ShardSpec(dataset, part, parts, resources, workers)
+    return worker_shards.ShardSpec(dataset, part, parts, resources, workers)
 
 
-def check_shard_mode(values: Mapping[str, Any], shards: tuple[ShardSpec, ...]) -> int | None:
+def check_shard_mode(values: Mapping[str, Any], shards: tuple[worker_shards.ShardSpec, ...]) -> int | None:
     """Refuse what shard mode cannot do; return the run's worker count with shards (None without).
 
     Microbatches and adaptive clipping need the whole step's sample in one

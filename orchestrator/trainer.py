@@ -59,7 +59,7 @@ from orchestrator.noise import (
     driver_threads,
     noisy_mean_gradient,
 )
-from orchestrator.optimizers import build_optimizer, update_ema
+from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.report import plot_curves
 from orchestrator.sampling import (
     assign_microbatches,
@@ -68,7 +68,7 @@ from orchestrator.sampling import (
     poisson_sample,
     worker_shares,
 )
-from orchestrator.schedules import build_lr_scheduler, noise_blocks, schedule_events
+from orchestrator.schedules import noise_blocks, schedule_events
 from orchestrator.shard_fleet import ShardFleet
 from workers.actor import GradientWorkerActor, retain_freed_memory
 from workers.models import bind_flat_views, build_model, parameter_count

@@ -51,14 +51,15 @@ def free_port() -> int:
 
 
 def start_serve_process(
-    db_path: Path, token_file: Path, port: int = 0, extra_args: tuple[str, ...] = ()
+    db_path: Path, token_file: Path, port: int = 0, extra_args: tuple[str, ...] = (), dpfleet: list[str] = DPFLEET
 ) -> tuple[subprocess.Popen, str]:
     """Start `dpfleet ledger serve` on 127.0.0.1:port (0: any free port); return it and its HOST:PORT.
 
     `extra_args` go to `serve` too; what it prints after its address is left to read on the process's stdout.
+    `dpfleet` is the command line that runs dpfleet.
     """
     process = subprocess.Popen(
-        [*DPFLEET, "ledger", "serve", "--db", str(db_path), "--port", str(port)]
+        [*dpfleet, "ledger", "serve", "--db", str(db_path), "--port", str(port)]
         + ["--admin-token-file", str(token_file), *extra_args],
         cwd=REPOSITORY,
         stdout=subprocess.PIPE,

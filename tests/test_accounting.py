@@ -116,6 +116,11 @@ def test_rdp_warns_when_best_order_is_at_grid_edge():
     assert RDP_ORDERS[0] < 1.1 and RDP_ORDERS[-1] >= 4096
 
 
+def test_the_rdp_grid_holds_dp_accountings_default_grid():
+    assert set(dp_accounting.rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS) <= set(RDP_ORDERS.tolist())
+    assert len(RDP_ORDERS) == len(set(RDP_ORDERS.tolist())) == 173
+
+
 @pytest.mark.parametrize("name", ["pld", "rdp", "gdp"])
 def test_noise_multiplier_round_trip(name):
     sigma = noise_multiplier_for(1.0, DELTA, MNIST_Q, 3600, name)

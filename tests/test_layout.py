@@ -1,6 +1,8 @@
 """The packages' import graph: no loops inside a package, and data flows one way between them (STYLE.md, section 4)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,11 +85,8 @@ def test_the_engines_build_on_the_shared_clip_arithmetic_which_imports_no_engine
         graph["workers.engines"]
 
 
-@pytest.mark.parametrize("package, forbidden", [
-    ("workers", {"orchestrator", "accounting"}),
-    ("accounting", {"orchestrator", "workers"}),
-])
-def test_data_flows_one_way_between_packages(package, forbidden):
+def imports_from(package: str, forbidden: set[str]) -> dict[str, set[str]]:
+    """The modules of ``package`` that import (anywhere in them) a package of ``forbidden``, and what they import."""
     offenders = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
@@ -97,4 +96,24 @@ def test_data_flows_one_way_between_packages(package, forbidden):
             for name in names:
                 if name.split(".")[0] in forbidden:
                     offenders.setdefault(module_name(path), set()).add(name)
-    assert offenders == {}
+    return offenders
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("workers", {"orchestrator", "accounting"}),
+    ("accounting", {"orchestrator", "workers"}),
+])
+def test_data_flows_one_way_between_packages(package, forbidden):
+    assert imports_from(package, forbidden) == {}
+
+
+def test_the_accountants_and_the_ledger_never_import_torch_torchvision_or_ray():
+    """`dpfleet eps` and the ledger server run without the deep-learning stack, in their code and in what it loads."""
+    assert imports_from("accounting", {"torch", "torchvision", "ray"}) == {}
+    modules = sorted(module_name(path) for path in (ROOT / "accounting").rglob("*.py"))
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import sys\nfor name in {modules!r}: __import__(name)\n"
+         "print(' '.join(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'torchvision', 'ray'})))"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout
+    assert loaded.strip() == ""

@@ -22,10 +22,10 @@ from orchestrator.noise import (
     NoiseFeed,
     TorchGaussianNoise,
 )
+from orchestrator.optimizers import build_lr_scheduler
 from orchestrator.schedules import (
     LearningRateSchedule,
     NoiseSchedule,
-    build_lr_scheduler,
     noise_blocks,
     parse_noise_schedule,
     schedule_events,

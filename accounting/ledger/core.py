@@ -52,9 +52,8 @@ from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from typing import Callable, Protocol
 
 import numpy as np
-from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
-from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
+from accounting.accountants import RDP_ORDERS, compute_epsilon, epsilon_from_rdp, get_accountant, rdp_vector
 from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition, group_events
 from accounting.ledger.scheduling import PRIORITY_RANGE, SchedulingPolicy
 

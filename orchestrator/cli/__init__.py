@@ -1,28 +1,60 @@
 """The `dpfleet` command: one parser, one module per command group.
 
-`eps` and `noise` (privacy), `train`, `tune`, `init`, `ledger`, `audit`,
-`submit`, `data` and `export` each register their parser from their own module; `main` runs one command.
+``COMMANDS`` names each command, its help line, and the function in its
+module that adds its arguments. A command's module is imported only when that
+command runs (or when the whole parser is built, for the reference), and its
+handler, a ``module:function`` name, only when the command runs: `dpfleet
+--help`, `--version`, `eps`, `noise`, `init`, `data --help` and the ledger
+commands never load torch, torchvision or Ray. Adding a command is one entry.
 `python -m orchestrator.cli` is the same as the `dpfleet` console script.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from dataclasses import dataclass
+from typing import Any, Collection, Sequence
 
 from orchestrator import __version__
-from orchestrator.cli.audit import add_audit_parser
-from orchestrator.cli.data import add_data_parser
 from orchestrator.cli.display import plain_when_asked
-from orchestrator.cli.export import add_export_parser
-from orchestrator.cli.init import add_init_parser
-from orchestrator.cli.ledger import add_ledger_parser
-from orchestrator.cli.privacy import add_privacy_parsers
-from orchestrator.cli.submit import add_submit_parser
-from orchestrator.cli.train import add_train_parser
-from orchestrator.cli.tune import add_tune_parser
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `dpfleet` command: its help line, and the ``module:function`` that adds its arguments to its parser."""
+
+    help: str
+    adds_arguments: str
+
+
+COMMANDS = {
+    "eps": Command("epsilon of a DP-SGD run", "orchestrator.cli.privacy:add_eps_arguments"),
+    "noise": Command("noise multiplier for a target epsilon", "orchestrator.cli.privacy:add_noise_arguments"),
+    "train": Command("train a model with DP-SGD on Ray workers", "orchestrator.cli.train:add_train_arguments"),
+    "tune": Command("search hyperparameters: every trial an ordinary job, every trial charged",
+                    "orchestrator.cli.tune:add_tune_arguments"),
+    "init": Command("write a commented starter config", "orchestrator.cli.init:add_init_arguments"),
+    "ledger": Command("the global privacy ledger: budgets, jobs, history, server",
+                      "orchestrator.cli.ledger_parser:add_ledger_arguments"),
+    "audit": Command("measure a lower bound on epsilon from one training run with canaries",
+                     "orchestrator.cli.audit:add_audit_arguments"),
+    "submit": Command("run `dpfleet train` as a job on a running Ray cluster",
+                      "orchestrator.cli.submit:add_submit_arguments"),
+    "data": Command("write datasets into the file formats training reads",
+                    "orchestrator.cli.data_parser:add_data_arguments"),
+    "export": Command("write a finished run's model as safetensors, with a model card, to share",
+                      "orchestrator.cli.export:add_export_arguments"),
+}
+
+
+def load(name: str) -> Any:
+    """The object that ``module:attribute`` names, importing its module now (the one place commands are loaded)."""
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,24 +65,28 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full `dpfleet` parser."""
+def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
+    """The `dpfleet` parser, with the arguments of ``commands`` (by default every command's).
+
+    The other commands are there by name and help line only, which is all
+    `dpfleet --help` and a mistyped command's error show.
+    """
     parser = _Parser(
         prog="dpfleet",
         description="Differentially private training across a Ray cluster, with a global privacy ledger.",
     )
     parser.add_argument("--version", action="version", version=f"dpfleet {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
-    add_privacy_parsers(subparsers)
-    add_train_parser(subparsers)
-    add_tune_parser(subparsers)
-    add_init_parser(subparsers)
-    add_ledger_parser(subparsers)
-    add_audit_parser(subparsers)
-    add_submit_parser(subparsers)
-    add_data_parser(subparsers)
-    add_export_parser(subparsers)
+    for name, entry in COMMANDS.items():
+        command_parser = subparsers.add_parser(name, help=entry.help)
+        if name in commands:
+            load(entry.adds_arguments)(command_parser)
     return parser
+
+
+def command_words(argv: Sequence[str]) -> tuple[str, ...]:
+    """The command ``argv`` runs, as a 1-tuple, or () before one is named (the top level has no option values)."""
+    return tuple(word for word in argv if not word.startswith("-"))[:1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     plain_when_asked(os.environ, sys.stderr)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(command_words(argv)).parse_args(argv)
     try:
-        return args.handler(args)
+        return load(args.handler)(args)
     except (UsageError, BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError) as error:
         print(f"dpfleet {args.command}: error: {error}", file=sys.stderr)
         return error.exit_status

@@ -12,20 +12,16 @@ from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import UsageError
 
 
-def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `audit` on the top-level subcommands."""
-    audit = subparsers.add_parser(
-        "audit",
-        help="measure a lower bound on epsilon from one training run with canaries",
-        description=(
-            "Train the config once through the real pipeline with canaries, each included with "
-            "probability 1/2, guess which were included, and turn the guesses into a lower bound on "
-            "epsilon (Steinke, Nasr and Jagielski 2023) next to the accountant's upper bound (PLD)."
-        ),
-        epilog=(
-            "A lower bound above the upper bound means the implementation leaks more than the accountant "
-            "claims. The run is not charged to the privacy ledger."
-        ),
+def add_audit_arguments(audit: argparse.ArgumentParser) -> None:
+    """The arguments of `audit`."""
+    audit.description = (
+        "Train the config once through the real pipeline with canaries, each included with "
+        "probability 1/2, guess which were included, and turn the guesses into a lower bound on "
+        "epsilon (Steinke, Nasr and Jagielski 2023) next to the accountant's upper bound (PLD)."
+    )
+    audit.epilog = (
+        "A lower bound above the upper bound means the implementation leaks more than the accountant "
+        "claims. The run is not charged to the privacy ledger."
     )
     audit.add_argument("--config", required=True, help="TOML file with the run's keys (see examples/audit.toml)")
     audit.add_argument(
@@ -51,7 +47,7 @@ def add_audit_parser(subparsers: argparse._SubParsersAction) -> None:
     audit.add_argument("--no-progress", action="store_true",
                        help="hide the progress bars (shown only when stderr is a terminal)")
     audit.add_argument("--json", action="store_true", help="print the audit as JSON on the last line")
-    audit.set_defaults(handler=run_audit_command)
+    audit.set_defaults(handler=f"{__name__}:run_audit_command")
 
 
 def run_audit_command(args: argparse.Namespace) -> int:

@@ -5,24 +5,21 @@ from __future__ import annotations
 import argparse
 
 from orchestrator.cli.display import format_table, print_json
+from orchestrator.export import export_run
 
 
-def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `export` on the top-level subcommands."""
-    export = subparsers.add_parser(
-        "export",
-        help="write a finished run's model as safetensors, with a model card, to share",
-        description=(
-            "Write the model a finished run released to FILE (safetensors: its trained parameters, the moving "
-            "average with ema_decay, and its buffers; nothing else from the checkpoint) and its model card to "
-            "NAME.model-card.json beside FILE = NAME.safetensors. The card gives epsilon, delta, the accountant, "
-            "the privacy unit, steps, sigma, C, the sampling rate, the dataset, the model's spec, input shape and "
-            "classes, and the dpfleet version. torch and safetensors load the file without dpfleet."
-        ),
-        epilog=(
-            "A checkpoint is the run's working state, for the run's operator only; the export is what to share. "
-            "An unfinished run is refused unless --last-checkpoint is given."
-        ),
+def add_export_arguments(export: argparse.ArgumentParser) -> None:
+    """Add `export`'s description and arguments to its parser."""
+    export.description = (
+        "Write the model a finished run released to FILE (safetensors: its trained parameters, the moving "
+        "average with ema_decay, and its buffers; nothing else from the checkpoint) and its model card to "
+        "NAME.model-card.json beside FILE = NAME.safetensors. The card gives epsilon, delta, the accountant, "
+        "the privacy unit, steps, sigma, C, the sampling rate, the dataset, the model's spec, input shape and "
+        "classes, and the dpfleet version. torch and safetensors load the file without dpfleet."
+    )
+    export.epilog = (
+        "A checkpoint is the run's working state, for the run's operator only; the export is what to share. "
+        "An unfinished run is refused unless --last-checkpoint is given."
     )
     export.add_argument("run_dir", metavar="RUN_DIR", help="the run directory of a `dpfleet train` run")
     export.add_argument("--out", required=True, metavar="FILE", help="where to write the weights: NAME.safetensors")
@@ -30,14 +27,11 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="export an unfinished run's newest checkpoint; the card marks the run partial, with "
                              "the epsilon of its steps so far")
     export.add_argument("--json", action="store_true", help="print the model card as JSON on the last line")
-    export.set_defaults(handler=run_export_command)
+    export.set_defaults(handler=f"{__name__}:run_export_command")
 
 
 def run_export_command(args: argparse.Namespace) -> int:
     """Export the run, then print where the files went and the card's privacy figures (or the card as JSON)."""
-    # torch, safetensors and the models load only when this command runs.
-    from orchestrator.export import export_run
-
     written = export_run(args.run_dir, args.out, args.last_checkpoint)
     card = written.card
     if args.json:

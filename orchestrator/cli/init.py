@@ -29,18 +29,14 @@ STARTER = {
 }
 
 
-def add_init_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `init` on the top-level subcommands."""
-    init = subparsers.add_parser(
-        "init",
-        help="write a commented starter config",
-        description="Write a starter training config: the main job (DP-SGD on MNIST, PLD epsilon 0.853 at "
-                    "delta 1e-5), with every other key commented out at its default.",
-    )
+def add_init_arguments(init: argparse.ArgumentParser) -> None:
+    """The arguments of `init`."""
+    init.description = ("Write a starter training config: the main job (DP-SGD on MNIST, PLD epsilon 0.853 at "
+                        "delta 1e-5), with every other key commented out at its default.")
     init.add_argument("path", nargs="?", default=DEFAULT_PATH, metavar="PATH",
                       help=f"where to write it (default {DEFAULT_PATH})")
     init.add_argument("--force", action="store_true", help="replace PATH if it exists")
-    init.set_defaults(handler=run_init)
+    init.set_defaults(handler=f"{__name__}:run_init")
 
 
 def starter_config(width: int = 100) -> str:

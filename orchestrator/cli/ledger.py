@@ -1,9 +1,9 @@
-"""`dpfleet ledger ...`: the privacy ledger from the command line.
+"""What `dpfleet ledger ...` does: each command's handler, over the embedded ledger or a server.
 
 Client commands talk to `--ledger HOST:PORT` (or DPFLEET_LEDGER) with
 `--token` (or DPFLEET_TOKEN); with no address they open the embedded ledger
-file ($DPFLEET_HOME/ledger.db or ~/.local/share/dpfleet/ledger.db) as its
-local admin, whose own datasets live in the tenant 'local'.
+file. The parser is in ``orchestrator.cli.ledger_parser``; this module is
+imported only when a ledger command runs.
 """
 
 from __future__ import annotations
@@ -15,23 +15,21 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from accounting.lazy import LazyModule
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
 from accounting.ledger.databases import is_postgresql, shown_location
-from accounting.ledger.scheduling import POLICIES, SchedulingPolicy
-from accounting.ledger.service import LedgerServer, serve
+from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
 from orchestrator import checks
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError
 
-_ADDRESS_HELP = (
-    "ledger server HOST:PORT, or HOST:PORT,HOST:PORT for servers of one database to fail over between "
-    "(default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
-)
+# The server (gRPC, the web page, metrics) loads only for `ledger serve`.
+service = LazyModule("accounting.ledger.service")
 
 
-def _ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """Turn ledger refusals into the command line's errors: a budget refusal exits 3, the rest 2."""
 
     @functools.wraps(handler)
@@ -46,7 +44,7 @@ def _ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[a
     return run
 
 
-def _open(args: argparse.Namespace) -> PrivacyLedger:
+def ledger_from_flags(args: argparse.Namespace) -> PrivacyLedger:
     """The remote ledger named by --ledger / DPFLEET_LEDGER, else the embedded one."""
     address = args.ledger or os.environ.get("DPFLEET_LEDGER")
     if address:
@@ -61,25 +59,6 @@ def _open(args: argparse.Namespace) -> PrivacyLedger:
             f"{default_ledger_path()} is used and needs no token"
         )
     return open_embedded_ledger()
-
-
-def _add_client_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ledger", help=_ADDRESS_HELP)
-    parser.add_argument("--token", help="tenant or admin token (default: $DPFLEET_TOKEN)")
-    parser.add_argument("--tls-ca", help="PEM file of the CA that signed the server's certificate (enables TLS)")
-    parser.add_argument("--timeout", default="10", help="seconds to wait for each answer (default 10)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-
-
-def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
-    parser.add_argument("--scheduling", choices=POLICIES,
-                        help=f"how {whose} queue of waiting jobs is served: fcfs (in arrival order), dpf "
-                             "(dominant-share fairness, PrivateKube) or dpack (packing by efficiency, DPack); "
-                             "docs/ledger.md#the-queue")
-    parser.add_argument("--unlock-jobs", help="dpf, dpack: unlock 1/N of the budget per arriving job (N >= 1)")
-    parser.add_argument("--unlock-seconds",
-                        help="dpf, dpack: unlock the budget linearly over this many seconds from the dataset's "
-                             "creation")
 
 
 def _scheduling(args: argparse.Namespace) -> SchedulingPolicy | None:
@@ -190,7 +169,7 @@ def _jobs_table(jobs: list) -> str:
     return format_table(headers, rows)
 
 
-@_ledger_command
+@ledger_command
 def run_serve(args: argparse.Namespace) -> int:
     """Serve a ledger file over gRPC until SIGTERM or SIGINT."""
     port = _port("--port", args.port)
@@ -211,7 +190,7 @@ def run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    def announce(server: LedgerServer) -> None:
+    def announce(server: service.LedgerServer) -> None:
         scheme = "https" if args.tls_cert else "http"
         urls = {}
         if server.web is not None and server.web.http_port is not None:
@@ -225,7 +204,7 @@ def run_serve(args: argparse.Namespace) -> int:
             for what, url in urls.items():
                 print(f"{what} on {url}", flush=True)
 
-    serve(
+    service.serve(
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
     )
@@ -243,10 +222,10 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-@_ledger_command
+@ledger_command
 def run_tenant_create(args: argparse.Namespace) -> int:
     """Create a tenant and print its token once."""
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         created = ledger.create_tenant(args.name)
     if args.json:
         print_json(created.to_dict())
@@ -262,87 +241,52 @@ def _print_statuses(statuses: list[DatasetStatus], as_json: bool) -> None:
         print(_status_table(statuses))
 
 
-@_ledger_command
+@ledger_command
 def run_dataset_create(args: argparse.Namespace) -> int:
     """Create a dataset with its (epsilon, delta) budget."""
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = checks.open_unit_interval("--delta", args.delta)
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit, _scheduling(args))
     _print_statuses([status], args.json)
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_dataset_raise(args: argparse.Namespace) -> int:
     """Set a dataset's budget epsilon (admin)."""
     epsilon = checks.positive_number("--epsilon", args.epsilon)
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         status = ledger.raise_budget(args.name, epsilon)
     _print_statuses([status], args.json)
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_block_add(args: argparse.Namespace) -> int:
     """Add a block with its own budget to a dataset."""
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = None if args.delta is None else checks.open_unit_interval("--delta", args.delta)
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         status = ledger.add_block(args.dataset, args.name, epsilon, delta)
     _print_statuses([status], args.json)
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_quota_set(args: argparse.Namespace) -> int:
     """Give a tenant a quota on a dataset or one of its blocks (admin)."""
     epsilon = checks.positive_number("--epsilon", args.epsilon)
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         status = ledger.set_quota(args.dataset, args.tenant, epsilon, args.block)
     _print_statuses([status], args.json)
     return 0
 
 
-@_ledger_command
-def run_fits(args: argparse.Namespace) -> int:
-    """Say whether a training config's job would be admitted now, what it costs and what would remain."""
-    # Planning a job reads the data's size and imports torch; only this command pays for that.
-    from orchestrator.cli.train import ledger_dataset_name
-    from orchestrator.config import load_config
-    from orchestrator.trainer import plan_run
-
-    config = load_config(args.config, {})
-    plan = plan_run(config)
-    dataset = ledger_dataset_name(args, config)
-    # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
-    args.ledger = args.ledger or config.ledger
-    with _open(args) as ledger:
-        planned, privacy_unit, rows_per_person = plan.ledger_plan(ledger.get_budget(dataset).privacy_unit)
-        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
-    if args.json:
-        print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate})
-    else:
-        rows = [
-            [check.budget, check.budget_epsilon, check.held_epsilon, check.needed_epsilon, check.remaining_epsilon,
-             check.remaining_after_epsilon, "yes" if check.fits else "no"]
-            for check in report.checks
-        ]
-        print(format_table(
-            ["budget", "budget ε", "held ε", "job needs ε", "remaining ε now", "remaining ε after", "fits"], rows
-        ))
-        verdict = "fits" if report.fits else "does not fit"
-        print(
-            f"\nthe job ({plan.steps} steps at q = {format_number(plan.sampling_rate)}) {verdict} now; nothing was "
-            "reserved. ε are the filters' at each budget's δ; another job may change the answer before this one runs."
-        )
-    return 0 if report.fits else 3
-
-
-@_ledger_command
+@ledger_command
 def run_status(args: argparse.Namespace) -> int:
     """Print budget, spent, reserved and remaining epsilon of one or every visible dataset."""
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         if args.dataset:
             statuses = [ledger.get_budget(args.dataset, args.no_wait)]
         else:
@@ -351,11 +295,11 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_history(args: argparse.Namespace) -> int:
     """Print the newest changes to the ledger, oldest first."""
     limit = checks.integer_at_least("--limit", args.limit, 1)
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         entries = ledger.history(args.dataset, limit)
     if args.json:
         print_json({"history": [entry.to_dict() for entry in entries]})
@@ -372,10 +316,10 @@ def _details(details: dict) -> str:
     return ", ".join(f"{key}={value}" for key, value in sorted(details.items()) if not isinstance(value, dict))
 
 
-@_ledger_command
+@ledger_command
 def run_release(args: argparse.Namespace) -> int:
     """Free a reservation's unrun steps."""
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         reservation = ledger.release(args.reservation_id)
     if args.json:
         print_json(reservation.to_dict())
@@ -388,12 +332,12 @@ def run_release(args: argparse.Namespace) -> int:
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_jobs(args: argparse.Namespace) -> int:
     """List reservations, oldest first; with --queued, the jobs waiting for budget, by position."""
     if args.queued and args.active:
         raise UsageError("--queued lists waiting jobs and --active jobs holding budget; give one of them")
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         if args.queued:
             queued = ledger.list_queued(args.dataset)
         else:
@@ -410,10 +354,10 @@ def run_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_cancel(args: argparse.Namespace) -> int:
     """Take a waiting job out of its dataset's queue."""
-    with _open(args) as ledger:
+    with ledger_from_flags(args) as ledger:
         queued = ledger.cancel_queued(args.queue_id)
     if args.json:
         print_json(queued.to_dict())
@@ -422,7 +366,7 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-@_ledger_command
+@ledger_command
 def run_verify(args: argparse.Namespace) -> int:
     """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
     path = args.db if args.db and is_postgresql(args.db) else Path(args.db) if args.db else default_ledger_path()
@@ -442,165 +386,3 @@ def run_verify(args: argparse.Namespace) -> int:
             f"head hash {verification.head_hash} (keep it elsewhere to notice a history rewritten from the start)"
         )
     return 1 if verification.findings else 0
-
-
-def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `ledger` and its commands on the top-level subcommands."""
-    ledger = subparsers.add_parser(
-        "ledger",
-        help="the global privacy ledger: budgets, jobs, history, server",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="COMMAND")
-
-    serve_parser = commands.add_parser(
-        "serve",
-        help="serve a ledger file over gRPC",
-        description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
-        "prints 'listening on HOST:PORT' when ready, then 'page on URL' and 'metrics on URL' for --http-port "
-        "and --metrics-port.",
-    )
-    serve_parser.add_argument(
-        "--db", required=True,
-        help="the SQLite ledger file (created if missing), or a postgresql://USER@HOST:PORT/DATABASE URL "
-        "that several servers may share",
-    )
-    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
-    serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
-    serve_parser.add_argument(
-        "--http-port",
-        help="also serve the read-only web page (budgets, burn-down, jobs) on this port, behind the same tokens; "
-        "0 picks a free one (default: no page)",
-    )
-    serve_parser.add_argument(
-        "--metrics-port",
-        help="also serve Prometheus metrics at /metrics on this port (send the token as 'Authorization: Bearer'); "
-        "0 picks a free one (default: no metrics)",
-    )
-    serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
-    serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
-    serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
-    _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
-    serve_parser.set_defaults(handler=run_serve)
-
-    tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
-        dest="tenant_command", required=True, metavar="COMMAND"
-    )
-    tenant_create = tenant.add_parser("create", help="create a tenant and print its token once (admin)")
-    tenant_create.add_argument("name", help="tenant name: 1-128 letters, digits, '.', '_' or '-'")
-    _add_client_flags(tenant_create)
-    tenant_create.set_defaults(handler=run_tenant_create)
-
-    dataset = commands.add_parser("dataset", help="datasets and their budgets").add_subparsers(
-        dest="dataset_command", required=True, metavar="COMMAND"
-    )
-    dataset_create = dataset.add_parser("create", help="create a dataset with an (epsilon, delta) budget")
-    dataset_create.add_argument("name", help="dataset name (admins: TENANT/NAME)")
-    dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
-    dataset_create.add_argument(
-        "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
-    )
-    dataset_create.add_argument(
-        "--privacy-unit", choices=("example", "user"), default="example",
-        help="what the budget protects: one row (example, the default) or one person with all its rows (user); "
-        "an example-level job is charged on a user-level dataset by group privacy, given max_examples_per_user",
-    )
-    _add_scheduling_flags(dataset_create, "the dataset's")
-    _add_client_flags(dataset_create)
-    dataset_create.set_defaults(handler=run_dataset_create)
-    dataset_raise = dataset.add_parser("raise", help="set a dataset's budget epsilon (admin)")
-    dataset_raise.add_argument("name", help="dataset name (admins: TENANT/NAME)")
-    dataset_raise.add_argument(
-        "--epsilon", required=True, help="new budget epsilon; not below what is committed and reserved"
-    )
-    _add_client_flags(dataset_raise)
-    dataset_raise.set_defaults(handler=run_dataset_raise)
-
-    block = commands.add_parser("block", help="blocks of a dataset, each with its own budget").add_subparsers(
-        dest="block_command", required=True, metavar="COMMAND"
-    )
-    block_add = block.add_parser(
-        "add", help="add a block (e.g. one day of data) with its own epsilon budget to a dataset (owner or admin)"
-    )
-    block_add.add_argument("dataset", help="dataset name (admins: TENANT/NAME)")
-    block_add.add_argument("name", help="block name: 1-128 letters, digits, '.', '_' or '-' (e.g. 2026-11-23)")
-    block_add.add_argument("--epsilon", required=True, help="the block's budget epsilon, > 0")
-    block_add.add_argument("--delta", help="the block's budget delta, in (0, 1) (default: the dataset's)")
-    _add_client_flags(block_add)
-    block_add.set_defaults(handler=run_block_add)
-
-    quota = commands.add_parser("quota", help="tenants' quotas on datasets and blocks (admin)").add_subparsers(
-        dest="quota_command", required=True, metavar="COMMAND"
-    )
-    quota_set = quota.add_parser(
-        "set", help="give a tenant a quota on a dataset or block: an extra filter on its own use (admin)"
-    )
-    quota_set.add_argument("dataset", help="dataset name, TENANT/NAME")
-    quota_set.add_argument("tenant", help="the tenant the quota is for")
-    quota_set.add_argument("--epsilon", required=True, help="the tenant's quota epsilon, > 0, at the budget's delta")
-    quota_set.add_argument(
-        "--block", help="only this block (default: the dataset, and each block without a quota of its own)"
-    )
-    _add_client_flags(quota_set)
-    quota_set.set_defaults(handler=run_quota_set)
-
-    fits = commands.add_parser(
-        "fits",
-        help="would a training config's job be admitted now? its cost and what would remain; reserves nothing",
-        description="Plan the job of a training config as dpfleet train would, and ask the ledger whether every "
-        "budget it would be charged to (the dataset's or each block's, and the tenant's quotas) admits it now. "
-        "Reserves nothing. Exits 0 when it fits, 3 when it does not.",
-    )
-    fits.add_argument("--config", required=True, help="the training config (TOML) to plan")
-    fits.add_argument("--dataset-name", help="the dataset's name in the ledger (default: as dpfleet train names it)")
-    _add_client_flags(fits)
-    fits.set_defaults(handler=run_fits)
-
-    status = commands.add_parser("status", help="budget, spent, reserved and remaining epsilon per dataset")
-    status.add_argument("--dataset", help="only this dataset")
-    status.add_argument(
-        "--no-wait",
-        action="store_true",
-        help="answer at once: while the PLD epsilon of new commits is computed (0.1-1 s), "
-        "show their RDP epsilon as spent, marked (rdp)",
-    )
-    _add_client_flags(status)
-    status.set_defaults(handler=run_status)
-
-    history = commands.add_parser("history", help="every change to the ledger: who, when, what")
-    history.add_argument("--dataset", help="only changes to this dataset")
-    history.add_argument("--limit", default="1000", help="show the newest N changes (default 1000)")
-    _add_client_flags(history)
-    history.set_defaults(handler=run_history)
-
-    release = commands.add_parser("release", help="free a reservation's unrun steps (e.g. of a job that died)")
-    release.add_argument("reservation_id", help="the reservation, as listed by dpfleet ledger jobs")
-    _add_client_flags(release)
-    release.set_defaults(handler=run_release)
-
-    verify = commands.add_parser(
-        "verify",
-        help="check the history's hash chain and replay every dataset's admissions, tally and commits",
-        description="Check that each history entry carries the hash of the one before it, and replay every "
-        "dataset's history from its events: each admission and commit against the dataset's rule, and the "
-        "replayed RDP tally and committed events against the dataset's row. Prints each finding with its "
-        "dataset and entry; exits 1 when there is any.",
-    )
-    verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
-    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
-    verify.set_defaults(handler=run_verify)
-
-    jobs = commands.add_parser("jobs", help="reservations, oldest first")
-    jobs.add_argument("--dataset", help="only jobs on this dataset")
-    jobs.add_argument("--active", action="store_true", help="only jobs still holding budget")
-    jobs.add_argument("--queued", action="store_true",
-                      help="the jobs waiting for budget instead: position, priority, deadline and why each waits")
-    _add_client_flags(jobs)
-    jobs.set_defaults(handler=run_jobs)
-
-    cancel = commands.add_parser("cancel", help="take a waiting job out of its dataset's queue")
-    cancel.add_argument("queue_id", help="the queued job, as listed by dpfleet ledger jobs --queued")
-    _add_client_flags(cancel)
-    cancel.set_defaults(handler=run_cancel)

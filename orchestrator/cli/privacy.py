@@ -36,14 +36,10 @@ def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def add_privacy_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register `eps` and `noise` on the top-level subcommands."""
-    eps = subparsers.add_parser(
-        "eps",
-        help="epsilon of a DP-SGD run",
-        description="Epsilon of a DP-SGD run with Poisson sampling and Gaussian noise.",
-        epilog=_STEPS_HELP,
-    )
+def add_eps_arguments(eps: argparse.ArgumentParser) -> None:
+    """The arguments of `eps`."""
+    eps.description = "Epsilon of a DP-SGD run with Poisson sampling and Gaussian noise."
+    eps.epilog = _STEPS_HELP
     eps.add_argument("--noise-multiplier", required=True, help="noise std / clip norm, sigma > 0")
     eps.add_argument(
         "--microbatch-size",
@@ -51,17 +47,16 @@ def add_privacy_parsers(subparsers: argparse._SubParsersAction) -> None:
         "a group's clipped gradient by up to 2C, so epsilon is computed with sensitivity factor 2",
     )
     _add_run_flags(eps)
-    eps.set_defaults(handler=run_eps)
+    eps.set_defaults(handler=f"{__name__}:run_eps")
 
-    noise = subparsers.add_parser(
-        "noise",
-        help="noise multiplier for a target epsilon",
-        description="Smallest noise multiplier (to 0.1%%) that meets a target epsilon.",
-        epilog=_STEPS_HELP,
-    )
+
+def add_noise_arguments(noise: argparse.ArgumentParser) -> None:
+    """The arguments of `noise`."""
+    noise.description = "Smallest noise multiplier (to 0.1%%) that meets a target epsilon."
+    noise.epilog = _STEPS_HELP
     noise.add_argument("--target-epsilon", required=True, help="the epsilon to meet, > 0")
     _add_run_flags(noise)
-    noise.set_defaults(handler=run_noise)
+    noise.set_defaults(handler=f"{__name__}:run_noise")
 
 
 def _run_shape(args: argparse.Namespace) -> tuple[float, int, float, list[str]]:

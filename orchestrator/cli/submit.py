@@ -39,16 +39,12 @@ CONFIG_VARIABLE = "DPFLEET_CONFIG_TOML"
 _TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 
 
-def add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `submit` on the top-level subcommands."""
-    submit = subparsers.add_parser(
-        "submit",
-        help="run `dpfleet train` as a job on a running Ray cluster",
-        description=(
-            "Submit `dpfleet train --config FILE` to a Ray cluster's Jobs API, follow its logs and exit with "
-            "its status (0 when it succeeded, 1 otherwise). This source tree travels as the job's working_dir; "
-            "the Ray token is read where Ray reads it: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."
-        ),
+def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
+    """The arguments of `submit`."""
+    submit.description = (
+        "Submit `dpfleet train --config FILE` to a Ray cluster's Jobs API, follow its logs and exit with "
+        "its status (0 when it succeeded, 1 otherwise). This source tree travels as the job's working_dir; "
+        "the Ray token is read where Ray reads it: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token."
     )
     submit.add_argument("--address", metavar="URL",
                         help="the cluster's dashboard, e.g. http://HEAD:8265 (default: RAY_API_SERVER_ADDRESS, "
@@ -60,7 +56,7 @@ def add_submit_parser(subparsers: argparse._SubParsersAction) -> None:
     submit.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
     submit.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
     submit.add_argument("--no-wait", action="store_true", help="print the job's id and return once it is submitted")
-    submit.set_defaults(handler=run_submit)
+    submit.set_defaults(handler=f"{__name__}:run_submit")
 
 
 def run_submit(args: argparse.Namespace) -> int:

@@ -18,19 +18,15 @@ from orchestrator.trainer import Trainer, resume_trainer
 from workers.sources import read_first, spec_name
 
 
-def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `train` on the top-level subcommands."""
-    train = subparsers.add_parser(
-        "train",
-        help="train a model with DP-SGD on Ray workers",
-        description=(
-            "Train with DP-SGD. Without a cluster address a local Ray starts in-process;\n"
-            "RAY_ADDRESS, when set, is used instead. Progress bars are shown when stderr is a terminal;\n"
-            "elsewhere each epoch is one line."
-        ),
-        epilog=config_keys_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def add_train_arguments(train: argparse.ArgumentParser) -> None:
+    """The arguments of `train`; its help ends with the config keys."""
+    train.description = (
+        "Train with DP-SGD. Without a cluster address a local Ray starts in-process;\n"
+        "RAY_ADDRESS, when set, is used instead. Progress bars are shown when stderr is a terminal;\n"
+        "elsewhere each epoch is one line."
     )
+    train.epilog = config_keys_help()
+    train.formatter_class = argparse.RawDescriptionHelpFormatter
     source = train.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", help="TOML file with the run's keys (see examples/)")
     source.add_argument("--resume", metavar="RUN_DIR",
@@ -50,7 +46,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--no-progress", action="store_true",
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
-    train.set_defaults(handler=run_train)
+    train.set_defaults(handler=f"{__name__}:run_train")
 
 
 def add_job_ledger_flags(parser: argparse.ArgumentParser) -> None:

@@ -19,17 +19,13 @@ from orchestrator.trainer import Trainer
 from orchestrator.tuning import best_trial, grid_trials, parse_grid, random_trials, selection_events
 
 
-def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `tune` on the top-level subcommands."""
-    tune = subparsers.add_parser(
-        "tune",
-        help="search hyperparameters: every trial an ordinary job, every trial charged",
-        description=(
-            "Run a grid (or, with --trials, a random subset of it) of configurations, one ordinary dpfleet job\n"
-            "after another on Ray, each reserved and charged on the ledger like `dpfleet train`. The best trial\n"
-            "by the config's first test metric is reported with the epsilon of all the trials composed: picking\n"
-            "it looked at every trial, so that is what the picked model costs."
-        ),
+def add_tune_arguments(tune: argparse.ArgumentParser) -> None:
+    """The arguments of `tune`."""
+    tune.description = (
+        "Run a grid (or, with --trials, a random subset of it) of configurations, one ordinary dpfleet job\n"
+        "after another on Ray, each reserved and charged on the ledger like `dpfleet train`. The best trial\n"
+        "by the config's first test metric is reported with the epsilon of all the trials composed: picking\n"
+        "it looked at every trial, so that is what the picked model costs."
     )
     tune.add_argument("--config", required=True, help="TOML file with the keys every trial shares")
     tune.add_argument("--grid", required=True,
@@ -41,7 +37,7 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
     add_job_ledger_flags(tune)
     tune.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     tune.add_argument("--json", action="store_true", help="print the search's result as JSON on the last line")
-    tune.set_defaults(handler=run_tune)
+    tune.set_defaults(handler=f"{__name__}:run_tune")
 
 
 def run_tune(args: argparse.Namespace) -> int:

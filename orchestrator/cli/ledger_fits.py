@@ -1,0 +1,45 @@
+"""`dpfleet ledger fits`: plan a training config's job as `dpfleet train` would, and ask the ledger if it fits.
+
+Planning reads the data's size, so this is the one ledger command that loads
+torch; it is a module of its own so that the others do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.cli.display import format_number, format_table, print_json
+from orchestrator.cli.ledger import ledger_command, ledger_from_flags
+from orchestrator.cli.train import ledger_dataset_name
+from orchestrator.config import load_config
+from orchestrator.trainer import plan_run
+
+
+@ledger_command
+def run_fits(args: argparse.Namespace) -> int:
+    """Say whether a training config's job would be admitted now, what it costs and what would remain."""
+    config = load_config(args.config, {})
+    plan = plan_run(config)
+    dataset = ledger_dataset_name(args, config)
+    # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
+    args.ledger = args.ledger or config.ledger
+    with ledger_from_flags(args) as ledger:
+        planned, privacy_unit, rows_per_person = plan.ledger_plan(ledger.get_budget(dataset).privacy_unit)
+        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+    if args.json:
+        print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate})
+    else:
+        rows = [
+            [check.budget, check.budget_epsilon, check.held_epsilon, check.needed_epsilon, check.remaining_epsilon,
+             check.remaining_after_epsilon, "yes" if check.fits else "no"]
+            for check in report.checks
+        ]
+        print(format_table(
+            ["budget", "budget ε", "held ε", "job needs ε", "remaining ε now", "remaining ε after", "fits"], rows
+        ))
+        verdict = "fits" if report.fits else "does not fit"
+        print(
+            f"\nthe job ({plan.steps} steps at q = {format_number(plan.sampling_rate)}) {verdict} now; nothing was "
+            "reserved. ε are the filters' at each budget's δ; another job may change the answer before this one runs."
+        )
+    return 0 if report.fits else 3

@@ -1,0 +1,197 @@
+"""`dpfleet ledger ...`: the privacy ledger from the command line.
+
+Client commands talk to `--ledger HOST:PORT` (or DPFLEET_LEDGER) with
+`--token` (or DPFLEET_TOKEN); with no address they open the embedded ledger
+file ($DPFLEET_HOME/ledger.db or ~/.local/share/dpfleet/ledger.db) as its
+local admin, whose own datasets live in the tenant 'local'.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from accounting.ledger.scheduling import POLICIES
+
+# Each command's handler, imported only when the command runs: the parser needs none of the ledger's modules.
+_HANDLERS = "orchestrator.cli.ledger:"
+_ADDRESS_HELP = (
+    "ledger server HOST:PORT, or HOST:PORT,HOST:PORT for servers of one database to fail over between "
+    "(default: $DPFLEET_LEDGER; without either, the embedded ledger file)"
+)
+
+
+def _add_client_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ledger", help=_ADDRESS_HELP)
+    parser.add_argument("--token", help="tenant or admin token (default: $DPFLEET_TOKEN)")
+    parser.add_argument("--tls-ca", help="PEM file of the CA that signed the server's certificate (enables TLS)")
+    parser.add_argument("--timeout", default="10", help="seconds to wait for each answer (default 10)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
+    parser.add_argument("--scheduling", choices=POLICIES,
+                        help=f"how {whose} queue of waiting jobs is served: fcfs (in arrival order), dpf "
+                             "(dominant-share fairness, PrivateKube) or dpack (packing by efficiency, DPack); "
+                             "docs/ledger.md#the-queue")
+    parser.add_argument("--unlock-jobs", help="dpf, dpack: unlock 1/N of the budget per arriving job (N >= 1)")
+    parser.add_argument("--unlock-seconds",
+                        help="dpf, dpack: unlock the budget linearly over this many seconds from the dataset's "
+                             "creation")
+
+
+def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
+    """The `ledger` commands and their arguments."""
+    ledger.description = __doc__
+    ledger.formatter_class = argparse.RawDescriptionHelpFormatter
+    commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="COMMAND")
+
+    serve_parser = commands.add_parser(
+        "serve",
+        help="serve a ledger file over gRPC",
+        description="Serve a ledger file over gRPC until SIGTERM or SIGINT; "
+        "prints 'listening on HOST:PORT' when ready, then 'page on URL' and 'metrics on URL' for --http-port "
+        "and --metrics-port.",
+    )
+    serve_parser.add_argument(
+        "--db", required=True,
+        help="the SQLite ledger file (created if missing), or a postgresql://USER@HOST:PORT/DATABASE URL "
+        "that several servers may share",
+    )
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
+    serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
+    serve_parser.add_argument(
+        "--http-port",
+        help="also serve the read-only web page (budgets, burn-down, jobs) on this port, behind the same tokens; "
+        "0 picks a free one (default: no page)",
+    )
+    serve_parser.add_argument(
+        "--metrics-port",
+        help="also serve Prometheus metrics at /metrics on this port (send the token as 'Authorization: Bearer'); "
+        "0 picks a free one (default: no metrics)",
+    )
+    serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
+    serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
+    serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
+    _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
+    serve_parser.set_defaults(handler=_HANDLERS + "run_serve")
+
+    tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
+        dest="tenant_command", required=True, metavar="COMMAND"
+    )
+    tenant_create = tenant.add_parser("create", help="create a tenant and print its token once (admin)")
+    tenant_create.add_argument("name", help="tenant name: 1-128 letters, digits, '.', '_' or '-'")
+    _add_client_flags(tenant_create)
+    tenant_create.set_defaults(handler=_HANDLERS + "run_tenant_create")
+
+    dataset = commands.add_parser("dataset", help="datasets and their budgets").add_subparsers(
+        dest="dataset_command", required=True, metavar="COMMAND"
+    )
+    dataset_create = dataset.add_parser("create", help="create a dataset with an (epsilon, delta) budget")
+    dataset_create.add_argument("name", help="dataset name (admins: TENANT/NAME)")
+    dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
+    dataset_create.add_argument(
+        "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
+    )
+    dataset_create.add_argument(
+        "--privacy-unit", choices=("example", "user"), default="example",
+        help="what the budget protects: one row (example, the default) or one person with all its rows (user); "
+        "an example-level job is charged on a user-level dataset by group privacy, given max_examples_per_user",
+    )
+    _add_scheduling_flags(dataset_create, "the dataset's")
+    _add_client_flags(dataset_create)
+    dataset_create.set_defaults(handler=_HANDLERS + "run_dataset_create")
+    dataset_raise = dataset.add_parser("raise", help="set a dataset's budget epsilon (admin)")
+    dataset_raise.add_argument("name", help="dataset name (admins: TENANT/NAME)")
+    dataset_raise.add_argument(
+        "--epsilon", required=True, help="new budget epsilon; not below what is committed and reserved"
+    )
+    _add_client_flags(dataset_raise)
+    dataset_raise.set_defaults(handler=_HANDLERS + "run_dataset_raise")
+
+    block = commands.add_parser("block", help="blocks of a dataset, each with its own budget").add_subparsers(
+        dest="block_command", required=True, metavar="COMMAND"
+    )
+    block_add = block.add_parser(
+        "add", help="add a block (e.g. one day of data) with its own epsilon budget to a dataset (owner or admin)"
+    )
+    block_add.add_argument("dataset", help="dataset name (admins: TENANT/NAME)")
+    block_add.add_argument("name", help="block name: 1-128 letters, digits, '.', '_' or '-' (e.g. 2026-11-23)")
+    block_add.add_argument("--epsilon", required=True, help="the block's budget epsilon, > 0")
+    block_add.add_argument("--delta", help="the block's budget delta, in (0, 1) (default: the dataset's)")
+    _add_client_flags(block_add)
+    block_add.set_defaults(handler=_HANDLERS + "run_block_add")
+
+    quota = commands.add_parser("quota", help="tenants' quotas on datasets and blocks (admin)").add_subparsers(
+        dest="quota_command", required=True, metavar="COMMAND"
+    )
+    quota_set = quota.add_parser(
+        "set", help="give a tenant a quota on a dataset or block: an extra filter on its own use (admin)"
+    )
+    quota_set.add_argument("dataset", help="dataset name, TENANT/NAME")
+    quota_set.add_argument("tenant", help="the tenant the quota is for")
+    quota_set.add_argument("--epsilon", required=True, help="the tenant's quota epsilon, > 0, at the budget's delta")
+    quota_set.add_argument(
+        "--block", help="only this block (default: the dataset, and each block without a quota of its own)"
+    )
+    _add_client_flags(quota_set)
+    quota_set.set_defaults(handler=_HANDLERS + "run_quota_set")
+
+    fits = commands.add_parser(
+        "fits",
+        help="would a training config's job be admitted now? its cost and what would remain; reserves nothing",
+        description="Plan the job of a training config as dpfleet train would, and ask the ledger whether every "
+        "budget it would be charged to (the dataset's or each block's, and the tenant's quotas) admits it now. "
+        "Reserves nothing. Exits 0 when it fits, 3 when it does not.",
+    )
+    fits.add_argument("--config", required=True, help="the training config (TOML) to plan")
+    fits.add_argument("--dataset-name", help="the dataset's name in the ledger (default: as dpfleet train names it)")
+    _add_client_flags(fits)
+    fits.set_defaults(handler="orchestrator.cli.ledger_fits:run_fits")
+
+    status = commands.add_parser("status", help="budget, spent, reserved and remaining epsilon per dataset")
+    status.add_argument("--dataset", help="only this dataset")
+    status.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="answer at once: while the PLD epsilon of new commits is computed (0.1-1 s), "
+        "show their RDP epsilon as spent, marked (rdp)",
+    )
+    _add_client_flags(status)
+    status.set_defaults(handler=_HANDLERS + "run_status")
+
+    history = commands.add_parser("history", help="every change to the ledger: who, when, what")
+    history.add_argument("--dataset", help="only changes to this dataset")
+    history.add_argument("--limit", default="1000", help="show the newest N changes (default 1000)")
+    _add_client_flags(history)
+    history.set_defaults(handler=_HANDLERS + "run_history")
+
+    release = commands.add_parser("release", help="free a reservation's unrun steps (e.g. of a job that died)")
+    release.add_argument("reservation_id", help="the reservation, as listed by dpfleet ledger jobs")
+    _add_client_flags(release)
+    release.set_defaults(handler=_HANDLERS + "run_release")
+
+    verify = commands.add_parser(
+        "verify",
+        help="check the history's hash chain and replay every dataset's admissions, tally and commits",
+        description="Check that each history entry carries the hash of the one before it, and replay every "
+        "dataset's history from its events: each admission and commit against the dataset's rule, and the "
+        "replayed RDP tally and committed events against the dataset's row. Prints each finding with its "
+        "dataset and entry; exits 1 when there is any.",
+    )
+    verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    verify.set_defaults(handler=_HANDLERS + "run_verify")
+
+    jobs = commands.add_parser("jobs", help="reservations, oldest first")
+    jobs.add_argument("--dataset", help="only jobs on this dataset")
+    jobs.add_argument("--active", action="store_true", help="only jobs still holding budget")
+    jobs.add_argument("--queued", action="store_true",
+                      help="the jobs waiting for budget instead: position, priority, deadline and why each waits")
+    _add_client_flags(jobs)
+    jobs.set_defaults(handler=_HANDLERS + "run_jobs")
+
+    cancel = commands.add_parser("cancel", help="take a waiting job out of its dataset's queue")
+    cancel.add_argument("queue_id", help="the queued job, as listed by dpfleet ledger jobs --queued")
+    _add_client_flags(cancel)
+    cancel.set_defaults(handler=_HANDLERS + "run_cancel")

@@ -1,0 +1,138 @@
+"""The commands that answer at once load no torch, torchvision or Ray: checked in fresh processes, by `sys.modules`.
+
+Each process runs a list of commands through `orchestrator.cli.main`, as the
+`dpfleet` script does, and after each one writes down which of the watched
+packages are loaded; a package loaded by one command stays loaded for the
+next, so the first command that names one is the culprit. The help, the
+version and a ledger client load no dp-accounting or scipy either: they have
+no epsilon to compute. `dpfleet ledger fits` plans a training job, which
+reads the data and loads torch: only its help is checked.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from orchestrator.cli import build_parser, reference
+from orchestrator.cli.data_parser import BUILTIN_DATASETS
+from servers import REPOSITORY, start_serve_process
+from workers.data import DATASETS
+
+ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+HEAVY = ("torch", "torchvision", "ray")
+ACCOUNTING_LIBRARIES = ("dp_accounting", "scipy")
+# Runs the commands given after the report's path, separated by "::"; writes one report entry per command.
+DRIVER = f"""
+import json, sys
+from orchestrator.cli import main
+
+commands, report = [[]], []
+for word in sys.argv[2:]:
+    if word == "::":
+        commands.append([])
+    else:
+        commands[-1].append(word)
+for argv in commands:
+    try:
+        status = main(argv)
+    except SystemExit as exited:
+        status = exited.code
+    loaded = sorted({{name.split(".")[0] for name in sys.modules}} & set({HEAVY + ACCOUNTING_LIBRARIES!r}))
+    report.append({{"argv": argv, "status": status, "loaded": loaded}})
+with open(sys.argv[1], "w") as handle:
+    json.dump(report, handle)
+"""
+RUN_SHAPE = ["--dataset-size", "10000", "--batch-size", "100", "--steps", "10", "--delta", "1e-5"]
+
+
+def driver(report: Path) -> list[str]:
+    """The command line of a driver process that writes its report to ``report``."""
+    return [sys.executable, "-c", DRIVER, str(report)]
+
+
+def run_commands(tmp_path: Path, commands: list[list[str]], **environment: str) -> list[dict]:
+    """Run ``commands`` in one fresh driver process; its report, one entry per command."""
+    report = tmp_path / "report.json"
+    words = [word for command in commands for word in ["::", *command]][1:]
+    completed = subprocess.run(
+        [*driver(report), *words], cwd=REPOSITORY, capture_output=True, text=True, timeout=300,
+        env={**{key: value for key, value in os.environ.items() if not key.startswith("DPFLEET_")}, **environment},
+    )
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(report.read_text())
+
+
+def help_commands() -> list[list[str]]:
+    """`--help` of the top level, of `data` and its commands, and of `ledger` and every command under it."""
+    words = [path for path, _, _ in reference._commands(build_parser()) if path[0] in ("ledger", "data")]
+    return [["--help"], *[[*path, "--help"] for path in words]]
+
+
+def assert_light(report: list[dict], statuses: dict[str, int], forbidden: tuple[str, ...] = HEAVY) -> None:
+    """Every command exited as expected (0 unless ``statuses`` says otherwise) and loaded none of ``forbidden``."""
+    for entry in report:
+        command = " ".join(entry["argv"])
+        assert entry["status"] == statuses.get(command, 0), command
+        loaded = sorted(set(entry["loaded"]) & set(forbidden))
+        assert loaded == [], f"dpfleet {command} loaded {', '.join(loaded)}"
+
+
+def test_the_parser_names_every_built_in_dataset():
+    assert sorted(BUILTIN_DATASETS) == sorted(DATASETS)
+
+
+def test_help_version_accounting_init_and_the_embedded_ledger_load_no_torch_or_ray(tmp_path):
+    db = tmp_path / "home" / "ledger.db"
+    commands = [
+        *help_commands(),
+        ["--version"],
+        ["eps", "--noise-multiplier", "1.0", "--accountant", "all", *RUN_SHAPE],
+        ["eps", "--noise-multiplier", "1.0", "--microbatch-size", "4", *RUN_SHAPE],
+        ["noise", "--target-epsilon", "2", *RUN_SHAPE],
+        ["init", str(tmp_path / "starter.toml")],
+        ["ledger", "tenant", "create", "acme"],
+        ["ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5", "--scheduling", "dpf"],
+        ["ledger", "dataset", "raise", "mnist", "--epsilon", "3"],
+        ["ledger", "block", "add", "mnist", "day-1", "--epsilon", "1"],
+        ["ledger", "quota", "set", "local/mnist", "acme", "--epsilon", "1"],
+        ["ledger", "status"],
+        ["ledger", "history", "--json"],
+        ["ledger", "jobs"],
+        ["ledger", "jobs", "--queued"],
+        ["ledger", "release", "no-such-reservation"],
+        ["ledger", "cancel", "no-such-job"],
+        ["ledger", "verify", "--db", str(db)],
+    ]
+    report = run_commands(tmp_path, commands, DPFLEET_HOME=str(db.parent))
+    assert [entry["argv"] for entry in report] == commands
+    answered_at_once = len(help_commands()) + 1
+    assert_light(report[:answered_at_once], {}, HEAVY + ACCOUNTING_LIBRARIES)
+    assert_light(report, {"ledger release no-such-reservation": 2, "ledger cancel no-such-job": 2})
+    assert (tmp_path / "starter.toml").is_file()
+
+
+def test_the_ledger_server_and_its_clients_load_no_torch_or_ray(tmp_path):
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(ADMIN_TOKEN)
+    serve_report = tmp_path / "serve" / "report.json"
+    serve_report.parent.mkdir()
+    process, address = start_serve_process(tmp_path / "served.db", token_file, dpfleet=driver(serve_report))
+    try:
+        remote = ["--ledger", address, "--token", ADMIN_TOKEN]
+        report = run_commands(tmp_path, [
+            ["ledger", "tenant", "create", "acme", *remote],
+            ["ledger", "dataset", "create", "acme/mnist", "--epsilon", "2", "--delta", "1e-5", *remote],
+            ["ledger", "status", "--json", *remote],
+            ["ledger", "history", *remote],
+            ["ledger", "jobs", *remote],
+        ])
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    assert_light(report, {}, HEAVY + ACCOUNTING_LIBRARIES)
+    (served,) = json.loads(serve_report.read_text())
+    assert served["argv"][:2] == ["ledger", "serve"]
+    assert_light([served], {})
