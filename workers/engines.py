@@ -451,8 +451,12 @@ def synthetic_examples(model: nn.Module, schema: ExampleSchema, count: int) -> t
     inputs = inputs.to(clipping.device_of(model))
     classes = 2
     if not schema.label_dtype.is_floating_point and schema.label_dtype != torch.bool:
-        with torch.no_grad():
-            outputs = copy.deepcopy(model)(inputs)
+        random_state = _random_state()
+        try:
+            with torch.no_grad(), _DropoutOff():
+                outputs = copy.deepcopy(model)(inputs)
+        finally:
+            _restore_random_state(random_state)
         classes = min(outputs.shape[1:], default=2) if isinstance(outputs, Tensor) else 2
     labels = _synthetic_values((count, *schema.label_shape), schema.label_dtype, max(1, classes), generator)
     return inputs, labels.to(inputs.device)
