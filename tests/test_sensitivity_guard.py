@@ -107,15 +107,16 @@ def test_models_the_rules_serve_pass_the_check_and_the_plan_names_each_layers_pa
     assert plan.describe() == ["0 (Conv2d): fast (per-example)", "3 (Linear): fast (ghost)"]
 
 
-def test_the_worker_reports_each_layers_path_after_its_first_examples():
+def test_the_worker_reports_each_layers_path_before_its_first_examples():
     worker = GradientWorker("gdp_cnn", "mnist", 64, max_physical_batch=16)
-    assert worker.engine_report() is None
-    weights = flat_parameters(build_model("gdp_cnn")).numpy()
-    worker.clipped_grad_sum(weights, np.arange(8), 0.1)
-    assert worker.engine_report() == [
+    expected = [
         "0 (Conv2d): fast (per-example)", "3 (Conv2d): fast (per-example)",
         "7 (Linear): fast (ghost)", "9 (Linear): fast (ghost)",
     ]
+    assert worker.engine_report() == expected
+    weights = flat_parameters(build_model("gdp_cnn")).numpy()
+    worker.clipped_grad_sum(weights, np.arange(8), 0.1)
+    assert worker.engine_report() == expected
     assert GradientWorker("gdp_cnn", "mnist", 64, 16, engine="vmap").engine_report() == [
         'every layer: vmap (engine = "vmap")'
     ]

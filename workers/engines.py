@@ -63,6 +63,7 @@ from workers.layer_rules import (
     rule_for,
     vmap_rule,
 )
+from workers.models import flat_parameters
 from workers.validation import UnsupportedModuleError
 from workers.vmap_engine import per_example_clipped_sum
 
@@ -494,6 +495,31 @@ def settle_plan(
         if plan.fallback is not None:
             _warn_fallback(plan.fallback)
     return plan
+
+
+def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn: clipping.LossFunction) -> None:
+    """Before any private example: refuse a model that mixes examples and, for the fast engine, settle its plan.
+
+    Both run on synthetic examples of ``schema`` at the model's own
+    parameters (``settle_plan``; for the vmap engine, ``check_independence``
+    alone). Raises UnsupportedModuleError naming the module and the fix.
+    """
+    check_engine(engine)
+    weights = flat_parameters(model)
+    if not weights.numel():
+        return
+    if engine == "fast":
+        settle_plan(model, weights, schema, loss_fn)
+        return
+    reference = copy.deepcopy(model).to(torch.float64)
+    _, params, _ = clipping.functional_parameters(reference, weights, clipping.device_of(reference))
+    inputs, _ = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
+    random_state = _random_state()
+    try:
+        inputs = inputs.to(clipping.device_of(reference))
+        check_independence(reference, params, inputs.to(torch.float64) if inputs.is_floating_point() else inputs)
+    finally:
+        _restore_random_state(random_state)
 
 
 @clipping.in_ieee_float32
