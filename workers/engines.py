@@ -352,17 +352,24 @@ def _unit_gradients(
     if unit.rule is not vmap_rule and unit.rule is not attention_rule:
         for call in calls:
             if call.args and not call.batched_args[0]:
+                given = (f"a tensor of shape {tuple(call.input.shape)}" if isinstance(call.input, Tensor)
+                         else f"a {type(call.input).__name__}")
                 raise WholeModelFallback(
-                    f"{unit.title} is applied to a tensor of shape {tuple(call.input.shape)} that is not computed "
-                    "from the batch (a table or constant shared by all examples)"
+                    f"{unit.title} is applied to {given} that is not computed from the batch (a table or constant "
+                    "shared by all examples)"
                 )
     try:
         return unit.rule(unit.layer, params, calls, batch_size)
     except WholeModelFallback as fallback:
         raise WholeModelFallback(f"{unit.title}: {fallback}") from fallback
     except Exception as error:  # noqa: BLE001 - any failure of a rule hands the model to the vmap engine
-        message = str(error).splitlines()[0] if str(error) else ""
-        raise WholeModelFallback(f"the rule for {unit.title} failed ({type(error).__name__}: {message})") from error
+        raise WholeModelFallback(f"the rule for {unit.title} failed ({_first_line(error)})") from error
+
+
+def _first_line(error: Exception) -> str:
+    """An exception's type and the first line of its message, for a warning."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 # ---------------------------------------------------------------------------
@@ -468,7 +475,9 @@ def _index_range(model: nn.Module) -> int:
     return min(sizes, default=2)
 
 
-def _synthetic_values(shape: tuple[int, ...], dtype: torch.dtype, index_range: int, generator: torch.Generator) -> Tensor:
+def _synthetic_values(
+    shape: tuple[int, ...], dtype: torch.dtype, index_range: int, generator: torch.Generator
+) -> Tensor:
     if dtype.is_floating_point:
         return torch.randn(shape, generator=generator).to(dtype)
     if dtype == torch.bool:
@@ -489,8 +498,14 @@ def settle_plan(
     key = (schema, loss_fn)
     plan = _PLANS.get(model, {}).get(key)
     if plan is None:
-        inputs, labels = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
-        plan = check_rules(model, flat_weights, inputs, labels, loss_fn)
+        try:
+            inputs, labels = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
+            plan = check_rules(model, flat_weights, inputs, labels, loss_fn)
+        except UnsupportedModuleError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a model the check cannot run is computed example by example
+            plan = _whole_model_fallback(_units(model),
+                                         f"it cannot be checked on synthetic examples ({_first_line(error)})")
         _keep_plan(model, key, plan)
         if plan.fallback is not None:
             _warn_fallback(plan.fallback)
@@ -513,13 +528,20 @@ def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn
         return
     reference = copy.deepcopy(model).to(torch.float64)
     _, params, _ = clipping.functional_parameters(reference, weights, clipping.device_of(reference))
-    inputs, _ = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
     random_state = _random_state()
     try:
-        inputs = inputs.to(clipping.device_of(reference))
-        check_independence(reference, params, inputs.to(torch.float64) if inputs.is_floating_point() else inputs)
+        inputs, _ = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
+        unchecked = check_independence(reference, params, inputs.to(torch.float64) if inputs.is_floating_point()
+                                       else inputs)
+    except UnsupportedModuleError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the vmap engine computes each example alone either way
+        unchecked = f"it cannot run on synthetic examples ({_first_line(error)})"
     finally:
         _restore_random_state(random_state)
+    if unchecked is not None:
+        warnings.warn(f"vmap clipping engine: whether this model mixes examples is not checked: {unchecked}; "
+                      "each example's gradient is computed alone", stacklevel=2)
 
 
 @clipping.in_ieee_float32
@@ -740,19 +762,19 @@ def check_independence(model: nn.Module, params: Mapping[str, Tensor], inputs: T
     if any([call.name for call in calls] != [call.name for call in batched] for calls in alone):
         return "its forward pass calls other modules for a batch than for one example"
     for position, call in enumerate(batched):
-        inputs_agree = all(
-            _rows_agree(tensor, [calls[position].inputs[index] for calls in alone])
-            for index, tensor in enumerate(call.inputs)
-            if all(len(calls[position].inputs) == len(call.inputs) for calls in alone)
-        )
-        outputs_agree = [
-            _rows_agree(tensor, [calls[position].outputs[index] for calls in alone])
-            for index, tensor in enumerate(call.outputs)
-            if all(len(calls[position].outputs) == len(call.outputs) for calls in alone)
-        ]
-        if inputs_agree and False in outputs_agree:
+        alone_calls = [calls[position] for calls in alone]
+        inputs_agree = _all_agree(call.inputs, [alone_call.inputs for alone_call in alone_calls])
+        if inputs_agree and _all_agree(call.outputs, [alone_call.outputs for alone_call in alone_calls]) is False:
             raise UnsupportedModuleError(_mixing_message(call))
     return None
+
+
+def _all_agree(batched: list[Tensor], alone: list[list[Tensor]]) -> bool | None:
+    """False when a tensor of the batch differs from the examples' alone; None when one cannot be compared."""
+    if any(len(tensors) != len(batched) for tensors in alone):
+        return None
+    agreements = [_rows_agree(tensor, [tensors[index] for tensors in alone]) for index, tensor in enumerate(batched)]
+    return False if False in agreements else None if None in agreements else True
 
 
 def _mixing_message(call: _ModuleCall) -> str:
