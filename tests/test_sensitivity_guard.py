@@ -1,8 +1,9 @@
 """No model or input makes one example count for more than C: the fast engine's check, and non-finite gradients.
 
-The fast engine checks its layer rules once per model against autograd and
-falls back to the vmap engine, with a warning naming the parameter, when a
-rule cannot see a parameter's whole gradient. An example whose gradient
+The fast engine checks its layer rules once per model and example schema, on
+synthetic examples, against autograd and falls back to the vmap engine, with
+a warning naming the parameter, when a rule cannot see a parameter's whole
+gradient. An example whose gradient
 holds a NaN or inf contributes exactly zero, in every engine, with per-layer
 clipping and with microbatches.
 """
@@ -134,7 +135,7 @@ def poisoned_batch(seed: int, poisoned: int, value: float):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-@pytest.mark.parametrize("poisoned", [1, 7])  # inside and outside the examples the fast engine checks on
+@pytest.mark.parametrize("poisoned", [1, 7])  # in the first chunk of 3 and in the last
 def test_an_example_with_a_non_finite_gradient_contributes_exactly_zero(engine, value, poisoned):
     torch.manual_seed(3)
     model = build_model("gdp_cnn")

@@ -25,12 +25,18 @@ Layer types without a rule, and modules holding parameters of their own that
 are not a registered layer type (``nn.MultiheadAttention``, custom modules),
 fall back to ``torch.func.vmap`` over that one module's per-example gradients.
 Models the per-layer view cannot serve (tied parameters, a fallback module
-that draws random numbers, a recorded input changed in place afterwards) run
-on the vmap engine whole, with a warning saying why.
+that draws random numbers, a recorded input changed in place afterwards, a
+layer applied to a table shared by all examples, a rule that raises) run on
+the vmap engine whole, with a warning saying why.
 
 Assumption shared with Opacus: every module with trainable parameters sees the
 examples along dimension 0 of its tensor inputs and outputs (for
-``nn.MultiheadAttention``, the dimension its ``batch_first`` says).
+``nn.MultiheadAttention``, the dimension its ``batch_first`` says). It is not
+taken on trust: which tensors carry the batch is tracked from the model's
+input through every operation (``_BatchTracker``), and before any call is
+served, the rules are checked per model and example schema on synthetic
+examples (``settle_plan``), against each example's gradient taken alone; a
+model whose examples mix is refused.
 """
 
 from __future__ import annotations
