@@ -20,8 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,7 +88,7 @@ class LayerCall:
     outputs: list[OutputSlot | None]
     versions: tuple[int, ...]
     batched_args: tuple[bool, ...] = ()
-    batched_kwargs: dict[str, bool] = dataclasses.field(default_factory=dict)
+    batched_kwargs: dict[str, bool] = field(default_factory=dict)
 
     @property
     def input(self) -> Tensor:
