@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
-from workers.engines import (ENGINES, ExampleSchema, check_rules, clipped_sum, engine_plan, settle_plan,
-                             synthetic_examples)
+from workers.engines import (ENGINES, ExampleSchema, check_rules, clipped_sum, engine_plan, prepare_engine,
+                             settle_plan, synthetic_examples)
 from workers.layer_rules import register_rule
 from workers.models import flat_parameters
 from workers.validation import UnsupportedModuleError
@@ -118,6 +118,13 @@ def test_after_a_first_step_of_one_example_every_engine_refuses_or_keeps_the_bou
         return
     assert family not in MIXING or engine == "vmap", f"{engine} engine did not refuse a model that mixes examples"
     assert largest <= 1 + BOUND_SLACK, f"{engine} engine: one example moves the sum by {largest:.6f} C"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_worker_refuses_a_model_that_mixes_examples_before_any_step_in_every_engine(engine):
+    schema = ExampleSchema((LENGTH, FEATURES), torch.float32, (), torch.int64)
+    with pytest.raises(UnsupportedModuleError, match=r"^2 \(BatchSoftmax\) mixes examples within a batch"):
+        prepare_engine(engine, FAMILIES["softmax across the batch"](), schema, F.cross_entropy)
 
 
 def test_the_batch_off_dimension_0_runs_every_layer_on_vmap_and_says_why():
