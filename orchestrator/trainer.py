@@ -559,6 +559,8 @@ class Trainer:
             workers = [] if self.shards else [self._new_worker() for _ in range(config.workers)]
             devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
             self.say("gradient workers on " + ", ".join(devices))
+            # The workers settled their engine on synthetic examples as they started: the start says what runs where.
+            self._report_engine(workers)
             if not self.shards:
                 self.aggregation = NodeAggregation()
                 self._place_reducers(workers, range(len(workers)))

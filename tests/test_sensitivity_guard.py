@@ -1,8 +1,9 @@
 """No model or input makes one example count for more than C: the fast engine's check, and non-finite gradients.
 
-The fast engine checks its layer rules once per model against autograd and
-falls back to the vmap engine, with a warning naming the parameter, when a
-rule cannot see a parameter's whole gradient. An example whose gradient
+The fast engine checks its layer rules once per model and example schema, on
+synthetic examples, against autograd and falls back to the vmap engine, with
+a warning naming the parameter, when a rule cannot see a parameter's whole
+gradient. An example whose gradient
 holds a NaN or inf contributes exactly zero, in every engine, with per-layer
 clipping and with microbatches.
 """
@@ -107,15 +108,16 @@ def test_models_the_rules_serve_pass_the_check_and_the_plan_names_each_layers_pa
     assert plan.describe() == ["0 (Conv2d): fast (per-example)", "3 (Linear): fast (ghost)"]
 
 
-def test_the_worker_reports_each_layers_path_after_its_first_examples():
+def test_the_worker_reports_each_layers_path_before_its_first_examples():
     worker = GradientWorker("gdp_cnn", "mnist", 64, max_physical_batch=16)
-    assert worker.engine_report() is None
-    weights = flat_parameters(build_model("gdp_cnn")).numpy()
-    worker.clipped_grad_sum(weights, np.arange(8), 0.1)
-    assert worker.engine_report() == [
+    expected = [
         "0 (Conv2d): fast (per-example)", "3 (Conv2d): fast (per-example)",
         "7 (Linear): fast (ghost)", "9 (Linear): fast (ghost)",
     ]
+    assert worker.engine_report() == expected
+    weights = flat_parameters(build_model("gdp_cnn")).numpy()
+    worker.clipped_grad_sum(weights, np.arange(8), 0.1)
+    assert worker.engine_report() == expected
     assert GradientWorker("gdp_cnn", "mnist", 64, 16, engine="vmap").engine_report() == [
         'every layer: vmap (engine = "vmap")'
     ]
@@ -133,7 +135,7 @@ def poisoned_batch(seed: int, poisoned: int, value: float):
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-@pytest.mark.parametrize("poisoned", [1, 7])  # inside and outside the examples the fast engine checks on
+@pytest.mark.parametrize("poisoned", [1, 7])  # in the first chunk of 3 and in the last
 def test_an_example_with_a_non_finite_gradient_contributes_exactly_zero(engine, value, poisoned):
     torch.manual_seed(3)
     model = build_model("gdp_cnn")

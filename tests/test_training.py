@@ -1,5 +1,6 @@
 """DP-SGD end to end on a real local Ray with 2 workers, on small MNIST subsets."""
 
+import io
 import json
 
 import numpy as np
@@ -98,13 +99,16 @@ def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, tmp_path):
 def test_an_empty_batch_still_adds_noise_and_steps(local_ray, tmp_path, monkeypatch):
     monkeypatch.setattr(trainer_module, "poisson_sample", lambda *args: np.array([], dtype=np.int64))
     config = small_config(tmp_path, steps=1, optimizer="sgd")
-    trainer = NoiseRecordingTrainer(config, show_progress=False)
+    log = io.StringIO()
+    trainer = NoiseRecordingTrainer(config, show_progress=False, out=log)
     before = flat_parameters(trainer.model).double()
     summary = trainer.run()
     after = flat_parameters(trainer.model).double()
     expected_step = config.learning_rate * torch.from_numpy(trainer.added[0]) / config.batch_size
     torch.testing.assert_close(before - after, expected_step.to(torch.float32).double(), rtol=1e-4, atol=1e-7)
     assert summary["steps"] == 1
+    # The engine is settled on synthetic examples as the workers start, so the start says it with no example seen.
+    assert "clipping engine, per layer: 0 (Conv2d): fast (per-example)" in log.getvalue()
 
 
 def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, tmp_path):

@@ -23,7 +23,7 @@ import torch
 from torch.func import functional_call
 
 from workers.clipping import functional_parameters
-from workers.engines import check_engine, clipped_sum, engine_plan
+from workers.engines import ExampleSchema, check_engine, clipped_sum, engine_plan, prepare_engine
 from workers.features import FeatureCache, compute_features, feature_map
 from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
@@ -149,6 +149,26 @@ class GradientWorker:
                               if self.feature_map is not None and self.transform is None else None)
         self.users = users
         self.user_index = None if users is None else user_index(users, dataset, self.train_size)
+        if self.augmentations == 1:
+            # Settled on synthetic examples before any step: no private example decides the engine or its report.
+            prepare_engine(engine, self.gradient_model, self._example_schema(), self.loss_fn)
+
+    def _example_schema(self) -> ExampleSchema:
+        """The shape and dtype of what the gradient model takes, from the source's schema: no example's values.
+
+        A read of no rows gives the per-example shapes and dtypes; one made-up
+        all-zero example goes through the transforms and the feature map to
+        give the shape the model sees (with the random generator left as it was).
+        """
+        inputs, labels = self.source.read(np.zeros(0, dtype=np.int64))
+        made_up = torch.zeros((1, *inputs.shape[1:]), dtype=inputs.dtype, device=self.device)
+        random_state = torch.get_rng_state()
+        try:
+            model_inputs = (compute_features(self.feature_map, made_up) if self.feature_cache is not None
+                            else self._model_inputs(made_up))
+        finally:
+            torch.set_rng_state(random_state)
+        return ExampleSchema.of(model_inputs, labels)
 
     def _training_source(
         self, dataset: str | dict, train_subset: int | None, data_root: str | None
@@ -333,8 +353,9 @@ class GradientWorker:
     def engine_report(self) -> list[str] | None:
         """How each layer's per-example gradients are computed, one line per layer.
 
-        None until the fast engine has seen its first examples: it checks its
-        layer rules on this model then (``workers.engines.check_rules``).
+        Settled when the worker starts, on synthetic examples of the data's
+        schema (``workers.engines.settle_plan``); None only where that schema
+        could not be known before a first call.
         """
         if self.engine == "vmap":
             return ['every layer: vmap (engine = "vmap")']

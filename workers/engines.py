@@ -25,12 +25,18 @@ Layer types without a rule, and modules holding parameters of their own that
 are not a registered layer type (``nn.MultiheadAttention``, custom modules),
 fall back to ``torch.func.vmap`` over that one module's per-example gradients.
 Models the per-layer view cannot serve (tied parameters, a fallback module
-that draws random numbers, a recorded input changed in place afterwards) run
-on the vmap engine whole, with a warning saying why.
+that draws random numbers, a recorded input changed in place afterwards, a
+layer applied to a table shared by all examples, a rule that raises) run on
+the vmap engine whole, with a warning saying why.
 
 Assumption shared with Opacus: every module with trainable parameters sees the
 examples along dimension 0 of its tensor inputs and outputs (for
-``nn.MultiheadAttention``, the dimension its ``batch_first`` says).
+``nn.MultiheadAttention``, the dimension its ``batch_first`` says). It is not
+taken on trust: which tensors carry the batch is tracked from the model's
+input through every operation (``_BatchTracker``), and before any call is
+served, the rules are checked per model and example schema on synthetic
+examples (``settle_plan``), against each example's gradient taken alone; a
+model whose examples mix is refused.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ from workers.layer_rules import (
     vmap_rule,
 )
 from workers.losses import per_example_losses
-from workers.validation import keeps_buffers
+from workers.models import flat_parameters
+from workers.validation import UnsupportedModuleError, keeps_buffers
 from workers.vmap_engine import per_example_clipped_sum
 
 
@@ -143,7 +150,47 @@ class _GradientTap(torch.autograd.Function):
         return None, gradient.new_zeros(()), None
 
 
-def _recorder(calls: list[LayerCall], anchor: Tensor) -> Callable:
+class _BatchTracker(TorchFunctionMode):
+    """Knows which tensors are computed from the model's input batch, through every operation of the forward.
+
+    The result of an operation carries the batch when one of its tensor
+    arguments does (an in-place operation marks the tensor it writes).
+    Parameters, buffers and constants made in ``forward`` (a shared table,
+    ``torch.arange(T)``) do not, whatever their shape: a layer rule never has
+    to guess from a size that happens to equal the number of examples.
+    Tensors are known by weak reference, so the tracker keeps none alive.
+    """
+
+    # Operations whose result is made fresh, of a size given as numbers, whatever tensor they are called on.
+    FRESH = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"})
+
+    def __init__(self, inputs: Tensor) -> None:
+        super().__init__()
+        self._batched: dict[int, weakref.ref] = {}
+        self.mark(inputs)
+
+    def mark(self, tensor: Tensor) -> None:
+        """Note that ``tensor`` carries the batch."""
+        self._batched[id(tensor)] = weakref.ref(tensor)
+
+    def carries(self, value: Any) -> bool:
+        """Whether ``value`` is a tensor computed from the input batch."""
+        known = self._batched.get(id(value)) if isinstance(value, Tensor) else None
+        return known is not None and known() is value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if _operation_name(func) not in self.FRESH and any(
+            self.carries(leaf) for leaf in tree_flatten((args, kwargs))[0]
+        ):
+            for leaf in tree_flatten(result)[0]:
+                if isinstance(leaf, Tensor):
+                    self.mark(leaf)
+        return result
+
+
+def _recorder(calls: list[LayerCall], anchor: Tensor, tracker: _BatchTracker) -> Callable:
     def record(layer: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         leaves, spec = tree_flatten(output)
         slots: list[OutputSlot | None] = []
@@ -152,17 +199,20 @@ def _recorder(calls: list[LayerCall], anchor: Tensor) -> Callable:
             if not (isinstance(leaf, Tensor) and leaf.is_floating_point()):
                 slots.append(None)
                 continue
-            slot = OutputSlot(leaf.shape, leaf.dtype, leaf.device)
+            slot = OutputSlot(leaf.shape, leaf.dtype, leaf.device, tracker.carries(leaf))
             if leaf.requires_grad:
                 # A hook registered before any in-place change of the output
                 # receives the gradient at the value the layer produced.
                 leaf.register_hook(slot.keep)
             else:
                 leaves[index] = _GradientTap.apply(leaf, anchor, slot)
+                if slot.batched:
+                    tracker.mark(leaves[index])
                 tapped = True
             slots.append(slot)
         versions = tuple(t._version for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor))
-        calls.append(LayerCall(args, kwargs, slots, versions))
+        calls.append(LayerCall(args, kwargs, slots, versions, tuple(tracker.carries(arg) for arg in args),
+                               {name: tracker.carries(value) for name, value in kwargs.items()}))
         return tree_unflatten(leaves, spec) if tapped else None
 
     return record
@@ -246,12 +296,13 @@ def _record(
     """
     calls: list[list[LayerCall]] = [[] for _ in units]
     anchor = torch.zeros((), dtype=torch.float32, device=inputs.device, requires_grad=True)
-    handles = [unit.layer.register_forward_hook(_recorder(calls[i], anchor), with_kwargs=True)
+    batch = _BatchTracker(inputs)
+    handles = [unit.layer.register_forward_hook(_recorder(calls[i], anchor, batch), with_kwargs=True)
                for i, unit in enumerate(units)]
     if tracker is not None:
         handles += tracker.watch(model, units)
     try:
-        with torch.enable_grad(), tracker or contextlib.nullcontext():
+        with torch.enable_grad(), tracker or contextlib.nullcontext(), batch:
             loss = per_example_losses(loss_fn, functional_call(model, params, (inputs,)), labels).sum()
     finally:
         for handle in handles:
@@ -277,19 +328,74 @@ def _rule_gradients(
     for unit, unit_calls in zip(units, calls, strict=True):
         if unit_calls:
             local = {name: params[unit.qualified(name)] for name in unit.names}
-            for name, parameter_gradients in unit.rule(unit.layer, local, unit_calls, batch_size).items():
+            for name, parameter_gradients in _unit_gradients(unit, local, unit_calls, batch_size).items():
                 gradients[unit.qualified(name)] = parameter_gradients
     return gradients
 
 
+def _unit_gradients(
+    unit: _Unit, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """One unit's rule on its calls; any failure of the rule becomes a WholeModelFallback naming the unit.
+
+    A book-keeping rule reads its first argument as the examples' inputs:
+    given one that is not computed from the batch (a layer applied to a
+    shared table), its output gradient mixes every example's, and no rule can
+    separate them. The per-module vmap rules check every argument themselves.
+    """
+    if unit.rule is not vmap_rule and unit.rule is not attention_rule:
+        for call in calls:
+            if call.args and not call.batched_args[0]:
+                given = (f"a tensor of shape {tuple(call.input.shape)}" if isinstance(call.input, Tensor)
+                         else f"a {type(call.input).__name__}")
+                raise WholeModelFallback(
+                    f"{unit.title} is applied to {given} that is not computed from the batch (a table or constant "
+                    "shared by all examples)"
+                )
+    try:
+        return unit.rule(unit.layer, params, calls, batch_size)
+    except WholeModelFallback as fallback:
+        raise WholeModelFallback(f"{unit.title}: {fallback}") from fallback
+    except Exception as error:  # noqa: BLE001 - any failure of a rule hands the model to the vmap engine
+        raise WholeModelFallback(f"the rule for {unit.title} failed ({_first_line(error)})") from error
+
+
+def _first_line(error: Exception) -> str:
+    """An exception's type and the first line of its message, for a warning."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
 # ---------------------------------------------------------------------------
-# The check, once per model
+# The check, once per model and shape of example
 
 
 RULE_CHECK_TOLERANCE = 1e-5
+# Synthetic examples the check runs on: several, since mixing across a batch needs at least two to show.
 RULE_CHECK_EXAMPLES = 4
+# The synthetic examples are not secret and not drawn from the data: a fixed seed makes every check the same.
+SYNTHETIC_EXAMPLES_SEED = 20_241_126
 # Per-example gradient entries the vmap fallback holds at once (see fallback_physical_batch).
 VMAP_FALLBACK_GRADIENT_ELEMENTS = 1 << 25
+
+
+@dataclass(frozen=True)
+class ExampleSchema:
+    """What one example looks like: the shape and dtype of its input and of its label, never their values.
+
+    The fast engine settles one plan per model and schema; the rule check
+    runs on synthetic examples of this schema (``synthetic_examples``).
+    """
+
+    input_shape: tuple[int, ...]
+    input_dtype: torch.dtype
+    label_shape: tuple[int, ...]
+    label_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, inputs: Tensor, labels: Tensor) -> ExampleSchema:
+        """The schema of a batch's examples, from the tensors' shapes and dtypes alone."""
+        return cls(tuple(inputs.shape[1:]), inputs.dtype, tuple(labels.shape[1:]), labels.dtype)
 
 
 @dataclass(frozen=True)
@@ -309,12 +415,20 @@ class EnginePlan:
         return [f"{title}: {how}" for title, how in self.layers]
 
 
-_PLANS: weakref.WeakKeyDictionary[nn.Module, EnginePlan] = weakref.WeakKeyDictionary()
+_PlanKey = tuple[ExampleSchema, Callable]
+_PLANS: weakref.WeakKeyDictionary[nn.Module, dict[_PlanKey, EnginePlan]] = weakref.WeakKeyDictionary()
 
 
 def engine_plan(model: nn.Module) -> EnginePlan | None:
-    """The plan the fast engine settled on for ``model``, or None before its first call with examples."""
-    return _PLANS.get(model)
+    """The plan the fast engine settled on last for ``model`` (for any schema), or None before it settled one."""
+    plans = _PLANS.get(model)
+    return next(reversed(plans.values())) if plans else None
+
+
+def _keep_plan(model: nn.Module, key: _PlanKey, plan: EnginePlan) -> None:
+    plans = _PLANS.setdefault(model, {})
+    plans.pop(key, None)  # the latest plan is the one engine_plan reports
+    plans[key] = plan
 
 
 def _whole_model_fallback(units: list[_Unit], reason: str) -> EnginePlan:
@@ -325,28 +439,137 @@ def _mismatch(actual: Tensor, expected: Tensor, scale: float) -> bool:
     return (actual - expected).norm().item() > RULE_CHECK_TOLERANCE * max(expected.norm().item(), 1e-6 * scale)
 
 
+def synthetic_examples(model: nn.Module, schema: ExampleSchema, count: int) -> tuple[Tensor, Tensor]:
+    """``count`` distinct made-up examples of ``schema`` on the model's device: never rows of the data.
+
+    Floating-point inputs are standard normal; integer inputs (token ids)
+    lie below the smallest vocabulary of the model's embeddings (0 or 1
+    without one). Integer labels lie below every non-batch dimension of the
+    model's output on these inputs, which keeps them valid class indices
+    wherever the class dimension is; floating-point labels lie in [0, 1).
+    """
+    generator = torch.Generator().manual_seed(SYNTHETIC_EXAMPLES_SEED)
+    inputs = _synthetic_values((count, *schema.input_shape), schema.input_dtype, _index_range(model), generator)
+    inputs = inputs.to(clipping.device_of(model))
+    classes = 2
+    if not schema.label_dtype.is_floating_point and schema.label_dtype != torch.bool:
+        random_state = _random_state()
+        try:
+            with torch.no_grad(), _DropoutOff():
+                outputs = copy.deepcopy(model)(inputs)
+        finally:
+            _restore_random_state(random_state)
+        classes = min(outputs.shape[1:], default=2) if isinstance(outputs, Tensor) else 2
+    labels = _synthetic_values((count, *schema.label_shape), schema.label_dtype, max(1, classes), generator)
+    return inputs, labels.to(inputs.device)
+
+
+def _index_range(model: nn.Module) -> int:
+    sizes = [module.num_embeddings for module in model.modules() if isinstance(module, (nn.Embedding, nn.EmbeddingBag))]
+    return min(sizes, default=2)
+
+
+def _synthetic_values(
+    shape: tuple[int, ...], dtype: torch.dtype, index_range: int, generator: torch.Generator
+) -> Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    return torch.randint(0, index_range, shape, generator=generator).to(dtype)
+
+
+def settle_plan(
+    model: nn.Module, flat_weights: Tensor, schema: ExampleSchema, loss_fn: clipping.LossFunction,
+) -> EnginePlan:
+    """The fast engine's plan for ``model`` on examples of ``schema``: checked once on synthetic examples, then kept.
+
+    The check (``check_rules``) sees only made-up examples of the schema,
+    so nothing about the plan, or the log line that reports it, comes from
+    private data. A plan that falls back to the vmap engine warns once,
+    naming why. Raises UnsupportedModuleError for a model that mixes examples.
+    """
+    key = (schema, loss_fn)
+    plan = _PLANS.get(model, {}).get(key)
+    if plan is None:
+        try:
+            inputs, labels = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
+            plan = check_rules(model, flat_weights, inputs, labels, loss_fn)
+        except UnsupportedModuleError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a model the check cannot run is computed example by example
+            plan = _whole_model_fallback(_units(model),
+                                         f"it cannot be checked on synthetic examples ({_first_line(error)})")
+        _keep_plan(model, key, plan)
+        if plan.fallback is not None:
+            _warn_fallback(plan.fallback)
+    return plan
+
+
+def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn: clipping.LossFunction) -> None:
+    """Before any private example: refuse a model that mixes examples and, for the fast engine, settle its plan.
+
+    Both run on synthetic examples of ``schema`` at the model's own
+    parameters (``settle_plan``; for the vmap engine, ``check_independence``
+    alone). Raises UnsupportedModuleError naming the module and the fix.
+    """
+    check_engine(engine)
+    weights = flat_parameters(model)
+    if not weights.numel():
+        return
+    if engine == "fast":
+        settle_plan(model, weights, schema, loss_fn)
+        return
+    reference = copy.deepcopy(model).to(torch.float64)
+    _, params, _ = clipping.functional_parameters(reference, weights, clipping.device_of(reference))
+    random_state = _random_state()
+    try:
+        inputs, _ = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
+        unchecked = check_independence(reference, params, inputs.to(torch.float64) if inputs.is_floating_point()
+                                       else inputs)
+    except UnsupportedModuleError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the vmap engine computes each example alone either way
+        unchecked = f"it cannot run on synthetic examples ({_first_line(error)})"
+    finally:
+        _restore_random_state(random_state)
+    if unchecked is not None:
+        warnings.warn(f"vmap clipping engine: whether this model mixes examples is not checked: {unchecked}; "
+                      "each example's gradient is computed alone", stacklevel=2)
+
+
 @clipping.in_ieee_float32
 def check_rules(
     model: nn.Module, flat_weights: Tensor, inputs: Tensor, labels: Tensor, loss_fn: clipping.LossFunction,
-) -> EnginePlan | None:
-    """Show on a few examples that the rules see each parameter's whole per-example gradient, in float64.
+) -> EnginePlan:
+    """Show on at least 2 (synthetic) examples that the rules give each example's own gradient, in float64.
 
-    On a float64 copy of the model, and with the random generator replayed so
-    that dropout draws the same masks, the rules' gradients are compared with
-    autograd's: each example's own gradient (the clipped sum with a one-hot
-    factor, and its squared norm) and the sum over examples, each to relative
-    ``RULE_CHECK_TOLERANCE``. Independently, every operation of the forward
-    pass is watched for a parameter used outside the layer whose rule covers
-    it (a functionally tied weight, a weight read by another module). Any
-    failure, or a model the per-layer view cannot serve, yields a plan that
-    runs the whole model on the vmap engine, with the reason naming the
-    parameter. Returns None, deciding nothing, when an example's gradient is
-    not finite. The generator's state is left as it was found.
+    On a float64 copy of the model:
+
+    1. Examples must not mix (``check_independence``): a module whose output
+       for one example moves with the others is refused.
+    2. With the random generator replayed so that dropout draws the same
+       masks, the rules' gradients are compared with autograd's on the same
+       batch: each example's own gradient (the clipped sum with a one-hot
+       factor, and its squared norm) and the sum over examples, each to
+       relative ``RULE_CHECK_TOLERANCE``. Every operation of the forward pass
+       is watched for a parameter used outside the layer whose rule covers
+       it (a functionally tied weight, a weight read by another module).
+    3. With dropout off, one example is changed and the rules on the new
+       batch are compared with autograd on each example alone, the gradient
+       the engines promise: a change of one example must leave every other
+       example's gradient where it was.
+
+    Any failure (an exception in a rule included), or a model the per-layer
+    view cannot serve, yields a plan that runs the whole model on the vmap
+    engine, with the reason naming the module or parameter. Raises
+    UnsupportedModuleError for a model that mixes examples, and ValueError
+    for fewer than 2 examples. The generator's state is left as it was found.
     """
+    if inputs.shape[0] < 2:
+        raise ValueError(f"the rule check needs at least 2 examples (got {inputs.shape[0]}): mixing across a batch "
+                         "cannot show in one; give it synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)")
     units = _units(model)
-    reason = _unsupported_reason(model, units)
-    if reason is not None:
-        return _whole_model_fallback(units, reason)
     reference = copy.deepcopy(model).to(torch.float64)
     reference_units = _units(reference)
     _, params, _ = clipping.functional_parameters(reference, flat_weights, clipping.device_of(reference))
@@ -354,12 +577,18 @@ def check_rules(
     inputs = inputs.to(torch.float64) if inputs.is_floating_point() else inputs
     labels = labels.to(inputs.device)
     labels = labels.to(torch.float64) if labels.is_floating_point() else labels
-    owner_of = {reference_unit.qualified(name): index
-                for index, reference_unit in enumerate(reference_units) for name in reference_unit.names}
-    tracker = _ParameterUseTracker({id(params[name]): owner_of[name] for name in params},
-                                   {id(params[name]): name for name in params})
     random_state = _random_state()
     try:
+        unchecked = check_independence(reference, params, inputs)
+        if unchecked is not None:
+            return _whole_model_fallback(units, unchecked)
+        reason = _unsupported_reason(model, units)
+        if reason is not None:
+            return _whole_model_fallback(units, reason)
+        owner_of = {reference_unit.qualified(name): index
+                    for index, reference_unit in enumerate(reference_units) for name in reference_unit.names}
+        tracker = _ParameterUseTracker({id(params[name]): owner_of[name] for name in params},
+                                       {id(params[name]): name for name in params})
         try:
             calls = _record(reference, reference_units, params, inputs, labels, loss_fn, tracker)
             with torch.no_grad():
@@ -376,8 +605,14 @@ def check_rules(
 
         squared_total = sum(gradient.square().sum().item() for row in expected() for gradient in row.values())
         if not math.isfinite(squared_total):
-            return None
-        wrong = _disagreeing_parameters(params, gradients, expected, inputs.shape[0], math.sqrt(squared_total))
+            return _whole_model_fallback(units, "the gradient of synthetic examples is not finite, so the layer "
+                                                "rules cannot be checked on them")
+        scale = math.sqrt(squared_total)
+        wrong = _disagreeing_parameters(params, gradients, expected, inputs.shape[0], scale)
+        if not wrong:
+            wrong = _disagreeing_after_a_change(reference, reference_units, params, inputs, labels, loss_fn, scale)
+    except WholeModelFallback as fallback:
+        return _whole_model_fallback(units, str(fallback))
     finally:
         _restore_random_state(random_state)
     if wrong:
@@ -385,6 +620,169 @@ def check_rules(
             units, f"the layer rules do not reproduce autograd's per-example gradient of {', '.join(wrong)}"
         )
     return EnginePlan(None, tuple((unit.title, _how(unit, gradients)) for unit in reference_units))
+
+
+def _disagreeing_after_a_change(
+    model: nn.Module, units: list[_Unit], params: dict[str, Tensor], inputs: Tensor, labels: Tensor,
+    loss_fn: clipping.LossFunction, scale: float,
+) -> list[str]:
+    """The parameters whose rule, on the batch with example 0 changed, misses any example's gradient taken alone."""
+    changed = inputs.clone()
+    changed[0] = -inputs[0] if inputs.is_floating_point() else inputs[-1]
+    with _DropoutOff():
+        calls = _record(model, units, params, changed, labels, loss_fn)
+        with torch.no_grad():
+            gradients = _rule_gradients(units, calls, params, inputs.shape[0])
+
+        def alone(summed: bool = False) -> Iterator[dict[str, Tensor]]:
+            return _autograd_gradients(model, params, changed, labels, loss_fn, summed, alone=True)
+
+        return _disagreeing_parameters(params, gradients, alone, inputs.shape[0], scale)
+
+
+# ---------------------------------------------------------------------------
+# Independence of the examples in a batch
+
+
+class _DropoutOff(TorchFunctionMode):
+    """Dropout as the identity: without random masks, a batch and its examples taken alone can be compared.
+
+    Dropout draws each example's mask on its own, so it never mixes examples;
+    any other random draw in the forward pass is noticed by the check.
+    """
+
+    IDENTITIES = frozenset({
+        F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+        torch.dropout, torch.alpha_dropout, torch.feature_dropout, torch.feature_alpha_dropout,
+    })
+    # Functions that draw attention dropout inside, and the position of their dropout_p argument.
+    DROPOUT_PROBABILITY = {F.scaled_dot_product_attention: 4, F.multi_head_attention_forward: 10}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.IDENTITIES:
+            return args[0] if args else kwargs["input"]
+        position = self.DROPOUT_PROBABILITY.get(func)
+        if position is not None:
+            if len(args) > position:
+                args = (*args[:position], 0.0, *args[position + 1:])
+            elif "dropout_p" in kwargs:
+                kwargs = {**kwargs, "dropout_p": 0.0}
+        return func(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _ModuleCall:
+    name: str
+    module: nn.Module
+    inputs: list[Tensor]
+    outputs: list[Tensor]
+
+
+def _module_calls(model: nn.Module, params: Mapping[str, Tensor], inputs: Tensor) -> list[_ModuleCall]:
+    """Every module call of one forward pass, in the order the calls finish, with copies of their tensors."""
+    calls: list[_ModuleCall] = []
+
+    def tensors(value: Any) -> list[Tensor]:
+        return [leaf.detach().clone() for leaf in tree_flatten(value)[0] if isinstance(leaf, Tensor)]
+
+    def hook(name: str) -> Callable:
+        def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            calls.append(_ModuleCall(name, module, tensors((args, kwargs)), tensors(output)))
+        return record
+
+    handles = [module.register_forward_hook(hook(name), with_kwargs=True) for name, module in model.named_modules()]
+    try:
+        with torch.no_grad():
+            functional_call(model, params, (inputs,))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def _same(actual: Tensor, expected: Tensor) -> bool:
+    if not (actual.is_floating_point() or actual.is_complex()):
+        return torch.equal(actual, expected)
+    return (actual - expected).abs().max().item() <= 1e-7 * max(expected.abs().max().item(), 1e-12)
+
+
+def _rows_agree(batched: Tensor, alone: list[Tensor]) -> bool | None:
+    """Whether a tensor of a batch holds, example by example, the tensor of each example taken alone.
+
+    The batch may lie along any dimension, folded with others ([B * T, D]
+    against [T, D]), or nowhere (a table shared by all examples, which must
+    then equal every example's). None when the shapes do not tell.
+    """
+    count = len(alone)
+    if any(tensor.shape != alone[0].shape for tensor in alone):
+        return None
+    if batched.shape == alone[0].shape:
+        return all(_same(batched, tensor) for tensor in alone)
+    candidates = [
+        dim for dim in range(batched.dim())
+        if batched.dim() == alone[0].dim() and batched.shape[dim] == count * alone[0].shape[dim]
+        and all(batched.shape[other] == alone[0].shape[other] for other in range(batched.dim()) if other != dim)
+    ]
+    if not candidates:
+        return None
+    return any(
+        all(_same(batched.narrow(dim, index * alone[0].shape[dim], alone[0].shape[dim]), tensor)
+            for index, tensor in enumerate(alone))
+        for dim in candidates
+    )
+
+
+def check_independence(model: nn.Module, params: Mapping[str, Tensor], inputs: Tensor) -> str | None:
+    """Raise UnsupportedModuleError, naming the module and the fix, when one example's output depends on the others.
+
+    With dropout off, every module call of the forward pass over ``inputs``
+    (at least 2 examples) is compared with the same call for each example
+    taken alone. The module blamed is the first call to finish whose inputs
+    agree, example by example, and whose outputs do not: the deepest module
+    where the examples meet. Returns None when the examples are independent,
+    or why independence cannot be checked (a forward pass that draws random
+    numbers other than dropout's, or that calls other modules for a batch
+    than for one example): the caller then computes each example alone.
+    """
+    before = _random_state()
+    with _DropoutOff():
+        batched = _module_calls(model, params, inputs)
+        drew = not _same_random_state(before, _random_state())
+        alone = [_module_calls(model, params, inputs[index:index + 1]) for index in range(inputs.shape[0])]
+    if drew:
+        return "its forward pass draws random numbers other than dropout masks, so its examples' independence " \
+               "cannot be checked"
+    if any([call.name for call in calls] != [call.name for call in batched] for calls in alone):
+        return "its forward pass calls other modules for a batch than for one example"
+    for position, call in enumerate(batched):
+        alone_calls = [calls[position] for calls in alone]
+        inputs_agree = _all_agree(call.inputs, [alone_call.inputs for alone_call in alone_calls])
+        if inputs_agree and _all_agree(call.outputs, [alone_call.outputs for alone_call in alone_calls]) is False:
+            raise UnsupportedModuleError(_mixing_message(call))
+    return None
+
+
+def _all_agree(batched: list[Tensor], alone: list[list[Tensor]]) -> bool | None:
+    """False when a tensor of the batch differs from the examples' alone; None when one cannot be compared."""
+    if any(len(tensors) != len(batched) for tensors in alone):
+        return None
+    agreements = [_rows_agree(tensor, [tensors[index] for tensors in alone]) for index, tensor in enumerate(batched)]
+    return False if False in agreements else None if None in agreements else True
+
+
+def _mixing_message(call: _ModuleCall) -> str:
+    module = call.module
+    attention = next((inner for inner in module.modules() if isinstance(inner, nn.MultiheadAttention)), None)
+    if attention is not None and not attention.batch_first:
+        fix = ("nn.MultiheadAttention with batch_first=False attends along dimension 0, where this model keeps its "
+               "examples: set batch_first=True on it (or on the transformer layer that holds it) for [B, T, F] "
+               "inputs, or give it [T, B, F]")
+    else:
+        fix = ("compute it within each example, never across dimension 0 (the batch): for normalisation use "
+               "nn.LayerNorm or nn.GroupNorm, and take means, softmaxes and attention over an example's own positions")
+    return (f"{call.name or '(model)'} ({type(module).__name__}) mixes examples within a batch: its output for one "
+            f"example changes with the other examples, which breaks per-example gradient clipping. Fix: {fix}.")
 
 
 def _how(unit: _Unit, gradients: Mapping[str, ParameterGradients]) -> str:
@@ -396,14 +794,26 @@ def _how(unit: _Unit, gradients: Mapping[str, ParameterGradients]) -> str:
 
 def _autograd_gradients(
     model: nn.Module, params: Mapping[str, Tensor], inputs: Tensor, labels: Tensor, loss_fn: clipping.LossFunction,
-    summed: bool = False,
+    summed: bool = False, alone: bool = False,
 ) -> Iterator[dict[str, Tensor]]:
     """Autograd's gradients by name: each example's in turn, or with ``summed`` the one of the summed loss.
 
-    One batched forward, then one backward pass per example (or one in all).
+    One batched forward, then one backward pass per example (or one in all);
+    with ``alone``, one forward and backward pass per example on its own.
     Yielded one at a time, so that a check holds one gradient of a large
     model, not one per example.
     """
+    if alone:
+        rows = (next(_autograd_gradients(model, params, inputs[index:index + 1], labels[index:index + 1], loss_fn))
+                for index in range(inputs.shape[0]))
+        if not summed:
+            yield from rows
+            return
+        total: dict[str, Tensor] = {}
+        for row in rows:
+            total = {name: total[name] + gradient if name in total else gradient for name, gradient in row.items()}
+        yield total
+        return
     leaves = {name: value.detach().requires_grad_() for name, value in params.items()}
     with torch.enable_grad():
         # Unbound here: a view taken under the caller's no_grad would have no graph.
@@ -452,6 +862,12 @@ def _random_state() -> tuple[Tensor, list[Tensor] | None]:
     return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
 
+def _same_random_state(first: tuple[Tensor, list[Tensor] | None], second: tuple[Tensor, list[Tensor] | None]) -> bool:
+    return torch.equal(first[0], second[0]) and (
+        first[1] is None or second[1] is None or all(map(torch.equal, first[1], second[1]))
+    )
+
+
 def _restore_random_state(state: tuple[Tensor, list[Tensor] | None]) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
@@ -487,9 +903,15 @@ def fast_clipped_sum(
     parameter name, the [n] per-example L2 norms of that parameter's gradient,
     before clipping.
 
-    The first call with examples checks the rules on this model
-    (``check_rules``); a model they cannot serve runs on the vmap engine from
-    then on, with one warning that says why (``engine_plan`` tells).
+    The first call for each model, example schema (``ExampleSchema``: the
+    shapes and dtypes of an example's input and label) and loss settles a
+    plan (``settle_plan``) by checking the rules on synthetic examples of
+    that schema, never on the examples given; a model they cannot serve runs
+    on the vmap engine from then on, with one warning that says why
+    (``engine_plan`` tells). A model that mixes examples within a batch is
+    refused (UnsupportedModuleError). A rule that fails during a call hands
+    the model, for this schema, to the vmap engine, which computes the
+    whole call again: a call never returns a partial sum.
 
     With ``augmentations`` K > 1 the layer rules, which see one example per
     row, cannot give the norm of the mean of K rows' gradients: the call runs
@@ -502,26 +924,19 @@ def fast_clipped_sum(
     if not trainable:
         empty = torch.zeros(0, dtype=torch.float32, device=device)
         return (empty, {}) if return_norms else empty
-    plan = _PLANS.get(model)
     vmap_physical_batch = fallback_physical_batch(max_physical_batch, sum(p.numel() for _, p in trainable))
     if augmentations != 1:
         return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
                                        loss_fn, return_norms, augmentations)
-    if plan is None and inputs.shape[0]:
-        plan = check_rules(model, flat_weights, inputs[:RULE_CHECK_EXAMPLES], labels[:RULE_CHECK_EXAMPLES], loss_fn)
-        if plan is None:
-            # Nothing shown yet: this call runs on the vmap engine and the next one checks again.
-            return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm,
-                                           vmap_physical_batch, loss_fn, return_norms)
-        _PLANS[model] = plan
-        if plan.fallback is not None:
-            _warn_fallback(plan.fallback)
-    if plan is None or plan.fallback is None:
+    schema = ExampleSchema.of(inputs, labels)
+    plan = settle_plan(model, flat_weights, schema, loss_fn)
+    if plan.fallback is None:
         try:
             return _book_keeping(model, _units(model), trainable, flat_weights, inputs, labels, clip_norm,
                                  max_physical_batch, loss_fn, return_norms, device)
         except WholeModelFallback as fallback:
-            _PLANS[model] = plan = _whole_model_fallback(_units(model), str(fallback))
+            plan = _whole_model_fallback(_units(model), str(fallback))
+            _keep_plan(model, (schema, loss_fn), plan)
             _warn_fallback(plan.fallback)
     return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
                                    loss_fn, return_norms)

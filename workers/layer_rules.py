@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,11 +47,16 @@ class ParameterGradients:
 
 @dataclass
 class OutputSlot:
-    """One tensor output of a recorded layer call and, after the backward pass, the loss gradient at it."""
+    """One tensor output of a recorded layer call and, after the backward pass, the loss gradient at it.
+
+    ``batched`` says whether the output was computed from the model's input
+    batch (see ``LayerCall``).
+    """
 
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
+    batched: bool = True
     grad: Tensor | None = None
 
     def keep(self, gradient: Tensor) -> None:
@@ -71,12 +76,19 @@ class LayerCall:
 
     ``outputs`` follows the flattened output (``torch.utils._pytree``); it
     holds None for outputs that are not floating-point tensors.
+    ``batched_args`` (one per positional argument) and ``batched_kwargs`` (by
+    name) say which arguments are tensors computed from the model's input
+    batch. Parameters, buffers and constants made in ``forward`` (a shared
+    positional table, an ``arange(T)``) are not, whatever their shape: the
+    engine tracks this through every operation, never guesses it from a size.
     """
 
     args: tuple
     kwargs: dict
     outputs: list[OutputSlot | None]
     versions: tuple[int, ...]
+    batched_args: tuple[bool, ...] = ()
+    batched_kwargs: dict[str, bool] = field(default_factory=dict)
 
     @property
     def input(self) -> Tensor:
@@ -418,43 +430,82 @@ BatchDims = tuple[tuple[Any, ...], dict[str, Any], list[int | None]]
 
 
 def _leading_batch_dims(layer: nn.Module, call: LayerCall, batch_size: int) -> BatchDims:
-    def dim_of(value: Any) -> int | None:
-        return 0 if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == batch_size else None
+    """Dimension 0 for every argument and output that carries the batch; None for those that do not."""
+    name = type(layer).__name__
 
-    output_dims = []
-    for slot in call.outputs:
-        if slot is not None and slot.grad is not None and (len(slot.shape) == 0 or slot.shape[0] != batch_size):
+    def dim_of(value: Any, batched: bool) -> int | None:
+        if not (batched and isinstance(value, Tensor)):
+            return None
+        if value.dim() == 0 or value.shape[0] != batch_size:
             raise WholeModelFallback(
-                f"{type(layer).__name__} has an output of shape {tuple(slot.shape)} without the batch "
-                f"of {batch_size} along dimension 0"
+                f"{name} is given a tensor of shape {tuple(value.shape)} computed from the batch, without the "
+                f"batch of {batch_size} along dimension 0"
             )
-        output_dims.append(0 if slot is not None and slot.grad is not None else None)
+        return 0
+
     return (
-        tuple(dim_of(arg) for arg in call.args),
-        {name: dim_of(value) for name, value in call.kwargs.items()},
-        output_dims,
+        tuple(dim_of(arg, batched) for arg, batched in zip(call.args, call.batched_args, strict=True)),
+        {key: dim_of(value, call.batched_kwargs[key]) for key, value in call.kwargs.items()},
+        _output_dims(name, call, batch_size, [0] * len(call.outputs)),
     )
+
+
+def _output_dims(name: str, call: LayerCall, batch_size: int, dims: list[int]) -> list[int | None]:
+    """``dims`` for the outputs the loss depends on (None for the others); refused when one lacks the batch there.
+
+    An output that is not computed from the batch (a layer applied to a
+    shared table) has one gradient for all examples together, from which no
+    rule can take any one example's.
+    """
+    output_dims: list[int | None] = []
+    for slot, dim in zip(call.outputs, dims):
+        if slot is None or slot.grad is None:
+            output_dims.append(None)
+            continue
+        if not slot.batched:
+            raise WholeModelFallback(
+                f"{name} has an output of shape {tuple(slot.shape)} that is not computed from the batch (a table "
+                "shared by all examples), so no example's own gradient at it is recorded"
+            )
+        if len(slot.shape) <= dim or slot.shape[dim] != batch_size:
+            raise WholeModelFallback(
+                f"{name} has an output of shape {tuple(slot.shape)} without the batch of {batch_size} along "
+                f"dimension {dim}"
+            )
+        output_dims.append(dim)
+    return output_dims
 
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
 
 
 def _attention_batch_dims(layer: nn.MultiheadAttention, call: LayerCall, batch_size: int) -> BatchDims:
+    """Where ``batch_first`` puts the examples of query, key and value; None for a key or value shared by all."""
     sequence_first = {"query": 0, "key": 0, "value": 0} if layer.batch_first else {"query": 1, "key": 1, "value": 1}
     dims = {**sequence_first, "key_padding_mask": 0}
     mask = dict(zip(_ATTENTION_ARGUMENTS, call.args)).get("attn_mask", call.kwargs.get("attn_mask"))
     if mask is not None and mask.dim() == 3:
         raise WholeModelFallback("nn.MultiheadAttention is given a per-example (3-D) attn_mask")
+    arguments = dict(zip(_ATTENTION_ARGUMENTS, zip(call.args, call.batched_args)))
+    arguments |= {name: (value, call.batched_kwargs[name]) for name, value in call.kwargs.items()}
+    if not arguments["query"][1]:
+        raise WholeModelFallback("nn.MultiheadAttention is given a query that is not computed from the batch")
 
-    def dim_of(name: str, value: Any) -> int | None:
-        return dims.get(name) if isinstance(value, Tensor) else None
+    def dim_of(name: str, value: Any, batched: bool) -> int | None:
+        if not (batched and isinstance(value, Tensor)) or name not in dims:
+            return None
+        if value.dim() <= dims[name] or value.shape[dims[name]] != batch_size:
+            raise WholeModelFallback(
+                f"nn.MultiheadAttention (batch_first={layer.batch_first}) is given a {name} of shape "
+                f"{tuple(value.shape)} without the batch of {batch_size} along dimension {dims[name]}"
+            )
+        return dims[name]
 
     # Outputs: the attention output, then the attention weights [B, L, S] when asked for.
-    output_dims = [dims["query"], 0]
     return (
-        tuple(dim_of(name, arg) for name, arg in zip(_ATTENTION_ARGUMENTS, call.args)),
-        {name: dim_of(name, value) for name, value in call.kwargs.items()},
-        [dim if slot is not None and slot.grad is not None else None for dim, slot in zip(output_dims, call.outputs)],
+        tuple(dim_of(name, *arguments[name]) for name, _ in zip(_ATTENTION_ARGUMENTS, call.args)),
+        {name: dim_of(name, *arguments[name]) for name in call.kwargs},
+        _output_dims("nn.MultiheadAttention", call, batch_size, [dims["query"], 0][: len(call.outputs)]),
     )
 
 
