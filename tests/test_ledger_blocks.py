@@ -40,6 +40,11 @@ def steps(count):
     return STEP.with_steps(count)
 
 
+def rows(first, stop):
+    """A block's declaration: rows [first, stop) of the dataset's train location."""
+    return {"rows": [first, stop]}
+
+
 # ---------------------------------------------------------------- pure logic
 
 
@@ -111,8 +116,8 @@ def test_a_config_chooses_blocks_by_name_or_by_range_and_reads_back_the_same(tmp
 def test_a_job_on_blocks_is_charged_to_each_in_full_all_or_nothing_and_verify_replays_it(tmp_path):
     with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
         ledger.create_dataset("logs", 10.0, DELTA)
-        ledger.add_block("logs", "d1", 2.0)
-        ledger.add_block("logs", "d2", 1.0)
+        ledger.add_block("logs", "d1", 2.0, data=rows(0, 100))
+        ledger.add_block("logs", "d2", 1.0, data=rows(100, 200))
         with pytest.raises(FailedPrecondition, match=r"made of blocks \(d1, d2\)"):
             ledger.reserve("logs", "whole", steps(10))
         first = ledger.reserve("logs", "first", steps(300), blocks=["d1", "d2"])
@@ -146,8 +151,8 @@ def test_quotas_limit_a_tenant_beside_the_global_filter_and_verify_finds_an_edit
         ledger.create_tenant("guest", caller=ADMIN)
         owner, guest = tenant_caller("owner"), tenant_caller("guest")
         ledger.create_dataset("logs", 10.0, DELTA, caller=owner)
-        ledger.add_block("logs", "d1", 5.0, caller=owner)
-        ledger.add_block("logs", "d2", 5.0, caller=owner)
+        ledger.add_block("logs", "d1", 5.0, data=rows(0, 100), caller=owner)
+        ledger.add_block("logs", "d2", 5.0, data=rows(100, 200), caller=owner)
         with pytest.raises(PermissionDenied):
             ledger.get_budget("owner/logs", caller=guest)
         ledger.set_quota("owner/logs", "guest", 1.0, caller=ADMIN)  # the dataset's quota stands in for each block
@@ -200,7 +205,7 @@ def test_blocks_quotas_and_the_dry_run_over_grpc(server, capsys):
         guest_token = admin.create_tenant("guest").token
         with RemoteLedger(server.address, owner_token) as owner, RemoteLedger(server.address, guest_token) as guest:
             owner.create_dataset("logs", 10.0, DELTA)
-            status = owner.add_block("logs", "d1", 3.0)
+            status = owner.add_block("logs", "d1", 3.0, data=rows(0, 100))
             assert [(block.name, block.budget_epsilon, block.delta) for block in status.blocks] == [("d1", 3.0, DELTA)]
             with pytest.raises(PermissionDenied):
                 owner.set_quota("logs", "guest", 1.0)
@@ -243,7 +248,8 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     client = ["--ledger", server.address, "--token", token, "--json"]
     assert main(["ledger", "dataset", "create", "logs", "--epsilon", "10", "--delta", "1e-5", *client]) == 0
     for block in ("d1", "d2", "d3"):
-        assert main(["ledger", "block", "add", "logs", block, "--epsilon", "4", *client]) == 0
+        assert main(["ledger", "block", "add", "logs", block, "--epsilon", "4", "--files", locations[block],
+                     *client]) == 0
     (added,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["datasets"]
     assert [(block["name"], block["budget_epsilon"], block["delta"]) for block in added["blocks"]] == [
         ("d1", 4.0, DELTA), ("d2", 4.0, DELTA), ("d3", 4.0, DELTA)]

@@ -288,10 +288,49 @@ def run_block_add(args: argparse.Namespace) -> int:
     """Add a block with its own budget to a dataset."""
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = None if args.delta is None else checks.open_unit_interval("--delta", args.delta)
+    data = block_data(args.files, args.rows, args.partition, args.user_hash, args.user_range)
     with _open(args) as ledger:
-        status = ledger.add_block(args.dataset, args.name, epsilon, delta)
+        status = ledger.add_block(args.dataset, args.name, epsilon, delta, data)
     _print_statuses([status], args.json)
     return 0
+
+
+def block_data(
+    files: list[str] | None, rows: str | None, partition: str | None, user_hash: str | None, user_range: str | None
+) -> dict:
+    """A block's declaration of where its rows are, from `block add`'s flags; local paths become absolute,
+    as a training config's locations do, so that the two compare equal."""
+    data: dict = {}
+    if files:
+        data["files"] = [location if "://" in location else os.path.abspath(os.path.expanduser(location))
+                         for location in files]
+    if rows is not None:
+        data["rows"] = _integer_range("--rows", rows)
+    if user_range is not None:
+        data["user_range"] = _integer_range("--user-range", user_range)
+    if partition is not None:
+        column, equals, value = partition.partition("=")
+        if not (column and equals):
+            raise UsageError(f"--partition must be COLUMN=VALUE, e.g. day=2026-11-23 (got {partition!r})")
+        data["partition"] = {"column": column, "value": value}
+    if user_hash is not None:
+        bucket, slash, buckets = user_hash.partition("/")
+        if not (slash and bucket.isdigit() and buckets.isdigit()):
+            raise UsageError(f"--user-hash must be BUCKET/BUCKETS, e.g. 3/16 (got {user_hash!r})")
+        data["user_hash"] = {"buckets": int(buckets), "bucket": int(bucket)}
+    if not data:
+        raise UsageError(
+            "a block declares where its rows are: give --files, and/or one of --rows, --partition, --user-hash "
+            "or --user-range"
+        )
+    return data
+
+
+def _integer_range(flag: str, value: str) -> list[int]:
+    first, colon, stop = value.partition(":")
+    if not (colon and first.isdigit() and stop.isdigit()):
+        raise UsageError(f"{flag} must be FIRST:STOP, a half-open range of integers >= 0, e.g. 0:1000 (got {value!r})")
+    return [int(first), int(stop)]
 
 
 @_ledger_command
@@ -308,8 +347,9 @@ def run_quota_set(args: argparse.Namespace) -> int:
 def run_fits(args: argparse.Namespace) -> int:
     """Say whether a training config's job would be admitted now, what it costs and what would remain."""
     # Planning a job reads the data's size and imports torch; only this command pays for that.
-    from orchestrator.cli.train import ledger_dataset_name
+    from orchestrator.cli.train import block_declarations, ledger_dataset_name
     from orchestrator.config import load_config
+    from orchestrator.ledger_session import check_declared_blocks
     from orchestrator.trainer import plan_run
 
     config = load_config(args.config, {})
@@ -318,7 +358,9 @@ def run_fits(args: argparse.Namespace) -> int:
     # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
     args.ledger = args.ledger or config.ledger
     with _open(args) as ledger:
-        planned, privacy_unit, rows_per_person = plan.ledger_plan(ledger.get_budget(dataset).privacy_unit)
+        status = ledger.get_budget(dataset, pld_may_be_pending=True)
+        check_declared_blocks(status, config.blocks, block_declarations(config))
+        planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
         report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
     if args.json:
         print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate})
@@ -528,6 +570,21 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     block_add.add_argument("name", help="block name: 1-128 letters, digits, '.', '_' or '-' (e.g. 2026-11-23)")
     block_add.add_argument("--epsilon", required=True, help="the block's budget epsilon, > 0")
     block_add.add_argument("--delta", help="the block's budget delta, in (0, 1) (default: the dataset's)")
+    block_add.add_argument(
+        "--files", nargs="+", metavar="LOCATION",
+        help="where the block's rows are: files or folders (local paths are made absolute); no other block may "
+             "name one of them or a folder holding one",
+    )
+    block_add.add_argument("--rows", metavar="FIRST:STOP",
+                           help="the rows FIRST to STOP-1, in the order the block's files are read")
+    block_add.add_argument("--partition", metavar="COLUMN=VALUE", help="the rows whose COLUMN is VALUE")
+    block_add.add_argument(
+        "--user-hash", metavar="BUCKET/BUCKETS",
+        help="the rows of the people whose user id hashes to BUCKET of BUCKETS (SHA-256 of the id's text); a "
+             "per-person dataset's blocks are declared by user id",
+    )
+    block_add.add_argument("--user-range", metavar="FIRST:STOP",
+                           help="the rows of the people with integer user ids FIRST to STOP-1")
     _add_client_flags(block_add)
     block_add.set_defaults(handler=run_block_add)
 

@@ -12,7 +12,14 @@ from orchestrator import checks
 from orchestrator.config import GROUPS, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
-from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
+from orchestrator.ledger_session import (
+    JobLedger,
+    check_declared_blocks,
+    ensure_embedded_dataset,
+    is_embedded,
+    new_job_id,
+    open_ledger,
+)
 from orchestrator.membership import membership_report
 from orchestrator.trainer import Trainer, resume_trainer
 from workers.sources import read_first, spec_name
@@ -191,6 +198,11 @@ def ledger_dataset_name(args: argparse.Namespace, config) -> str:
     return args.dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
 
 
+def block_declarations(config) -> dict:
+    """Where the config says each block's rows are (its [dataset.blocks]), by block name."""
+    return dict(config.dataset.get("blocks") or {}) if isinstance(config.dataset, dict) else {}
+
+
 def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
@@ -202,7 +214,10 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
-                                config.blocks)
+                                config.blocks, block_declarations(config))
+    if config.blocks:
+        check_declared_blocks(ledger.get_budget(dataset, pld_may_be_pending=True), config.blocks,
+                              block_declarations(config))
     job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
     if args.wait_for_budget:
         job = JobLedger.wait_for_budget(
