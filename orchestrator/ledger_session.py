@@ -25,6 +25,8 @@ from accounting.ledger.core import (
     NotFound,
     PermissionDenied,
     QueuedJob,
+    RdpTally,
+    charged_plan,
     check_block_data,
 )
 from accounting.ledger.store import open_embedded_ledger
@@ -243,3 +245,27 @@ def check_declared_blocks(status: DatasetStatus, blocks: tuple[str, ...], declar
                 f"config reads {declared}; a run reads only the rows its blocks declare: make [dataset.blocks] "
                 f"{block} declare the same (dpfleet ledger status --json shows each block's data)"
             )
+
+
+def filter_charges(plan, status: DatasetStatus, blocks: tuple[str, ...]) -> list[tuple[str, float]]:
+    """The RDP-filter ε each budget a job is charged to (the dataset's, or each of `blocks`) takes for `plan`.
+
+    The events are those the ledger charges (`plan.ledger_plan` of the
+    dataset's unit, converted by `charged_plan`), and each ε is the filter's
+    at that budget's orders and δ: what the job takes from an unused budget,
+    and what its admission is decided by. A budget already in use counts
+    the job's divergence at each order on top of what it holds, which can
+    move the filter's ε by a different amount (dpfleet ledger fits shows it).
+    """
+    planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
+    tally = RdpTally.of(charged_plan(status.name, status.privacy_unit, privacy_unit, planned, rows_per_person))
+    by_name = {block.name: block for block in status.blocks}
+    budgets = [(f"block {block}", by_name[block]) for block in blocks if block in by_name] or \
+        [(f"dataset {status.name}", status)]
+    return [(name, budget.admission.epsilon(tally)) for name, budget in budgets]
+
+
+def filter_basis(ledger, dataset: str, blocks: tuple[str, ...]) -> Callable:
+    """For target_epsilon_basis = "filter": a plan's largest filter charge over the budgets it is charged to."""
+    status = ledger.get_budget(dataset, pld_may_be_pending=True)
+    return lambda plan: max(epsilon for _, epsilon in filter_charges(plan, status, blocks))

@@ -251,7 +251,11 @@ def test_blocks_quotas_and_the_dry_run_over_grpc(server, capsys):
 # ---------------------------------------------------------------- training on blocks, end to end
 
 
-def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server, tmp_path, capsys):
+def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server, tmp_path, capsys, monkeypatch):
+    from orchestrator.trainer import Trainer
+
+    said = []
+    monkeypatch.setattr(Trainer, "say", lambda trainer, text: said.append(text))
     # d3's file is not Parquet at all: a run that opened it would fail.
     locations, test = parquet_blocks(tmp_path / "data", {"d1": 240, "d2": 360, "d3": 100}, corrupt=("d3",))
     dataset = parquet_dataset(locations, test)
@@ -288,6 +292,11 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     assert job.blocks == ("d1", "d2") and job.committed_steps == 4
     assert d1.spent_epsilon_filter == d2.spent_epsilon_filter == d1.admission.epsilon(charged)
     assert d1.spent_epsilon_filter == pytest.approx(dry_run["checks"][0]["needed_epsilon"], rel=1e-12)
+    # The charge was known before the job: the dry run and train's start line show each block's filter ε.
+    assert dry_run["filter_charges"] == [{"budget": f"block {block.name}", "filter_epsilon": block.spent_epsilon_filter}
+                                         for block in (d1, d2)]
+    assert (f"charged filter ε {d1.spent_epsilon_filter:.4g} on block d1, {d2.spent_epsilon_filter:.4g} on block d2"
+            in "\n".join(said))
     assert d3.spent_epsilon_filter == 0.0 and status.spent_epsilon_filter == 0.0
     assert job.planned == Composition((SampledGaussian(30 / 600, 1.0, 4),))
 
