@@ -216,11 +216,13 @@ def ensure_embedded_dataset(
             f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
         )
     known = {block.name for block in status.blocks}
+    # A block's budget is at most its dataset's.
+    block_epsilon = min(budget_epsilon, status.budget_epsilon)
     for block in blocks:
         if block not in known:
-            ledger.add_block(dataset, block, budget_epsilon, None, (declarations or {}).get(block))
+            ledger.add_block(dataset, block, block_epsilon, None, (declarations or {}).get(block))
             say(f"registered block {block!r} of {dataset!r} in the embedded ledger with budget epsilon "
-                f"{budget_epsilon:g} (first use)")
+                f"{block_epsilon:g} (first use)")
 
 
 def check_declared_blocks(status: DatasetStatus, blocks: tuple[str, ...], declarations: Mapping[str, dict]) -> None:

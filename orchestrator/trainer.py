@@ -360,9 +360,11 @@ class Trainer:
     """One DP-SGD run over Ray gradient workers, resumable from its checkpoints.
 
     `noise` replaces the driver's noise source (tests observe it); `ledger`
-    is charged for each block of steps before the block runs. With shards,
-    constructing the Trainer starts Ray (unless it is up) and the shards'
-    workers, because N is the sum of the example counts they report.
+    is charged for each block of steps before the block runs;
+    `charge_epsilon` is what target_epsilon_basis = "filter" calibrates σ by
+    (see plan_run). With shards, constructing the Trainer starts Ray (unless
+    it is up) and the shards' workers, because N is the sum of the example
+    counts they report.
     """
 
     def __init__(

@@ -226,9 +226,10 @@ def select_blocks(spec: Mapping, blocks: Iterable[str]) -> dict:
     for name in chosen:
         if "files" not in known[name] and not isinstance(spec.get("train"), str):
             raise ValueError(f"block {name} selects rows of the dataset's train location; give dataset.train")
-        parts.append({"block": name, "files": spec["train"], **known[name]} if "files" not in known[name]
+        parts.append({"block": name, "files": [spec["train"]], **known[name]} if "files" not in known[name]
                      else {"block": name, **known[name]})
-    return {**spec, "train_parts": parts}
+    # `train` stays the dataset's own where it has one; else the chosen files, which checks of the split read.
+    return {"train": [location for part in parts for location in part["files"]], **spec, "train_parts": parts}
 
 
 def user_hash_buckets(user_ids: np.ndarray, buckets: int) -> np.ndarray:

@@ -84,10 +84,10 @@ from accounting.ledger.core import (
     Unauthenticated,
     Verification,
     assess_admission,
+    block_data_overlap,
     budget_figures,
     canonical,
     charged_plan,
-    block_data_overlap,
     check_block_data,
     check_block_names,
     check_budget_epsilon,
@@ -1807,6 +1807,12 @@ class Ledger:
                 enumerate(waiting):
             blocks = tuple(json.loads(blocks))
             budgets = self._budget_rows(connection, row, blocks, reference)
+            if any(budget.block is not None and budget.block_data is None for budget in budgets):
+                # Queued before its blocks had to declare their data: like a new job, it is not admitted there.
+                undeclared = "a block it names declared no data, so it takes no new job; cancel it"
+                if reason != undeclared:
+                    connection.execute("UPDATE queued_jobs SET reason = ? WHERE id = ?", (undeclared, queue_id))
+                continue
             plan = Composition.from_json(planned)
             tally = RdpTally.of(plan)
             demand = {}
