@@ -533,3 +533,16 @@ def test_a_file_of_version_6_keeps_its_blocks_undeclared_and_verify_finds_a_row_
                                       for problem in problems)
     # Each block alone charged filter ε 1.73 of 2; a person in all three spent the three together.
     assert "one person in block 'b0' and in 'b1', 'b2' could have spent ε 3.11239, over" in problems[0]
+
+
+def test_verify_finds_a_block_whose_declaration_was_edited_in_the_database(tmp_path):
+    path = tmp_path / "ledger.db"
+    with open_embedded_ledger(path) as ledger:
+        ledger.create_dataset("logs", 2.0, DELTA)
+        ledger.add_block("logs", "d1", 2.0, data=rows(0, 100))
+        ledger.add_block("logs", "d2", 2.0, data=rows(100, 200))
+    with sqlite3.connect(path) as connection:  # d2 now claims d1's rows, unknown to the history
+        connection.execute("UPDATE datasets SET block_data = ? WHERE block = 'd2'", (json.dumps(rows(0, 100)),))
+    with open_embedded_ledger(path) as ledger:
+        problems = [str(finding) for finding in ledger.verify().findings]
+    assert problems == ["dataset row of dataset local/logs:d2: the row's block data is not what its history declares"]
