@@ -258,8 +258,9 @@ class TrainConfig:
     blocks: tuple[str, ...] = key(
         (), "ledger", "list of strings, or table",
         '`["2026-11-01", ...]`, or `{ from = "2026-11-01", to = "2026-11-07" }` (names between, inclusive)',
-        "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only their rows, samples "
-        "at batch_size / their row count, and the ledger charges each of them in full (see docs/ledger.md, Blocks). Not with shards.",
+        "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only the rows they "
+        "declare, samples at batch_size / their row count, and the ledger charges each of them in full; each "
+        "block's declaration must be the one the ledger holds (see docs/ledger.md, Blocks). Not with shards.",
         "none: the dataset as a whole",
     )
     dataset_name: str | None = key(
