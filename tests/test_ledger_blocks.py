@@ -449,6 +449,13 @@ def test_a_person_with_rows_in_three_blocks_never_exceeds_the_budget(tmp_path):
                            "user_hash": {"buckets": 3, "bucket": other}} for other in range(3)}
     for other in range(3):
         check_block_people(select_blocks({**parquet_spec(), "blocks": apart}, [f"b{other}"]), "user_id")
+    # A user-level run builds its users through user_index, which makes the same check before it samples anyone.
+    from workers.users import UserSpec, user_index
+
+    with pytest.raises(DataError, match="not in the block's declared people"):
+        user_index(UserSpec("user_id", None), select_blocks({**parquet_spec(), "blocks": declared}, ["b0"]), 9)
+    assert len(user_index(UserSpec("user_id", None), select_blocks({**parquet_spec(), "blocks": apart}, ["b0"]),
+                          5).starts) > 1
 
 
 def parquet_spec():
