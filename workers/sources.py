@@ -268,8 +268,8 @@ def check_block_people(spec: Mapping, user_id: str | None) -> None:
         if not inside.all():
             row = int(np.flatnonzero(~inside)[0])
             raise DataError(
-                f"block {part['block']}: row {row} of {', '.join(part['files'])} belongs to user {_scalar(ids[row])!r}, who is "
-                f"not in the block's declared people ({selector} {part[selector]}); a block declared by user id must "
+                f"block {part['block']}: row {row} of {', '.join(part['files'])} belongs to user "
+                f"{_scalar(ids[row])!r}, who is not in the block's declared people ({selector} {part[selector]}); a block declared by user id must "
                 "hold only its people's rows, so that no person is charged by two blocks. Move the row to its "
                 "person's block"
             )

@@ -1800,8 +1800,8 @@ def unit_findings(entries: list[StoredEntry], datasets: list[StoredDataset]) -> 
                 declared[entry.dataset_id] = details.get("data")
             else:
                 events = Composition.from_dict(details["events"])
-                for budget_id in [block_ids.get((entry.dataset_id, block), -1) for block in details.get("blocks") or ()] \
-                        or [entry.dataset_id]:
+                charged = [block_ids.get((entry.dataset_id, block), -1) for block in details.get("blocks") or ()]
+                for budget_id in charged or [entry.dataset_id]:
                     committed[budget_id] = canonical(committed.get(budget_id, Composition()).then(events))
         except (KeyError, TypeError, ValueError, EventError) as error:
             name = rows[entry.dataset_id].name if entry.dataset_id in rows else None
@@ -2023,7 +2023,7 @@ class PrivacyLedger(Protocol):
     def add_block(
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None
     ) -> DatasetStatus:
-        """Add a block with its own (epsilon, delta) budget, bound to the rows `data` declares (its owner or an admin)."""
+        """Add a block with its own (epsilon, delta) budget, bound to the rows `data` declares (owner or admin)."""
 
     def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
         """Give a tenant a quota on a dataset or one of its blocks (admin only)."""

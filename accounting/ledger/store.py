@@ -1130,8 +1130,9 @@ class Ledger:
         if epsilon > row.budget_epsilon or delta > row.delta:
             raise InvalidArgument(
                 f"block {block!r} asks for ε {epsilon:g} at δ={delta:g}, above dataset {reference!r}'s budget of "
-                f"ε {row.budget_epsilon:g} at δ={row.delta:g}: each unit's guarantee is its block's, and the dataset's "
-                "budget is what it promises. Choose at most the dataset's ε and δ, or ask an admin to raise the budget"
+                f"ε {row.budget_epsilon:g} at δ={row.delta:g}: each unit's guarantee is its block's, and the "
+                "dataset's budget is what it promises. Choose at most the dataset's ε and δ, or ask an admin to "
+                "raise the budget"
             )
         if RdpTally.from_json(row.held_rdp) != RdpTally.zero() or connection.execute(
             "SELECT 1 FROM queued_jobs WHERE dataset_id = ? AND state = ? AND blocks = '[]' LIMIT 1",
