@@ -60,12 +60,22 @@ def scale_for_target(
     grows. The answer is bracketed by doubling and halving, then the bracket
     is closed by `_close_bracket`.
     """
-    target_epsilon = _check_target(target_epsilon)
     interpreter = get_accountant(accountant)
+    return scale_for_epsilon(target_epsilon, lambda scale: interpreter.epsilon(events_at(scale), delta))
+
+
+def scale_for_epsilon(target_epsilon: float, epsilon_at: Callable[[float], float]) -> float:
+    """Smallest scale s (to 0.1%) with `epsilon_at(s)` <= `target_epsilon`; epsilon must fall as s grows.
+
+    `epsilon_at` is any epsilon of the run at base noise multiplier s: an
+    accountant's (`scale_for_target`), or the RDP-filter epsilon a ledger
+    budget charges for it.
+    """
+    target_epsilon = _check_target(target_epsilon)
 
     def excess(scale: float) -> float:
         """log(epsilon / target): positive where `scale` is too small, never NaN."""
-        epsilon = interpreter.epsilon(events_at(scale), delta)
+        epsilon = epsilon_at(scale)
         return math.log(epsilon / target_epsilon) if epsilon > 0.0 else -math.inf
 
     upper, upper_excess = 1.0, excess(1.0)

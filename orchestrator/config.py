@@ -133,6 +133,12 @@ class TrainConfig:
         "The ε to meet at `delta`; σ is then the smallest that meets it, by the run's accountant.",
         "none: give exactly one of `noise_multiplier` and `target_epsilon`",
     )
+    target_epsilon_basis: str = key(
+        "accountant", "privacy", "string", '`"accountant"` or `"filter"`',
+        "Which ε `target_epsilon` sets: the run's `accountant`'s (what it reports), or `filter`: the RDP-filter ε "
+        "the ledger charges the job (at each charged budget's orders and δ; the largest when it names several "
+        "blocks), so that the charge is the target. The ledger is read before planning.",
+    )
     clip_norm: float = key(1.0, "privacy", "number", "> 0", "C: the per-example L2 bound.")
     optimizer: OptimizerConfig = key(
         OptimizerConfig(), "optimizer", "string or table",
@@ -256,8 +262,9 @@ class TrainConfig:
     blocks: tuple[str, ...] = key(
         (), "ledger", "list of strings, or table",
         '`["2026-11-01", ...]`, or `{ from = "2026-11-01", to = "2026-11-07" }` (names between, inclusive)',
-        "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only their rows, samples "
-        "at batch_size / their row count, and the ledger charges each of them in full (see docs/ledger.md, Blocks). Not with shards.",
+        "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only the rows they "
+        "declare, samples at batch_size / their row count, and the ledger charges each of them in full; each "
+        "block's declaration must be the one the ledger holds (see docs/ledger.md, Blocks). Not with shards.",
         "none: the dataset as a whole",
     )
     dataset_name: str | None = key(
@@ -482,6 +489,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         batch_size=checks.integer_at_least("batch_size", values.get("batch_size", 250), 1),
         noise_multiplier=_optional(values, "noise_multiplier", checks.positive_number),
         target_epsilon=_optional(values, "target_epsilon", checks.positive_number),
+        target_epsilon_basis=_target_epsilon_basis(values),
         clip_norm=checks.positive_number("clip_norm", values.get("clip_norm", 1.0)),
         optimizer=_optimizer(values.get("optimizer", "sgd")),
         learning_rate=checks.positive_number("learning_rate", values.get("learning_rate", 0.1)),
@@ -623,6 +631,15 @@ def _dataset(value: Any) -> str | dict:
         return sources.parse_spec(value)
     except ValueError as error:
         raise UsageError(str(error)) from None
+
+
+def _target_epsilon_basis(values: Mapping) -> str:
+    basis = checks.one_of("target_epsilon_basis", values.get("target_epsilon_basis", "accountant"),
+                          ("accountant", "filter"))
+    if basis == "filter" and values.get("target_epsilon") is None:
+        raise UsageError('target_epsilon_basis = "filter" sets how σ meets target_epsilon; give target_epsilon '
+                         "instead of noise_multiplier, or leave target_epsilon_basis out")
+    return basis
 
 
 def _dataset_blocks(spec: str | dict, value: Any) -> tuple[str | dict, tuple[str, ...]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Mapping
 
 from accounting.events import Composition
 from accounting.ledger.client import RemoteLedger
@@ -20,10 +20,14 @@ from accounting.ledger.core import (
     BudgetExceeded,
     DatasetStatus,
     FailedPrecondition,
+    InvalidArgument,
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
     QueuedJob,
+    RdpTally,
+    charged_plan,
+    check_block_data,
 )
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
@@ -195,9 +199,13 @@ def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
 
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
-    blocks: tuple[str, ...] = (),
+    blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None,
 ) -> None:
-    """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget."""
+    """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget.
+
+    `declarations` are where each block's rows are (the config's
+    [dataset.blocks]); the ledger stores them and refuses blocks that share data.
+    """
     try:
         status = ledger.get_budget(dataset)
     except (NotFound, PermissionDenied):
@@ -208,8 +216,58 @@ def ensure_embedded_dataset(
             f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
         )
     known = {block.name for block in status.blocks}
+    # A block's budget is at most its dataset's.
+    block_epsilon = min(budget_epsilon, status.budget_epsilon)
     for block in blocks:
         if block not in known:
-            ledger.add_block(dataset, block, budget_epsilon)
+            ledger.add_block(dataset, block, block_epsilon, None, (declarations or {}).get(block))
             say(f"registered block {block!r} of {dataset!r} in the embedded ledger with budget epsilon "
-                f"{budget_epsilon:g} (first use)")
+                f"{block_epsilon:g} (first use)")
+
+
+def check_declared_blocks(status: DatasetStatus, blocks: tuple[str, ...], declarations: Mapping[str, dict]) -> None:
+    """Refuse a run whose config reads other rows than the ledger's blocks declare (UsageError).
+
+    `declarations` are the config's [dataset.blocks]; each chosen block's must
+    be the declaration the ledger stores for it, so that the run reads only
+    the rows its charge is bound to. A block the ledger holds no declaration
+    for is left to the ledger, which admits no new job on it.
+    """
+    stored = {block.name: block.data for block in status.blocks}
+    for block in blocks:
+        if stored.get(block) is None:
+            continue
+        try:
+            declared = check_block_data(declarations.get(block), status.privacy_unit)
+        except InvalidArgument as error:
+            raise UsageError(f"dataset.blocks.{block}: {error}") from None
+        if declared != stored[block]:
+            raise UsageError(
+                f"block {block!r} of dataset {status.name!r} is bound in the ledger to {stored[block]}, but the "
+                f"config reads {declared}; a run reads only the rows its blocks declare: make [dataset.blocks] "
+                f"{block} declare the same (dpfleet ledger status --json shows each block's data)"
+            )
+
+
+def filter_charges(plan, status: DatasetStatus, blocks: tuple[str, ...]) -> list[tuple[str, float]]:
+    """The RDP-filter ε each budget a job is charged to (the dataset's, or each of `blocks`) takes for `plan`.
+
+    The events are those the ledger charges (`plan.ledger_plan` of the
+    dataset's unit, converted by `charged_plan`), and each ε is the filter's
+    at that budget's orders and δ: what the job takes from an unused budget,
+    and what its admission is decided by. A budget already in use counts
+    the job's divergence at each order on top of what it holds, which can
+    move the filter's ε by a different amount (dpfleet ledger fits shows it).
+    """
+    planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
+    tally = RdpTally.of(charged_plan(status.name, status.privacy_unit, privacy_unit, planned, rows_per_person))
+    by_name = {block.name: block for block in status.blocks}
+    budgets = [(f"block {block}", by_name[block]) for block in blocks if block in by_name] or \
+        [(f"dataset {status.name}", status)]
+    return [(name, budget.admission.epsilon(tally)) for name, budget in budgets]
+
+
+def filter_basis(ledger, dataset: str, blocks: tuple[str, ...]) -> Callable:
+    """For target_epsilon_basis = "filter": a plan's largest filter charge over the budgets it is charged to."""
+    status = ledger.get_budget(dataset, pld_may_be_pending=True)
+    return lambda plan: max(epsilon for _, epsilon in filter_charges(plan, status, blocks))

@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from accounting.accountants import get_accountant, label, labelled_epsilon
-from accounting.calibration import scale_for_target
+from accounting.calibration import scale_for_epsilon, scale_for_target
 from accounting.events import Composition, group_events
 from orchestrator.adaptive_clipping import (
     effective_noise_multiplier,
@@ -190,12 +190,16 @@ def evaluation_steps(
     return frozenset(range(interval, steps, interval)) | {steps}
 
 
-def plan_run(config: TrainConfig, dataset_size: int | None = None) -> RunPlan:
+def plan_run(
+    config: TrainConfig, dataset_size: int | None = None, charge_epsilon: Callable[[RunPlan], float] | None = None
+) -> RunPlan:
     """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends.
 
     `dataset_size` is N as a sharded run's workers report it; without it, N
     comes from the config. Under privacy_unit = "user", N counts users, and
-    target_epsilon is the ε per user.
+    target_epsilon is the ε per user. With target_epsilon_basis = "filter",
+    σ is the smallest whose `charge_epsilon(plan)` (the RDP-filter ε the
+    ledger charges, see ledger_session.filter_charges) meets the target.
     """
     if dataset_size is None:
         dataset_size = sampled_unit_count(config)
@@ -214,26 +218,35 @@ def plan_run(config: TrainConfig, dataset_size: int | None = None) -> RunPlan:
     def blocks_at(noise_multiplier: float) -> list[tuple[float, int]]:
         return noise_blocks(config.noise_schedule, noise_multiplier, steps, steps_per_epoch)
 
-    noise_multiplier = config.noise_multiplier
-    if noise_multiplier is None:
-        noise_multiplier = scale_for_target(
-            config.target_epsilon, config.delta,
-            lambda sigma: schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate,
-                                          sensitivity_factor),
-            config.accountant,
-        )
     epoch_ends = sorted({min(steps, math.ceil(epoch * steps_per_epoch - 1e-9))
                          for epoch in range(1, math.ceil(steps / steps_per_epoch - 1e-9) + 1)} | {steps})
     if config.commit_every:
         charge_ends = sorted(set(range(config.commit_every, steps, config.commit_every)) | {steps})
     else:
         charge_ends = epoch_ends
-    return RunPlan(
-        dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
-        tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
-        evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends), microbatches,
-        count_noise_multiplier, config.privacy_unit, rows_per_person(config),
-    )
+
+    def plan_at(noise_multiplier: float) -> RunPlan:
+        return RunPlan(
+            dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
+            tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
+            evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends),
+            microbatches, count_noise_multiplier, config.privacy_unit, rows_per_person(config),
+        )
+
+    noise_multiplier = config.noise_multiplier
+    if noise_multiplier is None and config.target_epsilon_basis == "filter":
+        if charge_epsilon is None:
+            raise UsageError('target_epsilon_basis = "filter" needs the admission rule of the ledger budget the job '
+                             "is charged to; dpfleet train and dpfleet ledger fits read it from the ledger")
+        noise_multiplier = scale_for_epsilon(config.target_epsilon, lambda sigma: charge_epsilon(plan_at(sigma)))
+    elif noise_multiplier is None:
+        noise_multiplier = scale_for_target(
+            config.target_epsilon, config.delta,
+            lambda sigma: schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate,
+                                          sensitivity_factor),
+            config.accountant,
+        )
+    return plan_at(noise_multiplier)
 
 
 LOCAL_RAY_START_ATTEMPTS = 3
@@ -347,9 +360,11 @@ class Trainer:
     """One DP-SGD run over Ray gradient workers, resumable from its checkpoints.
 
     `noise` replaces the driver's noise source (tests observe it); `ledger`
-    is charged for each block of steps before the block runs. With shards,
-    constructing the Trainer starts Ray (unless it is up) and the shards'
-    workers, because N is the sum of the example counts they report.
+    is charged for each block of steps before the block runs;
+    `charge_epsilon` is what target_epsilon_basis = "filter" calibrates σ by
+    (see plan_run). With shards, constructing the Trainer starts Ray (unless
+    it is up) and the shards' workers, because N is the sum of the example
+    counts they report.
     """
 
     def __init__(
@@ -360,6 +375,7 @@ class Trainer:
         show_train_loss: bool = False,
         ledger: LedgerSession | None = None,
         out=sys.stdout,
+        charge_epsilon: Callable[[RunPlan], float] | None = None,
     ):
         self.config = config
         self.out = out
@@ -374,7 +390,7 @@ class Trainer:
             self.started_ray = start_ray(config, self.say)
             self.shards = ShardFleet(config, self.say)
             dataset_size = self.shards.start()
-        self.plan = plan_run(config, dataset_size)
+        self.plan = plan_run(config, dataset_size, charge_epsilon)
         if self.shards is not None:
             self.shards.set_sampling_rate(self.plan.sampling_rate)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
@@ -991,6 +1007,7 @@ def resume_trainer(run_dir: str, **options) -> Trainer:
     _, state = found
     # The checkpoint fixes sigma: recalibrating from target_epsilon could drift by a rounding step.
     values["noise_multiplier"], values["target_epsilon"] = state["noise_multiplier"], None
+    values.pop("target_epsilon_basis", None)
     trainer = Trainer(build_config(values), **options)
     trainer.load_state(state)
     return trainer

@@ -19,7 +19,9 @@ from accounting.ledger.core import (
     PermissionDenied,
     RdpTally,
     assess_admission,
+    block_data_overlap,
     burn_down,
+    check_block_data,
     check_block_names,
     tenant_caller,
 )
@@ -28,7 +30,17 @@ from accounting.ledger.store import Ledger, open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from workers.sources import write_parquet_shards
+from workers.sources import (
+    DataError,
+    check_block_people,
+    open_source,
+    parse_spec,
+    read_column,
+    select_blocks,
+    source_size,
+    user_hash_buckets,
+    write_parquet_shards,
+)
 
 ADMIN_TOKEN = "admin-token-for-block-tests-012345"
 DELTA = 1e-5
@@ -38,6 +50,11 @@ RULE = AdmissionRule.for_budget(2.0, DELTA)
 
 def steps(count):
     return STEP.with_steps(count)
+
+
+def rows(first, stop):
+    """A block's declaration: rows [first, stop) of the dataset's train location."""
+    return {"rows": [first, stop]}
 
 
 # ---------------------------------------------------------------- pure logic
@@ -111,8 +128,8 @@ def test_a_config_chooses_blocks_by_name_or_by_range_and_reads_back_the_same(tmp
 def test_a_job_on_blocks_is_charged_to_each_in_full_all_or_nothing_and_verify_replays_it(tmp_path):
     with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
         ledger.create_dataset("logs", 10.0, DELTA)
-        ledger.add_block("logs", "d1", 2.0)
-        ledger.add_block("logs", "d2", 1.0)
+        ledger.add_block("logs", "d1", 2.0, data=rows(0, 100))
+        ledger.add_block("logs", "d2", 1.0, data=rows(100, 200))
         with pytest.raises(FailedPrecondition, match=r"made of blocks \(d1, d2\)"):
             ledger.reserve("logs", "whole", steps(10))
         first = ledger.reserve("logs", "first", steps(300), blocks=["d1", "d2"])
@@ -146,8 +163,8 @@ def test_quotas_limit_a_tenant_beside_the_global_filter_and_verify_finds_an_edit
         ledger.create_tenant("guest", caller=ADMIN)
         owner, guest = tenant_caller("owner"), tenant_caller("guest")
         ledger.create_dataset("logs", 10.0, DELTA, caller=owner)
-        ledger.add_block("logs", "d1", 5.0, caller=owner)
-        ledger.add_block("logs", "d2", 5.0, caller=owner)
+        ledger.add_block("logs", "d1", 5.0, data=rows(0, 100), caller=owner)
+        ledger.add_block("logs", "d2", 5.0, data=rows(100, 200), caller=owner)
         with pytest.raises(PermissionDenied):
             ledger.get_budget("owner/logs", caller=guest)
         ledger.set_quota("owner/logs", "guest", 1.0, caller=ADMIN)  # the dataset's quota stands in for each block
@@ -200,7 +217,7 @@ def test_blocks_quotas_and_the_dry_run_over_grpc(server, capsys):
         guest_token = admin.create_tenant("guest").token
         with RemoteLedger(server.address, owner_token) as owner, RemoteLedger(server.address, guest_token) as guest:
             owner.create_dataset("logs", 10.0, DELTA)
-            status = owner.add_block("logs", "d1", 3.0)
+            status = owner.add_block("logs", "d1", 3.0, data=rows(0, 100))
             assert [(block.name, block.budget_epsilon, block.delta) for block in status.blocks] == [("d1", 3.0, DELTA)]
             with pytest.raises(PermissionDenied):
                 owner.set_quota("logs", "guest", 1.0)
@@ -234,7 +251,11 @@ def test_blocks_quotas_and_the_dry_run_over_grpc(server, capsys):
 # ---------------------------------------------------------------- training on blocks, end to end
 
 
-def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server, tmp_path, capsys):
+def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server, tmp_path, capsys, monkeypatch):
+    from orchestrator.trainer import Trainer
+
+    said = []
+    monkeypatch.setattr(Trainer, "say", lambda trainer, text: said.append(text))
     # d3's file is not Parquet at all: a run that opened it would fail.
     locations, test = parquet_blocks(tmp_path / "data", {"d1": 240, "d2": 360, "d3": 100}, corrupt=("d3",))
     dataset = parquet_dataset(locations, test)
@@ -243,7 +264,8 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     client = ["--ledger", server.address, "--token", token, "--json"]
     assert main(["ledger", "dataset", "create", "logs", "--epsilon", "10", "--delta", "1e-5", *client]) == 0
     for block in ("d1", "d2", "d3"):
-        assert main(["ledger", "block", "add", "logs", block, "--epsilon", "4", *client]) == 0
+        assert main(["ledger", "block", "add", "logs", block, "--epsilon", "4", "--files", locations[block],
+                     *client]) == 0
     (added,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["datasets"]
     assert [(block["name"], block["budget_epsilon"], block["delta"]) for block in added["blocks"]] == [
         ("d1", 4.0, DELTA), ("d2", 4.0, DELTA), ("d3", 4.0, DELTA)]
@@ -270,5 +292,264 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     assert job.blocks == ("d1", "d2") and job.committed_steps == 4
     assert d1.spent_epsilon_filter == d2.spent_epsilon_filter == d1.admission.epsilon(charged)
     assert d1.spent_epsilon_filter == pytest.approx(dry_run["checks"][0]["needed_epsilon"], rel=1e-12)
+    # The charge was known before the job: the dry run and train's start line show each block's filter ε.
+    assert dry_run["filter_charges"] == [{"budget": f"block {block.name}", "filter_epsilon": block.spent_epsilon_filter}
+                                         for block in (d1, d2)]
+    assert (f"charged filter ε {d1.spent_epsilon_filter:.4g} on block d1, {d2.spent_epsilon_filter:.4g} on block d2"
+            in "\n".join(said))
     assert d3.spent_epsilon_filter == 0.0 and status.spent_epsilon_filter == 0.0
     assert job.planned == Composition((SampledGaussian(30 / 600, 1.0, 4),))
+
+
+# ---------------------------------------------------------------- blocks own disjoint data
+
+
+@pytest.mark.parametrize("first, second, unit, shared", [
+    ({"files": ["/d/a"]}, {"files": ["/d/b"]}, "example", False),
+    ({"files": ["/d/a"]}, {"files": ["/d/a/"]}, "example", True),
+    ({"files": ["/d/a"]}, {"files": ["/d/a/part-0.parquet"]}, "example", True),
+    ({"files": ["/d"]}, {"files": ["/d/a", "/e"]}, "example", True),
+    ({"rows": [0, 10]}, {"rows": [10, 20]}, "example", False),
+    ({"rows": [0, 11]}, {"rows": [10, 20]}, "example", True),
+    ({"files": ["/d/a"], "rows": [0, 10]}, {"files": ["/d/b"], "rows": [0, 10]}, "example", False),
+    ({"files": ["/d/a"], "rows": [0, 10]}, {"rows": [20, 30]}, "example", True),  # other files: unknown order
+    ({"partition": {"column": "day", "value": 1}}, {"partition": {"column": "day", "value": "2"}}, "example", False),
+    ({"partition": {"column": "day", "value": 1}}, {"partition": {"column": "day", "value": "1"}}, "example", True),
+    ({"partition": {"column": "day", "value": "1"}}, {"partition": {"column": "hour", "value": "2"}}, "example", True),
+    ({"rows": [0, 10]}, {"partition": {"column": "day", "value": "1"}}, "example", True),
+    ({"user_hash": {"buckets": 4, "bucket": 0}}, {"user_hash": {"buckets": 4, "bucket": 1}}, "user", False),
+    ({"user_hash": {"buckets": 4, "bucket": 0}}, {"user_hash": {"buckets": 8, "bucket": 1}}, "user", True),
+    ({"user_range": [0, 100]}, {"user_range": [100, 200]}, "user", False),
+    ({"user_range": [0, 101]}, {"files": ["/x"], "user_range": [100, 200]}, "user", True),
+    ({"user_hash": {"buckets": 4, "bucket": 0}}, {"user_range": [0, 10]}, "user", True),
+    ({"files": ["/d/a"], "user_hash": {"buckets": 2, "bucket": 0}},
+     {"files": ["/d/a"], "user_hash": {"buckets": 2, "bucket": 1}}, "user", False),  # one file, people apart
+])
+def test_two_declarations_share_data_unless_they_provably_cannot(first, second, unit, shared):
+    first, second = check_block_data(first, unit), check_block_data(second, unit)
+    assert (block_data_overlap(first, second, unit) is not None) == shared
+    assert (block_data_overlap(second, first, unit) is not None) == shared
+    assert block_data_overlap(None, first, unit) is not None  # a block that declared nothing may hold anything
+
+
+@pytest.mark.parametrize("data, unit, problem", [
+    (None, "example", "a block declares where its rows are"),
+    ({}, "example", "a block declares where its rows are"),
+    ({"rows": [5, 5]}, "example", "FIRST < STOP"),
+    ({"rows": [0, 5], "partition": {"column": "day", "value": "1"}}, "example", "at most one selector"),
+    ({"files": []}, "example", "1 to 1000 non-empty locations"),
+    ({"user_hash": {"buckets": 4, "bucket": 4}}, "user", r"bucket must be an integer in \[0, 3\]"),
+    ({"files": ["/d/a"]}, "user", "must partition people"),
+    ({"rows": [0, 5]}, "user", "must partition people"),
+    ("not json", "example", "must be a JSON object"),
+])
+def test_a_declaration_that_cannot_bound_its_data_is_refused(data, unit, problem):
+    with pytest.raises(InvalidArgument, match=problem):
+        check_block_data(data, unit)
+
+
+def test_the_owner_cannot_add_blocks_over_the_same_rows_nor_above_the_dataset_budget(tmp_path):
+    """The reproduction: an owner, no admin, adds blocks over the same rows of an ε 2 dataset to train under each."""
+    files = str(tmp_path / "rows")
+    with Ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_tenant("owner", caller=ADMIN)
+        owner = tenant_caller("owner")
+        ledger.create_dataset("logs", 2.0, DELTA, caller=owner)
+        ledger.add_block("logs", "d1", 2.0, data={"files": [files]}, caller=owner)
+        for block, data in (("d2", {"files": [files + "/"]}), ("d3", {"files": [files + "/part-0.parquet"]}),
+                            ("d4", {"files": [str(tmp_path)]}), ("d5", {"files": [files, str(tmp_path / "new")]})):
+            with pytest.raises(FailedPrecondition, match="may hold data of block 'd1'"):
+                ledger.add_block("logs", block, 2.0, data=data, caller=owner)
+        with pytest.raises(InvalidArgument, match="above dataset 'logs''s budget of ε 2"):
+            ledger.add_block("logs", "big", 3.0, data={"files": [str(tmp_path / "new")]}, caller=owner)
+        with pytest.raises(InvalidArgument, match="above dataset 'logs''s budget"):
+            ledger.add_block("logs", "loose", 1.0, 1e-3, data={"files": [str(tmp_path / "new")]}, caller=owner)
+        ledger.add_block("logs", "d2", 2.0, data={"files": [str(tmp_path / "new")]}, caller=owner)
+        # Each block is exhausted on its own rows; none can be charged again for the same rows.
+        for block in ("d1", "d2"):
+            job = ledger.reserve("logs", f"on-{block}", steps(5000), blocks=[block], caller=owner)
+            ledger.commit(job.reservation_id, 5000, 0, caller=owner)
+        with pytest.raises(BudgetExceeded):
+            ledger.reserve("logs", "again", steps(5000), blocks=["d1"], caller=owner)
+        with pytest.raises(FailedPrecondition, match="its budget, the most any row or person of it may spend"):
+            ledger.raise_budget("owner/logs", 1.5, caller=ADMIN)
+        assert ledger.raise_budget("owner/logs", 4.0, caller=ADMIN).budget_epsilon == 4.0
+        assert [block.data for block in ledger.get_budget("logs", caller=owner).blocks] == [
+            {"files": [files]}, {"files": [str(tmp_path / "new")]}]
+        assert ledger.verify(caller=ADMIN).findings == ()
+
+
+def test_a_dataset_whose_own_budget_was_charged_takes_no_block(tmp_path):
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("logs", 10.0, DELTA)
+        ledger.reserve("logs", "whole", steps(10))
+        with pytest.raises(FailedPrecondition, match="jobs on its own budget, which read every row"):
+            ledger.add_block("logs", "d1", 2.0, data=rows(0, 10))
+
+
+def people_file(path, user_ids):
+    """A Parquet file of one row per entry of `user_ids`, with its user_id column beside features and label."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    count = len(user_ids)
+    table = pa.table({"features": pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(count * 4, np.float32)), 4),
+                      "label": pa.array(np.arange(count) % 2), "user_id": pa.array(user_ids)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, str(path))
+    return str(path)
+
+
+def test_a_person_with_rows_in_three_blocks_never_exceeds_the_budget(tmp_path):
+    """On a per-person dataset blocks partition people: a person is charged by one block, whatever files hold them."""
+    budget = 2.0
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("people", budget, DELTA, privacy_unit="user")
+        folders = [str(tmp_path / f"day-{day}") for day in range(3)]
+        with pytest.raises(InvalidArgument, match="must partition people"):
+            ledger.add_block("people", "day-0", budget, data={"files": [folders[0]]})
+        for bucket in range(3):
+            ledger.add_block("people", f"b{bucket}", budget, data={"files": folders,
+                                                                    "user_hash": {"buckets": 3, "bucket": bucket}})
+        with pytest.raises(FailedPrecondition, match="may hold data of block 'b0'"):
+            ledger.add_block("people", "again", budget, data={"user_hash": {"buckets": 6, "bucket": 0}})
+        # Every block spends its whole budget; person 7 is in exactly one of them.
+        for bucket in range(3):
+            job = ledger.reserve("people", f"job-{bucket}", steps(5000), privacy_unit="user",
+                                 blocks=[f"b{bucket}"])
+            ledger.commit(job.reservation_id, 5000, 0)
+        status = ledger.get_budget("people")
+        (bucket,) = user_hash_buckets(np.array([7]), 3)
+        spent_by_person_7 = [block.spent_epsilon_filter for block in status.blocks
+                             if block.data["user_hash"]["bucket"] == bucket]
+        assert len(spent_by_person_7) == 1 and spent_by_person_7[0] <= budget
+        assert ledger.verify().findings == ()
+    # The training side: person 7 has rows in all three days' files. A block reads those files only when every
+    # row's person is one of its own, so person 7's rows are read under 7's block alone.
+    for day, folder in enumerate(folders):
+        people_file(tmp_path / f"day-{day}" / "part-0.parquet", [7, 7, 8 + day])
+    declared = {f"b{bucket}": {"files": folders, "user_hash": {"buckets": 3, "bucket": bucket}} for bucket in range(3)}
+    ids = np.array([7, 7, 8, 7, 7, 9, 7, 7, 10])
+    for other in range(3):
+        spec = select_blocks({**parquet_spec(), "blocks": declared}, [f"b{other}"])
+        outsiders = ids[user_hash_buckets(ids, 3) != other]
+        if len(outsiders):
+            with pytest.raises(DataError, match=f"belongs to user {outsiders[0]}, who is not in the block's declared"):
+                check_block_people(spec, "user_id")
+        else:
+            check_block_people(spec, "user_id")
+    assert (user_hash_buckets(ids, 3) != bucket).any()  # so 7's own block was refused too
+    with pytest.raises(DataError, match="user_id, the column naming each row's person, not synthetic_users"):
+        check_block_people(spec, None)
+    # Each person's rows in its own block's folder: every block reads.
+    for other in range(3):
+        people_file(tmp_path / "by-person" / f"b{other}" / "part-0.parquet",
+                    [int(user) for user in range(100) if user_hash_buckets(np.array([user]), 3)[0] == other])
+    apart = {f"b{other}": {"files": [str(tmp_path / "by-person" / f"b{other}")],
+                           "user_hash": {"buckets": 3, "bucket": other}} for other in range(3)}
+    for other in range(3):
+        check_block_people(select_blocks({**parquet_spec(), "blocks": apart}, [f"b{other}"]), "user_id")
+    # A user-level run builds its users through user_index, which makes the same check before it samples anyone.
+    from workers.users import UserSpec, user_index
+
+    with pytest.raises(DataError, match="not in the block's declared people"):
+        user_index(UserSpec("user_id", None), select_blocks({**parquet_spec(), "blocks": declared}, ["b0"]), 9)
+    assert len(user_index(UserSpec("user_id", None), select_blocks({**parquet_spec(), "blocks": apart}, ["b0"]),
+                          5).starts) > 1
+
+
+def parquet_spec():
+    return {"format": "parquet", "test": "unused", "features": "features", "label": "label"}
+
+
+def test_a_run_reads_only_the_rows_its_blocks_select(tmp_path):
+    folder = tmp_path / "events"
+    folder.mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    count = 30
+    pq.write_table(pa.table({"x": pa.array(np.arange(count, dtype=np.float32)), "label": pa.array(np.arange(count)),
+                             "day": pa.array([f"d{row % 3}" for row in range(count)])}), str(folder / "p.parquet"))
+    spec = {"format": "parquet", "train": str(folder), "test": str(folder), "features": "x",
+            "blocks": {"first": {"rows": [0, 5]}, "late": {"rows": [25, 30]}, "d1": {"partition": {"column": "day",
+                                                                                                   "value": "d1"}}}}
+    chosen = select_blocks(parse_spec(spec), ["late", "first"])
+    assert source_size(chosen, "train") == 10
+    _, labels = open_source(chosen, "train").read(np.array([9, 0, 5]))
+    assert labels.tolist() == [4, 25, 0]
+    by_day = select_blocks(parse_spec(spec), ["d1"])
+    assert read_column(by_day, "train", "label").tolist() == list(range(1, count, 3))
+    assert parse_spec(json.loads(json.dumps(chosen))) == chosen  # a resumed run reads the same rows
+
+
+def test_training_is_refused_when_its_config_reads_other_rows_than_the_ledgers_block_declares(server, tmp_path,
+                                                                                            capsys):
+    locations, test = parquet_blocks(tmp_path / "data", {"d1": 60, "d2": 60})
+    with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("acme").token
+    client = ["--ledger", server.address, "--token", token, "--json"]
+    assert main(["ledger", "dataset", "create", "logs", "--epsilon", "10", "--delta", "1e-5", *client]) == 0
+    assert main(["ledger", "block", "add", "logs", "d1", "--epsilon", "4", "--files", locations["d1"], *client]) == 0
+    assert main(["ledger", "block", "add", "logs", "d2", "--epsilon", "4", "--files", locations["d1"], *client]) == 2
+    assert "may hold data of block 'd1'" in capsys.readouterr().err
+    assert main(["ledger", "block", "add", "logs", "d2", "--epsilon", "4", "--files", locations["d2"], *client]) == 0
+    capsys.readouterr()
+    # The config says block d1 is d2's rows: the run would be charged to d1 for rows d2 owns.
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'model = "gdp_cnn"\nworkers = 1\nbatch_size = 30\nsteps = 2\nnoise_multiplier = 1.0\nclip_norm = 1.0\n'
+        f'run_dir = "{tmp_path / "run"}"\nblocks = ["d1"]\nledger = "{server.address}"\n'
+        f'[dataset]\nformat = "parquet"\ntest = "{test}"\nshape = [1, 28, 28]\nname = "logs"\n'
+        f'[dataset.blocks]\n"d1" = "{locations["d2"]}"\n'
+    )
+    assert main(["ledger", "fits", "--config", str(config), "--token", token]) == 2
+    assert "is bound in the ledger to" in capsys.readouterr().err
+    assert main(["train", "--config", str(config), "--token", token, "--no-progress"]) == 2
+    with RemoteLedger(server.address, token) as acme:
+        assert acme.list_jobs() == []
+
+
+def test_a_file_of_version_6_keeps_its_blocks_undeclared_and_verify_finds_a_row_charged_by_each(tmp_path):
+    """Before blocks declared their data, an owner could charge the same rows to several blocks; verify finds it."""
+    path = tmp_path / "ledger.db"
+    with open_embedded_ledger(path) as ledger:
+        ledger.create_dataset("people", 2.0, DELTA, privacy_unit="user")
+        for bucket in range(3):
+            ledger.add_block("people", f"b{bucket}", 2.0, data={"user_hash": {"buckets": 3, "bucket": bucket}})
+            job = ledger.reserve("people", f"job-{bucket}", steps(5000), privacy_unit="user", blocks=[f"b{bucket}"])
+            ledger.commit(job.reservation_id, 5000, 0)
+        assert ledger.verify().findings == ()
+    with sqlite3.connect(path) as connection:  # the same file as version 6 wrote it: its blocks declared nothing
+        connection.execute("ALTER TABLE datasets DROP COLUMN block_data")
+        connection.execute("UPDATE schema_version SET version = 6")
+        for (entry_id, details) in connection.execute(
+                "SELECT id, details FROM history WHERE action = 'add_block'").fetchall():
+            connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
+            old = {key: value for key, value in json.loads(details).items() if key != "data"}
+            connection.execute("UPDATE history SET details = ? WHERE id = ?", (json.dumps(old, sort_keys=True),
+                                                                              entry_id))
+    with open_embedded_ledger(path) as ledger:
+        assert [block.data for block in ledger.get_budget("people").blocks] == [None, None, None]
+        with pytest.raises(FailedPrecondition, match="was added before blocks declared where their rows are"):
+            ledger.reserve("people", "new", steps(10), privacy_unit="user", blocks=["b0"])
+        with pytest.raises(FailedPrecondition, match="may hold data of block 'b0'"):
+            ledger.add_block("people", "b3", 1.0, data={"user_hash": {"buckets": 4, "bucket": 3}})
+        problems = [str(finding) for finding in ledger.verify().findings if finding.entry_id is None]
+    assert len(problems) == 3 and all("could have spent ε" in problem and "over the dataset's budget ε 2" in problem
+                                      for problem in problems)
+    # Each block alone charged filter ε 1.73 of 2; a person in all three spent the three together.
+    assert "one person in block 'b0' and in 'b1', 'b2' could have spent ε 3.11239, over" in problems[0]
+
+
+def test_verify_finds_a_block_whose_declaration_was_edited_in_the_database(tmp_path):
+    path = tmp_path / "ledger.db"
+    with open_embedded_ledger(path) as ledger:
+        ledger.create_dataset("logs", 2.0, DELTA)
+        ledger.add_block("logs", "d1", 2.0, data=rows(0, 100))
+        ledger.add_block("logs", "d2", 2.0, data=rows(100, 200))
+    with sqlite3.connect(path) as connection:  # d2 now claims d1's rows, unknown to the history
+        connection.execute("UPDATE datasets SET block_data = ? WHERE block = 'd2'", (json.dumps(rows(0, 100)),))
+    with open_embedded_ledger(path) as ledger:
+        problems = [str(finding) for finding in ledger.verify().findings]
+    assert problems == ["dataset row of dataset local/logs:d2: the row's block data is not what its history declares"]

@@ -7,7 +7,7 @@ import pytest
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
-from accounting.ledger.core import ADMIN, AdmissionRule
+from accounting.ledger.core import ADMIN, AdmissionRule, RdpTally
 from accounting.ledger.service import start_server
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
@@ -160,3 +160,58 @@ def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(cap
     assert status == 1 and out.splitlines()[0] == f"entry {entry_id} of dataset local/mnist: {edited}"
     report = run(capsys, "ledger", "verify", "--json")[1]
     assert json.loads(report)["findings"] == [{"entry_id": entry_id, "dataset": "local/mnist", "problem": edited}]
+
+
+# ---------------------------------------------------------------- the charge, known before the job starts
+
+
+def mnist_job(tmp_path, **keys):
+    """A config file for MNIST's plan (its size is known without reading it), with `keys` added."""
+    config = tmp_path / "job.toml"
+    lines = ['dataset = "mnist"', "batch_size = 250", "steps = 2000", *(f"{key} = {json.dumps(value)}"
+                                                                         for key, value in keys.items())]
+    config.write_text("\n".join(lines) + "\n")
+    return str(config)
+
+
+def test_a_target_by_the_accountant_is_charged_more_by_the_filter_and_fits_says_so_before_the_job(
+        capsys, embedded, tmp_path):
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "10", "--delta", "1e-5")
+    shown = run_json(capsys, "ledger", "fits", "--config", mnist_job(tmp_path, target_epsilon=3.0))
+    ((budget, charge),) = [(item["budget"], item["filter_epsilon"]) for item in shown["filter_charges"]]
+    assert budget == "dataset mnist" and shown["epsilon_accountant"] == "pld"
+    assert shown["epsilon"] == pytest.approx(3.0, rel=2e-3) and shown["epsilon"] <= 3.0
+    assert charge > 3.0  # the PLD target is not what the RDP filter charges ...
+    assert charge == pytest.approx(shown["checks"][0]["needed_epsilon"], rel=1e-12)  # ... and fits shows the charge
+    status, out, _ = run(capsys, "ledger", "fits", "--config", mnist_job(tmp_path, target_epsilon=3.0))
+    assert status == 0 and f"charged filter ε {charge:.4g} on dataset mnist" in out
+
+
+def test_with_the_filter_basis_the_ledger_charges_at_most_the_target_within_calibration_tolerance(
+        capsys, embedded, tmp_path):
+    from orchestrator.config import load_config
+    from orchestrator.errors import UsageError
+    from orchestrator.ledger_session import filter_basis
+    from orchestrator.trainer import plan_run
+
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "10", "--delta", "1e-5")
+    config_file = mnist_job(tmp_path, target_epsilon=3.0, target_epsilon_basis="filter")
+    shown = run_json(capsys, "ledger", "fits", "--config", config_file)
+    ((_, charge),) = [(item["budget"], item["filter_epsilon"]) for item in shown["filter_charges"]]
+    assert 3.0 * (1 - 2e-3) <= charge <= 3.0
+    assert shown["epsilon"] < 3.0  # the run's PLD ε is below what the filter charges
+    config = load_config(config_file, {})
+    with pytest.raises(UsageError, match="needs the admission rule of the ledger budget"):
+        plan_run(config)
+    with open_embedded_ledger(embedded) as ledger:
+        plan = plan_run(config, charge_epsilon=filter_basis(ledger, "mnist", ()))
+        assert plan.noise_multiplier == shown["noise_multiplier"]
+        ledger.reserve("mnist", "job", plan.planned_events)
+        charged = ledger.get_budget("mnist").reserved_epsilon
+    assert charged == pytest.approx(charge, rel=1e-12) and 3.0 * (1 - 2e-3) <= charged <= 3.0
+    # σ 0.1% smaller would be charged more than the target: σ is the smallest that meets it.
+    smaller = plan_run(load_config(mnist_job(tmp_path, noise_multiplier=plan.noise_multiplier * 0.999), {}))
+    assert AdmissionRule.for_budget(10.0, DELTA).epsilon(RdpTally.of(smaller.planned_events)) > 3.0
+    status, _, err = run(capsys, "ledger", "fits", "--config",
+                         mnist_job(tmp_path, noise_multiplier=1.0, target_epsilon_basis="filter"))
+    assert status == 2 and "give target_epsilon" in err

@@ -107,8 +107,8 @@ def test_the_ledger_on_postgresql_admits_charges_expires_and_verifies(cluster, c
         # Blocks and quotas: a job on two blocks is charged to both, within the tenant's quota.
         ledger.create_tenant("guest")
         ledger.create_dataset("acme/logs", 5.0, DELTA)
-        ledger.add_block("acme/logs", "d1", 3.0)
-        ledger.add_block("acme/logs", "d2", 3.0)
+        ledger.add_block("acme/logs", "d1", 3.0, data={"rows": [0, 500]})
+        ledger.add_block("acme/logs", "d2", 3.0, data={"rows": [500, 1000]})
         ledger.set_quota("acme/logs", "guest", 2.0)
         guest = tenant_caller("guest")
         assert not ledger.fits("acme/logs", STEP.with_steps(100_000), ["d1", "d2"], caller=guest).fits

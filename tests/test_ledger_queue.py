@@ -218,7 +218,7 @@ def test_a_job_on_blocks_waits_for_each_block_to_unlock_under_dpf(tmp_path):
     with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
         ledger.create_dataset("days", BUDGET, DELTA, scheduling=SchedulingPolicy("dpf", unlock_jobs=5))
         for block in ("d1", "d2"):
-            ledger.add_block("days", block, BUDGET)
+            ledger.add_block("days", block, BUDGET, data={"partition": {"column": "day", "value": block}})
         big = ledger.enqueue("days", "big", BIG, blocks=["d1", "d2"])  # one arrival on each block: 20% unlocked
         assert (big.state, big.reason) == (
             "queued", "block 'd1': needs 27.7% of the budget; 20.0% is unlocked and not held"

@@ -156,7 +156,7 @@ def test_metrics_text_holds_each_datasets_figures_by_tenant_and_bare_name(ledger
 def test_blocks_quotas_and_the_queue_show_on_the_page_and_in_the_metrics_as_the_status_has_them(ledger):
     ledger.create_dataset("acme/daily", 10.0, DELTA)
     for day in ("day-1", "day-2"):
-        ledger.add_block("acme/daily", day, 10.0)
+        ledger.add_block("acme/daily", day, 10.0, data={"partition": {"column": "day", "value": day}})
     ledger.set_quota("acme/daily", "globex", 0.5, block="day-1")
     held = ledger.reserve("acme/daily", "job-1", STEP.with_steps(100_000), blocks=["day-1"])
     ledger.commit(held.reservation_id, 300, 0)

@@ -26,6 +26,7 @@ and column where it applies.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import os
 import struct
@@ -100,7 +101,7 @@ def parse_spec(value: Any) -> str | dict:
         raise ValueError(f"dataset.format must be one of {', '.join(FORMATS)} (got {file_format!r})")
     allowed = _FORMAT_KEYS[file_format] | {"format", "train", "test", "num_classes", "name"}
     if file_format == "parquet":
-        allowed = allowed | {"blocks"}
+        allowed = allowed | {"blocks", "train_parts"}
     unknown = set(spec) - allowed
     if unknown:
         raise ValueError(
@@ -142,21 +143,73 @@ def parse_spec(value: Any) -> str | dict:
     return spec
 
 
-def _parse_blocks(value: Any) -> dict[str, str]:
-    """A Parquet dataset's blocks: { name = location of its training rows }, in the order given."""
+BLOCK_SELECTORS = ("rows", "partition", "user_hash", "user_range")
+USER_SELECTORS = ("user_hash", "user_range")
+
+
+def _parse_blocks(value: Any) -> dict[str, dict]:
+    """A Parquet dataset's blocks: { name = where its training rows are }, in the order given.
+
+    A block is a location (``"data/2026-11-01/"``) or a table with
+    ``files`` (a location or a list of them; default: the dataset's
+    ``train``) and at most one selector: ``rows = [FIRST, STOP]``,
+    ``partition = { column = "day", value = "2026-11-01" }``,
+    ``user_hash = { buckets = B, bucket = I }`` or ``user_range = [FIRST, STOP]``.
+    Each becomes the declaration the ledger stores for the block
+    ({"files": [...], selector: ...}), which a run's blocks must match.
+    """
     if not (isinstance(value, Mapping) and value):
         raise ValueError(
             f'dataset.blocks must be a table {{ "2026-11-01" = "data/2026-11-01/", ... }} of block names and the '
             f"locations of their training rows (got {value!r})"
         )
-    return {str(name): _location(f"dataset.blocks.{name}", location) for name, location in value.items()}
+    return {str(name): _block_declaration(f"dataset.blocks.{name}", where) for name, where in value.items()}
+
+
+def _block_declaration(key: str, value: Any) -> dict:
+    if not isinstance(value, Mapping):
+        return {"files": [_location(key, value)]}
+    unknown = set(value) - {"files", *BLOCK_SELECTORS}
+    selectors = [name for name in BLOCK_SELECTORS if name in value]
+    if unknown or len(selectors) > 1 or not value:
+        raise ValueError(
+            f"{key} takes files and at most one of {', '.join(BLOCK_SELECTORS)} (got {', '.join(sorted(value))})"
+        )
+    declaration = {}
+    if "files" in value:
+        files = [value["files"]] if isinstance(value["files"], str) else value["files"]
+        if not (isinstance(files, list) and files):
+            raise ValueError(f"{key}.files must be a location or a list of them (got {value['files']!r})")
+        declaration["files"] = sorted({_location(f"{key}.files", location) for location in files})
+    for selector in selectors:
+        chosen = value[selector]
+        if selector in ("rows", "user_range"):
+            if not (isinstance(chosen, list) and len(chosen) == 2 and all(isinstance(n, int) for n in chosen)
+                    and 0 <= chosen[0] < chosen[1]):
+                raise ValueError(f"{key}.{selector} must be [FIRST, STOP], integers with 0 <= FIRST < STOP "
+                                 f"(got {chosen!r})")
+            declaration[selector] = list(chosen)
+        elif selector == "partition":
+            if not (isinstance(chosen, Mapping) and set(chosen) == {"column", "value"}):
+                raise ValueError(f'{key}.partition must be {{ column = "COLUMN", value = VALUE }} (got {chosen!r})')
+            declaration[selector] = {"column": str(chosen["column"]), "value": str(chosen["value"])}
+        else:
+            if not (isinstance(chosen, Mapping) and set(chosen) == {"buckets", "bucket"}
+                    and all(isinstance(chosen[part], int) for part in chosen)
+                    and 0 <= chosen["bucket"] < chosen["buckets"]):
+                raise ValueError(f"{key}.user_hash must be {{ buckets = B, bucket = I }}, 0 <= I < B (got {chosen!r})")
+            declaration[selector] = {"buckets": chosen["buckets"], "bucket": chosen["bucket"]}
+    return declaration
 
 
 def select_blocks(spec: Mapping, blocks: Iterable[str]) -> dict:
     """The spec of a run on some blocks of a Parquet dataset: its training rows are those blocks' rows only.
 
-    ``train`` becomes the list of the chosen blocks' locations, in the
-    order given, so a source opened from it reads no other block's file.
+    When every chosen block is files alone, ``train`` becomes the list of
+    their locations, in the order given, so a source opened from it reads
+    no other block's file. Otherwise ``train_parts`` lists, per chosen
+    block, its files (the dataset's ``train`` where it names none) and its
+    selector, and the train split is those rows only (``open_source``).
     ``blocks`` stays, so that the spec reads back the same.
     """
     chosen = list(blocks)
@@ -167,7 +220,59 @@ def select_blocks(spec: Mapping, blocks: Iterable[str]) -> dict:
             f"blocks must name one or more of the dataset's blocks ({', '.join(known) or 'it has none'}); "
             f"unknown: {', '.join(missing) or 'none given'}"
         )
-    return {**spec, "train": [known[name] for name in chosen]}
+    if all(set(known[name]) == {"files"} for name in chosen):
+        return {**spec, "train": [location for name in chosen for location in known[name]["files"]]}
+    parts = []
+    for name in chosen:
+        if "files" not in known[name] and not isinstance(spec.get("train"), str):
+            raise ValueError(f"block {name} selects rows of the dataset's train location; give dataset.train")
+        parts.append({"block": name, "files": [spec["train"]], **known[name]} if "files" not in known[name]
+                     else {"block": name, **known[name]})
+    # `train` stays the dataset's own where it has one; else the chosen files, which checks of the split read.
+    return {"train": [location for part in parts for location in part["files"]], **spec, "train_parts": parts}
+
+
+def user_hash_buckets(user_ids: np.ndarray, buckets: int) -> np.ndarray:
+    """Each user id's hash bucket of ``buckets``: the first 8 bytes of SHA-256 of the id's text, big-endian, mod B.
+
+    The same for the same id on every machine, so that a block declared by
+    user id hash holds the same people wherever it is read.
+    """
+    return np.array(
+        [int.from_bytes(hashlib.sha256(str(user_id).encode()).digest()[:8], "big") % buckets for user_id in user_ids],
+        dtype=np.int64,
+    )
+
+
+def check_block_people(spec: Mapping, user_id: str | None) -> None:
+    """Refuse a run whose chosen blocks are declared by user id when a row's person falls outside its block.
+
+    Each block with ``user_hash`` or ``user_range`` must hold only the rows
+    of the people it declares; ``user_id`` is the column naming each row's
+    person (None: synthetic users, which no declaration by user id can match).
+    """
+    for part in spec.get("train_parts") or ():
+        selector = next((name for name in USER_SELECTORS if name in part), None)
+        if selector is None:
+            continue
+        if user_id is None:
+            raise DataError(f"block {part['block']} is declared by user id ({selector}); train it with user_id, the "
+                            "column naming each row's person, not synthetic_users")
+        ids = read_column({**spec, "train": part["files"], "train_parts": None}, "train", user_id)
+        if selector == "user_hash":
+            inside = user_hash_buckets(ids, part["user_hash"]["buckets"]) == part["user_hash"]["bucket"]
+        else:
+            numeric = np.issubdtype(ids.dtype, np.integer)
+            inside = (ids >= part["user_range"][0]) & (ids < part["user_range"][1]) if numeric else \
+                np.zeros(len(ids), dtype=bool)
+        if not inside.all():
+            row = int(np.flatnonzero(~inside)[0])
+            raise DataError(
+                f"block {part['block']}: row {row} of {', '.join(part['files'])} belongs to user "
+                f"{_scalar(ids[row])!r}, who is not in the block's declared people ({selector} {part[selector]}); a block declared by user id must "
+                "hold only its people's rows, so that no person is charged by two blocks. Move the row to its "
+                "person's block"
+            )
 
 
 def spec_name(spec: str | Mapping) -> str:
@@ -176,7 +281,8 @@ def spec_name(spec: str | Mapping) -> str:
         return spec
     if "name" in spec:
         return spec["name"]
-    train = spec["train"] if "train" in spec else list(spec["blocks"].values())
+    train = spec["train"] if "train" in spec else \
+        [location for block in spec["blocks"].values() for location in block.get("files", ())] or ["blocks"]
     if isinstance(train, list):
         train = train[0]
     return train if isinstance(train, str) else train["features"]
@@ -216,6 +322,12 @@ def open_source(spec: str | Mapping, split: str, data_root: str | None = None) -
         if spec in BUILTINS:
             return InMemorySource(*data.load_split(spec, split, data_root))
         return TorchDatasetSource(_datasets_of(spec)[SPLITS.index(split)])
+    if split == "train" and spec.get("train_parts"):
+        return SelectedRowsSource([
+            (source, _selected_rows(spec, part, source))
+            for part in spec["train_parts"]
+            for source in [open_source({**spec, "train": part["files"], "train_parts": None}, split)]
+        ])
     opener = {"parquet": ParquetSource, "csv": CsvSource, "npy": NumpySource, "npz": NumpySource,
               "imagefolder": ImageFolderSource}[spec["format"]]
     return opener(spec, split)
@@ -227,7 +339,7 @@ def source_size(spec: str | Mapping, split: str) -> int:
         if spec in BUILTINS:
             return data.dataset_size(spec, split)
         return len(_datasets_of(spec)[SPLITS.index(split)])
-    if spec["format"] == "csv":
+    if spec["format"] == "csv" and not (split == "train" and spec.get("train_parts")):
         return _csv_rows(spec, split)
     return len(open_source(spec, split))
 
@@ -236,6 +348,13 @@ def read_column(spec: str | Mapping, split: str, column: str) -> np.ndarray:
     """One column of a Parquet or CSV split, whole and in row order (a small per-row field, such as a user id)."""
     if isinstance(spec, str) or spec["format"] not in ("parquet", "csv"):
         raise DataError(f"{spec_name(spec)}: a column such as user_id can be read from Parquet or CSV tables only")
+    if split == "train" and spec.get("train_parts"):
+        columns = []
+        for part in spec["train_parts"]:
+            part_spec = {**spec, "train": part["files"], "train_parts": None}
+            columns.append(read_column(part_spec, split, column)[_selected_rows(spec, part, open_source(part_spec,
+                                                                                                         split))])
+        return np.concatenate(columns)
     suffixes = PARQUET_SUFFIXES if spec["format"] == "parquet" else (".csv",)
     filesystem, paths = _files_at(spec[split], suffixes)
     parts = []
@@ -273,6 +392,47 @@ class InMemorySource:
         """The rows at ``indices`` (a copy)."""
         selected = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         return self.inputs[selected], self.labels[selected]
+
+
+def _selected_rows(spec: Mapping, part: Mapping, source: ExampleSource) -> np.ndarray:
+    """The positions, in its files, of the rows a block's selector chooses (every row for a selector by user id)."""
+    if "rows" in part:
+        first, stop = part["rows"]
+        if stop > len(source):
+            raise DataError(f"block {part['block']}: rows [{first}, {stop}) run past the {len(source)} rows of "
+                            f"{', '.join(part['files'])}; declare a range within them")
+        return np.arange(first, stop, dtype=np.int64)
+    if "partition" in part:
+        column, value = part["partition"]["column"], part["partition"]["value"]
+        values = read_column({**spec, "train": part["files"], "train_parts": None}, "train", column)
+        return np.flatnonzero(values.astype(str) == value).astype(np.int64)
+    return np.arange(len(source), dtype=np.int64)
+
+
+class SelectedRowsSource:
+    """The rows some blocks select: for each (source, row positions) in turn, those rows of it, in that order."""
+
+    def __init__(self, parts: list[tuple[ExampleSource, np.ndarray]]) -> None:
+        self.parts = parts
+        self.starts = np.concatenate([[0], np.cumsum([len(rows) for _, rows in parts], dtype=np.int64)])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected rows at ``indices``: one read per part, put back in the order asked."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if not len(indices):
+            return _none_of(self.parts[0][0])
+        part_of = np.searchsorted(self.starts, indices, side="right") - 1
+        inputs, labels = [None] * len(indices), [None] * len(indices)
+        for part in np.unique(part_of):
+            chosen = np.flatnonzero(part_of == part)
+            source, rows = self.parts[part]
+            part_inputs, part_labels = source.read(rows[indices[chosen] - self.starts[part]])
+            for position, index in enumerate(chosen):
+                inputs[index], labels[index] = part_inputs[position], part_labels[position]
+        return torch.stack(inputs), torch.stack(labels)
 
 
 class PrefetchingSource:

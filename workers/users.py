@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workers.sources import read_column
+from workers.sources import check_block_people, read_column
 
 # The synthetic assignment is a fixed property of the data, the same on every worker and run.
 SYNTHETIC_USERS_SEED = 20181023
@@ -74,7 +74,13 @@ class UserSpec:
 
 
 def user_index(spec: UserSpec, dataset: str | Mapping, example_count: int) -> "UserIndex":
-    """The users of the first ``example_count`` training rows of ``dataset``."""
+    """The users of the first ``example_count`` training rows of ``dataset``.
+
+    Refuses (DataError) a run on blocks declared by user id whose rows hold
+    a person of another block (``check_block_people``).
+    """
+    if isinstance(dataset, Mapping):
+        check_block_people(dataset, spec.user_id)
     if spec.synthetic_users is not None:
         return UserIndex.of(synthetic_user_ids(example_count, spec.synthetic_users))
     return UserIndex.of(read_column(dataset, "train", spec.user_id)[:example_count])

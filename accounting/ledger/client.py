@@ -12,6 +12,7 @@ server answered becomes LedgerUnavailable.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 import grpc
 
@@ -225,9 +226,15 @@ class RemoteLedger:
         )
         return messages.reservation_from_proto(self._call("Reserve", request))
 
-    def add_block(self, dataset: str, block: str, epsilon: float, delta: float | None = None) -> DatasetStatus:
-        """Add a block with its own budget of `epsilon` at `delta` (default: the dataset's) to a dataset."""
-        request = self._request(pb.AddBlockRequest, dataset=dataset, block=block, epsilon=epsilon, delta=delta or 0.0)
+    def add_block(
+        self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None
+    ) -> DatasetStatus:
+        """Add a block with its own budget of `epsilon` at `delta` (default: the dataset's) to a dataset,
+        bound to the rows `data` declares (see core.check_block_data; the server checks it)."""
+        request = self._request(
+            pb.AddBlockRequest, dataset=dataset, block=block, epsilon=epsilon, delta=delta or 0.0,
+            data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",
+        )
         return messages.status_from_proto(self._call("AddBlock", request))
 
     def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:

@@ -162,12 +162,17 @@ def _budget_from_proto(message: pb.BlockStatus | pb.DatasetStatus) -> dict:
 
 def block_to_proto(block: BlockStatus) -> pb.BlockStatus:
     """A BlockStatus as its message."""
-    return pb.BlockStatus(name=block.name, **_budget_to_proto(block))
+    return pb.BlockStatus(
+        name=block.name, **_budget_to_proto(block),
+        data=json.dumps(block.data, sort_keys=True) if block.data is not None else "",
+    )
 
 
 def block_from_proto(message: pb.BlockStatus) -> BlockStatus:
     """Inverse of block_to_proto."""
-    return BlockStatus(name=message.name, **_budget_from_proto(message))
+    return BlockStatus(
+        name=message.name, **_budget_from_proto(message), data=json.loads(message.data) if message.data else None
+    )
 
 
 def quota_to_proto(quota: QuotaStatus) -> pb.QuotaStatus:

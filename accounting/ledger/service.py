@@ -205,7 +205,8 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def AddBlock(self, request: pb.AddBlockRequest, caller: Caller) -> pb.DatasetStatus:
         """Add a block with its own budget to a dataset (its owner or an admin)."""
         status = self._ledger.add_block(
-            request.dataset, request.block, request.epsilon, request.delta or None, caller=caller
+            request.dataset, request.block, request.epsilon, request.delta or None, request.data or None,
+            caller=caller,
         )
         return messages.status_to_proto(status)
 

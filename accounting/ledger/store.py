@@ -84,9 +84,11 @@ from accounting.ledger.core import (
     Unauthenticated,
     Verification,
     assess_admission,
+    block_data_overlap,
     budget_figures,
     canonical,
     charged_plan,
+    check_block_data,
     check_block_names,
     check_budget_epsilon,
     check_delta,
@@ -122,7 +124,7 @@ from accounting.ledger.core import (
 from accounting.ledger.databases import Connection, Database, open_database
 from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
@@ -193,6 +195,7 @@ _TABLES = (
         block TEXT,
         scheduling TEXT NOT NULL DEFAULT '{fcfs}',
         arrived_jobs {integer} NOT NULL DEFAULT 0,
+        block_data TEXT,
         UNIQUE (tenant, name)
     )""",
     """CREATE TABLE reservations (
@@ -251,7 +254,7 @@ def _formatted(statement: str, database: Database) -> str:
 
 _DATASET_COLUMNS = (
     "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit, "
-    "block_of, block, scheduling, arrived_jobs, created_at"
+    "block_of, block, scheduling, arrived_jobs, created_at, block_data"
 )
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
@@ -286,6 +289,7 @@ class _DatasetRow(NamedTuple):
     scheduling: str
     arrived_jobs: int
     created_at: str
+    block_data: str | None
 
 
 def _count_released_jobs(connection: Connection, caller: Caller, database: Database) -> None:
@@ -382,6 +386,17 @@ def _add_queues(connection: Connection, caller: Caller, database: Database) -> N
         connection.execute(_formatted(statement, database))
 
 
+def _declare_block_data(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 7: each block declares where its rows are (`block_data`, JSON; see core.check_block_data).
+
+    A block of an older file declared nothing, so nothing shows which rows
+    it holds: it keeps its history and its active reservations, admits no
+    new job (the dataset's new blocks each declare their data), and `verify`
+    counts it as sharing rows with every other block of its dataset.
+    """
+    connection.execute("ALTER TABLE datasets ADD COLUMN block_data TEXT")
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
 _MIGRATIONS = {
     2: _count_released_jobs,
@@ -389,6 +404,7 @@ _MIGRATIONS = {
     4: _add_privacy_units,
     5: _add_blocks_and_quotas,
     6: _add_queues,
+    7: _declare_block_data,
 }
 
 
@@ -734,6 +750,14 @@ class Ledger:
                 f"dataset {reference!r} has no block {', '.join(map(repr, missing))}; its blocks are "
                 f"{', '.join(by_name) or 'none'} (dpfleet ledger block add creates one)"
             )
+        undeclared = [block for block in blocks if by_name[block].block_data is None]
+        if undeclared and new_job:
+            raise FailedPrecondition(
+                f"block {', '.join(map(repr, undeclared))} of dataset {reference!r} was added before blocks declared "
+                "where their rows are, so nothing shows it owns them alone: it takes no new job. Train on blocks "
+                "that declare their data (dpfleet ledger block add ... --files/--rows/--partition/--user-hash/"
+                "--user-range)"
+            )
         return [by_name[block] for block in blocks]
 
     @staticmethod
@@ -905,7 +929,9 @@ class Ledger:
             jobs=tuple(self._reservation(caller, job) for job in jobs),
             released_jobs=row.released_jobs,
             blocks=tuple(
-                BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending)) for block in blocks
+                BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending),
+                            data=json.loads(block.block_data) if block.block_data else None)
+                for block in blocks
             ),
             quotas=self._quota_statuses(row, blocks, uses),
             privacy_unit=row.privacy_unit,
@@ -1031,6 +1057,14 @@ class Ledger:
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
             check_new_budget(dataset, _rule(row), epsilon, RdpTally.from_json(row.held_rdp))
+            (largest_block,) = connection.execute(
+                "SELECT MAX(budget_epsilon) FROM datasets WHERE block_of = ?", (row.dataset_id,)
+            ).fetchone()
+            if largest_block is not None and epsilon < largest_block:
+                raise FailedPrecondition(
+                    f"dataset {dataset!r} has a block of ε {largest_block:g}; its budget, the most any row or person "
+                    f"of it may spend, cannot be below that (got ε {epsilon:g}). Choose at least ε {largest_block:g}"
+                )
             connection.execute("UPDATE datasets SET budget_epsilon = ? WHERE id = ?", (epsilon, row.dataset_id))
             self._record(
                 connection, caller, "raise_budget", row.tenant, row.dataset_id,
@@ -1040,13 +1074,21 @@ class Ledger:
         return self._status(caller, rows)
 
     def add_block(
-        self, dataset: str, block: str, epsilon: float, delta: float | None = None, *, caller: Caller | None = None
+        self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None,
+        *, caller: Caller | None = None,
     ) -> DatasetStatus:
         """Add a block (a part of the dataset's data, e.g. one day's) with its own budget of `epsilon` at `delta`.
 
-        `delta` defaults to the dataset's; the block protects the dataset's privacy unit. The dataset's owner or an admin
-        may add one. Jobs on the dataset then name the blocks they train on,
-        and each is charged in full to every block it names.
+        `data` declares where the block's rows are (`check_block_data`); a
+        declaration that may share a row (or, on a per-person dataset, a
+        person) with another block's is refused, so each unit is in one
+        block at most and its guarantee is that block's budget. The block's
+        (epsilon, delta) is at most the dataset's, and a dataset whose own
+        budget was charged (its jobs read every row) takes no block.
+        `delta` defaults to the dataset's; the block protects the dataset's
+        privacy unit. The dataset's owner or an admin may add one. Jobs on
+        the dataset then name the blocks they train on, and each is charged
+        in full to every block it names.
         """
         caller = self._caller(caller)
         check_name("block name", block)
@@ -1054,27 +1096,63 @@ class Ledger:
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
             delta = row.delta if delta is None else check_delta(delta)
+            data = check_block_data(data, row.privacy_unit)
+            self._check_new_block(connection, dataset, row, block, epsilon, delta, data)
             rule = AdmissionRule.for_budget(epsilon, delta)
             try:
                 (block_id,) = connection.execute(
                     "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule, privacy_unit, block_of, block) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                    "created_at, admission_rule, privacy_unit, block_of, block, block_data) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                     (
                         # ':' is in no dataset name, so a block's row never takes a dataset's name.
                         row.tenant, f"{row.name}:{block}", epsilon, delta, RdpTally.zero().to_json(),
                         Composition().to_json(), _now(), json.dumps(rule.to_dict()), row.privacy_unit,
-                        row.dataset_id, block,
+                        row.dataset_id, block, json.dumps(data, sort_keys=True),
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
                 raise AlreadyExists(f"dataset {dataset!r} already has a block {block!r}; choose another name") from None
             self._record(
                 connection, caller, "add_block", row.tenant, block_id,
-                {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta, "admission": rule.to_dict()},
+                {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta, "admission": rule.to_dict(),
+                 "data": data},
             )
             rows = self._status_rows(connection, caller, row)
         return self._status(caller, rows)
+
+    @staticmethod
+    def _check_new_block(
+        connection: Connection, reference: str, row: _DatasetRow, block: str, epsilon: float, delta: float, data: dict
+    ) -> None:
+        """Refuse a block whose budget exceeds the dataset's, whose data may meet another block's, or on a dataset
+        whose own budget was charged."""
+        if epsilon > row.budget_epsilon or delta > row.delta:
+            raise InvalidArgument(
+                f"block {block!r} asks for ε {epsilon:g} at δ={delta:g}, above dataset {reference!r}'s budget of "
+                f"ε {row.budget_epsilon:g} at δ={row.delta:g}: each unit's guarantee is its block's, and the "
+                "dataset's budget is what it promises. Choose at most the dataset's ε and δ, or ask an admin to "
+                "raise the budget"
+            )
+        if RdpTally.from_json(row.held_rdp) != RdpTally.zero() or connection.execute(
+            "SELECT 1 FROM queued_jobs WHERE dataset_id = ? AND state = ? AND blocks = '[]' LIMIT 1",
+            (row.dataset_id, QUEUED),
+        ).fetchone():
+            raise FailedPrecondition(
+                f"dataset {reference!r} has jobs on its own budget, which read every row, so no block of it could "
+                "own its rows alone; add blocks only to a dataset before its first job (create a new dataset for "
+                "the data you want in blocks)"
+            )
+        for other, other_data in connection.execute(
+            "SELECT block, block_data FROM datasets WHERE block_of = ? ORDER BY block", (row.dataset_id,)
+        ).fetchall():
+            reason = block_data_overlap(json.loads(other_data) if other_data else None, data, row.privacy_unit)
+            if reason is not None:
+                raise FailedPrecondition(
+                    f"block {block!r} may hold data of block {other!r} of dataset {reference!r} ({reason}); a block "
+                    "owns its data alone, so that no row or person is charged by two budgets. Declare data that "
+                    "no other block declares"
+                )
 
     def set_quota(
         self, dataset: str, tenant: str, epsilon: float, block: str | None = None, *, caller: Caller | None = None
@@ -1730,6 +1808,12 @@ class Ledger:
                 enumerate(waiting):
             blocks = tuple(json.loads(blocks))
             budgets = self._budget_rows(connection, row, blocks, reference)
+            if any(budget.block is not None and budget.block_data is None for budget in budgets):
+                # Queued before its blocks had to declare their data: like a new job, it is not admitted there.
+                undeclared = "a block it names declared no data, so it takes no new job; cancel it"
+                if reason != undeclared:
+                    connection.execute("UPDATE queued_jobs SET reason = ? WHERE id = ?", (undeclared, queue_id))
+                continue
             plan = Composition.from_json(planned)
             tally = RdpTally.of(plan)
             demand = {}
@@ -1856,6 +1940,7 @@ class Ledger:
                 committed_events=Composition.from_json(row.committed_events),
                 block_of=row.block_of,
                 block=row.block,
+                data=json.loads(row.block_data) if row.block_data else None,
             )
             for row in rows
         ]

@@ -267,10 +267,49 @@ def run_block_add(args: argparse.Namespace) -> int:
     """Add a block with its own budget to a dataset."""
     epsilon = checks.positive_number("--epsilon", args.epsilon)
     delta = None if args.delta is None else checks.open_unit_interval("--delta", args.delta)
+    data = block_data(args.files, args.rows, args.partition, args.user_hash, args.user_range)
     with ledger_from_flags(args) as ledger:
-        status = ledger.add_block(args.dataset, args.name, epsilon, delta)
+        status = ledger.add_block(args.dataset, args.name, epsilon, delta, data)
     _print_statuses([status], args.json)
     return 0
+
+
+def block_data(
+    files: list[str] | None, rows: str | None, partition: str | None, user_hash: str | None, user_range: str | None
+) -> dict:
+    """A block's declaration of where its rows are, from `block add`'s flags; local paths become absolute,
+    as a training config's locations do, so that the two compare equal."""
+    data: dict = {}
+    if files:
+        data["files"] = [location if "://" in location else os.path.abspath(os.path.expanduser(location))
+                         for location in files]
+    if rows is not None:
+        data["rows"] = _integer_range("--rows", rows)
+    if user_range is not None:
+        data["user_range"] = _integer_range("--user-range", user_range)
+    if partition is not None:
+        column, equals, value = partition.partition("=")
+        if not (column and equals):
+            raise UsageError(f"--partition must be COLUMN=VALUE, e.g. day=2026-11-23 (got {partition!r})")
+        data["partition"] = {"column": column, "value": value}
+    if user_hash is not None:
+        bucket, slash, buckets = user_hash.partition("/")
+        if not (slash and bucket.isdigit() and buckets.isdigit()):
+            raise UsageError(f"--user-hash must be BUCKET/BUCKETS, e.g. 3/16 (got {user_hash!r})")
+        data["user_hash"] = {"buckets": int(buckets), "bucket": int(bucket)}
+    if not data:
+        raise UsageError(
+            "a block declares where its rows are: give --files, and/or one of --rows, --partition, --user-hash "
+            "or --user-range"
+        )
+    return data
+
+
+def _integer_range(flag: str, value: str) -> list[int]:
+    first, colon, stop = value.partition(":")
+    if not (colon and first.isdigit() and stop.isdigit()):
+        raise UsageError(f"{flag} must be FIRST:STOP, a half-open range of integers >= 0, e.g. 0:1000 (got {value!r})")
+    return [int(first), int(stop)]
 
 
 @ledger_command

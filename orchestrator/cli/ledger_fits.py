@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 
+from accounting.accountants import get_accountant, labelled_epsilon
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.cli.ledger import ledger_command, ledger_from_flags
-from orchestrator.cli.train import ledger_dataset_name
+from orchestrator.cli.train import block_declarations, ledger_dataset_name
 from orchestrator.config import load_config
+from orchestrator.ledger_session import check_declared_blocks, filter_basis, filter_charges
 from orchestrator.trainer import plan_run
 
 
@@ -19,15 +21,22 @@ from orchestrator.trainer import plan_run
 def run_fits(args: argparse.Namespace) -> int:
     """Say whether a training config's job would be admitted now, what it costs and what would remain."""
     config = load_config(args.config, {})
-    plan = plan_run(config)
     dataset = ledger_dataset_name(args, config)
     # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
     args.ledger = args.ledger or config.ledger
     with ledger_from_flags(args) as ledger:
-        planned, privacy_unit, rows_per_person = plan.ledger_plan(ledger.get_budget(dataset).privacy_unit)
+        status = ledger.get_budget(dataset, pld_may_be_pending=True)
+        check_declared_blocks(status, config.blocks, block_declarations(config))
+        plan = plan_run(config, charge_epsilon=filter_basis(ledger, dataset, config.blocks)
+                        if config.target_epsilon_basis == "filter" else None)
+        planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
         report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+    charges = filter_charges(plan, status, config.blocks)
+    epsilon, shown = labelled_epsilon(get_accountant(config.accountant), plan.planned_events, config.delta)
     if args.json:
-        print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate})
+        print_json({**report.to_dict(), "steps": plan.steps, "sampling_rate": plan.sampling_rate,
+                    "noise_multiplier": plan.noise_multiplier, "epsilon": epsilon, "epsilon_accountant": shown,
+                    "filter_charges": [{"budget": name, "filter_epsilon": charge} for name, charge in charges]})
     else:
         rows = [
             [check.budget, check.budget_epsilon, check.held_epsilon, check.needed_epsilon, check.remaining_epsilon,
@@ -39,7 +48,10 @@ def run_fits(args: argparse.Namespace) -> int:
         ))
         verdict = "fits" if report.fits else "does not fit"
         print(
-            f"\nthe job ({plan.steps} steps at q = {format_number(plan.sampling_rate)}) {verdict} now; nothing was "
-            "reserved. ε are the filters' at each budget's δ; another job may change the answer before this one runs."
+            f"\nthe job ({plan.steps} steps at q = {format_number(plan.sampling_rate)}, σ "
+            f"{format_number(plan.noise_multiplier)}) {verdict} now; nothing was reserved. ε are the filters' at "
+            "each budget's δ; another job may change the answer before this one runs.\n"
+            f"charged filter ε {', '.join(f'{format_number(charge)} on {name}' for name, charge in charges)}; the "
+            f"run's ε {format_number(epsilon)} ({shown}, delta={config.delta:g})"
         )
     return 0 if report.fits else 3

@@ -119,6 +119,21 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     block_add.add_argument("name", help="block name: 1-128 letters, digits, '.', '_' or '-' (e.g. 2026-11-23)")
     block_add.add_argument("--epsilon", required=True, help="the block's budget epsilon, > 0")
     block_add.add_argument("--delta", help="the block's budget delta, in (0, 1) (default: the dataset's)")
+    block_add.add_argument(
+        "--files", nargs="+", metavar="LOCATION",
+        help="where the block's rows are: files or folders (local paths are made absolute); no other block may "
+             "name one of them or a folder holding one",
+    )
+    block_add.add_argument("--rows", metavar="FIRST:STOP",
+                           help="the rows FIRST to STOP-1, in the order the block's files are read")
+    block_add.add_argument("--partition", metavar="COLUMN=VALUE", help="the rows whose COLUMN is VALUE")
+    block_add.add_argument(
+        "--user-hash", metavar="BUCKET/BUCKETS",
+        help="the rows of the people whose user id hashes to BUCKET of BUCKETS (SHA-256 of the id's text); a "
+             "per-person dataset's blocks are declared by user id",
+    )
+    block_add.add_argument("--user-range", metavar="FIRST:STOP",
+                           help="the rows of the people with integer user ids FIRST to STOP-1")
     _add_client_flags(block_add)
     block_add.set_defaults(handler=_HANDLERS + "run_block_add")
 

@@ -7,12 +7,22 @@ import re
 import sys
 import textwrap
 
+from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from orchestrator import checks
 from orchestrator.config import GROUPS, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
-from orchestrator.ledger_session import JobLedger, ensure_embedded_dataset, is_embedded, new_job_id, open_ledger
+from orchestrator.ledger_session import (
+    JobLedger,
+    check_declared_blocks,
+    ensure_embedded_dataset,
+    filter_basis,
+    filter_charges,
+    is_embedded,
+    new_job_id,
+    open_ledger,
+)
 from orchestrator.membership import membership_report
 from orchestrator.trainer import Trainer, resume_trainer
 from workers.sources import read_first, spec_name
@@ -101,7 +111,16 @@ def run_train(args: argparse.Namespace) -> int:
                 {"workers": args.workers, "epochs": args.epochs, "steps": args.steps,
                  "run_dir": args.run_dir, "seed": args.seed},
             )
-            trainer = Trainer(config, **options)
+            charge_epsilon = None
+            if config.target_epsilon_basis == "filter":
+                ledger = open_ledger(args.ledger or config.ledger, args.token)
+                try:
+                    dataset = ledger_dataset_name(args, config)
+                    register_embedded(ledger, dataset, config, print)
+                    charge_epsilon = filter_basis(ledger, dataset, config.blocks)
+                finally:
+                    ledger.close()
+            trainer = Trainer(config, charge_epsilon=charge_epsilon, **options)
     except ValueError as error:
         raise UsageError(str(error)) from None
     config = trainer.config
@@ -187,6 +206,11 @@ def ledger_dataset_name(args: argparse.Namespace, config) -> str:
     return args.dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
 
 
+def block_declarations(config) -> dict:
+    """Where the config says each block's rows are (its [dataset.blocks]), by block name."""
+    return dict(config.dataset.get("blocks") or {}) if isinstance(config.dataset, dict) else {}
+
+
 def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
@@ -196,9 +220,10 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     if trainer.resumed_reservation_id is not None:
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
-    if is_embedded(ledger):
-        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
-                                config.blocks)
+    register_embedded(ledger, dataset, config, say)
+    if config.blocks:
+        check_declared_blocks(ledger.get_budget(dataset, pld_may_be_pending=True), config.blocks,
+                              block_declarations(config))
     job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
     if args.wait_for_budget:
         job = JobLedger.wait_for_budget(
@@ -211,5 +236,22 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
             ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease, config.blocks
         )
     on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
-    say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r}{on_blocks} (reservation {job.reservation_id})")
+    say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r}{on_blocks} (reservation {job.reservation_id}); "
+        f"{charge_line(trainer, job.status(), config.blocks)}")
     return job
+
+
+def charge_line(trainer: Trainer, status, blocks: tuple[str, ...]) -> str:
+    """What the job is charged, in the filter's ε at each budget, beside its ε by the run's accountant."""
+    config = trainer.config
+    charges = ", ".join(f"{epsilon:.4g} on {name}" for name, epsilon in filter_charges(trainer.plan, status, blocks))
+    epsilon, shown = labelled_epsilon(trainer.accountant, trainer.plan.planned_events, config.delta)
+    return (f"charged filter ε {charges} (at the budget's δ); the run's ε {epsilon:.4g} ({shown}, "
+            f"delta={config.delta:g})")
+
+
+def register_embedded(ledger, dataset: str, config, say) -> None:
+    """In the embedded ledger, register the dataset and its chosen blocks on first use."""
+    if is_embedded(ledger):
+        ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
+                                config.blocks, block_declarations(config))
