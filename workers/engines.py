@@ -71,7 +71,7 @@ from workers.layer_rules import (
 )
 from workers.losses import per_example_losses
 from workers.models import flat_parameters
-from workers.validation import UnsupportedModuleError, keeps_buffers
+from workers.validation import UnsupportedModuleError, keeps_buffers, unchanged_buffers
 from workers.vmap_engine import per_example_clipped_sum
 
 
@@ -517,6 +517,7 @@ def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn
     weights = flat_parameters(model)
     if not weights.numel():
         return
+    _refuse_buffer_writes(model, schema)
     if engine == "fast":
         settle_plan(model, weights, schema, loss_fn)
         return
@@ -536,6 +537,25 @@ def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn
     if unchecked is not None:
         warnings.warn(f"vmap clipping engine: whether this model mixes examples is not checked: {unchecked}; "
                       "each example's gradient is computed alone", stacklevel=2)
+
+
+def _refuse_buffer_writes(model: nn.Module, schema: ExampleSchema) -> None:
+    """Refuse, naming each buffer, a model whose training forward pass on synthetic examples writes a buffer.
+
+    A buffer written in training would learn from private batches, so the
+    refusal comes first, before any check that the write could confuse.
+    """
+    random_state = _random_state()
+    try:
+        inputs, _ = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
+        with unchanged_buffers(model), torch.no_grad():
+            model(inputs)
+    except UnsupportedModuleError:
+        raise
+    except Exception:  # noqa: BLE001 - a forward pass that fails here fails again, and is reported, in the checks
+        pass
+    finally:
+        _restore_random_state(random_state)
 
 
 @clipping.in_ieee_float32
