@@ -1,5 +1,7 @@
 """Every data-source format on small files made here: reads by index, sizes from metadata, one-line checks."""
 
+import os
+import stat
 import threading
 import time
 
@@ -147,12 +149,17 @@ def test_npz_members_are_read_in_place_and_compressed_ones_refused(tmp_path):
         open_source(table_spec("npz", tmp_path / "c.npz", features="x", label="y"), "train")
 
 
-def test_csv_is_streamed_into_a_memory_map(tmp_path):
+def test_csv_is_streamed_into_a_memory_map_of_unnamed_owner_only_files(tmp_path):
     table = pa.table({**{f"x{i}": FEATURES[:, i] for i in range(WIDTH)}, "label": LABELS})
     pa_csv.write_csv(table, tmp_path / "t.csv")
     spec = table_spec("csv", tmp_path / "t.csv")
     assert_reads(spec)
-    assert isinstance(open_source(spec, "train").features, np.memmap)
+    source = open_source(spec, "train")
+    assert isinstance(source.features, np.memmap)
+    # The copy of the rows has no name (no link to it from any folder) and only its owner may read it.
+    for copy in (source._feature_file, source._label_file):
+        status = os.fstat(copy.fileno())
+        assert status.st_nlink == 0 and stat.S_IMODE(status.st_mode) == 0o600
 
 
 def test_image_folder_in_torchvision_layout(tmp_path):

@@ -33,7 +33,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import fsspec
 import numpy as np
@@ -551,6 +551,20 @@ def _parquet_file(filesystem: pa_fs.FileSystem, path: str) -> pq.ParquetFile:
 # --- CSV ------------------------------------------------------------------------------
 
 
+def private_scratch_file() -> IO[bytes]:
+    """An open, unnamed file for a copy of training data, readable and writable by this process only.
+
+    On Linux it is made with O_TMPFILE and never has a name; elsewhere it is
+    unlinked as soon as it is made, before anything is written to it. Either
+    way nothing can open it from the filesystem, and the kernel frees its
+    blocks when the last descriptor or memory map goes, which a SIGKILL of
+    the process does too: no copy outlives the process, and there is nothing
+    to clean up after a crash. Its mode is 0600.
+    """
+    return tempfile.TemporaryFile(prefix="dpfleet-csv-")
+
+
+
 def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row number, batch) over one CSV file; unreadable CSV (a row with the wrong number of fields) raises
     DataError quoting pyarrow's message, which names the row."""
@@ -591,32 +605,34 @@ class CsvSource:
     """A split stored as CSV (one file or a directory of them), parsed by pyarrow.
 
     CSV has no random access, so the worker converts it once, streaming, into
-    memory-mapped NumPy arrays in a temporary directory and reads those.
+    memory-mapped NumPy arrays and reads those. The arrays live in unnamed
+    files (``private_scratch_file``): the copy of the training rows is never
+    reachable by a path, and the kernel frees it when the worker's process
+    ends, however it ends (Ray stops workers with SIGKILL).
     """
 
     def __init__(self, spec: Mapping, split: str) -> None:
         filesystem, paths = _files_at(spec[split], (".csv",))
         label = spec.get("label", "label")
         self.shape = spec.get("shape")
-        self.directory = tempfile.TemporaryDirectory(prefix="dpfleet-csv-")
-        feature_path = os.path.join(self.directory.name, "features")
-        label_path = os.path.join(self.directory.name, "labels")
+        self._feature_file, self._label_file = private_scratch_file(), private_scratch_file()
         rows, row_layout = 0, None
-        with open(feature_path, "wb") as feature_file, open(label_path, "wb") as label_file:
-            for path in paths:
-                for _, batch in _csv_batches(path, filesystem):
-                    columns, _ = _check_schema(spec, batch.schema, path)
-                    features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
-                    features, labels = _feature_array(features), _label_array(labels)
-                    row_layout = row_layout or (features.dtype, features.shape[1:], labels.dtype)
-                    feature_file.write(features.tobytes())
-                    label_file.write(labels.tobytes())
-                    rows += len(labels)
+        for path in paths:
+            for _, batch in _csv_batches(path, filesystem):
+                columns, _ = _check_schema(spec, batch.schema, path)
+                features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
+                features, labels = _feature_array(features), _label_array(labels)
+                row_layout = row_layout or (features.dtype, features.shape[1:], labels.dtype)
+                self._feature_file.write(features.tobytes())
+                self._label_file.write(labels.tobytes())
+                rows += len(labels)
         if not rows:
             raise DataError(f"{spec[split]}: no rows under the CSV header; write examples into it")
+        self._feature_file.flush()
+        self._label_file.flush()
         feature_dtype, row_shape, label_dtype = row_layout
-        self.features = np.memmap(feature_path, dtype=feature_dtype, mode="r", shape=(rows, *row_shape))
-        self.labels = np.memmap(label_path, dtype=label_dtype, mode="r", shape=(rows,))
+        self.features = np.memmap(self._feature_file, dtype=feature_dtype, mode="r", shape=(rows, *row_shape))
+        self.labels = np.memmap(self._label_file, dtype=label_dtype, mode="r", shape=(rows,))
 
     def __len__(self) -> int:
         return len(self.labels)
