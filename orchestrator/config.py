@@ -592,8 +592,9 @@ def check_people_within_bound(config: TrainConfig) -> None:
     """At example level with max_examples_per_user, refuse data in which a person owns more rows than that.
 
     Reads the people (the user_id column, or the synthetic assignment), never
-    a feature or label: like N, how many rows a person owns is treated as
-    public structure.
+    a feature or label. The refusal does not say how many rows the largest
+    person owns, which is the data's and not the analyst's to know; its
+    ``with_values`` does, for the data's owners (``--show-values``).
     """
     bound = rows_per_person(config)
     if bound is None:
@@ -602,11 +603,17 @@ def check_people_within_bound(config: TrainConfig) -> None:
         largest = user_index(UserSpec(config.user_id, config.synthetic_users), config.dataset,
                              training_set_size(config)).largest_user()
     except (DataError, ValueError) as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error), getattr(error, "with_values", None)) from None
     if largest > bound:
-        raise UsageError(f"max_examples_per_user = {bound} bounds every person's rows at example level, but one "
-                         f"person owns {largest} rows of the training data; set it to at least {largest}, keep at "
-                         "most that many rows a person in the data, or train with privacy_unit = \"user\"")
+        # How many rows the largest person owns is the data's, not the analyst's: quoted only with --show-values.
+        raise UsageError(
+            f"max_examples_per_user = {bound} bounds every person's rows at example level, but a person owns more "
+            f"rows of the training data; raise it, keep at most {bound} rows a person in the data, or train with "
+            "privacy_unit = \"user\"",
+            f"max_examples_per_user = {bound} bounds every person's rows at example level, but one person owns "
+            f"{largest} rows of the training data; set it to at least {largest}, keep at most that many rows a "
+            "person in the data, or train with privacy_unit = \"user\"",
+        )
 
 
 def rows_per_person(config: TrainConfig) -> int | None:
@@ -763,7 +770,7 @@ def training_set_size(config: TrainConfig) -> int:
     try:
         full = source_size(config.dataset, "train")
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error), getattr(error, "with_values", None)) from None
     if config.train_subset is not None and config.train_subset > full:
         raise UsageError(
             f"train_subset must be <= {full} for {spec_name(config.dataset)} (got {config.train_subset})"
@@ -783,7 +790,7 @@ def sampled_unit_count(config: TrainConfig) -> int:
     try:
         return user_index(user_spec(config), config.dataset, training_set_size(config)).user_count
     except (DataError, ValueError) as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error), getattr(error, "with_values", None)) from None
 
 
 def user_spec(config: TrainConfig) -> UserSpec | None:

@@ -448,7 +448,7 @@ class Trainer:
             for split in SPLITS:
                 check_source(config.dataset, split, full, num_classes)
         except DataError as error:
-            raise UsageError(str(error)) from None
+            raise UsageError(str(error), error.with_values) from None
 
     @property
     def step(self) -> int:

@@ -115,8 +115,8 @@ def test_a_bad_file_is_one_line_and_exit_status_2_before_any_worker(tmp_path, ca
                                     f'test = "{tmp_path / "test.parquet"}"\nshape = [1, 28, 28]\n')
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"dpfleet train: error: {tmp_path / 'train.parquet'}: row 23, column 'features': 700 values, "
-                   "expected 784; every example needs the same number of features")
+    assert err == (f"dpfleet train: error: {tmp_path / 'train.parquet'}: row 23, column 'features': not 784 values; "
+                   "every example needs the same number of features")
 
 
 def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
@@ -129,6 +129,10 @@ def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
     config = write_config(tmp_path, f'[dataset]\nformat = "npy"\ntrain = {files}\ntest = {files}\n'
                                     'shape = [1, 28, 28]\n')
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label outside 0..9 (num_classes 10)")
+    # The data's owner may ask for the value.
+    assert main(["train", "--config", str(config), "--no-progress", "--show-values"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label 10 is outside 0..9 "
         "(num_classes 10)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import re
 import struct
 import tempfile
 import zipfile
@@ -63,7 +64,16 @@ _IMAGE_MODES = ("L", "RGB", "RGBA")
 
 
 class DataError(ValueError):
-    """A data file that cannot be trained on; the message is one line naming the file (row, column)."""
+    """A data file that cannot be trained on: one line naming the file (row, column) and the rule it breaks.
+
+    The message never quotes a value from the data: whoever runs a job may
+    not be the data's owner. ``with_values`` is the same line quoting the
+    offending value, for the data's owners (``dpfleet train --show-values``).
+    """
+
+    def __init__(self, message: str, with_values: str | None = None) -> None:
+        super().__init__(message)
+        self.with_values = with_values or message
 
 
 class ExampleSource(Protocol):
@@ -565,15 +575,28 @@ def private_scratch_file() -> IO[bytes]:
 
 
 
+# The parts of pyarrow's CSV errors that quote the file's contents: the text of a row, a field's value.
+_CSV_QUOTED_CONTENT = (re.compile(r"(Expected \d+ columns, got \d+): .*"), re.compile(r"(invalid value) '.*'"))
+
+
+def _csv_error(path: str, error: pa.ArrowInvalid) -> DataError:
+    """Unreadable CSV, as pyarrow words it (it names the row), without the row's text or a field's value."""
+    problem = str(error).splitlines()[0]
+    unquoted = problem
+    for pattern in _CSV_QUOTED_CONTENT:
+        unquoted = pattern.sub(r"\1", unquoted)
+    return DataError(f"{path}: not readable as CSV ({unquoted})", f"{path}: not readable as CSV ({problem})")
+
+
 def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row number, batch) over one CSV file; unreadable CSV (a row with the wrong number of fields) raises
-    DataError quoting pyarrow's message, which names the row."""
+    DataError with pyarrow's message, which names the row (``_csv_error``)."""
     with filesystem.open_input_stream(path) as stream:
         try:
             # One thread, so pyarrow's row numbers count from the top of the file.
             reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False))
         except pa.ArrowInvalid as error:
-            raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
+            raise _csv_error(path, error) from None
         first_row = 0
         while True:
             try:
@@ -581,7 +604,7 @@ def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int,
             except StopIteration:
                 return
             except pa.ArrowInvalid as error:
-                raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
+                raise _csv_error(path, error) from None
             yield first_row, batch
             first_row += batch.num_rows
 
@@ -911,8 +934,8 @@ def _check_images(spec: Mapping, split: str, full: bool, num_classes: int | None
             raise DataError(f"{path}: not a readable image ({error})") from None
         first_size = first_size or (size, path)
         if size != first_size[0]:
-            raise DataError(f"{path}: {size[0]}x{size[1]} pixels, expected {first_size[0][0]}x{first_size[0][1]} "
-                            f"(as {first_size[1]}); every image must have the same size")
+            expected = f"{first_size[0][0]}x{first_size[0][1]} (as {first_size[1]}); every image must have the same size"
+            raise DataError(f"{path}: not {expected}", f"{path}: {size[0]}x{size[1]} pixels, expected {expected}")
     return len(examples)
 
 
@@ -940,9 +963,12 @@ def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list
         wrong = np.flatnonzero(lengths != expected_length)
         if len(wrong):
             row = int(wrong[0])
-            found = "null" if lengths[row] < 0 else f"{lengths[row]} values"
-            raise DataError(f"{path}: row {first_row + row}, column {columns[0]!r}: {found}, expected "
-                            f"{expected_length}; every example needs the same number of features")
+            where = f"{path}: row {first_row + row}, column {columns[0]!r}"
+            rule = "every example needs the same number of features"
+            if lengths[row] < 0:
+                raise DataError(f"{where}: null, expected {expected_length} values; {rule}")
+            raise DataError(f"{where}: not {expected_length} values; {rule}",
+                            f"{where}: {lengths[row]} values, expected {expected_length}; {rule}")
         names = columns * (expected_length or 0)
     else:
         names = columns
@@ -963,14 +989,16 @@ def _check_values(feature_file: str, label_file: str, first_row: int, features: 
         bad = np.argwhere(~np.isfinite(features))
         if len(bad):
             row, column = (int(v) for v in bad[0])
-            raise DataError(f"{feature_file}: row {first_row + row}, column {names[column]!r}: "
-                            f"{features[row, column]}; features must be finite")
+            where = f"{feature_file}: row {first_row + row}, column {names[column]!r}"
+            raise DataError(f"{where}: not finite; features must be finite",
+                            f"{where}: {features[row, column]}; features must be finite")
     if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
         if len(bad):
             row = int(bad[0])
-            raise DataError(f"{label_file}: row {first_row + row}, column {label_name!r}: label {labels[row]} is "
-                            f"outside 0..{num_classes - 1} (num_classes {num_classes})")
+            where = f"{label_file}: row {first_row + row}, column {label_name!r}"
+            raise DataError(f"{where}: label outside 0..{num_classes - 1} (num_classes {num_classes})",
+                            f"{where}: label {labels[row]} is outside 0..{num_classes - 1} (num_classes {num_classes})")
 
 
 # --- writing ----------------------------------------------------------------------------

@@ -47,6 +47,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--mia", action="store_true",
                        help="after training, run a loss-threshold membership-inference attack and report its "
                             "AUC and TPR at 1%% FPR (training examples against held-out test examples)")
+    train.add_argument("--show-values", action="store_true",
+                       help="quote the offending value from the data in errors about the data (by default they name "
+                            "the file, row, column and rule only); for the data's owners (docs/training.md)")
     train.add_argument("--no-progress", action="store_true",
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
@@ -107,7 +110,9 @@ def run_train(args: argparse.Namespace) -> int:
             )
             trainer = Trainer(config, **options)
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        # Errors about the data name where and which rule; only the data's owners ask to see the value too.
+        quoted = getattr(error, "with_values", None) if args.show_values else None
+        raise UsageError(quoted or str(error)) from None
     config = trainer.config
     if args.mia and config.shards:
         raise UsageError("--mia scores training examples on the driver, and with shards the training data stays on "
