@@ -80,7 +80,8 @@ CHECKPOINT_VERSION = 1
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
 _TRAIN_LOSS_EXAMPLES = 10_000
-# The breakdown of a step's wall time, per step, in metrics.jsonl and the summary.
+# The breakdown of a step's wall time, per step, averaged over the whole run in the summary: a step's own time
+# tracks its realised batch size, so timings never go into the per-row metrics.
 BREAKDOWN = ("driver_seconds_per_step", "worker_seconds_per_step", "wait_seconds_per_step")
 
 
@@ -347,7 +348,9 @@ class Trainer:
     """One DP-SGD run over Ray gradient workers, resumable from its checkpoints.
 
     `noise` replaces the driver's noise source (tests observe it); `ledger`
-    is charged for each block of steps before the block runs. With shards,
+    is charged for each block of steps before the block runs. With
+    `non_private_train_loss`, each metrics row also holds the loss on the
+    first training examples, labelled not private. With shards,
     constructing the Trainer starts Ray (unless it is up) and the shards'
     workers, because N is the sum of the example counts they report.
     """
@@ -357,7 +360,7 @@ class Trainer:
         config: TrainConfig,
         noise: GaussianNoise | None = None,
         show_progress: bool = True,
-        show_train_loss: bool = False,
+        non_private_train_loss: bool = False,
         ledger: LedgerSession | None = None,
         out=sys.stdout,
     ):
@@ -368,9 +371,9 @@ class Trainer:
         self.shard_outages: list[dict] = []
         dataset_size = None
         if config.shards:
-            if show_train_loss:
-                raise UsageError("--show-train-loss evaluates training examples on the driver's terms; with shards "
-                                 "the training data stays on its nodes, so leave it off")
+            if non_private_train_loss:
+                raise UsageError("--non-private-train-loss evaluates training examples on the driver's terms; with "
+                                 "shards the training data stays on its nodes, so leave it off")
             self.started_ray = start_ray(config, self.say)
             self.shards = ShardFleet(config, self.say)
             dataset_size = self.shards.start()
@@ -387,7 +390,7 @@ class Trainer:
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
         self.show_progress = show_progress
-        self.show_train_loss = show_train_loss
+        self.non_private_train_loss = non_private_train_loss
         self.ledger = ledger
         self.accountant = get_accountant(config.accountant)
         self.epsilon_label = label(self.accountant)
@@ -420,7 +423,6 @@ class Trainer:
         self.resumed_reservation_id: str | None = None
         self.run_dir = Path(config.run_dir)
         self.times = StepTimes()
-        self.times_at_last_row = StepTimes()
         self.aggregation: NodeAggregation | None = None
         self.worker_nodes: dict[int, str] = {}
         self.noise_feed: NoiseFeed | None = None
@@ -516,7 +518,7 @@ class Trainer:
         self.wall_seconds_before = state["wall_seconds"]
         self.resumed_reservation_id = state["reservation_id"]
         self.shard_outages = list(state.get("shard_outages", []))
-        self.times = self.times_at_last_row = StepTimes(**state.get("step_times", {}))
+        self.times = StepTimes(**state.get("step_times", {}))
         if self.ema_weights is not None:
             if state.get("ema_weights") is None:
                 raise ValueError("the checkpoint holds no averaged weights, but the run has ema_decay set; "
@@ -886,7 +888,7 @@ class Trainer:
     def _record_epoch(self, epoch: float, workers: list) -> None:
         """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
         test = self._start_evaluation(workers, "test", test_set_size(self.config))
-        if self.show_train_loss:
+        if self.non_private_train_loss:
             train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size))
         # The accountant runs while the workers evaluate.
         epsilon = self.epsilon()
@@ -895,11 +897,8 @@ class Trainer:
             "step": self.step,
             **{f"test_{name}": value for name, value in self._merge_evaluation(test).items()},
             "epsilon": epsilon,
-            "wall_seconds": self._wall_seconds(),
-            **self.times.minus(self.times_at_last_row).per_step(),
         }
-        self.times_at_last_row = self.times
-        if self.show_train_loss:
+        if self.non_private_train_loss:
             row["train_loss_non_private"] = self._merge_evaluation(train)["loss"]
         self.metrics.append(row)
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
@@ -914,7 +913,7 @@ class Trainer:
             f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}{self._unit_label()}, delta={self.config.delta:g})"
         )
         if "train_loss_non_private" in row:
-            line += f", train loss {row['train_loss_non_private']:.4f} (non-private)"
+            line += f", train loss {row['train_loss_non_private']:.4f} (NOT private: read from training rows)"
         return line
 
     def _unit_label(self) -> str:

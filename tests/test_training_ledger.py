@@ -159,12 +159,24 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
     assert tiny_job_epsilon(80) - 1e-9 <= spent <= tiny_job_epsilon(80 + 10) + 1e-9
 
 
-def test_train_with_mia_reports_the_membership_attack(local_ray, tmp_path, capsys):
+def test_train_with_non_private_mia_reports_the_membership_attack_labelled_not_private(local_ray, tmp_path, capsys):
     config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\n')
-    assert main(["train", "--config", config, "--no-progress", "--mia", "--json"]) == 0
-    attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference"]
+    assert main(["train", "--config", config, "--no-progress", "--non-private-mia", "--json"]) == 0
+    attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference_non_private"]
     assert 0.0 <= attack["auc"] <= 1.0 and 0.0 <= attack["tpr_at_1pct_fpr"] <= 1.0
     assert attack["members"] == 600 and attack["nonmembers"] == 1000
+
+
+@pytest.mark.parametrize("old, new", [("--mia", "--non-private-mia"),
+                                      ("--show-train-loss", "--non-private-train-loss")])
+def test_the_old_names_of_non_private_outputs_are_refused_with_the_name_that_says_so(tmp_path, capsys, old, new):
+    config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "old"}"\n')
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--config", config, old])
+    assert stopped.value.code == 2
+    assert f"{old} reads training rows and prints what it finds, which is not private; it is now {new}" in (
+        capsys.readouterr().err)
+    assert not (tmp_path / "old").exists()
 
 
 def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(local_ray, tmp_path, monkeypatch):
