@@ -243,6 +243,13 @@ class TrainConfig:
         None, "ledger", "integer", "≥ 1", "Steps per ledger charge; each block is charged before it runs.",
         "one epoch",
     )
+    commit_interval: float = key(
+        1.0, "ledger", "number", "> 0",
+        "Seconds between ledger charges. Blocks are charged on this fixed clock from the run's start, whatever the "
+        "steps are doing, so commit times say nothing about the batches; a block's steps wait for its charge. A "
+        "block's wall time is a good value: a shorter interval charges blocks ahead of the steps (a resume runs "
+        "them without charging again), a longer one makes the steps wait.",
+    )
     ledger: str | None = key(
         None, "ledger", "string", '`"HOST:PORT"`, or several separated by commas',
         "The privacy ledger server, or servers of one PostgreSQL ledger (a call one does not answer goes to the "
@@ -501,6 +508,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         layer_clip_norms=_layer_clip_norms(values.get("layer_clip_norms")),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
+        commit_interval=checks.positive_number("commit_interval", values.get("commit_interval", 1.0)),
         ledger=_optional(values, "ledger", _address),
         dataset_name=_optional(values, "dataset_name", _name),
         ledger_timeout=checks.positive_number("ledger_timeout", values.get("ledger_timeout", 300.0)),

@@ -37,6 +37,7 @@ from orchestrator.adaptive_clipping import (
     noisy_unclipped_microbatch_fraction,
 )
 from orchestrator.aggregation import NodeAggregation, split_counts
+from orchestrator.charge_clock import ChargeClock, ChargedBlocks
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import (
     EvaluateEvery,
@@ -335,13 +336,10 @@ class StepTimes:
         return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
 
 
-class LedgerSession(Protocol):
-    """What the trainer needs from the privacy ledger: charge a block before running it."""
+class LedgerSession(ChargedBlocks, Protocol):
+    """What the trainer needs from the privacy ledger: its reservation, and blocks charged before they run."""
 
     reservation_id: str
-
-    def charge(self, sequence: int, events: Composition) -> None:
-        """Commit `events` (block number `sequence`) durably; idempotent per sequence."""
 
 
 class Trainer:
@@ -427,6 +425,7 @@ class Trainer:
         self.worker_nodes: dict[int, str] = {}
         self.noise_feed: NoiseFeed | None = None
         self.arithmetic: ThreadPoolExecutor | None = None
+        self.charge_clock: ChargeClock | None = None
 
     def _check_data(self) -> None:
         """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
@@ -563,8 +562,12 @@ class Trainer:
             if not self.shards:
                 self.aggregation = NodeAggregation()
                 self._place_reducers(workers, range(len(workers)))
+            if self.ledger is not None:
+                self.charge_clock = ChargeClock(self.ledger, self._uncharged_blocks(), config.commit_interval).start()
             self._train(workers)
         finally:
+            if self.charge_clock is not None:
+                self.charge_clock.stop()
             self.noise_feed.close()
             self.arithmetic.shutdown()
             if self.aggregation is not None:
@@ -824,23 +827,27 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
+    def _uncharged_blocks(self) -> list[tuple[int, Composition]]:
+        """(sequence, row-level events) of each block of the plan this run has not charged, in order."""
+        ends = self.plan.charge_ends
+        return [(index, self.plan.row_level_events_between(ends[index - 1] if index else 0, end))
+                for index, end in enumerate(ends) if index >= self.charged_blocks]
+
     def _charge_block_at(self, step: int) -> None:
-        """Commit the block that starts at `step` to the ledger before any of its steps run."""
+        """Wait until the block that starts at `step` is charged (on the charge clock) before any of its steps run."""
         plan = self.plan
         block_index = plan.charge_ends.index(next(end for end in plan.charge_ends if end > step))
         if block_index < self.charged_blocks:
             return
         if self.shards is not None and self.config.on_shard_loss == "wait":
-            # Charge a block only once every shard is up to run it.
+            # Start a block only once every shard is up to run it (the clock charges it on its own schedule).
             try:
                 self.shards.wait_for_all(step)
             except ShardTimeoutError as error:
                 self._stop_at_checkpoint(error)
-        block_start = plan.charge_ends[block_index - 1] if block_index else 0
-        if self.ledger is not None:
+        if self.charge_clock is not None:
             try:
-                self.ledger.charge(block_index,
-                                   plan.row_level_events_between(block_start, plan.charge_ends[block_index]))
+                self.charge_clock.wait_for(block_index)
             except LedgerTimeoutError:
                 self._save_checkpoint()
                 raise
