@@ -253,6 +253,13 @@ class TrainConfig:
         None, "ledger", "integer", "≥ 1", "Steps per ledger charge; each block is charged before it runs.",
         "one epoch",
     )
+    commit_interval: float = key(
+        1.0, "ledger", "number", "> 0",
+        "Seconds between ledger charges. Blocks are charged on this fixed clock from the run's start, whatever the "
+        "steps are doing, so commit times say nothing about the batches; a block's steps wait for its charge. A "
+        "block's wall time is a good value: a shorter interval charges blocks ahead of the steps (a resume runs "
+        "them without charging again), a longer one makes the steps wait.",
+    )
     ledger: str | None = key(
         None, "ledger", "string", '`"HOST:PORT"`, or several separated by commas',
         "The privacy ledger server, or servers of one PostgreSQL ledger (a call one does not answer goes to the "
@@ -513,6 +520,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         layer_clip_norms=_layer_clip_norms(values.get("layer_clip_norms")),
         checkpoint_every=checks.integer_at_least("checkpoint_every", values.get("checkpoint_every", 0), 0),
         commit_every=_optional(values, "commit_every", lambda key, v: checks.integer_at_least(key, v, 1)),
+        commit_interval=checks.positive_number("commit_interval", values.get("commit_interval", 1.0)),
         ledger=_optional(values, "ledger", _address),
         dataset_name=_optional(values, "dataset_name", _name),
         ledger_timeout=checks.positive_number("ledger_timeout", values.get("ledger_timeout", 300.0)),
@@ -604,8 +612,9 @@ def check_people_within_bound(config: TrainConfig) -> None:
     """At example level with max_examples_per_user, refuse data in which a person owns more rows than that.
 
     Reads the people (the user_id column, or the synthetic assignment), never
-    a feature or label: like N, how many rows a person owns is treated as
-    public structure.
+    a feature or label. The refusal does not say how many rows the largest
+    person owns, which is the data's and not the analyst's to know; its
+    ``with_values`` does, for the data's owners (``--show-values``).
     """
     bound = rows_per_person(config)
     if bound is None:
@@ -614,11 +623,17 @@ def check_people_within_bound(config: TrainConfig) -> None:
         largest = users.user_index(users.UserSpec(config.user_id, config.synthetic_users), config.dataset,
                              training_set_size(config)).largest_user()
     except (sources.DataError, ValueError) as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error), getattr(error, "with_values", None)) from None
     if largest > bound:
-        raise UsageError(f"max_examples_per_user = {bound} bounds every person's rows at example level, but one "
-                         f"person owns {largest} rows of the training data; set it to at least {largest}, keep at "
-                         "most that many rows a person in the data, or train with privacy_unit = \"user\"")
+        # How many rows the largest person owns is the data's, not the analyst's: quoted only with --show-values.
+        raise UsageError(
+            f"max_examples_per_user = {bound} bounds every person's rows at example level, but a person owns more "
+            f"rows of the training data; raise it, keep at most {bound} rows a person in the data, or train with "
+            "privacy_unit = \"user\"",
+            f"max_examples_per_user = {bound} bounds every person's rows at example level, but one person owns "
+            f"{largest} rows of the training data; set it to at least {largest}, keep at most that many rows a "
+            "person in the data, or train with privacy_unit = \"user\"",
+        )
 
 
 def rows_per_person(config: TrainConfig) -> int | None:
@@ -780,7 +795,7 @@ def training_set_size(config: TrainConfig) -> int:
     try:
         full = sources.source_size(config.dataset, "train")
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error), getattr(error, "with_values", None)) from None
     if config.train_subset is not None and config.train_subset > full:
         raise UsageError(
             f"train_subset must be <= {full} for {sources.spec_name(config.dataset)} (got {config.train_subset})"
@@ -800,7 +815,7 @@ def sampled_unit_count(config: TrainConfig) -> int:
     try:
         return users.user_index(user_spec(config), config.dataset, training_set_size(config)).user_count
     except (sources.DataError, ValueError) as error:
-        raise UsageError(str(error)) from None
+        raise UsageError(str(error), getattr(error, "with_values", None)) from None
 
 
 def user_spec(config: TrainConfig) -> users.UserSpec | None:

@@ -2,9 +2,18 @@
 
 
 class UsageError(ValueError):
-    """Bad input from the user: a flag or config key outside its valid range (exit status 2)."""
+    """Bad input from the user: a flag or config key outside its valid range, or a bad data file (exit status 2).
+
+    A message about the data names where and which rule, never a value from
+    it; ``with_values`` is the same message quoting the value, for the data's
+    owners (``dpfleet train --show-values``).
+    """
 
     exit_status = 2
+
+    def __init__(self, message: str, with_values: str | None = None) -> None:
+        super().__init__(message)
+        self.with_values = with_values or message
 
 
 class BudgetRefusedError(RuntimeError):

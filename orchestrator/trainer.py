@@ -37,6 +37,7 @@ from orchestrator.adaptive_clipping import (
     noisy_unclipped_microbatch_fraction,
 )
 from orchestrator.aggregation import NodeAggregation, split_counts
+from orchestrator.charge_clock import ChargeClock, ChargedBlocks
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import (
     EvaluateEvery,
@@ -80,7 +81,8 @@ CHECKPOINT_VERSION = 1
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
 _TRAIN_LOSS_EXAMPLES = 10_000
-# The breakdown of a step's wall time, per step, in metrics.jsonl and the summary.
+# The breakdown of a step's wall time, per step, averaged over the whole run in the summary: a step's own time
+# tracks its realised batch size, so timings never go into the per-row metrics.
 BREAKDOWN = ("driver_seconds_per_step", "worker_seconds_per_step", "wait_seconds_per_step")
 
 
@@ -347,13 +349,10 @@ class StepTimes:
         return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
 
 
-class LedgerSession(Protocol):
-    """What the trainer needs from the privacy ledger: charge a block before running it."""
+class LedgerSession(ChargedBlocks, Protocol):
+    """What the trainer needs from the privacy ledger: its reservation, and blocks charged before they run."""
 
     reservation_id: str
-
-    def charge(self, sequence: int, events: Composition) -> None:
-        """Commit `events` (block number `sequence`) durably; idempotent per sequence."""
 
 
 class Trainer:
@@ -362,9 +361,11 @@ class Trainer:
     `noise` replaces the driver's noise source (tests observe it); `ledger`
     is charged for each block of steps before the block runs;
     `charge_epsilon` is what target_epsilon_basis = "filter" calibrates σ by
-    (see plan_run). With shards, constructing the Trainer starts Ray (unless
-    it is up) and the shards' workers, because N is the sum of the example
-    counts they report.
+    (see plan_run). With `non_private_train_loss`, each metrics row also
+    holds the loss on the first training examples, labelled not private.
+    With shards, constructing the Trainer starts Ray (unless it is up) and
+    the shards' workers, because N is the sum of the example counts they
+    report.
     """
 
     def __init__(
@@ -372,7 +373,7 @@ class Trainer:
         config: TrainConfig,
         noise: GaussianNoise | None = None,
         show_progress: bool = True,
-        show_train_loss: bool = False,
+        non_private_train_loss: bool = False,
         ledger: LedgerSession | None = None,
         out=sys.stdout,
         charge_epsilon: Callable[[RunPlan], float] | None = None,
@@ -384,9 +385,9 @@ class Trainer:
         self.shard_outages: list[dict] = []
         dataset_size = None
         if config.shards:
-            if show_train_loss:
-                raise UsageError("--show-train-loss evaluates training examples on the driver's terms; with shards "
-                                 "the training data stays on its nodes, so leave it off")
+            if non_private_train_loss:
+                raise UsageError("--non-private-train-loss evaluates training examples on the driver's terms; with "
+                                 "shards the training data stays on its nodes, so leave it off")
             self.started_ray = start_ray(config, self.say)
             self.shards = ShardFleet(config, self.say)
             dataset_size = self.shards.start()
@@ -403,7 +404,7 @@ class Trainer:
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
         self.show_progress = show_progress
-        self.show_train_loss = show_train_loss
+        self.non_private_train_loss = non_private_train_loss
         self.ledger = ledger
         self.accountant = get_accountant(config.accountant)
         self.epsilon_label = label(self.accountant)
@@ -436,11 +437,11 @@ class Trainer:
         self.resumed_reservation_id: str | None = None
         self.run_dir = Path(config.run_dir)
         self.times = StepTimes()
-        self.times_at_last_row = StepTimes()
         self.aggregation: NodeAggregation | None = None
         self.worker_nodes: dict[int, str] = {}
         self.noise_feed: NoiseFeed | None = None
         self.arithmetic: ThreadPoolExecutor | None = None
+        self.charge_clock: ChargeClock | None = None
 
     def _check_data(self) -> None:
         """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
@@ -465,7 +466,7 @@ class Trainer:
             for split in SPLITS:
                 check_source(config.dataset, split, full, num_classes)
         except DataError as error:
-            raise UsageError(str(error)) from None
+            raise UsageError(str(error), error.with_values) from None
 
     @property
     def step(self) -> int:
@@ -533,7 +534,7 @@ class Trainer:
         self.wall_seconds_before = state["wall_seconds"]
         self.resumed_reservation_id = state["reservation_id"]
         self.shard_outages = list(state.get("shard_outages", []))
-        self.times = self.times_at_last_row = StepTimes(**state.get("step_times", {}))
+        self.times = StepTimes(**state.get("step_times", {}))
         if self.ema_weights is not None:
             if state.get("ema_weights") is None:
                 raise ValueError("the checkpoint holds no averaged weights, but the run has ema_decay set; "
@@ -580,8 +581,12 @@ class Trainer:
             if not self.shards:
                 self.aggregation = NodeAggregation()
                 self._place_reducers(workers, range(len(workers)))
+            if self.ledger is not None:
+                self.charge_clock = ChargeClock(self.ledger, self._uncharged_blocks(), config.commit_interval).start()
             self._train(workers)
         finally:
+            if self.charge_clock is not None:
+                self.charge_clock.stop()
             self.noise_feed.close()
             self.arithmetic.shutdown()
             if self.aggregation is not None:
@@ -841,23 +846,27 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
+    def _uncharged_blocks(self) -> list[tuple[int, Composition]]:
+        """(sequence, row-level events) of each block of the plan this run has not charged, in order."""
+        ends = self.plan.charge_ends
+        return [(index, self.plan.row_level_events_between(ends[index - 1] if index else 0, end))
+                for index, end in enumerate(ends) if index >= self.charged_blocks]
+
     def _charge_block_at(self, step: int) -> None:
-        """Commit the block that starts at `step` to the ledger before any of its steps run."""
+        """Wait until the block that starts at `step` is charged (on the charge clock) before any of its steps run."""
         plan = self.plan
         block_index = plan.charge_ends.index(next(end for end in plan.charge_ends if end > step))
         if block_index < self.charged_blocks:
             return
         if self.shards is not None and self.config.on_shard_loss == "wait":
-            # Charge a block only once every shard is up to run it.
+            # Start a block only once every shard is up to run it (the clock charges it on its own schedule).
             try:
                 self.shards.wait_for_all(step)
             except ShardTimeoutError as error:
                 self._stop_at_checkpoint(error)
-        block_start = plan.charge_ends[block_index - 1] if block_index else 0
-        if self.ledger is not None:
+        if self.charge_clock is not None:
             try:
-                self.ledger.charge(block_index,
-                                   plan.row_level_events_between(block_start, plan.charge_ends[block_index]))
+                self.charge_clock.wait_for(block_index)
             except LedgerTimeoutError:
                 self._save_checkpoint()
                 raise
@@ -905,7 +914,7 @@ class Trainer:
     def _record_epoch(self, epoch: float, workers: list) -> None:
         """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
         test = self._start_evaluation(workers, "test", test_set_size(self.config))
-        if self.show_train_loss:
+        if self.non_private_train_loss:
             train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size))
         # The accountant runs while the workers evaluate.
         epsilon = self.epsilon()
@@ -914,11 +923,8 @@ class Trainer:
             "step": self.step,
             **{f"test_{name}": value for name, value in self._merge_evaluation(test).items()},
             "epsilon": epsilon,
-            "wall_seconds": self._wall_seconds(),
-            **self.times.minus(self.times_at_last_row).per_step(),
         }
-        self.times_at_last_row = self.times
-        if self.show_train_loss:
+        if self.non_private_train_loss:
             row["train_loss_non_private"] = self._merge_evaluation(train)["loss"]
         self.metrics.append(row)
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
@@ -933,7 +939,7 @@ class Trainer:
             f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}{self._unit_label()}, delta={self.config.delta:g})"
         )
         if "train_loss_non_private" in row:
-            line += f", train loss {row['train_loss_non_private']:.4f} (non-private)"
+            line += f", train loss {row['train_loss_non_private']:.4f} (NOT private: read from training rows)"
         return line
 
     def _unit_label(self) -> str:

@@ -1,6 +1,8 @@
 """Training on file and module:function datasets through the real trainer, a local Ray and the CLI."""
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.trainer import Trainer
+from workers.actor import GradientWorkerActor
 from workers.data import load_split
 from workers.models import flat_parameters
 from workers.sources import write_parquet_shards
@@ -112,8 +115,8 @@ def test_a_bad_file_is_one_line_and_exit_status_2_before_any_worker(tmp_path, ca
                                     f'test = "{tmp_path / "test.parquet"}"\nshape = [1, 28, 28]\n')
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"dpfleet train: error: {tmp_path / 'train.parquet'}: row 23, column 'features': 700 values, "
-                   "expected 784; every example needs the same number of features")
+    assert err == (f"dpfleet train: error: {tmp_path / 'train.parquet'}: row 23, column 'features': not 784 values; "
+                   "every example needs the same number of features")
 
 
 def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
@@ -127,6 +130,10 @@ def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
                                     'shape = [1, 28, 28]\n')
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
+        f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label outside 0..9 (num_classes 10)")
+    # The data's owner may ask for the value.
+    assert main(["train", "--config", str(config), "--no-progress", "--show-values"]) == 2
+    assert capsys.readouterr().err.strip() == (
         f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label 10 is outside 0..9 "
         "(num_classes 10)")
 
@@ -137,3 +144,31 @@ def test_export_writes_shards_that_train(tmp_path, capsys):
         f"part-{shard:05d}.parquet" for shard in range(4)]
     assert sum(pq.ParquetFile(path).metadata.num_rows for path in (tmp_path / "out" / "test").iterdir()) == 10000
     assert 'shape = [1, 28, 28]' in capsys.readouterr().out
+
+
+def test_a_sigkilled_worker_leaves_no_copy_of_its_csv_rows(ray_with_read_probe, tmp_path):
+    # Ray ends workers with SIGKILL, so nothing the worker would do at exit runs: the copy must need no cleanup.
+    rows = np.random.default_rng(3).random((40, 784), dtype=np.float32)
+    header = ",".join([*(f"x{i}" for i in range(784)), "label"])
+    lines = [",".join([*(repr(float(value)) for value in row), str(index % 10)]) for index, row in enumerate(rows)]
+    (tmp_path / "train.csv").write_text("\n".join([header, *lines]) + "\n")
+    dataset = {"format": "csv", "train": str(tmp_path / "train.csv"), "test": str(tmp_path / "train.csv"),
+               "shape": [1, 28, 28]}
+    scratch = tmp_path / "worker-tmp"
+    scratch.mkdir()
+    worker = GradientWorkerActor.options(runtime_env={"env_vars": {"TMPDIR": str(scratch)}}).remote(
+        "gdp_cnn", dataset, None, 32)
+    pid = int(ray.get(worker.ping.remote()).rpartition(":")[2])
+    summed = ray.get(worker.clipped_grad_sum.remote(np.zeros(ray.get(worker.parameter_count.remote()), np.float32),
+                                                    np.arange(40), 1.0))
+    assert np.abs(summed).sum() > 0  # the worker read its rows through the copy
+    mapped = [line for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if str(scratch) in line]
+    assert mapped and all(line.endswith("(deleted)") for line in mapped)  # mapped, and reachable by no path
+    assert list(scratch.iterdir()) == []
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
+    assert list(scratch.iterdir()) == []
+    ray.kill(worker)

@@ -108,7 +108,7 @@ def test_the_driver_loads_no_example_for_training_or_evaluation(local_ray, tmp_p
         noise_multiplier=1.1, seed=3, run_dir=str(tmp_path / "run"), metrics=["accuracy", "top5_accuracy"],
         evaluate_every={"steps": 2},
     ))
-    trainer = Trainer(config, show_progress=False, show_train_loss=True)
+    trainer = Trainer(config, show_progress=False, non_private_train_loss=True)
     summary = trainer.run()
     assert 0.0 <= summary["test_accuracy"] <= summary["test_top5_accuracy"] <= 1.0
     assert np.isfinite(summary["test_loss"])

@@ -176,12 +176,14 @@ def test_example_level_runs_on_a_user_level_budget_are_charged_by_group_privacy_
     assert train("unbounded", "") == 3
     assert "does not bound how many rows one person has" in capsys.readouterr().err
     # A bound below what the data holds is refused before anything runs.
-    with pytest.raises(UsageError, match="one person owns 20 rows of the training data"):
+    with pytest.raises(UsageError, match="but a person owns more rows of the training data") as refused:
         build_config({"dataset": {"format": "parquet", "train": str(tmp_path / "people" / "train"),
                                   "test": str(tmp_path / "people" / "test"), "shape": [1, 28, 28],
                                   "features": "features"},
                       "user_id": "person", "max_examples_per_user": 10, "steps": 1, "noise_multiplier": 1.0,
                       "batch_size": 6})
+    # How many rows the largest person owns is the data's: only the owner's message (--show-values) says it.
+    assert "20" not in str(refused.value) and "one person owns 20 rows" in refused.value.with_values
     capsys.readouterr()
     assert train("bounded", 'user_id = "person"\nmax_examples_per_user = 20\n') == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

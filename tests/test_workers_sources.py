@@ -1,5 +1,7 @@
 """Every data-source format on small files made here: reads by index, sizes from metadata, one-line checks."""
 
+import os
+import stat
 import threading
 import time
 
@@ -147,12 +149,17 @@ def test_npz_members_are_read_in_place_and_compressed_ones_refused(tmp_path):
         open_source(table_spec("npz", tmp_path / "c.npz", features="x", label="y"), "train")
 
 
-def test_csv_is_streamed_into_a_memory_map(tmp_path):
+def test_csv_is_streamed_into_a_memory_map_of_unnamed_owner_only_files(tmp_path):
     table = pa.table({**{f"x{i}": FEATURES[:, i] for i in range(WIDTH)}, "label": LABELS})
     pa_csv.write_csv(table, tmp_path / "t.csv")
     spec = table_spec("csv", tmp_path / "t.csv")
     assert_reads(spec)
-    assert isinstance(open_source(spec, "train").features, np.memmap)
+    source = open_source(spec, "train")
+    assert isinstance(source.features, np.memmap)
+    # The copy of the rows has no name (no link to it from any folder) and only its owner may read it.
+    for copy in (source._feature_file, source._label_file):
+        status = os.fstat(copy.fileno())
+        assert status.st_nlink == 0 and stat.S_IMODE(status.st_mode) == 0o600
 
 
 def test_image_folder_in_torchvision_layout(tmp_path):
@@ -212,11 +219,16 @@ def test_specs_are_validated_and_local_paths_made_absolute(tmp_path, monkeypatch
 
 
 def one_line_error(spec, split="train", **options):
+    return one_line_errors(spec, split, **options)[0]
+
+
+def one_line_errors(spec, split="train", **options):
+    """The error's message, and the same line quoting the value (`with_values`, for the data's owners)."""
     with pytest.raises(DataError) as raised:
         check_source(spec, split, **options)
-    message = str(raised.value)
-    assert "\n" not in message
-    return message
+    message, with_values = str(raised.value), raised.value.with_values
+    assert "\n" not in message and "\n" not in with_values
+    return message, with_values
 
 
 def test_check_refuses_a_missing_column_and_a_wrong_dtype(tmp_path):
@@ -235,13 +247,25 @@ def test_check_names_the_row_and_column_of_a_ragged_row(tmp_path):
     rows = [list(map(float, row)) for row in FEATURES]
     rows[31] = rows[31][:-1]
     pq.write_table(pa.table({"pixels": rows, "label": LABELS}), tmp_path / "t.parquet")
-    message = one_line_error(table_spec("parquet", tmp_path / "t.parquet", features="pixels"))
-    assert message == (f"{tmp_path / 't.parquet'}: row 31, column 'pixels': 5 values, expected 6; "
-                       "every example needs the same number of features")
+    message, with_values = one_line_errors(table_spec("parquet", tmp_path / "t.parquet", features="pixels"))
+    where = f"{tmp_path / 't.parquet'}: row 31, column 'pixels'"
+    assert message == f"{where}: not 6 values; every example needs the same number of features"
+    assert with_values == f"{where}: 5 values, expected 6; every example needs the same number of features"
     with open(tmp_path / "t.csv", "w") as handle:
-        handle.write("a,b,label\n1,2,0\n3,4,1\n5,1\n")
-    assert one_line_error(table_spec("csv", tmp_path / "t.csv")).startswith(
-        f"{tmp_path / 't.csv'}: not readable as CSV (CSV parse error: Row #4: Expected 3 columns, got 2")
+        handle.write("a,b,label\n1,2,0\n3,4,1\n5,7777\n")
+    message, with_values = one_line_errors(table_spec("csv", tmp_path / "t.csv"))
+    # pyarrow quotes the row's text; only the owner's line keeps it.
+    assert message == f"{tmp_path / 't.csv'}: not readable as CSV (CSV parse error: Row #4: Expected 3 columns, got 2)"
+    assert with_values == message[:-1] + ": 5,7777)"
+
+
+def test_a_csv_value_of_the_wrong_type_is_named_by_row_and_column_not_quoted(tmp_path):
+    # pyarrow infers a column's type from the first block (1 MB) and refuses a later value that does not parse.
+    (tmp_path / "t.csv").write_text("a,label\n" + "1,0\n" * 300_000 + "x9secret,1\n")
+    message, with_values = one_line_errors(table_spec("csv", tmp_path / "t.csv"))
+    assert message == (f"{tmp_path / 't.csv'}: not readable as CSV (In CSV column #0: Row #300002: CSV conversion "
+                       "error to int64: invalid value)")
+    assert "x9secret" not in message and with_values.endswith("invalid value 'x9secret')")
 
 
 def test_check_refuses_a_fixed_length_that_disagrees_with_the_shape_or_other_files(tmp_path):
@@ -277,23 +301,27 @@ def test_full_check_refuses_labels_out_of_range_and_non_finite_features(tmp_path
     pq.write_table(list_table(features=features), path)
     spec = table_spec("parquet", path, features="pixels")
     assert check_source(spec, "train") == ROWS  # the basic check reads no values
-    assert one_line_error(spec, full=True) == f"{path}: row 17, column 'pixels': nan; features must be finite"
+    assert one_line_errors(spec, full=True) == (f"{path}: row 17, column 'pixels': not finite; features must be finite",
+                                                f"{path}: row 17, column 'pixels': nan; features must be finite")
     labels = LABELS.copy()
     labels[40] = 3
     pq.write_table(list_table(labels=labels), path)
-    assert one_line_error(spec, full=True, num_classes=3) == (
+    assert one_line_errors(spec, full=True, num_classes=3) == (
+        f"{path}: row 40, column 'label': label outside 0..2 (num_classes 3)",
         f"{path}: row 40, column 'label': label 3 is outside 0..2 (num_classes 3)")
     assert check_source(spec, "train", full=True, num_classes=4) == ROWS
     np.save(tmp_path / "x.npy", features)
     np.save(tmp_path / "y.npy", LABELS)
     files = {"features": str(tmp_path / "x.npy"), "label": str(tmp_path / "y.npy")}
     assert one_line_error(parse_spec({"format": "npy", "train": files, "test": files}), full=True) == (
-        f"{tmp_path / 'x.npy'}: row 17, column 'features[4]': nan; features must be finite")
+        f"{tmp_path / 'x.npy'}: row 17, column 'features[4]': not finite; features must be finite")
 
 
 def test_check_refuses_images_of_another_size(tmp_path):
     (tmp_path / "a").mkdir()
     Image.new("L", (4, 4)).save(tmp_path / "a" / "0.png")
     Image.new("L", (5, 4)).save(tmp_path / "a" / "1.png")
-    assert one_line_error(table_spec("imagefolder", tmp_path)).startswith(
-        f"{tmp_path / 'a' / '1.png'}: 5x4 pixels, expected 4x4")
+    message, with_values = one_line_errors(table_spec("imagefolder", tmp_path))
+    assert message == (f"{tmp_path / 'a' / '1.png'}: not 4x4 (as {tmp_path / 'a' / '0.png'}); every image must have "
+                       "the same size")
+    assert with_values.startswith(f"{tmp_path / 'a' / '1.png'}: 5x4 pixels, expected 4x4")

@@ -29,12 +29,13 @@ import functools
 import hashlib
 import importlib
 import os
+import re
 import struct
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import fsspec
 import numpy as np
@@ -64,7 +65,16 @@ _IMAGE_MODES = ("L", "RGB", "RGBA")
 
 
 class DataError(ValueError):
-    """A data file that cannot be trained on; the message is one line naming the file (row, column)."""
+    """A data file that cannot be trained on: one line naming the file (row, column) and the rule it breaks.
+
+    The message never quotes a value from the data: whoever runs a job may
+    not be the data's owner. ``with_values`` is the same line quoting the
+    offending value, for the data's owners (``dpfleet train --show-values``).
+    """
+
+    def __init__(self, message: str, with_values: str | None = None) -> None:
+        super().__init__(message)
+        self.with_values = with_values or message
 
 
 class ExampleSource(Protocol):
@@ -711,15 +721,42 @@ def _parquet_file(filesystem: pa_fs.FileSystem, path: str) -> pq.ParquetFile:
 # --- CSV ------------------------------------------------------------------------------
 
 
+def private_scratch_file() -> IO[bytes]:
+    """An open, unnamed file for a copy of training data, readable and writable by this process only.
+
+    On Linux it is made with O_TMPFILE and never has a name; elsewhere it is
+    unlinked as soon as it is made, before anything is written to it. Either
+    way nothing can open it from the filesystem, and the kernel frees its
+    blocks when the last descriptor or memory map goes, which a SIGKILL of
+    the process does too: no copy outlives the process, and there is nothing
+    to clean up after a crash. Its mode is 0600.
+    """
+    return tempfile.TemporaryFile(prefix="dpfleet-csv-")
+
+
+
+# The parts of pyarrow's CSV errors that quote the file's contents: the text of a row, a field's value.
+_CSV_QUOTED_CONTENT = (re.compile(r"(Expected \d+ columns, got \d+): .*"), re.compile(r"(invalid value) '.*'"))
+
+
+def _csv_error(path: str, error: pa.ArrowInvalid) -> DataError:
+    """Unreadable CSV, as pyarrow words it (it names the row), without the row's text or a field's value."""
+    problem = str(error).splitlines()[0]
+    unquoted = problem
+    for pattern in _CSV_QUOTED_CONTENT:
+        unquoted = pattern.sub(r"\1", unquoted)
+    return DataError(f"{path}: not readable as CSV ({unquoted})", f"{path}: not readable as CSV ({problem})")
+
+
 def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
     """(first row number, batch) over one CSV file; unreadable CSV (a row with the wrong number of fields) raises
-    DataError quoting pyarrow's message, which names the row."""
+    DataError with pyarrow's message, which names the row (``_csv_error``)."""
     with filesystem.open_input_stream(path) as stream:
         try:
             # One thread, so pyarrow's row numbers count from the top of the file.
             reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False))
         except pa.ArrowInvalid as error:
-            raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
+            raise _csv_error(path, error) from None
         first_row = 0
         while True:
             try:
@@ -727,7 +764,7 @@ def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int,
             except StopIteration:
                 return
             except pa.ArrowInvalid as error:
-                raise DataError(f"{path}: not readable as CSV ({str(error).splitlines()[0]})") from None
+                raise _csv_error(path, error) from None
             yield first_row, batch
             first_row += batch.num_rows
 
@@ -751,32 +788,34 @@ class CsvSource:
     """A split stored as CSV (one file or a directory of them), parsed by pyarrow.
 
     CSV has no random access, so the worker converts it once, streaming, into
-    memory-mapped NumPy arrays in a temporary directory and reads those.
+    memory-mapped NumPy arrays and reads those. The arrays live in unnamed
+    files (``private_scratch_file``): the copy of the training rows is never
+    reachable by a path, and the kernel frees it when the worker's process
+    ends, however it ends (Ray stops workers with SIGKILL).
     """
 
     def __init__(self, spec: Mapping, split: str) -> None:
         filesystem, paths = _files_at(spec[split], (".csv",))
         label = spec.get("label", "label")
         self.shape = spec.get("shape")
-        self.directory = tempfile.TemporaryDirectory(prefix="dpfleet-csv-")
-        feature_path = os.path.join(self.directory.name, "features")
-        label_path = os.path.join(self.directory.name, "labels")
+        self._feature_file, self._label_file = private_scratch_file(), private_scratch_file()
         rows, row_layout = 0, None
-        with open(feature_path, "wb") as feature_file, open(label_path, "wb") as label_file:
-            for path in paths:
-                for _, batch in _csv_batches(path, filesystem):
-                    columns, _ = _check_schema(spec, batch.schema, path)
-                    features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
-                    features, labels = _feature_array(features), _label_array(labels)
-                    row_layout = row_layout or (features.dtype, features.shape[1:], labels.dtype)
-                    feature_file.write(features.tobytes())
-                    label_file.write(labels.tobytes())
-                    rows += len(labels)
+        for path in paths:
+            for _, batch in _csv_batches(path, filesystem):
+                columns, _ = _check_schema(spec, batch.schema, path)
+                features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
+                features, labels = _feature_array(features), _label_array(labels)
+                row_layout = row_layout or (features.dtype, features.shape[1:], labels.dtype)
+                self._feature_file.write(features.tobytes())
+                self._label_file.write(labels.tobytes())
+                rows += len(labels)
         if not rows:
             raise DataError(f"{spec[split]}: no rows under the CSV header; write examples into it")
+        self._feature_file.flush()
+        self._label_file.flush()
         feature_dtype, row_shape, label_dtype = row_layout
-        self.features = np.memmap(feature_path, dtype=feature_dtype, mode="r", shape=(rows, *row_shape))
-        self.labels = np.memmap(label_path, dtype=label_dtype, mode="r", shape=(rows,))
+        self.features = np.memmap(self._feature_file, dtype=feature_dtype, mode="r", shape=(rows, *row_shape))
+        self.labels = np.memmap(self._label_file, dtype=label_dtype, mode="r", shape=(rows,))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -1055,8 +1094,8 @@ def _check_images(spec: Mapping, split: str, full: bool, num_classes: int | None
             raise DataError(f"{path}: not a readable image ({error})") from None
         first_size = first_size or (size, path)
         if size != first_size[0]:
-            raise DataError(f"{path}: {size[0]}x{size[1]} pixels, expected {first_size[0][0]}x{first_size[0][1]} "
-                            f"(as {first_size[1]}); every image must have the same size")
+            expected = f"{first_size[0][0]}x{first_size[0][1]} (as {first_size[1]}); every image must have the same size"
+            raise DataError(f"{path}: not {expected}", f"{path}: {size[0]}x{size[1]} pixels, expected {expected}")
     return len(examples)
 
 
@@ -1084,9 +1123,12 @@ def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list
         wrong = np.flatnonzero(lengths != expected_length)
         if len(wrong):
             row = int(wrong[0])
-            found = "null" if lengths[row] < 0 else f"{lengths[row]} values"
-            raise DataError(f"{path}: row {first_row + row}, column {columns[0]!r}: {found}, expected "
-                            f"{expected_length}; every example needs the same number of features")
+            where = f"{path}: row {first_row + row}, column {columns[0]!r}"
+            rule = "every example needs the same number of features"
+            if lengths[row] < 0:
+                raise DataError(f"{where}: null, expected {expected_length} values; {rule}")
+            raise DataError(f"{where}: not {expected_length} values; {rule}",
+                            f"{where}: {lengths[row]} values, expected {expected_length}; {rule}")
         names = columns * (expected_length or 0)
     else:
         names = columns
@@ -1107,14 +1149,16 @@ def _check_values(feature_file: str, label_file: str, first_row: int, features: 
         bad = np.argwhere(~np.isfinite(features))
         if len(bad):
             row, column = (int(v) for v in bad[0])
-            raise DataError(f"{feature_file}: row {first_row + row}, column {names[column]!r}: "
-                            f"{features[row, column]}; features must be finite")
+            where = f"{feature_file}: row {first_row + row}, column {names[column]!r}"
+            raise DataError(f"{where}: not finite; features must be finite",
+                            f"{where}: {features[row, column]}; features must be finite")
     if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
         if len(bad):
             row = int(bad[0])
-            raise DataError(f"{label_file}: row {first_row + row}, column {label_name!r}: label {labels[row]} is "
-                            f"outside 0..{num_classes - 1} (num_classes {num_classes})")
+            where = f"{label_file}: row {first_row + row}, column {label_name!r}"
+            raise DataError(f"{where}: label outside 0..{num_classes - 1} (num_classes {num_classes})",
+                            f"{where}: label {labels[row]} is outside 0..{num_classes - 1} (num_classes {num_classes})")
 
 
 # --- writing ----------------------------------------------------------------------------

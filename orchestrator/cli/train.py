@@ -48,15 +48,34 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
     train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
     add_job_ledger_flags(train)
-    train.add_argument("--show-train-loss", action="store_true",
-                       help="also print the training loss after each epoch (NOT private)")
-    train.add_argument("--mia", action="store_true",
+    train.add_argument("--non-private-train-loss", action="store_true",
+                       help="also print and record the loss on the first training examples after each epoch; it "
+                            "reads training rows and is NOT private")
+    train.add_argument("--non-private-mia", action="store_true",
                        help="after training, run a loss-threshold membership-inference attack and report its "
-                            "AUC and TPR at 1%% FPR (training examples against held-out test examples)")
+                            "AUC and TPR at 1%% FPR (training examples against held-out test examples); it reads "
+                            "training rows and is NOT private")
+    for old, new in (("--show-train-loss", "--non-private-train-loss"), ("--mia", "--non-private-mia")):
+        train.add_argument(old, nargs=0, action=RenamedFlag, new_flag=new, help=f"refused: it is now {new}")
+    train.add_argument("--show-values", action="store_true",
+                       help="quote the offending value from the data in errors about the data (by default they name "
+                            "the file, row, column and rule only); for the data's owners (docs/training.md)")
     train.add_argument("--no-progress", action="store_true",
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     train.set_defaults(handler=f"{__name__}:run_train")
+
+
+class RenamedFlag(argparse.Action):
+    """A flag that now has a name saying its output is not private: refused with the new name."""
+
+    def __init__(self, *args, new_flag: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.new_flag = new_flag
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} reads training rows and prints what it finds, which is not private; it is "
+                     f"now {self.new_flag}, which says so")
 
 
 def add_job_ledger_flags(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +120,7 @@ def run_train(args: argparse.Namespace) -> int:
     """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
     check_queue_flags(args)
     options = {"show_progress": show_progress(args.no_progress, sys.stderr),
-               "show_train_loss": args.show_train_loss}
+               "non_private_train_loss": args.non_private_train_loss}
     try:
         if args.resume:
             trainer = resume_trainer(args.resume, **options)
@@ -122,13 +141,16 @@ def run_train(args: argparse.Namespace) -> int:
                     ledger.close()
             trainer = Trainer(config, charge_epsilon=charge_epsilon, **options)
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        # Errors about the data name where and which rule; only the data's owners ask to see the value too.
+        quoted = getattr(error, "with_values", None) if args.show_values else None
+        raise UsageError(quoted or str(error)) from None
     config = trainer.config
-    if args.mia and config.shards:
-        raise UsageError("--mia scores training examples on the driver, and with shards the training data stays on "
-                         "its nodes; leave --mia off")
-    if args.mia and config.privacy_unit == "user":
-        raise UsageError("--mia attacks single examples, and privacy_unit = \"user\" protects users; leave --mia off")
+    if args.non_private_mia and config.shards:
+        raise UsageError("--non-private-mia scores training examples on the driver, and with shards the training "
+                         "data stays on its nodes; leave --non-private-mia off")
+    if args.non_private_mia and config.privacy_unit == "user":
+        raise UsageError("--non-private-mia attacks single examples, and privacy_unit = \"user\" protects users; "
+                         "leave --non-private-mia off")
     trainer.ledger = job_ledger(args, trainer)
     try:
         summary = trainer.run()
@@ -139,8 +161,8 @@ def run_train(args: argparse.Namespace) -> int:
         ) from None
     trainer.ledger.release()
     budget = trainer.ledger.status()
-    if args.mia:
-        summary["membership_inference"] = _membership_inference(trainer)
+    if args.non_private_mia:
+        summary["membership_inference_non_private"] = _membership_inference(trainer)
     if args.json:
         summary = {key: value for key, value in summary.items() if key != "events"}
         summary["dataset_remaining_epsilon"] = budget.remaining_epsilon
@@ -162,10 +184,10 @@ def run_train(args: argparse.Namespace) -> int:
         [f"ledger: spent ({budget.spent_epsilon_accountant}, non-adaptive)", budget.spent_epsilon],
     ]
     rows.extend(outage_rows(summary.get("shard_outages", [])))
-    if args.mia:
-        attack = summary["membership_inference"]
-        rows.append(["membership inference AUC", attack["auc"]])
-        rows.append(["membership inference TPR at 1% FPR", attack["tpr_at_1pct_fpr"]])
+    if args.non_private_mia:
+        attack = summary["membership_inference_non_private"]
+        rows.append(["membership inference AUC (NOT private)", attack["auc"]])
+        rows.append(["membership inference TPR at 1% FPR (NOT private)", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
 
