@@ -27,7 +27,13 @@ from accounting.ledger.core import (
     history_hash,
     split_steps,
 )
-from accounting.ledger.store import SCHEMA_VERSION, Ledger, default_ledger_path, open_embedded_ledger
+from accounting.ledger.store import (
+    SCHEMA_VERSION,
+    Ledger,
+    default_ledger_path,
+    load_history_key,
+    open_embedded_ledger,
+)
 
 DELTA = 1e-5
 FIRST = SampledGaussian(0.004, 1.1, 1)
@@ -415,7 +421,8 @@ def test_concurrent_changes_are_each_applied_once_or_not_at_all(ledger):
 
 
 def edit_history(path, entry_id, details, rechain=False):
-    """Edit one history row by hand, as someone with the file could; with `rechain`, rewrite every hash after it."""
+    """Edit one history row by hand, as someone with the file could; with `rechain`, rewrite every hash after it
+    (as someone who also holds the history key could)."""
     with sqlite3.connect(path) as connection:
         connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
         connection.execute(
@@ -426,7 +433,7 @@ def edit_history(path, entry_id, details, rechain=False):
             for row in connection.execute(
                 "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
             ).fetchall():
-                entry_hash = history_hash(previous, *row)
+                entry_hash = history_hash(previous, *row, load_history_key())
                 connection.execute(
                     "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, row[0])
                 )
@@ -454,6 +461,9 @@ def test_verify_reports_a_hand_edited_history_row_with_its_dataset_and_entry(led
         "dataset row of dataset local/mnist: the row's RDP tally of committed and reserved steps is not what its "
         "history replays to",
         "dataset row of dataset local/mnist: the row's set of committed events is not what its history replays to",
+        f"reservation: {reservation.reservation_id}: its committed_steps is not what its history replays to",
+        f"commit: sequence 0 of {reservation.reservation_id} (6 steps) is in the history but has no row",
+        f"commit: sequence 0 of {reservation.reservation_id} (60 steps) has a row but no history entry",
     ]
     edit_history(ledger.path, commit.entry_id, smaller, rechain=True)  # hashes made whole again: the replay still tells
     assert findings(ledger)[0].startswith(release)

@@ -1331,18 +1331,25 @@ def history_hash(
     tenant: str | None,
     dataset_id: int | None,
     details_json: str,
+    key: bytes | None = None,
 ) -> str:
-    """The hash a history entry carries: SHA-256 (hex) over the previous entry's hash and every stored field.
+    """The hash a history entry carries: HMAC-SHA-256 (hex) under the history `key` over the previous entry's hash
+    and every stored field.
 
     The first entry's previous hash is "". Editing, removing or reordering
-    an entry changes every hash after it.
+    an entry changes every hash after it, and without the key nobody can
+    compute the hashes of a rewritten history. `key` None gives the plain
+    SHA-256 of files from before schema version 7, which only the migration
+    that keys them reads.
     """
     payload = json.dumps(
         [previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json],
         ensure_ascii=True,
         separators=(",", ":"),
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
+    ).encode()
+    if key is None:
+        return hashlib.sha256(payload).hexdigest()
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -1394,9 +1401,11 @@ class Finding:
     entry_id: int | None
     dataset: str | None
     problem: str
+    # What the finding is about when it is no history entry: a table's row, or the signed head.
+    row: str = "dataset row"
 
     def __str__(self) -> str:
-        where = f"entry {self.entry_id}" if self.entry_id is not None else "dataset row"
+        where = f"entry {self.entry_id}" if self.entry_id is not None else self.row
         return f"{where}{f' of dataset {self.dataset}' if self.dataset else ''}: {self.problem}"
 
     def to_dict(self) -> dict:
@@ -1404,15 +1413,28 @@ class Finding:
         return {"entry_id": self.entry_id, "dataset": self.dataset, "problem": self.problem}
 
 
-def chain_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) -> list[Finding]:
-    """Every entry whose previous hash or own hash does not match the chain, oldest first.
+ANCHOR_ACTION = "anchor_history"
+
+
+def chain_findings(
+    entries: list[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None
+) -> list[Finding]:
+    """Every entry whose previous hash or own hash does not match the chain under the history `key`, oldest first.
 
     An edited entry shows as a wrong hash at that entry; a removed one as a
-    wrong previous hash at the entry after it.
+    wrong previous hash at the entry after it. What the migration that keyed
+    an older file found wrong in its unkeyed chain (recorded in its
+    `anchor_history` entry) is reported again at that entry.
     """
     findings = []
     previous = ""
     for entry in entries:
+        if entry.action == ANCHOR_ACTION:
+            unkeyed = json.loads(entry.details_json).get("unkeyed_chain_findings") or []
+            findings += [
+                Finding(entry.entry_id, None, f"before the history was keyed, its unkeyed chain had: {problem}")
+                for problem in unkeyed
+            ]
         dataset = dataset_names.get(entry.dataset_id) if entry.dataset_id is not None else None
         if entry.previous_hash != previous:
             findings.append(
@@ -1420,11 +1442,182 @@ def chain_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) ->
             )
         expected = history_hash(
             entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
-            entry.dataset_id, entry.details_json,
+            entry.dataset_id, entry.details_json, key,
         )
         if entry.entry_hash != expected:
             findings.append(Finding(entry.entry_id, dataset, "its fields do not match its hash (the row was edited)"))
         previous = entry.entry_hash
+    return findings
+
+
+HEAD_SCHEMA = "dpfleet.ledger_head"
+
+
+@dataclass(frozen=True)
+class SignedHead:
+    """The history's head as `dpfleet ledger head` prints it: how many entries, the last one's hash, when (UTC).
+
+    `signature` is an HMAC-SHA-256 under the history key. An HMAC, not a
+    public-key signature: whoever checks it holds the key (the operator
+    running `verify --head`), which is also who can make one.
+    """
+
+    entries: int
+    head_hash: str
+    at: str
+    signature: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the head file)."""
+        return {"schema": HEAD_SCHEMA, "entries": self.entries, "head_hash": self.head_hash, "at": self.at,
+                "signature": self.signature}
+
+    @classmethod
+    def from_dict(cls, data: object) -> "SignedHead":
+        """Inverse of `to_dict`; InvalidArgument for anything else."""
+        if not isinstance(data, dict) or data.get("schema") != HEAD_SCHEMA:
+            raise InvalidArgument(f"a head file is the JSON object dpfleet ledger head prints (schema {HEAD_SCHEMA})")
+        entries, head_hash, at, signature = (data.get(name) for name in ("entries", "head_hash", "at", "signature"))
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0 or not all(
+            isinstance(value, str) for value in (head_hash, at, signature)
+        ):
+            raise InvalidArgument("a head file needs entries (an integer >= 0), and head_hash, at and signature "
+                                  "(strings); use the file dpfleet ledger head printed, unedited")
+        return cls(entries, head_hash, at, signature)
+
+
+def _head_signature(key: bytes, entries: int, head_hash: str, at: str) -> str:
+    # A 4-item list never reads as the 8-item list an entry's hash is taken over.
+    payload = json.dumps([HEAD_SCHEMA, entries, head_hash, at], ensure_ascii=True, separators=(",", ":"))
+    return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_head(key: bytes, entries: int, head_hash: str, at: str) -> SignedHead:
+    """The head of a history of `entries` entries whose last hash is `head_hash`, signed at `at` with `key`."""
+    return SignedHead(entries, head_hash, at, _head_signature(key, entries, head_hash, at))
+
+
+def head_findings(key: bytes, head: SignedHead, entries: list[StoredEntry]) -> list[Finding]:
+    """What shows that `entries` do not extend a head recorded earlier: a cut tail, or a rewritten history."""
+    if not hmac.compare_digest(head.signature, _head_signature(key, head.entries, head.head_hash, head.at)):
+        return [Finding(None, None, "its signature does not match the history key: it was edited, or signed with "
+                                    "another key", row="head file")]
+    if len(entries) < head.entries:
+        return [Finding(None, None, f"the history has {len(entries)} entries; at {head.at} it had {head.entries}: "
+                                    "entries were cut from its tail", row="signed head")]
+    if head.entries and entries[head.entries - 1].entry_hash != head.head_hash:
+        return [Finding(entries[head.entries - 1].entry_id, None,
+                        f"its hash is not the head hash signed at {head.at}: the history was rewritten")]
+    return []
+
+
+@dataclass(frozen=True)
+class StoredReservation:
+    """A row of the reservations table, for `verify` to compare with the replay of its history."""
+
+    reservation_id: str
+    dataset_id: int
+    tenant: str
+    job_id: str
+    planned: Composition
+    committed_steps: int
+    state: str
+    lease_seconds: float | None
+    lease_expired: bool
+    blocks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoredCommit:
+    """A row of the commits table: a reservation's commit of `steps` under `sequence`, reaching `committed_steps`."""
+
+    reservation_id: str
+    sequence: int
+    steps: int
+    committed_steps: int
+
+
+@dataclass(frozen=True)
+class StoredTenant:
+    """A row of the tenants table: its token's key id and a digest of its salt and token hash (None: no token)."""
+
+    name: str
+    key_id: str | None
+    token_digest: str | None
+
+
+def token_digest(salt: bytes | None, token_hash: bytes | None) -> str | None:
+    """What a `create_tenant` entry records of a token's stored salt and hash, so `verify` sees them swapped."""
+    if salt is None or token_hash is None:
+        return None
+    return hashlib.sha256(bytes(salt) + bytes(token_hash)).hexdigest()
+
+
+def job_findings(
+    entries: list[StoredEntry], reservations: list[StoredReservation], commits: list[StoredCommit]
+) -> list[Finding]:
+    """Replay every reservation and commit from the history and compare them with the tables' rows."""
+    replayed: dict[str, dict] = {}
+    replayed_commits = set()
+    for entry in entries:
+        if entry.action not in _JOB_ACTIONS:
+            continue
+        details = json.loads(entry.details_json)
+        if entry.action == "reserve":
+            replayed[details["reservation_id"]] = {
+                "dataset_id": entry.dataset_id, "tenant": entry.tenant, "job_id": details["job_id"],
+                "planned": Composition.from_dict(details["planned_events"]), "committed_steps": 0, "state": ACTIVE,
+                "lease_seconds": details.get("lease_seconds"), "lease_expired": False,
+                "blocks": tuple(details.get("blocks") or ()),
+            }
+        elif details["reservation_id"] in replayed:
+            job = replayed[details["reservation_id"]]
+            if entry.action == "commit":
+                steps = Composition.from_dict(details["events"]).steps
+                job["committed_steps"] += steps
+                replayed_commits.add(
+                    StoredCommit(details["reservation_id"], details["sequence"], steps, job["committed_steps"])
+                )
+            else:
+                job["state"], job["lease_expired"] = RELEASED, entry.action == "expire"
+    findings = []
+    stored = {reservation.reservation_id: reservation for reservation in reservations}
+    for reservation_id in sorted(set(stored) | set(replayed)):
+        row, job = stored.get(reservation_id), replayed.get(reservation_id)
+        if row is None or job is None:
+            where = "has a row but no history" if job is None else "is in the history but has no row"
+            findings.append(Finding(None, None, f"{reservation_id} {where}", row="reservation"))
+            continue
+        differing = [name for name, value in job.items() if getattr(row, name) != value]
+        if differing:
+            findings.append(Finding(None, None, f"{reservation_id}: its {', '.join(differing)} is not what its "
+                                                "history replays to", row="reservation"))
+    for commit in sorted(set(commits) ^ replayed_commits, key=lambda c: (c.reservation_id, c.sequence, c.steps)):
+        where = "has a row but no history entry" if commit in set(commits) else "is in the history but has no row"
+        findings.append(Finding(None, None, f"sequence {commit.sequence} of {commit.reservation_id} ({commit.steps} "
+                                            f"steps) {where}", row="commit"))
+    return findings
+
+
+def tenant_findings(entries: list[StoredEntry], tenants: list[StoredTenant]) -> list[Finding]:
+    """Compare the tenants table with the `create_tenant` entries: every tenant, its token's key id and digest."""
+    created = {}
+    for entry in entries:
+        if entry.action == "create_tenant":
+            details = json.loads(entry.details_json)
+            created[details["tenant"]] = details
+    findings = []
+    stored = {tenant.name: tenant for tenant in tenants}
+    for name in sorted(set(stored) | set(created)):
+        row, details = stored.get(name), created.get(name)
+        if row is None or details is None:
+            where = "has a row but no history" if details is None else "is in the history but has no row"
+            findings.append(Finding(None, None, f"{name} {where}", row="tenant"))
+        elif row.key_id != details.get("key_id") or (
+            "token_digest" in details and row.token_digest != details["token_digest"]
+        ):
+            findings.append(Finding(None, None, f"{name}: its token is not the one its history records (a token "
+                                                "was swapped in the table)", row="tenant"))
     return findings
 
 
@@ -1591,15 +1784,29 @@ def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> li
 
 
 def verify_history(
-    entries: list[StoredEntry], datasets: list[StoredDataset], uses: list[StoredTenantUse] = ()
+    entries: list[StoredEntry],
+    datasets: list[StoredDataset],
+    uses: list[StoredTenantUse] = (),
+    *,
+    key: bytes | None = None,
+    reservations: list[StoredReservation] = (),
+    commits: list[StoredCommit] = (),
+    tenants: list[StoredTenant] = (),
+    head: SignedHead | None = None,
 ) -> Verification:
-    """Check the hash chain of every entry, then replay each dataset's, block's and tenant use's history.
+    """Check the hash chain of every entry under the history `key`, then replay each dataset's, block's and
+    tenant use's history, and every reservation, commit and tenant, against the tables' rows.
 
     `datasets` holds the blocks too (their `block_of` names the dataset
     they belong to); `uses` each tenant's tally and quota on a budget.
+    With `head` (a head signed earlier), also check that the history still
+    extends it: the one check that sees a tail cut together with the rows
+    it changed.
     """
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
-    findings = chain_findings(entries, names)
+    findings = chain_findings(entries, names, key)
+    if head is not None:
+        findings += head_findings(key, head, entries)
     block_ids = {(row.block_of, row.block): row.dataset_id for row in datasets if row.block_of is not None}
     by_budget: dict[int, list[StoredEntry]] = {}
     for entry in entries:
@@ -1613,6 +1820,12 @@ def verify_history(
     for use in uses:
         findings += use_findings(use, names.get(use.budget_id, str(use.budget_id)), by_budget.get(use.budget_id, []),
                                  by_budget.get(parent.get(use.budget_id), []))
+    try:
+        findings += job_findings(entries, reservations, commits)
+    except (KeyError, TypeError, ValueError, EventError) as error:
+        findings.append(Finding(None, None, f"the history's jobs cannot be replayed ({type(error).__name__}: {error})",
+                                row="reservations"))
+    findings += tenant_findings(entries, tenants)
     return Verification(len(entries), len(datasets), entries[-1].entry_hash if entries else "", tuple(findings))
 
 
