@@ -2,10 +2,12 @@
 
 import json
 import math
+import os
 import random
 import sqlite3
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -537,3 +539,131 @@ def test_a_user_level_dataset_refuses_jobs_of_mixed_units_and_charges_a_row_boun
     assert findings(ledger) == [
         f"entry {reserve.entry_id} of dataset local/people: charges events that are not the group-privacy bound "
         "of its job's events for 2 rows per person"]
+
+
+# ------------------------------------------------------------ a keyed, anchored history: the attacker's moves
+
+
+def without_history_triggers(path):
+    """A connection to the file with the history's append-only triggers dropped, as whoever holds the file can."""
+    connection = sqlite3.connect(path)
+    connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
+    connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_delete")
+    return connection
+
+
+def spent_some(ledger):
+    """A dataset with a committed and a released job; returns the reservation still active."""
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    finished = ledger.reserve("mnist", "finished", FIRST.with_steps(100))
+    ledger.commit(finished.reservation_id, 100, 0)
+    ledger.release(finished.reservation_id)
+    running = ledger.reserve("mnist", "running", FIRST.with_steps(100))
+    ledger.commit(running.reservation_id, 40, 0)
+    return running
+
+
+def test_the_history_key_is_a_file_of_the_owner_only_outside_the_database(ledger, tmp_path):
+    key_file = Path(os.environ["DPFLEET_HOME"]) / "ledger-history.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(load_history_key()) == 32
+    assert key_file.read_text().strip() not in ledger.path.read_bytes().hex()
+    key_file.chmod(0o644)
+    with pytest.raises(FailedPrecondition, match="chmod 600"):
+        load_history_key()
+
+
+def test_a_ledger_opened_with_another_key_refuses_to_chain_to_its_history(ledger, tmp_path):
+    spent_some(ledger)
+    with Ledger(ledger.path, caller=ADMIN, history_key_file=tmp_path / "another.key") as other:
+        with pytest.raises(FailedPrecondition, match="not chained with the history key"):
+            other.create_tenant("acme")
+        assert len(other.verify().findings) == len(ledger.history())  # no entry is keyed with this key
+    assert ledger.verify().findings == ()
+
+
+def test_verify_finds_the_last_history_row_deleted(ledger):
+    running = spent_some(ledger)
+    head = ledger.head()
+    with without_history_triggers(ledger.path) as connection:
+        connection.execute("DELETE FROM history WHERE id = (SELECT MAX(id) FROM history)")  # the last commit
+    shown = findings(ledger)
+    assert f"reservation: {running.reservation_id}: its committed_steps is not what its history replays to" in shown
+    assert f"commit: sequence 0 of {running.reservation_id} (40 steps) has a row but no history entry" in shown
+    assert any("entries were cut from its tail" in str(finding) for finding in ledger.verify(head).findings)
+
+
+def test_verify_with_a_signed_head_finds_a_tail_cut_with_every_table_rolled_back(ledger, tmp_path):
+    spent_some(ledger)
+    earlier = tmp_path / "earlier.db"
+    with sqlite3.connect(ledger.path) as source, sqlite3.connect(earlier) as copy:
+        source.backup(copy)  # the whole file as it was: every table agrees with the shorter history
+    more = ledger.reserve("mnist", "more", FIRST.with_steps(50))
+    ledger.commit(more.reservation_id, 50, 0)
+    head = ledger.head()
+    assert ledger.verify(head).findings == ()
+    with sqlite3.connect(earlier) as copy, sqlite3.connect(ledger.path) as target:
+        copy.backup(target)
+    assert ledger.verify().findings == ()  # the cut cannot be seen from the file alone
+    (cut,) = ledger.verify(head).findings
+    assert str(cut) == (f"signed head: the history has {head.entries - 2} entries; at {head.at} it had {head.entries}: "
+                        "entries were cut from its tail")
+
+
+def test_verify_finds_a_history_rewritten_without_the_key_and_a_forged_head(ledger):
+    spent_some(ledger)
+    head = ledger.head()
+    # Someone with the file but not the key rewrites the chain whole, as the unkeyed chain once allowed.
+    with without_history_triggers(ledger.path) as connection:
+        connection.execute("UPDATE history SET details = replace(details, '\"steps\": 40', '\"steps\": 4')")
+        connection.execute("UPDATE commits SET steps = 4, committed_steps = 4 WHERE steps = 40")
+        previous = ""
+        for row in connection.execute(
+            "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+        ).fetchall():
+            entry_hash = history_hash(previous, *row)
+            connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
+                               (previous, entry_hash, row[0]))
+            previous = entry_hash
+    chain = [finding for finding in ledger.verify().findings if "do not match its hash" in finding.problem]
+    assert len(chain) == len(ledger.history())
+    forged = replace(head, entries=head.entries - 1)
+    (finding,) = [finding for finding in ledger.verify(forged).findings if finding.row == "head file"]
+    assert str(finding).startswith("head file: its signature does not match the history key")
+
+
+def test_verify_finds_an_edited_reservation_and_a_swapped_token(ledger):
+    running = spent_some(ledger)
+    ledger.create_tenant("acme")
+    with sqlite3.connect(ledger.path) as connection:
+        connection.execute("UPDATE reservations SET committed_steps = 10, state = 'released' WHERE id = ?",
+                           (running.reservation_id,))
+        connection.execute("UPDATE tenants SET token_hash = ? WHERE name = 'acme'", (b"\0" * 32,))
+    assert findings(ledger)[-2:] == [
+        f"reservation: {running.reservation_id}: its committed_steps, state is not what its history replays to",
+        "tenant: acme: its token is not the one its history records (a token was swapped in the table)",
+    ]
+
+
+def test_a_version_6_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
+    spent_some(ledger)
+    # The file as schema version 6 left it: an unkeyed chain, with one row edited before the key existed.
+    with without_history_triggers(ledger.path) as connection:
+        previous = ""
+        for row in connection.execute(
+            "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+        ).fetchall():
+            entry_hash = history_hash(previous, *row)
+            connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
+                               (previous, entry_hash, row[0]))
+            previous = entry_hash
+        connection.execute("UPDATE history SET actor = 'someone else' WHERE id = 2")
+        connection.execute("UPDATE schema_version SET version = 6")
+    entries = len(ledger.history())
+    with open_embedded_ledger(ledger.path) as migrated:
+        anchor, migration = migrated.history()[-2:]
+        assert (anchor.action, migration.action) == ("anchor_history", "migrate_schema")
+        assert anchor.details["entries"] == entries and len(anchor.details["unkeyed_chain_findings"]) == 1
+        (finding,) = migrated.verify().findings
+        assert (finding.entry_id, finding.problem) == (
+            anchor.entry_id, "before the history was keyed, its unkeyed chain had: entry 2: its fields do not match "
+            "its hash (the row was edited)")

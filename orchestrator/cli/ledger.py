@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
+from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger, SignedHead
 from accounting.ledger.databases import is_postgresql, shown_location
 from accounting.ledger.scheduling import POLICIES, SchedulingPolicy
 from accounting.ledger.service import LedgerServer, serve
@@ -61,6 +62,14 @@ def _open(args: argparse.Namespace) -> PrivacyLedger:
             f"{default_ledger_path()} is used and needs no token"
         )
     return open_embedded_ledger()
+
+
+def _add_history_key_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--history-key",
+        help="the file of the key the history is chained with (default: ledger-history.key in $DPFLEET_HOME or "
+        "~/.local/share/dpfleet, created on first use); every server of one database needs the same",
+    )
 
 
 def _add_client_flags(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +237,7 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
+        history_key_file=args.history_key,
     )
     return 0
 
@@ -422,24 +432,47 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-@_ledger_command
-def run_verify(args: argparse.Namespace) -> int:
-    """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
+def _open_store(args: argparse.Namespace) -> Ledger:
+    """The ledger file or database of --db (default: the embedded file) as its admin, with --history-key."""
     path = args.db if args.db and is_postgresql(args.db) else Path(args.db) if args.db else default_ledger_path()
     if isinstance(path, Path) and not path.exists():
         raise UsageError(f"no ledger file at {path}; give the file or URL dpfleet ledger serve --db uses")
-    with Ledger(path, caller=ADMIN) as ledger:
-        verification = ledger.verify()
+    return Ledger(path, caller=ADMIN, history_key_file=args.history_key)
+
+
+@_ledger_command
+def run_head(args: argparse.Namespace) -> int:
+    """Print the history's head signed with the history key, for the operator to keep elsewhere."""
+    with _open_store(args) as ledger:
+        head = ledger.head()
+    print_json(head.to_dict())
+    return 0
+
+
+@_ledger_command
+def run_verify(args: argparse.Namespace) -> int:
+    """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
+    head = None
+    if args.head is not None:
+        try:
+            head = SignedHead.from_dict(json.loads(Path(args.head).read_text()))
+        except ValueError as error:
+            raise UsageError(f"--head {args.head}: not the JSON dpfleet ledger head prints ({error})") from None
+    path = args.db or default_ledger_path()
+    with _open_store(args) as ledger:
+        verification = ledger.verify(head)
     if args.json:
         print_json(verification.to_dict())
     else:
         for finding in verification.findings:
             print(finding)
         outcome = f"{len(verification.findings)} finding(s)" if verification.findings else "no findings"
+        extends = "" if head is None else f"; checked against the head of {head.entries} entries signed at {head.at}"
         print(
             f"{outcome} in {verification.entries} history entries and {verification.datasets} datasets of "
-            f"{shown_location(str(path))}; "
-            f"head hash {verification.head_hash} (keep it elsewhere to notice a history rewritten from the start)"
+            f"{shown_location(str(path))}{extends}; "
+            f"head hash {verification.head_hash} (keep dpfleet ledger head's signed head elsewhere to notice a "
+            "history cut or rewritten)"
         )
     return 1 if verification.findings else 0
 
@@ -482,6 +515,7 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
+    _add_history_key_flag(serve_parser)
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
     serve_parser.set_defaults(handler=run_serve)
 
@@ -589,8 +623,24 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
         "dataset and entry; exits 1 when there is any.",
     )
     verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    verify.add_argument(
+        "--head", help="a head file dpfleet ledger head printed earlier: also check that the history still extends "
+        "it (no entry cut from the tail, none rewritten)"
+    )
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_history_key_flag(verify)
     verify.set_defaults(handler=run_verify)
+
+    head = commands.add_parser(
+        "head",
+        help="print the history's head (entries, last hash, time) signed with the history key",
+        description="Print the history's head as JSON: how many entries, the last entry's hash and the time, "
+        "signed (HMAC-SHA-256) with the history key. Keep it somewhere the ledger's database administrator cannot "
+        "write; dpfleet ledger verify --head FILE then tells whether entries were cut from the tail since.",
+    )
+    head.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    _add_history_key_flag(head)
+    head.set_defaults(handler=run_head)
 
     jobs = commands.add_parser("jobs", help="reservations, oldest first")
     jobs.add_argument("--dataset", help="only jobs on this dataset")
