@@ -160,3 +160,32 @@ def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(cap
     assert status == 1 and out.splitlines()[0] == f"entry {entry_id} of dataset local/mnist: {edited}"
     report = run(capsys, "ledger", "verify", "--json")[1]
     assert json.loads(report)["findings"] == [{"entry_id": entry_id, "dataset": "local/mnist", "problem": edited}]
+
+
+def test_head_is_signed_and_verify_head_finds_the_tail_cut_since(capsys, embedded, tmp_path):
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5")
+    key_file = tmp_path / "kept-apart" / "history.key"
+    status, out, _ = run(capsys, "ledger", "head", "--history-key", str(key_file))
+    assert status == 0
+    head = json.loads(out)
+    assert head["entries"] == 2 and len(head["signature"]) == 64
+    status, out, _ = run(capsys, "ledger", "head")  # the default key signs otherwise
+    assert json.loads(out)["signature"] != head["signature"]
+    head_file = tmp_path / "head.json"
+    head_file.write_text(json.dumps(head))
+    status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
+    assert status == 1 and out.startswith("head file: its signature does not match the history key")
+    with open_embedded_ledger(embedded) as ledger:
+        signed = ledger.head()
+    head_file.write_text(json.dumps(signed.to_dict()))
+    status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
+    assert status == 0 and f"checked against the head of 2 entries signed at {signed.at}" in out
+    with sqlite3.connect(embedded) as connection:
+        connection.execute("DROP TRIGGER history_is_append_only_delete")
+        connection.execute("DELETE FROM history WHERE action = 'create_dataset'")
+        connection.execute("DELETE FROM datasets")
+    status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
+    assert status == 1 and out.splitlines() == [
+        f"signed head: the history has 1 entries; at {signed.at} it had 2: entries were cut from its tail",
+        out.splitlines()[-1],
+    ]
