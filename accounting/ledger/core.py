@@ -75,6 +75,12 @@ MAX_STEPS = 2**63 - 1
 HISTORY_LIMIT = (1, 100_000)
 MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 MAX_BLOCKS_PER_JOB = 1000
+# The ranges the ledger takes, in the one place the store, the service and the command line check them.
+# Past them the arithmetic leaves floats (an ε of 1e-300 divides by zero, 1e300 overflows) and no real
+# budget or mechanism lives there; docs/ledger.md gives them.
+EPSILON_RANGE = (1e-6, 1e4)  # a budget's, a block's or a quota's ε, inclusive
+DELTA_RANGE = (1e-20, 0.1)  # a budget's δ, inclusive; δ/K per order must stay a normal float
+MAX_NOISE_MULTIPLIER = 1e4  # σ, and σ over the sensitivity factor, of a planned event; > 0
 
 ACTIVE = "active"
 RELEASED = "released"
@@ -197,20 +203,37 @@ def _finite(name: str, value: object) -> float:
     return value
 
 
-def check_budget_epsilon(value: object) -> float:
-    """A budget epsilon: a finite number > 0."""
-    epsilon = _finite("budget epsilon", value)
-    if epsilon <= 0.0:
-        raise InvalidArgument(f"budget epsilon must be > 0 (got {epsilon:g})")
+def check_budget_epsilon(value: object, name: str = "budget epsilon") -> float:
+    """A budget epsilon (of a dataset, block or quota, named `name` in the error): a number in EPSILON_RANGE."""
+    epsilon = _finite(name, value)
+    if not EPSILON_RANGE[0] <= epsilon <= EPSILON_RANGE[1]:
+        raise InvalidArgument(
+            f"{name} must be in [{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}] (got {epsilon:g}); a budget is "
+            "usually between 0.1 and 10"
+        )
     return epsilon
 
 
 def check_delta(value: object) -> float:
-    """A budget delta: a number in (0, 1), usually below 1/(dataset size)."""
+    """A budget delta: a number in DELTA_RANGE, and below 1/(dataset size) (see `delta_warning`)."""
     delta = _finite("delta", value)
-    if not 0.0 < delta < 1.0:
-        raise InvalidArgument(f"delta must be in (0, 1) (got {delta:g})")
+    if not DELTA_RANGE[0] <= delta <= DELTA_RANGE[1]:
+        raise InvalidArgument(
+            f"delta must be in [{DELTA_RANGE[0]:g}, {DELTA_RANGE[1]:g}] (got {delta:g}); choose it below "
+            "1/(dataset size), e.g. 1e-5 for 60,000 rows"
+        )
     return delta
+
+
+def delta_warning(delta: float, dataset_size: int | None) -> str | None:
+    """A warning when a budget's delta is above 1/N for a dataset of N rows (or people); None when it is not,
+    or N is not known. A delta of 1/N allows releasing one row in the clear."""
+    if dataset_size is None or delta <= 1.0 / dataset_size:
+        return None
+    return (
+        f"delta {delta:g} is above 1/N = {1.0 / dataset_size:.3g} for a dataset of {dataset_size} rows: a mechanism "
+        "may then reveal a row outright with that probability; choose delta below 1/N (1/(10 N) is common)"
+    )
 
 
 def _integer(name: str, value: object, least: int, most: int) -> int:
@@ -357,6 +380,14 @@ def check_plan(planned: EventsLike) -> Composition:
         raise InvalidArgument("planned events must hold at least one step (got none)")
     if any(event.steps > MAX_STEPS for event in composition.events):
         raise InvalidArgument(f"planned events may hold at most {MAX_STEPS} steps per record")
+    for event in composition.events:
+        # A huge σ, or a tiny sensitivity factor, overflows the accountants' arithmetic.
+        if not 0.0 < max(event.noise_multiplier, event.effective_noise_multiplier) <= MAX_NOISE_MULTIPLIER:
+            raise InvalidArgument(
+                f"planned events: noise_multiplier, and noise_multiplier / sensitivity_factor, must be in "
+                f"(0, {MAX_NOISE_MULTIPLIER:g}] (got {event.noise_multiplier:g} and "
+                f"{event.effective_noise_multiplier:g})"
+            )
     if len(composition.events) > MAX_PLAN_RECORDS:
         raise InvalidArgument(
             f"planned events may hold at most {MAX_PLAN_RECORDS} records after merging equal neighbours "

@@ -1536,6 +1536,17 @@ class Ledger:
                 self._expire_leases(connection, dataset_id)
                 row = self._reservation_row(connection, caller, reservation_id)
             reservation = self._reservation(caller, row)
+            # The reservation and its lease first: a retried sequence does not let a driver that lost its lease,
+            # or whose job was released, learn or assume that its charges still stand.
+            if reservation.lease_expired:
+                raise FailedPrecondition(
+                    f"the lease of reservation {reservation_id} expired at {reservation.expires_at} and its unrun "
+                    "steps were released, so it takes no more commits; stop the job's steps and reserve again"
+                )
+            if reservation.state != ACTIVE:
+                raise FailedPrecondition(
+                    f"reservation {reservation_id} was released; reserve again for more steps"
+                )
             earlier = connection.execute(
                 "SELECT steps, committed_steps FROM commits WHERE reservation_id = ? AND sequence = ?",
                 (reservation_id, sequence),
@@ -1547,15 +1558,6 @@ class Ledger:
                         f"(got {steps}); a retry must repeat the same steps, a new block needs a new sequence"
                     )
                 return CommitResult(reservation_id, sequence, steps, earlier[1], reservation.planned_steps)
-            if reservation.lease_expired:
-                raise FailedPrecondition(
-                    f"the lease of reservation {reservation_id} expired at {reservation.expires_at} and its unrun "
-                    "steps were released, so it takes no more commits; stop the job's steps and reserve again"
-                )
-            if reservation.state != ACTIVE:
-                raise FailedPrecondition(
-                    f"reservation {reservation_id} was released; reserve again for more steps"
-                )
             if steps > reservation.unrun_steps:
                 raise InvalidArgument(
                     f"reservation {reservation_id} has {reservation.unrun_steps} unrun steps of "
