@@ -17,7 +17,18 @@ from pathlib import Path
 from typing import Callable
 
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger, SignedHead
+from accounting.ledger.core import (
+    ADMIN,
+    BudgetExceeded,
+    DatasetStatus,
+    InvalidArgument,
+    LedgerError,
+    PrivacyLedger,
+    SignedHead,
+    check_budget_epsilon,
+    check_delta,
+    delta_warning,
+)
 from accounting.ledger.databases import is_postgresql, shown_location
 from accounting.ledger.scheduling import POLICIES, SchedulingPolicy
 from accounting.ledger.service import LedgerServer, serve
@@ -62,6 +73,16 @@ def _open(args: argparse.Namespace) -> PrivacyLedger:
             f"{default_ledger_path()} is used and needs no token"
         )
     return open_embedded_ledger()
+
+
+def _ledger_number(flag: str, text: str, check: Callable[[float], float]) -> float:
+    """A number given on the command line, range-checked by the ledger core's own check (a server's too)."""
+    try:
+        return check(float(text))
+    except ValueError:  # float() of text that is not a number
+        raise UsageError(f"{flag} must be a number (got {text!r})") from None
+    except InvalidArgument as error:
+        raise UsageError(f"{flag}: {error}") from None
 
 
 def _add_history_key_flag(parser: argparse.ArgumentParser) -> None:
@@ -275,8 +296,12 @@ def _print_statuses(statuses: list[DatasetStatus], as_json: bool) -> None:
 @_ledger_command
 def run_dataset_create(args: argparse.Namespace) -> int:
     """Create a dataset with its (epsilon, delta) budget."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
-    delta = checks.open_unit_interval("--delta", args.delta)
+    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
+    delta = _ledger_number("--delta", args.delta, check_delta)
+    size = None if args.dataset_size is None else checks.integer_at_least("--dataset-size", args.dataset_size, 1)
+    warning = delta_warning(delta, size)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     with _open(args) as ledger:
         status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit, _scheduling(args))
     _print_statuses([status], args.json)
@@ -286,7 +311,7 @@ def run_dataset_create(args: argparse.Namespace) -> int:
 @_ledger_command
 def run_dataset_raise(args: argparse.Namespace) -> int:
     """Set a dataset's budget epsilon (admin)."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
     with _open(args) as ledger:
         status = ledger.raise_budget(args.name, epsilon)
     _print_statuses([status], args.json)
@@ -296,8 +321,8 @@ def run_dataset_raise(args: argparse.Namespace) -> int:
 @_ledger_command
 def run_block_add(args: argparse.Namespace) -> int:
     """Add a block with its own budget to a dataset."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
-    delta = None if args.delta is None else checks.open_unit_interval("--delta", args.delta)
+    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
+    delta = None if args.delta is None else _ledger_number("--delta", args.delta, check_delta)
     with _open(args) as ledger:
         status = ledger.add_block(args.dataset, args.name, epsilon, delta)
     _print_statuses([status], args.json)
@@ -307,7 +332,7 @@ def run_block_add(args: argparse.Namespace) -> int:
 @_ledger_command
 def run_quota_set(args: argparse.Namespace) -> int:
     """Give a tenant a quota on a dataset or one of its blocks (admin)."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
     with _open(args) as ledger:
         status = ledger.set_quota(args.dataset, args.tenant, epsilon, args.block)
     _print_statuses([status], args.json)
@@ -532,9 +557,14 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     dataset_create = dataset.add_parser("create", help="create a dataset with an (epsilon, delta) budget")
     dataset_create.add_argument("name", help="dataset name (admins: TENANT/NAME)")
-    dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
     dataset_create.add_argument(
-        "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
+        "--epsilon", required=True, help="budget epsilon over the life of the data, in [1e-6, 1e4]"
+    )
+    dataset_create.add_argument(
+        "--delta", required=True, help="budget delta, in [1e-20, 0.1]; below 1/(dataset size)"
+    )
+    dataset_create.add_argument(
+        "--dataset-size", help="rows (or people) in the dataset: warns when --delta is above 1/N"
     )
     dataset_create.add_argument(
         "--privacy-unit", choices=("example", "user"), default="example",
