@@ -554,8 +554,10 @@ def load_history_key(path: str | os.PathLike | None = None) -> bytes:
 
     A missing file is created with a new random 256-bit key, mode 0600;
     several processes creating it at once agree on one key. A file that
-    others than its owner may read or write is refused: the key is what lets
-    `verify` tell a rewritten history.
+    others than its owner and group may read, or others than its owner may
+    write, is refused: the key is what lets `verify` tell a rewritten
+    history. (Its group may read it: Kubernetes gives a mounted Secret's
+    files to the pod's fsGroup.)
     """
     path = Path(path) if path is not None else default_history_key_path()
     if not path.exists():
@@ -572,7 +574,7 @@ def load_history_key(path: str | os.PathLike | None = None) -> bytes:
         finally:
             draft.unlink()
     mode = path.stat().st_mode
-    if mode & 0o077:
+    if mode & 0o027:
         raise FailedPrecondition(
             f"the history key {path} may be read or written by others (mode {mode & 0o777:o}); "
             f"make it the owner's only: chmod 600 {path}"
