@@ -98,7 +98,7 @@ def test_bad_flags_exit_2_and_write_nothing(capsys, embedded):
         (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "2"), "--delta: delta must be in [1e-20, 0.1]"),
         (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "0.999999"), "--delta: delta must be in"),
         (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "5e-324"), "--delta: delta must be in"),
-        (("block", "add", "mnist", "d1", "--epsilon", "1e300"), "--epsilon: budget epsilon must be in"),
+        (("block", "add", "mnist", "d1", "--epsilon", "1e300"), "--epsilon: block epsilon must be in"),
         (("dataset", "create", "x" * 10_000, "--epsilon", "1", "--delta", "1e-5"), "dataset name must be 1 to 128"),
         (("dataset", "create", "mnist", "--epsilon", "1", "--delta", "1e-5"), "already exists"),
         (("dataset", "raise", "mnist", "--epsilon", "inf"), "--epsilon: budget epsilon must be a finite number"),

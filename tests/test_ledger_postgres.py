@@ -78,8 +78,8 @@ def three_servers(shared_url, history_key):
     Yields the process and the three addresses, the process's first.
     """
     process = subprocess.Popen(
-        [sys.executable, "-c", _SERVE, shared_url, ADMIN_TOKEN, str(history_key)], cwd=REPOSITORY, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", _SERVE, shared_url, ADMIN_TOKEN, str(history_key)], cwd=REPOSITORY,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     in_process = [
         start_server(shared_url, "127.0.0.1", 0, ADMIN_TOKEN, history_key_file=history_key) for _ in range(2)
@@ -310,7 +310,7 @@ def test_kill_9_of_a_server_mid_burst_the_client_fails_over_and_its_retries_char
     process, addresses = three_servers
     with RemoteLedger(addresses[0], ADMIN_TOKEN) as admin:
         token = admin.create_tenant("failover").token
-        admin.create_dataset("failover/mnist", 1e6, DELTA)
+        admin.create_dataset("failover/mnist", 1e4, DELTA)
     with RemoteLedger(",".join(addresses[:2]), token, timeout_seconds=5) as client:
         reservation_id = client.reserve("mnist", "job-1", STEP.with_steps(10**6)).reservation_id
         burst = Burst(client, reservation_id, 400)
@@ -328,7 +328,7 @@ def test_kill_9_of_postgresql_mid_burst_keeps_every_acknowledged_commit(cluster)
     try:
         with RemoteLedger(server.address, ADMIN_TOKEN, timeout_seconds=10) as admin:
             token = admin.create_tenant("acme").token
-            admin.create_dataset("acme/mnist", 1e6, DELTA)
+            admin.create_dataset("acme/mnist", 1e4, DELTA)
         with RemoteLedger(server.address, token, timeout_seconds=10) as client:
             reservation_id = client.reserve("mnist", "job-1", STEP.with_steps(10**6)).reservation_id
             burst = Burst(client, reservation_id, 300, retry_seconds=90)

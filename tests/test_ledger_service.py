@@ -234,7 +234,10 @@ def reserve_request(job_id="j", planned_events_json=None, **event):
 
 
 # How a refusal of bad input begins: with the name of what was wrong.
-FIELD_NAMES = {"tenant", "dataset", "budget", "delta", "job", "planned", "steps", "sequence", "reservation", "history"}
+FIELD_NAMES = {
+    "tenant", "dataset", "budget", "block", "quota", "delta", "job", "planned", "steps", "sequence", "reservation",
+    "history",
+}
 # case: (RPC, request, sent by, expected code). Commit requests get the test's reservation id.
 BAD_REQUESTS = {
     "empty tenant name": ("CreateTenant", pb.CreateTenantRequest(tenant=""), "admin", INVALID),

@@ -1846,6 +1846,9 @@ def verify_history(
     for dataset in datasets:
         findings += replay_findings(dataset, [entry for entry in by_budget.get(dataset.dataset_id, ())
                                               if entry.action != "set_quota"])
+    for budget_id in sorted(set(by_budget) - set(names)):
+        findings.append(Finding(by_budget[budget_id][0].entry_id, None, "it is about a dataset or block that has no "
+                                                                        "row (the row was removed)"))
     findings += queue_findings(entries, names)
     parent = {row.dataset_id: row.block_of for row in datasets}
     for use in uses:

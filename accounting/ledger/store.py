@@ -587,7 +587,7 @@ def load_history_key(path: str | os.PathLike | None = None) -> bytes:
     if len(key) != _HISTORY_KEY_BYTES:
         raise FailedPrecondition(
             f"the history key {path} is not {2 * _HISTORY_KEY_BYTES} hex digits; restore it from its backup "
-            "(see docs/ledger.md, 'The history key')"
+            "(see docs/ledger.md, 'The history key and the signed head')"
         )
     return key
 
@@ -800,7 +800,7 @@ class Ledger:
                     f"the last history entry of {self._database.location} is not chained with the history key "
                     f"{self._history_key_file}: give the key this ledger was opened with (--history-key), or "
                     "restore it from its backup; dpfleet ledger verify tells whether the row was edited. See "
-                    "docs/ledger.md, 'The history key'"
+                    "docs/ledger.md, 'The history key and the signed head'"
                 )
 
     def _migrate(self, connection: Connection, version: int) -> None:
@@ -1201,7 +1201,7 @@ class Ledger:
         """
         caller = self._caller(caller)
         check_name("block name", block)
-        epsilon = check_budget_epsilon(epsilon)
+        epsilon = check_budget_epsilon(epsilon, "block epsilon")
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
             delta = row.delta if delta is None else check_delta(delta)
@@ -1246,7 +1246,7 @@ class Ledger:
                 "setting a quota needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
             )
         check_name("tenant name", tenant)
-        epsilon = check_budget_epsilon(epsilon)
+        epsilon = check_budget_epsilon(epsilon, "quota epsilon")
         blocks = () if block is None else check_block_names([block])
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)

@@ -321,7 +321,7 @@ def run_dataset_raise(args: argparse.Namespace) -> int:
 @_ledger_command
 def run_block_add(args: argparse.Namespace) -> int:
     """Add a block with its own budget to a dataset."""
-    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
+    epsilon = _ledger_number("--epsilon", args.epsilon, lambda value: check_budget_epsilon(value, "block epsilon"))
     delta = None if args.delta is None else _ledger_number("--delta", args.delta, check_delta)
     with _open(args) as ledger:
         status = ledger.add_block(args.dataset, args.name, epsilon, delta)
@@ -332,7 +332,7 @@ def run_block_add(args: argparse.Namespace) -> int:
 @_ledger_command
 def run_quota_set(args: argparse.Namespace) -> int:
     """Give a tenant a quota on a dataset or one of its blocks (admin)."""
-    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
+    epsilon = _ledger_number("--epsilon", args.epsilon, lambda value: check_budget_epsilon(value, "quota epsilon"))
     with _open(args) as ledger:
         status = ledger.set_quota(args.dataset, args.tenant, epsilon, args.block)
     _print_statuses([status], args.json)
