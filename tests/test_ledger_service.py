@@ -271,6 +271,7 @@ BAD_REQUESTS = {
         "SetQuota", pb.SetQuotaRequest(dataset="acme/mnist", tenant="acme", epsilon=1e-300), "admin", INVALID
     ),
     "noise multiplier of 1e300": ("Reserve", reserve_request(noise_multiplier="1e300"), "acme", INVALID),
+    "noise multiplier of 1e-300": ("Reserve", reserve_request(noise_multiplier="1e-300"), "acme", INVALID),
     "noise multiplier of 1e300 in a fit": (
         "Fits", pb.FitsRequest(dataset="mnist", planned_events_json=event_json(noise_multiplier="1e300")), "acme",
         INVALID,

@@ -80,7 +80,7 @@ MAX_BLOCKS_PER_JOB = 1000
 # budget or mechanism lives there; docs/ledger.md gives them.
 EPSILON_RANGE = (1e-6, 1e4)  # a budget's, a block's or a quota's ε, inclusive
 DELTA_RANGE = (1e-20, 0.1)  # a budget's δ, inclusive; δ/K per order must stay a normal float
-MAX_NOISE_MULTIPLIER = 1e4  # σ, and σ over the sensitivity factor, of a planned event; > 0
+NOISE_MULTIPLIER_RANGE = (1e-3, 1e4)  # σ, and σ over the sensitivity factor, of a planned event, inclusive
 
 ACTIVE = "active"
 RELEASED = "released"
@@ -380,13 +380,13 @@ def check_plan(planned: EventsLike) -> Composition:
         raise InvalidArgument("planned events must hold at least one step (got none)")
     if any(event.steps > MAX_STEPS for event in composition.events):
         raise InvalidArgument(f"planned events may hold at most {MAX_STEPS} steps per record")
+    least, most = NOISE_MULTIPLIER_RANGE
     for event in composition.events:
-        # A huge σ, or a tiny sensitivity factor, overflows the accountants' arithmetic.
-        if not 0.0 < max(event.noise_multiplier, event.effective_noise_multiplier) <= MAX_NOISE_MULTIPLIER:
+        # Past these the accountants' arithmetic overflows or divides by zero.
+        if not all(least <= sigma <= most for sigma in (event.noise_multiplier, event.effective_noise_multiplier)):
             raise InvalidArgument(
                 f"planned events: noise_multiplier, and noise_multiplier / sensitivity_factor, must be in "
-                f"(0, {MAX_NOISE_MULTIPLIER:g}] (got {event.noise_multiplier:g} and "
-                f"{event.effective_noise_multiplier:g})"
+                f"[{least:g}, {most:g}] (got {event.noise_multiplier:g} and {event.effective_noise_multiplier:g})"
             )
     if len(composition.events) > MAX_PLAN_RECORDS:
         raise InvalidArgument(
