@@ -570,7 +570,9 @@ def spent_some(ledger):
 def test_the_history_key_is_a_file_of_the_owner_only_outside_the_database(ledger, tmp_path):
     key_file = Path(os.environ["DPFLEET_HOME"]) / "ledger-history.key"
     assert key_file.stat().st_mode & 0o777 == 0o600 and len(load_history_key()) == 32
-    assert key_file.read_text().strip() not in ledger.path.read_bytes().hex()
+    key = key_file.read_text().strip().encode()
+    for stored in ledger.path.parent.glob(f"{ledger.path.name}*"):  # the file, its WAL and shared memory
+        assert key not in stored.read_bytes() and bytes.fromhex(key.decode()) not in stored.read_bytes()
     key_file.chmod(0o604)
     with pytest.raises(FailedPrecondition, match="chmod 600"):
         load_history_key()
