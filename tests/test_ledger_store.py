@@ -466,7 +466,8 @@ def test_verify_reports_a_hand_edited_history_row_with_its_dataset_and_entry(led
         "dataset row of dataset local/mnist: the row's RDP tally of committed and reserved steps is not what its "
         "history replays to",
         "dataset row of dataset local/mnist: the row's set of committed events is not what its history replays to",
-        f"reservation: {reservation.reservation_id}: its committed_steps is not what its history replays to",
+        f"reservation: {reservation.reservation_id}: its row differs from what its history replays to in "
+        "committed_steps",
         f"commit: sequence 0 of {reservation.reservation_id} (6 steps) is in the history but has no row",
         f"commit: sequence 0 of {reservation.reservation_id} (60 steps) has a row but no history entry",
     ]
@@ -593,7 +594,8 @@ def test_verify_finds_the_last_history_row_deleted(ledger):
     with without_history_triggers(ledger.path) as connection:
         connection.execute("DELETE FROM history WHERE id = (SELECT MAX(id) FROM history)")  # the last commit
     shown = findings(ledger)
-    assert f"reservation: {running.reservation_id}: its committed_steps is not what its history replays to" in shown
+    assert (f"reservation: {running.reservation_id}: its row differs from what its history replays to in "
+            "committed_steps") in shown
     assert f"commit: sequence 0 of {running.reservation_id} (40 steps) has a row but no history entry" in shown
     assert any("entries were cut from its tail" in str(finding) for finding in ledger.verify(head).findings)
 
@@ -645,7 +647,8 @@ def test_verify_finds_an_edited_reservation_and_a_swapped_token(ledger):
                            (running.reservation_id,))
         connection.execute("UPDATE tenants SET token_hash = ? WHERE name = 'acme'", (b"\0" * 32,))
     assert findings(ledger)[-2:] == [
-        f"reservation: {running.reservation_id}: its committed_steps, state is not what its history replays to",
+        f"reservation: {running.reservation_id}: its row differs from what its history replays to in "
+        "committed_steps, state",
         "tenant: acme: its token is not the one its history records (a token was swapped in the table)",
     ]
 

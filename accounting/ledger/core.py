@@ -1621,8 +1621,8 @@ def job_findings(
             continue
         differing = [name for name, value in job.items() if getattr(row, name) != value]
         if differing:
-            findings.append(Finding(None, None, f"{reservation_id}: its {', '.join(differing)} is not what its "
-                                                "history replays to", row="reservation"))
+            findings.append(Finding(None, None, f"{reservation_id}: its row differs from what its history replays "
+                                                f"to in {', '.join(differing)}", row="reservation"))
     for commit in sorted(set(commits) ^ replayed_commits, key=lambda c: (c.reservation_id, c.sequence, c.steps)):
         where = "has a row but no history entry" if commit in set(commits) else "is in the history but has no row"
         findings.append(Finding(None, None, f"sequence {commit.sequence} of {commit.reservation_id} ({commit.steps} "
