@@ -30,6 +30,9 @@ class EventError(ValueError):
 
 
 def _check_finite(name: str, value: float) -> float:
+    # A number, not text that reads as one: events arrive as JSON from clients of the ledger.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EventError(f"{name} must be a number (got {value!r})")
     value = float(value)
     if not math.isfinite(value):
         raise EventError(f"{name} must be a finite number (got {value!r})")

@@ -85,8 +85,8 @@ def prepare_history(db: str | Path, jobs: int) -> str:
     """Fill a ledger (file or URL) with a tenant and a dataset of `jobs` finished jobs; return the tenant's token."""
     with Ledger(db, caller=ADMIN) as ledger:
         token = ledger.create_tenant("bench").token
-        ledger.create_dataset("bench/history", 1e9, DELTA)
-        ledger.create_dataset("bench/writes", 1e9, DELTA)
+        ledger.create_dataset("bench/history", 1e4, DELTA)
+        ledger.create_dataset("bench/writes", 1e4, DELTA)
 
         def finished_job(index: int) -> None:
             reservation = ledger.reserve("bench/history", f"finished-{index}", STEP.with_steps(10))

@@ -90,11 +90,18 @@ def test_bad_flags_exit_2_and_write_nothing(capsys, embedded):
     run(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "1", "--delta", "1e-5")
     before = run_json(capsys, "ledger", "history")["history"]
     for argv, complaint in [
-        (("dataset", "create", "cifar", "--epsilon", "nan", "--delta", "1e-5"), "--epsilon must be a finite number"),
-        (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "2"), "--delta must be in (0, 1)"),
+        (("dataset", "create", "cifar", "--epsilon", "nan", "--delta", "1e-5"),
+         "--epsilon: budget epsilon must be a finite number"),
+        (("dataset", "create", "cifar", "--epsilon", "ten", "--delta", "1e-5"), "--epsilon must be a number"),
+        (("dataset", "create", "cifar", "--epsilon", "1e-300", "--delta", "1e-5"),
+         "--epsilon: budget epsilon must be in [1e-06, 10000] (got 1e-300)"),
+        (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "2"), "--delta: delta must be in [1e-20, 0.1]"),
+        (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "0.999999"), "--delta: delta must be in"),
+        (("dataset", "create", "cifar", "--epsilon", "1", "--delta", "5e-324"), "--delta: delta must be in"),
+        (("block", "add", "mnist", "d1", "--epsilon", "1e300"), "--epsilon: block epsilon must be in"),
         (("dataset", "create", "x" * 10_000, "--epsilon", "1", "--delta", "1e-5"), "dataset name must be 1 to 128"),
         (("dataset", "create", "mnist", "--epsilon", "1", "--delta", "1e-5"), "already exists"),
-        (("dataset", "raise", "mnist", "--epsilon", "inf"), "--epsilon must be a finite number"),
+        (("dataset", "raise", "mnist", "--epsilon", "inf"), "--epsilon: budget epsilon must be a finite number"),
         (("status", "--token", "t"), "--token needs --ledger"),
         (("release", "r-0000000000000000"), "does not exist"),
         (("history", "--limit", "0"), "--limit must be an integer >= 1"),
@@ -160,6 +167,44 @@ def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(cap
     assert status == 1 and out.splitlines()[0] == f"entry {entry_id} of dataset local/mnist: {edited}"
     report = run(capsys, "ledger", "verify", "--json")[1]
     assert json.loads(report)["findings"] == [{"entry_id": entry_id, "dataset": "local/mnist", "problem": edited}]
+
+
+def test_head_is_signed_and_verify_head_finds_the_tail_cut_since(capsys, embedded, tmp_path):
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5")
+    key_file = tmp_path / "kept-apart" / "history.key"
+    status, out, _ = run(capsys, "ledger", "head", "--history-key", str(key_file))
+    assert status == 0
+    head = json.loads(out)
+    assert head["entries"] == 2 and len(head["signature"]) == 64
+    status, out, _ = run(capsys, "ledger", "head")  # the default key signs otherwise
+    assert json.loads(out)["signature"] != head["signature"]
+    head_file = tmp_path / "head.json"
+    head_file.write_text(json.dumps(head))
+    status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
+    assert status == 1 and out.startswith("head file: its signature does not match the history key")
+    with open_embedded_ledger(embedded) as ledger:
+        signed = ledger.head()
+    head_file.write_text(json.dumps(signed.to_dict()))
+    status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
+    assert status == 0 and f"checked against the head of 2 entries signed at {signed.at}" in out
+    with sqlite3.connect(embedded) as connection:
+        connection.execute("DROP TRIGGER history_is_append_only_delete")
+        connection.execute("DELETE FROM history WHERE action = 'create_dataset'")
+        connection.execute("DELETE FROM datasets")
+    status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
+    assert status == 1 and out.splitlines() == [
+        f"signed head: the history has 1 entries; at {signed.at} it had 2: entries were cut from its tail",
+        out.splitlines()[-1],
+    ]
+
+
+def test_a_delta_above_one_over_the_dataset_size_is_warned_about(capsys, embedded):
+    status, _, err = run(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "1", "--delta", "1e-3",
+                         "--dataset-size", "60000")
+    assert status == 0 and err.startswith("warning: delta 0.001 is above 1/N = 1.67e-05 for a dataset of 60000 rows")
+    status, _, err = run(capsys, "ledger", "dataset", "create", "cifar", "--epsilon", "1", "--delta", "1e-6",
+                         "--dataset-size", "60000")
+    assert (status, err) == (0, "")
 
 
 # ---------------------------------------------------------------- the charge, known before the job starts

@@ -27,8 +27,12 @@ from accounting.ledger.core import (
     Unauthenticated,
     canonical,
     check_admission,
+    check_budget_epsilon,
+    check_delta,
+    check_plan,
     check_name,
     check_new_budget,
+    delta_warning,
     fits_budget,
     hash_token,
     new_token,
@@ -433,3 +437,46 @@ def test_an_adaptive_adversary_never_takes_the_committed_steps_past_the_filters_
     assert passed_alone  # the adversary did push some order past the budget: the union over orders is what held
     assert ledger.verify().findings == ()
     ledger.close()
+
+
+# ---------------------------------------------------------------- input ranges
+
+EXTREMES = [0.0, 5e-324, 1e-300, 1e-20, 1e-6, 0.1, 0.999999, 1.0, 1e4, 1e300, math.inf, math.nan]
+
+
+@settings(max_examples=60, deadline=None)
+@given(epsilon=st.one_of(st.sampled_from(EXTREMES), st.floats()), delta=st.one_of(st.sampled_from(EXTREMES),
+                                                                                  st.floats()))
+def test_every_budget_the_checks_accept_gives_a_rule_and_the_rest_is_refused_by_name(epsilon, delta):
+    try:
+        accepted = check_budget_epsilon(epsilon), check_delta(delta)
+    except InvalidArgument as refusal:
+        assert str(refusal).startswith(("budget epsilon must be", "delta must be"))
+        return
+    rule = AdmissionRule.for_budget(*accepted)  # no overflow, no division by zero
+    assert math.isfinite(rule.epsilon(RdpTally.of(SampledGaussian(0.01, 1.0, 100))))
+
+
+@settings(max_examples=40, deadline=None)
+@given(sigma=st.one_of(st.sampled_from(EXTREMES), st.floats(min_value=0.0, exclude_min=True)),
+       factor=st.sampled_from([1e-300, 0.5, 1.0, 2.0, 1e300]))
+def test_a_plan_is_refused_by_name_when_its_noise_leaves_the_range_the_accountants_compute(sigma, factor):
+    try:
+        event = SampledGaussian(0.01, sigma, 10, factor)
+    except ValueError:
+        return  # not finite or not > 0: the event record itself refuses it
+    try:
+        check_plan(event)
+    except InvalidArgument as refusal:
+        assert "noise_multiplier" in str(refusal) and "[0.001, 10000]" in str(refusal)
+        assert not 1e-3 <= min(sigma, sigma / factor) <= max(sigma, sigma / factor) <= 1e4
+        return
+    assert math.isfinite(RdpTally.of(event).epsilon(DELTA))
+
+
+def test_a_number_sent_as_text_is_refused_and_delta_above_one_over_n_is_warned_about():
+    with pytest.raises(InvalidArgument, match="noise_multiplier must be a number \\(got '1.0'\\)"):
+        parse_plan('{"schema": "dpfleet.events", "version": 1, "events": [{"kind": "sampled_gaussian", '
+                   '"sampling_rate": 0.01, "noise_multiplier": "1.0", "steps": 10}]}')
+    assert delta_warning(1e-5, None) is None and delta_warning(1e-5, 100_000) is None
+    assert delta_warning(1e-4, 60_000).startswith("delta 0.0001 is above 1/N = 1.67e-05 for a dataset of 60000 rows")

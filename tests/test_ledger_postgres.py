@@ -43,7 +43,8 @@ RACE_BUDGET = 2.0
 _SERVE = (
     "import sys\n"
     "from accounting.ledger.service import serve\n"
-    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True))\n"
+    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True),\n"
+    "      history_key_file=sys.argv[3])\n"
 )
 
 
@@ -59,22 +60,30 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
+def history_key(tmp_path_factory):
+    """The history key file every server of the shared database reads."""
+    return tmp_path_factory.mktemp("history-key") / "ledger-history.key"
+
+
+@pytest.fixture(scope="module")
 def shared_url(cluster):
     """The database the three servers share."""
     return cluster.create_database("shared")
 
 
 @pytest.fixture(scope="module")
-def three_servers(shared_url):
+def three_servers(shared_url, history_key):
     """Three ledger servers on one database: a process of its own (as `ledger serve` runs), and two in this one.
 
     Yields the process and the three addresses, the process's first.
     """
     process = subprocess.Popen(
-        [sys.executable, "-c", _SERVE, shared_url, ADMIN_TOKEN], cwd=REPOSITORY, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-c", _SERVE, shared_url, ADMIN_TOKEN, str(history_key)], cwd=REPOSITORY,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    in_process = [start_server(shared_url, "127.0.0.1", 0, ADMIN_TOKEN) for _ in range(2)]
+    in_process = [
+        start_server(shared_url, "127.0.0.1", 0, ADMIN_TOKEN, history_key_file=history_key) for _ in range(2)
+    ]
     line = process.stdout.readline().strip()
     assert line.startswith("127.0.0.1:"), process.stderr.read()
     yield process, [line, *(server.address for server in in_process)]
@@ -129,6 +138,27 @@ def test_the_ledger_on_postgresql_admits_charges_expires_and_verifies(cluster, c
         assert (finding.entry_id, finding.dataset) == (entry_id, "acme/mnist")
     assert main(["ledger", "verify", "--db", url]) == 1
     assert capsys.readouterr().out.startswith(f"entry {entry_id} of dataset acme/mnist: its fields do not match")
+
+
+def test_postgresql_refuses_truncate_on_history_and_verify_finds_a_superuser_truncation(cluster):
+    url = cluster.create_database("truncated")
+    with Ledger(url, caller=ADMIN) as ledger:
+        ledger.create_tenant("acme")
+        ledger.create_dataset("acme/mnist", 2.0, DELTA)
+        reservation = ledger.reserve("acme/mnist", "job", STEP.with_steps(30))
+        ledger.commit(reservation.reservation_id, 10, 0)
+        head = ledger.head()
+        assert ledger.verify(head).findings == ()
+        with psycopg.connect(url, autocommit=True) as connection:
+            with pytest.raises(psycopg.errors.RaiseException, match="append-only"):
+                connection.execute("TRUNCATE history")
+            # A superuser can switch every trigger off; what the history lost still shows.
+            connection.execute("ALTER TABLE history DISABLE TRIGGER ALL")
+            connection.execute("TRUNCATE history")
+        shown = [str(finding) for finding in ledger.verify(head).findings]
+    assert "signed head: the history has 0 entries; at" in shown[0] and "entries were cut from its tail" in shown[0]
+    assert f"reservation: {reservation.reservation_id} has a row but no history" in shown
+    assert "tenant: acme has a row but no history" in shown
 
 
 def test_the_queue_on_postgresql_admits_by_policy_times_out_cancels_and_verifies(cluster):
@@ -189,7 +219,7 @@ print(json.dumps(acknowledged), flush=True)
 
 
 def test_eight_clients_racing_across_three_servers_neither_overspend_nor_lose_nor_repeat_a_charge(
-    three_servers, shared_url
+    three_servers, shared_url, history_key
 ):
     _, addresses = three_servers
     rule = AdmissionRule.for_budget(RACE_BUDGET, DELTA)
@@ -220,7 +250,7 @@ def test_eight_clients_racing_across_three_servers_neither_overspend_nor_lose_no
         ).fetchone()
     assert set(stored) == acknowledged and len(stored) == len(acknowledged) == logged == 2 * most
     assert Composition.from_json(committed_events) == Composition((JOB.with_steps(most * JOB.steps),))
-    with Ledger(shared_url, caller=ADMIN) as ledger:
+    with Ledger(shared_url, caller=ADMIN, history_key_file=history_key) as ledger:
         assert ledger.verify().findings == ()
 
 
@@ -280,7 +310,7 @@ def test_kill_9_of_a_server_mid_burst_the_client_fails_over_and_its_retries_char
     process, addresses = three_servers
     with RemoteLedger(addresses[0], ADMIN_TOKEN) as admin:
         token = admin.create_tenant("failover").token
-        admin.create_dataset("failover/mnist", 1e6, DELTA)
+        admin.create_dataset("failover/mnist", 1e4, DELTA)
     with RemoteLedger(",".join(addresses[:2]), token, timeout_seconds=5) as client:
         reservation_id = client.reserve("mnist", "job-1", STEP.with_steps(10**6)).reservation_id
         burst = Burst(client, reservation_id, 400)
@@ -298,7 +328,7 @@ def test_kill_9_of_postgresql_mid_burst_keeps_every_acknowledged_commit(cluster)
     try:
         with RemoteLedger(server.address, ADMIN_TOKEN, timeout_seconds=10) as admin:
             token = admin.create_tenant("acme").token
-            admin.create_dataset("acme/mnist", 1e6, DELTA)
+            admin.create_dataset("acme/mnist", 1e4, DELTA)
         with RemoteLedger(server.address, token, timeout_seconds=10) as client:
             reservation_id = client.reserve("mnist", "job-1", STEP.with_steps(10**6)).reservation_id
             burst = Burst(client, reservation_id, 300, retry_seconds=90)

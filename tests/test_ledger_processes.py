@@ -50,7 +50,7 @@ def test_kill_9_during_a_burst_of_commits_keeps_every_acknowledged_commit_exactl
         with RemoteLedger(address, ADMIN_TOKEN) as admin:
             token = admin.create_tenant("acme").token
         with RemoteLedger(address, token, timeout_seconds=5) as acme:
-            acme.create_dataset("mnist", 1e6, DELTA)
+            acme.create_dataset("mnist", 1e4, DELTA)
             reservation_id = acme.reserve("mnist", "job-1", plan).reservation_id
         acknowledged, unanswered, lock = {}, [], threading.Lock()
 

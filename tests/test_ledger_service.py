@@ -233,6 +233,11 @@ def reserve_request(job_id="j", planned_events_json=None, **event):
     return pb.ReserveRequest(dataset="mnist", job_id=job_id, planned_events_json=planned_events_json)
 
 
+# How a refusal of bad input begins: with the name of what was wrong.
+FIELD_NAMES = {
+    "tenant", "dataset", "budget", "block", "quota", "delta", "job", "planned", "steps", "sequence", "reservation",
+    "history",
+}
 # case: (RPC, request, sent by, expected code). Commit requests get the test's reservation id.
 BAD_REQUESTS = {
     "empty tenant name": ("CreateTenant", pb.CreateTenantRequest(tenant=""), "admin", INVALID),
@@ -252,6 +257,27 @@ BAD_REQUESTS = {
     "infinite raised budget": (
         "RaiseBudget", pb.RaiseBudgetRequest(dataset="acme/mnist", epsilon=math.inf), "admin", INVALID
     ),
+    "budget of 1e-300 (underflow)": ("CreateDataset", dataset_request(epsilon=1e-300), "acme", INVALID),
+    "budget of 1e300 (overflow)": ("CreateDataset", dataset_request(epsilon=1e300), "acme", INVALID),
+    "delta of 0.999999": ("CreateDataset", dataset_request(delta=0.999999), "acme", INVALID),
+    "delta of 5e-324": ("CreateDataset", dataset_request(delta=5e-324), "acme", INVALID),
+    "raised budget of 1e300": (
+        "RaiseBudget", pb.RaiseBudgetRequest(dataset="acme/mnist", epsilon=1e300), "admin", INVALID
+    ),
+    "block budget of 1e-300": (
+        "AddBlock", pb.AddBlockRequest(dataset="mnist", block="d1", epsilon=1e-300), "acme", INVALID
+    ),
+    "quota of 1e-300": (
+        "SetQuota", pb.SetQuotaRequest(dataset="acme/mnist", tenant="acme", epsilon=1e-300), "admin", INVALID
+    ),
+    "noise multiplier of 1e300": ("Reserve", reserve_request(noise_multiplier="1e300"), "acme", INVALID),
+    "noise multiplier of 1e-300": ("Reserve", reserve_request(noise_multiplier="1e-300"), "acme", INVALID),
+    "noise multiplier of 1e300 in a fit": (
+        "Fits", pb.FitsRequest(dataset="mnist", planned_events_json=event_json(noise_multiplier="1e300")), "acme",
+        INVALID,
+    ),
+    "noise multiplier sent as a string": ("Reserve", reserve_request(noise_multiplier='"1.0"'), "acme", INVALID),
+    "sampling rate sent as a string": ("Reserve", reserve_request(sampling_rate='"0.01"'), "acme", INVALID),
     "empty job id": ("Reserve", reserve_request(job_id=""), "acme", INVALID),
     "10k-character job id": ("Reserve", reserve_request(job_id="j" * 10_000), "acme", INVALID),
     "NaN noise multiplier": ("Reserve", reserve_request(noise_multiplier="NaN"), "acme", INVALID),
@@ -290,6 +316,8 @@ def test_bad_input_is_refused_with_its_code_and_nothing_is_written(server, acme,
         with pytest.raises(grpc.RpcError) as refusal:
             getattr(ledger_pb2_grpc.LedgerStub(channel), method)(request, metadata=metadata, timeout=10)
     assert refusal.value.code() == code, refusal.value.details()
+    if code == INVALID:
+        assert refusal.value.details().split()[0] in FIELD_NAMES, refusal.value.details()  # it names the field
     assert row_counts(server) == before
     assert acme.get_budget("mnist").jobs[0].reservation_id == reservation.reservation_id  # still serving
 

@@ -2,10 +2,12 @@
 
 import json
 import math
+import os
 import random
 import sqlite3
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,13 @@ from accounting.ledger.core import (
     history_hash,
     split_steps,
 )
-from accounting.ledger.store import SCHEMA_VERSION, Ledger, default_ledger_path, open_embedded_ledger
+from accounting.ledger.store import (
+    SCHEMA_VERSION,
+    Ledger,
+    default_ledger_path,
+    load_history_key,
+    open_embedded_ledger,
+)
 
 DELTA = 1e-5
 FIRST = SampledGaussian(0.004, 1.1, 1)
@@ -210,7 +218,10 @@ def test_commit_refuses_more_steps_than_planned_and_after_release(ledger):
     ledger.release(reservation.reservation_id)
     with pytest.raises(FailedPrecondition, match="was released"):
         ledger.commit(reservation.reservation_id, 1, 1)
-    assert ledger.commit(reservation.reservation_id, 8, 0) == first  # a late retry still gets its answer
+    # The reservation is checked before the sequence: a late retry is refused, and its charge stands.
+    with pytest.raises(FailedPrecondition, match="was released"):
+        ledger.commit(reservation.reservation_id, 8, 0)
+    assert first.committed_steps == ledger.list_jobs("mnist")[0].committed_steps == 8
 
 
 def test_release_frees_only_what_never_ran(ledger):
@@ -352,7 +363,7 @@ def test_names_and_tokens_are_checked(ledger):
 def test_running_tallies_equal_a_recomputation_from_stored_events_after_random_work(ledger):
     """Adding plans and subtracting their unrun parts leaves no drift in the running RDP tallies."""
     generator = random.Random(4)
-    ledger.create_dataset("mnist", 1e6, DELTA)
+    ledger.create_dataset("mnist", 1e4, DELTA)
     mechanisms = [FIRST, SECOND, SampledGaussian(0.02, 2.0, 1)]
     active, sequence = [], 0
     for round_number in range(150):
@@ -389,7 +400,7 @@ def test_running_tallies_equal_a_recomputation_from_stored_events_after_random_w
 
 def test_concurrent_changes_are_each_applied_once_or_not_at_all(ledger):
     """Threads share transactions (group commit); a refused change must not disturb the others."""
-    ledger.create_dataset("mnist", 1e6, DELTA)
+    ledger.create_dataset("mnist", 1e4, DELTA)
     reservations = [ledger.reserve("mnist", f"job-{index}", FIRST.with_steps(10_000)) for index in range(4)]
     refusals = []
 
@@ -415,7 +426,8 @@ def test_concurrent_changes_are_each_applied_once_or_not_at_all(ledger):
 
 
 def edit_history(path, entry_id, details, rechain=False):
-    """Edit one history row by hand, as someone with the file could; with `rechain`, rewrite every hash after it."""
+    """Edit one history row by hand, as someone with the file could; with `rechain`, rewrite every hash after it
+    (as someone who also holds the history key could)."""
     with sqlite3.connect(path) as connection:
         connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
         connection.execute(
@@ -426,7 +438,7 @@ def edit_history(path, entry_id, details, rechain=False):
             for row in connection.execute(
                 "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
             ).fetchall():
-                entry_hash = history_hash(previous, *row)
+                entry_hash = history_hash(previous, *row, load_history_key())
                 connection.execute(
                     "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, row[0])
                 )
@@ -454,6 +466,10 @@ def test_verify_reports_a_hand_edited_history_row_with_its_dataset_and_entry(led
         "dataset row of dataset local/mnist: the row's RDP tally of committed and reserved steps is not what its "
         "history replays to",
         "dataset row of dataset local/mnist: the row's set of committed events is not what its history replays to",
+        f"reservation: {reservation.reservation_id}: its row differs from what its history replays to in "
+        "committed_steps",
+        f"commit: sequence 0 of {reservation.reservation_id} (6 steps) is in the history but has no row",
+        f"commit: sequence 0 of {reservation.reservation_id} (60 steps) has a row but no history entry",
     ]
     edit_history(ledger.path, commit.entry_id, smaller, rechain=True)  # hashes made whole again: the replay still tells
     assert findings(ledger)[0].startswith(release)
@@ -487,7 +503,8 @@ def test_a_lease_expires_frees_its_unrun_steps_and_fences_off_later_commits(ledg
     assert ledger.reserve("mnist", "waiting", job).state == "active"  # the zombie's 2900 unrun steps were freed
     with pytest.raises(FailedPrecondition, match="lease of reservation .* expired .* takes no more commits"):
         ledger.commit(zombie.reservation_id, 100, 1)
-    assert ledger.commit(zombie.reservation_id, 100, 0).committed_steps == 100  # a retry still gets its answer
+    with pytest.raises(FailedPrecondition, match="lease of reservation .* expired"):  # checked before the sequence
+        ledger.commit(zombie.reservation_id, 100, 0)
     (expired,) = [job for job in ledger.list_jobs("mnist") if job.reservation_id == zombie.reservation_id]
     assert (expired.state, expired.lease_expired, expired.committed_steps) == ("released", True, 100)
     (entry,) = [entry for entry in ledger.history("mnist") if entry.action == "expire"]
@@ -527,3 +544,135 @@ def test_a_user_level_dataset_refuses_jobs_of_mixed_units_and_charges_a_row_boun
     assert findings(ledger) == [
         f"entry {reserve.entry_id} of dataset local/people: charges events that are not the group-privacy bound "
         "of its job's events for 2 rows per person"]
+
+
+# ------------------------------------------------------------ a keyed, anchored history: the attacker's moves
+
+
+def without_history_triggers(path):
+    """A connection to the file with the history's append-only triggers dropped, as whoever holds the file can."""
+    connection = sqlite3.connect(path)
+    connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
+    connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_delete")
+    return connection
+
+
+def spent_some(ledger):
+    """A dataset with a committed and a released job; returns the reservation still active."""
+    ledger.create_dataset("mnist", 10.0, DELTA)
+    finished = ledger.reserve("mnist", "finished", FIRST.with_steps(100))
+    ledger.commit(finished.reservation_id, 100, 0)
+    ledger.release(finished.reservation_id)
+    running = ledger.reserve("mnist", "running", FIRST.with_steps(100))
+    ledger.commit(running.reservation_id, 40, 0)
+    return running
+
+
+def test_the_history_key_is_a_file_of_the_owner_only_outside_the_database(ledger, tmp_path):
+    key_file = Path(os.environ["DPFLEET_HOME"]) / "ledger-history.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600 and len(load_history_key()) == 32
+    key = key_file.read_text().strip().encode()
+    for stored in ledger.path.parent.glob(f"{ledger.path.name}*"):  # the file, its WAL and shared memory
+        assert key not in stored.read_bytes() and bytes.fromhex(key.decode()) not in stored.read_bytes()
+    key_file.chmod(0o604)
+    with pytest.raises(FailedPrecondition, match="chmod 600"):
+        load_history_key()
+
+
+def test_a_ledger_opened_with_another_key_refuses_to_chain_to_its_history(ledger, tmp_path):
+    spent_some(ledger)
+    with Ledger(ledger.path, caller=ADMIN, history_key_file=tmp_path / "another.key") as other:
+        with pytest.raises(FailedPrecondition, match="not chained with the history key"):
+            other.create_tenant("acme")
+        assert len(other.verify().findings) == len(ledger.history())  # no entry is keyed with this key
+    assert ledger.verify().findings == ()
+
+
+def test_verify_finds_the_last_history_row_deleted(ledger):
+    running = spent_some(ledger)
+    head = ledger.head()
+    with without_history_triggers(ledger.path) as connection:
+        connection.execute("DELETE FROM history WHERE id = (SELECT MAX(id) FROM history)")  # the last commit
+    shown = findings(ledger)
+    assert (f"reservation: {running.reservation_id}: its row differs from what its history replays to in "
+            "committed_steps") in shown
+    assert f"commit: sequence 0 of {running.reservation_id} (40 steps) has a row but no history entry" in shown
+    assert any("entries were cut from its tail" in str(finding) for finding in ledger.verify(head).findings)
+
+
+def test_verify_with_a_signed_head_finds_a_tail_cut_with_every_table_rolled_back(ledger, tmp_path):
+    spent_some(ledger)
+    earlier = tmp_path / "earlier.db"
+    with sqlite3.connect(ledger.path) as source, sqlite3.connect(earlier) as copy:
+        source.backup(copy)  # the whole file as it was: every table agrees with the shorter history
+    more = ledger.reserve("mnist", "more", FIRST.with_steps(50))
+    ledger.commit(more.reservation_id, 50, 0)
+    head = ledger.head()
+    assert ledger.verify(head).findings == ()
+    with sqlite3.connect(earlier) as copy, sqlite3.connect(ledger.path) as target:
+        copy.backup(target)
+    assert ledger.verify().findings == ()  # the cut cannot be seen from the file alone
+    (cut,) = ledger.verify(head).findings
+    assert str(cut) == (f"signed head: the history has {head.entries - 2} entries; at {head.at} it had {head.entries}: "
+                        "entries were cut from its tail")
+
+
+def test_verify_finds_a_history_rewritten_without_the_key_and_a_forged_head(ledger):
+    spent_some(ledger)
+    head = ledger.head()
+    # Someone with the file but not the key rewrites the chain whole, as the unkeyed chain once allowed.
+    with without_history_triggers(ledger.path) as connection:
+        connection.execute("UPDATE history SET details = replace(details, '\"steps\": 40', '\"steps\": 4')")
+        connection.execute("UPDATE commits SET steps = 4, committed_steps = 4 WHERE steps = 40")
+        previous = ""
+        for row in connection.execute(
+            "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+        ).fetchall():
+            entry_hash = history_hash(previous, *row)
+            connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
+                               (previous, entry_hash, row[0]))
+            previous = entry_hash
+    chain = [finding for finding in ledger.verify().findings if "do not match its hash" in finding.problem]
+    assert len(chain) == len(ledger.history())
+    forged = replace(head, entries=head.entries - 1)
+    (finding,) = [finding for finding in ledger.verify(forged).findings if finding.row == "head file"]
+    assert str(finding).startswith("head file: its signature does not match the history key")
+
+
+def test_verify_finds_an_edited_reservation_and_a_swapped_token(ledger):
+    running = spent_some(ledger)
+    ledger.create_tenant("acme")
+    with sqlite3.connect(ledger.path) as connection:
+        connection.execute("UPDATE reservations SET committed_steps = 10, state = 'released' WHERE id = ?",
+                           (running.reservation_id,))
+        connection.execute("UPDATE tenants SET token_hash = ? WHERE name = 'acme'", (b"\0" * 32,))
+    assert findings(ledger)[-2:] == [
+        f"reservation: {running.reservation_id}: its row differs from what its history replays to in "
+        "committed_steps, state",
+        "tenant: acme: its token is not the one its history records (a token was swapped in the table)",
+    ]
+
+
+def test_a_version_6_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
+    spent_some(ledger)
+    # The file as schema version 6 left it: an unkeyed chain, with one row edited before the key existed.
+    with without_history_triggers(ledger.path) as connection:
+        previous = ""
+        for row in connection.execute(
+            "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+        ).fetchall():
+            entry_hash = history_hash(previous, *row)
+            connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
+                               (previous, entry_hash, row[0]))
+            previous = entry_hash
+        connection.execute("UPDATE history SET actor = 'someone else' WHERE id = 2")
+        connection.execute("UPDATE schema_version SET version = 6")
+    entries = len(ledger.history())
+    with open_embedded_ledger(ledger.path) as migrated:
+        anchor, migration = migrated.history()[-2:]
+        assert (anchor.action, migration.action) == ("anchor_history", "migrate_schema")
+        assert anchor.details["entries"] == entries and len(anchor.details["unkeyed_chain_findings"]) == 1
+        (finding,) = migrated.verify().findings
+        assert (finding.entry_id, finding.problem) == (
+            anchor.entry_id, "before the history was keyed, its unkeyed chain had: entry 2: its fields do not match "
+            "its hash (the row was edited)")

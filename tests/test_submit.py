@@ -472,6 +472,9 @@ def test_ledger_yaml_serves_a_persistent_ledger_with_grpc_health_probes_and_a_se
     secret = next(name for name, volume in volumes.items() if "secret" in volume)
     assert volumes[secret]["secret"]["secretName"] == "dpfleet-ledger-admin"
     assert Path(flag["--admin-token-file"]).parent == Path(mounts[secret])
+    history_key = command[command.index("--history-key") + 1]
+    assert volumes["history-key"]["secret"]["secretName"] == "dpfleet-ledger-history-key"
+    assert Path(history_key).parent == Path(mounts["history-key"]) != Path(mounts[data])  # never beside the file
 
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert {entry["targetPort"] for entry in service["spec"]["ports"]} == set(container_ports)

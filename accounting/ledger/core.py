@@ -74,6 +74,12 @@ MAX_STEPS = 2**63 - 1
 HISTORY_LIMIT = (1, 100_000)
 MAX_LEASE_SECONDS = 30 * 24 * 3600.0
 MAX_BLOCKS_PER_JOB = 1000
+# The ranges the ledger takes, in the one place the store, the service and the command line check them.
+# Past them the arithmetic leaves floats (an ε of 1e-300 divides by zero, 1e300 overflows) and no real
+# budget or mechanism lives there; docs/ledger.md gives them.
+EPSILON_RANGE = (1e-6, 1e4)  # a budget's, a block's or a quota's ε, inclusive
+DELTA_RANGE = (1e-20, 0.1)  # a budget's δ, inclusive; δ/K per order must stay a normal float
+NOISE_MULTIPLIER_RANGE = (1e-3, 1e4)  # σ, and σ over the sensitivity factor, of a planned event, inclusive
 
 ACTIVE = "active"
 RELEASED = "released"
@@ -196,20 +202,37 @@ def _finite(name: str, value: object) -> float:
     return value
 
 
-def check_budget_epsilon(value: object) -> float:
-    """A budget epsilon: a finite number > 0."""
-    epsilon = _finite("budget epsilon", value)
-    if epsilon <= 0.0:
-        raise InvalidArgument(f"budget epsilon must be > 0 (got {epsilon:g})")
+def check_budget_epsilon(value: object, name: str = "budget epsilon") -> float:
+    """A budget epsilon (of a dataset, block or quota, named `name` in the error): a number in EPSILON_RANGE."""
+    epsilon = _finite(name, value)
+    if not EPSILON_RANGE[0] <= epsilon <= EPSILON_RANGE[1]:
+        raise InvalidArgument(
+            f"{name} must be in [{EPSILON_RANGE[0]:g}, {EPSILON_RANGE[1]:g}] (got {epsilon:g}); a budget is "
+            "usually between 0.1 and 10"
+        )
     return epsilon
 
 
 def check_delta(value: object) -> float:
-    """A budget delta: a number in (0, 1), usually below 1/(dataset size)."""
+    """A budget delta: a number in DELTA_RANGE, and below 1/(dataset size) (see `delta_warning`)."""
     delta = _finite("delta", value)
-    if not 0.0 < delta < 1.0:
-        raise InvalidArgument(f"delta must be in (0, 1) (got {delta:g})")
+    if not DELTA_RANGE[0] <= delta <= DELTA_RANGE[1]:
+        raise InvalidArgument(
+            f"delta must be in [{DELTA_RANGE[0]:g}, {DELTA_RANGE[1]:g}] (got {delta:g}); choose it below "
+            "1/(dataset size), e.g. 1e-5 for 60,000 rows"
+        )
     return delta
+
+
+def delta_warning(delta: float, dataset_size: int | None) -> str | None:
+    """A warning when a budget's delta is above 1/N for a dataset of N rows (or people); None when it is not,
+    or N is not known. A delta of 1/N allows releasing one row in the clear."""
+    if dataset_size is None or delta <= 1.0 / dataset_size:
+        return None
+    return (
+        f"delta {delta:g} is above 1/N = {1.0 / dataset_size:.3g} for a dataset of {dataset_size} rows: a mechanism "
+        "may then reveal a row outright with that probability; choose delta below 1/N (1/(10 N) is common)"
+    )
 
 
 def _integer(name: str, value: object, least: int, most: int) -> int:
@@ -505,6 +528,14 @@ def check_plan(planned: EventsLike) -> Composition:
         raise InvalidArgument("planned events must hold at least one step (got none)")
     if any(event.steps > MAX_STEPS for event in composition.events):
         raise InvalidArgument(f"planned events may hold at most {MAX_STEPS} steps per record")
+    least, most = NOISE_MULTIPLIER_RANGE
+    for event in composition.events:
+        # Past these the accountants' arithmetic overflows or divides by zero.
+        if not all(least <= sigma <= most for sigma in (event.noise_multiplier, event.effective_noise_multiplier)):
+            raise InvalidArgument(
+                f"planned events: noise_multiplier, and noise_multiplier / sensitivity_factor, must be in "
+                f"[{least:g}, {most:g}] (got {event.noise_multiplier:g} and {event.effective_noise_multiplier:g})"
+            )
     if len(composition.events) > MAX_PLAN_RECORDS:
         raise InvalidArgument(
             f"planned events may hold at most {MAX_PLAN_RECORDS} records after merging equal neighbours "
@@ -1480,18 +1511,25 @@ def history_hash(
     tenant: str | None,
     dataset_id: int | None,
     details_json: str,
+    key: bytes | None = None,
 ) -> str:
-    """The hash a history entry carries: SHA-256 (hex) over the previous entry's hash and every stored field.
+    """The hash a history entry carries: HMAC-SHA-256 (hex) under the history `key` over the previous entry's hash
+    and every stored field.
 
     The first entry's previous hash is "". Editing, removing or reordering
-    an entry changes every hash after it.
+    an entry changes every hash after it, and without the key nobody can
+    compute the hashes of a rewritten history. `key` None gives the plain
+    SHA-256 of files from before schema version 8, which only the migration
+    that keys them reads.
     """
     payload = json.dumps(
         [previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json],
         ensure_ascii=True,
         separators=(",", ":"),
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
+    ).encode()
+    if key is None:
+        return hashlib.sha256(payload).hexdigest()
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -1544,9 +1582,11 @@ class Finding:
     entry_id: int | None
     dataset: str | None
     problem: str
+    # What the finding is about when it is no history entry: a table's row, or the signed head.
+    row: str = "dataset row"
 
     def __str__(self) -> str:
-        where = f"entry {self.entry_id}" if self.entry_id is not None else "dataset row"
+        where = f"entry {self.entry_id}" if self.entry_id is not None else self.row
         return f"{where}{f' of dataset {self.dataset}' if self.dataset else ''}: {self.problem}"
 
     def to_dict(self) -> dict:
@@ -1554,15 +1594,28 @@ class Finding:
         return {"entry_id": self.entry_id, "dataset": self.dataset, "problem": self.problem}
 
 
-def chain_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) -> list[Finding]:
-    """Every entry whose previous hash or own hash does not match the chain, oldest first.
+ANCHOR_ACTION = "anchor_history"
+
+
+def chain_findings(
+    entries: list[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None
+) -> list[Finding]:
+    """Every entry whose previous hash or own hash does not match the chain under the history `key`, oldest first.
 
     An edited entry shows as a wrong hash at that entry; a removed one as a
-    wrong previous hash at the entry after it.
+    wrong previous hash at the entry after it. What the migration that keyed
+    an older file found wrong in its unkeyed chain (recorded in its
+    `anchor_history` entry) is reported again at that entry.
     """
     findings = []
     previous = ""
     for entry in entries:
+        if entry.action == ANCHOR_ACTION:
+            unkeyed = json.loads(entry.details_json).get("unkeyed_chain_findings") or []
+            findings += [
+                Finding(entry.entry_id, None, f"before the history was keyed, its unkeyed chain had: {problem}")
+                for problem in unkeyed
+            ]
         dataset = dataset_names.get(entry.dataset_id) if entry.dataset_id is not None else None
         if entry.previous_hash != previous:
             findings.append(
@@ -1570,11 +1623,182 @@ def chain_findings(entries: list[StoredEntry], dataset_names: dict[int, str]) ->
             )
         expected = history_hash(
             entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
-            entry.dataset_id, entry.details_json,
+            entry.dataset_id, entry.details_json, key,
         )
         if entry.entry_hash != expected:
             findings.append(Finding(entry.entry_id, dataset, "its fields do not match its hash (the row was edited)"))
         previous = entry.entry_hash
+    return findings
+
+
+HEAD_SCHEMA = "dpfleet.ledger_head"
+
+
+@dataclass(frozen=True)
+class SignedHead:
+    """The history's head as `dpfleet ledger head` prints it: how many entries, the last one's hash, when (UTC).
+
+    `signature` is an HMAC-SHA-256 under the history key. An HMAC, not a
+    public-key signature: whoever checks it holds the key (the operator
+    running `verify --head`), which is also who can make one.
+    """
+
+    entries: int
+    head_hash: str
+    at: str
+    signature: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the head file)."""
+        return {"schema": HEAD_SCHEMA, "entries": self.entries, "head_hash": self.head_hash, "at": self.at,
+                "signature": self.signature}
+
+    @classmethod
+    def from_dict(cls, data: object) -> "SignedHead":
+        """Inverse of `to_dict`; InvalidArgument for anything else."""
+        if not isinstance(data, dict) or data.get("schema") != HEAD_SCHEMA:
+            raise InvalidArgument(f"a head file is the JSON object dpfleet ledger head prints (schema {HEAD_SCHEMA})")
+        entries, head_hash, at, signature = (data.get(name) for name in ("entries", "head_hash", "at", "signature"))
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0 or not all(
+            isinstance(value, str) for value in (head_hash, at, signature)
+        ):
+            raise InvalidArgument("a head file needs entries (an integer >= 0), and head_hash, at and signature "
+                                  "(strings); use the file dpfleet ledger head printed, unedited")
+        return cls(entries, head_hash, at, signature)
+
+
+def _head_signature(key: bytes, entries: int, head_hash: str, at: str) -> str:
+    # A 4-item list never reads as the 8-item list an entry's hash is taken over.
+    payload = json.dumps([HEAD_SCHEMA, entries, head_hash, at], ensure_ascii=True, separators=(",", ":"))
+    return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_head(key: bytes, entries: int, head_hash: str, at: str) -> SignedHead:
+    """The head of a history of `entries` entries whose last hash is `head_hash`, signed at `at` with `key`."""
+    return SignedHead(entries, head_hash, at, _head_signature(key, entries, head_hash, at))
+
+
+def head_findings(key: bytes, head: SignedHead, entries: list[StoredEntry]) -> list[Finding]:
+    """What shows that `entries` do not extend a head recorded earlier: a cut tail, or a rewritten history."""
+    if not hmac.compare_digest(head.signature, _head_signature(key, head.entries, head.head_hash, head.at)):
+        return [Finding(None, None, "its signature does not match the history key: it was edited, or signed with "
+                                    "another key", row="head file")]
+    if len(entries) < head.entries:
+        return [Finding(None, None, f"the history has {len(entries)} entries; at {head.at} it had {head.entries}: "
+                                    "entries were cut from its tail", row="signed head")]
+    if head.entries and entries[head.entries - 1].entry_hash != head.head_hash:
+        return [Finding(entries[head.entries - 1].entry_id, None,
+                        f"its hash is not the head hash signed at {head.at}: the history was rewritten")]
+    return []
+
+
+@dataclass(frozen=True)
+class StoredReservation:
+    """A row of the reservations table, for `verify` to compare with the replay of its history."""
+
+    reservation_id: str
+    dataset_id: int
+    tenant: str
+    job_id: str
+    planned: Composition
+    committed_steps: int
+    state: str
+    lease_seconds: float | None
+    lease_expired: bool
+    blocks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StoredCommit:
+    """A row of the commits table: a reservation's commit of `steps` under `sequence`, reaching `committed_steps`."""
+
+    reservation_id: str
+    sequence: int
+    steps: int
+    committed_steps: int
+
+
+@dataclass(frozen=True)
+class StoredTenant:
+    """A row of the tenants table: its token's key id and a digest of its salt and token hash (None: no token)."""
+
+    name: str
+    key_id: str | None
+    token_digest: str | None
+
+
+def token_digest(salt: bytes | None, token_hash: bytes | None) -> str | None:
+    """What a `create_tenant` entry records of a token's stored salt and hash, so `verify` sees them swapped."""
+    if salt is None or token_hash is None:
+        return None
+    return hashlib.sha256(bytes(salt) + bytes(token_hash)).hexdigest()
+
+
+def job_findings(
+    entries: list[StoredEntry], reservations: list[StoredReservation], commits: list[StoredCommit]
+) -> list[Finding]:
+    """Replay every reservation and commit from the history and compare them with the tables' rows."""
+    replayed: dict[str, dict] = {}
+    replayed_commits = set()
+    for entry in entries:
+        if entry.action not in _JOB_ACTIONS:
+            continue
+        details = json.loads(entry.details_json)
+        if entry.action == "reserve":
+            replayed[details["reservation_id"]] = {
+                "dataset_id": entry.dataset_id, "tenant": entry.tenant, "job_id": details["job_id"],
+                "planned": Composition.from_dict(details["planned_events"]), "committed_steps": 0, "state": ACTIVE,
+                "lease_seconds": details.get("lease_seconds"), "lease_expired": False,
+                "blocks": tuple(details.get("blocks") or ()),
+            }
+        elif details["reservation_id"] in replayed:
+            job = replayed[details["reservation_id"]]
+            if entry.action == "commit":
+                steps = Composition.from_dict(details["events"]).steps
+                job["committed_steps"] += steps
+                replayed_commits.add(
+                    StoredCommit(details["reservation_id"], details["sequence"], steps, job["committed_steps"])
+                )
+            else:
+                job["state"], job["lease_expired"] = RELEASED, entry.action == "expire"
+    findings = []
+    stored = {reservation.reservation_id: reservation for reservation in reservations}
+    for reservation_id in sorted(set(stored) | set(replayed)):
+        row, job = stored.get(reservation_id), replayed.get(reservation_id)
+        if row is None or job is None:
+            where = "has a row but no history" if job is None else "is in the history but has no row"
+            findings.append(Finding(None, None, f"{reservation_id} {where}", row="reservation"))
+            continue
+        differing = [name for name, value in job.items() if getattr(row, name) != value]
+        if differing:
+            findings.append(Finding(None, None, f"{reservation_id}: its row differs from what its history replays "
+                                                f"to in {', '.join(differing)}", row="reservation"))
+    for commit in sorted(set(commits) ^ replayed_commits, key=lambda c: (c.reservation_id, c.sequence, c.steps)):
+        where = "has a row but no history entry" if commit in set(commits) else "is in the history but has no row"
+        findings.append(Finding(None, None, f"sequence {commit.sequence} of {commit.reservation_id} ({commit.steps} "
+                                            f"steps) {where}", row="commit"))
+    return findings
+
+
+def tenant_findings(entries: list[StoredEntry], tenants: list[StoredTenant]) -> list[Finding]:
+    """Compare the tenants table with the `create_tenant` entries: every tenant, its token's key id and digest."""
+    created = {}
+    for entry in entries:
+        if entry.action == "create_tenant":
+            details = json.loads(entry.details_json)
+            created[details["tenant"]] = details
+    findings = []
+    stored = {tenant.name: tenant for tenant in tenants}
+    for name in sorted(set(stored) | set(created)):
+        row, details = stored.get(name), created.get(name)
+        if row is None or details is None:
+            where = "has a row but no history" if details is None else "is in the history but has no row"
+            findings.append(Finding(None, None, f"{name} {where}", row="tenant"))
+        elif row.key_id != details.get("key_id") or (
+            "token_digest" in details and row.token_digest != details["token_digest"]
+        ):
+            findings.append(Finding(None, None, f"{name}: its token is not the one its history records (a token "
+                                                "was swapped in the table)", row="tenant"))
     return findings
 
 
@@ -1741,15 +1965,29 @@ def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> li
 
 
 def verify_history(
-    entries: list[StoredEntry], datasets: list[StoredDataset], uses: list[StoredTenantUse] = ()
+    entries: list[StoredEntry],
+    datasets: list[StoredDataset],
+    uses: list[StoredTenantUse] = (),
+    *,
+    key: bytes | None = None,
+    reservations: list[StoredReservation] = (),
+    commits: list[StoredCommit] = (),
+    tenants: list[StoredTenant] = (),
+    head: SignedHead | None = None,
 ) -> Verification:
-    """Check the hash chain of every entry, then replay each dataset's, block's and tenant use's history.
+    """Check the hash chain of every entry under the history `key`, then replay each dataset's, block's and
+    tenant use's history, and every reservation, commit and tenant, against the tables' rows.
 
     `datasets` holds the blocks too (their `block_of` names the dataset
     they belong to); `uses` each tenant's tally and quota on a budget.
+    With `head` (a head signed earlier), also check that the history still
+    extends it: the one check that sees a tail cut together with the rows
+    it changed.
     """
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
-    findings = chain_findings(entries, names)
+    findings = chain_findings(entries, names, key)
+    if head is not None:
+        findings += head_findings(key, head, entries)
     block_ids = {(row.block_of, row.block): row.dataset_id for row in datasets if row.block_of is not None}
     by_budget: dict[int, list[StoredEntry]] = {}
     for entry in entries:
@@ -1758,12 +1996,21 @@ def verify_history(
     for dataset in datasets:
         findings += replay_findings(dataset, [entry for entry in by_budget.get(dataset.dataset_id, ())
                                               if entry.action != "set_quota"])
+    for budget_id in sorted(set(by_budget) - set(names)):
+        findings.append(Finding(by_budget[budget_id][0].entry_id, None, "it is about a dataset or block that has no "
+                                                                        "row (the row was removed)"))
     findings += queue_findings(entries, names)
     findings += unit_findings(entries, datasets)
     parent = {row.dataset_id: row.block_of for row in datasets}
     for use in uses:
         findings += use_findings(use, names.get(use.budget_id, str(use.budget_id)), by_budget.get(use.budget_id, []),
                                  by_budget.get(parent.get(use.budget_id), []))
+    try:
+        findings += job_findings(entries, reservations, commits)
+    except (KeyError, TypeError, ValueError, EventError) as error:
+        findings.append(Finding(None, None, f"the history's jobs cannot be replayed ({type(error).__name__}: {error})",
+                                row="reservations"))
+    findings += tenant_findings(entries, tenants)
     return Verification(len(entries), len(datasets), entries[-1].entry_hash if entries else "", tuple(findings))
 
 

@@ -56,6 +56,7 @@ class Database:
     schema_exists: str
     types: dict
     append_only: tuple[str, ...]
+    drop_append_only: tuple[str, ...]
     insertion_order: str
     duplicate_errors: tuple[type[BaseException], ...]
     unavailable_errors: tuple[type[BaseException], ...]
@@ -132,6 +133,11 @@ def open_database(location: str | Path) -> Database:
                 """CREATE TRIGGER history_is_append_only_delete BEFORE DELETE ON history
                     BEGIN SELECT RAISE(ABORT, 'the ledger history is append-only'); END""",
             ),
+            # SQLite has no TRUNCATE; a DELETE without WHERE runs the delete trigger like any other.
+            drop_append_only=(
+                "DROP TRIGGER IF EXISTS history_is_append_only_update",
+                "DROP TRIGGER IF EXISTS history_is_append_only_delete",
+            ),
             insertion_order="rowid",
             duplicate_errors=(sqlite3.IntegrityError,),
             unavailable_errors=(),
@@ -163,6 +169,14 @@ def open_database(location: str | Path) -> Database:
                 $$ BEGIN RAISE EXCEPTION 'the ledger history is append-only'; END $$""",
             """CREATE TRIGGER history_is_append_only BEFORE UPDATE OR DELETE ON history
                 FOR EACH ROW EXECUTE FUNCTION history_is_append_only()""",
+            # TRUNCATE fires no row trigger: it needs a statement trigger of its own.
+            """CREATE TRIGGER history_is_append_only_truncate BEFORE TRUNCATE ON history
+                FOR EACH STATEMENT EXECUTE FUNCTION history_is_append_only()""",
+        ),
+        drop_append_only=(
+            "DROP TRIGGER IF EXISTS history_is_append_only ON history",
+            "DROP TRIGGER IF EXISTS history_is_append_only_truncate ON history",
+            "DROP FUNCTION IF EXISTS history_is_append_only()",
         ),
         insertion_order="seq",
         duplicate_errors=(psycopg.errors.UniqueViolation,),

@@ -312,6 +312,7 @@ def start_server(
     http_port: int | None = None,
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
+    history_key_file: str | Path | None = None,
 ) -> LedgerServer:
     """Open the ledger (an SQLite file or a postgresql:// URL) and serve it on host:port; returns at once.
 
@@ -322,11 +323,13 @@ def start_server(
     Without `admin_token` no admin RPC can succeed. TLS is used when both
     `tls_cert` and `tls_key` (PEM files) are given, for the page and metrics too.
     `scheduling` is the queue policy of datasets created without one (fcfs by default).
+    `history_key_file` is the history key (default: store.default_history_key_path(), created if missing);
+    every server of one database needs the same.
     """
     admin_token = check_admin_token(admin_token)
     if (tls_cert is None) != (tls_key is None):
         raise InvalidArgument("TLS needs both a certificate and its key (--tls-cert and --tls-key), or neither")
-    ledger = Ledger(db_path, scheduling=scheduling)
+    ledger = Ledger(db_path, scheduling=scheduling, history_key_file=history_key_file)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger"),
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
@@ -404,6 +407,7 @@ def serve(
     http_port: int | None = None,
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
+    history_key_file: str | Path | None = None,
 ) -> None:
     """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
 
@@ -414,7 +418,7 @@ def serve(
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     running = start_server(
         db_path, host, port, admin_token, tls_cert, tls_key, http_port=http_port, metrics_port=metrics_port,
-        scheduling=scheduling,
+        scheduling=scheduling, history_key_file=history_key_file,
     )
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -6,9 +6,13 @@ transaction, which also serialises writers across processes sharing the file.
 Reads run on a pool of connections of their own, beside writes and beside
 each other.
 Each change appends a row to `history` (who, when, what, JSON details); the
-table refuses UPDATE and DELETE, and each row carries the hash of the one
+table refuses UPDATE, DELETE (and on PostgreSQL TRUNCATE), and each row
+carries an HMAC under the history key over the row and the hash of the one
 before it (core.history_hash), so `verify` finds a row edited or removed by
-hand.
+hand, and nobody without the key can rewrite the chain to hide it. The key is
+a file the ledger reads when it opens (`load_history_key`), never the
+database. `head` signs the chain's head with the same key; `verify` with a
+head kept elsewhere finds a tail cut off together with the rows it changed.
 
 Datasets belong to tenants. A caller names a dataset 'name' within its own
 tenant or 'tenant/name'; only admins may use another tenant's prefix. A tenant
@@ -77,8 +81,13 @@ from accounting.ledger.core import (
     QuotaStatus,
     RdpTally,
     Reservation,
+    ANCHOR_ACTION,
+    SignedHead,
+    StoredCommit,
     StoredDataset,
     StoredEntry,
+    StoredReservation,
+    StoredTenant,
     StoredTenantUse,
     TenantCreated,
     Unauthenticated,
@@ -89,6 +98,7 @@ from accounting.ledger.core import (
     canonical,
     charged_plan,
     check_block_data,
+    chain_findings,
     check_block_names,
     check_budget_epsilon,
     check_delta,
@@ -115,8 +125,10 @@ from accounting.ledger.core import (
     no_reservation,
     quota_status,
     resolve_dataset,
+    sign_head,
     split_steps,
     tenant_caller,
+    token_digest,
     token_key_id,
     token_matches,
     verify_history,
@@ -124,7 +136,7 @@ from accounting.ledger.core import (
 from accounting.ledger.databases import Connection, Database, open_database
 from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
@@ -340,8 +352,8 @@ def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, dat
             "UPDATE datasets SET admission_rule = ? WHERE id = ?", (json.dumps(rule.to_dict()), dataset_id)
         )
         held_epsilon = rule.epsilon(RdpTally.from_json(held))
-        Ledger._record(
-            connection, caller, "adopt_admission_rule", tenant, dataset_id,
+        _append_history(
+            connection, None, caller, "adopt_admission_rule", tenant, dataset_id,
             {"admission": rule.to_dict(), "held_epsilon_filter": held_epsilon,
              "held_fits_budget": fits_budget(held_epsilon, budget_epsilon)},
         )
@@ -397,6 +409,41 @@ def _declare_block_data(connection: Connection, caller: Caller, database: Databa
     connection.execute("ALTER TABLE datasets ADD COLUMN block_data TEXT")
 
 
+def _key_the_history(connection: Connection, caller: Caller, database: Database, key: bytes) -> None:
+    """Version 8: re-anchor the unkeyed hash chain under the history key, and refuse TRUNCATE on PostgreSQL.
+
+    The unkeyed chain is checked first; what it shows wrong (a row edited or
+    removed before now) goes into an `anchor_history` entry with the number
+    of entries and their unkeyed head hash, and `verify` reports it there
+    from then on. Then every entry is re-chained with the key, so from now
+    on a chain that is not keyed is a finding, not an older format.
+    """
+    entries = [
+        StoredEntry(*row)
+        for row in connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
+    ]
+    unkeyed_findings = [str(finding) for finding in chain_findings(entries, {})]
+    for statement in database.drop_append_only:
+        connection.execute(statement)
+    previous = ""
+    for entry in entries:
+        entry_hash = history_hash(
+            previous, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant, entry.dataset_id,
+            entry.details_json, key,
+        )
+        connection.execute(
+            "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry.entry_id)
+        )
+        previous = entry_hash
+    for statement in database.append_only:
+        connection.execute(statement)
+    _append_history(
+        connection, key, caller, ANCHOR_ACTION, None, None,
+        {"entries": len(entries), "unkeyed_head_hash": entries[-1].entry_hash if entries else "",
+         "unkeyed_chain_findings": unkeyed_findings},
+    )
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it.
 _MIGRATIONS = {
     2: _count_released_jobs,
@@ -406,6 +453,30 @@ _MIGRATIONS = {
     6: _add_queues,
     7: _declare_block_data,
 }
+# Steps that re-chain the history also get the ledger's history key.
+_KEYED_MIGRATIONS = {
+    8: _key_the_history,
+}
+
+
+def _append_history(
+    connection: Connection,
+    key: bytes | None,
+    caller: Caller,
+    action: str,
+    tenant: str | None,
+    dataset_id: int | None,
+    details: dict,
+) -> None:
+    """Append one entry to the history, chained to the last under `key` (None: unkeyed, as before version 8)."""
+    last = connection.execute("SELECT id, hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
+    entry_id, previous = (last[0] + 1, last[1]) if last is not None else (1, "")
+    at, details_json = _now(), json.dumps(details, sort_keys=True)
+    entry_hash = history_hash(previous, entry_id, at, caller.actor, action, tenant, dataset_id, details_json, key)
+    connection.execute(
+        f"INSERT INTO history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
+    )
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -485,12 +556,65 @@ def default_ledger_path() -> Path:
     return base / "ledger.db"
 
 
+def default_history_key_path() -> Path:
+    """The history key file: ledger-history.key beside the embedded ledger file, in $DPFLEET_HOME or
+    ~/.local/share/dpfleet (for a ledger anywhere, a file or a database: the key is never in it)."""
+    return default_ledger_path().parent / "ledger-history.key"
+
+
+_HISTORY_KEY_BYTES = 32
+
+
+def load_history_key(path: str | os.PathLike | None = None) -> bytes:
+    """The key the history is chained with, from `path` (default `default_history_key_path()`).
+
+    A missing file is created with a new random 256-bit key, mode 0600;
+    several processes creating it at once agree on one key. A file that
+    others than its owner and group may read, or others than its owner may
+    write, is refused: the key is what lets `verify` tell a rewritten
+    history. (Its group may read it: Kubernetes gives a mounted Secret's
+    files to the pod's fsGroup.)
+    """
+    path = Path(path) if path is not None else default_history_key_path()
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        draft = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(descriptor, "w") as file:
+                file.write(secrets.token_hex(_HISTORY_KEY_BYTES) + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+            with contextlib.suppress(FileExistsError):  # another process made it first: use that one
+                os.link(draft, path)
+        finally:
+            draft.unlink()
+    mode = path.stat().st_mode
+    if mode & 0o027:
+        raise FailedPrecondition(
+            f"the history key {path} may be read or written by others (mode {mode & 0o777:o}); "
+            f"make it the owner's only: chmod 600 {path}"
+        )
+    text = path.read_text().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != _HISTORY_KEY_BYTES:
+        raise FailedPrecondition(
+            f"the history key {path} is not {2 * _HISTORY_KEY_BYTES} hex digits; restore it from its backup "
+            "(see docs/ledger.md, 'The history key and the signed head')"
+        )
+    return key
+
+
 class Ledger:
     """The privacy ledger on an SQLite file or a PostgreSQL database: the embedded ledger, and what a server serves.
 
     `path` is the SQLite file, or a postgresql:// URL; `scheduling` the
     policy of queued jobs for datasets created without one (fcfs by
-    default). Every method takes
+    default); `history_key_file` the history key (`load_history_key`;
+    default `default_history_key_path()`). Every method takes
     the `caller` it acts for; it defaults to the caller the ledger was
     opened with (the local admin for `open_embedded_ledger`). Safe to share
     between threads; several processes (servers) may open the same file or
@@ -498,8 +622,16 @@ class Ledger:
     """
 
     def __init__(
-        self, path: str | os.PathLike, caller: Caller | None = None, scheduling: SchedulingPolicy | None = None
+        self,
+        path: str | os.PathLike,
+        caller: Caller | None = None,
+        scheduling: SchedulingPolicy | None = None,
+        history_key_file: str | os.PathLike | None = None,
     ) -> None:
+        self._history_key = load_history_key(history_key_file)
+        self._history_key_file = history_key_file or default_history_key_path()
+        # Whether this ledger has seen that the history's last entry is chained with its key (at its first change).
+        self._history_key_checked = False
         self._database = open_database(path)
         self._default_scheduling = scheduling or SchedulingPolicy()
         self.path = Path(path) if self._database.is_file else str(path)
@@ -670,11 +802,31 @@ class Ledger:
                 f"up to {SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
             )
 
+    def _check_history_key(self, connection: Connection) -> None:
+        """Refuse a key the history was not chained with, before a change chains an entry to it under another."""
+        last = connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT 1").fetchone()
+        if last is not None:
+            entry = StoredEntry(*last)
+            expected = history_hash(
+                entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
+                entry.dataset_id, entry.details_json, self._history_key,
+            )
+            if entry.entry_hash != expected:
+                raise FailedPrecondition(
+                    f"the last history entry of {self._database.location} is not chained with the history key "
+                    f"{self._history_key_file}: give the key this ledger was opened with (--history-key), or "
+                    "restore it from its backup; dpfleet ledger verify tells whether the row was edited. See "
+                    "docs/ledger.md, 'The history key and the signed head'"
+                )
+
     def _migrate(self, connection: Connection, version: int) -> None:
         """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
         caller = self._default_caller or Caller(actor=f"{_local_user()} (opening the file)", tenant=None)
         for target in range(version + 1, SCHEMA_VERSION + 1):
-            _MIGRATIONS[target](connection, caller, self._database)
+            if target in _KEYED_MIGRATIONS:
+                _KEYED_MIGRATIONS[target](connection, caller, self._database, self._history_key)
+            else:
+                _MIGRATIONS[target](connection, caller, self._database)
         connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
         self._record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
 
@@ -684,8 +836,8 @@ class Ledger:
             raise Unauthenticated("no caller given; open the ledger with a caller or pass one")
         return caller
 
-    @staticmethod
     def _record(
+        self,
         connection: Connection,
         caller: Caller,
         action: str,
@@ -693,14 +845,10 @@ class Ledger:
         dataset_id: int | None,
         details: dict,
     ) -> None:
-        last = connection.execute("SELECT id, hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
-        entry_id, previous = (last[0] + 1, last[1]) if last is not None else (1, "")
-        at, details_json = _now(), json.dumps(details, sort_keys=True)
-        entry_hash = history_hash(previous, entry_id, at, caller.actor, action, tenant, dataset_id, details_json)
-        connection.execute(
-            f"INSERT INTO history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
-        )
+        if not self._history_key_checked:
+            self._check_history_key(connection)
+            self._history_key_checked = True
+        _append_history(connection, self._history_key, caller, action, tenant, dataset_id, details)
 
     @staticmethod
     def _dataset_row(connection: Connection, caller: Caller, reference: str, shared: bool = False) -> _DatasetRow:
@@ -990,7 +1138,10 @@ class Ledger:
                 )
             except self._database.duplicate_errors:
                 raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name") from None
-            self._record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "key_id": key_id})
+            self._record(
+                connection, caller, "create_tenant", tenant, None,
+                {"tenant": tenant, "key_id": key_id, "token_digest": token_digest(salt, token_hash)},
+            )
         return TenantCreated(tenant, token)
 
     # ------------------------------------------------------------ datasets
@@ -1092,7 +1243,7 @@ class Ledger:
         """
         caller = self._caller(caller)
         check_name("block name", block)
-        epsilon = check_budget_epsilon(epsilon)
+        epsilon = check_budget_epsilon(epsilon, "block epsilon")
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
             delta = row.delta if delta is None else check_delta(delta)
@@ -1173,7 +1324,7 @@ class Ledger:
                 "setting a quota needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
             )
         check_name("tenant name", tenant)
-        epsilon = check_budget_epsilon(epsilon)
+        epsilon = check_budget_epsilon(epsilon, "quota epsilon")
         blocks = () if block is None else check_block_names([block])
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -1465,6 +1616,17 @@ class Ledger:
                 self._expire_leases(connection, dataset_id)
                 row = self._reservation_row(connection, caller, reservation_id)
             reservation = self._reservation(caller, row)
+            # The reservation and its lease first: a retried sequence does not let a driver that lost its lease,
+            # or whose job was released, learn or assume that its charges still stand.
+            if reservation.lease_expired:
+                raise FailedPrecondition(
+                    f"the lease of reservation {reservation_id} expired at {reservation.expires_at} and its unrun "
+                    "steps were released, so it takes no more commits; stop the job's steps and reserve again"
+                )
+            if reservation.state != ACTIVE:
+                raise FailedPrecondition(
+                    f"reservation {reservation_id} was released; reserve again for more steps"
+                )
             earlier = connection.execute(
                 "SELECT steps, committed_steps FROM commits WHERE reservation_id = ? AND sequence = ?",
                 (reservation_id, sequence),
@@ -1476,15 +1638,6 @@ class Ledger:
                         f"(got {steps}); a retry must repeat the same steps, a new block needs a new sequence"
                     )
                 return CommitResult(reservation_id, sequence, steps, earlier[1], reservation.planned_steps)
-            if reservation.lease_expired:
-                raise FailedPrecondition(
-                    f"the lease of reservation {reservation_id} expired at {reservation.expires_at} and its unrun "
-                    "steps were released, so it takes no more commits; stop the job's steps and reserve again"
-                )
-            if reservation.state != ACTIVE:
-                raise FailedPrecondition(
-                    f"reservation {reservation_id} was released; reserve again for more steps"
-                )
             if steps > reservation.unrun_steps:
                 raise InvalidArgument(
                     f"reservation {reservation_id} has {reservation.unrun_steps} unrun steps of "
@@ -1904,12 +2057,47 @@ class Ledger:
             lease_seconds=lease_seconds,
         )
 
-    def verify(self, *, caller: Caller | None = None) -> Verification:
-        """Check the history's hash chain and replay every dataset's history against its row (admin only)."""
+    def head(self, *, caller: Caller | None = None) -> SignedHead:
+        """The history's head (entries, last hash, now) signed with the history key, to keep elsewhere (admin only)."""
+        caller = self._caller(caller)
+        if not caller.admin:
+            raise PermissionDenied("the signed head needs the admin (dpfleet ledger head runs on the file)")
+        with self._read() as connection:
+            (entries,) = connection.execute("SELECT COUNT(*) FROM history").fetchone()
+            last = connection.execute("SELECT hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
+        return sign_head(self._history_key, entries, last[0] if last else "", _now())
+
+    def verify(self, head: SignedHead | None = None, *, caller: Caller | None = None) -> Verification:
+        """Check the history's keyed hash chain, replay every dataset's, block's, tenant use's, reservation's,
+        commit's and tenant's history against its row, and with `head` check that the history extends it
+        (admin only)."""
         caller = self._caller(caller)
         if not caller.admin:
             raise PermissionDenied("verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
         with self._read() as connection:
+            reservations = [
+                StoredReservation(
+                    reservation_id, dataset_id, tenant, job_id, Composition.from_json(planned), committed_steps,
+                    state, lease_seconds, bool(lease_expired), tuple(json.loads(blocks)),
+                )
+                for (reservation_id, dataset_id, tenant, job_id, planned, committed_steps, state, lease_seconds,
+                     lease_expired, blocks) in connection.execute(
+                    "SELECT id, dataset_id, tenant, job_id, planned_events, committed_steps, state, lease_seconds, "
+                    "lease_expired, blocks FROM reservations ORDER BY id"
+                ).fetchall()
+            ]
+            commits = [
+                StoredCommit(*row) for row in connection.execute(
+                    "SELECT reservation_id, sequence, steps, committed_steps FROM commits ORDER BY reservation_id, "
+                    "sequence"
+                ).fetchall()
+            ]
+            tenants = [
+                StoredTenant(name, key_id, token_digest(salt, token_hash))
+                for name, key_id, salt, token_hash in connection.execute(
+                    "SELECT name, key_id, token_salt, token_hash FROM tenants ORDER BY name"
+                ).fetchall()
+            ]
             entries = [
                 StoredEntry(*row)
                 for row in connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
@@ -1944,7 +2132,10 @@ class Ledger:
             )
             for row in rows
         ]
-        return verify_history(entries, datasets, uses)
+        return verify_history(
+            entries, datasets, uses, key=self._history_key, reservations=reservations, commits=commits,
+            tenants=tenants, head=head,
+        )
 
     def history(
         self, dataset: str | None = None, limit: int = 1000, *, caller: Caller | None = None

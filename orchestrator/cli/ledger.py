@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -17,7 +18,18 @@ from typing import Callable
 
 from accounting.lazy import LazyModule
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
+from accounting.ledger.core import (
+    ADMIN,
+    BudgetExceeded,
+    DatasetStatus,
+    InvalidArgument,
+    LedgerError,
+    PrivacyLedger,
+    SignedHead,
+    check_budget_epsilon,
+    check_delta,
+    delta_warning,
+)
 from accounting.ledger.databases import is_postgresql, shown_location
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
@@ -59,6 +71,16 @@ def ledger_from_flags(args: argparse.Namespace) -> PrivacyLedger:
             f"{default_ledger_path()} is used and needs no token"
         )
     return open_embedded_ledger()
+
+
+def _ledger_number(flag: str, text: str, check: Callable[[float], float]) -> float:
+    """A number given on the command line, range-checked by the ledger core's own check (a server's too)."""
+    try:
+        return check(float(text))
+    except ValueError:  # float() of text that is not a number
+        raise UsageError(f"{flag} must be a number (got {text!r})") from None
+    except InvalidArgument as error:
+        raise UsageError(f"{flag}: {error}") from None
 
 
 def _scheduling(args: argparse.Namespace) -> SchedulingPolicy | None:
@@ -207,6 +229,7 @@ def run_serve(args: argparse.Namespace) -> int:
     service.serve(
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
+        history_key_file=args.history_key,
     )
     return 0
 
@@ -244,8 +267,12 @@ def _print_statuses(statuses: list[DatasetStatus], as_json: bool) -> None:
 @ledger_command
 def run_dataset_create(args: argparse.Namespace) -> int:
     """Create a dataset with its (epsilon, delta) budget."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
-    delta = checks.open_unit_interval("--delta", args.delta)
+    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
+    delta = _ledger_number("--delta", args.delta, check_delta)
+    size = None if args.dataset_size is None else checks.integer_at_least("--dataset-size", args.dataset_size, 1)
+    warning = delta_warning(delta, size)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     with ledger_from_flags(args) as ledger:
         status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit, _scheduling(args))
     _print_statuses([status], args.json)
@@ -255,7 +282,7 @@ def run_dataset_create(args: argparse.Namespace) -> int:
 @ledger_command
 def run_dataset_raise(args: argparse.Namespace) -> int:
     """Set a dataset's budget epsilon (admin)."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    epsilon = _ledger_number("--epsilon", args.epsilon, check_budget_epsilon)
     with ledger_from_flags(args) as ledger:
         status = ledger.raise_budget(args.name, epsilon)
     _print_statuses([status], args.json)
@@ -265,8 +292,8 @@ def run_dataset_raise(args: argparse.Namespace) -> int:
 @ledger_command
 def run_block_add(args: argparse.Namespace) -> int:
     """Add a block with its own budget to a dataset."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
-    delta = None if args.delta is None else checks.open_unit_interval("--delta", args.delta)
+    epsilon = _ledger_number("--epsilon", args.epsilon, lambda value: check_budget_epsilon(value, "block epsilon"))
+    delta = None if args.delta is None else _ledger_number("--delta", args.delta, check_delta)
     data = block_data(args.files, args.rows, args.partition, args.user_hash, args.user_range)
     with ledger_from_flags(args) as ledger:
         status = ledger.add_block(args.dataset, args.name, epsilon, delta, data)
@@ -315,7 +342,7 @@ def _integer_range(flag: str, value: str) -> list[int]:
 @ledger_command
 def run_quota_set(args: argparse.Namespace) -> int:
     """Give a tenant a quota on a dataset or one of its blocks (admin)."""
-    epsilon = checks.positive_number("--epsilon", args.epsilon)
+    epsilon = _ledger_number("--epsilon", args.epsilon, lambda value: check_budget_epsilon(value, "quota epsilon"))
     with ledger_from_flags(args) as ledger:
         status = ledger.set_quota(args.dataset, args.tenant, epsilon, args.block)
     _print_statuses([status], args.json)
@@ -405,23 +432,46 @@ def run_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
-@ledger_command
-def run_verify(args: argparse.Namespace) -> int:
-    """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
+def _open_store(args: argparse.Namespace) -> Ledger:
+    """The ledger file or database of --db (default: the embedded file) as its admin, with --history-key."""
     path = args.db if args.db and is_postgresql(args.db) else Path(args.db) if args.db else default_ledger_path()
     if isinstance(path, Path) and not path.exists():
         raise UsageError(f"no ledger file at {path}; give the file or URL dpfleet ledger serve --db uses")
-    with Ledger(path, caller=ADMIN) as ledger:
-        verification = ledger.verify()
+    return Ledger(path, caller=ADMIN, history_key_file=args.history_key)
+
+
+@ledger_command
+def run_head(args: argparse.Namespace) -> int:
+    """Print the history's head signed with the history key, for the operator to keep elsewhere."""
+    with _open_store(args) as ledger:
+        head = ledger.head()
+    print_json(head.to_dict())
+    return 0
+
+
+@ledger_command
+def run_verify(args: argparse.Namespace) -> int:
+    """Check the history's hash chain and replay every dataset's history; exit 1 on any finding."""
+    head = None
+    if args.head is not None:
+        try:
+            head = SignedHead.from_dict(json.loads(Path(args.head).read_text()))
+        except ValueError as error:
+            raise UsageError(f"--head {args.head}: not the JSON dpfleet ledger head prints ({error})") from None
+    path = args.db or default_ledger_path()
+    with _open_store(args) as ledger:
+        verification = ledger.verify(head)
     if args.json:
         print_json(verification.to_dict())
     else:
         for finding in verification.findings:
             print(finding)
         outcome = f"{len(verification.findings)} finding(s)" if verification.findings else "no findings"
+        extends = "" if head is None else f"; checked against the head of {head.entries} entries signed at {head.at}"
         print(
             f"{outcome} in {verification.entries} history entries and {verification.datasets} datasets of "
-            f"{shown_location(str(path))}; "
-            f"head hash {verification.head_hash} (keep it elsewhere to notice a history rewritten from the start)"
+            f"{shown_location(str(path))}{extends}; "
+            f"head hash {verification.head_hash} (keep dpfleet ledger head's signed head elsewhere to notice a "
+            "history cut or rewritten)"
         )
     return 1 if verification.findings else 0

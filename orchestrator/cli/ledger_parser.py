@@ -28,6 +28,14 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def _add_history_key_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--history-key",
+        help="the file of the key the history is chained with (default: ledger-history.key in $DPFLEET_HOME or "
+        "~/.local/share/dpfleet, created on first use); every server of one database needs the same",
+    )
+
+
 def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
     parser.add_argument("--scheduling", choices=POLICIES,
                         help=f"how {whose} queue of waiting jobs is served: fcfs (in arrival order), dpf "
@@ -73,6 +81,7 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
+    _add_history_key_flag(serve_parser)
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
     serve_parser.set_defaults(handler=_HANDLERS + "run_serve")
 
@@ -89,9 +98,14 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     )
     dataset_create = dataset.add_parser("create", help="create a dataset with an (epsilon, delta) budget")
     dataset_create.add_argument("name", help="dataset name (admins: TENANT/NAME)")
-    dataset_create.add_argument("--epsilon", required=True, help="budget epsilon over the life of the data, > 0")
     dataset_create.add_argument(
-        "--delta", required=True, help="budget delta, in (0, 1); usually below 1/(dataset size)"
+        "--epsilon", required=True, help="budget epsilon over the life of the data, in [1e-6, 1e4]"
+    )
+    dataset_create.add_argument(
+        "--delta", required=True, help="budget delta, in [1e-20, 0.1]; below 1/(dataset size)"
+    )
+    dataset_create.add_argument(
+        "--dataset-size", help="rows (or people) in the dataset: warns when --delta is above 1/N"
     )
     dataset_create.add_argument(
         "--privacy-unit", choices=("example", "user"), default="example",
@@ -195,8 +209,24 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
         "dataset and entry; exits 1 when there is any.",
     )
     verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    verify.add_argument(
+        "--head", help="a head file dpfleet ledger head printed earlier: also check that the history still extends "
+        "it (no entry cut from the tail, none rewritten)"
+    )
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_history_key_flag(verify)
     verify.set_defaults(handler=_HANDLERS + "run_verify")
+
+    head = commands.add_parser(
+        "head",
+        help="print the history's head (entries, last hash, time) signed with the history key",
+        description="Print the history's head as JSON: how many entries, the last entry's hash and the time, "
+        "signed (HMAC-SHA-256) with the history key. Keep it somewhere the ledger's database administrator cannot "
+        "write; dpfleet ledger verify --head FILE then tells whether entries were cut from the tail since.",
+    )
+    head.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    _add_history_key_flag(head)
+    head.set_defaults(handler=_HANDLERS + "run_head")
 
     jobs = commands.add_parser("jobs", help="reservations, oldest first")
     jobs.add_argument("--dataset", help="only jobs on this dataset")
