@@ -17,18 +17,34 @@ from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, init_local_r
 from workers.models import flat_parameters
 
 
+RUN, OTHER_RUN = "0123456789abcdef", "fedcba9876543210"
+
+
 def test_checkpoints_round_trip_and_keep_the_newest_two(tmp_path):
     for step in (5, 10, 15):
-        save_checkpoint(tmp_path, step, {"step": step, "weights": torch.arange(3.0) * step})
-    assert [path.name for path in checkpoint_files(tmp_path)] == ["checkpoint-000000010.pt", "checkpoint-000000015.pt"]
+        save_checkpoint(tmp_path, RUN, step, {"step": step, "weights": torch.arange(3.0) * step})
+    assert [path.name for path in checkpoint_files(tmp_path)] == [f"checkpoint-{RUN}-000000010.pt",
+                                                                  f"checkpoint-{RUN}-000000015.pt"]
     path, state = latest_checkpoint(tmp_path)
     assert state["step"] == 15 and torch.equal(state["weights"], torch.arange(3.0) * 15)
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_runs_sharing_a_folder_prune_only_their_own_checkpoints_and_the_last_written_is_resumed(tmp_path):
+    for step in (20, 30, 40):
+        save_checkpoint(tmp_path, RUN, step, {"step": step})
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, OTHER_RUN, step, {"step": step})
+    assert [path.name for path in checkpoint_files(tmp_path, RUN)] == [f"checkpoint-{RUN}-000000030.pt",
+                                                                       f"checkpoint-{RUN}-000000040.pt"]
+    assert len(checkpoint_files(tmp_path, OTHER_RUN)) == 2
+    # Steps of two runs do not compare: the checkpoint written last is the newest, whatever its step.
+    assert latest_checkpoint(tmp_path)[1]["step"] == 3
+
+
 def test_a_torn_checkpoint_is_never_loaded_and_the_previous_one_is_used(tmp_path):
-    save_checkpoint(tmp_path, 5, {"step": 5})
-    newest = save_checkpoint(tmp_path, 10, {"step": 10, "blob": torch.zeros(1000)})
+    save_checkpoint(tmp_path, RUN, 5, {"step": 5})
+    newest = save_checkpoint(tmp_path, RUN, 10, {"step": 10, "blob": torch.zeros(1000)})
     data = newest.read_bytes()
     newest.write_bytes(data[: len(data) // 2])
     assert read_checkpoint(newest) is None
@@ -36,7 +52,7 @@ def test_a_torn_checkpoint_is_never_loaded_and_the_previous_one_is_used(tmp_path
 
 
 def test_a_checkpoint_with_flipped_bytes_is_refused(tmp_path):
-    path = save_checkpoint(tmp_path, 1, {"step": 1, "blob": torch.ones(100)})
+    path = save_checkpoint(tmp_path, RUN, 1, {"step": 1, "blob": torch.ones(100)})
     data = bytearray(path.read_bytes())
     data[-50] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -13,7 +13,7 @@ from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import AdmissionRule, RdpTally, fits_budget
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
-from orchestrator.checkpoint import checkpoint_files
+from orchestrator.checkpoint import checkpoint_files, checkpoint_step
 from orchestrator.trainer import Trainer
 from servers import DPFLEET, REPOSITORY, TINY_JOB, free_port, start_serve_process, tiny_job_epsilon
 
@@ -133,7 +133,7 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
     with open(log_path, "w") as log:
         training = start_training(tmp_path, extra, "--token", ledger_server["token"], log=log)
         deadline = time.monotonic() + 300
-        while not any(path.name >= "checkpoint-000000030.pt" for path in checkpoint_files(run_dir)):
+        while not any(checkpoint_step(path) >= 30 for path in checkpoint_files(run_dir)):
             assert training.poll() is None and time.monotonic() < deadline, (
                 "training ended or stalled before it could be killed: " + log_path.read_text()[-3000:])
             time.sleep(0.2)
@@ -141,7 +141,7 @@ def test_kill_9_of_the_driver_then_resume_keeps_the_ledger_within_one_block(tmp_
         training.wait(timeout=30)
     with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
         (job,) = acme.list_jobs()
-    last_checkpoint_step = int(checkpoint_files(run_dir)[-1].stem.split("-")[1])
+    last_checkpoint_step = checkpoint_step(checkpoint_files(run_dir)[-1])
     # Charged before compute: at least every step that ran, at most one block more.
     assert last_checkpoint_step <= job.committed_steps <= last_checkpoint_step + 10, (
         job, checkpoint_files(run_dir), log_path.read_text()[-3000:])
