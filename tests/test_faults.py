@@ -1,5 +1,6 @@
 """Faults: torn checkpoints, resumed runs and killed workers change nothing that was computed."""
 
+import json
 import os
 import signal
 import threading
@@ -14,7 +15,9 @@ from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator import trainer as trainer_module
 from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, init_local_ray, resume_trainer, start_ray
+from workers.data import load_split
 from workers.models import flat_parameters
+from workers.sources import write_parquet_shards
 
 
 RUN, OTHER_RUN = "0123456789abcdef", "fedcba9876543210"
@@ -166,3 +169,68 @@ def test_a_local_ray_start_gives_up_after_its_attempts_and_other_errors_are_not_
         start_ray(build_config(dict(steps=1, noise_multiplier=1.0)), lambda line: None)
     assert len(calls) == 1
 
+
+
+def write_run(run_dir, config, trainer):
+    """A run directory as a run leaves it: config.json and a checkpoint of `trainer` after 0 steps."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    save_checkpoint(run_dir, trainer.run_id, 0, trainer.state())
+
+
+def test_a_resume_with_another_config_is_refused_naming_what_differs(tmp_path):
+    config = fault_config(tmp_path, "run", seed=None)
+    write_run(tmp_path / "run", config, Trainer(config, show_progress=False))
+    # Another run reused the folder and wrote its config.json before it had a checkpoint of its own.
+    other = fault_config(tmp_path, "run", seed=None, train_subset=300, learning_rate=0.1, workers=1)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(other.to_dict()))
+    with pytest.raises(UsageError) as refused:
+        resume_trainer(str(tmp_path / "run"), show_progress=False)
+    message = str(refused.value)
+    assert "config key train_subset: 600 in the checkpoint, 300 now" in message
+    assert "config key learning_rate: 0.5 in the checkpoint, 0.1 now" in message
+    assert "dataset units: 600 in the checkpoint, 300 now" in message
+    assert "workers" not in message  # where the work runs may change between a run and its resume
+    assert "start a new run: dpfleet train --config FILE --run-dir NEW_DIR" in message
+    # The same config (on more workers) resumes, as the run it is, under its own id.
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**config.to_dict(), "workers": 1}))
+    resumed = resume_trainer(str(tmp_path / "run"), show_progress=False)
+    assert resumed.run_id == latest_checkpoint(tmp_path / "run")[1]["run_id"]
+
+
+def test_a_resume_on_changed_data_is_refused(tmp_path):
+    images, labels = load_split("mnist", "train")
+    data = tmp_path / "data"
+    for split in ("train", "test"):
+        write_parquet_shards(str(data / split), [(images[:200].numpy(), labels[:200].numpy())], 200, 2)
+    table = {"format": "parquet", "train": str(data / "train"), "test": str(data / "test"), "shape": [1, 28, 28],
+             "features": "features"}
+    config = fault_config(tmp_path, "run", dataset=table, train_subset=None, test_subset=None, batch_size=20)
+    write_run(tmp_path / "run", config, Trainer(config, show_progress=False))
+    assert resume_trainer(str(tmp_path / "run"), show_progress=False).step == 0  # the same files: the same run
+    # The same rows and schema, one label changed, written again in place.
+    changed = labels[:200].numpy().copy()
+    changed[150] = (changed[150] + 1) % 10
+    write_parquet_shards(str(data / "train"), [(images[:200].numpy(), changed)], 200, 2)
+    with pytest.raises(UsageError, match=r"dataset content: \"[0-9a-f]{32}\" in the checkpoint, \"[0-9a-f]{32}\" now"):
+        resume_trainer(str(tmp_path / "run"), show_progress=False)
+
+
+def test_a_checkpoint_of_the_first_format_is_refused_because_it_holds_secrets(tmp_path):
+    config = fault_config(tmp_path, "run")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(config.to_dict()))
+    save_checkpoint(tmp_path / "run", RUN, 5, {"version": 1, "step": 5, "sampler": {}, "noise": {"entropy": 1}})
+    (tmp_path / "run" / f"checkpoint-{RUN}-000000005.pt").rename(tmp_path / "run" / "checkpoint-000000005.pt")
+    with pytest.raises(UsageError, match="version 1, which holds the run's noise and sampling secrets.*delete it"):
+        resume_trainer(str(tmp_path / "run"), show_progress=False)
+
+
+def test_a_checkpoint_holds_no_key_generator_state_or_drawn_sample(tmp_path):
+    trainer = Trainer(fault_config(tmp_path, "run", seed=None), show_progress=False)
+    trainer.drawn_sample = trainer._draw_sample(0)
+    state = trainer.state()
+    assert not {"sampler", "drawn_sample", "noise", "entropy"} & set(state)
+    # A key cannot be written even by mistake: it refuses to be pickled.
+    with pytest.raises(TypeError, match="memory only"):
+        save_checkpoint(tmp_path, RUN, 1, {**state, "key": trainer.run_key})

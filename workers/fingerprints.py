@@ -49,9 +49,9 @@ def sampled_ranges(handle, ranges: int = RANGES, range_bytes: int = RANGE_BYTES)
 
 
 def file_content(filesystem, path: str, parquet: bool) -> bytes:
-    """What stands for one file's content: its Parquet footer, or sampled byte ranges of anything else."""
+    """What stands for one file's content: sampled byte ranges, and a Parquet file's footer."""
     with filesystem.open_input_file(path) as handle:
-        return parquet_footer(handle) if parquet else sampled_ranges(handle)
+        return (parquet_footer(handle) if parquet else b"") + sampled_ranges(handle)
 
 
 def dataset_identity(spec: str | Mapping) -> dict:
@@ -60,10 +60,11 @@ def dataset_identity(spec: str | Mapping) -> dict:
     A built-in dataset is named (its files are checked against their SHA-256
     when loaded); a ``module:function`` dataset is named only, since its rows
     are not files. For files, the fingerprint covers every training file's
-    path and size and, for Parquet, its footer (row counts, schema and
-    column statistics of every row group); for other formats, sampled byte
-    ranges (of CONTENT_FILES evenly spaced files when there are more).
-    Rewriting, adding or removing a file changes it.
+    path, size and modification time, and sampled byte ranges of it (of
+    CONTENT_FILES evenly spaced files when there are more) with, for
+    Parquet, its footer (row counts, schema and column statistics of every
+    row group). Rewriting, adding or removing a file changes it; so does
+    touching one, which is the safe side to err on.
     """
     if isinstance(spec, str):
         return {"source": spec}
@@ -71,7 +72,8 @@ def dataset_identity(spec: str | Mapping) -> dict:
     filesystem, paths = _files_at(_locations(spec["train"]), _SUFFIXES.get(file_format, ("",)))
     combined = hashlib.blake2b(digest_size=16)
     for info in filesystem.get_file_info(paths):
-        combined.update(info.path.encode() + b"\0" + info.size.to_bytes(8, "big"))
+        combined.update(info.path.encode() + b"\0" + info.size.to_bytes(8, "big")
+                        + (info.mtime_ns or 0).to_bytes(8, "big"))
     read = sorted({round(index * (len(paths) - 1) / max(1, CONTENT_FILES - 1)) for index in range(CONTENT_FILES)})
     for index in read if len(paths) > CONTENT_FILES else range(len(paths)):
         combined.update(hashlib.blake2b(file_content(filesystem, paths[index], file_format == "parquet"),
