@@ -34,7 +34,7 @@ import torch
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, SECURE_DRAWS, GaussianNoise, fill_unit_normal
 from workers.keys import KEY_BYTES, SecretKey, process_key
-from workers.sampling import local_poisson_sample, local_sampling_key, poisson_sample, step_generator
+from workers.sampling import local_poisson_sample, poisson_sample, step_generator
 
 # Values of a noise vector compared; a chance match of 8 float64 values does not happen.
 COMPARED_VALUES = 8
@@ -262,7 +262,7 @@ def _sequential_samples(generator: np.random.Generator, truth: Truth) -> list[st
 
 
 def _generator_at(state: dict) -> np.random.Generator | None:
-    """A numpy Generator in `state` (a bit generator's state, or PCG64's bare {"state", "inc"}); None if it is not one."""
+    """A numpy Generator at `state` (a bit generator's state, or PCG64's bare {"state", "inc"}); None if not one."""
     whole = state if "bit_generator" in state else {"bit_generator": "PCG64", "state": state, "has_uint32": 0,
                                                     "uinteger": 0}
     try:

@@ -1,9 +1,11 @@
-"""Faults: torn checkpoints, resumed runs and killed workers change nothing that was computed."""
+"""Faults: torn checkpoints, resumed runs and killed workers change nothing that was computed; a resume is refused
+unless it continues the same run, on the same data, under the same reservation."""
 
 import json
 import os
 import signal
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import ray
 import torch
 
 from orchestrator.checkpoint import checkpoint_files, latest_checkpoint, read_checkpoint, save_checkpoint
+from orchestrator.cli.train import job_ledger
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator import trainer as trainer_module
@@ -234,3 +237,13 @@ def test_a_checkpoint_holds_no_key_generator_state_or_drawn_sample(tmp_path):
     # A key cannot be written even by mistake: it refuses to be pickled.
     with pytest.raises(TypeError, match="memory only"):
         save_checkpoint(tmp_path, RUN, 1, {**state, "key": trainer.run_key})
+
+
+def test_a_resume_charged_to_another_ledger_dataset_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("DPFLEET_LEDGER", raising=False)
+    config = fault_config(tmp_path, "run")
+    resumed = SimpleNamespace(config=config, say=print, resumed_reservation_id="r-7",
+                              resumed_reservation={"id": "r-7", "dataset": "digits"})
+    args = SimpleNamespace(ledger=None, token=None, dataset_name="letters", wait_for_budget=False)
+    with pytest.raises(UsageError, match="charged to the ledger's dataset 'digits'.*--dataset-name digits"):
+        job_ledger(args, resumed)

@@ -69,7 +69,9 @@ def dataset_identity(spec: str | Mapping) -> dict:
     if isinstance(spec, str):
         return {"source": spec}
     file_format = spec["format"]
-    filesystem, paths = _files_at(_locations(spec["train"]), _SUFFIXES.get(file_format, ("",)))
+    # A dataset of blocks trains on the blocks a run chose (its "train"), else on all of them.
+    train = spec["train"] if "train" in spec else list(spec["blocks"].values())
+    filesystem, paths = _files_at(_locations(train), _SUFFIXES.get(file_format, ("",)))
     combined = hashlib.blake2b(digest_size=16)
     for info in filesystem.get_file_info(paths):
         combined.update(info.path.encode() + b"\0" + info.size.to_bytes(8, "big")
