@@ -30,7 +30,7 @@ from orchestrator.config import build_config
 from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, GaussianNoise, fill_unit_normal
 from orchestrator.sampling import poisson_sample, step_generator
 from orchestrator.trainer import Trainer, resume_trainer
-from workers.keys import process_key
+from workers.keys import SecretKey, process_key
 from workers.sampling import local_poisson_sample, local_sampling_key
 from workers.shard_worker import ShardWorker
 
@@ -207,3 +207,17 @@ def test_the_attacker_finds_a_seed_and_a_key_through_the_projects_own_derivation
     (tmp_path / "worker.log").write_text(f"worker key {key._material.hex()}\n")
     findings = attack(harvest([tmp_path]), local)
     assert any("reproduces the sample of (0, 0) at step 3" in line for line in findings), findings
+
+
+def test_a_keys_derivations_are_separate_by_purpose_and_numbers_and_a_seeds_key_is_not_anothers_output():
+    key = SecretKey.fresh()
+    outputs = {key.derive("noise", 0, 1), key.derive("noise", 1, 0), key.derive("noise", 0, 1, 0),
+               key.derive("sample", 0, 1), key.derive("sample", 1), SecretKey.fresh().derive("noise", 0, 1)}
+    assert len(outputs) == 6 and all(len(output) == 32 for output in outputs)
+    assert key.derive("noise", 0, 1) == key.derive("noise", 0, 1)
+    assert SecretKey.from_seed(5).seeded and not key.seeded
+    assert SecretKey.from_seed(5).derive("noise") == process_key(5).derive("noise") != process_key(6).derive("noise")
+    with pytest.raises(ValueError, match="0..2\\*\\*64 - 1"):
+        key.derive("noise", -1)
+    with pytest.raises(ValueError, match="a key is 32 bytes"):
+        SecretKey(b"short")
