@@ -203,8 +203,11 @@ def _candidate_keys(found: Harvest):
 
 
 def _noise_chunk(generator: np.random.Generator, truth: Truth) -> np.ndarray:
-    """The first values of a vector's first chunk as the driver fills it from `generator`."""
-    size = min(CHUNK_VALUES, next(iter(truth.noise.values())).size)
+    """The first values of a vector's first chunk as the driver fills it from `generator`.
+
+    Plain noise's first values are the stream's first draws; secure noise's add up draws a chunk apart.
+    """
+    size = min(CHUNK_VALUES, next(iter(truth.noise.values())).size) if truth.secure else COMPARED_VALUES
     values = np.empty(size)
     fill_unit_normal(generator, values, SECURE_DRAWS if truth.secure else 1)
     return values[:COMPARED_VALUES]
