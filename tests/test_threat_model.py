@@ -76,7 +76,7 @@ def recording_shard_worker(truth_dir: Path):
 
 
 def attack_config(tmp_path, name, **overrides):
-    values = dict(dataset="mnist", model="gdp_cnn", workers=2, steps=STEPS, batch_size=60, train_subset=600,
+    values = dict(dataset="mnist", model="gdp_cnn", workers=1, steps=STEPS, batch_size=60, train_subset=600,
                   test_subset=200, noise_multiplier=1.0, clip_norm=1.0, learning_rate=0.5, secure_noise=False,
                   checkpoint_every=2, run_dir=str(tmp_path / "runs" / name), max_physical_batch=64)
     values.update(overrides)
