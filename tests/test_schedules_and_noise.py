@@ -135,7 +135,8 @@ def test_noise_is_gaussian_with_std_sigma_c_at_a_million_draws(source):
 @pytest.mark.parametrize("source", NOISE_SOURCES)
 def test_each_steps_noise_is_independent_of_every_other_steps(source):
     size = 3 * CHUNK_VALUES
-    noise = NOISE_SOURCES[source]()
+    # A fixed seed: 24 correlations at 4 standard errors would each fail one run in 16,000 from OS entropy.
+    noise = NOISE_SOURCES[source](SecretKey.from_seed(12))
     vectors = np.array([np.asarray(noise.draw(size, 1.0, (GRADIENT_NOISE, step))) for step in range(6)]
                        + [np.asarray(noise.draw(size, 1.0, (COUNT_NOISE, 0)))])
     correlations = np.corrcoef(vectors)[np.triu_indices(len(vectors), 1)]
