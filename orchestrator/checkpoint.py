@@ -5,6 +5,11 @@ torch-serialised dict). It is written to a temporary file, fsync'd, renamed
 into place, and the directory is fsync'd: a crash leaves either the old file
 or the new one. On load, a file whose digest does not match (a torn or
 corrupted write) is skipped and the previous checkpoint is used.
+
+A checkpoint is the run's working state, for the run's operator: it holds
+no secret (no key, generator state or drawn sample; see docs/threat-model.md).
+Its name carries the run's id, so runs that share a directory keep and prune
+their own checkpoints only.
 """
 
 from __future__ import annotations
@@ -19,13 +24,24 @@ from typing import Any
 import torch
 
 _DIGEST_BYTES = 32
-_NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
+# checkpoint-<run id>-<step>.pt; the names of the first format had no run id.
+_NAME = re.compile(r"^checkpoint-(?:(?P<run_id>[0-9a-f]{16})-)?(?P<step>\d{9})\.pt$")
 KEEP = 2
 
 
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    """Where the checkpoint after `step` steps lives."""
-    return Path(run_dir) / f"checkpoint-{step:09d}.pt"
+def checkpoint_path(run_dir: Path, run_id: str, step: int) -> Path:
+    """Where run `run_id`'s checkpoint after `step` steps lives."""
+    if not re.fullmatch(r"[0-9a-f]{16}", run_id):
+        raise ValueError(f"a run id is 16 lowercase hex digits (got {run_id!r})")
+    return Path(run_dir) / f"checkpoint-{run_id}-{step:09d}.pt"
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step count after which the checkpoint at `path` was written, from its name."""
+    name = _NAME.match(Path(path).name)
+    if name is None:
+        raise ValueError(f"{str(path)!r} is not named as a checkpoint (checkpoint-<run id>-<step>.pt)")
+    return int(name["step"])
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -36,12 +52,12 @@ def _fsync_directory(directory: Path) -> None:
         os.close(handle)
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
-    """Write `state` atomically as the checkpoint after `step` steps; keep the newest KEEP."""
+def save_checkpoint(run_dir: Path, run_id: str, step: int, state: dict[str, Any]) -> Path:
+    """Write `state` atomically as run `run_id`'s checkpoint after `step` steps; keep that run's newest KEEP."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getvalue()
-    path = checkpoint_path(run_dir, step)
+    path = checkpoint_path(run_dir, run_id, step)
     temporary = path.with_suffix(".pt.tmp")
     with open(temporary, "wb") as handle:
         handle.write(hashlib.sha256(payload).digest())
@@ -50,17 +66,22 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any]) -> Path:
         os.fsync(handle.fileno())
     os.replace(temporary, path)
     _fsync_directory(path.parent)
-    for old in checkpoint_files(run_dir)[:-KEEP]:
+    for old in checkpoint_files(run_dir, run_id)[:-KEEP]:
         old.unlink(missing_ok=True)
     return path
 
 
-def checkpoint_files(run_dir: Path) -> list[Path]:
-    """Checkpoint files in the run directory, oldest first."""
+def checkpoint_files(run_dir: Path, run_id: str | None = None) -> list[Path]:
+    """Run `run_id`'s checkpoint files in the run directory, oldest first (every run's, by time, when None)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    return sorted(path for path in run_dir.iterdir() if _NAME.match(path.name))
+    found = [(path, _NAME.match(path.name)) for path in run_dir.iterdir()]
+    if run_id is not None:
+        return sorted(path for path, name in found if name and name["run_id"] == run_id)
+    # Steps of different runs do not compare: the newest is the one written last.
+    return [path for _, _, path in sorted((path.stat().st_mtime_ns, int(name["step"]), path)
+                                          for path, name in found if name)]
 
 
 def read_checkpoint(path: Path) -> dict[str, Any] | None:
@@ -74,7 +95,7 @@ def read_checkpoint(path: Path) -> dict[str, Any] | None:
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest intact checkpoint and its state, or None if there is none."""
+    """The newest intact checkpoint of any run in `run_dir` (the last written) and its state, or None."""
     for path in reversed(checkpoint_files(run_dir)):
         state = read_checkpoint(path)
         if state is not None:

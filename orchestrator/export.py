@@ -176,7 +176,7 @@ def privacy_so_far(release: RunRelease) -> dict[str, Any]:
         "accountant": config.accountant,
         "steps": events.steps,
         "noise_multiplier": state["noise_multiplier"],
-        "sampling_rate": sampling_rate(config, state["dataset_size"]),
+        "sampling_rate": sampling_rate(config, state["binding"]["dataset"]["units"]),
         "clip_norm": config.clip_norm,
         "final_clip_norm": state["clip_norm"],
         "events": state["events"],

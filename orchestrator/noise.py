@@ -1,11 +1,14 @@
 """Central Gaussian noise, drawn ahead of its step, and the noisy mean gradient.
 
-Every noise vector is a pure function of the run's root entropy and a key
-(the step, and which of the step's vectors it is): fixed-size chunks of it
-come from independent streams spawned from one numpy ``SeedSequence``, so any
-number of threads draws the same values, and a resume replays them exactly
-from the entropy in the checkpoint. ``NoiseFeed`` draws the next step's vector
-on a background thread while the workers compute the current step.
+Every noise vector is a pure function of the driver's secret key
+(``workers.keys``, in memory only) and a noise key (which of the step's
+vectors it is, and the step): fixed-size chunks of it come from independent
+streams, each seeded by PRF(key, "noise", kind, step, chunk), so any number of
+threads draws the same values, and a worker's death within a running driver
+changes nothing. Nothing the run writes holds the key: a resumed run draws a
+new one, and fresh noise for the steps that remain. ``NoiseFeed`` draws the
+next step's vector on a background thread while the workers compute the
+current step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-NOISE_STREAM = 1
+from workers.keys import NOISE, SecretKey
 
 # Secure mode: four N(0, std^2 / 4) draws add up to one N(0, std^2) whose low-order bits no longer follow the
 # pattern of a single floating-point Gaussian sample (Mironov 2012; the
@@ -57,18 +60,18 @@ def fill_unit_normal(generator: np.random.Generator, out: np.ndarray, draws: int
 class GaussianNoise:
     """N(0, std^2) noise vectors for the driver, each keyed by (kind, step): one key, one vector.
 
-    The root entropy comes from the OS unless a seed is given (tests only:
-    the trainer prints `seeded: not for production use`). With `secure`,
+    They derive from `key`, the driver's secret key: fresh from the OS when
+    not given, or derived from a seed in tests (the trainer then prints
+    `seeded: not for production use`). With `secure`,
     each value is the sum of SECURE_DRAWS float64 Gaussians, which hardens
     the released float32 values against the floating-point attack on Gaussian
     sampling. `threads` draw the chunks in parallel (default: the driver's
     cores); they do not change the values.
     """
 
-    def __init__(self, seed: int | None = None, secure: bool = True, threads: int | None = None):
-        self.seeded = seed is not None
+    def __init__(self, key: SecretKey | None = None, secure: bool = True, threads: int | None = None):
+        self._key = key or SecretKey.fresh()
         self.secure = secure
-        self.entropy = np.random.SeedSequence(None if seed is None else [seed, NOISE_STREAM]).entropy
         self.threads = threads or driver_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="noise") if self.threads > 1 else None
 
@@ -78,24 +81,13 @@ class GaussianNoise:
         return SECURE_DRAWS if self.secure else 1
 
     @property
-    def state(self) -> dict:
-        """What a checkpoint keeps: the root entropy and the mode (every vector derives from them)."""
-        return {"entropy": self.entropy, "secure": self.secure}
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        if "bit_generator" in value:
-            # A checkpoint of the single-generator noise: continue from entropy that generator would have drawn.
-            legacy = np.random.default_rng()
-            legacy.bit_generator.state = value
-            self.entropy = int.from_bytes(legacy.bytes(16), "little")
-            return
-        self.entropy, self.secure = value["entropy"], value["secure"]
+    def seeded(self) -> bool:
+        """Whether the noise derives from a test seed (reproducible, so not private)."""
+        return self._key.seeded
 
     def chunk_generator(self, key: Sequence[int], chunk: int) -> np.random.Generator:
         """The independent stream of chunk `chunk` of the vector `key`."""
-        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.entropy,
-                                                                          spawn_key=(*key, chunk))))
+        return self._key.numpy_generator(NOISE, *key, chunk)
 
     def draw(self, size: int, std: float, key: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
         """The `size` independent N(0, std^2) float64 values of vector `key` (written into `out` if given)."""
@@ -122,21 +114,19 @@ class GaussianNoise:
 class TorchGaussianNoise(GaussianNoise):
     """GaussianNoise drawn by torch on `device` (the driver's GPU when it has one), as a float64 tensor there.
 
-    Each vector comes from one torch generator seeded with 64 bits from the
-    vector's own ``SeedSequence`` child of the root entropy (OS entropy unless
-    seeded), with the same SECURE_DRAWS-fold float64 hardening. The values
-    differ from GaussianNoise's: a resume replays them on the same kind of
-    device. Runs on the CPU as well, which is how it is tested without a GPU.
+    Each vector comes from one torch generator seeded with 63 bits of
+    PRF(key, "noise", kind, step), with the same SECURE_DRAWS-fold float64
+    hardening. The values differ from GaussianNoise's. Runs on the CPU as
+    well, which is how it is tested without a GPU.
     """
 
-    def __init__(self, seed: int | None = None, secure: bool = True, device: str | torch.device = "cuda"):
-        super().__init__(seed, secure, threads=1)
+    def __init__(self, key: SecretKey | None = None, secure: bool = True, device: str | torch.device = "cuda"):
+        super().__init__(key, secure, threads=1)
         self.device = torch.device(device)
 
     def draw(self, size: int, std: float, key: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """The `size` independent N(0, std^2) float64 values of vector `key`, on the device."""
-        seed = int(np.random.SeedSequence(self.entropy, spawn_key=tuple(key)).generate_state(1, np.uint64)[0])
-        generator = torch.Generator(self.device).manual_seed(seed)
+        generator = torch.Generator(self.device).manual_seed(self._key.torch_seed(NOISE, *key))
         if out is None:
             out = torch.empty(size, dtype=torch.float64, device=self.device)
         out.normal_(generator=generator)

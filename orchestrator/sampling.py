@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 # One implementation, shared with the workers, which sample locally in shard mode.
-from workers.sampling import make_generator, poisson_sample  # noqa: F401 - re-exported for the driver
+from workers.sampling import make_generator, poisson_sample, step_generator  # noqa: F401 - re-exported for the driver
 
 
 def partition(indices: np.ndarray, parts: int) -> list[np.ndarray]:

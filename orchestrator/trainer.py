@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ from orchestrator.adaptive_clipping import (
     noisy_unclipped_microbatch_fraction,
 )
 from orchestrator.aggregation import NodeAggregation, split_counts
+from orchestrator.binding import binding_differences, bound_config, run_binding
 from orchestrator.charge_clock import ChargeClock, ChargedBlocks
 from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
 from orchestrator.config import (
@@ -64,20 +66,22 @@ from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_
 from orchestrator.report import plot_curves
 from orchestrator.sampling import (
     assign_microbatches,
-    make_generator,
     microbatch_count,
     poisson_sample,
+    step_generator,
     worker_shares,
 )
 from orchestrator.schedules import noise_blocks, schedule_events
 from orchestrator.shard_fleet import ShardFleet
 from workers.actor import GradientWorkerActor, retain_freed_memory
+from workers.fingerprints import dataset_identity
+from workers.keys import process_key
 from workers.models import bind_flat_views, build_model, parameter_count
 from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
 from workers.validation import check_model, unchanged_buffers
 
-SAMPLER_STREAM = 0
-CHECKPOINT_VERSION = 1
+# 2: no secret (no noise entropy, sampler state or drawn sample), a run id, and the run's binding.
+CHECKPOINT_VERSION = 2
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
 _TRAIN_LOSS_EXAMPLES = 10_000
@@ -396,12 +400,14 @@ class Trainer:
             self.shards.set_sampling_rate(self.plan.sampling_rate)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # The driver's secret: every step's sample and noise derive from it. In memory only, never saved.
+        self.run_key = process_key(config.seed)
         if noise is None:
-            noise = (TorchGaussianNoise(config.seed, config.secure_noise, self.device) if self.device.type == "cuda"
-                     else GaussianNoise(config.seed, secure=config.secure_noise))
+            noise = (TorchGaussianNoise(self.run_key, config.secure_noise, self.device) if self.device.type == "cuda"
+                     else GaussianNoise(self.run_key, secure=config.secure_noise))
         self.noise = noise
-        self.sampler = make_generator(config.seed, SAMPLER_STREAM)
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
+        # In memory only: a resumed run draws its samples afresh.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
         self.show_progress = show_progress
         self.non_private_train_loss = non_private_train_loss
@@ -419,6 +425,11 @@ class Trainer:
                 raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
                                  "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
         self._check_data()
+        # A new run's id names its checkpoints; a resume takes the id of the run it continues.
+        self.run_id = secrets.token_hex(8)
+        self.bound_config = bound_config(config)
+        self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
+                                 else dataset_identity(config.dataset))
         # Parameters and gradients are views into two flat buffers: no copy in or out of the model per step.
         self.model.to(self.device)
         self.flat_weights, self.flat_gradient = bind_flat_views(self.model)
@@ -434,7 +445,8 @@ class Trainer:
         self.engine_reported = False
         self.charged_blocks = 0
         self.wall_seconds_before = 0.0
-        self.resumed_reservation_id: str | None = None
+        # The reservation {"id", "dataset"} a resumed run continues under, as its checkpoint recorded it.
+        self.resumed_reservation: dict | None = None
         self.run_dir = Path(config.run_dir)
         self.times = StepTimes()
         self.aggregation: NodeAggregation | None = None
@@ -469,6 +481,11 @@ class Trainer:
             raise UsageError(str(error), error.with_values) from None
 
     @property
+    def resumed_reservation_id(self) -> str | None:
+        """The id of the reservation a resumed run continues under (None for a new run, or one without a ledger)."""
+        return None if self.resumed_reservation is None else self.resumed_reservation["id"]
+
+    @property
     def step(self) -> int:
         """Steps run so far."""
         return self.events.steps
@@ -487,25 +504,32 @@ class Trainer:
 
     # --- checkpoints -------------------------------------------------------
 
+    def binding(self) -> dict:
+        """What ties a checkpoint to this run: its bound config keys, its data, N and its reservation."""
+        reservation = None if self.ledger is None else {"id": self.ledger.reservation_id,
+                                                        "dataset": getattr(self.ledger, "dataset", None)}
+        return run_binding(self.bound_config, self.dataset_identity, self.plan.dataset_size, reservation)
+
     def state(self) -> dict:
-        """Everything needed to continue this run exactly where it stands."""
+        """The run's working state, enough to continue it: no key, generator state or drawn sample.
+
+        A resumed run draws a new key, and so fresh samples and noise for the
+        steps that remain; the steps before stay accounted and charged.
+        """
         return {
             "version": CHECKPOINT_VERSION,
+            "run_id": self.run_id,
+            "binding": self.binding(),
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "sampler": self.sampler.bit_generator.state,
-            "drawn_sample": self.drawn_sample,
-            "noise": self.noise.state,
             "events": self.events.to_dict(),
             "metrics": self.metrics,
             "charged_blocks": self.charged_blocks,
-            "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
             "noise_multiplier": self.plan.noise_multiplier,
             "clip_norm": self.clip_norm,
             "wall_seconds": self._wall_seconds(),
-            "dataset_size": self.plan.dataset_size,
             "shard_outages": self.shard_outages,
             "step_times": asdict(self.times),
             # Laid out as workers.models.flat_parameters: load_flat_parameters(model, ...) gives the averaged model.
@@ -513,26 +537,26 @@ class Trainer:
         }
 
     def load_state(self, state: dict) -> None:
-        """Continue from a checkpoint's state (see `state`)."""
-        if state.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"checkpoint version {state.get('version')!r} is not {CHECKPOINT_VERSION}")
-        if state.get("dataset_size", self.plan.dataset_size) != self.plan.dataset_size:
-            raise ValueError(f"the run was planned for N = {state['dataset_size']} training examples but now has "
-                             f"N = {self.plan.dataset_size}; q and the accounting depend on N: resume with the "
-                             "same data (and shards)")
+        """Continue from a checkpoint's state (see `state`), refused unless it is this run's (`binding`)."""
+        check_checkpoint_version(state)
+        differences = binding_differences(state["binding"], self.binding())
+        if differences:
+            raise UsageError(
+                f"the checkpoint in {str(self.run_dir)!r} is not of this run: " + "; ".join(differences)
+                + ". A resume continues the same run on the same data under the same reservation; to train "
+                "with this configuration or data, start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
+            )
+        self.run_id = state["run_id"]
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.sampler.bit_generator.state = state["sampler"]
-        self.drawn_sample = state.get("drawn_sample")  # a checkpoint without it draws the next sample anew
-        self.noise.state = state["noise"]
         self.events = Composition.from_dict(state["events"])
         self.metrics = list(state["metrics"])
         self.charged_blocks = state["charged_blocks"]
         self.clip_norm = state["clip_norm"]
         self.wall_seconds_before = state["wall_seconds"]
-        self.resumed_reservation_id = state["reservation_id"]
+        self.resumed_reservation = state["binding"]["reservation"]
         self.shard_outages = list(state.get("shard_outages", []))
         self.times = StepTimes(**state.get("step_times", {}))
         if self.ema_weights is not None:
@@ -543,7 +567,7 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
-        save_checkpoint(self.run_dir, self.step, self.state())
+        save_checkpoint(self.run_dir, self.run_id, self.step, self.state())
 
     def _wall_seconds(self) -> float:
         return self.wall_seconds_before + (time.perf_counter() - self.started if hasattr(self, "started") else 0.0)
@@ -722,19 +746,22 @@ class Trainer:
         self.times = self.times.plus(time.perf_counter() - started, self.gathered.slowest_worker_seconds,
                                      self.gathered.wait_seconds)
 
-    def _draw_sample(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """One step's Poisson sample and, with microbatches, each sampled example's microbatch."""
+    def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch.
+
+        Both come from PRF(run key, "sample", step): drawn again, the step gets the same sample.
+        """
         plan = self.plan
-        indices = poisson_sample(self.sampler, plan.dataset_size, plan.sampling_rate)
-        return indices, assign_microbatches(self.sampler, len(indices), plan.microbatches) if plan.microbatches else None
+        generator = step_generator(self.run_key, step)
+        indices = poisson_sample(generator, plan.dataset_size, plan.sampling_rate)
+        return indices, assign_microbatches(generator, len(indices), plan.microbatches) if plan.microbatches else None
 
     def _sampled_step(self, workers: list) -> None:
         """A step of driver-sampled examples, split across `workers`; the next step's sample is drawn here too."""
         plan = self.plan
         step = self.step
-        indices, group_ids = self.drawn_sample or self._draw_sample()
-        # Drawn in the same order as one step at a time, so a seeded run's samples do not change.
-        self.drawn_sample = self._draw_sample() if step + 1 < plan.steps else None
+        indices, group_ids = self.drawn_sample or self._draw_sample(step)
+        self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
         weights = self._weights()
         shards, group_shards = worker_shares(indices, group_ids, len(workers))
         # Under users, a worker picks each user's rows itself when the step runs, so nothing is read ahead.
@@ -1010,10 +1037,37 @@ def resume_trainer(run_dir: str, **options) -> Trainer:
         raise UsageError(f"{run_dir!r} holds no intact checkpoint to resume from")
     values = json.loads(config_path.read_text())
     values["run_dir"] = run_dir
-    _, state = found
+    path, state = found
+    check_checkpoint_version(state, path)
+    # The run's keys as config.json gives them, before sigma is fixed below: what the checkpoint was bound to.
+    written = bound_config(build_config(values))
     # The checkpoint fixes sigma: recalibrating from target_epsilon could drift by a rounding step.
     values["noise_multiplier"], values["target_epsilon"] = state["noise_multiplier"], None
     values.pop("target_epsilon_basis", None)
     trainer = Trainer(build_config(values), **options)
+    trainer.bound_config = written
     trainer.load_state(state)
     return trainer
+
+
+def check_checkpoint_version(state: dict, path: Path | None = None) -> None:
+    """Refuse a checkpoint of another format: those of version 1 held the run's secrets and no binding to its data.
+
+    A version 1 checkpoint kept the noise's root entropy and the sampler's
+    state, from which every step's noise and sample can be recomputed, and
+    nothing to check that a resume is the same run. It is refused rather
+    than resumed without them: the run cannot be shown to continue on the
+    same data, and the file itself should not be kept.
+    """
+    version = state.get("version")
+    if version == CHECKPOINT_VERSION:
+        return
+    where = f" {str(path)!r}" if path is not None else ""
+    if version == 1:
+        raise UsageError(
+            f"checkpoint{where} is of version 1, which holds the run's noise and sampling secrets and no binding "
+            "to its data, and cannot be resumed: delete it (anyone who reads it can recompute every step's noise "
+            "and sample) and start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
+        )
+    raise UsageError(f"checkpoint{where} is of version {version!r}; this dpfleet reads version {CHECKPOINT_VERSION} "
+                     "only: resume with the dpfleet that wrote it, or start a new run")

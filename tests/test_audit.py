@@ -42,6 +42,7 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
 from orchestrator.noise import GaussianNoise
+from workers.keys import SecretKey
 
 DELTA = 1e-5
 # Noise multipliers that give PLD epsilon 1, 4 and 8 at delta 1e-5 for q = 0.5 and 30 steps.
@@ -361,7 +362,7 @@ class PerWorkerDraws(GaussianNoise):
     """`fleet` draws of N(0, std^2), one per worker, summed and divided by `fleet`: std / sqrt(fleet) in all."""
 
     def __init__(self, seed, fleet):
-        super().__init__(seed)
+        super().__init__(SecretKey.from_seed(seed))
         self.fleet = fleet
 
     def draw(self, size, std, key, out=None):
@@ -411,7 +412,7 @@ def test_white_box_audit_of_correct_noise_stays_below_the_accountant(pooled_work
 
 
 def test_white_box_audit_catches_noise_scaled_down_4x(pooled_workers, tmp_path):
-    result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(3), trainer_class=PooledCanaryTrainer,
+    result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(SecretKey.from_seed(3)), trainer_class=PooledCanaryTrainer,
                        out=open("/dev/null", "w"))
     # Seed 3 gives about 2.1 against 1.0.
     assert result["epsilon_lower"] > result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)

@@ -23,6 +23,7 @@ from orchestrator.trainer import Trainer
 from reference import relative_error
 from workers.actor import GradientWorkerActor
 from workers.engines import clipped_sum
+from workers.keys import SecretKey
 from workers.data import load_split
 from workers.models import build_model, flat_parameters
 
@@ -75,18 +76,19 @@ def test_each_clipped_example_on_the_gpu_stays_within_the_clip_norm():
     assert ratios.max().item() <= 1 + TOLERANCE and ratios.min().item() >= 1 - TOLERANCE
 
 
-def test_the_drivers_secure_noise_on_the_gpu_is_gaussian_and_a_resume_replays_it():
+def test_the_drivers_secure_noise_on_the_gpu_is_gaussian_and_only_its_key_replays_it():
     draws, std, key = 1_000_000, 1.95, (GRADIENT_NOISE, 3)
-    noise = TorchGaussianNoise(device=CUDA)
+    run_key = SecretKey.fresh()
+    noise = TorchGaussianNoise(run_key, device=CUDA)
     values = noise.draw(draws, std, key)
     assert values.device.type == "cuda" and values.dtype == torch.float64
     sample = values.cpu().numpy()
     assert abs(sample.mean()) < 4 * std / np.sqrt(draws)
     assert sample.std() == pytest.approx(std, rel=4 / np.sqrt(2 * draws))
     assert stats.kstest(sample / std, "norm").pvalue > 1e-3
-    resumed = TorchGaussianNoise(device=CUDA)
-    resumed.state = noise.state
-    assert torch.equal(resumed.draw(draws, std, key), values)
+    # Within the driver, the same key draws the same vector; a resumed run's new key draws fresh noise.
+    assert torch.equal(TorchGaussianNoise(run_key, device=CUDA).draw(draws, std, key), values)
+    assert not torch.equal(TorchGaussianNoise(device=CUDA).draw(draws, std, key), values)
 
 
 def test_a_gpu_worker_actor_returns_the_cpu_sum(tmp_path):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from orchestrator.aggregation import group_by_node, split_counts
 from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, GaussianNoise, noisy_mean_gradient, noisy_sum_at
 from orchestrator.sampling import make_generator, partition, poisson_sample
+from workers.keys import SecretKey
 
 
 def test_poisson_batch_size_mean_within_four_standard_errors():
@@ -51,7 +52,7 @@ def test_partition_is_near_equal_and_keeps_every_index(indices, parts):
 
 
 def test_noise_std_is_sigma_times_clip_norm():
-    noise = GaussianNoise(seed=5)
+    noise = GaussianNoise(SecretKey.from_seed(5))
     sigma, clip_norm, size = 1.3, 1.5, 200_000
     draws = noise.draw(size, sigma * clip_norm, (GRADIENT_NOISE, 0))
     assert draws.std() == pytest.approx(sigma * clip_norm, rel=0.03)
@@ -60,7 +61,7 @@ def test_noise_std_is_sigma_times_clip_norm():
 
 def test_unseeded_noise_differs_between_sources():
     assert not np.array_equal(GaussianNoise().draw(8, 1.0, (0, 0)), GaussianNoise().draw(8, 1.0, (0, 0)))
-    assert not GaussianNoise().seeded and GaussianNoise(1).seeded
+    assert not GaussianNoise().seeded and GaussianNoise(SecretKey.from_seed(1)).seeded
 
 
 def test_noisy_mean_adds_the_parts_then_the_noise_and_divides_by_the_expected_batch_size():

@@ -14,7 +14,7 @@ from orchestrator.errors import UsageError
 from orchestrator.cli.train import outage_rows
 from orchestrator.trainer import plan_run
 from workers.data import load_split
-from workers.sampling import local_poisson_sample, part_bounds
+from workers.sampling import local_poisson_sample, local_sampling_key, part_bounds
 from workers.shard_worker import ShardWorker
 from workers.shards import ShardSpec, worker_bounds
 
@@ -29,7 +29,7 @@ def union_sample(seed, step, rate):
     chosen, per_shard = [], np.zeros(len(SHARDS), dtype=int)
     for shard, worker in SLOTS:
         start, stop = worker_bounds(SOURCE_SIZE, SHARDS[shard], worker)
-        local = local_poisson_sample(seed, shard, worker, step, stop - start, rate)
+        local = local_poisson_sample(local_sampling_key(seed, shard, worker), step, stop - start, rate)
         chosen.append(start + local)
         per_shard[shard] += local.size
     return np.concatenate(chosen), per_shard
@@ -78,13 +78,20 @@ def test_the_counts_of_different_shards_are_independent():
 
 
 def test_a_seeded_stream_replays_and_differs_by_shard_worker_and_step():
-    draw = lambda shard, worker, step: local_poisson_sample(4, shard, worker, step, 10_000, 0.3)  # noqa: E731
+    def draw(shard, worker, step):
+        return local_poisson_sample(local_sampling_key(4, shard, worker), step, 10_000, 0.3)
+
     assert np.array_equal(draw(1, 0, 5), draw(1, 0, 5))
     for other in (draw(2, 0, 5), draw(1, 1, 5), draw(1, 0, 6)):
         assert not np.array_equal(draw(1, 0, 5), other)
-    # Without a seed, every call draws from OS entropy.
-    assert not np.array_equal(local_poisson_sample(None, 1, 0, 5, 10_000, 0.3),
-                              local_poisson_sample(None, 1, 0, 5, 10_000, 0.3))
+
+
+def test_without_a_seed_each_worker_replays_under_its_own_key_and_a_new_worker_draws_fresh():
+    key = local_sampling_key(None, 1, 0)
+    assert np.array_equal(local_poisson_sample(key, 5, 10_000, 0.3), local_poisson_sample(key, 5, 10_000, 0.3))
+    # A replacement worker (or a resumed run) draws a new key from OS entropy: a fresh sample for the same step.
+    assert not np.array_equal(local_poisson_sample(key, 5, 10_000, 0.3),
+                              local_poisson_sample(local_sampling_key(None, 1, 0), 5, 10_000, 0.3))
 
 
 def test_two_workers_of_a_shard_hold_its_examples_once_each_and_sample_only_their_own():
@@ -99,7 +106,7 @@ def test_two_workers_of_a_shard_hold_its_examples_once_each_and_sample_only_thei
     worker.set_sampling_rate(0.05)
     weights = torch.nn.utils.parameters_to_vector(worker.model.parameters()).detach().numpy()
     answer = worker.sampled_clipped_grad_sum(weights, 7, 1.0)
-    indices = local_poisson_sample(9, 1, 1, 7, 300, 0.05)
+    indices = local_poisson_sample(local_sampling_key(9, 1, 1), 7, 300, 0.05)
     assert indices.size > 0
     np.testing.assert_array_equal(answer, worker.clipped_grad_sum(weights, indices, 1.0, count_zeroed=True))
     assert answer.size == weights.size + 1  # the sum and one raw count; no index or batch size

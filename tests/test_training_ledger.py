@@ -17,7 +17,7 @@ from accounting.ledger.core import AdmissionRule, RdpTally, fits_budget
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.charge_clock import ChargeClock
-from orchestrator.checkpoint import checkpoint_files
+from orchestrator.checkpoint import checkpoint_files, checkpoint_step
 from orchestrator.config import build_config
 from orchestrator.errors import LedgerTimeoutError
 from orchestrator.trainer import Trainer
@@ -139,7 +139,7 @@ def test_kill_9_of_the_driver_then_resume_charges_every_step_once(tmp_path, ledg
     with open(log_path, "w") as log:
         training = start_training(tmp_path, extra, "--token", ledger_server["token"], log=log)
         deadline = time.monotonic() + 300
-        while not any(path.name >= "checkpoint-000000030.pt" for path in checkpoint_files(run_dir)):
+        while not any(checkpoint_step(path) >= 30 for path in checkpoint_files(run_dir)):
             assert training.poll() is None and time.monotonic() < deadline, (
                 "training ended or stalled before it could be killed: " + log_path.read_text()[-3000:])
             time.sleep(0.2)
@@ -147,7 +147,7 @@ def test_kill_9_of_the_driver_then_resume_charges_every_step_once(tmp_path, ledg
         training.wait(timeout=30)
     with RemoteLedger(ledger_server["address"], ledger_server["token"]) as acme:
         (job,) = acme.list_jobs()
-    last_checkpoint_step = int(checkpoint_files(run_dir)[-1].stem.split("-")[1])
+    last_checkpoint_step = checkpoint_step(checkpoint_files(run_dir)[-1])
     # Charged before compute: at least every step that ran; the charge clock may have charged blocks ahead.
     assert last_checkpoint_step <= job.committed_steps, (job, checkpoint_files(run_dir), log_path.read_text()[-3000:])
     resumed = subprocess.run(

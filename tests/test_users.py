@@ -90,8 +90,8 @@ def test_users_are_poisson_sampled_at_q_over_users(tmp_path):
     assert trainer.plan.dataset_size == USERS and trainer.plan.sampling_rate == pytest.approx(8 / USERS)
     draws = 3_000
     counts = np.zeros(USERS)
-    for _ in range(draws):
-        users, groups = trainer._draw_sample()
+    for step in range(draws):
+        users, groups = trainer._draw_sample(step)
         assert groups is None
         counts[users] += 1
     # Each user's inclusion count is Binomial(draws, q); together they fit it (chi-square over users).

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-# Separates a worker's local sampling stream from the driver's sampler (0) and noise (1) under one seed.
-LOCAL_SAMPLER_STREAM = 2
+from workers.keys import LOCAL_SAMPLE, SAMPLE, SecretKey, process_key
 
 
 def make_generator(seed: int | None, *stream: int) -> np.random.Generator:
     """A numpy Generator: from OS entropy when `seed` is None, else reproducible for tests.
 
     `stream` (one or more non-negative integers) separates independent
-    streams under one seed: the driver's sampler and noise, and each worker's
-    local sampling at each step.
+    streams under one seed. Sampling that the run's ε rests on (each step's
+    Poisson sample) comes from a `SecretKey` instead (`step_generator`).
     """
     if seed is None:
         return np.random.default_rng()
@@ -38,25 +37,27 @@ def part_bounds(size: int, part: int, parts: int) -> tuple[int, int]:
     return part * size // parts, (part + 1) * size // parts
 
 
-def local_sampling_generator(seed: int | None, shard_index: int, worker_index: int, step: int) -> np.random.Generator:
-    """The generator a worker samples its step `step` (0-based) from.
+def step_generator(key: SecretKey, step: int) -> np.random.Generator:
+    """The generator step `step` (0-based) is sampled from: PRF(key, "sample", step), so it replays only under `key`."""
+    return key.numpy_generator(SAMPLE, step)
 
-    From OS entropy when `seed` is None. With a seed (tests only) the stream is
-    derived from (seed, shard, worker within the shard, step), so a resumed or
-    retried step draws exactly the same examples, and no two workers or steps
-    share a stream.
+
+def local_sampling_key(seed: int | None, shard_index: int, worker_index: int) -> SecretKey:
+    """A shard worker's own key for its local sampling, held in its memory only.
+
+    Fresh from the OS when `seed` is None. With a seed (tests only) it is
+    derived from (seed, shard, worker within the shard), so a seeded run's
+    workers, and their replacements, draw exactly the same examples.
     """
-    return make_generator(seed, LOCAL_SAMPLER_STREAM, shard_index, worker_index, step)
+    return process_key(seed, LOCAL_SAMPLE, shard_index, worker_index)
 
 
-def local_poisson_sample(
-    seed: int | None, shard_index: int, worker_index: int, step: int, example_count: int, sampling_rate: float
-) -> np.ndarray:
+def local_poisson_sample(key: SecretKey, step: int, example_count: int, sampling_rate: float) -> np.ndarray:
     """One worker's share of step `step`'s Poisson sample: positions among its own `example_count` examples.
 
     Each worker holds a disjoint range of the union dataset and includes each of
-    its examples independently with probability q from a stream of its own, so
-    the union of all workers' draws is exactly a Poisson(q) sample of the union.
+    its examples independently with probability q from a stream of its own
+    (PRF of its `key` and the step), so the union of all workers' draws is
+    exactly a Poisson(q) sample of the union, and a retried step draws the same.
     """
-    return poisson_sample(local_sampling_generator(seed, shard_index, worker_index, step), example_count,
-                          sampling_rate)
+    return poisson_sample(step_generator(key, step), example_count, sampling_rate)

@@ -17,7 +17,7 @@ import ray
 
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
-from workers.sampling import local_poisson_sample
+from workers.sampling import local_poisson_sample, local_sampling_key
 from workers.shards import ShardSpec, load_shard_examples
 from workers.sources import InMemorySource
 
@@ -25,9 +25,12 @@ from workers.sources import InMemorySource
 class ShardWorker(GradientWorker):
     """A gradient worker over worker ``worker_index``'s range of shard number ``shard_index``.
 
-    ``seed`` is None in production (each step's sample comes from OS entropy);
-    a seed (tests only) derives each step's sample from (seed, shard, worker,
-    step). The other arguments are ``GradientWorker``'s.
+    Each step's sample derives from a key this worker draws from OS entropy
+    and keeps in its own memory (``seed`` is None in production), so a
+    retried step draws the same examples and nothing outside the worker can
+    recompute any step's sample; a replacement worker draws a new key. A seed
+    (tests only) derives the key from (seed, shard, worker). The other
+    arguments are ``GradientWorker``'s.
     """
 
     def __init__(
@@ -48,7 +51,8 @@ class ShardWorker(GradientWorker):
         if not 0 <= worker_index < shard.workers:
             raise ValueError(f"worker_index must be in 0..{shard.workers - 1} for a shard of {shard.workers} "
                              f"worker(s) (got {worker_index})")
-        self.shard, self.shard_index, self.worker_index, self.seed = shard, shard_index, worker_index, seed
+        self.shard, self.shard_index, self.worker_index = shard, shard_index, worker_index
+        self._sampling_key = local_sampling_key(seed, shard_index, worker_index)
         self.sampling_rate: float | None = None
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
                          engine=engine, loss=loss, train_transforms=train_transforms,
@@ -78,14 +82,16 @@ class ShardWorker(GradientWorker):
         Returns the flat float32 sum of the sampled examples' gradients at
         ``weights``, each clipped to ``clip_norm``, followed by one raw count:
         the examples left out for a non-finite gradient (see
-        ``GradientWorker.clipped_grad_sum``). With a seed, a retried call draws
-        the same sample.
+        ``GradientWorker.clipped_grad_sum``). A retried call draws the same
+        sample.
         """
+        return self.clipped_grad_sum(weights, self._local_sample(step), clip_norm, count_zeroed=True)
+
+    def _local_sample(self, step: int) -> np.ndarray:
+        """Positions of this worker's examples in step ``step``'s Poisson sample (they never leave the worker)."""
         if self.sampling_rate is None:
             raise RuntimeError("set_sampling_rate must be called before the first step")
-        indices = local_poisson_sample(self.seed, self.shard_index, self.worker_index, step, self.train_size,
-                                       self.sampling_rate)
-        return self.clipped_grad_sum(weights, indices, clip_norm, count_zeroed=True)
+        return local_poisson_sample(self._sampling_key, step, self.train_size, self.sampling_rate)
 
 
 ShardWorkerActor = ray.remote(ShardWorker)

@@ -240,6 +240,13 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     dataset = ledger_dataset_name(args, config)
     say = trainer.say
     if trainer.resumed_reservation_id is not None:
+        charged = trainer.resumed_reservation["dataset"]
+        if charged is not None and charged != dataset:
+            raise UsageError(
+                f"the run in {config.run_dir!r} is charged to the ledger's dataset {charged!r} (reservation "
+                f"{trainer.resumed_reservation_id}), not {dataset!r}; resume it with --dataset-name {charged}, or "
+                "start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
+            )
         say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     register_embedded(ledger, dataset, config, say)
