@@ -200,7 +200,7 @@ def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights
         privacy = privacy_so_far(release)
         metrics = {key: value for key, value in state["metrics"][-1].items() if key.startswith("test_")}
         metrics["evaluated_at_step"] = state["metrics"][-1]["step"]
-        planned_steps = total_steps(config, state["dataset_size"])
+        planned_steps = total_steps(config, state["binding"]["dataset"]["units"])
     seeded = config.seed is not None
     warnings = [SEEDED_WARNING] if seeded else []
     if not release.finished:

@@ -96,7 +96,7 @@ def test_help_version_accounting_init_and_the_embedded_ledger_load_no_torch_or_r
         ["ledger", "tenant", "create", "acme"],
         ["ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5", "--scheduling", "dpf"],
         ["ledger", "dataset", "raise", "mnist", "--epsilon", "3"],
-        ["ledger", "block", "add", "mnist", "day-1", "--epsilon", "1"],
+        ["ledger", "block", "add", "mnist", "day-1", "--epsilon", "1", "--rows", "0:100"],
         ["ledger", "quota", "set", "local/mnist", "acme", "--epsilon", "1"],
         ["ledger", "status"],
         ["ledger", "history", "--json"],

@@ -93,7 +93,10 @@ def request_fields(reservation_id):
         "History": (pb.HistoryRequest, {"dataset": dataset, "limit": field(st.integers(0, 100),
                                                                            st.integers(-(2**31), 2**31 - 1))}),
         "AddBlock": (pb.AddBlockRequest, {"dataset": dataset, "block": field(fresh_names, wild_names),
-                                          "epsilon": field(st.floats(0.1, 2.0), wild_numbers), "delta": delta}),
+                                          "epsilon": field(st.floats(0.1, 2.0), wild_numbers), "delta": delta,
+                                          "data": field(st.integers(1000, 10**6).map(
+                                              lambda first: json.dumps({"rows": [first, first + 10]})),
+                                              st.text(max_size=40))}),
         "SetQuota": (pb.SetQuotaRequest, {"dataset": field(st.just("acme/mnist"), wild_names),
                                           "tenant": field(st.just("acme"), wild_names), "epsilon": epsilon,
                                           "block": field(st.sampled_from(["", "d1"]), wild_names)}),
@@ -142,7 +145,7 @@ def fuzzed(tmp_path_factory):
         token = admin.create_tenant("acme").token
     with RemoteLedger(server.address, token) as acme:
         acme.create_dataset("mnist", 2.0, DELTA)
-        acme.add_block("mnist", "d1", 1.0)
+        acme.add_block("mnist", "d1", 1.0, data={"rows": [0, 1000]})
         reservation = acme.reserve("mnist", "job-1", SampledGaussian(0.001, 5.0, 1000), blocks=["d1"])
     with grpc.insecure_channel(server.address) as channel:
         yield server, ledger_pb2_grpc.LedgerStub(channel), {"admin": ADMIN_TOKEN, "acme": token}, reservation
@@ -181,7 +184,8 @@ def command_lines(draw):
         ["dataset", "create", name, "--epsilon", "1", "--delta", value],
         ["dataset", "create", name, "--epsilon", "1", "--delta", "1e-5", "--dataset-size", value],
         ["dataset", "raise", name, "--epsilon", value],
-        ["block", "add", "mnist", name, "--epsilon", value, *(["--delta", other] * draw(st.booleans()))],
+        ["block", "add", "mnist", name, "--epsilon", value, "--rows", draw(st.sampled_from(["0:10", "10:20"])),
+         *(["--delta", other] * draw(st.booleans()))],
         ["quota", "set", "local/mnist", "local", "--epsilon", value],
         ["history", "--limit", value],
         ["release", name],
