@@ -8,6 +8,7 @@ through the same core.
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from typing import Callable, Mapping
@@ -31,6 +32,7 @@ from accounting.ledger.core import (
 )
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
+from workers.sources import spec_name
 
 _FIRST_BACKOFF_SECONDS = 0.5
 _LONGEST_BACKOFF_SECONDS = 10.0
@@ -271,3 +273,23 @@ def filter_basis(ledger, dataset: str, blocks: tuple[str, ...]) -> Callable:
     """For target_epsilon_basis = "filter": a plan's largest filter charge over the budgets it is charged to."""
     status = ledger.get_budget(dataset, pld_may_be_pending=True)
     return lambda plan: max(epsilon for _, epsilon in filter_charges(plan, status, blocks))
+
+
+def ledger_name(name: str) -> str:
+    """A ledger-valid dataset name for a spec's name: other characters become '-', at most 128 of them.
+
+    A path or ``module:function`` is not a valid ledger name as it is; give
+    ``dataset_name`` to choose the name yourself.
+    """
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
+    return cleaned[-128:] or "dataset"
+
+
+def ledger_dataset_name(dataset_name: str | None, config) -> str:
+    """The dataset's name in the ledger: `dataset_name` (--dataset-name), else the config's, else its spec's name."""
+    return dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
+
+
+def block_declarations(config) -> dict:
+    """Where the config says each block's rows are (its [dataset.blocks]), by block name."""
+    return dict(config.dataset.get("blocks") or {}) if isinstance(config.dataset, dict) else {}

@@ -14,7 +14,7 @@ from orchestrator.adaptive_clipping import (
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.sampling import assign_microbatches, make_generator, poisson_sample
-from orchestrator.trainer import plan_run
+from orchestrator.planning import plan_run
 
 
 @pytest.mark.parametrize("update, learning_rate", [("geometric", 0.2), ("linear", 0.05)])

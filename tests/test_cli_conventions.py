@@ -14,7 +14,7 @@ from orchestrator.cli import main
 from orchestrator.cli.display import plain_when_asked, show_progress
 from orchestrator.cli.init import STARTER
 from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config, toml_literal
-from orchestrator.trainer import plan_run
+from orchestrator.planning import plan_run
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -5,8 +5,11 @@ Each process runs a list of commands through `orchestrator.cli.main`, as the
 packages are loaded; a package loaded by one command stays loaded for the
 next, so the first command that names one is the culprit. The help, the
 version and a ledger client load no dp-accounting or scipy either: they have
-no epsilon to compute. `dpfleet ledger fits` plans a training job, which
-reads the data and loads torch: only its help is checked.
+no epsilon to compute. `dpfleet ledger fits` plans a training job as
+`dpfleet train` does: its planning and the sizes and user counts it reads
+from the data's metadata load no torch; checking the config's model, engine
+and loss names against the workers' registries still does, so only its help
+is checked here.
 """
 
 import json
@@ -15,6 +18,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from orchestrator.cli import build_parser, reference
 from orchestrator.cli.data_parser import BUILTIN_DATASETS
@@ -136,3 +143,30 @@ def test_the_ledger_server_and_its_clients_load_no_torch_or_ray(tmp_path):
     (served,) = json.loads(serve_report.read_text())
     assert served["argv"][:2] == ["ledger", "serve"]
     assert_light([served], {})
+
+
+# Reads the sizes and user counts a plan needs, by the driver's code paths, then reports the loaded packages.
+PLANNING_READS = f"""
+import json, sys
+import orchestrator.cli.ledger_fits, orchestrator.ledger_session, orchestrator.planning
+from workers import sources, users
+
+table = {{"format": "parquet", "train": sys.argv[1] + "/train.parquet", "test": sys.argv[1] + "/test.parquet",
+         "shape": [4], "features": "features"}}
+index = users.user_index(users.UserSpec("user", None), table, sources.source_size(table, "train"))
+sizes = [sources.source_size("mnist", "train"), sources.source_size(table, "test"), index.user_count]
+loaded = sorted({{name.split(".")[0] for name in sys.modules}} & set({HEAVY!r}))
+print(json.dumps({{"sizes": sizes, "loaded": loaded}}))
+"""
+
+
+def test_planning_and_the_data_sizes_and_user_counts_it_reads_load_no_torch_or_ray(tmp_path):
+    """A built-in's known size, a Parquet split's row count and its user ids are read without torch or Ray."""
+    for split, rows in (("train", 400), ("test", 50)):
+        pq.write_table(pa.table({"features": np.full((rows, 4), 0.5, dtype=np.float32).tolist(),
+                                 "label": np.arange(rows) % 2, "user": np.arange(rows) % 40}),
+                       tmp_path / f"{split}.parquet")
+    completed = subprocess.run([sys.executable, "-c", PLANNING_READS, str(tmp_path)], cwd=REPOSITORY,
+                               capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == {"sizes": [60000, 50, 40], "loaded": []}

@@ -8,7 +8,7 @@ import numpy as np
 
 from accounting.accountants import get_accountant
 from orchestrator.config import load_config
-from orchestrator.trainer import plan_run
+from orchestrator.planning import plan_run
 from workers.sources import write_parquet_shards
 from workers.data import dataset_size
 from workers.shards import worker_bounds

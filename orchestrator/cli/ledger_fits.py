@@ -1,7 +1,8 @@
 """`dpfleet ledger fits`: plan a training config's job as `dpfleet train` would, and ask the ledger if it fits.
 
-Planning reads the data's size, so this is the one ledger command that loads
-torch; it is a module of its own so that the others do not.
+Planning reads the data's size from its metadata and loads no torch or Ray
+(orchestrator.planning); it reads the data's files, so it is a module of its
+own.
 """
 
 from __future__ import annotations
@@ -11,17 +12,22 @@ import argparse
 from accounting.accountants import get_accountant, labelled_epsilon
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.cli.ledger import ledger_command, ledger_from_flags
-from orchestrator.cli.train import block_declarations, ledger_dataset_name
 from orchestrator.config import load_config
-from orchestrator.ledger_session import check_declared_blocks, filter_basis, filter_charges
-from orchestrator.trainer import plan_run
+from orchestrator.ledger_session import (
+    block_declarations,
+    check_declared_blocks,
+    filter_basis,
+    filter_charges,
+    ledger_dataset_name,
+)
+from orchestrator.planning import plan_run
 
 
 @ledger_command
 def run_fits(args: argparse.Namespace) -> int:
     """Say whether a training config's job would be admitted now, what it costs and what would remain."""
     config = load_config(args.config, {})
-    dataset = ledger_dataset_name(args, config)
+    dataset = ledger_dataset_name(args.dataset_name, config)
     # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
     args.ledger = args.ledger or config.ledger
     with ledger_from_flags(args) as ledger:

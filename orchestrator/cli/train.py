@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import textwrap
 
@@ -15,17 +14,19 @@ from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import (
     JobLedger,
+    block_declarations,
     check_declared_blocks,
     ensure_embedded_dataset,
     filter_basis,
     filter_charges,
     is_embedded,
+    ledger_dataset_name,
     new_job_id,
     open_ledger,
 )
 from orchestrator.membership import membership_report
 from orchestrator.trainer import Trainer, resume_trainer
-from workers.sources import read_first, spec_name
+from workers.sources import read_first
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> None:
@@ -134,7 +135,7 @@ def run_train(args: argparse.Namespace) -> int:
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)
                 try:
-                    dataset = ledger_dataset_name(args, config)
+                    dataset = ledger_dataset_name(args.dataset_name, config)
                     register_embedded(ledger, dataset, config, print)
                     charge_epsilon = filter_basis(ledger, dataset, config.blocks)
                 finally:
@@ -213,31 +214,11 @@ def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:
     return membership_report(trainer.model, images, labels, test_images, test_labels)
 
 
-def ledger_name(name: str) -> str:
-    """A ledger-valid dataset name for a spec's name: other characters become '-', at most 128 of them.
-
-    A path or ``module:function`` is not a valid ledger name as it is; give
-    ``dataset_name`` to choose the name yourself.
-    """
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
-    return cleaned[-128:] or "dataset"
-
-
-def ledger_dataset_name(args: argparse.Namespace, config) -> str:
-    """The dataset's name in the ledger: --dataset-name, else the config's dataset_name, else its spec's name."""
-    return args.dataset_name or config.dataset_name or ledger_name(spec_name(config.dataset))
-
-
-def block_declarations(config) -> dict:
-    """Where the config says each block's rows are (its [dataset.blocks]), by block name."""
-    return dict(config.dataset.get("blocks") or {}) if isinstance(config.dataset, dict) else {}
-
-
 def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
-    dataset = ledger_dataset_name(args, config)
+    dataset = ledger_dataset_name(args.dataset_name, config)
     say = trainer.say
     if trainer.resumed_reservation_id is not None:
         charged = trainer.resumed_reservation["dataset"]

@@ -1,0 +1,195 @@
+"""A job's plan from its config: N, q, steps, the σ blocks (calibrated to a target ε if asked) and the events they run.
+
+Planning reads the data's size from metadata and the accountants' ε, never a
+model or an example, so it loads no torch or Ray: `dpfleet ledger fits` plans
+a job as `dpfleet train` does and answers at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from accounting.calibration import scale_for_epsilon, scale_for_target
+from accounting.events import Composition
+from orchestrator import checks
+from orchestrator.adaptive_clipping import effective_noise_multiplier
+from orchestrator.config import (
+    EvaluateEvery,
+    TrainConfig,
+    expected_batch_size,
+    rows_per_person,
+    sampled_unit_count,
+    sampling_rate,
+    total_steps,
+)
+from orchestrator.errors import UsageError
+from orchestrator.sampling import microbatch_count
+from orchestrator.schedules import noise_blocks, schedule_events
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a configuration will run: derived once, before any worker starts."""
+
+    dataset_size: int
+    sampling_rate: float
+    expected_batch_size: float
+    steps: int
+    noise_multiplier: float
+    noise_blocks: tuple[tuple[float, int], ...]
+    epoch_ends: tuple[int, ...]
+    evaluation_steps: frozenset[int]
+    charge_ends: tuple[int, ...]
+    microbatches: int | None = None
+    count_noise_multiplier: float | None = None
+    privacy_unit: str = "example"
+    rows_per_person: int | None = None
+
+    @property
+    def sensitivity_factor(self) -> float:
+        """2 with microbatches (one example moves one microbatch's clipped gradient by up to 2C), else 1."""
+        return 2.0 if self.microbatches else 1.0
+
+    @property
+    def contributions_per_step(self) -> float:
+        """What the noisy sum is averaged over: q*N examples, or the G microbatches."""
+        return float(self.microbatches) if self.microbatches else self.expected_batch_size
+
+    @functools.cached_property
+    def planned_events(self) -> Composition:
+        """The events of the whole planned run, in order (with adaptive clipping, of the gradient and count pair).
+
+        Cached: the plan is frozen, and every step slices its own event from this.
+        """
+        return schedule_events(accounted_blocks(self.noise_blocks, self.count_noise_multiplier), self.sampling_rate,
+                               self.sensitivity_factor)
+
+    def events_between(self, start: int, end: int) -> Composition:
+        """The events of steps start..end-1 (0-based) of the plan."""
+        return steps_between(self.planned_events, start, end)
+
+    @functools.cached_property
+    def row_level_events(self) -> Composition:
+        """The planned events as a budget over rows counts them: what the ledger reserves and charges.
+
+        At example level, `planned_events`. Under privacy_unit = "user", one
+        row changes its own user's clipped contribution by up to 2C, and that
+        user takes part with probability q: the sampled Gaussian at sensitivity
+        factor 2 bounds what one row reveals.
+        """
+        if self.privacy_unit == "example":
+            return self.planned_events
+        return schedule_events(list(self.noise_blocks), self.sampling_rate, 2.0)
+
+    def row_level_events_between(self, start: int, end: int) -> Composition:
+        """`row_level_events` of steps start..end-1 (0-based)."""
+        return steps_between(self.row_level_events, start, end)
+
+    def ledger_plan(self, dataset_unit: str) -> tuple[Composition, str, int | None]:
+        """What to reserve on a ledger dataset of `dataset_unit`: (events, the unit they protect, rows per person).
+
+        A user-level run reserves its per-user events on a user-level dataset
+        and its row-level events on an example-level one. An example-level run
+        reserves its events with its rows-per-person bound, which a user-level
+        dataset turns into a group-privacy charge (and refuses without one).
+        """
+        if self.privacy_unit == "user":
+            if dataset_unit == "user":
+                return self.planned_events, "user", None
+            return self.row_level_events, "example", None
+        return self.planned_events, "example", self.rows_per_person
+
+    def sigma_at(self, step: int) -> float:
+        """The noise multiplier of step `step` (0-based)."""
+        for sigma, steps in self.noise_blocks:
+            if step < steps:
+                return sigma
+            step -= steps
+        raise IndexError(f"step {step} is past the planned run")
+
+
+def steps_between(events: Composition, start: int, end: int) -> Composition:
+    """The events of steps start..end-1 (0-based) of a composition of per-step events."""
+    before_end, _ = events.split(end)
+    return before_end.split(start)[1]
+
+
+def accounted_blocks(
+    blocks: tuple[tuple[float, int], ...] | list[tuple[float, int]], count_noise_multiplier: float | None
+) -> list[tuple[float, int]]:
+    """The (sigma, steps) blocks as accounted: with adaptive clipping, sigma of the gradient and count pair."""
+    if count_noise_multiplier is None:
+        return list(blocks)
+    return [(effective_noise_multiplier(sigma, count_noise_multiplier), steps) for sigma, steps in blocks]
+
+
+def evaluation_steps(
+    evaluate_every: EvaluateEvery | None, steps: int, steps_per_epoch: float, epoch_ends: list[int]
+) -> frozenset[int]:
+    """The steps after which the test split is evaluated: every epoch end by default, and always the last step."""
+    if evaluate_every is None:
+        return frozenset(epoch_ends)
+    interval = evaluate_every.steps or max(1, round(evaluate_every.epochs * steps_per_epoch))
+    return frozenset(range(interval, steps, interval)) | {steps}
+
+
+def plan_run(
+    config: TrainConfig, dataset_size: int | None = None, charge_epsilon: Callable[[RunPlan], float] | None = None
+) -> RunPlan:
+    """Derive N, q, steps, the sigma blocks (calibrated to target_epsilon if asked) and epoch ends.
+
+    `dataset_size` is N as a sharded run's workers report it; without it, N
+    comes from the config. Under privacy_unit = "user", N counts users, and
+    target_epsilon is the ε per user. With target_epsilon_basis = "filter",
+    σ is the smallest whose `charge_epsilon(plan)` (the RDP-filter ε the
+    ledger charges, see ledger_session.filter_charges) meets the target.
+    """
+    if dataset_size is None:
+        dataset_size = sampled_unit_count(config)
+    else:
+        checks.batch_within_dataset("batch_size", config.batch_size, dataset_size)
+    rate = sampling_rate(config, dataset_size)
+    steps = total_steps(config, dataset_size)
+    steps_per_epoch = dataset_size / config.batch_size
+
+    microbatches = None if config.microbatch_size is None else microbatch_count(
+        expected_batch_size(config, dataset_size), config.microbatch_size)
+    sensitivity_factor = 2.0 if microbatches else 1.0
+    adaptive = config.adaptive_clipping
+    count_noise_multiplier = None if adaptive is None else adaptive.count_noise_multiplier
+
+    def blocks_at(noise_multiplier: float) -> list[tuple[float, int]]:
+        return noise_blocks(config.noise_schedule, noise_multiplier, steps, steps_per_epoch)
+
+    epoch_ends = sorted({min(steps, math.ceil(epoch * steps_per_epoch - 1e-9))
+                         for epoch in range(1, math.ceil(steps / steps_per_epoch - 1e-9) + 1)} | {steps})
+    if config.commit_every:
+        charge_ends = sorted(set(range(config.commit_every, steps, config.commit_every)) | {steps})
+    else:
+        charge_ends = epoch_ends
+
+    def plan_at(noise_multiplier: float) -> RunPlan:
+        return RunPlan(
+            dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
+            tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
+            evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends),
+            microbatches, count_noise_multiplier, config.privacy_unit, rows_per_person(config),
+        )
+
+    noise_multiplier = config.noise_multiplier
+    if noise_multiplier is None and config.target_epsilon_basis == "filter":
+        if charge_epsilon is None:
+            raise UsageError('target_epsilon_basis = "filter" needs the admission rule of the ledger budget the job '
+                             "is charged to; dpfleet train and dpfleet ledger fits read it from the ledger")
+        noise_multiplier = scale_for_epsilon(config.target_epsilon, lambda sigma: charge_epsilon(plan_at(sigma)))
+    elif noise_multiplier is None:
+        noise_multiplier = scale_for_target(
+            config.target_epsilon, config.delta,
+            lambda sigma: schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate,
+                                          sensitivity_factor),
+            config.accountant,
+        )
+    return plan_at(noise_multiplier)
