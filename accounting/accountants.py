@@ -90,22 +90,24 @@ _PLD_VALUE_INTERVAL = 1e-4
 
 
 @functools.lru_cache(maxsize=64)
-def _one_step_pld(sampling_rate: float, noise_multiplier: float) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _one_step_pld(
+    sampling_rate: float, noise_multiplier: float, value_interval: float
+) -> privacy_loss_distribution.PrivacyLossDistribution:
     # Discretising one step takes a Python loop over tens of thousands of grid points, most of an epsilon's cost;
     # a ledger recomputing a growing composition of the same few mechanisms builds each of them once.
     return privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=noise_multiplier,
-        value_discretization_interval=_PLD_VALUE_INTERVAL,
+        value_discretization_interval=value_interval,
         sampling_prob=sampling_rate,
     )
 
 
 @functools.lru_cache(maxsize=16)
-def _pld_of(composition: Composition) -> privacy_loss_distribution.PrivacyLossDistribution:
+def _pld_of(composition: Composition, value_interval: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     # What dp-accounting's PLDAccountant composes for these events, from the cached one-step distributions.
-    total = privacy_loss_distribution.identity(value_discretization_interval=_PLD_VALUE_INTERVAL)
+    total = privacy_loss_distribution.identity(value_discretization_interval=value_interval)
     for event in composition.events:
-        step = _one_step_pld(event.sampling_rate, event.effective_noise_multiplier)
+        step = _one_step_pld(event.sampling_rate, event.effective_noise_multiplier, value_interval)
         total = total.compose(step.self_compose(event.steps))
     return total
 
@@ -117,10 +119,18 @@ _PLD_LARGEST_EPSILON = 100.0
 
 
 class PldAccountant:
-    """Privacy-loss-distribution accounting with pessimistic discretisation (rigorous)."""
+    """Privacy-loss-distribution accounting with pessimistic discretisation (rigorous).
+
+    `value_interval` is the grid of privacy-loss values: a coarser one is
+    faster and its epsilon a looser upper bound (the noise calibration
+    searches with one before it asks the reported grid).
+    """
 
     name = "pld"
     rigorous = True
+
+    def __init__(self, value_interval: float = _PLD_VALUE_INTERVAL) -> None:
+        self.value_interval = value_interval
 
     def epsilon(self, events: EventsLike, delta: float) -> float:
         """Upper bound on epsilon at `delta` (the RDP bound, with a PldFallbackWarning, beyond epsilon 100)."""
@@ -138,7 +148,7 @@ class PldAccountant:
                     stacklevel=2,
                 )
                 return rdp_epsilon
-        return float(_pld_of(composition).get_epsilon_for_delta(delta))
+        return float(_pld_of(composition, self.value_interval).get_epsilon_for_delta(delta))
 
     def delta(self, events: EventsLike, epsilon: float) -> float:
         """Upper bound on delta at `epsilon`."""
@@ -146,7 +156,7 @@ class PldAccountant:
         composition = as_composition(events)
         if composition.steps == 0:
             return 0.0
-        return float(_pld_of(composition).get_delta_for_epsilon(epsilon))
+        return float(_pld_of(composition, self.value_interval).get_delta_for_epsilon(epsilon))
 
 
 def rdp_vector(events: EventsLike) -> np.ndarray:
@@ -223,7 +233,9 @@ def gdp_delta(mu: float, epsilon: float) -> float:
     if mu == 0.0:
         return 0.0
     first = special.ndtr(-epsilon / mu + mu / 2.0)
-    second = math.exp(epsilon + special.log_ndtr(-epsilon / mu - mu / 2.0))
+    # The second term is at most the first, so its log is <= 0; at a huge mu the sum of two huge numbers can round
+    # above that (and overflow exp).
+    second = math.exp(min(0.0, epsilon + special.log_ndtr(-epsilon / mu - mu / 2.0)))
     return max(0.0, float(first - second))
 
 

@@ -128,6 +128,14 @@ def test_noise_multiplier_round_trip(name):
     assert epsilon(name, SampledGaussian(MNIST_Q, 0.999 * sigma, 3600)) > 1.0
 
 
+@pytest.mark.parametrize("name", ["pld", "rdp", "gdp"])
+def test_a_search_that_passes_through_tiny_noise_multipliers_still_round_trips(name):
+    # The GDP ε that starts every search is asked about sigma near 0.13 here, where mu is about 2.5e12.
+    sigma = noise_multiplier_for(2.0, DELTA, 0.01, 10, name)
+    assert epsilon(name, SampledGaussian(0.01, sigma, 10)) <= 2.0
+    assert epsilon(name, SampledGaussian(0.01, 0.999 * sigma, 10)) > 2.0
+
+
 def test_max_steps_fits_and_one_more_does_not():
     steps = max_steps_for(0.5, DELTA, MNIST_Q, 1.3, "rdp")
     assert epsilon("rdp", SampledGaussian(MNIST_Q, 1.3, steps)) <= 0.5
