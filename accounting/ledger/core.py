@@ -37,6 +37,7 @@ the PLD figure is ready (`spent_epsilon_accountant` says which);
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -49,7 +50,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
@@ -70,6 +71,10 @@ ADMISSION_MARGIN = 1e-9
 NAME_LENGTH = (1, 128)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 MAX_PLAN_RECORDS = 1000
+# Distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) in one plan. Each new one costs an
+# RDP curve (80-400 ms of CPU), so the cap bounds what one request can make a server compute; a noise schedule
+# changing sigma every epoch for 100 epochs fits.
+MAX_PLAN_MECHANISMS = 100
 MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1
 HISTORY_LIMIT = (1, 100_000)
@@ -125,6 +130,17 @@ class Unauthenticated(LedgerError):
 
 class LedgerUnavailable(LedgerError):
     """The remote ledger did not answer in time or could not be reached (gRPC UNAVAILABLE)."""
+
+
+class RateLimited(LedgerError):
+    """Too many costly requests, or failed authentications, in a short time (gRPC RESOURCE_EXHAUSTED).
+
+    `retry_after_seconds` is when the request would be let through, if nothing else arrives before it.
+    """
+
+    def __init__(self, message: str, retry_after_seconds: float) -> None:
+        self.retry_after_seconds = retry_after_seconds
+        super().__init__(message)
 
 
 class BudgetExceeded(LedgerError):
@@ -362,6 +378,13 @@ def check_plan(planned: EventsLike) -> Composition:
             f"planned events may hold at most {MAX_PLAN_RECORDS} records after merging equal neighbours "
             f"(got {len(composition.events)}); group steps of the same mechanism together"
         )
+    mechanisms = len(mechanisms_of(composition))
+    if mechanisms > MAX_PLAN_MECHANISMS:
+        raise InvalidArgument(
+            f"planned events may use at most {MAX_PLAN_MECHANISMS} distinct mechanisms (sampling rate, noise "
+            f"multiplier, sensitivity factor) (got {mechanisms}); change sigma less often (a longer "
+            "noise_schedule.every) or split the job"
+        )
     return composition
 
 
@@ -407,8 +430,68 @@ def canonical(composition: EventsLike) -> Composition:
     )
 
 
-@functools.lru_cache(maxsize=4096)
+class CurveNotCached(Exception):
+    """An RDP curve was needed where only cached ones may be used (under the store's write lock).
+
+    Not a LedgerError: the store catches it, computes `mechanism`'s curve with no lock held and runs the change
+    again.
+    """
+
+    def __init__(self, mechanism: tuple[float, float, float]) -> None:
+        self.mechanism = mechanism
+        super().__init__(f"the RDP curve of mechanism {mechanism} is not cached")
+
+
+_CURVE_MODE = threading.local()
+
+
+@contextlib.contextmanager
+def rdp_curves_cached_only() -> Iterator[None]:
+    """Within this block, on this thread, a mechanism whose RDP curve is not cached raises CurveNotCached.
+
+    The store wraps the body of its write transactions in it, so that no
+    80-400 ms curve computation ever holds the lock that every other
+    tenant's commit waits for.
+    """
+    previous = getattr(_CURVE_MODE, "cached_only", False)
+    _CURVE_MODE.cached_only = True
+    try:
+        yield
+    finally:
+        _CURVE_MODE.cached_only = previous
+
+
+def mechanisms_of(events: EventsLike) -> set[tuple[float, float, float]]:
+    """The distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) of a composition."""
+    return {
+        (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+        for event in as_composition(events).events
+    }
+
+
+def uncached_mechanisms(events: EventsLike) -> int:
+    """How many of a composition's mechanisms have no cached RDP curve: what admitting it would compute."""
+    return sum(_step_curve.peek(*mechanism) is None for mechanism in mechanisms_of(events))
+
+
+def compute_curve(mechanism: tuple[float, float, float]) -> None:
+    """Compute and cache one mechanism's RDP curve (outside any lock; concurrent askers share one computation)."""
+    _step_curve(*mechanism)
+
+
 def _step_units(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units`, cached; see `rdp_curves_cached_only`."""
+    if getattr(_CURVE_MODE, "cached_only", False):
+        curve = _step_curve.peek(sampling_rate, noise_multiplier, sensitivity_factor)
+        if curve is None:
+            raise CurveNotCached((sampling_rate, noise_multiplier, sensitivity_factor))
+        return curve
+    return _step_curve(sampling_rate, noise_multiplier, sensitivity_factor)
+
+
+def _computed_step_units(
     sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """Per-order RDP of one step in units, rounded up, and which orders are unbounded."""
@@ -845,10 +928,23 @@ def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
                 threading.Thread(target=compute, args=(args, pending), name="dpfleet-cache", daemon=True).start()
             return pending
 
+        def peek(*args: object) -> object | None:
+            """The cached result, or None when it is not cached (nothing is computed)."""
+            with lock:
+                if args not in results:
+                    return None
+                results.move_to_end(args)
+                return results[args]
+
         cached.start = start
+        cached.peek = peek
         return cached
 
     return decorate
+
+
+# 80-400 ms of dp-accounting per mechanism; threads asking for the same one at once share the computation.
+_step_curve = shared_cache(maxsize=4096)(_computed_step_units)
 
 
 @shared_cache(maxsize=1024)
@@ -917,6 +1013,8 @@ class Caller:
     actor: str
     tenant: str | None
     admin: bool = False
+    # The key id of the token the caller authenticated with (None: no token, as the embedded ledger's admin).
+    key_id: str | None = None
 
 
 def tenant_caller(tenant: str) -> Caller:
@@ -1007,8 +1105,29 @@ def token_key_id(token: str) -> str:
     return key_id
 
 
+def token_digest(token: str) -> bytes:
+    """The SHA-256 digest of a token, as stored (schema version 7 on).
+
+    No salt, no slow hash and no server key: a ledger token carries 256
+    random bits, so its digest cannot be inverted or looked up in a table,
+    and a wrong token costs one fast hash. A key held by every server (HMAC)
+    would protect only guessable tokens, and would be one more secret to
+    hand out and rotate. Admin tokens given to a server are stored the same
+    way, so they must be random too (`check_admin_token`).
+    """
+    return hashlib.sha256(token.encode()).digest()
+
+
+def admin_key_id(token: str) -> str:
+    """The key id of an admin token: its own for a dpfleet token, else one taken from its digest."""
+    try:
+        return token_key_id(token)
+    except Unauthenticated:
+        return "adm" + token_digest(token).hex()[:13]
+
+
 def hash_token(token: str, salt: bytes) -> bytes:
-    """Salted scrypt hash of a token, as stored."""
+    """Salted scrypt hash of a token, as stored before schema version 7 (checked once, then replaced)."""
     return hashlib.scrypt(token.encode(), salt=salt, **_SCRYPT)
 
 
@@ -1022,9 +1141,10 @@ def token_matches(token: str, salt: bytes, stored_hash: bytes) -> bool:
 
 @dataclass(frozen=True)
 class TenantCreated:
-    """A new tenant and its token, which is shown this once and stored only as a salted hash."""
+    """A new token, shown this once and stored only as its digest: a new tenant's, a tenant's rotated one, or
+    (tenant None) a rotated admin token."""
 
-    tenant: str
+    tenant: str | None
     token: str
 
     def to_dict(self) -> dict:
