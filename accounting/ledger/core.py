@@ -1890,6 +1890,12 @@ class PrivacyLedger(Protocol):
     def create_tenant(self, tenant: str) -> TenantCreated:
         """Create a tenant and return its token (admin only)."""
 
+    def rotate_token(self, tenant: str | None = None) -> TenantCreated:
+        """Replace a tenant's token (None: the caller's admin token) with a new one, returned once."""
+
+    def revoke_token(self, tenant: str | None = None, key_id: str | None = None) -> str:
+        """Revoke a tenant's token, or the admin token of `key_id` (admin only); the revoked key id."""
+
     def create_dataset(
         self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE,
         scheduling: SchedulingPolicy | dict | None = None,

@@ -18,6 +18,7 @@ from typing import Callable
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, DatasetStatus, LedgerError, PrivacyLedger
 from accounting.ledger.databases import is_postgresql, shown_location
+from accounting.ledger.limits import AUTH_FAILURE_BURST, AUTH_FAILURE_RATE_PER_SECOND, CURVE_BURST, CURVE_RATE_PER_SECOND
 from accounting.ledger.scheduling import POLICIES, SchedulingPolicy
 from accounting.ledger.service import LedgerServer, serve
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
@@ -228,6 +229,12 @@ def run_serve(args: argparse.Namespace) -> int:
     serve(
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
+        curve_rate_per_second=checks.positive_number("--curves-per-second", args.curves_per_second),
+        curve_burst=checks.integer_at_least("--curve-burst", args.curve_burst, 1),
+        auth_failure_rate_per_second=checks.positive_number(
+            "--auth-failures-per-second", args.auth_failures_per_second
+        ),
+        auth_failure_burst=checks.integer_at_least("--auth-failure-burst", args.auth_failure_burst, 1),
     )
     return 0
 
@@ -252,6 +259,38 @@ def run_tenant_create(args: argparse.Namespace) -> int:
         print_json(created.to_dict())
     else:
         print(f"tenant {created.tenant} created. Its token, shown only now (keep it secret):\n{created.token}")
+    return 0
+
+
+@_ledger_command
+def run_token_rotate(args: argparse.Namespace) -> int:
+    """Replace a tenant's token, or the admin token of the call, and print the new one once."""
+    if args.admin == (args.tenant is not None):
+        raise UsageError("name a tenant (--tenant NAME) or ask for the admin token (--admin), one of them")
+    with _open(args) as ledger:
+        rotated = ledger.rotate_token(args.tenant)
+    if args.json:
+        print_json(rotated.to_dict())
+    else:
+        whose = f"tenant {rotated.tenant}'s token" if rotated.tenant else "the admin token"
+        print(
+            f"{whose} rotated; the old one stops working on every server within a second. "
+            f"The new one, shown only now (keep it secret):\n{rotated.token}"
+        )
+    return 0
+
+
+@_ledger_command
+def run_token_revoke(args: argparse.Namespace) -> int:
+    """Revoke a tenant's token or an admin token (admin)."""
+    if (args.tenant is None) == (args.admin_key_id is None):
+        raise UsageError("name a tenant (--tenant NAME) or an admin token (--admin-key-id ID), one of them")
+    with _open(args) as ledger:
+        key_id = ledger.revoke_token(args.tenant, args.admin_key_id)
+    if args.json:
+        print_json({"tenant": args.tenant, "revoked_key_id": key_id})
+    else:
+        print(f"token {key_id} revoked; every server refuses it within a second")
     return 0
 
 
@@ -483,6 +522,25 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
+    serve_parser.add_argument(
+        "--curves-per-second", default=str(CURVE_RATE_PER_SECOND),
+        help="each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (80-400 ms "
+        f"of CPU each), at least one per fits; refilled at this rate (default {CURVE_RATE_PER_SECOND:g})",
+    )
+    serve_parser.add_argument(
+        "--curve-burst", default=f"{CURVE_BURST:g}",
+        help=f"each tenant's costly requests at once before the rate applies (default {CURVE_BURST:g}, a plan of "
+        "the most distinct mechanisms a plan may have)",
+    )
+    serve_parser.add_argument(
+        "--auth-failures-per-second", default=str(AUTH_FAILURE_RATE_PER_SECOND),
+        help="failed authentications per peer address, refilled at this rate; beyond them the peer is refused "
+        f"without a look at its token (default {AUTH_FAILURE_RATE_PER_SECOND:g})",
+    )
+    serve_parser.add_argument(
+        "--auth-failure-burst", default=f"{AUTH_FAILURE_BURST:g}",
+        help=f"failed authentications per peer address at once before the rate applies (default {AUTH_FAILURE_BURST:g})",
+    )
     serve_parser.set_defaults(handler=run_serve)
 
     tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
@@ -492,6 +550,30 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     tenant_create.add_argument("name", help="tenant name: 1-128 letters, digits, '.', '_' or '-'")
     _add_client_flags(tenant_create)
     tenant_create.set_defaults(handler=run_tenant_create)
+
+    token = commands.add_parser("token", help="rotate and revoke tenant and admin tokens").add_subparsers(
+        dest="token_command", required=True, metavar="COMMAND"
+    )
+    token_rotate = token.add_parser(
+        "rotate",
+        help="replace a tenant's token (admin, or the tenant itself) or the admin token of the call (--admin) "
+        "with a new one, printed once; the old one stops working on every server within a second",
+    )
+    token_rotate.add_argument("--tenant", help="the tenant whose token to replace")
+    token_rotate.add_argument("--admin", action="store_true", help="replace the admin token this call is made with")
+    _add_client_flags(token_rotate)
+    token_rotate.set_defaults(handler=run_token_rotate)
+    token_revoke = token.add_parser(
+        "revoke",
+        help="revoke a tenant's token, or an admin token by its key id (admin); every server refuses it within "
+        "a second",
+    )
+    token_revoke.add_argument("--tenant", help="the tenant whose token to revoke (it can do nothing until rotated)")
+    token_revoke.add_argument(
+        "--admin-key-id", help="the key id of the admin token to revoke (as rotate and the history show it)"
+    )
+    _add_client_flags(token_revoke)
+    token_revoke.set_defaults(handler=run_token_revoke)
 
     dataset = commands.add_parser("dataset", help="datasets and their budgets").add_subparsers(
         dest="dataset_command", required=True, metavar="COMMAND"
