@@ -160,3 +160,29 @@ def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(cap
     assert status == 1 and out.splitlines()[0] == f"entry {entry_id} of dataset local/mnist: {edited}"
     report = run(capsys, "ledger", "verify", "--json")[1]
     assert json.loads(report)["findings"] == [{"entry_id": entry_id, "dataset": "local/mnist", "problem": edited}]
+
+
+def test_token_rotate_and_revoke_for_tenants_and_the_admin(capsys, server):
+    remote = ("--ledger", server.address)
+    first = run_json(capsys, "ledger", "tenant", "create", "acme", *remote, "--token", ADMIN_TOKEN)["token"]
+    status, _, err = run(capsys, "ledger", "token", "rotate", *remote, "--token", ADMIN_TOKEN)
+    assert status == 2 and "name a tenant (--tenant NAME) or ask for the admin token (--admin)" in err
+    status, out, _ = run(capsys, "ledger", "token", "rotate", "--tenant", "acme", *remote, "--token", first)
+    assert status == 0 and "stops working on every server within a second" in out
+    second = out.strip().splitlines()[-1]
+    status, _, err = run(capsys, "ledger", "status", *remote, "--token", first)
+    assert status == 2 and "revoked or rotated" in err
+    assert run_json(capsys, "ledger", "status", *remote, "--token", second) == {"datasets": []}
+    revoked = run_json(capsys, "ledger", "token", "revoke", "--tenant", "acme", *remote, "--token", ADMIN_TOKEN)
+    assert revoked == {"tenant": "acme", "revoked_key_id": second.split("_")[1]}
+    status, _, err = run(capsys, "ledger", "status", *remote, "--token", second)
+    assert status == 2 and "revoked or rotated" in err
+    admin = run_json(capsys, "ledger", "token", "rotate", "--admin", *remote, "--token", ADMIN_TOKEN)
+    assert admin["tenant"] is None
+    status, _, err = run(capsys, "ledger", "status", *remote, "--token", ADMIN_TOKEN)
+    assert status == 2
+    status, _, err = run(
+        capsys, "ledger", "token", "revoke", "--admin-key-id", admin["token"].split("_")[1], *remote,
+        "--token", admin["token"],
+    )
+    assert status == 2 and "is the last one; rotate it" in err
