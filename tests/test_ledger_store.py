@@ -642,7 +642,7 @@ def test_curves_missing_under_the_write_lock_are_computed_outside_it_and_the_cha
 
 
 def test_a_tenants_new_curves_and_fits_take_from_its_bucket(ledger):
-    ledger.curve_limits = TokenBuckets(0.001, 3, "costly requests (new RDP curves, Fits)")
+    ledger.curve_limits = TokenBuckets(0.001, 4, "costly requests (new RDP curves, Fits)")
     acme = ledger.authenticate(ledger.create_tenant("acme").token)
     globex = ledger.authenticate(ledger.create_tenant("globex").token)
     ledger.create_dataset("mnist", 50.0, DELTA, caller=acme)
@@ -650,7 +650,7 @@ def test_a_tenants_new_curves_and_fits_take_from_its_bucket(ledger):
     new = [SampledGaussian(0.0013, 2.0 + i / 100, 1) for i in range(3)]
     ledger.reserve("mnist", "job-1", Composition(tuple(new[:2])), caller=acme)  # 2 new curves
     ledger.reserve("mnist", "job-2", new[0].with_steps(3), caller=acme)  # none new: free
-    assert ledger.fits("mnist", new[2], caller=acme).fits  # the last token: one new curve
+    assert ledger.fits("mnist", new[2], caller=acme).fits  # the last two tokens: the Fits and one new curve
     before = row_counts(ledger)
     with pytest.raises(RateLimited, match="tenant 'acme'.*retry in"):
         ledger.fits("mnist", new[2], caller=acme)  # a Fits costs one even when nothing in it is new

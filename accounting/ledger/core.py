@@ -43,11 +43,13 @@ import hashlib
 import hmac
 import json
 import math
+import multiprocessing
 import re
 import secrets
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
 from typing import Callable, Iterator, Protocol
@@ -943,8 +945,43 @@ def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
     return decorate
 
 
+# The processes RDP curves are computed in, once a server asked for them (compute_curves_in_processes).
+_CURVE_PROCESSES: list[ProcessPoolExecutor] = []
+_CURVE_PROCESSES_LOCK = threading.Lock()
+
+
+def compute_curves_in_processes(workers: int) -> None:
+    """From now on compute RDP curves in `workers` processes of their own (once per process; later calls keep
+    the first pool).
+
+    A curve is 80-400 ms of Python that holds the GIL; computed in a request
+    thread it slows every other request of the server, however short. In a
+    process of its own it costs the server only the wait for its result.
+    """
+    with _CURVE_PROCESSES_LOCK:
+        if not _CURVE_PROCESSES:
+            # Spawned, not forked: the server's gRPC threads do not survive a fork.
+            _CURVE_PROCESSES.append(
+                ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+            )
+
+
+def _curve_anywhere(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units` in the curve processes when there are some, else in this thread."""
+    if _CURVE_PROCESSES:
+        try:
+            return _CURVE_PROCESSES[0].submit(
+                _computed_step_units, sampling_rate, noise_multiplier, sensitivity_factor
+            ).result()
+        except BrokenProcessPool:
+            pass  # a worker died (killed, out of memory): the answer is the same computed here
+    return _computed_step_units(sampling_rate, noise_multiplier, sensitivity_factor)
+
+
 # 80-400 ms of dp-accounting per mechanism; threads asking for the same one at once share the computation.
-_step_curve = shared_cache(maxsize=4096)(_computed_step_units)
+_step_curve = shared_cache(maxsize=4096)(_curve_anywhere)
 
 
 @shared_cache(maxsize=1024)

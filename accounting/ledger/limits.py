@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from accounting.ledger.core import RateLimited
+from accounting.ledger.core import MAX_PLAN_MECHANISMS, RateLimited
 
-# A tenant's costly requests (see LedgerServicer): one unit is one RDP curve computed for a mechanism the
-# server has not seen (80-400 ms of CPU), or one Fits. A full bucket holds a plan of MAX_PLAN_MECHANISMS new
-# mechanisms; then 2 a second, about 16% of one core per tenant at 80 ms a curve.
+# A tenant's costly requests (Ledger._charge_curves): one unit is one RDP curve computed for a mechanism the
+# server has not seen (80-400 ms of CPU), one more for a Fits. A full bucket holds a Fits of MAX_PLAN_MECHANISMS
+# new mechanisms; then 2 a second, about 16% of one core per tenant at 80 ms a curve.
 CURVE_RATE_PER_SECOND = 2.0
-CURVE_BURST = 100.0
+CURVE_BURST = float(MAX_PLAN_MECHANISMS + 1)
 # Failed authentications per peer address: 20 at once, then one a second.
 AUTH_FAILURE_RATE_PER_SECOND = 1.0
 AUTH_FAILURE_BURST = 20.0

@@ -58,6 +58,7 @@ from accounting.ledger.core import (
     LedgerError,
     RateLimited,
     Unauthenticated,
+    compute_curves_in_processes,
     parse_plan,
 )
 from accounting.ledger.limits import (
@@ -274,6 +275,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     @_rpc
     def Fits(self, request: pb.FitsRequest, caller: Caller) -> pb.FitsReply:
         """Whether a job would be admitted now, and at what cost; reserves nothing."""
+        self._ledger.refuse_while_limited(caller)
         planned = parse_plan(request.planned_events_json)
         report = self._ledger.fits(
             request.dataset, planned, tuple(request.blocks), request.privacy_unit or EXAMPLE,
@@ -384,7 +386,7 @@ def start_server(
     `tls_cert` and `tls_key` (PEM files) are given, for the page and metrics too.
     `scheduling` is the queue policy of datasets created without one (fcfs by default).
     Each tenant's costly requests take from a bucket of `curve_burst` that
-    refills at `curve_rate_per_second` (one per new RDP curve, at least one
+    refills at `curve_rate_per_second` (one per new RDP curve, and one more
     per Fits); each peer address's failed authentications from one of
     `auth_failure_burst` refilled at `auth_failure_rate_per_second` (see `limits`).
     """
@@ -478,14 +480,19 @@ def serve(
     http_port: int | None = None,
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
+    curve_processes: int = 1,
     **rate_limits: float,
 ) -> None:
     """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
 
     `announce` is called with the running server once it accepts requests.
     `http_port` and `metrics_port` serve the web page and metrics, `rate_limits` are
-    the rate limits by `start_server`'s names (see there).
+    the rate limits by `start_server`'s names (see there). RDP curves are computed in
+    `curve_processes` processes of their own (0: in the request threads), so that
+    one tenant's new mechanisms do not hold the GIL that every request needs.
     """
+    if curve_processes:
+        compute_curves_in_processes(curve_processes)
     previous_switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     running = start_server(

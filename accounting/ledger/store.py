@@ -1363,9 +1363,10 @@ class Ledger:
         as they are then.
         """
         caller = self._caller(caller)
+        self._charge_curves(caller, 1)
         blocks = check_block_names(blocks)
         _, charged, _ = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
-        self._charge_curves(caller, charged, least=1)
+        self._charge_curves(caller, uncached_mechanisms(charged))
         planned_tally = RdpTally.of(charged)
         with self._read() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
@@ -1487,7 +1488,7 @@ class Ledger:
         blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
-        self._charge_curves(caller, planned)
+        self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
@@ -1532,11 +1533,21 @@ class Ledger:
         charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         return job_events, charged, rows_per_person
 
-    def _charge_curves(self, caller: Caller, charged: Composition, least: int = 0) -> None:
-        """Charge a tenant's bucket (`curve_limits`) one token per mechanism of `charged` whose RDP curve is not
-        cached, and at least `least`; RateLimited when it is short. Admins are not charged."""
+    def refuse_while_limited(self, caller: Caller) -> None:
+        """Raise RateLimited when the tenant's bucket of costly requests is empty (a server, before it parses a
+        Fits: a tenant that keeps asking costs it next to nothing)."""
+        if self.curve_limits is not None and not caller.admin and self.curve_limits.owes(f"tenant {caller.tenant!r}"):
+            self._charge_curves(caller, 1)
+
+    def _charge_curves(self, caller: Caller, cost: int) -> None:
+        """Take `cost` from the tenant's bucket of costly requests (`curve_limits`), or raise RateLimited.
+
+        A request costs one per mechanism whose RDP curve it would compute,
+        and a Fits one more, taken before it does any work. Admins are not
+        charged.
+        """
         if self.curve_limits is not None and not caller.admin:
-            self.curve_limits.take(f"tenant {caller.tenant!r}", max(least, uncached_mechanisms(charged)))
+            self.curve_limits.take(f"tenant {caller.tenant!r}", cost)
 
     @staticmethod
     def _count_arrival(connection: Connection, budgets: list[_DatasetRow]) -> None:
@@ -1818,7 +1829,7 @@ class Ledger:
         priority = check_priority(priority)
         max_wait_seconds = check_max_wait_seconds(max_wait_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
-        self._charge_curves(caller, planned)
+        self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)

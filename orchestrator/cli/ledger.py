@@ -235,6 +235,7 @@ def run_serve(args: argparse.Namespace) -> int:
             "--auth-failures-per-second", args.auth_failures_per_second
         ),
         auth_failure_burst=checks.integer_at_least("--auth-failure-burst", args.auth_failure_burst, 1),
+        curve_processes=checks.integer_at_least("--curve-processes", args.curve_processes, 0),
     )
     return 0
 
@@ -523,9 +524,14 @@ def add_ledger_parser(subparsers: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
     serve_parser.add_argument(
+        "--curve-processes", default="1",
+        help="processes that compute RDP curves (80-400 ms each) beside the server, so that no request waits for "
+        "another tenant's curve on the GIL; 0 computes them in the request threads (default 1)",
+    )
+    serve_parser.add_argument(
         "--curves-per-second", default=str(CURVE_RATE_PER_SECOND),
         help="each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (80-400 ms "
-        f"of CPU each), at least one per fits; refilled at this rate (default {CURVE_RATE_PER_SECOND:g})",
+        f"of CPU each), and one more per fits; refilled at this rate (default {CURVE_RATE_PER_SECOND:g})",
     )
     serve_parser.add_argument(
         "--curve-burst", default=f"{CURVE_BURST:g}",
