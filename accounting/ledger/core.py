@@ -44,9 +44,11 @@ import hmac
 import json
 import math
 import multiprocessing
+import os
 import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -961,9 +963,30 @@ def compute_curves_in_processes(workers: int) -> None:
     with _CURVE_PROCESSES_LOCK:
         if not _CURVE_PROCESSES:
             # Spawned, not forked: the server's gRPC threads do not survive a fork.
-            _CURVE_PROCESSES.append(
-                ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+            processes = ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_end_with_parent, initargs=(os.getpid(),),
             )
+            # Started and importing this module now (seconds on a busy machine), not on a request's deadline.
+            for started in [processes.submit(_curve_process_ready) for _ in range(workers)]:
+                started.result()
+            _CURVE_PROCESSES.append(processes)
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    """In a curve process: exit once the server that started it is gone, even by kill -9."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dpfleet-curve-parent", daemon=True).start()
+
+
+def _curve_process_ready() -> bool:
+    """Nothing: unpickling it makes a curve process import this module."""
+    return True
 
 
 def _curve_anywhere(

@@ -135,7 +135,7 @@ class LedgerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateTenant(self, request, context):
-        """Admin only. The token in the reply is shown once; the ledger keeps a salted hash.
+        """Admin only. The token in the reply is shown once; the ledger keeps its SHA-256 digest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
