@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import getpass
-import hashlib
 import hmac
 import json
 import math
@@ -580,7 +579,7 @@ class Ledger:
         self._verified_tokens: dict[bytes, Caller] = {}
         self._token_generation: int | None = None
         self._tokens_checked_at = -math.inf
-        # Set by a server: charges a tenant's costly requests (see `_charged`); None charges nothing.
+        # Set by a server: the buckets of tenants' costly requests (see `_charge_curves`); None charges nothing.
         self.curve_limits: TokenBuckets | None = None
         try:
             self._create_or_check_schema()
@@ -1125,8 +1124,8 @@ class Ledger:
             raise PermissionDenied(f"a tenant rotates only its own token; rotating {tenant!r}'s needs the admin token")
         key_id, token = new_token()
         with self._transaction() as connection:
-            previous = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
-            if previous is None:
+            row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
+            if row is None:
                 raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
             connection.execute(
                 "UPDATE tenants SET key_id = ?, token_salt = NULL, token_hash = ? WHERE name = ?",
@@ -1134,7 +1133,7 @@ class Ledger:
             )
             self._tokens_changed(connection)
             self._record(connection, caller, "rotate_token", tenant, None,
-                         {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [k for k in previous if k]})
+                         {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [row[0]] if row[0] else []})
         return TenantCreated(tenant, token)
 
     def revoke_token(
@@ -1165,7 +1164,7 @@ class Ledger:
                 revoked = row[0]
             else:
                 check_name("admin key id", key_id)
-                live = [k for (k,) in connection.execute(
+                live = [live_id for (live_id,) in connection.execute(
                     "SELECT key_id FROM admin_tokens WHERE revoked_at IS NULL ORDER BY key_id"
                 ).fetchall()]
                 if key_id not in live:
