@@ -554,6 +554,7 @@ def test_a_rotated_or_revoked_token_is_refused_by_every_ledger_on_the_file_after
     actions = [(entry.action, entry.details.get("key_id")) for entry in ledger.history() if "token" in entry.action]
     assert actions == [("rotate_token", rotated.token.split("_")[1]), ("revoke_token", rotated.token.split("_")[1])]
     assert created.token not in json.dumps([entry.details for entry in ledger.history()])
+    assert ledger.verify().findings == ()
     other_server.close()
 
 
