@@ -658,9 +658,9 @@ def test_verify_finds_an_edited_reservation_and_a_swapped_token(ledger):
     ]
 
 
-def test_a_version_7_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
+def test_a_version_8_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
     spent_some(ledger)
-    # The file as schema version 7 left it: an unkeyed chain, with one row edited before the key existed.
+    # The file as schema version 8 left it: an unkeyed chain, with one row edited before the key existed.
     with without_history_triggers(ledger.path) as connection:
         previous = ""
         for row in connection.execute(
@@ -671,7 +671,7 @@ def test_a_version_7_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeye
                                (previous, entry_hash, row[0]))
             previous = entry_hash
         connection.execute("UPDATE history SET actor = 'someone else' WHERE id = 2")
-        connection.execute("UPDATE schema_version SET version = 7")
+        connection.execute("UPDATE schema_version SET version = 8")
     entries = len(ledger.history())
     with open_embedded_ledger(ledger.path) as migrated:
         anchor, migration = migrated.history()[-2:]
