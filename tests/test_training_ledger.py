@@ -189,9 +189,9 @@ def test_the_charge_clock_charges_on_its_own_schedule_and_hands_a_failed_charge_
 class BatchTimedTrainer(Trainer):
     """A trainer whose steps take longer the more examples they hold, as a step's compute does, only more so."""
 
-    def _draw_sample(self):
-        sample = super()._draw_sample()
-        self.realised_sizes = getattr(self, "realised_sizes", []) + [len(sample[0])]
+    def _draw_sample(self, step):
+        sample = super()._draw_sample(step)
+        self.realised_sizes = {**getattr(self, "realised_sizes", {}), step: len(sample[0])}
         return sample
 
     def _step(self, workers):
@@ -223,7 +223,7 @@ def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, tmp_path
     sequences, times = zip(*trainer.ledger.charges)
     assert list(sequences) == list(range(30))
     gaps = np.diff(times)
-    sizes = np.asarray(trainer.realised_sizes[:29])
+    sizes = np.asarray([trainer.realised_sizes[step] for step in range(29)])
     assert sizes.std() > 0
     # By rank, as the steps that evaluate or checkpoint are slow whatever their size. Independent of the sizes,
     # |rho| exceeds 0.6 over 29 gaps with probability below 0.1%.
