@@ -231,9 +231,12 @@ def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, tmp_path
 
 
 def test_train_with_non_private_mia_reports_the_membership_attack_labelled_not_private(local_ray, tmp_path, capsys):
-    config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\n')
+    config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\ndelta = 0.01\n')
     assert main(["train", "--config", config, "--no-progress", "--non-private-mia", "--json"]) == 0
-    attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference_non_private"]
+    out, err = capsys.readouterr()
+    # With N known, a delta above 1/N is warned about before the run.
+    assert "warning: delta 0.01 is above 1/N = 0.00167 for a dataset of 600 rows" in err
+    attack = json.loads(out.strip().splitlines()[-1])["membership_inference_non_private"]
     assert 0.0 <= attack["auc"] <= 1.0 and 0.0 <= attack["tpr_at_1pct_fpr"] <= 1.0
     assert attack["members"] == 600 and attack["nonmembers"] == 1000
 
