@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from bench import admission, cli_startup, fan_in, ledger, mnist, out_of_core, scaling, scheduling, seeds, throughput
+from bench import (
+    admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, mnist, out_of_core, scaling,
+    scheduling, seeds, throughput,
+)
 
 BENCHMARKS = {
     "throughput": throughput.main,
     "ledger": ledger.main,
+    "ledger_fairness": ledger_fairness.main,
+    "ledger_commit_profile": ledger_commit_profile.main,
     "admission": admission.main,
     "scheduling": scheduling.main,
     "mnist": mnist.main,

@@ -296,3 +296,29 @@ def _through_generator_state(state: dict, where: str, truth: Truth) -> list[str]
             findings += [f"{where}: the generator state moved by {rewind} steps reproduces the sample of {sampler} "
                          f"at step {step}" for step, indices in steps.items() if np.array_equal(drawn, indices)]
     return findings
+
+
+ROW_WINDOW_VALUES = 16
+
+
+def row_signatures(rows: torch.Tensor) -> list[bytes]:
+    """For each training row, 16 float32 values from its first non-zero one, as bytes: a window that no
+    stretch of background (zeros) shares, found wherever the row was written as the workers read it."""
+    signatures = []
+    for row in rows.reshape(len(rows), -1).to(torch.float32).numpy():
+        first = int(np.flatnonzero(row)[0]) if row.any() else 0
+        signatures.append(row[first:first + ROW_WINDOW_VALUES].tobytes())
+    return signatures
+
+
+def rows_found(paths: list[Path], rows: torch.Tensor) -> list[str]:
+    """Each file in `paths` (folders recursively) whose bytes hold one of `rows`, as `file: row i`."""
+    signatures = row_signatures(rows)
+    files = sorted({file for path in paths for file in ([path] if path.is_file() else path.rglob("*"))
+                    if file.is_file()})
+    found = []
+    for file in files:
+        data = file.read_bytes()
+        found += [f"{file}: row {index}" for index, signature in enumerate(signatures) if signature in data]
+    return found
+

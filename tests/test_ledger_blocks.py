@@ -522,6 +522,8 @@ def test_a_file_of_version_6_keeps_its_blocks_undeclared_and_verify_finds_a_row_
         assert ledger.verify().findings == ()
     with sqlite3.connect(path) as connection:  # the same file as version 6 wrote it: its blocks declared nothing
         connection.execute("ALTER TABLE datasets DROP COLUMN block_data")
+        connection.execute("DROP TABLE admin_tokens")
+        connection.execute("DROP TABLE token_generation")
         connection.execute("UPDATE schema_version SET version = 6")
         for (entry_id, details) in connection.execute(
                 "SELECT id, details FROM history WHERE action = 'add_block'").fetchall():

@@ -260,3 +260,29 @@ def test_with_the_filter_basis_the_ledger_charges_at_most_the_target_within_cali
     status, _, err = run(capsys, "ledger", "fits", "--config",
                          mnist_job(tmp_path, noise_multiplier=1.0, target_epsilon_basis="filter"))
     assert status == 2 and "give target_epsilon" in err
+
+
+def test_token_rotate_and_revoke_for_tenants_and_the_admin(capsys, server):
+    remote = ("--ledger", server.address)
+    first = run_json(capsys, "ledger", "tenant", "create", "acme", *remote, "--token", ADMIN_TOKEN)["token"]
+    status, _, err = run(capsys, "ledger", "token", "rotate", *remote, "--token", ADMIN_TOKEN)
+    assert status == 2 and "name a tenant (--tenant NAME) or ask for the admin token (--admin)" in err
+    status, out, _ = run(capsys, "ledger", "token", "rotate", "--tenant", "acme", *remote, "--token", first)
+    assert status == 0 and "stops working on every server within a second" in out
+    second = out.strip().splitlines()[-1]
+    status, _, err = run(capsys, "ledger", "status", *remote, "--token", first)
+    assert status == 2 and "revoked or rotated" in err
+    assert run_json(capsys, "ledger", "status", *remote, "--token", second) == {"datasets": []}
+    revoked = run_json(capsys, "ledger", "token", "revoke", "--tenant", "acme", *remote, "--token", ADMIN_TOKEN)
+    assert revoked == {"tenant": "acme", "revoked_key_id": second.split("_")[1]}
+    status, _, err = run(capsys, "ledger", "status", *remote, "--token", second)
+    assert status == 2 and "revoked or rotated" in err
+    admin = run_json(capsys, "ledger", "token", "rotate", "--admin", *remote, "--token", ADMIN_TOKEN)
+    assert admin["tenant"] is None
+    status, _, err = run(capsys, "ledger", "status", *remote, "--token", ADMIN_TOKEN)
+    assert status == 2
+    status, _, err = run(
+        capsys, "ledger", "token", "revoke", "--admin-key-id", admin["token"].split("_")[1], *remote,
+        "--token", admin["token"],
+    )
+    assert status == 2 and "is the last one; rotate it" in err

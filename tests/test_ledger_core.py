@@ -1,5 +1,6 @@
 """The ledger's pure core: splitting plans, exact RDP tallies, safe admission, validation, tokens."""
 
+import hashlib
 import math
 import threading
 import time
@@ -26,6 +27,9 @@ from accounting.ledger.core import (
     RdpTally,
     Unauthenticated,
     canonical,
+    CurveNotCached,
+    RateLimited,
+    admin_key_id,
     check_admission,
     check_budget_epsilon,
     check_delta,
@@ -41,9 +45,13 @@ from accounting.ledger.core import (
     shared_cache,
     split_steps,
     tenant_caller,
+    token_digest,
     token_key_id,
     token_matches,
+    rdp_curves_cached_only,
+    uncached_mechanisms,
 )
+from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.store import open_embedded_ledger
 
 DELTA = 1e-5
@@ -258,6 +266,53 @@ def test_a_plan_with_too_many_records_is_refused():
     alternating = tuple(MECHANISMS[i % 2].with_steps(1) for i in range(1001))
     with pytest.raises(InvalidArgument, match="at most 1000 records"):
         parse_plan(Composition(alternating).to_json())
+
+
+def test_a_plan_with_more_distinct_mechanisms_than_the_cap_is_refused_naming_the_cap():
+    at_cap = Composition(tuple(SampledGaussian(0.01, 1.0 + i / 1000, 1) for i in range(100)))
+    assert parse_plan(at_cap.to_json()) == at_cap
+    over = Composition((*at_cap.events, SampledGaussian(0.01, 5.0, 1)))
+    with pytest.raises(InvalidArgument, match="at most 100 distinct mechanisms .*got 101"):
+        parse_plan(over.to_json())
+
+
+def test_under_cached_only_a_missing_curve_raises_and_a_cached_one_is_used():
+    mechanism = SampledGaussian(0.0123, 1.234567, 3)
+    assert uncached_mechanisms(mechanism) == 1
+    with rdp_curves_cached_only():
+        with pytest.raises(CurveNotCached) as missing:
+            RdpTally.of(mechanism)
+    assert missing.value.mechanism == (0.0123, 1.234567, 1.0)
+    outside = RdpTally.of(mechanism)
+    assert uncached_mechanisms(mechanism) == 0
+    with rdp_curves_cached_only():
+        assert RdpTally.of(mechanism) == outside
+
+
+def test_token_buckets_refill_at_their_rate_and_say_when_to_retry():
+    now = [0.0]
+    buckets = TokenBuckets(2.0, 10, "costly requests", clock=lambda: now[0])
+    buckets.take("a", 10)
+    with pytest.raises(RateLimited, match="retry in 0.5 s") as refused:
+        buckets.take("a", 1)
+    assert refused.value.retry_after_seconds == pytest.approx(0.5)
+    buckets.take("b", 4)  # another key has its own bucket
+    assert buckets.owes("a") == pytest.approx(0.5)
+    now[0] = 0.5
+    assert buckets.owes("a") == 0.0
+    buckets.take("a", 1)
+    now[0] = 100.0
+    buckets.take("a", 50)  # a cost above the burst takes a full bucket
+    with pytest.raises(RateLimited):
+        buckets.take("a", 1)
+
+
+def test_tokens_are_stored_by_sha256_and_admin_tokens_get_a_key_id():
+    key_id, token = new_token()
+    assert len(token.split("_", 2)[2]) == 43  # 32 random bytes, base64 without padding
+    assert token_digest(token) == hashlib.sha256(token.encode()).digest()
+    assert admin_key_id(token) == key_id
+    assert admin_key_id("a-configured-admin-token-0123") == "adm" + token_digest("a-configured-admin-token-0123").hex()[:13]
 
 
 def test_tokens_verify_against_their_salted_hash_only():

@@ -22,12 +22,13 @@ from accounting.ledger.core import (
     FailedPrecondition,
     LedgerUnavailable,
     RdpTally,
+    Unauthenticated,
     fits_budget,
     tenant_caller,
 )
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.service import start_server
-from accounting.ledger.store import Ledger
+from accounting.ledger.store import TOKEN_RECHECK_SECONDS, Ledger
 from bench.postgres import PostgresCluster, postgresql_binaries
 from orchestrator.cli import main
 from servers import REPOSITORY, start_racers
@@ -35,6 +36,7 @@ from servers import REPOSITORY, start_racers
 psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL ledger needs psycopg (the test extra installs it)")
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
+SECOND_ADMIN_TOKEN = "second-admin-token-for-tests-9876543210"
 DELTA = 1e-5
 STEP = SampledGaussian(0.01, 1.0, 1)
 # A job of the race: reserved, committed in two blocks, released; 27 of them fit the race's budget.
@@ -304,6 +306,45 @@ def stored_commits(url, reservation_id):
         (committed_steps,) = connection.execute(
             "SELECT committed_steps FROM reservations WHERE id = %s", (reservation_id,)).fetchone()
     return sequences, committed_steps
+
+
+def test_a_token_rotated_or_revoked_on_one_server_is_refused_by_all_three_within_the_recheck(three_servers, shared_url):
+    """Each server has the token verified and cached; after TOKEN_RECHECK_SECONDS (0.5 s) every one refuses it."""
+    _, addresses = three_servers
+
+    def answers_everywhere(token):
+        for address in addresses:
+            with RemoteLedger(address, token) as client:
+                client.list_datasets()
+
+    def refused_everywhere(token):
+        time.sleep(TOKEN_RECHECK_SECONDS)
+        for address in addresses:
+            with RemoteLedger(address, token) as client, pytest.raises(Unauthenticated):
+                client.list_datasets()
+
+    with RemoteLedger(addresses[0], ADMIN_TOKEN) as admin:
+        first = admin.create_tenant("rotating").token
+    answers_everywhere(first)
+    with RemoteLedger(addresses[1], first) as tenant:
+        second = tenant.rotate_token("rotating").token
+    refused_everywhere(first)
+    answers_everywhere(second)
+
+    with Ledger(shared_url) as direct:
+        direct.register_admin_token(SECOND_ADMIN_TOKEN)  # as a server started with it would
+    answers_everywhere(SECOND_ADMIN_TOKEN)
+    with RemoteLedger(addresses[2], SECOND_ADMIN_TOKEN) as second_admin:
+        rotated_admin = second_admin.rotate_token().token
+    refused_everywhere(SECOND_ADMIN_TOKEN)
+    answers_everywhere(rotated_admin)
+
+    with RemoteLedger(addresses[0], ADMIN_TOKEN) as admin:
+        admin.revoke_token("rotating")
+        admin.revoke_token(key_id=rotated_admin.split("_")[1])
+    refused_everywhere(second)
+    refused_everywhere(rotated_admin)
+    answers_everywhere(ADMIN_TOKEN)
 
 
 def test_kill_9_of_a_server_mid_burst_the_client_fails_over_and_its_retries_charge_once(three_servers, shared_url):

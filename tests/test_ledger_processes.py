@@ -8,6 +8,7 @@ import threading
 import time
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -145,3 +146,16 @@ def test_eight_processes_racing_to_reserve_never_overspend_the_budget(tmp_path):
         assert RdpTally.from_json(held) == three
     finally:
         server.stop(grace_seconds=1.0)
+
+
+def test_the_curve_process_of_a_server_ends_with_it_even_after_kill_9(tmp_path, token_file):
+    process, _ = start_serve_process(tmp_path / "ledger.db", token_file)
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)  # the curve process, multiprocessing's tracker
+        assert any("spawn_main" in " ".join(child.cmdline()) for child in children)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert alive == []
+    finally:
+        process.kill()

@@ -24,6 +24,8 @@ from accounting.ledger.core import (
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
+    RateLimited,
+    RdpTally,
     Unauthenticated,
 )
 from accounting.ledger.service import SERVICE_NAME, start_server
@@ -387,3 +389,81 @@ def test_a_server_releases_an_expired_lease_by_itself_and_refuses_its_next_commi
     with pytest.raises(FailedPrecondition, match="lease of reservation .* expired"):
         acme.commit(reservation.reservation_id, 10, 1)
     assert status.admission.orders and status.spent_epsilon_filter > status.spent_epsilon
+
+
+def test_a_peer_that_keeps_failing_to_authenticate_is_refused_with_a_retry_hint_while_known_tokens_pass(tmp_path):
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, auth_failure_burst=3,
+                           auth_failure_rate_per_second=0.01)
+    try:
+        with RemoteLedger(running.address, ADMIN_TOKEN) as admin:
+            admin.list_datasets()  # verified before the flood: passes during it
+            tenant = admin.create_tenant("acme").token
+            with RemoteLedger(running.address, "dpf_0123456789abcdef_guessedsecret") as guesser:
+                for _ in range(3):
+                    with pytest.raises(Unauthenticated):
+                        guesser.list_datasets()
+                with pytest.raises(RateLimited, match="too many failed authentications from 127.0.0.1") as refused:
+                    guesser.list_datasets()
+            assert refused.value.retry_after_seconds > 50
+            with pytest.raises(RateLimited):
+                RemoteLedger(running.address, tenant).list_datasets()  # not yet verified: refused with the peer
+            assert admin.list_datasets() == []
+    finally:
+        running.stop(grace_seconds=1.0)
+
+
+def test_a_tenants_costly_requests_are_rate_limited_with_retry_after_metadata(tmp_path):
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, curve_burst=2,
+                           curve_rate_per_second=0.01)
+    try:
+        with RemoteLedger(running.address, ADMIN_TOKEN) as admin:
+            token = admin.create_tenant("acme").token
+        with RemoteLedger(running.address, token) as acme:
+            acme.create_dataset("mnist", 2.0, DELTA)
+            RdpTally.of(STEP)  # the server shares this process's curves: each Fits below costs one, none new
+            acme.fits("mnist", STEP.with_steps(10))
+            acme.fits("mnist", STEP.with_steps(20))
+            with grpc.insecure_channel(running.address) as channel:
+                with pytest.raises(grpc.RpcError) as refused:
+                    ledger_pb2_grpc.LedgerStub(channel).Fits(
+                        pb.FitsRequest(dataset="mnist", planned_events_json=Composition((STEP.with_steps(30),)).to_json()),
+                        metadata=bearer(token), timeout=10,
+                    )
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert float(dict(refused.value.trailing_metadata())["dpfleet-retry-after-seconds"]) > 50
+            acme.reserve("mnist", "job-1", STEP.with_steps(10))  # nothing new to compute: not limited
+    finally:
+        running.stop(grace_seconds=1.0)
+
+
+def test_a_plan_over_the_mechanism_cap_is_invalid_argument_naming_the_cap(server, acme_token):
+    plan = Composition(tuple(SampledGaussian(0.01, 1.0 + i / 1000, 1) for i in range(101)))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = ledger_pb2_grpc.LedgerStub(channel)
+        for call, request in (
+            (stub.Fits, pb.FitsRequest(dataset="mnist", planned_events_json=plan.to_json())),
+            (stub.Reserve, pb.ReserveRequest(dataset="mnist", job_id="j", planned_events_json=plan.to_json())),
+            (stub.Enqueue, pb.EnqueueRequest(dataset="mnist", job_id="j", planned_events_json=plan.to_json())),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, metadata=bearer(acme_token), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "at most 100 distinct mechanisms" in refused.value.details()
+
+
+def test_tokens_rotate_and_revoke_over_grpc(server, admin, acme_token):
+    with RemoteLedger(server.address, acme_token) as acme:
+        rotated = acme.rotate_token("acme")
+        with pytest.raises(PermissionDenied, match="needs the admin token"):
+            RemoteLedger(server.address, rotated.token).revoke_token("acme")
+    with pytest.raises(Unauthenticated):
+        RemoteLedger(server.address, acme_token).list_datasets()
+    assert RemoteLedger(server.address, rotated.token).list_datasets() == []
+    new_admin = admin.rotate_token()
+    assert new_admin.tenant is None
+    with pytest.raises(Unauthenticated):
+        admin.list_datasets()
+    with RemoteLedger(server.address, new_admin.token) as admin_again:
+        assert admin_again.revoke_token("acme") == rotated.token.split("_")[1]
+    with pytest.raises(Unauthenticated):
+        RemoteLedger(server.address, rotated.token).list_datasets()

@@ -23,12 +23,17 @@ from accounting.ledger.core import (
     InvalidArgument,
     NotFound,
     PermissionDenied,
+    RateLimited,
     RdpTally,
     Unauthenticated,
     canonical,
+    hash_token,
     history_hash,
     split_steps,
+    token_digest,
 )
+from accounting.ledger import core, store
+from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.store import (
     SCHEMA_VERSION,
     Ledger,
@@ -653,9 +658,9 @@ def test_verify_finds_an_edited_reservation_and_a_swapped_token(ledger):
     ]
 
 
-def test_a_version_7_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
+def test_a_version_8_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
     spent_some(ledger)
-    # The file as schema version 7 left it: an unkeyed chain, with one row edited before the key existed.
+    # The file as schema version 8 left it: an unkeyed chain, with one row edited before the key existed.
     with without_history_triggers(ledger.path) as connection:
         previous = ""
         for row in connection.execute(
@@ -666,7 +671,7 @@ def test_a_version_7_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeye
                                (previous, entry_hash, row[0]))
             previous = entry_hash
         connection.execute("UPDATE history SET actor = 'someone else' WHERE id = 2")
-        connection.execute("UPDATE schema_version SET version = 7")
+        connection.execute("UPDATE schema_version SET version = 8")
     entries = len(ledger.history())
     with open_embedded_ledger(ledger.path) as migrated:
         anchor, migration = migrated.history()[-2:]
@@ -676,3 +681,131 @@ def test_a_version_7_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeye
         assert (finding.entry_id, finding.problem) == (
             anchor.entry_id, "before the history was keyed, its unkeyed chain had: entry 2: its fields do not match "
             "its hash (the row was edited)")
+
+
+def test_a_rotated_or_revoked_token_is_refused_by_every_ledger_on_the_file_after_the_recheck(ledger, monkeypatch):
+    other_server = Ledger(ledger.path)  # a second server of the same file, with its own cache of verified tokens
+    created = ledger.create_tenant("acme")
+    assert other_server.authenticate(created.token).tenant == "acme"
+    with pytest.raises(PermissionDenied, match="rotates only its own"):
+        ledger.rotate_token("globex", caller=ledger.authenticate(created.token))
+    rotated = ledger.rotate_token("acme", caller=ledger.authenticate(created.token))
+    with pytest.raises(Unauthenticated, match="revoked or rotated"):
+        ledger.authenticate(created.token)  # the ledger that rotated it forgets it at once
+    time.sleep(store.TOKEN_RECHECK_SECONDS)
+    with pytest.raises(Unauthenticated):
+        other_server.authenticate(created.token)
+    assert other_server.authenticate(rotated.token).tenant == "acme"
+    assert ledger.revoke_token("acme") == rotated.token.split("_")[1]
+    time.sleep(store.TOKEN_RECHECK_SECONDS)
+    with pytest.raises(Unauthenticated):
+        other_server.authenticate(rotated.token)
+    actions = [(entry.action, entry.details.get("key_id")) for entry in ledger.history() if "token" in entry.action]
+    assert actions == [("rotate_token", rotated.token.split("_")[1]), ("revoke_token", rotated.token.split("_")[1])]
+    assert created.token not in json.dumps([entry.details for entry in ledger.history()])
+    assert ledger.verify().findings == ()
+    other_server.close()
+
+
+def test_admin_tokens_rotate_and_revoke_and_the_last_one_stays(ledger):
+    ledger.register_admin_token("configured-admin-token-0123456789")
+    configured = ledger.authenticate("configured-admin-token-0123456789")
+    assert configured.admin
+    with pytest.raises(FailedPrecondition, match="last one"):
+        ledger.revoke_token(key_id=configured.key_id)
+    rotated = ledger.rotate_token(caller=configured)
+    assert rotated.tenant is None
+    with pytest.raises(Unauthenticated):
+        ledger.authenticate("configured-admin-token-0123456789")
+    ledger.register_admin_token("configured-admin-token-0123456789")  # a server started again with it
+    with pytest.raises(Unauthenticated):
+        ledger.authenticate("configured-admin-token-0123456789")
+    new_admin = ledger.authenticate(rotated.token)
+    assert new_admin.admin
+    with pytest.raises(PermissionDenied, match="needs the admin token"):
+        ledger.revoke_token("acme", caller=ledger.authenticate(ledger.create_tenant("acme").token))
+    with pytest.raises(NotFound, match="no admin token with key id"):
+        ledger.revoke_token(key_id="0123456789abcdef", caller=new_admin)
+
+
+def test_a_token_hashed_with_scrypt_before_version_7_is_checked_once_then_stored_by_digest(ledger):
+    created = ledger.create_tenant("acme")
+    key_id = created.token.split("_")[1]
+    salt = b"0123456789abcdef"
+    with sqlite3.connect(ledger.path) as connection:
+        connection.execute(
+            "UPDATE tenants SET token_salt = ?, token_hash = ? WHERE key_id = ?",
+            (salt, hash_token(created.token, salt), key_id),
+        )
+    fresh = Ledger(ledger.path)
+    with pytest.raises(Unauthenticated):
+        fresh.authenticate(created.token[:-1] + ("A" if created.token[-1] != "A" else "B"))
+    assert fresh.authenticate(created.token).tenant == "acme"
+    with sqlite3.connect(ledger.path) as connection:
+        assert connection.execute("SELECT token_salt, token_hash FROM tenants WHERE key_id = ?", (key_id,)).fetchone() \
+            == (None, token_digest(created.token))
+    fresh.close()
+    again = Ledger(ledger.path)
+    assert again.authenticate(created.token).tenant == "acme"
+    again.close()
+
+
+class _CurvesSeenUnderTheLock:
+    """Stands in for the cache of RDP curves: forgets chosen mechanisms once (as if evicted, or reserved on another
+    server), and notes every curve computed while the ledger's write lock is held."""
+
+    def __init__(self, ledger, real, forget):
+        self.ledger, self.real, self.forget = ledger, real, set(forget)
+        self.computed_under_lock = []
+
+    def peek(self, *mechanism):
+        if mechanism in self.forget:
+            self.forget.discard(mechanism)
+            return None
+        return self.real.peek(*mechanism)
+
+    def __call__(self, *mechanism):
+        if self.ledger._write_lock.locked():
+            self.computed_under_lock.append(mechanism)
+        return self.real(*mechanism)
+
+
+def test_curves_missing_under_the_write_lock_are_computed_outside_it_and_the_change_runs_once(ledger, monkeypatch):
+    ledger.create_dataset("mnist", 1.0, DELTA)
+    plan = Composition((SampledGaussian(0.0031, 1.37, 1000), SampledGaussian(0.0047, 1.53, 1000)))
+    reservation = ledger.reserve("mnist", "job-1", plan)
+    queued_plan = SampledGaussian(0.0059, 1.71, 3000)  # waits until job-1 is released
+    curves = _CurvesSeenUnderTheLock(
+        ledger, core._step_curve, [(0.0031, 1.37, 1.0), (0.0047, 1.53, 1.0), (0.0059, 1.71, 1.0)]
+    )
+    assert ledger.enqueue("mnist", "job-2", queued_plan).state == "queued"
+    monkeypatch.setattr(core, "_step_curve", curves)
+    result = ledger.commit(reservation.reservation_id, 7, 0)
+    ledger.release(reservation.reservation_id)
+    assert curves.forget == set()  # each was asked for under the lock, found missing, and computed outside it
+    assert curves.computed_under_lock == []
+    assert result.committed_steps == 7
+    assert [entry.action for entry in ledger.history("mnist")].count("commit") == 1
+    assert ledger.get_budget("mnist").spent_epsilon_filter == pytest.approx(
+        filter_epsilon(split_steps(plan, 7)[0], 1.0)
+    )
+
+
+def test_a_tenants_new_curves_and_fits_take_from_its_bucket(ledger):
+    ledger.curve_limits = TokenBuckets(0.001, 4, "costly requests (new RDP curves, Fits)")
+    acme = ledger.authenticate(ledger.create_tenant("acme").token)
+    globex = ledger.authenticate(ledger.create_tenant("globex").token)
+    ledger.create_dataset("mnist", 50.0, DELTA, caller=acme)
+    ledger.create_dataset("mnist", 50.0, DELTA, caller=globex)
+    new = [SampledGaussian(0.0013, 2.0 + i / 100, 1) for i in range(3)]
+    ledger.reserve("mnist", "job-1", Composition(tuple(new[:2])), caller=acme)  # 2 new curves
+    ledger.reserve("mnist", "job-2", new[0].with_steps(3), caller=acme)  # none new: free
+    assert ledger.fits("mnist", new[2], caller=acme).fits  # the last two tokens: the Fits and one new curve
+    before = row_counts(ledger)
+    with pytest.raises(RateLimited, match="tenant 'acme'.*retry in"):
+        ledger.fits("mnist", new[2], caller=acme)  # a Fits costs one even when nothing in it is new
+    with pytest.raises(RateLimited):
+        ledger.reserve("mnist", "job-3", SampledGaussian(0.0013, 4.5, 1), caller=acme)
+    assert row_counts(ledger) == before
+    assert ledger.fits("mnist", new[2], caller=globex).fits  # another tenant's bucket is its own
+    ledger.reserve("acme/mnist", "job-3", SampledGaussian(0.0013, 3.5, 1))  # the admin is not limited

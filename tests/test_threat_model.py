@@ -24,7 +24,7 @@ import torch
 
 import orchestrator.shard_fleet as shard_fleet_module
 import orchestrator.trainer as trainer_module
-from attacker import Truth, attack, harvest
+from attacker import Truth, attack, harvest, rows_found
 from orchestrator.checkpoint import save_checkpoint
 from orchestrator.config import build_config
 from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, GaussianNoise, fill_unit_normal
@@ -33,6 +33,7 @@ from orchestrator.trainer import Trainer, resume_trainer
 from workers.keys import SecretKey, process_key
 from workers.sampling import local_poisson_sample, local_sampling_key
 from workers.shard_worker import ShardWorker
+from workers.sources import open_source
 
 STEPS, CRASH_AT = 4, 2
 
@@ -133,6 +134,9 @@ def test_driver_sampling_finished_and_resumed_runs_leave_nothing_that_recomputes
         f"checkpoint-{crashed.run_id}-{step:09d}.pt" for step in (CRASH_AT, STEPS)}
     assert len(found.integers) > 20
     assert attack(found, finished_truth) == [] and attack(found, resumed_truth) == []
+    # Nor does any file hold a training example, as the workers read it.
+    training_rows, _ = open_source("mnist", "train").read(np.arange(600))
+    assert rows_found(left_behind(tmp_path), training_rows) == []
 
 
 def test_local_sampling_in_silos_leaves_nothing_that_recomputes_a_workers_samples(
@@ -221,3 +225,11 @@ def test_a_keys_derivations_are_separate_by_purpose_and_numbers_and_a_seeds_key_
         key.derive("noise", -1)
     with pytest.raises(ValueError, match="a key is 32 bytes"):
         SecretKey(b"short")
+
+
+def test_the_attacker_finds_a_training_row_written_anywhere(tmp_path):
+    rows, _ = open_source("mnist", "train").read(np.arange(3))
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "cache.bin").write_bytes(b"header" + rows[2].to(torch.float32).numpy().tobytes() + b"tail")
+    assert rows_found([tmp_path], rows) == [f"{tmp_path / 'cache.bin'}: row 2"]
+

@@ -189,9 +189,9 @@ def test_the_charge_clock_charges_on_its_own_schedule_and_hands_a_failed_charge_
 class BatchTimedTrainer(Trainer):
     """A trainer whose steps take longer the more examples they hold, as a step's compute does, only more so."""
 
-    def _draw_sample(self):
-        sample = super()._draw_sample()
-        self.realised_sizes = getattr(self, "realised_sizes", []) + [len(sample[0])]
+    def _draw_sample(self, step):
+        sample = super()._draw_sample(step)
+        self.realised_sizes = {**getattr(self, "realised_sizes", {}), step: len(sample[0])}
         return sample
 
     def _step(self, workers):
@@ -223,7 +223,7 @@ def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, tmp_path
     sequences, times = zip(*trainer.ledger.charges)
     assert list(sequences) == list(range(30))
     gaps = np.diff(times)
-    sizes = np.asarray(trainer.realised_sizes[:29])
+    sizes = np.asarray([trainer.realised_sizes[step] for step in range(29)])
     assert sizes.std() > 0
     # By rank, as the steps that evaluate or checkpoint are slow whatever their size. Independent of the sizes,
     # |rho| exceeds 0.6 over 29 gaps with probability below 0.1%.
@@ -231,9 +231,12 @@ def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, tmp_path
 
 
 def test_train_with_non_private_mia_reports_the_membership_attack_labelled_not_private(local_ray, tmp_path, capsys):
-    config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\n')
+    config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\ndelta = 0.01\n')
     assert main(["train", "--config", config, "--no-progress", "--non-private-mia", "--json"]) == 0
-    attack = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["membership_inference_non_private"]
+    out, err = capsys.readouterr()
+    # With N known, a delta above 1/N is warned about before the run.
+    assert "warning: delta 0.01 is above 1/N = 0.00167 for a dataset of 600 rows" in err
+    attack = json.loads(out.strip().splitlines()[-1])["membership_inference_non_private"]
     assert 0.0 <= attack["auc"] <= 1.0 and 0.0 <= attack["tpr_at_1pct_fpr"] <= 1.0
     assert attack["members"] == 600 and attack["nonmembers"] == 1000
 

@@ -31,6 +31,7 @@ from accounting.ledger.core import (
     LedgerError,
     LedgerUnavailable,
     QueuedJob,
+    RateLimited,
     Reservation,
     TenantCreated,
     check_block_names,
@@ -53,6 +54,7 @@ from accounting.ledger.messages import (
     DELTA_KEY,
     NEEDED_EPSILON_KEY,
     REMAINING_EPSILON_KEY,
+    RETRY_AFTER_KEY,
     STATUS_CODES,
 )
 
@@ -74,6 +76,8 @@ def _ledger_error(address: str, error: grpc.RpcError) -> LedgerError:
                 float(trailers[DELTA_KEY]),
                 trailers.get(BUDGET_KEY),
             )
+        if RETRY_AFTER_KEY in trailers:
+            return RateLimited(details, float(trailers[RETRY_AFTER_KEY]))
         return InvalidArgument(f"the ledger at {address} refused the request as too large: {details}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return LedgerUnavailable(
@@ -167,6 +171,16 @@ class RemoteLedger:
         """Create a tenant and return its token, shown this once (admin token only)."""
         reply = self._call("CreateTenant", self._request(pb.CreateTenantRequest, tenant=tenant))
         return messages.tenant_from_proto(reply)
+
+    def rotate_token(self, tenant: str | None = None) -> TenantCreated:
+        """A new token for `tenant` (None: the admin token of this client), shown once; the old one stops working."""
+        request = self._request(pb.RotateTokenRequest, tenant=tenant or "", admin=tenant is None)
+        return messages.tenant_from_proto(self._call("RotateToken", request))
+
+    def revoke_token(self, tenant: str | None = None, key_id: str | None = None) -> str:
+        """Revoke a tenant's token, or the admin token of `key_id` (admin only); the revoked key id."""
+        request = self._request(pb.RevokeTokenRequest, tenant=tenant or "", admin_key_id=key_id or "")
+        return self._call("RevokeToken", request).key_id
 
     def create_dataset(
         self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE,

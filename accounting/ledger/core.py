@@ -37,19 +37,24 @@ the PLD figure is ready (`spent_epsilon_accountant` says which);
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
 import json
 import math
+import multiprocessing
+import os
 import re
 import secrets
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from decimal import ROUND_CEILING, ROUND_FLOOR, Context, Decimal
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
@@ -69,6 +74,10 @@ ADMISSION_MARGIN = 1e-9
 NAME_LENGTH = (1, 128)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 MAX_PLAN_RECORDS = 1000
+# Distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) in one plan. Each new one costs an
+# RDP curve (80-400 ms of CPU), so the cap bounds what one request can make a server compute; a noise schedule
+# changing sigma every epoch for 100 epochs fits.
+MAX_PLAN_MECHANISMS = 100
 MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1
 HISTORY_LIMIT = (1, 100_000)
@@ -130,6 +139,17 @@ class Unauthenticated(LedgerError):
 
 class LedgerUnavailable(LedgerError):
     """The remote ledger did not answer in time or could not be reached (gRPC UNAVAILABLE)."""
+
+
+class RateLimited(LedgerError):
+    """Too many costly requests, or failed authentications, in a short time (gRPC RESOURCE_EXHAUSTED).
+
+    `retry_after_seconds` is when the request would be let through, if nothing else arrives before it.
+    """
+
+    def __init__(self, message: str, retry_after_seconds: float) -> None:
+        self.retry_after_seconds = retry_after_seconds
+        super().__init__(message)
 
 
 class BudgetExceeded(LedgerError):
@@ -541,6 +561,13 @@ def check_plan(planned: EventsLike) -> Composition:
             f"planned events may hold at most {MAX_PLAN_RECORDS} records after merging equal neighbours "
             f"(got {len(composition.events)}); group steps of the same mechanism together"
         )
+    mechanisms = len(mechanisms_of(composition))
+    if mechanisms > MAX_PLAN_MECHANISMS:
+        raise InvalidArgument(
+            f"planned events may use at most {MAX_PLAN_MECHANISMS} distinct mechanisms (sampling rate, noise "
+            f"multiplier, sensitivity factor) (got {mechanisms}); change sigma less often (a longer "
+            "noise_schedule.every) or split the job"
+        )
     return composition
 
 
@@ -586,8 +613,68 @@ def canonical(composition: EventsLike) -> Composition:
     )
 
 
-@functools.lru_cache(maxsize=4096)
+class CurveNotCached(Exception):
+    """An RDP curve was needed where only cached ones may be used (under the store's write lock).
+
+    Not a LedgerError: the store catches it, computes `mechanism`'s curve with no lock held and runs the change
+    again.
+    """
+
+    def __init__(self, mechanism: tuple[float, float, float]) -> None:
+        self.mechanism = mechanism
+        super().__init__(f"the RDP curve of mechanism {mechanism} is not cached")
+
+
+_CURVE_MODE = threading.local()
+
+
+@contextlib.contextmanager
+def rdp_curves_cached_only() -> Iterator[None]:
+    """Within this block, on this thread, a mechanism whose RDP curve is not cached raises CurveNotCached.
+
+    The store wraps the body of its write transactions in it, so that no
+    80-400 ms curve computation ever holds the lock that every other
+    tenant's commit waits for.
+    """
+    previous = getattr(_CURVE_MODE, "cached_only", False)
+    _CURVE_MODE.cached_only = True
+    try:
+        yield
+    finally:
+        _CURVE_MODE.cached_only = previous
+
+
+def mechanisms_of(events: EventsLike) -> set[tuple[float, float, float]]:
+    """The distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) of a composition."""
+    return {
+        (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+        for event in as_composition(events).events
+    }
+
+
+def uncached_mechanisms(events: EventsLike) -> int:
+    """How many of a composition's mechanisms have no cached RDP curve: what admitting it would compute."""
+    return sum(_step_curve.peek(*mechanism) is None for mechanism in mechanisms_of(events))
+
+
+def compute_curve(mechanism: tuple[float, float, float]) -> None:
+    """Compute and cache one mechanism's RDP curve (outside any lock; concurrent askers share one computation)."""
+    _step_curve(*mechanism)
+
+
 def _step_units(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units`, cached; see `rdp_curves_cached_only`."""
+    if getattr(_CURVE_MODE, "cached_only", False):
+        curve = _step_curve.peek(sampling_rate, noise_multiplier, sensitivity_factor)
+        if curve is None:
+            raise CurveNotCached((sampling_rate, noise_multiplier, sensitivity_factor))
+        return curve
+    return _step_curve(sampling_rate, noise_multiplier, sensitivity_factor)
+
+
+def _computed_step_units(
     sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
 ) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """Per-order RDP of one step in units, rounded up, and which orders are unbounded."""
@@ -1024,10 +1111,79 @@ def shared_cache(maxsize: int) -> Callable[[Callable], Callable]:
                 threading.Thread(target=compute, args=(args, pending), name="dpfleet-cache", daemon=True).start()
             return pending
 
+        def peek(*args: object) -> object | None:
+            """The cached result, or None when it is not cached (nothing is computed)."""
+            with lock:
+                if args not in results:
+                    return None
+                results.move_to_end(args)
+                return results[args]
+
         cached.start = start
+        cached.peek = peek
         return cached
 
     return decorate
+
+
+# The processes RDP curves are computed in, once a server asked for them (compute_curves_in_processes).
+_CURVE_PROCESSES: list[ProcessPoolExecutor] = []
+_CURVE_PROCESSES_LOCK = threading.Lock()
+
+
+def compute_curves_in_processes(workers: int) -> None:
+    """From now on compute RDP curves in `workers` processes of their own (once per process; later calls keep
+    the first pool).
+
+    A curve is 80-400 ms of Python that holds the GIL; computed in a request
+    thread it slows every other request of the server, however short. In a
+    process of its own it costs the server only the wait for its result.
+    """
+    with _CURVE_PROCESSES_LOCK:
+        if not _CURVE_PROCESSES:
+            # Spawned, not forked: the server's gRPC threads do not survive a fork.
+            processes = ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_end_with_parent, initargs=(os.getpid(),),
+            )
+            # Started and importing this module now (seconds on a busy machine), not on a request's deadline.
+            for started in [processes.submit(_curve_process_ready) for _ in range(workers)]:
+                started.result()
+            _CURVE_PROCESSES.append(processes)
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    """In a curve process: exit once the server that started it is gone, even by kill -9."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dpfleet-curve-parent", daemon=True).start()
+
+
+def _curve_process_ready() -> bool:
+    """Nothing: unpickling it makes a curve process import this module."""
+    return True
+
+
+def _curve_anywhere(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units` in the curve processes when there are some, else in this thread."""
+    if _CURVE_PROCESSES:
+        try:
+            return _CURVE_PROCESSES[0].submit(
+                _computed_step_units, sampling_rate, noise_multiplier, sensitivity_factor
+            ).result()
+        except BrokenProcessPool:
+            pass  # a worker died (killed, out of memory): the answer is the same computed here
+    return _computed_step_units(sampling_rate, noise_multiplier, sensitivity_factor)
+
+
+# 80-400 ms of dp-accounting per mechanism; threads asking for the same one at once share the computation.
+_step_curve = shared_cache(maxsize=4096)(_curve_anywhere)
 
 
 @shared_cache(maxsize=1024)
@@ -1096,6 +1252,8 @@ class Caller:
     actor: str
     tenant: str | None
     admin: bool = False
+    # The key id of the token the caller authenticated with (None: no token, as the embedded ledger's admin).
+    key_id: str | None = None
 
 
 def tenant_caller(tenant: str) -> Caller:
@@ -1186,8 +1344,29 @@ def token_key_id(token: str) -> str:
     return key_id
 
 
+def token_digest(token: str) -> bytes:
+    """The SHA-256 digest of a token, as stored (schema version 7 on).
+
+    No salt, no slow hash and no server key: a ledger token carries 256
+    random bits, so its digest cannot be inverted or looked up in a table,
+    and a wrong token costs one fast hash. A key held by every server (HMAC)
+    would protect only guessable tokens, and would be one more secret to
+    hand out and rotate. Admin tokens given to a server are stored the same
+    way, so they must be random too (`check_admin_token`).
+    """
+    return hashlib.sha256(token.encode()).digest()
+
+
+def admin_key_id(token: str) -> str:
+    """The key id of an admin token: its own for a dpfleet token, else one taken from its digest."""
+    try:
+        return token_key_id(token)
+    except Unauthenticated:
+        return "adm" + token_digest(token).hex()[:13]
+
+
 def hash_token(token: str, salt: bytes) -> bytes:
-    """Salted scrypt hash of a token, as stored."""
+    """Salted scrypt hash of a token, as stored before schema version 7 (checked once, then replaced)."""
     return hashlib.scrypt(token.encode(), salt=salt, **_SCRYPT)
 
 
@@ -1201,9 +1380,10 @@ def token_matches(token: str, salt: bytes, stored_hash: bytes) -> bool:
 
 @dataclass(frozen=True)
 class TenantCreated:
-    """A new tenant and its token, which is shown this once and stored only as a salted hash."""
+    """A new token, shown this once and stored only as its digest: a new tenant's, a tenant's rotated one, or
+    (tenant None) a rotated admin token."""
 
-    tenant: str
+    tenant: str | None
     token: str
 
     def to_dict(self) -> dict:
@@ -1519,7 +1699,7 @@ def history_hash(
     The first entry's previous hash is "". Editing, removing or reordering
     an entry changes every hash after it, and without the key nobody can
     compute the hashes of a rewritten history. `key` None gives the plain
-    SHA-256 of files from before schema version 8, which only the migration
+    SHA-256 of files from before schema version 9, which only the migration
     that keys them reads.
     """
     payload = json.dumps(
@@ -1727,11 +1907,14 @@ class StoredTenant:
     token_digest: str | None
 
 
-def token_digest(salt: bytes | None, token_hash: bytes | None) -> str | None:
-    """What a `create_tenant` entry records of a token's stored salt and hash, so `verify` sees them swapped."""
-    if salt is None or token_hash is None:
+def stored_token_digest(salt: bytes | None, token_hash: bytes | None) -> str | None:
+    """What a tenant's token entries record of its stored salt and hash, so `verify` sees them swapped.
+
+    None for a tenant without a token (revoked); the salt is None for a token stored by its digest.
+    """
+    if token_hash is None:
         return None
-    return hashlib.sha256(bytes(salt) + bytes(token_hash)).hexdigest()
+    return hashlib.sha256(bytes(salt or b"") + bytes(token_hash)).hexdigest()
 
 
 def job_findings(
@@ -1781,12 +1964,21 @@ def job_findings(
 
 
 def tenant_findings(entries: list[StoredEntry], tenants: list[StoredTenant]) -> list[Finding]:
-    """Compare the tenants table with the `create_tenant` entries: every tenant, its token's key id and digest."""
+    """Compare the tenants table with the history: every tenant, its token's key id and digest.
+
+    A tenant's token is the one its last `create_tenant`, `rotate_token` or
+    `revoke_token` entry names (a revoked tenant has none).
+    """
     created = {}
     for entry in entries:
-        if entry.action == "create_tenant":
+        if entry.action in ("create_tenant", "rotate_token", "revoke_token"):
             details = json.loads(entry.details_json)
-            created[details["tenant"]] = details
+            if details.get("tenant") is None:  # an admin token's rotation or revocation
+                continue
+            if entry.action == "revoke_token":
+                details = {**details, "key_id": None, "token_digest": None}
+            created[details["tenant"]] = details if entry.action == "create_tenant" else {
+                **created.get(details["tenant"], {}), **details}
     findings = []
     stored = {tenant.name: tenant for tenant in tenants}
     for name in sorted(set(stored) | set(created)):
@@ -2236,6 +2428,12 @@ class PrivacyLedger(Protocol):
 
     def create_tenant(self, tenant: str) -> TenantCreated:
         """Create a tenant and return its token (admin only)."""
+
+    def rotate_token(self, tenant: str | None = None) -> TenantCreated:
+        """Replace a tenant's token (None: the caller's admin token) with a new one, returned once."""
+
+    def revoke_token(self, tenant: str | None = None, key_id: str | None = None) -> str:
+        """Revoke a tenant's token, or the admin token of `key_id` (admin only); the revoked key id."""
 
     def create_dataset(
         self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE,

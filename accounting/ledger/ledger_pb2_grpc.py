@@ -104,6 +104,16 @@ class LedgerStub:
                 request_serializer=accounting_dot_ledger__pb2.EnqueueRequest.SerializeToString,
                 response_deserializer=accounting_dot_ledger__pb2.QueuedJob.FromString,
                 _registered_method=True)
+        self.RotateToken = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/RotateToken',
+                request_serializer=accounting_dot_ledger__pb2.RotateTokenRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.CreateTenantReply.FromString,
+                _registered_method=True)
+        self.RevokeToken = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/RevokeToken',
+                request_serializer=accounting_dot_ledger__pb2.RevokeTokenRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.RevokeTokenReply.FromString,
+                _registered_method=True)
         self.GetQueuedJob = channel.unary_unary(
                 '/dpfleet.ledger.v1.Ledger/GetQueuedJob',
                 request_serializer=accounting_dot_ledger__pb2.QueuedJobRequest.SerializeToString,
@@ -125,7 +135,7 @@ class LedgerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CreateTenant(self, request, context):
-        """Admin only. The token in the reply is shown once; the ledger keeps a salted hash.
+        """Admin only. The token in the reply is shown once; the ledger keeps its SHA-256 digest.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -219,6 +229,23 @@ class LedgerServicer:
         """Queues a job for budget: the dataset's scheduling policy admits it when it
         fits (at once if it does), as a reservation like Reserve's.
         RESOURCE_EXHAUSTED when it could never fit, even with every reservation released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateToken(self, request, context):
+        """Replaces a token with a new one, shown once: a tenant's (the admin, or
+        the tenant itself), or with `admin`, the admin token of the call. The old
+        one stops working on every server of the database within a second.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeToken(self, request, context):
+        """Admin only. Revokes a tenant's token, or the admin token of `admin_key_id`;
+        every server refuses it within a second.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -318,6 +345,16 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.Enqueue,
                     request_deserializer=accounting_dot_ledger__pb2.EnqueueRequest.FromString,
                     response_serializer=accounting_dot_ledger__pb2.QueuedJob.SerializeToString,
+            ),
+            'RotateToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateToken,
+                    request_deserializer=accounting_dot_ledger__pb2.RotateTokenRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.CreateTenantReply.SerializeToString,
+            ),
+            'RevokeToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeToken,
+                    request_deserializer=accounting_dot_ledger__pb2.RevokeTokenRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.RevokeTokenReply.SerializeToString,
             ),
             'GetQueuedJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetQueuedJob,
@@ -713,6 +750,60 @@ class Ledger:
             '/dpfleet.ledger.v1.Ledger/Enqueue',
             accounting_dot_ledger__pb2.EnqueueRequest.SerializeToString,
             accounting_dot_ledger__pb2.QueuedJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/RotateToken',
+            accounting_dot_ledger__pb2.RotateTokenRequest.SerializeToString,
+            accounting_dot_ledger__pb2.CreateTenantReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/RevokeToken',
+            accounting_dot_ledger__pb2.RevokeTokenRequest.SerializeToString,
+            accounting_dot_ledger__pb2.RevokeTokenReply.FromString,
             options,
             channel_credentials,
             insecure,

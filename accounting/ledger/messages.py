@@ -32,6 +32,7 @@ from accounting.ledger.core import (
     PermissionDenied,
     QueuedJob,
     QuotaStatus,
+    RateLimited,
     Reservation,
     TenantCreated,
     Unauthenticated,
@@ -42,6 +43,7 @@ from accounting.ledger.scheduling import SchedulingPolicy
 STATUS_CODES: dict[type[LedgerError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     BudgetExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
@@ -56,6 +58,8 @@ NEEDED_EPSILON_KEY = "dpfleet-needed-epsilon"
 DELTA_KEY = "dpfleet-delta"
 DATASET_KEY = "dpfleet-dataset"
 BUDGET_KEY = "dpfleet-budget"
+# Trailing metadata of a RESOURCE_EXHAUSTED refusal for rate: seconds until the request would be let through.
+RETRY_AFTER_KEY = "dpfleet-retry-after-seconds"
 
 _STATE_TO_PROTO = {None: pb.JOB_STATE_UNSPECIFIED, ACTIVE: pb.JOB_STATE_ACTIVE, RELEASED: pb.JOB_STATE_RELEASED}
 _STATE_FROM_PROTO = {value: state for state, value in _STATE_TO_PROTO.items()}
@@ -78,12 +82,12 @@ def state_from_proto(value: int) -> str | None:
 
 def tenant_to_proto(created: TenantCreated) -> pb.CreateTenantReply:
     """TenantCreated as its reply."""
-    return pb.CreateTenantReply(tenant=created.tenant, token=created.token)
+    return pb.CreateTenantReply(tenant=created.tenant or "", token=created.token)
 
 
 def tenant_from_proto(message: pb.CreateTenantReply) -> TenantCreated:
     """Inverse of tenant_to_proto."""
-    return TenantCreated(message.tenant, message.token)
+    return TenantCreated(message.tenant or None, message.token)
 
 
 def reservation_to_proto(reservation: Reservation) -> pb.Reservation:

@@ -1,7 +1,11 @@
 """The ledger's gRPC server: a thin adapter from RPCs to the embedded `Ledger`.
 
-Authentication is a bearer token in the `authorization` metadata: the admin
-token the server was started with, or a tenant token. Ledger errors become
+Authentication is a bearer token in the `authorization` metadata: an admin
+token (the one the server was started with, or one rotated in) or a tenant
+token, all kept by the ledger (`Ledger.authenticate`). A peer address whose
+authentications keep failing is refused for a while without a look at its
+tokens (RESOURCE_EXHAUSTED with a retry hint), and each tenant's costly
+requests (new RDP curves, Fits) are rate-limited (`limits`). Ledger errors become
 status codes (see `messages.STATUS_CODES`); a refusal for budget also carries the
 remaining and needed epsilon as trailing metadata, so a client can rebuild
 `BudgetExceeded` exactly. Requests above `MAX_REQUEST_BYTES` are refused by
@@ -17,8 +21,8 @@ tokens; every RPC's duration goes to the metrics' latency histogram.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hmac
 import logging
 import signal
 import ssl
@@ -43,17 +47,26 @@ from accounting.ledger.messages import (
     DELTA_KEY,
     NEEDED_EPSILON_KEY,
     REMAINING_EPSILON_KEY,
+    RETRY_AFTER_KEY,
     STATUS_CODES,
 )
 from accounting.ledger.core import (
-    ADMIN,
     EXAMPLE,
     BudgetExceeded,
     Caller,
     InvalidArgument,
     LedgerError,
+    RateLimited,
     Unauthenticated,
+    compute_curves_in_processes,
     parse_plan,
+)
+from accounting.ledger.limits import (
+    AUTH_FAILURE_BURST,
+    AUTH_FAILURE_RATE_PER_SECOND,
+    CURVE_BURST,
+    CURVE_RATE_PER_SECOND,
+    TokenBuckets,
 )
 from accounting.ledger.metrics import rpc_latency_histogram
 from accounting.ledger.scheduling import SchedulingPolicy
@@ -82,11 +95,14 @@ def bearer_token(metadata: tuple) -> str | None:
     return None
 
 
-def token_caller(ledger: Ledger, admin_token: str | None, token: str) -> Caller:
-    """Who holds a bearer token: the admin, or the tenant the ledger knows it for (else Unauthenticated)."""
-    if admin_token is not None and hmac.compare_digest(token.encode(), admin_token.encode()):
-        return ADMIN
-    return ledger.authenticate(token)
+def peer_address(peer: str) -> str:
+    """The address of a gRPC peer ("ipv4:127.0.0.1:5000" -> "127.0.0.1"), without its port."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rpartition("]")[0].lstrip("[") or rest
+    if kind == "ipv4":
+        return rest.rpartition(":")[0] or rest
+    return peer
 
 
 def _rpc(method: Callable) -> Callable:
@@ -110,6 +126,10 @@ def _rpc(method: Callable) -> Callable:
                 )
             )
             context.abort(code, str(error))
+        except RateLimited as error:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            context.set_trailing_metadata(((RETRY_AFTER_KEY, repr(error.retry_after_seconds)),))
+            context.abort(code, str(error))
         except LedgerError as error:
             code = STATUS_CODES.get(type(error), grpc.StatusCode.UNKNOWN)
             context.abort(code, str(error))
@@ -126,19 +146,54 @@ def _rpc(method: Callable) -> Callable:
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     """The Ledger gRPC service over one `Ledger`."""
 
-    def __init__(self, ledger: Ledger, admin_token: str | None, rpc_seconds: Histogram) -> None:
+    def __init__(self, ledger: Ledger, rpc_seconds: Histogram, auth_failures: TokenBuckets) -> None:
         self._ledger = ledger
-        self._admin_token = admin_token
         self.rpc_seconds = rpc_seconds
+        self._auth_failures = auth_failures
 
     def caller(self, context: grpc.ServicerContext) -> Caller:
-        """Who sent the request, from its bearer token."""
+        """Who sent the request, from its bearer token.
+
+        A token verified lately passes at once. Otherwise a peer that has
+        used up its failed authentications is refused before its token is
+        looked at, and each failure is counted against it.
+        """
         token = bearer_token(context.invocation_metadata())
-        if token is None:
-            raise Unauthenticated(
-                "no token: send metadata 'authorization: Bearer <token>' (dpfleet ledger --token or DPFLEET_TOKEN)"
+        if token is not None:
+            known = self._ledger.verified_caller(token)
+            if known is not None:
+                return known
+        peer = peer_address(context.peer())
+        wait = self._auth_failures.owes(peer)
+        if wait > 0:
+            raise RateLimited(
+                f"too many failed authentications from {peer}: at most {self._auth_failures.burst:g} at once, then "
+                f"{self._auth_failures.rate_per_second:g} a second; retry in {wait:.1f} s with a valid token",
+                wait,
             )
-        return token_caller(self._ledger, self._admin_token, token)
+        try:
+            if token is None:
+                raise Unauthenticated(
+                    "no token: send metadata 'authorization: Bearer <token>' (dpfleet ledger --token or DPFLEET_TOKEN)"
+                )
+            return self._ledger.authenticate(token)
+        except Unauthenticated:
+            with contextlib.suppress(RateLimited):
+                self._auth_failures.take(peer)
+            raise
+
+    @_rpc
+    def RotateToken(self, request: pb.RotateTokenRequest, caller: Caller) -> pb.CreateTenantReply:
+        """Replace a tenant's token, or the caller's admin token, with a new one shown once."""
+        if request.admin == bool(request.tenant):
+            raise InvalidArgument("name a tenant, or ask for the admin token with admin = true (got both or neither)")
+        return messages.tenant_to_proto(self._ledger.rotate_token(request.tenant or None, caller=caller))
+
+    @_rpc
+    def RevokeToken(self, request: pb.RevokeTokenRequest, caller: Caller) -> pb.RevokeTokenReply:
+        """Revoke a tenant's token or an admin token (admin)."""
+        key_id = self._ledger.revoke_token(request.tenant or None, request.admin_key_id or None, caller=caller)
+        return pb.RevokeTokenReply(key_id=key_id)
 
     @_rpc
     def CreateTenant(self, request: pb.CreateTenantRequest, caller: Caller) -> pb.CreateTenantReply:
@@ -221,6 +276,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     @_rpc
     def Fits(self, request: pb.FitsRequest, caller: Caller) -> pb.FitsReply:
         """Whether a job would be admitted now, and at what cost; reserves nothing."""
+        self._ledger.refuse_while_limited(caller)
         planned = parse_plan(request.planned_events_json)
         report = self._ledger.fits(
             request.dataset, planned, tuple(request.blocks), request.privacy_unit or EXAMPLE,
@@ -292,7 +348,11 @@ class LedgerServer:
 
 
 def check_admin_token(admin_token: str | None) -> str | None:
-    """The admin token, refused when too short to resist guessing."""
+    """The admin token, refused when too short to resist guessing.
+
+    The ledger keeps it as its SHA-256 digest (core.token_digest), which
+    protects a random token only: make it with secrets, as the error says.
+    """
     if admin_token is not None and len(admin_token) < MIN_ADMIN_TOKEN_LENGTH:
         raise InvalidArgument(
             f"the admin token must be at least {MIN_ADMIN_TOKEN_LENGTH} characters (got {len(admin_token)}); "
@@ -313,6 +373,10 @@ def start_server(
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
     history_key_file: str | Path | None = None,
+    curve_rate_per_second: float = CURVE_RATE_PER_SECOND,
+    curve_burst: float = CURVE_BURST,
+    auth_failure_rate_per_second: float = AUTH_FAILURE_RATE_PER_SECOND,
+    auth_failure_burst: float = AUTH_FAILURE_BURST,
 ) -> LedgerServer:
     """Open the ledger (an SQLite file or a postgresql:// URL) and serve it on host:port; returns at once.
 
@@ -325,17 +389,30 @@ def start_server(
     `scheduling` is the queue policy of datasets created without one (fcfs by default).
     `history_key_file` is the history key (default: store.default_history_key_path(), created if missing);
     every server of one database needs the same.
+    Each tenant's costly requests take from a bucket of `curve_burst` that
+    refills at `curve_rate_per_second` (one per new RDP curve, and one more
+    per Fits); each peer address's failed authentications from one of
+    `auth_failure_burst` refilled at `auth_failure_rate_per_second` (see `limits`).
     """
     admin_token = check_admin_token(admin_token)
+    curve_limits = TokenBuckets(curve_rate_per_second, curve_burst, "costly requests (new RDP curves, Fits)")
+    auth_failures = TokenBuckets(auth_failure_rate_per_second, auth_failure_burst, "failed authentications")
     if (tls_cert is None) != (tls_key is None):
         raise InvalidArgument("TLS needs both a certificate and its key (--tls-cert and --tls-key), or neither")
     ledger = Ledger(db_path, scheduling=scheduling, history_key_file=history_key_file)
+    ledger.curve_limits = curve_limits
+    if admin_token is not None:
+        try:
+            ledger.register_admin_token(admin_token)
+        except BaseException:
+            ledger.close()
+            raise
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="ledger"),
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
     )
     metrics_registry = CollectorRegistry(auto_describe=True)
-    servicer = LedgerServicer(ledger, admin_token, rpc_latency_histogram(metrics_registry))
+    servicer = LedgerServicer(ledger, rpc_latency_histogram(metrics_registry), auth_failures)
     ledger_pb2_grpc.add_LedgerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -357,7 +434,7 @@ def start_server(
     if http_port is not None or metrics_port is not None:
         try:
             web_server = start_web(
-                ledger, functools.partial(token_caller, ledger, admin_token), metrics_registry, host, http_port,
+                ledger, ledger.authenticate, metrics_registry, host, http_port,
                 metrics_port, _https_context(tls_cert, tls_key),
             )
         except BaseException:
@@ -408,17 +485,24 @@ def serve(
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
     history_key_file: str | Path | None = None,
+    curve_processes: int = 1,
+    **rate_limits: float,
 ) -> None:
     """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
 
     `announce` is called with the running server once it accepts requests.
-    `http_port` and `metrics_port` serve the web page and metrics (see `start_server`).
+    `http_port` and `metrics_port` serve the web page and metrics, `rate_limits` are
+    the rate limits by `start_server`'s names (see there). RDP curves are computed in
+    `curve_processes` processes of their own (0: in the request threads), so that
+    one tenant's new mechanisms do not hold the GIL that every request needs.
     """
+    if curve_processes:
+        compute_curves_in_processes(curve_processes)
     previous_switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     running = start_server(
         db_path, host, port, admin_token, tls_cert, tls_key, http_port=http_port, metrics_port=metrics_port,
-        scheduling=scheduling, history_key_file=history_key_file,
+        scheduling=scheduling, history_key_file=history_key_file, **rate_limits,
     )
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

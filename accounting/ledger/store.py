@@ -37,16 +37,19 @@ the ledger already freed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
-import hashlib
+import hmac
 import json
+import math
 import os
 import secrets
 import threading
+import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
@@ -61,12 +64,14 @@ from accounting.ledger.core import (
     QUEUED,
     RELEASED,
     TIMED_OUT,
+    ADMIN,
     AdmissionRule,
     AlreadyExists,
     BudgetExceeded,
     BlockStatus,
     BudgetCheck,
     Caller,
+    CurveNotCached,
     CommitResult,
     DatasetRef,
     DatasetStatus,
@@ -92,6 +97,7 @@ from accounting.ledger.core import (
     TenantCreated,
     Unauthenticated,
     Verification,
+    admin_key_id,
     assess_admission,
     block_data_overlap,
     budget_figures,
@@ -100,6 +106,7 @@ from accounting.ledger.core import (
     check_block_data,
     chain_findings,
     check_block_names,
+    compute_curve,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
@@ -118,25 +125,28 @@ from accounting.ledger.core import (
     check_steps,
     display_name,
     fits_budget,
-    hash_token,
     history_hash,
     new_token,
     no_access,
     no_reservation,
     quota_status,
+    rdp_curves_cached_only,
     resolve_dataset,
     sign_head,
     split_steps,
     tenant_caller,
+    stored_token_digest,
     token_digest,
     token_key_id,
     token_matches,
+    uncached_mechanisms,
     verify_history,
 )
 from accounting.ledger.databases import Connection, Database, open_database
+from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
@@ -179,6 +189,21 @@ _QUEUE_TABLES = (
         ended_at TEXT
     )""",
     "CREATE INDEX queued_jobs_by_dataset ON queued_jobs (dataset_id, state, created_at)",
+)
+
+# Admin tokens kept by the ledger (schema version 7): those the servers were started with and those rotated
+# in, each as its SHA-256 digest (core.token_digest); a revoked one keeps its row, so a server started again
+# with it still refuses it. `token_generation` counts rotations and revocations: a server re-reads it at
+# most TOKEN_RECHECK_SECONDS after it last did, and forgets the tokens it had verified when it changed.
+_TOKEN_TABLES = (
+    """CREATE TABLE admin_tokens (
+        key_id TEXT PRIMARY KEY,
+        token_hash {bytes} NOT NULL,
+        created_at TEXT NOT NULL,
+        revoked_at TEXT
+    )""",
+    "CREATE TABLE token_generation (generation {integer} NOT NULL)",
+    "INSERT INTO token_generation (generation) VALUES (0)",
 )
 
 # The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
@@ -251,6 +276,7 @@ _TABLES = (
     "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
     _TENANT_USE,
     *_QUEUE_TABLES,
+    *_TOKEN_TABLES,
 )
 
 
@@ -409,8 +435,22 @@ def _declare_block_data(connection: Connection, caller: Caller, database: Databa
     connection.execute("ALTER TABLE datasets ADD COLUMN block_data TEXT")
 
 
+def _add_fast_tokens_and_revocation(connection: Connection, caller: Caller, database: Database) -> None:
+    """Version 8: admin tokens and a token generation in the ledger, so tokens can be rotated and revoked.
+
+    Tenant tokens hashed with scrypt before (those with a salt) stay as
+    they are: the first request that shows one is checked with scrypt once,
+    and its row then takes the token's SHA-256 digest and loses its salt
+    (`Ledger.authenticate`). Until then a wrong token for such a key id
+    costs one scrypt, which the servers' limit on failed authentications
+    per peer bounds.
+    """
+    for statement in _TOKEN_TABLES:
+        connection.execute(_formatted(statement, database))
+
+
 def _key_the_history(connection: Connection, caller: Caller, database: Database, key: bytes) -> None:
-    """Version 8: re-anchor the unkeyed hash chain under the history key, and refuse TRUNCATE on PostgreSQL.
+    """Version 9: re-anchor the unkeyed hash chain under the history key, and refuse TRUNCATE on PostgreSQL.
 
     The unkeyed chain is checked first; what it shows wrong (a row edited or
     removed before now) goes into an `anchor_history` entry with the number
@@ -452,10 +492,11 @@ _MIGRATIONS = {
     5: _add_blocks_and_quotas,
     6: _add_queues,
     7: _declare_block_data,
+    8: _add_fast_tokens_and_revocation,
 }
 # Steps that re-chain the history also get the ledger's history key.
 _KEYED_MIGRATIONS = {
-    8: _key_the_history,
+    9: _key_the_history,
 }
 
 
@@ -468,7 +509,7 @@ def _append_history(
     dataset_id: int | None,
     details: dict,
 ) -> None:
-    """Append one entry to the history, chained to the last under `key` (None: unkeyed, as before version 8)."""
+    """Append one entry to the history, chained to the last under `key` (None: unkeyed, as before version 9)."""
     last = connection.execute("SELECT id, hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
     entry_id, previous = (last[0] + 1, last[1]) if last is not None else (1, "")
     at, details_json = _now(), json.dumps(details, sort_keys=True)
@@ -477,6 +518,45 @@ def _append_history(
         f"INSERT INTO history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
     )
+
+# How long a server trusts the tokens it verified without looking at the token generation again: a rotation or
+# revocation on any server of the database takes effect on every other within this (plus one read).
+TOKEN_RECHECK_SECONDS = 0.5
+# How often one change is run again after computing a curve it found missing under the lock (see
+# _curves_outside_lock); a change still missing one after that computes the rest in place.
+_CURVE_ATTEMPTS = 8
+
+_CHANGE = threading.local()
+
+
+def _curves_outside_lock(method: Callable) -> Callable:
+    """Run a change so that the RDP curves it needs are computed with no lock held.
+
+    Under the write lock only cached curves may be used (core.rdp_curves_cached_only):
+    a missing one aborts the change's savepoint and releases the lock, the
+    curve is computed, and the change runs again from the start, which is
+    safe as nothing of it was written. So the lock covers reading and
+    writing rows only, and one tenant's new mechanisms never stall another
+    tenant's commits.
+    """
+
+    @functools.wraps(method)
+    def change(self: "Ledger", *args: object, **kwargs: object) -> object:
+        previous = getattr(_CHANGE, "curves_cached_only", False)
+        try:
+            for _ in range(_CURVE_ATTEMPTS):
+                _CHANGE.curves_cached_only = True
+                try:
+                    return method(self, *args, **kwargs)
+                except CurveNotCached as missing:
+                    _CHANGE.curves_cached_only = False
+                    compute_curve(missing.mechanism)
+            _CHANGE.curves_cached_only = False
+            return method(self, *args, **kwargs)
+        finally:
+            _CHANGE.curves_cached_only = previous
+
+    return change
 
 
 # Changes grouped into one transaction at most; bounds the wait of the first of them.
@@ -644,7 +724,11 @@ class Ledger:
         self._idle_readers: list = []
         self._readers_lock = threading.Lock()
         self._closed = False
-        self._verified_tokens: dict[bytes, str] = {}
+        self._verified_tokens: dict[bytes, Caller] = {}
+        self._token_generation: int | None = None
+        self._tokens_checked_at = -math.inf
+        # Set by a server: the buckets of tenants' costly requests (see `_charge_curves`); None charges nothing.
+        self.curve_limits: TokenBuckets | None = None
         try:
             self._create_or_check_schema()
         except BaseException:
@@ -721,7 +805,9 @@ class Ledger:
             except unavailable_errors as error:
                 raise self._drop_writer(error) from None
             try:
-                yield self._writer
+                cached_only = getattr(_CHANGE, "curves_cached_only", False)
+                with rdp_curves_cached_only() if cached_only else contextlib.nullcontext():
+                    yield self._writer
             except BaseException as error:
                 try:
                     self._writer.execute("ROLLBACK TO change")
@@ -1097,27 +1183,177 @@ class Ledger:
 
     # ------------------------------------------------------------ identity
 
-    def authenticate(self, token: str) -> Caller:
-        """The tenant a token belongs to; raises Unauthenticated for an unknown token.
+    def verified_caller(self, token: str) -> Caller | None:
+        """The caller of a token this ledger verified lately, or None (then `authenticate` looks it up).
 
-        Verified tokens are remembered (as SHA-256 digests) for the life of
-        this object, so only the first request of a tenant pays for scrypt.
+        Costs one SHA-256 and, at most every TOKEN_RECHECK_SECONDS, one read
+        of the token generation: when a rotation or revocation changed it,
+        on this server or another of the database, every verified token is
+        forgotten.
         """
-        digest = hashlib.sha256(token.encode()).digest()
-        tenant = self._verified_tokens.get(digest)
-        if tenant is None:
+        now = time.monotonic()
+        if now - self._tokens_checked_at >= TOKEN_RECHECK_SECONDS:
+            with self._read() as connection:
+                (generation,) = connection.execute("SELECT generation FROM token_generation").fetchone()
+            with self._readers_lock:
+                if generation != self._token_generation:
+                    self._verified_tokens.clear()
+                    self._token_generation = generation
+                self._tokens_checked_at = now
+        return self._verified_tokens.get(token_digest(token))
+
+    def authenticate(self, token: str) -> Caller:
+        """The admin or tenant a token belongs to; raises Unauthenticated for an unknown or revoked token.
+
+        A token is found by its key id and compared by its SHA-256 digest, so
+        a wrong one costs one fast hash and one indexed read. Verified tokens
+        are remembered (by digest) until the token generation changes (see
+        `verified_caller`). A tenant token stored by scrypt (schema version 6
+        and before) is checked with scrypt once and then stored by digest.
+        """
+        known = self.verified_caller(token)
+        if known is not None:
+            return known
+        digest = token_digest(token)
+        caller = self._admin_caller(token, digest)
+        if caller is None:
             key_id = token_key_id(token)
             with self._read() as connection:
                 row = connection.execute(
                     "SELECT name, token_salt, token_hash FROM tenants WHERE key_id = ?", (key_id,)
                 ).fetchone()
-            if row is None or not token_matches(token, row[1], row[2]):
+            if row is None or not (
+                hmac.compare_digest(digest, row[2]) if row[1] is None else token_matches(token, row[1], row[2])
+            ):
                 raise Unauthenticated(
-                    "the token is not known to this ledger; use the token dpfleet ledger tenant create printed"
+                    "the token is not known to this ledger, or was revoked or rotated; use the token dpfleet ledger "
+                    "tenant create or dpfleet ledger token rotate printed"
                 )
-            tenant = row[0]
-            self._verified_tokens[digest] = tenant
-        return tenant_caller(tenant)
+            if row[1] is not None:
+                with self._transaction() as connection:
+                    connection.execute(
+                        "UPDATE tenants SET token_salt = NULL, token_hash = ? WHERE key_id = ? AND token_salt = ?",
+                        (digest, key_id, row[1]),
+                    )
+            caller = replace(tenant_caller(row[0]), key_id=key_id)
+        self._verified_tokens[digest] = caller
+        return caller
+
+    def _admin_caller(self, token: str, digest: bytes) -> Caller | None:
+        """The admin, when `token` is an admin token the ledger keeps and has not revoked; else None."""
+        key_id = admin_key_id(token)
+        with self._read() as connection:
+            row = connection.execute(
+                "SELECT token_hash FROM admin_tokens WHERE key_id = ? AND revoked_at IS NULL", (key_id,)
+            ).fetchone()
+        if row is None or not hmac.compare_digest(digest, row[0]):
+            return None
+        return replace(ADMIN, key_id=key_id)
+
+    def register_admin_token(self, token: str) -> None:
+        """Keep the admin token a server was started with (once); a revoked one stays revoked."""
+        with self._transaction() as connection:
+            connection.execute(
+                "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                (admin_key_id(token), token_digest(token), _now()),
+            )
+
+    def _tokens_changed(self, connection: Connection) -> None:
+        """Count a rotation or revocation, so every server forgets the tokens it verified (this one at once)."""
+        connection.execute("UPDATE token_generation SET generation = generation + 1")
+        self._verified_tokens.clear()
+        self._tokens_checked_at = 0.0
+
+    def rotate_token(self, tenant: str | None = None, *, caller: Caller | None = None) -> TenantCreated:
+        """Replace a token with a new one, shown this once; the old one stops working on every server within
+        a second (TOKEN_RECHECK_SECONDS plus a read).
+
+        `tenant` names a tenant's token (the admin's to rotate, or the
+        tenant's own); None the admin token the caller authenticated with
+        (admin only). The reply's `tenant` is None for an admin token.
+        """
+        caller = self._caller(caller)
+        if tenant is None:
+            if not caller.admin:
+                raise PermissionDenied("rotating the admin token needs the admin token; a tenant rotates its own")
+            key_id, token = new_token()
+            with self._transaction() as connection:
+                connection.execute(
+                    "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?)",
+                    (key_id, token_digest(token), _now()),
+                )
+                revoked = []
+                if caller.key_id is not None:
+                    revoked = [caller.key_id]
+                    connection.execute(
+                        "UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
+                        (_now(), caller.key_id),
+                    )
+                self._tokens_changed(connection)
+                self._record(connection, caller, "rotate_token", None, None,
+                             {"admin": True, "key_id": key_id, "revoked_key_ids": revoked})
+            return TenantCreated(None, token)
+        check_name("tenant name", tenant)
+        if not (caller.admin or caller.tenant == tenant):
+            raise PermissionDenied(f"a tenant rotates only its own token; rotating {tenant!r}'s needs the admin token")
+        key_id, token = new_token()
+        with self._transaction() as connection:
+            row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
+            if row is None:
+                raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
+            connection.execute(
+                "UPDATE tenants SET key_id = ?, token_salt = NULL, token_hash = ? WHERE name = ?",
+                (key_id, token_digest(token), tenant),
+            )
+            self._tokens_changed(connection)
+            self._record(connection, caller, "rotate_token", tenant, None,
+                         {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [row[0]] if row[0] else [],
+                          "token_digest": stored_token_digest(None, token_digest(token))})
+        return TenantCreated(tenant, token)
+
+    def revoke_token(
+        self, tenant: str | None = None, key_id: str | None = None, *, caller: Caller | None = None
+    ) -> str:
+        """Revoke a tenant's token, or the admin token of `key_id` (admin only); the revoked key id.
+
+        It stops working on every server within a second. A tenant without a
+        token can do nothing until an admin rotates one in for it; the last
+        admin token is not revoked (rotate it instead).
+        """
+        caller = self._caller(caller)
+        if not caller.admin:
+            raise PermissionDenied("revoking a token needs the admin token (a tenant can rotate its own)")
+        if (tenant is None) == (key_id is None):
+            raise InvalidArgument("name either a tenant, or the key id of an admin token (got both or neither)")
+        with self._transaction() as connection:
+            if tenant is not None:
+                check_name("tenant name", tenant)
+                row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
+                if row is None:
+                    raise NotFound(f"tenant {tenant!r} does not exist (dpfleet ledger status lists what you see)")
+                if row[0] is None:
+                    raise FailedPrecondition(f"tenant {tenant!r} has no token to revoke")
+                connection.execute(
+                    "UPDATE tenants SET key_id = NULL, token_salt = NULL, token_hash = NULL WHERE name = ?", (tenant,)
+                )
+                revoked = row[0]
+            else:
+                check_name("admin key id", key_id)
+                live = [live_id for (live_id,) in connection.execute(
+                    "SELECT key_id FROM admin_tokens WHERE revoked_at IS NULL ORDER BY key_id"
+                ).fetchall()]
+                if key_id not in live:
+                    raise NotFound(f"no admin token with key id {key_id!r} is in use; those in use are {', '.join(live)}")
+                if live == [key_id]:
+                    raise FailedPrecondition(
+                        f"admin token {key_id} is the last one; rotate it (dpfleet ledger token rotate --admin) instead"
+                    )
+                connection.execute("UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ?", (_now(), key_id))
+                revoked = key_id
+            self._tokens_changed(connection)
+            self._record(connection, caller, "revoke_token", tenant, None,
+                         {"tenant": tenant, "admin": tenant is None, "key_id": revoked})
+        return revoked
 
     def create_tenant(self, tenant: str, *, caller: Caller | None = None) -> TenantCreated:
         """Create a tenant and return its token, shown this once (admin only)."""
@@ -1128,19 +1364,17 @@ class Ledger:
             )
         check_name("tenant name", tenant)
         key_id, token = new_token()
-        salt = secrets.token_bytes(16)
-        token_hash = hash_token(token, salt)
         with self._transaction() as connection:
             try:
                 connection.execute(
                     "INSERT INTO tenants (name, key_id, token_salt, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
-                    (tenant, key_id, salt, token_hash, _now()),
+                    (tenant, key_id, None, token_digest(token), _now()),
                 )
             except self._database.duplicate_errors:
                 raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name") from None
             self._record(
                 connection, caller, "create_tenant", tenant, None,
-                {"tenant": tenant, "key_id": key_id, "token_digest": token_digest(salt, token_hash)},
+                {"tenant": tenant, "key_id": key_id, "token_digest": stored_token_digest(None, token_digest(token))},
             )
         return TenantCreated(tenant, token)
 
@@ -1358,8 +1592,10 @@ class Ledger:
         as they are then.
         """
         caller = self._caller(caller)
+        self._charge_curves(caller, 1)
         blocks = check_block_names(blocks)
         _, charged, _ = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
+        self._charge_curves(caller, uncached_mechanisms(charged))
         planned_tally = RdpTally.of(charged)
         with self._read() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
@@ -1447,6 +1683,7 @@ class Ledger:
             parameters.append(state)
         return (f"WHERE {' AND '.join(conditions)}" if conditions else ""), parameters
 
+    @_curves_outside_lock
     def reserve(
         self,
         dataset: str,
@@ -1480,6 +1717,7 @@ class Ledger:
         blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
+        self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
@@ -1523,6 +1761,22 @@ class Ledger:
             dataset_unit = self._dataset_row(connection, caller, dataset, shared=True).privacy_unit
         charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         return job_events, charged, rows_per_person
+
+    def refuse_while_limited(self, caller: Caller) -> None:
+        """Raise RateLimited when the tenant's bucket of costly requests is empty (a server, before it parses a
+        Fits: a tenant that keeps asking costs it next to nothing)."""
+        if self.curve_limits is not None and not caller.admin and self.curve_limits.owes(f"tenant {caller.tenant!r}"):
+            self._charge_curves(caller, 1)
+
+    def _charge_curves(self, caller: Caller, cost: int) -> None:
+        """Take `cost` from the tenant's bucket of costly requests (`curve_limits`), or raise RateLimited.
+
+        A request costs one per mechanism whose RDP curve it would compute,
+        and a Fits one more, taken before it does any work. Admins are not
+        charged.
+        """
+        if self.curve_limits is not None and not caller.admin:
+            self.curve_limits.take(f"tenant {caller.tenant!r}", cost)
 
     @staticmethod
     def _count_arrival(connection: Connection, budgets: list[_DatasetRow]) -> None:
@@ -1596,6 +1850,7 @@ class Ledger:
         )
         return reservation_id
 
+    @_curves_outside_lock
     def commit(
         self, reservation_id: str, steps: int, sequence: int, *, caller: Caller | None = None
     ) -> CommitResult:
@@ -1690,6 +1945,7 @@ class Ledger:
             )
         return CommitResult(reservation_id, sequence, steps, committed_steps, reservation.planned_steps)
 
+    @_curves_outside_lock
     def release(self, reservation_id: str, *, caller: Caller | None = None) -> Reservation:
         """Free a reservation's unrun steps; committed steps stay spent. Releasing twice is a no-op."""
         caller = self._caller(caller)
@@ -1701,6 +1957,7 @@ class Ledger:
             row = self._reservation_row(connection, caller, reservation_id)
         return self._reservation(caller, row)
 
+    @_curves_outside_lock
     def expire_leases(self) -> None:
         """Release the unrun steps of every reservation whose lease ran out (a server calls this every second).
 
@@ -1769,6 +2026,7 @@ class Ledger:
 
     # ------------------------------------------------------------ the queue
 
+    @_curves_outside_lock
     def enqueue(
         self,
         dataset: str,
@@ -1802,6 +2060,7 @@ class Ledger:
         priority = check_priority(priority)
         max_wait_seconds = check_max_wait_seconds(max_wait_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
+        self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)
         with self._transaction() as connection:
             row = self._dataset_row(connection, caller, dataset)
@@ -1858,6 +2117,7 @@ class Ledger:
             queued = self._queued_job(caller, self._queued_row(connection, caller, queue_id))
         return queued
 
+    @_curves_outside_lock
     def queued_job(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
         """A queued job as it stands now; a waiting one is scheduled first, so time-based unlocking shows."""
         caller = self._caller(caller)
@@ -1869,6 +2129,7 @@ class Ledger:
                 row = self._queued_row(connection, caller, queue_id)
         return self._queued_job(caller, row)
 
+    @_curves_outside_lock
     def cancel_queued(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
         """Take a waiting job out of the queue; a job already admitted holds a reservation: release that instead."""
         caller = self._caller(caller)
@@ -1906,6 +2167,7 @@ class Ledger:
             ).fetchall()
         return [self._queued_job(caller, row) for row in rows]
 
+    @_curves_outside_lock
     def serve_queues(self) -> None:
         """Serve every dataset with waiting jobs, for unlocking over time and deadlines (a server: every second).
 
@@ -2093,7 +2355,7 @@ class Ledger:
                 ).fetchall()
             ]
             tenants = [
-                StoredTenant(name, key_id, token_digest(salt, token_hash))
+                StoredTenant(name, key_id, stored_token_digest(salt, token_hash))
                 for name, key_id, salt, token_hash in connection.execute(
                     "SELECT name, key_id, token_salt, token_hash FROM tenants ORDER BY name"
                 ).fetchall()

@@ -230,6 +230,13 @@ def run_serve(args: argparse.Namespace) -> int:
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
         history_key_file=args.history_key,
+        curve_rate_per_second=checks.positive_number("--curves-per-second", args.curves_per_second),
+        curve_burst=checks.integer_at_least("--curve-burst", args.curve_burst, 1),
+        auth_failure_rate_per_second=checks.positive_number(
+            "--auth-failures-per-second", args.auth_failures_per_second
+        ),
+        auth_failure_burst=checks.integer_at_least("--auth-failure-burst", args.auth_failure_burst, 1),
+        curve_processes=checks.integer_at_least("--curve-processes", args.curve_processes, 0),
     )
     return 0
 
@@ -429,6 +436,38 @@ def run_cancel(args: argparse.Namespace) -> int:
         print_json(queued.to_dict())
     else:
         print(f"{queued.queue_id} (job {queued.job_id} on {queued.dataset}): {queued.state}")
+    return 0
+
+
+@ledger_command
+def run_token_rotate(args: argparse.Namespace) -> int:
+    """Replace a tenant's token, or the admin token of the call, and print the new one once."""
+    if args.admin == (args.tenant is not None):
+        raise UsageError("name a tenant (--tenant NAME) or ask for the admin token (--admin), one of them")
+    with ledger_from_flags(args) as ledger:
+        rotated = ledger.rotate_token(args.tenant)
+    if args.json:
+        print_json(rotated.to_dict())
+    else:
+        whose = f"tenant {rotated.tenant}'s token" if rotated.tenant else "the admin token"
+        print(
+            f"{whose} rotated; the old one stops working on every server within a second. "
+            f"The new one, shown only now (keep it secret):\n{rotated.token}"
+        )
+    return 0
+
+
+@ledger_command
+def run_token_revoke(args: argparse.Namespace) -> int:
+    """Revoke a tenant's token or an admin token (admin)."""
+    if (args.tenant is None) == (args.admin_key_id is None):
+        raise UsageError("name a tenant (--tenant NAME) or an admin token (--admin-key-id ID), one of them")
+    with ledger_from_flags(args) as ledger:
+        key_id = ledger.revoke_token(args.tenant, args.admin_key_id)
+    if args.json:
+        print_json({"tenant": args.tenant, "revoked_key_id": key_id})
+    else:
+        print(f"token {key_id} revoked; every server refuses it within a second")
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from accounting.ledger.limits import AUTH_FAILURE_BURST, AUTH_FAILURE_RATE_PER_SECOND, CURVE_BURST, CURVE_RATE_PER_SECOND
 from accounting.ledger.scheduling import POLICIES
 
 # Each command's handler, imported only when the command runs: the parser needs none of the ledger's modules.
@@ -83,6 +84,30 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
     _add_history_key_flag(serve_parser)
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
+    serve_parser.add_argument(
+        "--curve-processes", default="1",
+        help="processes that compute RDP curves (80-400 ms each) beside the server, so that no request waits for "
+        "another tenant's curve on the GIL; 0 computes them in the request threads (default 1)",
+    )
+    serve_parser.add_argument(
+        "--curves-per-second", default=str(CURVE_RATE_PER_SECOND),
+        help="each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (80-400 ms "
+        f"of CPU each), and one more per fits; refilled at this rate (default {CURVE_RATE_PER_SECOND:g})",
+    )
+    serve_parser.add_argument(
+        "--curve-burst", default=f"{CURVE_BURST:g}",
+        help=f"each tenant's costly requests at once before the rate applies (default {CURVE_BURST:g}, a plan of "
+        "the most distinct mechanisms a plan may have)",
+    )
+    serve_parser.add_argument(
+        "--auth-failures-per-second", default=str(AUTH_FAILURE_RATE_PER_SECOND),
+        help="failed authentications per peer address, refilled at this rate; beyond them the peer is refused "
+        f"without a look at its token (default {AUTH_FAILURE_RATE_PER_SECOND:g})",
+    )
+    serve_parser.add_argument(
+        "--auth-failure-burst", default=f"{AUTH_FAILURE_BURST:g}",
+        help=f"failed authentications per peer address at once before the rate applies (default {AUTH_FAILURE_BURST:g})",
+    )
     serve_parser.set_defaults(handler=_HANDLERS + "run_serve")
 
     tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
@@ -92,6 +117,30 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     tenant_create.add_argument("name", help="tenant name: 1-128 letters, digits, '.', '_' or '-'")
     _add_client_flags(tenant_create)
     tenant_create.set_defaults(handler=_HANDLERS + "run_tenant_create")
+
+    token = commands.add_parser("token", help="rotate and revoke tenant and admin tokens").add_subparsers(
+        dest="token_command", required=True, metavar="COMMAND"
+    )
+    token_rotate = token.add_parser(
+        "rotate",
+        help="replace a tenant's token (admin, or the tenant itself) or the admin token of the call (--admin) "
+        "with a new one, printed once; the old one stops working on every server within a second",
+    )
+    token_rotate.add_argument("--tenant", help="the tenant whose token to replace")
+    token_rotate.add_argument("--admin", action="store_true", help="replace the admin token this call is made with")
+    _add_client_flags(token_rotate)
+    token_rotate.set_defaults(handler=_HANDLERS + "run_token_rotate")
+    token_revoke = token.add_parser(
+        "revoke",
+        help="revoke a tenant's token, or an admin token by its key id (admin); every server refuses it within "
+        "a second",
+    )
+    token_revoke.add_argument("--tenant", help="the tenant whose token to revoke (it can do nothing until rotated)")
+    token_revoke.add_argument(
+        "--admin-key-id", help="the key id of the admin token to revoke (as rotate and the history show it)"
+    )
+    _add_client_flags(token_revoke)
+    token_revoke.set_defaults(handler=_HANDLERS + "run_token_revoke")
 
     dataset = commands.add_parser("dataset", help="datasets and their budgets").add_subparsers(
         dest="dataset_command", required=True, metavar="COMMAND"

@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 from accounting.accountants import labelled_epsilon
+from accounting.ledger.core import delta_warning
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from orchestrator import checks
 from orchestrator.config import GROUPS, documented_keys, load_config
@@ -152,6 +153,9 @@ def run_train(args: argparse.Namespace) -> int:
     if args.non_private_mia and config.privacy_unit == "user":
         raise UsageError("--non-private-mia attacks single examples, and privacy_unit = \"user\" protects users; "
                          "leave --non-private-mia off")
+    warning = delta_warning(config.delta, trainer.plan.dataset_size)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr)
     trainer.ledger = job_ledger(args, trainer)
     try:
         summary = trainer.run()

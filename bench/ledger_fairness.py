@@ -1,0 +1,240 @@
+"""One tenant cannot stall another, and bad tokens cost little: `python -m bench.ledger_fairness [--json]`.
+
+A ledger server runs in its own process on a fresh SQLite file, with its
+default rate limits (`accounting.ledger.limits`).
+
+- Fairness. A victim tenant commits 1 step at a time to its own long
+  reservation, closed loop, for `--seconds`: first alone (unloaded), then
+  while a flooding tenant sends Fits from 4 client processes as fast as
+  replies come, each Fits at the cap: MAX_PLAN_MECHANISMS mechanisms that
+  the server has never seen (so each would cost that many RDP curves).
+  Printed: the victim's commit p50 and p99 unloaded and loaded, their
+  ratio (goal: loaded p99 <= 2x unloaded p99), and how many Fits were
+  answered and how many were refused for rate.
+- Bad tokens. 1,000 calls with a wrong token (a real tenant's key id with
+  a wrong secret: the lookup and compare a guesser forces), and the server
+  process's CPU seconds they take (goal < 1 s); once with the default
+  limit on failed authentications per peer, and once with it lifted, so
+  the digest check alone shows. Beside them, what one scrypt (the hash of
+  schema version 6 and before) costs on this machine, times 1,000.
+
+`--json` also writes bench/results/ledger_fairness.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import psutil
+
+from accounting.events import Composition, SampledGaussian
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.core import MAX_PLAN_MECHANISMS, LedgerError, RateLimited
+
+ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
+DELTA = 1e-5
+STEP = SampledGaussian(0.001, 1.0, 1)
+FLOOD_CLIENTS = 4
+BAD_TOKEN_CALLS = 1000
+TARGET_P99_RATIO = 2.0
+TARGET_BAD_TOKEN_CPU_SECONDS = 1.0
+RESULTS = Path(__file__).resolve().parent / "results" / "ledger_fairness.json"
+_SERVE = (
+    "import json, sys\n"
+    "from accounting.ledger.service import serve\n"
+    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True),\n"
+    "      **json.loads(sys.argv[3]))\n"
+)
+
+
+@contextlib.contextmanager
+def ledger_server(folder: str, name: str, rate_limits: dict) -> Iterator[tuple[str, psutil.Process]]:
+    """A server process on a fresh file in `folder`: its address and its process (for CPU times)."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, os.path.join(folder, name), ADMIN_TOKEN, json.dumps(rate_limits)],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        yield process.stdout.readline().strip(), psutil.Process(process.pid)
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def commit_latencies(address: str, token: str, reservation_id: str, first_sequence: int, seconds: float) -> list:
+    """Commit 1 step at a time for `seconds`; each commit's latency in seconds."""
+    latencies = []
+    with RemoteLedger(address, token) as client:
+        sequence, end = first_sequence, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            started = time.perf_counter()
+            client.commit(reservation_id, 1, sequence)
+            latencies.append(time.perf_counter() - started)
+            sequence += 1
+    return latencies
+
+
+def flood(
+    address: str, token: str, client_index: int, honor_retry: bool, ready: object, stop: object, counts: dict
+) -> None:
+    """Send Fits at the mechanism cap, each of mechanisms never sent before, until `stop`; with `honor_retry`,
+    wait as long as a refusal for rate says first. `ready` is released once this process sends."""
+    answered = refused = 0
+    with RemoteLedger(address, token) as client:
+        request = 0
+        ready.release()
+        while not stop.is_set():
+            request += 1
+            plan = Composition(tuple(
+                SampledGaussian(0.001, 1.0 + (client_index * 10**7 + request * 1000 + i) * 1e-9, 1)
+                for i in range(MAX_PLAN_MECHANISMS)
+            ))
+            try:
+                client.fits("mnist", plan)
+                answered += 1
+            except RateLimited as error:
+                refused += 1
+                if honor_retry:
+                    stop.wait(error.retry_after_seconds)
+            except LedgerError:
+                refused += 1
+    counts[client_index] = (answered, refused)
+
+
+def percentiles_ms(latencies: list) -> dict:
+    values = np.array(latencies) * 1000
+    return {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99)), "n": len(values)}
+
+
+def fairness(folder: str, name: str, seconds: float, honor_retry: bool) -> dict:
+    """The victim's commit latencies unloaded and under the flood."""
+    with ledger_server(folder, name, {}) as (address, _):
+        with RemoteLedger(address, ADMIN_TOKEN) as admin:
+            victim = admin.create_tenant("victim").token
+            flooder = admin.create_tenant("flooder").token
+        with RemoteLedger(address, victim) as client:
+            client.create_dataset("mnist", 1e6, DELTA)
+            reservation_id = client.reserve("mnist", "long", STEP.with_steps(10**7)).reservation_id
+        with RemoteLedger(address, flooder) as client:
+            client.create_dataset("mnist", 1e6, DELTA)
+        unloaded = commit_latencies(address, victim, reservation_id, 0, seconds)
+        # Spawned, not forked: this process has used gRPC.
+        spawn = multiprocessing.get_context("spawn")
+        stop, ready = spawn.Event(), spawn.Semaphore(0)
+        with spawn.Manager() as manager:
+            counts = manager.dict()
+            flooders = [
+                spawn.Process(target=flood, args=(address, flooder, index, honor_retry, ready, stop, counts))
+                for index in range(FLOOD_CLIENTS)
+            ]
+            for process in flooders:
+                process.start()
+            for _ in flooders:  # starting a Python process with gRPC and numpy is seconds of CPU on its own
+                ready.acquire(timeout=300)
+            time.sleep(1.0)  # the flood is running before the victim starts
+            loaded = commit_latencies(address, victim, reservation_id, len(unloaded), seconds)
+            stop.set()
+            for process in flooders:
+                process.join(timeout=60)
+                if process.is_alive():
+                    process.terminate()
+            answered = sum(count[0] for count in counts.values())
+            refused = sum(count[1] for count in counts.values())
+    row = {"unloaded": percentiles_ms(unloaded), "loaded": percentiles_ms(loaded),
+           "flood_fits_answered": answered, "flood_fits_refused": refused}
+    row["p99_ratio"] = row["loaded"]["p99_ms"] / row["unloaded"]["p99_ms"]
+    row["p50_ratio"] = row["loaded"]["p50_ms"] / row["unloaded"]["p50_ms"]
+    return row
+
+
+def bad_tokens(folder: str, name: str, rate_limits: dict) -> dict:
+    """Server CPU seconds of BAD_TOKEN_CALLS calls with a wrong secret on a real key id."""
+    with ledger_server(folder, name, rate_limits) as (address, process):
+        with RemoteLedger(address, ADMIN_TOKEN) as admin:
+            token = admin.create_tenant("acme").token
+        wrong = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+        with RemoteLedger(address, wrong) as client:
+            client.timeout_seconds = 30
+            before = process.cpu_times()
+            started = time.perf_counter()
+            outcomes = {}
+            for _ in range(BAD_TOKEN_CALLS):
+                try:
+                    client.list_datasets()
+                except LedgerError as error:
+                    outcomes[type(error).__name__] = outcomes.get(type(error).__name__, 0) + 1
+            wall = time.perf_counter() - started
+            after = process.cpu_times()
+    cpu = (after.user - before.user) + (after.system - before.system)
+    return {"calls": BAD_TOKEN_CALLS, "server_cpu_seconds": cpu, "wall_seconds": wall, "refusals": outcomes}
+
+
+def scrypt_seconds() -> float:
+    """One scrypt of a token at the parameters of schema version 6 (core.hash_token), median of 5."""
+    from accounting.ledger.core import hash_token
+
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        hash_token("dpf_0123456789abcdef_" + "x" * 43, b"0123456789abcdef")
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ledger_fairness", description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds of each victim phase (default 10)")
+    parser.add_argument("--json", action="store_true", help="also write bench/results/ledger_fairness.json")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory(prefix="dpfleet-fairness-") as folder:
+        floods = {
+            "flooders wait as refusals say": fairness(folder, "polite.db", args.seconds, honor_retry=True),
+            "flooders ignore refusals": fairness(folder, "spinning.db", args.seconds, honor_retry=False),
+        }
+        limited = bad_tokens(folder, "limited.db", {})
+        unlimited = bad_tokens(folder, "unlimited.db", {"auth_failure_burst": 10**9})
+    scrypt = scrypt_seconds()
+    for label, fair in floods.items():
+        print(f"{label}:")
+        print(f"  victim commits, unloaded: p50 {fair['unloaded']['p50_ms']:.2f} ms, "
+              f"p99 {fair['unloaded']['p99_ms']:.2f} ms ({fair['unloaded']['n']} commits)")
+        print(f"  victim commits, {FLOOD_CLIENTS} clients flooding Fits of {MAX_PLAN_MECHANISMS} new mechanisms: "
+              f"p50 {fair['loaded']['p50_ms']:.2f} ms, p99 {fair['loaded']['p99_ms']:.2f} ms "
+              f"({fair['loaded']['n']} commits; flood: {fair['flood_fits_answered']} Fits answered, "
+              f"{fair['flood_fits_refused']} refused)")
+        print(f"  loaded / unloaded: p50 {fair['p50_ratio']:.2f}x, p99 {fair['p99_ratio']:.2f}x "
+              f"(goal p99 <= {TARGET_P99_RATIO:g}x)")
+    for label, row in (("default per-peer limit", limited), ("per-peer limit lifted", unlimited)):
+        print(f"{BAD_TOKEN_CALLS} bad-token calls, {label}: {row['server_cpu_seconds']:.3f} s server CPU, "
+              f"{row['wall_seconds']:.2f} s wall, {row['refusals']} (goal < {TARGET_BAD_TOKEN_CPU_SECONDS:g} s)")
+    print(f"for comparison, {BAD_TOKEN_CALLS} scrypt checks (schema 6 and before): {scrypt * BAD_TOKEN_CALLS:.1f} s "
+          f"({scrypt * 1000:.1f} ms each)")
+    if args.json:
+        machine = {
+            "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        }
+        RESULTS.write_text(json.dumps({
+            "date": time.strftime("%Y-%m-%d"), "machine": machine,
+            "command": "python -m bench.ledger_fairness " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "fairness": floods, "bad_tokens_default_limit": limited, "bad_tokens_limit_lifted": unlimited,
+            "scrypt_seconds_each": scrypt,
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
