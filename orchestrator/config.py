@@ -27,13 +27,14 @@ from orchestrator.shard_config import (
     parse_shards,
 )
 from orchestrator.schedules import LearningRateSchedule, NoiseSchedule, parse_lr_schedule, parse_noise_schedule
+from workers import names
 
 # The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help),
 # and they load when a config is first checked.
 clipping = LazyModule("workers.clipping")
-engines = LazyModule("workers.engines")
 worker_shards = LazyModule("workers.shards")
 sources = LazyModule("workers.sources")
+tasks = LazyModule("workers.tasks")
 users = LazyModule("workers.users")
 
 CHECK_DATA_LEVELS = ("basic", "full")
@@ -508,7 +509,7 @@ def build_config(values: Mapping[str, Any]) -> TrainConfig:
         seed=_optional(values, "seed", lambda key, v: checks.integer_at_least(key, v, 0)),
         run_dir=_path("run_dir", values.get("run_dir", "runs/latest")),
         max_physical_batch=checks.integer_at_least("max_physical_batch", values.get("max_physical_batch", 128), 1),
-        engine=checks.one_of("engine", values.get("engine", "fast"), engines.ENGINES),
+        engine=checks.one_of("engine", values.get("engine", "fast"), names.ENGINE_NAMES),
         loss=_loss(values.get("loss", "cross_entropy")),
         metrics=_metrics(values.get("loss", "cross_entropy"), values.get("metrics")),
         train_transforms=_train_transforms(values.get("train_transforms", [])),
@@ -693,34 +694,30 @@ def _dataset_blocks(spec: str | dict, value: Any) -> tuple[str | dict, tuple[str
 
 
 def _model_spec(value: Any) -> str:
-    from workers.models import MODEL_NAMES
-
-    if not isinstance(value, str) or not (value in MODEL_NAMES or ":" in value):
+    if not isinstance(value, str) or not (value in names.MODEL_NAMES or ":" in value):
         raise UsageError(
-            f"model must be one of {', '.join(MODEL_NAMES)} or 'package.module:function' (got {value!r})"
+            f"model must be one of {', '.join(names.MODEL_NAMES)} or 'package.module:function' (got {value!r})"
         )
     return value
 
 
 def _loss(value: Any) -> str:
-    from workers.tasks import build_loss
-
     if not isinstance(value, str):
         raise UsageError(f"loss must be a name or 'package.module:function' (got {value!r})")
+    if value in names.LOSS_NAMES:
+        return value
     try:
-        build_loss(value)
+        tasks.build_loss(value)
     except ValueError as error:
         raise UsageError(str(error)) from None
     return value
 
 
 def _metrics(loss: Any, value: Any) -> tuple[str, ...]:
-    from workers.tasks import check_metrics
-
     if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
         raise UsageError(f'metrics must be a non-empty list of names, e.g. ["accuracy", "auroc"] (got {value!r})')
     try:
-        return check_metrics(str(loss), value)
+        return names.check_metrics(str(loss), value)
     except ValueError as error:
         raise UsageError(str(error)) from None
 
@@ -736,14 +733,12 @@ def _evaluate_every(value: Any) -> EvaluateEvery | None:
 
 
 def _train_transforms(value: Any) -> tuple[Mapping[str, Any], ...]:
-    from workers.tasks import build_transform
-
     if not isinstance(value, list):
         raise UsageError(f'train_transforms must be a list of tables, e.g. [{{ name = "RandomHorizontalFlip" }}] '
                          f"(got {value!r})")
     try:
         if value:
-            build_transform(value)
+            tasks.build_transform(value)
     except ValueError as error:
         raise UsageError(str(error)) from None
     return tuple(dict(step) for step in value)

@@ -31,7 +31,7 @@ from orchestrator.errors import UsageError
 from workers.data import write_atomically
 from workers.models import MODEL_NAMES, build_model, load_flat_parameters
 from workers.sources import DataError, read_first, spec_name
-from workers.tasks import task_of
+from workers.names import task_of
 
 WEIGHTS_SUFFIX = ".safetensors"
 CARD_SUFFIX = ".model-card.json"

@@ -6,10 +6,10 @@ packages are loaded; a package loaded by one command stays loaded for the
 next, so the first command that names one is the culprit. The help, the
 version and a ledger client load no dp-accounting or scipy either: they have
 no epsilon to compute. `dpfleet ledger fits` plans a training job as
-`dpfleet train` does: its planning and the sizes and user counts it reads
-from the data's metadata load no torch; checking the config's model, engine
-and loss names against the workers' registries still does, so only its help
-is checked here.
+`dpfleet train` does: its planning, the sizes and user counts it reads from
+the data's metadata and the config's check, whose model, engine, loss and
+metrics names are the workers' registries' torch-free lists
+(``workers.names``), load no torch either.
 """
 
 import json
@@ -162,11 +162,37 @@ print(json.dumps({{"sizes": sizes, "loaded": loaded}}))
 
 def test_planning_and_the_data_sizes_and_user_counts_it_reads_load_no_torch_or_ray(tmp_path):
     """A built-in's known size, a Parquet split's row count and its user ids are read without torch or Ray."""
-    for split, rows in (("train", 400), ("test", 50)):
-        pq.write_table(pa.table({"features": np.full((rows, 4), 0.5, dtype=np.float32).tolist(),
-                                 "label": np.arange(rows) % 2, "user": np.arange(rows) % 40}),
-                       tmp_path / f"{split}.parquet")
+    write_parquet_splits(tmp_path)
     completed = subprocess.run([sys.executable, "-c", PLANNING_READS, str(tmp_path)], cwd=REPOSITORY,
                                capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout) == {"sizes": [60000, 50, 40], "loaded": []}
+
+
+def write_parquet_splits(directory: Path) -> None:
+    """A small Parquet dataset, train (400 rows) and test (50 rows): 4 features, a binary label, 40 users."""
+    for split, rows in (("train", 400), ("test", 50)):
+        pq.write_table(pa.table({"features": np.full((rows, 4), 0.5, dtype=np.float32).tolist(),
+                                 "label": np.arange(rows) % 2, "user": np.arange(rows) % 40}),
+                       directory / f"{split}.parquet")
+
+
+def test_ledger_fits_checks_and_plans_an_mnist_and_a_parquet_config_without_torch_or_ray(tmp_path):
+    """`ledger fits` loads the config (its model, engine, loss and metrics names checked) and plans it, light."""
+    write_parquet_splits(tmp_path)
+    mnist = tmp_path / "mnist.toml"
+    mnist.write_text('model = "gdp_cnn"\ndataset = "mnist"\nbatch_size = 250\nsteps = 200\nnoise_multiplier = 1.1\n'
+                     'engine = "vmap"\nloss = "cross_entropy"\nmetrics = ["accuracy", "auroc"]\n')
+    table = tmp_path / "table.toml"
+    table.write_text('model = "lenet5"\nbatch_size = 20\nsteps = 10\nnoise_multiplier = 1.0\nloss = "mse"\n'
+                     f'[dataset]\nformat = "parquet"\ntrain = "{tmp_path}/train.parquet"\n'
+                     f'test = "{tmp_path}/test.parquet"\nfeatures = "features"\nshape = [4]\nname = "table"\n')
+    commands = [
+        ["ledger", "dataset", "create", "mnist", "--epsilon", "10", "--delta", "1e-5"],
+        ["ledger", "fits", "--config", str(mnist)],
+        ["ledger", "dataset", "create", "table", "--epsilon", "10", "--delta", "1e-5"],
+        ["ledger", "fits", "--config", str(table), "--json"],
+    ]
+    report = run_commands(tmp_path, commands, DPFLEET_HOME=str(tmp_path / "home"))
+    assert [entry["argv"] for entry in report] == commands
+    assert_light(report, {})

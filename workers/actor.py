@@ -28,6 +28,7 @@ from workers.features import FeatureCache, compute_features, feature_map
 from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
+from workers.names import task_of
 from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import (
@@ -36,7 +37,6 @@ from workers.tasks import (
     build_metric,
     build_transform,
     metric_inputs,
-    task_of,
 )
 from workers.user_clipping import clipped_user_sum
 from workers.users import USER_ROWS_STREAM, UserSpec, rows_of_users, user_index

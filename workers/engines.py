@@ -1035,7 +1035,8 @@ ENGINES: dict[str, Callable[..., Tensor | tuple[Tensor, dict[str, Tensor]]]] = {
     "fast": fast_clipped_sum,
     "vmap": per_example_clipped_sum,
 }
-"""Clipping engines by name: "fast" (book-keeping, the default) and "vmap" (torch.func, the reference)."""
+"""Clipping engines by name: "fast" (book-keeping, the default) and "vmap" (torch.func, the reference).
+Their names are ``workers.names.ENGINE_NAMES``, which configs are checked against."""
 
 
 def check_engine(engine: str) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from workers import features
+from workers.names import MODEL_NAMES
 
 ModelFactory = Callable[[], nn.Module]
 
@@ -28,6 +29,10 @@ _FACTORIES: dict[str, ModelFactory] = {}
 
 
 def _register(name: str) -> Callable[[ModelFactory], ModelFactory]:
+    if name not in MODEL_NAMES:
+        # Configs are checked against MODEL_NAMES without loading this module.
+        raise ValueError(f"built-in model {name!r} must be listed in workers.names.MODEL_NAMES")
+
     def add(factory: ModelFactory) -> ModelFactory:
         _FACTORIES[name] = factory
         return factory
@@ -126,9 +131,6 @@ def scatternet_linear_32() -> nn.Module:
 def scatternet_cnn_32() -> nn.Module:
     """ScatterNet + a small tanh CNN for 32x32 RGB images (CIFAR-10's shape)."""
     return features.scatternet_cnn((32, 32), 3)
-
-
-MODEL_NAMES: tuple[str, ...] = tuple(sorted(_FACTORIES))
 
 
 def input_shape(name: str) -> tuple[int, int, int]:

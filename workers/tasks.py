@@ -28,6 +28,7 @@ from torchvision.transforms import v2
 
 from workers.clipping import LossFunction
 from workers.losses import ClassLoss
+from workers.names import LOSS_NAMES
 
 
 def _per_example_columns(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,20 +58,7 @@ LOSSES: dict[str, LossFunction] = {
     "token_cross_entropy": token_cross_entropy,
 }
 """Built-in losses by name. The two cross-entropies run once over a batch, normalised per example
-(``workers.losses.ClassLoss``); the others are evaluated per example by vmap."""
-
-TASK_OF_LOSS = {
-    "cross_entropy": "multiclass",
-    "token_cross_entropy": "multiclass",
-    "bce_with_logits": "binary",
-    "mse": "regression",
-}
-METRICS = {
-    "multiclass": ("accuracy", "top5_accuracy", "auroc"),
-    "binary": ("accuracy", "auroc"),
-    "regression": ("mse", "mae"),
-}
-DEFAULT_METRICS = {"multiclass": ("accuracy",), "binary": ("accuracy", "auroc"), "regression": ("mse", "mae")}
+(``workers.losses.ClassLoss``); the others are evaluated per example by vmap. Their names are ``workers.names.LOSS_NAMES``."""
 
 
 def build_loss(spec: str) -> LossFunction:
@@ -79,7 +67,7 @@ def build_loss(spec: str) -> LossFunction:
         return LOSSES[spec]
     module_name, _, function_name = spec.partition(":")
     if not (module_name and function_name):
-        raise ValueError(f"loss must be one of {', '.join(LOSSES)} or 'package.module:function' (got {spec!r})")
+        raise ValueError(f"loss must be one of {', '.join(LOSS_NAMES)} or 'package.module:function' (got {spec!r})")
     try:
         function = getattr(importlib.import_module(module_name), function_name, None)
     except ModuleNotFoundError as error:
@@ -87,25 +75,6 @@ def build_loss(spec: str) -> LossFunction:
     if not callable(function):
         raise ValueError(f"loss {spec!r}: {module_name!r} has no function {function_name!r}")
     return function
-
-
-def task_of(loss: str) -> str:
-    """"multiclass", "binary" or "regression": what the metrics of a loss compare; a custom loss counts as multiclass."""
-    return TASK_OF_LOSS.get(loss, "multiclass")
-
-
-def check_metrics(loss: str, metrics: Sequence[str] | None) -> tuple[str, ...]:
-    """The metrics to report for ``loss``: ``metrics`` if each fits its task, else the task's defaults when None."""
-    task = task_of(loss)
-    if metrics is None:
-        return DEFAULT_METRICS[task]
-    unfit = [name for name in metrics if name not in METRICS[task]]
-    if unfit:
-        raise ValueError(
-            f"metrics {', '.join(map(repr, unfit))} do not fit a {task} task (loss {loss!r}); "
-            f"choose from {', '.join(METRICS[task])}"
-        )
-    return tuple(metrics)
 
 
 def build_metric(name: str, task: str, outputs: torch.Tensor) -> torchmetrics.Metric:

@@ -2,7 +2,10 @@
 
 Planning reads the data's size from its metadata and loads no torch or Ray
 (orchestrator.planning); it reads the data's files, so it is a module of its
-own.
+own. The config's check loads none either: the model, engine, loss and
+metrics names it checks are the workers' registries' torch-free lists
+(workers.names). A config that names its own model or loss module,
+train_transforms or shards, still loads what those load.
 """
 
 from __future__ import annotations
