@@ -16,12 +16,12 @@ from workers.vmap_engine import per_example_clipped_sum
 from workers.data import load_split
 from workers.engines import fast_clipped_sum
 from workers.models import build_model, flat_parameters, load_flat_parameters
+from workers.names import check_metrics
 from workers.tasks import (
     LOSSES,
     build_loss,
     build_metric,
     build_transform,
-    check_metrics,
     metric_inputs,
     token_cross_entropy,
     transform_each,
