@@ -562,6 +562,17 @@ def without_history_triggers(path):
     return connection
 
 
+def rechain_without_the_key(connection):
+    """Recompute every history entry's hash as the unkeyed SHA-256 chain, as anyone holding the file can."""
+    previous = ""
+    for row in connection.execute(
+        "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+    ).fetchall():
+        entry_hash = history_hash(previous, *row)
+        connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, row[0]))
+        previous = entry_hash
+
+
 def spent_some(ledger):
     """A dataset with a committed and a released job; returns the reservation still active."""
     ledger.create_dataset("mnist", 10.0, DELTA)
@@ -629,14 +640,7 @@ def test_verify_finds_a_history_rewritten_without_the_key_and_a_forged_head(ledg
     with without_history_triggers(ledger.path) as connection:
         connection.execute("UPDATE history SET details = replace(details, '\"steps\": 40', '\"steps\": 4')")
         connection.execute("UPDATE commits SET steps = 4, committed_steps = 4 WHERE steps = 40")
-        previous = ""
-        for row in connection.execute(
-            "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
-        ).fetchall():
-            entry_hash = history_hash(previous, *row)
-            connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
-                               (previous, entry_hash, row[0]))
-            previous = entry_hash
+        rechain_without_the_key(connection)
     chain = [finding for finding in ledger.verify().findings if "do not match its hash" in finding.problem]
     assert len(chain) == len(ledger.history())
     forged = replace(head, entries=head.entries - 1)
@@ -662,14 +666,7 @@ def test_a_version_8_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeye
     spent_some(ledger)
     # The file as schema version 8 left it: an unkeyed chain, with one row edited before the key existed.
     with without_history_triggers(ledger.path) as connection:
-        previous = ""
-        for row in connection.execute(
-            "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
-        ).fetchall():
-            entry_hash = history_hash(previous, *row)
-            connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
-                               (previous, entry_hash, row[0]))
-            previous = entry_hash
+        rechain_without_the_key(connection)
         connection.execute("UPDATE history SET actor = 'someone else' WHERE id = 2")
         connection.execute("UPDATE schema_version SET version = 8")
     entries = len(ledger.history())
