@@ -569,7 +569,8 @@ def rechain_without_the_key(connection):
         "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
     ).fetchall():
         entry_hash = history_hash(previous, *row)
-        connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, row[0]))
+        connection.execute("UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?",
+                           (previous, entry_hash, row[0]))
         previous = entry_hash
 
 
