@@ -1949,8 +1949,7 @@ def job_findings(
     for reservation_id in sorted(set(stored) | set(replayed)):
         row, job = stored.get(reservation_id), replayed.get(reservation_id)
         if row is None or job is None:
-            where = "has a row but no history" if job is None else "is in the history but has no row"
-            findings.append(Finding(None, None, f"{reservation_id} {where}", row="reservation"))
+            findings.append(_unpaired(reservation_id, job is None, "reservation"))
             continue
         differing = [name for name, value in job.items() if getattr(row, name) != value]
         if differing:
@@ -1961,6 +1960,12 @@ def job_findings(
         findings.append(Finding(None, None, f"sequence {commit.sequence} of {commit.reservation_id} ({commit.steps} "
                                             f"steps) {where}", row="commit"))
     return findings
+
+
+def _unpaired(name: str, row_only: bool, kind: str) -> Finding:
+    """The finding for a `kind` row that its history does not replay to (`row_only`), or history without its row."""
+    where = "has a row but no history" if row_only else "is in the history but has no row"
+    return Finding(None, None, f"{name} {where}", row=kind)
 
 
 def tenant_findings(entries: list[StoredEntry], tenants: list[StoredTenant]) -> list[Finding]:
@@ -1984,8 +1989,7 @@ def tenant_findings(entries: list[StoredEntry], tenants: list[StoredTenant]) -> 
     for name in sorted(set(stored) | set(created)):
         row, details = stored.get(name), created.get(name)
         if row is None or details is None:
-            where = "has a row but no history" if details is None else "is in the history but has no row"
-            findings.append(Finding(None, None, f"{name} {where}", row="tenant"))
+            findings.append(_unpaired(name, details is None, "tenant"))
         elif row.key_id != details.get("key_id") or (
             "token_digest" in details and row.token_digest != details["token_digest"]
         ):
