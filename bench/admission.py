@@ -29,7 +29,8 @@ from typing import Callable
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
-from accounting.ledger.core import BudgetExceeded, RdpTally, fits_budget
+from accounting.ledger.admission import RdpTally, fits_budget
+from accounting.ledger.errors import BudgetExceeded
 from accounting.ledger.store import open_embedded_ledger
 
 SEED_JOB = SampledGaussian(250 / 60000, 1.3, 3600)

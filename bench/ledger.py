@@ -58,8 +58,8 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from accounting.events import SampledGaussian
+from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import ADMIN
 from accounting.ledger.store import Ledger
 from bench.postgres import PostgresCluster, postgresql_binaries
 

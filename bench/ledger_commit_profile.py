@@ -26,7 +26,7 @@ from pathlib import Path
 
 from accounting.events import SampledGaussian
 from accounting.ledger import databases
-from accounting.ledger.core import ADMIN
+from accounting.ledger.callers import ADMIN
 from accounting.ledger.store import Ledger
 from bench.postgres import PostgresCluster, postgresql_binaries
 

@@ -41,7 +41,8 @@ import psutil
 
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import MAX_PLAN_MECHANISMS, LedgerError, RateLimited
+from accounting.ledger.errors import LedgerError, RateLimited
+from accounting.ledger.validation import MAX_PLAN_MECHANISMS
 
 ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 DELTA = 1e-5
@@ -182,8 +183,8 @@ def bad_tokens(folder: str, name: str, rate_limits: dict) -> dict:
 
 
 def scrypt_seconds() -> float:
-    """One scrypt of a token at the parameters of schema version 6 (core.hash_token), median of 5."""
-    from accounting.ledger.core import hash_token
+    """One scrypt of a token at the parameters of schema version 6 (tokens.hash_token), median of 5."""
+    from accounting.ledger.tokens import hash_token
 
     times = []
     for _ in range(5):

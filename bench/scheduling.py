@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accounting.events import SampledGaussian
-from accounting.ledger.core import AdmissionRule, RdpTally
+from accounting.ledger.admission import AdmissionRule, RdpTally
 from accounting.ledger.scheduling import DPACK, DPF, FCFS, BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
 BUDGET_EPSILON, DELTA = 10.0, 1e-5

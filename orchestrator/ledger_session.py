@@ -14,23 +14,19 @@ import uuid
 from typing import Callable, Mapping
 
 from accounting.events import Composition
+from accounting.ledger.admission import RdpTally, charged_plan, check_block_data
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import (
-    ADMITTED,
-    QUEUED,
+from accounting.ledger.errors import (
     BudgetExceeded,
-    DatasetStatus,
     FailedPrecondition,
     InvalidArgument,
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
-    QueuedJob,
-    RdpTally,
-    charged_plan,
-    check_block_data,
 )
+from accounting.ledger.records import DatasetStatus, QueuedJob
 from accounting.ledger.store import open_embedded_ledger
+from accounting.ledger.validation import ADMITTED, QUEUED
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 from workers.sources import spec_name
 

@@ -52,10 +52,10 @@ def _is_shared_ray_up() -> bool:
 @pytest.fixture
 def held_back_pld(monkeypatch):
     """Make the ledger's PLD epsilons wait until the test sets the returned event (or 30 s pass)."""
-    from accounting.ledger import core
+    from accounting.ledger import caches
 
     may_finish = threading.Event()
-    real_get_accountant = core.get_accountant
+    real_get_accountant = caches.get_accountant
 
     def held_back(name):
         accountant = real_get_accountant(name)
@@ -66,6 +66,6 @@ def held_back_pld(monkeypatch):
 
         return SimpleNamespace(epsilon=epsilon)
 
-    monkeypatch.setattr(core, "get_accountant", held_back)
+    monkeypatch.setattr(caches, "get_accountant", held_back)
     yield may_finish
     may_finish.set()

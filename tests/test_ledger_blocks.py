@@ -7,26 +7,21 @@ import numpy as np
 import pytest
 
 from accounting.events import Composition, SampledGaussian
-from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import (
-    ADMIN,
+from accounting.ledger.admission import (
     AdmissionRule,
-    BudgetExceeded,
-    FailedPrecondition,
     FitReport,
-    InvalidArgument,
-    NotFound,
-    PermissionDenied,
     RdpTally,
     assess_admission,
     block_data_overlap,
-    burn_down,
     check_block_data,
-    check_block_names,
-    tenant_caller,
 )
+from accounting.ledger.callers import ADMIN, tenant_caller
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.errors import BudgetExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger, open_embedded_ledger
+from accounting.ledger.validation import check_block_names
+from accounting.ledger.verification import burn_down
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError

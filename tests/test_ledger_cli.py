@@ -7,7 +7,8 @@ import pytest
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
-from accounting.ledger.core import ADMIN, AdmissionRule, RdpTally
+from accounting.ledger.admission import AdmissionRule, RdpTally
+from accounting.ledger.callers import ADMIN
 from accounting.ledger.service import start_server
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main

@@ -14,45 +14,33 @@ from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
 from accounting.accountants import RDP_ORDERS, epsilon_from_rdp, get_accountant, rdp_vector
 from accounting.events import Composition, SampledGaussian
-from accounting.ledger.core import (
-    ADMIN,
-    AdmissionRule,
+from accounting.ledger.admission import (
     ADMISSION_MARGIN,
+    AdmissionRule,
+    RdpTally,
+    canonical,
+    check_admission,
+    check_new_budget,
+    check_plan,
+    fits_budget,
+    parse_plan,
+    split_steps,
+    uncached_mechanisms,
+)
+from accounting.ledger.caches import CurveNotCached, rdp_curves_cached_only, shared_cache
+from accounting.ledger.callers import ADMIN, Caller, DatasetRef, resolve_dataset, tenant_caller
+from accounting.ledger.errors import (
     BudgetExceeded,
-    Caller,
-    DatasetRef,
     FailedPrecondition,
     InvalidArgument,
     PermissionDenied,
-    RdpTally,
-    Unauthenticated,
-    canonical,
-    CurveNotCached,
     RateLimited,
-    admin_key_id,
-    check_admission,
-    check_budget_epsilon,
-    check_delta,
-    check_plan,
-    check_name,
-    check_new_budget,
-    delta_warning,
-    fits_budget,
-    hash_token,
-    new_token,
-    parse_plan,
-    resolve_dataset,
-    shared_cache,
-    split_steps,
-    tenant_caller,
-    token_digest,
-    token_key_id,
-    token_matches,
-    rdp_curves_cached_only,
-    uncached_mechanisms,
+    Unauthenticated,
 )
 from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.store import open_embedded_ledger
+from accounting.ledger.tokens import admin_key_id, hash_token, new_token, token_digest, token_key_id, token_matches
+from accounting.ledger.validation import check_budget_epsilon, check_delta, check_name, delta_warning
 
 DELTA = 1e-5
 RULE = AdmissionRule.for_budget(2.0, DELTA)

@@ -14,18 +14,10 @@ import time
 import pytest
 
 from accounting.events import Composition, SampledGaussian
+from accounting.ledger.admission import AdmissionRule, RdpTally, fits_budget
+from accounting.ledger.callers import ADMIN, tenant_caller
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import (
-    ADMIN,
-    AdmissionRule,
-    BudgetExceeded,
-    FailedPrecondition,
-    LedgerUnavailable,
-    RdpTally,
-    Unauthenticated,
-    fits_budget,
-    tenant_caller,
-)
+from accounting.ledger.errors import BudgetExceeded, FailedPrecondition, LedgerUnavailable, Unauthenticated
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.service import start_server
 from accounting.ledger.store import TOKEN_RECHECK_SECONDS, Ledger

@@ -13,8 +13,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from accounting.events import Composition, SampledGaussian
+from accounting.ledger.admission import AdmissionRule, RdpTally, fits_budget, split_steps
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import AdmissionRule, LedgerUnavailable, RdpTally, fits_budget, split_steps
+from accounting.ledger.errors import LedgerUnavailable
 from accounting.ledger.service import start_server
 from servers import start_racers, start_serve_process
 
@@ -107,7 +108,7 @@ _RACER = """
 import sys
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import BudgetExceeded
+from accounting.ledger.errors import BudgetExceeded
 
 address, token, job_id = sys.argv[1:]
 ledger = RemoteLedger(address, token)

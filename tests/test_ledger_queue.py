@@ -8,8 +8,10 @@ import time
 import pytest
 
 from accounting.events import SampledGaussian, group_events
+from accounting.ledger.admission import AdmissionRule, RdpTally
+from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import ADMIN, AdmissionRule, BudgetExceeded, FailedPrecondition, RdpTally
+from accounting.ledger.errors import BudgetExceeded, FailedPrecondition
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import SCHEMA_VERSION, open_embedded_ledger
 from orchestrator.cli import main

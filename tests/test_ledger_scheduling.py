@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from accounting.ledger.core import AdmissionRule, order_epsilon
+from accounting.ledger.admission import AdmissionRule, order_epsilon
 from accounting.ledger.scheduling import (
     DPACK,
     DPF,

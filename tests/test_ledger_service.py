@@ -15,8 +15,9 @@ from accounting.events import Composition, SampledGaussian
 from accounting.ledger import generate
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
+from accounting.ledger.admission import RdpTally
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import (
+from accounting.ledger.errors import (
     AlreadyExists,
     BudgetExceeded,
     FailedPrecondition,
@@ -25,7 +26,6 @@ from accounting.ledger.core import (
     NotFound,
     PermissionDenied,
     RateLimited,
-    RdpTally,
     Unauthenticated,
 )
 from accounting.ledger.service import SERVICE_NAME, start_server

@@ -14,9 +14,10 @@ import pytest
 
 from accounting.accountants import get_accountant
 from accounting.events import Composition, SampledGaussian, group_events
-from accounting.ledger.core import (
-    ADMIN,
-    AdmissionRule,
+from accounting.ledger import caches, store
+from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, split_steps
+from accounting.ledger.callers import ADMIN
+from accounting.ledger.errors import (
     AlreadyExists,
     BudgetExceeded,
     FailedPrecondition,
@@ -24,15 +25,8 @@ from accounting.ledger.core import (
     NotFound,
     PermissionDenied,
     RateLimited,
-    RdpTally,
     Unauthenticated,
-    canonical,
-    hash_token,
-    history_hash,
-    split_steps,
-    token_digest,
 )
-from accounting.ledger import core, store
 from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.store import (
     SCHEMA_VERSION,
@@ -41,6 +35,8 @@ from accounting.ledger.store import (
     load_history_key,
     open_embedded_ledger,
 )
+from accounting.ledger.tokens import hash_token, token_digest
+from accounting.ledger.verification import history_hash
 
 DELTA = 1e-5
 FIRST = SampledGaussian(0.004, 1.1, 1)
@@ -774,10 +770,10 @@ def test_curves_missing_under_the_write_lock_are_computed_outside_it_and_the_cha
     reservation = ledger.reserve("mnist", "job-1", plan)
     queued_plan = SampledGaussian(0.0059, 1.71, 3000)  # waits until job-1 is released
     curves = _CurvesSeenUnderTheLock(
-        ledger, core._step_curve, [(0.0031, 1.37, 1.0), (0.0047, 1.53, 1.0), (0.0059, 1.71, 1.0)]
+        ledger, caches._step_curve, [(0.0031, 1.37, 1.0), (0.0047, 1.53, 1.0), (0.0059, 1.71, 1.0)]
     )
     assert ledger.enqueue("mnist", "job-2", queued_plan).state == "queued"
-    monkeypatch.setattr(core, "_step_curve", curves)
+    monkeypatch.setattr(caches, "_step_curve", curves)
     result = ledger.commit(reservation.reservation_id, 7, 0)
     ledger.release(reservation.reservation_id)
     assert curves.forget == set()  # each was asked for under the lock, found missing, and computed outside it

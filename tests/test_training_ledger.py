@@ -12,8 +12,8 @@ import pytest
 from scipy.stats import spearmanr
 
 from accounting.events import SampledGaussian
+from accounting.ledger.admission import AdmissionRule, RdpTally, fits_budget
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import AdmissionRule, RdpTally, fits_budget
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.charge_clock import ChargeClock

@@ -20,33 +20,9 @@ from accounting.events import EventsLike
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
-from accounting.ledger.core import (
-    EXAMPLE,
-    BudgetExceeded,
-    CommitResult,
-    DatasetStatus,
-    FitReport,
-    HistoryEntry,
-    InvalidArgument,
-    LedgerError,
-    LedgerUnavailable,
-    QueuedJob,
-    RateLimited,
-    Reservation,
-    TenantCreated,
-    check_block_names,
-    check_history_limit,
-    check_lease_seconds,
-    check_max_wait_seconds,
-    check_plan,
-    check_priority,
-    check_queue_state,
-    check_scheduling,
-    check_privacy_unit,
-    check_rows_per_person,
-    check_sequence,
-    check_steps,
-)
+from accounting.ledger.admission import FitReport, check_plan
+from accounting.ledger.errors import BudgetExceeded, InvalidArgument, LedgerError, LedgerUnavailable, RateLimited
+from accounting.ledger.records import CommitResult, DatasetStatus, HistoryEntry, QueuedJob, Reservation, TenantCreated
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.messages import (
     BUDGET_KEY,
@@ -56,6 +32,20 @@ from accounting.ledger.messages import (
     REMAINING_EPSILON_KEY,
     RETRY_AFTER_KEY,
     STATUS_CODES,
+)
+from accounting.ledger.validation import (
+    EXAMPLE,
+    check_block_names,
+    check_history_limit,
+    check_lease_seconds,
+    check_max_wait_seconds,
+    check_priority,
+    check_privacy_unit,
+    check_queue_state,
+    check_rows_per_person,
+    check_scheduling,
+    check_sequence,
+    check_steps,
 )
 
 _ERRORS_BY_CODE = {code: error for error, code in STATUS_CODES.items() if error is not BudgetExceeded}
@@ -244,7 +234,7 @@ class RemoteLedger:
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None
     ) -> DatasetStatus:
         """Add a block with its own budget of `epsilon` at `delta` (default: the dataset's) to a dataset,
-        bound to the rows `data` declares (see core.check_block_data; the server checks it)."""
+        bound to the rows `data` declares (see admission.check_block_data; the server checks it)."""
         request = self._request(
             pb.AddBlockRequest, dataset=dataset, block=block, epsilon=epsilon, delta=delta or 0.0,
             data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 from urllib.parse import urlsplit
 
-from accounting.ledger.core import FailedPrecondition
+from accounting.ledger.errors import FailedPrecondition
 
 POSTGRESQL_SCHEMES = ("postgresql", "postgres")
 # The advisory lock every change takes on PostgreSQL: "dpfl" in ASCII, one number for the whole database.

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from accounting.ledger.core import MAX_PLAN_MECHANISMS, RateLimited
+from accounting.ledger.errors import RateLimited
+from accounting.ledger.validation import MAX_PLAN_MECHANISMS
 
 # A tenant's costly requests (Ledger._charge_curves): one unit is one RDP curve computed for a mechanism the
 # server has not seen (80-400 ms of CPU), one more for a Fits. A full bucket holds a Fits of MAX_PLAN_MECHANISMS

@@ -11,34 +11,31 @@ import grpc
 
 from accounting.events import Composition
 from accounting.ledger import ledger_pb2 as pb
-from accounting.ledger.core import (
-    ACTIVE,
-    EXAMPLE,
-    AdmissionRule,
-    RELEASED,
+from accounting.ledger.admission import AdmissionRule, BudgetCheck, FitReport
+from accounting.ledger.errors import (
     AlreadyExists,
-    BlockStatus,
-    BudgetCheck,
     BudgetExceeded,
-    CommitResult,
-    DatasetStatus,
     FailedPrecondition,
-    FitReport,
-    HistoryEntry,
     InvalidArgument,
     LedgerError,
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
+    RateLimited,
+    Unauthenticated,
+)
+from accounting.ledger.records import (
+    BlockStatus,
+    CommitResult,
+    DatasetStatus,
+    HistoryEntry,
     QueuedJob,
     QuotaStatus,
-    RateLimited,
     Reservation,
     TenantCreated,
-    Unauthenticated,
-    check_state,
 )
 from accounting.ledger.scheduling import SchedulingPolicy
+from accounting.ledger.validation import ACTIVE, EXAMPLE, RELEASED, check_state
 
 STATUS_CODES: dict[type[LedgerError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,

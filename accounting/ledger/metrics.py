@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from accounting.ledger.core import BlockStatus, DatasetStatus, QuotaStatus
+from accounting.ledger.records import BlockStatus, DatasetStatus, QuotaStatus
 
 RPC_SECONDS = "dpfleet_ledger_rpc_duration_seconds"
 

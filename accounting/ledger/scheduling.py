@@ -6,7 +6,7 @@ jobs to admit now. A policy only chooses the *order* in which queued jobs are
 considered and *how much* of each block's budget is unlocked; a job is
 admitted only when it fits the unlocked budget by the filter's own rule (at
 one order at least, held + demand within the unlocked capacity), and the
-store then admits it through the RDP filter itself (core.check_admission).
+store then admits it through the RDP filter itself (admission.check_admission).
 The unlocked fraction is at most 1, so no policy admits what the filter
 would refuse.
 

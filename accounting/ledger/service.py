@@ -41,6 +41,10 @@ from prometheus_client import CollectorRegistry, Histogram
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
+from accounting.ledger.admission import parse_plan
+from accounting.ledger.caches import compute_curves_in_processes
+from accounting.ledger.callers import Caller
+from accounting.ledger.errors import BudgetExceeded, InvalidArgument, LedgerError, RateLimited, Unauthenticated
 from accounting.ledger.messages import (
     BUDGET_KEY,
     DATASET_KEY,
@@ -49,17 +53,6 @@ from accounting.ledger.messages import (
     REMAINING_EPSILON_KEY,
     RETRY_AFTER_KEY,
     STATUS_CODES,
-)
-from accounting.ledger.core import (
-    EXAMPLE,
-    BudgetExceeded,
-    Caller,
-    InvalidArgument,
-    LedgerError,
-    RateLimited,
-    Unauthenticated,
-    compute_curves_in_processes,
-    parse_plan,
 )
 from accounting.ledger.limits import (
     AUTH_FAILURE_BURST,
@@ -71,6 +64,7 @@ from accounting.ledger.limits import (
 from accounting.ledger.metrics import rpc_latency_histogram
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import Ledger
+from accounting.ledger.validation import EXAMPLE
 from accounting.ledger.web import WebServer, start_web
 
 LOG = logging.getLogger(__name__)
@@ -350,7 +344,7 @@ class LedgerServer:
 def check_admin_token(admin_token: str | None) -> str | None:
     """The admin token, refused when too short to resist guessing.
 
-    The ledger keeps it as its SHA-256 digest (core.token_digest), which
+    The ledger keeps it as its SHA-256 digest (tokens.token_digest), which
     protects a random token only: make it with secrets, as the error says.
     """
     if admin_token is not None and len(admin_token) < MIN_ADMIN_TOKEN_LENGTH:

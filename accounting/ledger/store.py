@@ -8,7 +8,7 @@ each other.
 Each change appends a row to `history` (who, when, what, JSON details); the
 table refuses UPDATE, DELETE (and on PostgreSQL TRUNCATE), and each row
 carries an HMAC under the history key over the row and the hash of the one
-before it (core.history_hash), so `verify` finds a row edited or removed by
+before it (verification.history_hash), so `verify` finds a row edited or removed by
 hand, and nobody without the key can rewrite the chain to hide it. The key is
 a file the ledger reads when it opens (`load_history_key`), never the
 database. `head` signs the chain's head with the same key; `verify` with a
@@ -20,9 +20,9 @@ asking for another tenant's dataset or reservation, or one that does not
 exist, gets the same PermissionDenied, so existence is never revealed; an
 admin gets NotFound for what does not exist.
 
-Each dataset row carries its admission rule (core.AdmissionRule), its
+Each dataset row carries its admission rule (admission.AdmissionRule), its
 committed events in canonical form (one record per mechanism) and the exact
-RDP tally (see core.RdpTally) of committed + reserved-unrun steps, so
+RDP tally (see admission.RdpTally) of committed + reserved-unrun steps, so
 admission and status never read the history; a commit only rewrites the
 committed events, which the figures of what is spent are computed from.
 
@@ -52,40 +52,88 @@ from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 from accounting.events import Composition, EventsLike
-from accounting.ledger.core import (
-    ACTIVE,
-    ADMITTED,
-    CANCELLED,
-    EXAMPLE,
+from accounting.ledger.admission import (
+    AdmissionRule,
+    BudgetCheck,
+    FitReport,
+    RdpTally,
+    assess_admission,
+    block_data_overlap,
+    budget_figures,
+    canonical,
+    charged_plan,
+    check_block_data,
+    check_new_budget,
+    check_plan,
+    fits_budget,
+    split_steps,
+    uncached_mechanisms,
+)
+from accounting.ledger.caches import CurveNotCached, compute_curve, rdp_curves_cached_only
+from accounting.ledger.callers import (
+    ADMIN,
     LEASE_EXPIRY,
     LOCAL_TENANT,
     QUEUE_ADMISSION,
     QUEUE_TIMEOUT,
-    QUEUED,
-    RELEASED,
-    TIMED_OUT,
-    ADMIN,
-    AdmissionRule,
+    Caller,
+    DatasetRef,
+    display_name,
+    no_access,
+    no_reservation,
+    resolve_dataset,
+    tenant_caller,
+)
+from accounting.ledger.databases import Connection, Database, open_database
+from accounting.ledger.errors import (
     AlreadyExists,
     BudgetExceeded,
-    BlockStatus,
-    BudgetCheck,
-    Caller,
-    CurveNotCached,
-    CommitResult,
-    DatasetRef,
-    DatasetStatus,
     FailedPrecondition,
-    FitReport,
-    HistoryEntry,
     InvalidArgument,
     LedgerUnavailable,
     NotFound,
     PermissionDenied,
+    Unauthenticated,
+)
+from accounting.ledger.limits import TokenBuckets
+from accounting.ledger.records import (
+    BlockStatus,
+    CommitResult,
+    DatasetStatus,
+    HistoryEntry,
     QueuedJob,
     QuotaStatus,
-    RdpTally,
     Reservation,
+    TenantCreated,
+    quota_status,
+)
+from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
+from accounting.ledger.tokens import admin_key_id, new_token, token_digest, token_key_id, token_matches
+from accounting.ledger.validation import (
+    ACTIVE,
+    ADMITTED,
+    CANCELLED,
+    EXAMPLE,
+    QUEUED,
+    RELEASED,
+    TIMED_OUT,
+    check_block_names,
+    check_budget_epsilon,
+    check_delta,
+    check_history_limit,
+    check_lease_seconds,
+    check_max_wait_seconds,
+    check_name,
+    check_priority,
+    check_privacy_unit,
+    check_queue_state,
+    check_rows_per_person,
+    check_scheduling,
+    check_sequence,
+    check_state,
+    check_steps,
+)
+from accounting.ledger.verification import (
     ANCHOR_ACTION,
     SignedHead,
     StoredCommit,
@@ -94,57 +142,13 @@ from accounting.ledger.core import (
     StoredReservation,
     StoredTenant,
     StoredTenantUse,
-    TenantCreated,
-    Unauthenticated,
     Verification,
-    admin_key_id,
-    assess_admission,
-    block_data_overlap,
-    budget_figures,
-    canonical,
-    charged_plan,
-    check_block_data,
     chain_findings,
-    check_block_names,
-    compute_curve,
-    check_budget_epsilon,
-    check_delta,
-    check_history_limit,
-    check_lease_seconds,
-    check_max_wait_seconds,
-    check_privacy_unit,
-    check_rows_per_person,
-    check_name,
-    check_new_budget,
-    check_plan,
-    check_priority,
-    check_queue_state,
-    check_scheduling,
-    check_sequence,
-    check_state,
-    check_steps,
-    display_name,
-    fits_budget,
     history_hash,
-    new_token,
-    no_access,
-    no_reservation,
-    quota_status,
-    rdp_curves_cached_only,
-    resolve_dataset,
     sign_head,
-    split_steps,
-    tenant_caller,
     stored_token_digest,
-    token_digest,
-    token_key_id,
-    token_matches,
-    uncached_mechanisms,
     verify_history,
 )
-from accounting.ledger.databases import Connection, Database, open_database
-from accounting.ledger.limits import TokenBuckets
-from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
 
 SCHEMA_VERSION = 9
 
@@ -192,7 +196,7 @@ _QUEUE_TABLES = (
 )
 
 # Admin tokens kept by the ledger (schema version 7): those the servers were started with and those rotated
-# in, each as its SHA-256 digest (core.token_digest); a revoked one keeps its row, so a server started again
+# in, each as its SHA-256 digest (tokens.token_digest); a revoked one keeps its row, so a server started again
 # with it still refuses it. `token_generation` counts rotations and revocations: a server re-reads it at
 # most TOKEN_RECHECK_SECONDS after it last did, and forgets the tokens it had verified when it changed.
 _TOKEN_TABLES = (
@@ -425,7 +429,7 @@ def _add_queues(connection: Connection, caller: Caller, database: Database) -> N
 
 
 def _declare_block_data(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 7: each block declares where its rows are (`block_data`, JSON; see core.check_block_data).
+    """Version 7: each block declares where its rows are (`block_data`, JSON; see admission.check_block_data).
 
     A block of an older file declared nothing, so nothing shows which rows
     it holds: it keeps its history and its active reservations, admits no
@@ -532,7 +536,7 @@ _CHANGE = threading.local()
 def _curves_outside_lock(method: Callable) -> Callable:
     """Run a change so that the RDP curves it needs are computed with no lock held.
 
-    Under the write lock only cached curves may be used (core.rdp_curves_cached_only):
+    Under the write lock only cached curves may be used (caches.rdp_curves_cached_only):
     a missing one aborts the change's savepoint and releases the lock, the
     curve is computed, and the change runs again from the start, which is
     safe as nothing of it was written. So the lock covers reading and

@@ -19,8 +19,11 @@ from datetime import datetime, timezone
 from itertools import groupby
 from typing import Callable
 
-from accounting.ledger.core import ADMIN, HISTORY_LIMIT, Caller, DatasetStatus, burn_down
+from accounting.ledger.callers import ADMIN, Caller
+from accounting.ledger.records import DatasetStatus
 from accounting.ledger.store import Ledger
+from accounting.ledger.validation import HISTORY_LIMIT
+from accounting.ledger.verification import burn_down
 
 # The newest changes a burn-down replays; a dataset with more shows its figures and tables without the chart.
 BURN_DOWN_ENTRIES = HISTORY_LIMIT[1]

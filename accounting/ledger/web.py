@@ -29,7 +29,8 @@ from typing import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from accounting.ledger.core import Caller, LedgerError, Unauthenticated
+from accounting.ledger.callers import Caller
+from accounting.ledger.errors import LedgerError, Unauthenticated
 from accounting.ledger.metrics import exposition
 from accounting.ledger.store import Ledger
 from accounting.ledger.view import ledger_view

@@ -17,22 +17,16 @@ from pathlib import Path
 from typing import Callable
 
 from accounting.lazy import LazyModule
+from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import (
-    ADMIN,
-    BudgetExceeded,
-    DatasetStatus,
-    InvalidArgument,
-    LedgerError,
-    PrivacyLedger,
-    SignedHead,
-    check_budget_epsilon,
-    check_delta,
-    delta_warning,
-)
 from accounting.ledger.databases import is_postgresql, shown_location
+from accounting.ledger.errors import BudgetExceeded, InvalidArgument, LedgerError
+from accounting.ledger.interface import PrivacyLedger
+from accounting.ledger.records import DatasetStatus
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
+from accounting.ledger.validation import check_budget_epsilon, check_delta, delta_warning
+from accounting.ledger.verification import SignedHead
 from orchestrator import checks
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.errors import BudgetRefusedError, UsageError

@@ -7,8 +7,8 @@ import sys
 import textwrap
 
 from accounting.accountants import labelled_epsilon
-from accounting.ledger.core import delta_warning
 from accounting.ledger.scheduling import PRIORITY_RANGE
+from accounting.ledger.validation import delta_warning
 from orchestrator import checks
 from orchestrator.config import GROUPS, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress

@@ -1,0 +1,123 @@
+"""A job's plan: its checks, what a dataset is charged for it, and the algebra of event compositions."""
+
+from __future__ import annotations
+
+from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition, group_events
+from accounting.ledger.caches import is_curve_cached
+from accounting.ledger.errors import FailedPrecondition, InvalidArgument
+from accounting.ledger.validation import MAX_PLAN_MECHANISMS, MAX_PLAN_RECORDS, MAX_STEPS, NOISE_MULTIPLIER_RANGE, USER
+
+
+def charged_plan(
+    dataset: str, dataset_unit: str, job_unit: str, planned: Composition, rows_per_person: int | None
+) -> Composition:
+    """The events a dataset of `dataset_unit` is charged for a job whose `planned` events protect `job_unit`.
+
+    Same unit: the plan itself. An example-level job on a user-level dataset
+    is charged the group-privacy bound for people of at most
+    `rows_per_person` rows (`group_events`), and refused without that bound.
+    A user-level job on an example-level dataset is refused: its events
+    bound a person, and the job must send events that bound one row
+    (dpfleet train does: the sampled Gaussian at sensitivity factor 2).
+    """
+    if dataset_unit == job_unit:
+        return planned
+    if dataset_unit == USER:
+        if rows_per_person is None:
+            raise FailedPrecondition(
+                f"dataset {dataset!r} has a user-level budget (privacy unit 'user') and this example-level job does "
+                "not bound how many rows one person has; train with privacy_unit = \"user\", or give "
+                "max_examples_per_user (with user_id or synthetic_users) so the ledger can charge the group-privacy "
+                "bound for people of that many rows"
+            )
+        return group_events(planned, rows_per_person)
+    raise FailedPrecondition(
+        f"dataset {dataset!r} has an example-level budget (privacy unit 'example'); a user-level job's events bound "
+        "one person, not one row: reserve the events that bound one row (a user-level dpfleet train sends them: "
+        "the sampled Gaussian over people at sensitivity factor 2), or use a dataset created with --privacy-unit user"
+    )
+
+
+def check_plan(planned: EventsLike) -> Composition:
+    """A job's planned events: at least one step, at most MAX_PLAN_RECORDS distinct records."""
+    try:
+        composition = as_composition(planned)
+    except EventError as error:
+        raise InvalidArgument(f"planned events: {error}") from None
+    if composition.steps == 0:
+        raise InvalidArgument("planned events must hold at least one step (got none)")
+    if any(event.steps > MAX_STEPS for event in composition.events):
+        raise InvalidArgument(f"planned events may hold at most {MAX_STEPS} steps per record")
+    least, most = NOISE_MULTIPLIER_RANGE
+    for event in composition.events:
+        # Past these the accountants' arithmetic overflows or divides by zero.
+        if not all(least <= sigma <= most for sigma in (event.noise_multiplier, event.effective_noise_multiplier)):
+            raise InvalidArgument(
+                f"planned events: noise_multiplier, and noise_multiplier / sensitivity_factor, must be in "
+                f"[{least:g}, {most:g}] (got {event.noise_multiplier:g} and {event.effective_noise_multiplier:g})"
+            )
+    if len(composition.events) > MAX_PLAN_RECORDS:
+        raise InvalidArgument(
+            f"planned events may hold at most {MAX_PLAN_RECORDS} records after merging equal neighbours "
+            f"(got {len(composition.events)}); group steps of the same mechanism together"
+        )
+    mechanisms = len(mechanisms_of(composition))
+    if mechanisms > MAX_PLAN_MECHANISMS:
+        raise InvalidArgument(
+            f"planned events may use at most {MAX_PLAN_MECHANISMS} distinct mechanisms (sampling rate, noise "
+            f"multiplier, sensitivity factor) (got {mechanisms}); change sigma less often (a longer "
+            "noise_schedule.every) or split the job"
+        )
+    return composition
+
+
+def parse_plan(text: object) -> Composition:
+    """A job's planned events from their versioned JSON (Composition.to_json)."""
+    if not isinstance(text, str):
+        raise InvalidArgument(f"planned events must be a JSON string (got {type(text).__name__})")
+    try:
+        composition = Composition.from_json(text)
+    except (EventError, TypeError, AttributeError, ValueError, OverflowError, RecursionError) as error:
+        # OverflowError: events.py turns an infinite "steps" into an int before range-checking it.
+        raise InvalidArgument(f"planned events: {error}") from None
+    return check_plan(composition)
+
+
+def split_steps(composition: Composition, steps: int) -> tuple[Composition, Composition]:
+    """The first `steps` steps of a composition and the rest, in the composition's order."""
+    try:
+        return as_composition(composition).split(steps)
+    except EventError as error:
+        raise InvalidArgument(str(error)) from None
+
+
+def canonical(composition: EventsLike) -> Composition:
+    """The same multiset of steps, one record per mechanism in a fixed order.
+
+    Composition of DP mechanisms does not depend on their order, so a
+    dataset's committed events can be kept in this bounded form however many
+    jobs interleave on it.
+    """
+    steps_by_mechanism: dict[tuple[float, float, float], int] = {}
+    for event in as_composition(composition).events:
+        key = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+        steps_by_mechanism[key] = steps_by_mechanism.get(key, 0) + event.steps
+    return Composition(
+        tuple(
+            SampledGaussian(rate, sigma, steps, factor)
+            for (rate, sigma, factor), steps in sorted(steps_by_mechanism.items())
+        )
+    )
+
+
+def mechanisms_of(events: EventsLike) -> set[tuple[float, float, float]]:
+    """The distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) of a composition."""
+    return {
+        (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+        for event in as_composition(events).events
+    }
+
+
+def uncached_mechanisms(events: EventsLike) -> int:
+    """How many of a composition's mechanisms have no cached RDP curve: what admitting it would compute."""
+    return sum(not is_curve_cached(mechanism) for mechanism in mechanisms_of(events))

@@ -1,0 +1,98 @@
+"""Exact RDP tallies: a budget's Renyi divergences at every order of RDP_ORDERS, summed in integer units.
+
+RDP composes by addition, so a dataset's tally of everything committed or
+reserved-but-unrun is a sum; it is kept in exact integers so that adding a
+plan and later subtracting its unrun part leaves no floating drift, and
+nothing needs recomputing when the store is reopened. Every per-step Renyi
+divergence is rounded up to a multiple of 2**-60 nats and a sum is converted
+back to a float rounded up, so rounding can only make the ledger refuse
+something at the exact edge, never admit something over it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from accounting.accountants import RDP_ORDERS, epsilon_from_rdp
+from accounting.events import EventsLike, as_composition
+from accounting.ledger.caches import UNITS_PER_NAT, step_units
+
+
+@dataclass(frozen=True)
+class RdpTally:
+    """Renyi divergences at every order of RDP_ORDERS, summed exactly.
+
+    `units[i]` is the divergence at order i in units of 2**-60 nats (each
+    step rounded up); `unbounded_steps[i]` counts the steps whose divergence
+    at order i is unbounded, which makes the total infinite there. The tally
+    of a composition is linear in its steps, so the tally of the first k
+    steps plus the tally of the rest equals the tally of the whole, exactly.
+    """
+
+    units: tuple[int, ...]
+    unbounded_steps: tuple[int, ...]
+
+    @classmethod
+    def zero(cls) -> "RdpTally":
+        """The tally of no events."""
+        return cls((0,) * len(RDP_ORDERS), (0,) * len(RDP_ORDERS))
+
+    @classmethod
+    def of(cls, events: EventsLike) -> "RdpTally":
+        """The tally of a composition (one dp-accounting call per distinct mechanism, cached)."""
+        units = [0] * len(RDP_ORDERS)
+        unbounded = [0] * len(RDP_ORDERS)
+        for event in as_composition(events).events:
+            units_of_step, unbounded_in_step = step_units(
+                event.sampling_rate, event.noise_multiplier, event.sensitivity_factor
+            )
+            for order, (unit, infinite) in enumerate(zip(units_of_step, unbounded_in_step)):
+                units[order] += event.steps * unit
+                unbounded[order] += event.steps if infinite else 0
+        return cls(tuple(units), tuple(unbounded))
+
+    def __add__(self, other: "RdpTally") -> "RdpTally":
+        return RdpTally(
+            tuple(a + b for a, b in zip(self.units, other.units)),
+            tuple(a + b for a, b in zip(self.unbounded_steps, other.unbounded_steps)),
+        )
+
+    def __sub__(self, other: "RdpTally") -> "RdpTally":
+        units = tuple(a - b for a, b in zip(self.units, other.units))
+        unbounded = tuple(a - b for a, b in zip(self.unbounded_steps, other.unbounded_steps))
+        if min(units) < 0 or min(unbounded) < 0:
+            raise ValueError("cannot take from an RDP tally more than was added to it; the ledger file is inconsistent")
+        return RdpTally(units, unbounded)
+
+    def divergences(self) -> np.ndarray:
+        """The per-order Renyi divergences in nats, each rounded up to the next float."""
+        return np.array(
+            [
+                math.inf if infinite else (math.nextafter(units / UNITS_PER_NAT, math.inf) if units else 0.0)
+                for units, infinite in zip(self.units, self.unbounded_steps)
+            ],
+            dtype=np.float64,
+        )
+
+    def epsilon(self, delta: float) -> float:
+        """RDP epsilon at `delta` (best order of RDP_ORDERS)."""
+        return epsilon_from_rdp(self.divergences(), delta, warn=False)
+
+    def to_json(self) -> str:
+        """Exact JSON (integers of any size)."""
+        return json.dumps({"units": list(self.units), "unbounded_steps": list(self.unbounded_steps)})
+
+    @classmethod
+    def from_json(cls, text: str) -> "RdpTally":
+        """Inverse of `to_json`; refuses a tally over a different order grid."""
+        data = json.loads(text)
+        if len(data["units"]) != len(RDP_ORDERS) or len(data["unbounded_steps"]) != len(RDP_ORDERS):
+            raise ValueError(
+                f"stored RDP tally has {len(data['units'])} orders but this dpfleet uses {len(RDP_ORDERS)}; "
+                "open the ledger with the dpfleet version that wrote it"
+            )
+        return cls(tuple(data["units"]), tuple(data["unbounded_steps"]))

@@ -1,0 +1,271 @@
+"""The ledger's costly accountant figures, each computed once and shared: one step's RDP curve, and the PLD ε
+of a dataset's committed events.
+
+The one part of the budget arithmetic that is not pure. A curve costs 80-400 ms of dp-accounting per mechanism
+and a PLD figure 0.1-1 s, so callers asking for the same one at once share one computation (`shared_cache`);
+a server may compute curves in processes of its own (`compute_curves_in_processes`), a caller that will not
+wait gets a PLD figure started on a background thread (`spent_pld_epsilon`), and the store computes a missing
+curve outside its write lock (`rdp_curves_cached_only`). The pure arithmetic (accounting.ledger.admission)
+asks this module for curves and starts no thread or process itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import multiprocessing
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Callable, Iterator
+
+from accounting.accountants import get_accountant, rdp_vector
+from accounting.events import Composition, SampledGaussian
+
+# Renyi divergences are tallied in integer units of 2**-60 nats: exact under
+# addition and subtraction, and finer than any float we would compare.
+_UNIT_BITS = 60
+UNITS_PER_NAT = 2**_UNIT_BITS
+
+
+class CurveNotCached(Exception):
+    """An RDP curve was needed where only cached ones may be used (under the store's write lock).
+
+    Not a LedgerError: the store catches it, computes `mechanism`'s curve with no lock held and runs the change
+    again.
+    """
+
+    def __init__(self, mechanism: tuple[float, float, float]) -> None:
+        self.mechanism = mechanism
+        super().__init__(f"the RDP curve of mechanism {mechanism} is not cached")
+
+
+_CURVE_MODE = threading.local()
+
+
+@contextlib.contextmanager
+def rdp_curves_cached_only() -> Iterator[None]:
+    """Within this block, on this thread, a mechanism whose RDP curve is not cached raises CurveNotCached.
+
+    The store wraps the body of its write transactions in it, so that no
+    80-400 ms curve computation ever holds the lock that every other
+    tenant's commit waits for.
+    """
+    previous = getattr(_CURVE_MODE, "cached_only", False)
+    _CURVE_MODE.cached_only = True
+    try:
+        yield
+    finally:
+        _CURVE_MODE.cached_only = previous
+
+
+def is_curve_cached(mechanism: tuple[float, float, float]) -> bool:
+    """True when the RDP curve of `mechanism` (sampling rate, noise multiplier, sensitivity factor) is cached."""
+    return _step_curve.peek(*mechanism) is not None
+
+
+def compute_curve(mechanism: tuple[float, float, float]) -> None:
+    """Compute and cache one mechanism's RDP curve (outside any lock; concurrent askers share one computation)."""
+    _step_curve(*mechanism)
+
+
+def step_units(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units`, cached; see `rdp_curves_cached_only`."""
+    if getattr(_CURVE_MODE, "cached_only", False):
+        curve = _step_curve.peek(sampling_rate, noise_multiplier, sensitivity_factor)
+        if curve is None:
+            raise CurveNotCached((sampling_rate, noise_multiplier, sensitivity_factor))
+        return curve
+    return _step_curve(sampling_rate, noise_multiplier, sensitivity_factor)
+
+
+def _computed_step_units(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Per-order RDP of one step in units, rounded up, and which orders are unbounded."""
+    divergences = rdp_vector(SampledGaussian(sampling_rate, noise_multiplier, 1, sensitivity_factor))
+    units = []
+    unbounded = []
+    for divergence in divergences:
+        scaled = float(divergence) * UNITS_PER_NAT  # exact: a power-of-two scaling
+        if math.isfinite(scaled):
+            units.append(max(0, math.ceil(scaled)))
+            unbounded.append(False)
+        else:
+            # dp-accounting reports inf (or gives up) at orders it cannot bound.
+            units.append(0)
+            unbounded.append(True)
+    return tuple(units), tuple(unbounded)
+
+
+def shared_cache(maxsize: int) -> Callable[[Callable], SharedCache]:
+    """A least-recently-used cache of `maxsize` results, like functools.lru_cache, computed once per arguments.
+
+    Callers that ask for arguments already being computed wait for that
+    computation rather than start their own; if it raises, each of them
+    gets the error and the next call tries again. The cached function's
+    `start(*args)` asks without waiting: see `SharedCache.start`.
+    """
+    return lambda function: SharedCache(function, maxsize)
+
+
+class SharedCache:
+    """`function` with its results for the `maxsize` arguments used last kept, each computed once (`shared_cache`)."""
+
+    def __init__(self, function: Callable, maxsize: int) -> None:
+        functools.update_wrapper(self, function)
+        self._function = function
+        self._maxsize = maxsize
+        self._results: OrderedDict = OrderedDict()
+        self._computing: dict[tuple, Future] = {}
+        self._lock = threading.Lock()
+        self._background: Future | None = None
+
+    def _claim(self, args: tuple, background: bool = False) -> tuple[Future | None, bool]:
+        """The result's future, and whether the caller must compute it; for a background computation, None when
+        the last one is still running."""
+        with self._lock:
+            if args in self._results:
+                self._results.move_to_end(args)
+                done: Future = Future()
+                done.set_result(self._results[args])
+                return done, False
+            pending = self._computing.get(args)
+            if pending is not None:
+                return pending, False
+            if background and self._background is not None and not self._background.done():
+                return None, False
+            pending = self._computing[args] = Future()
+            if background:
+                self._background = pending
+            return pending, True
+
+    def _compute(self, args: tuple, pending: Future) -> None:
+        try:
+            value = self._function(*args)
+        except BaseException as error:
+            with self._lock:
+                del self._computing[args]
+            pending.set_exception(error)
+            return
+        with self._lock:
+            del self._computing[args]
+            self._results[args] = value
+            if len(self._results) > self._maxsize:
+                self._results.popitem(last=False)
+        pending.set_result(value)
+
+    def __call__(self, *args: object) -> object:
+        pending, owner = self._claim(args)
+        if owner:
+            self._compute(args, pending)
+        return pending.result()
+
+    def start(self, *args: object) -> Future | None:
+        """The result's future without waiting: done when cached, pending while some caller computes it.
+
+        Otherwise the computation starts on a background thread and its
+        future is returned, unless an earlier background computation is
+        still running: then None, and nothing starts. One background
+        thread at most, so callers that never wait cannot pile up work.
+        """
+        pending, owner = self._claim(args, background=True)
+        if owner:
+            threading.Thread(target=self._compute, args=(args, pending), name="dpfleet-cache", daemon=True).start()
+        return pending
+
+    def peek(self, *args: object) -> object | None:
+        """The cached result, or None when it is not cached (nothing is computed)."""
+        with self._lock:
+            if args not in self._results:
+                return None
+            self._results.move_to_end(args)
+            return self._results[args]
+
+
+# The processes RDP curves are computed in, once a server asked for them (compute_curves_in_processes).
+_CURVE_PROCESSES: list[ProcessPoolExecutor] = []
+_CURVE_PROCESSES_LOCK = threading.Lock()
+
+
+def compute_curves_in_processes(workers: int) -> None:
+    """From now on compute RDP curves in `workers` processes of their own (once per process; later calls keep
+    the first pool).
+
+    A curve is 80-400 ms of Python that holds the GIL; computed in a request
+    thread it slows every other request of the server, however short. In a
+    process of its own it costs the server only the wait for its result.
+    """
+    with _CURVE_PROCESSES_LOCK:
+        if not _CURVE_PROCESSES:
+            # Spawned, not forked: the server's gRPC threads do not survive a fork.
+            processes = ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_end_with_parent, initargs=(os.getpid(),),
+            )
+            # Started and importing this module now (seconds on a busy machine), not on a request's deadline.
+            for started in [processes.submit(_curve_process_ready) for _ in range(workers)]:
+                started.result()
+            _CURVE_PROCESSES.append(processes)
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    """In a curve process: exit once the server that started it is gone, even by kill -9."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dpfleet-curve-parent", daemon=True).start()
+
+
+def _curve_process_ready() -> bool:
+    """Nothing: unpickling it makes a curve process import this module."""
+    return True
+
+
+def _curve_anywhere(
+    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
+) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units` in the curve processes when there are some, else in this thread."""
+    if _CURVE_PROCESSES:
+        try:
+            return _CURVE_PROCESSES[0].submit(
+                _computed_step_units, sampling_rate, noise_multiplier, sensitivity_factor
+            ).result()
+        except BrokenProcessPool:
+            pass  # a worker died (killed, out of memory): the answer is the same computed here
+    return _computed_step_units(sampling_rate, noise_multiplier, sensitivity_factor)
+
+
+# 80-400 ms of dp-accounting per mechanism; threads asking for the same one at once share the computation.
+_step_curve = shared_cache(maxsize=4096)(_curve_anywhere)
+
+
+@shared_cache(maxsize=1024)
+def _spent_pld_epsilon(committed_events: Composition, delta: float) -> float:
+    # The PLD of a long composition takes 0.1-1 s; a dataset's committed events change only on commit,
+    # and statuses asking at once after a commit wait for one computation.
+    return get_accountant("pld").epsilon(committed_events, delta)
+
+
+def spent_pld_epsilon(committed_events: Composition, delta: float, wait: bool = True) -> float | None:
+    """The PLD ε at `delta` of a dataset's committed events, as if every job had been fixed in advance.
+
+    Cached, and computed once for callers asking at once. With `wait` False,
+    None until the figure is ready: it is computed on a background thread
+    (one at a time) and a later call finds it.
+    """
+    if wait:
+        return _spent_pld_epsilon(committed_events, delta)
+    pending = _spent_pld_epsilon.start(committed_events, delta)
+    if pending is None or not pending.done() or pending.exception() is not None:
+        return None
+    return pending.result()

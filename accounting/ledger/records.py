@@ -1,0 +1,311 @@
+"""The ledger's named records, shared by the store, the client, the service and the command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from accounting.events import Composition
+from accounting.ledger.admission import AdmissionRule, RdpTally, rdp_figures
+from accounting.ledger.scheduling import SchedulingPolicy
+from accounting.ledger.validation import ACTIVE, EXAMPLE
+
+
+@dataclass(frozen=True)
+class TenantCreated:
+    """A new token, shown this once and stored only as its digest: a new tenant's, a tenant's rotated one, or
+    (tenant None) a rotated admin token."""
+
+    tenant: str | None
+    token: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {"tenant": self.tenant, "token": self.token}
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A job's hold on a dataset: its planned events and how many of their steps are committed.
+
+    With a lease (`lease_seconds`), the hold ends at `expires_at` (UTC, ISO
+    8601) unless a commit renews it first; `lease_expired` says the
+    reservation was released that way. `blocks` are the dataset's blocks the
+    job is charged to, every one of them in full; () for the dataset itself.
+    """
+
+    reservation_id: str
+    dataset: str
+    job_id: str
+    state: str
+    planned: Composition
+    committed_steps: int
+    created_at: str
+    released_at: str | None = None
+    lease_seconds: float | None = None
+    expires_at: str | None = None
+    lease_expired: bool = False
+    blocks: tuple[str, ...] = ()
+
+    @property
+    def planned_steps(self) -> int:
+        """Steps in the plan."""
+        return self.planned.steps
+
+    @property
+    def unrun_steps(self) -> int:
+        """Planned steps still held: not committed, and the reservation not released."""
+        return self.planned.steps - self.committed_steps if self.state == ACTIVE else 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "reservation_id": self.reservation_id,
+            "dataset": self.dataset,
+            "job_id": self.job_id,
+            "state": self.state,
+            "planned_steps": self.planned_steps,
+            "committed_steps": self.committed_steps,
+            "unrun_steps": self.unrun_steps,
+            "planned_events": self.planned.to_dict(),
+            "created_at": self.created_at,
+            "released_at": self.released_at,
+            "lease_seconds": self.lease_seconds,
+            "expires_at": self.expires_at,
+            "lease_expired": self.lease_expired,
+            "blocks": list(self.blocks),
+        }
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job waiting for budget on a dataset, or what became of it.
+
+    `state` is one of QUEUE_STATES; once admitted, `reservation_id` is the
+    reservation it holds. While queued, `position` (1 = next) and `reason`
+    say where it stands under the dataset's policy; `deadline` (UTC, ISO
+    8601) is when it gives up waiting, None to wait until admitted or
+    cancelled.
+    """
+
+    queue_id: str
+    dataset: str
+    job_id: str
+    state: str
+    planned: Composition
+    priority: int
+    created_at: str
+    deadline: str | None = None
+    position: int = 0
+    reason: str = ""
+    reservation_id: str | None = None
+    ended_at: str | None = None
+    lease_seconds: float | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "queue_id": self.queue_id,
+            "dataset": self.dataset,
+            "job_id": self.job_id,
+            "state": self.state,
+            "planned_steps": self.planned.steps,
+            "priority": self.priority,
+            "created_at": self.created_at,
+            "deadline": self.deadline,
+            "position": self.position,
+            "reason": self.reason,
+            "reservation_id": self.reservation_id,
+            "ended_at": self.ended_at,
+            "lease_seconds": self.lease_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What one commit charged; a retry with the same sequence returns the same result."""
+
+    reservation_id: str
+    sequence: int
+    steps: int
+    committed_steps: int
+    planned_steps: int
+
+    @property
+    def unrun_steps(self) -> int:
+        """Planned steps not committed yet after this commit."""
+        return self.planned_steps - self.committed_steps
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "reservation_id": self.reservation_id,
+            "sequence": self.sequence,
+            "steps": self.steps,
+            "committed_steps": self.committed_steps,
+            "planned_steps": self.planned_steps,
+        }
+
+
+@dataclass(frozen=True)
+class BlockStatus:
+    """One block of a dataset: its own (epsilon, delta) budget and filter, and the figures of its tally.
+
+    The figures mean what they mean for a dataset (see DatasetStatus).
+    """
+
+    name: str
+    budget_epsilon: float
+    delta: float
+    admission: AdmissionRule
+    spent_epsilon: float
+    spent_epsilon_rdp: float
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+    spent_epsilon_accountant: str = "pld"
+    data: dict | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict; `data` is where its rows are (None: a block added before blocks declared it)."""
+        return {"name": self.name, **budget_dict(self), "data": self.data}
+
+
+def budget_dict(status: "BlockStatus | DatasetStatus") -> dict:
+    """The budget and figures a dataset's or a block's status share, as JSON-ready dict entries."""
+    return {
+        "budget_epsilon": status.budget_epsilon,
+        "delta": status.delta,
+        "admission": status.admission.to_dict(),
+        "spent_epsilon_filter": status.spent_epsilon_filter,
+        "spent_epsilon": status.spent_epsilon,
+        "spent_epsilon_accountant": status.spent_epsilon_accountant,
+        "spent_epsilon_rdp": status.spent_epsilon_rdp,
+        "reserved_epsilon": status.reserved_epsilon,
+        "remaining_epsilon": status.remaining_epsilon,
+    }
+
+
+@dataclass(frozen=True)
+class QuotaStatus:
+    """A tenant's quota on a dataset (`block` None) or one of its blocks, and the tenant's use of it.
+
+    The quota is an extra RDP filter at its own orders on the tenant's own
+    tally, beside the budget's filter. `quota_epsilon` is at the budget's
+    delta; `spent_epsilon_filter` + `reserved_epsilon` + `remaining_epsilon`
+    = `quota_epsilon`, in the quota's filter epsilon. `inherited` marks a
+    quota set on the dataset that applies to this block.
+    """
+
+    tenant: str
+    block: str | None
+    quota_epsilon: float
+    admission: AdmissionRule
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+    inherited: bool = False
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "tenant": self.tenant,
+            "block": self.block,
+            "quota_epsilon": self.quota_epsilon,
+            "admission": self.admission.to_dict(),
+            "spent_epsilon_filter": self.spent_epsilon_filter,
+            "reserved_epsilon": self.reserved_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+            "inherited": self.inherited,
+        }
+
+
+def quota_status(
+    tenant: str, block: str | None, quota_epsilon: float, rule: AdmissionRule, committed_events: Composition,
+    held: RdpTally, inherited: bool = False,
+) -> QuotaStatus:
+    """A tenant's quota figures from its committed events and its tally on the budget (filter epsilons only)."""
+    figures = rdp_figures(quota_epsilon, rule, committed_events, held)
+    return QuotaStatus(
+        tenant, block, quota_epsilon, rule, figures.spent_epsilon_filter, figures.reserved_epsilon,
+        figures.remaining_epsilon, inherited,
+    )
+
+
+@dataclass(frozen=True)
+class DatasetStatus:
+    """A dataset's budget and where it went, in epsilon at `delta`.
+
+    `admission` is the rule the dataset admits jobs by; `spent_epsilon_filter`
+    what that rule counts against the committed steps, and
+    spent_epsilon_filter + reserved_epsilon + remaining_epsilon = budget.
+    `spent_epsilon` (PLD) and `spent_epsilon_rdp` are the epsilon of the same
+    steps as if every job had been fixed in advance: non-adaptive figures,
+    tighter, not what the guarantee rests on.
+    `jobs` are the reservations still active (holding budget) that the
+    caller may see: a tenant sees only its own;
+    `released_jobs` counts the finished ones (dpfleet ledger jobs lists them).
+    `blocks` are the dataset's blocks, each with its own budget; `quotas`
+    the tenants' quotas on the dataset and its blocks (a tenant sees its own).
+    `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
+    new commits is computed for a caller that chose not to wait for it.
+    `privacy_unit` is what one unit of protection is: a row ('example') or a
+    person with all its rows ('user'); every epsilon is per that unit.
+    `scheduling` is how its queue is served; `queued_jobs` counts the jobs waiting.
+    """
+
+    name: str
+    tenant: str
+    budget_epsilon: float
+    delta: float
+    admission: AdmissionRule
+    spent_epsilon: float
+    spent_epsilon_rdp: float
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+    jobs: tuple[Reservation, ...] = ()
+    released_jobs: int = 0
+    spent_epsilon_accountant: str = "pld"
+    privacy_unit: str = EXAMPLE
+    blocks: tuple[BlockStatus, ...] = ()
+    quotas: tuple[QuotaStatus, ...] = ()
+    scheduling: SchedulingPolicy = SchedulingPolicy()
+    queued_jobs: int = 0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the `dpfleet ledger status --json` shape)."""
+        return {
+            "name": self.name,
+            "tenant": self.tenant,
+            "privacy_unit": self.privacy_unit,
+            **budget_dict(self),
+            "jobs": [job.to_dict() for job in self.jobs],
+            "released_jobs": self.released_jobs,
+            "blocks": [block.to_dict() for block in self.blocks],
+            "quotas": [quota.to_dict() for quota in self.quotas],
+            "scheduling": self.scheduling.to_dict(),
+            "queued_jobs": self.queued_jobs,
+        }
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One change to the ledger: when (UTC, ISO 8601), who, what, on which dataset, and the details."""
+
+    entry_id: int
+    at: str
+    actor: str
+    action: str
+    dataset: str | None
+    details: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "entry_id": self.entry_id,
+            "at": self.at,
+            "actor": self.actor,
+            "action": self.action,
+            "dataset": self.dataset,
+            "details": self.details,
+        }

@@ -1,0 +1,140 @@
+"""The history's hash chain, keyed, and the signed head that shows a cut tail or a rewritten history."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from dataclasses import dataclass
+
+from accounting.ledger.errors import InvalidArgument
+from accounting.ledger.verification.findings import Finding
+from accounting.ledger.verification.rows import StoredEntry
+
+
+def history_hash(
+    previous_hash: str,
+    entry_id: int,
+    at: str,
+    actor: str,
+    action: str,
+    tenant: str | None,
+    dataset_id: int | None,
+    details_json: str,
+    key: bytes | None = None,
+) -> str:
+    """The hash a history entry carries: HMAC-SHA-256 (hex) under the history `key` over the previous entry's hash
+    and every stored field.
+
+    The first entry's previous hash is "". Editing, removing or reordering
+    an entry changes every hash after it, and without the key nobody can
+    compute the hashes of a rewritten history. `key` None gives the plain
+    SHA-256 of files from before schema version 9, which only the migration
+    that keys them reads.
+    """
+    payload = json.dumps(
+        [previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json],
+        ensure_ascii=True,
+        separators=(",", ":"),
+    ).encode()
+    if key is None:
+        return hashlib.sha256(payload).hexdigest()
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+ANCHOR_ACTION = "anchor_history"
+
+
+def chain_findings(
+    entries: list[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None
+) -> list[Finding]:
+    """Every entry whose previous hash or own hash does not match the chain under the history `key`, oldest first.
+
+    An edited entry shows as a wrong hash at that entry; a removed one as a
+    wrong previous hash at the entry after it. What the migration that keyed
+    an older file found wrong in its unkeyed chain (recorded in its
+    `anchor_history` entry) is reported again at that entry.
+    """
+    findings = []
+    previous = ""
+    for entry in entries:
+        if entry.action == ANCHOR_ACTION:
+            unkeyed = json.loads(entry.details_json).get("unkeyed_chain_findings") or []
+            findings += [
+                Finding(entry.entry_id, None, f"before the history was keyed, its unkeyed chain had: {problem}")
+                for problem in unkeyed
+            ]
+        dataset = dataset_names.get(entry.dataset_id) if entry.dataset_id is not None else None
+        if entry.previous_hash != previous:
+            findings.append(
+                Finding(entry.entry_id, dataset, "its previous hash is not the hash of the entry before it")
+            )
+        expected = history_hash(
+            entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
+            entry.dataset_id, entry.details_json, key,
+        )
+        if entry.entry_hash != expected:
+            findings.append(Finding(entry.entry_id, dataset, "its fields do not match its hash (the row was edited)"))
+        previous = entry.entry_hash
+    return findings
+
+
+HEAD_SCHEMA = "dpfleet.ledger_head"
+
+
+@dataclass(frozen=True)
+class SignedHead:
+    """The history's head as `dpfleet ledger head` prints it: how many entries, the last one's hash, when (UTC).
+
+    `signature` is an HMAC-SHA-256 under the history key. An HMAC, not a
+    public-key signature: whoever checks it holds the key (the operator
+    running `verify --head`), which is also who can make one.
+    """
+
+    entries: int
+    head_hash: str
+    at: str
+    signature: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (the head file)."""
+        return {"schema": HEAD_SCHEMA, "entries": self.entries, "head_hash": self.head_hash, "at": self.at,
+                "signature": self.signature}
+
+    @classmethod
+    def from_dict(cls, data: object) -> "SignedHead":
+        """Inverse of `to_dict`; InvalidArgument for anything else."""
+        if not isinstance(data, dict) or data.get("schema") != HEAD_SCHEMA:
+            raise InvalidArgument(f"a head file is the JSON object dpfleet ledger head prints (schema {HEAD_SCHEMA})")
+        entries, head_hash, at, signature = (data.get(name) for name in ("entries", "head_hash", "at", "signature"))
+        if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0 or not all(
+            isinstance(value, str) for value in (head_hash, at, signature)
+        ):
+            raise InvalidArgument("a head file needs entries (an integer >= 0), and head_hash, at and signature "
+                                  "(strings); use the file dpfleet ledger head printed, unedited")
+        return cls(entries, head_hash, at, signature)
+
+
+def _head_signature(key: bytes, entries: int, head_hash: str, at: str) -> str:
+    # A 4-item list never reads as the 8-item list an entry's hash is taken over.
+    payload = json.dumps([HEAD_SCHEMA, entries, head_hash, at], ensure_ascii=True, separators=(",", ":"))
+    return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_head(key: bytes, entries: int, head_hash: str, at: str) -> SignedHead:
+    """The head of a history of `entries` entries whose last hash is `head_hash`, signed at `at` with `key`."""
+    return SignedHead(entries, head_hash, at, _head_signature(key, entries, head_hash, at))
+
+
+def head_findings(key: bytes, head: SignedHead, entries: list[StoredEntry]) -> list[Finding]:
+    """What shows that `entries` do not extend a head recorded earlier: a cut tail, or a rewritten history."""
+    if not hmac.compare_digest(head.signature, _head_signature(key, head.entries, head.head_hash, head.at)):
+        return [Finding(None, None, "its signature does not match the history key: it was edited, or signed with "
+                                    "another key", row="head file")]
+    if len(entries) < head.entries:
+        return [Finding(None, None, f"the history has {len(entries)} entries; at {head.at} it had {head.entries}: "
+                                    "entries were cut from its tail", row="signed head")]
+    if head.entries and entries[head.entries - 1].entry_hash != head.head_hash:
+        return [Finding(entries[head.entries - 1].entry_id, None,
+                        f"its hash is not the head hash signed at {head.at}: the history was rewritten")]
+    return []

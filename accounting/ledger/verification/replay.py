@@ -1,0 +1,266 @@
+"""A budget's history replayed entry by entry: each departure from the rules, and the burn-down of a dataset."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from accounting.events import Composition, EventError, group_events
+from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, fits_budget, split_steps
+from accounting.ledger.records import HistoryEntry
+from accounting.ledger.verification.findings import Finding
+from accounting.ledger.verification.rows import StoredDataset, StoredEntry, StoredTenantUse
+
+# The actions of a job's history entries.
+JOB_ACTIONS = ("reserve", "commit", "release", "expire")
+
+
+class _Replay:
+    """A budget's state rebuilt from its history, entry by entry, noting each departure from the rules.
+
+    The budget is a dataset's or a block's (`recorded_held` finds the
+    filter epsilon the reserve entry recorded for it), or a tenant's use of
+    one (`quota`: its quota, set on the budget itself or on the dataset the
+    block belongs to; nothing is checked while none is set).
+    """
+
+    def __init__(self, dataset: str, recorded_held: Callable[[dict], float | None] | None = None,
+                 quota: bool = False) -> None:
+        self.dataset = dataset
+        self.recorded_held = recorded_held or (lambda details: None)
+        self.quota = quota
+        self.findings: list[Finding] = []
+        self.budget_epsilon: float | None = None
+        self.delta: float | None = None
+        self.admission: AdmissionRule | None = None
+        # A tenant's quota set on the dataset applies to each of its blocks that has none of its own.
+        self.dataset_quota: tuple[float, AdmissionRule] | None = None
+        self.held = RdpTally.zero()
+        self.committed = Composition()
+        self.plans: dict[str, Composition] = {}
+        self.committed_steps: dict[str, int] = {}
+
+    def note(self, entry: StoredEntry, problem: str) -> None:
+        self.findings.append(Finding(entry.entry_id, self.dataset, problem))
+
+    def note_structure(self, entry: StoredEntry, problem: str) -> None:
+        # A tenant's use replays the same jobs as its budget, whose replay reports how they fit together.
+        if not self.quota:
+            self.note(entry, problem)
+
+    def limit(self) -> tuple[float, AdmissionRule | None] | None:
+        if self.budget_epsilon is not None:
+            return self.budget_epsilon, self.admission
+        return self.dataset_quota
+
+    def fits(self, epsilon_of: Callable[[RdpTally], float], tally: RdpTally) -> tuple[bool, float]:
+        epsilon = epsilon_of(tally)
+        return fits_budget(epsilon, self.limit()[0]), epsilon
+
+    def admission_epsilon(self, tally: RdpTally) -> float:
+        # Before a file had filters (schema version 2) a job was admitted by the RDP epsilon over the whole grid.
+        rule = self.limit()[1]
+        return rule.epsilon(tally) if rule is not None else tally.epsilon(self.delta)
+
+    def apply(self, entry: StoredEntry, from_dataset: bool = False) -> None:
+        self.apply_details(entry, entry.action, json.loads(entry.details_json), from_dataset)
+
+    def apply_details(
+        self, entry: StoredEntry | HistoryEntry, action: str, details: dict, from_dataset: bool = False
+    ) -> None:
+        if action in ("create_dataset", "add_block"):
+            self.budget_epsilon, self.delta = float(details["epsilon"]), float(details["delta"])
+            if "admission" in details:
+                self.admission = AdmissionRule.from_dict(details["admission"])
+        elif action == "set_quota" and from_dataset:
+            self.dataset_quota = (float(details["epsilon"]), AdmissionRule.from_dict(details["admission"]))
+        elif action == "set_quota":
+            self.budget_epsilon = float(details["epsilon"])
+            self.admission = AdmissionRule.from_dict(details["admission"])
+        elif action == "adopt_admission_rule":
+            self.admission = AdmissionRule.from_dict(details["admission"])
+        elif action == "raise_budget":
+            self.budget_epsilon = float(details["to"])
+        elif action == "reserve":
+            self.reserve(entry, details)
+        elif action == "commit":
+            self.commit(entry, details)
+        elif action in ("release", "expire"):
+            self.release(entry, details)
+
+    def reserve(self, entry: StoredEntry, details: dict) -> None:
+        planned = Composition.from_dict(details["planned_events"])
+        if "job_events" in details:
+            job_events = Composition.from_dict(details["job_events"])
+            if group_events(job_events, details["rows_per_person"]) != planned:
+                self.note_structure(entry, f"charges events that are not the group-privacy bound of its job's "
+                                           f"events for {details['rows_per_person']} rows per person")
+        if self.limit() is not None:
+            admitted, epsilon = self.fits(self.admission_epsilon, self.held + RdpTally.of(planned))
+            if not admitted:
+                self.note(entry, f"admitted a job to ε {epsilon:.6g} over the {self.kind} ε {self.limit()[0]:g}")
+            recorded = self.recorded_held(details)
+            if recorded is not None and recorded != epsilon:
+                self.note(entry, f"records ε {recorded!r} held after admission; its events give {epsilon!r}")
+        self.plans[details["reservation_id"]] = planned
+        self.committed_steps[details["reservation_id"]] = 0
+        self.held = self.held + RdpTally.of(planned)
+
+    @property
+    def kind(self) -> str:
+        return "quota" if self.quota else "budget"
+
+    def commit(self, entry: StoredEntry, details: dict) -> None:
+        reservation_id = details["reservation_id"]
+        block = Composition.from_dict(details["events"])
+        if reservation_id not in self.plans:
+            self.note_structure(entry, f"commits to reservation {reservation_id}, which is not active in the replay")
+            return
+        _, unrun = split_steps(self.plans[reservation_id], self.committed_steps[reservation_id])
+        if block.steps > unrun.steps or split_steps(unrun, block.steps)[0] != block:
+            self.note_structure(
+                entry, f"charges events that are not the next {block.steps} planned steps of {reservation_id}"
+            )
+        limit = self.limit()
+        if limit is not None and limit[1] is not None:
+            admitted, epsilon = self.fits(limit[1].epsilon, RdpTally.of(self.committed.then(block)))
+            if not admitted:
+                self.note(entry, f"commits to filter ε {epsilon:.6g}, over the {self.kind} ε {limit[0]:g}")
+        self.committed = canonical(self.committed.then(block))
+        self.committed_steps[reservation_id] += block.steps
+
+    def release(self, entry: StoredEntry, details: dict) -> None:
+        reservation_id = details["reservation_id"]
+        if reservation_id not in self.plans:
+            self.note_structure(entry, f"releases reservation {reservation_id}, which is not active in the replay")
+            return
+        plan = self.plans.pop(reservation_id)
+        committed_steps = self.committed_steps.pop(reservation_id)
+        if (details["committed_steps"], details["freed_steps"]) != (committed_steps, plan.steps - committed_steps):
+            self.note_structure(
+                entry,
+                f"records {details['committed_steps']} committed and {details['freed_steps']} freed steps of "
+                f"{reservation_id}; its commits give {committed_steps} and {plan.steps - committed_steps}",
+            )
+        self.held = self.held - RdpTally.of(split_steps(plan, committed_steps)[1])
+
+
+def use_findings(
+    use: StoredTenantUse, budget_name: str, entries: list[StoredEntry], dataset_entries: list[StoredEntry]
+) -> list[Finding]:
+    """Replay a tenant's use of one budget: its jobs' admissions and commits against its quota, and its tally.
+
+    `entries` are the budget's history; `dataset_entries` that of the
+    dataset a block belongs to (a quota set there applies to the block).
+    """
+    replay = _Replay(f"{budget_name} (tenant {use.tenant})", quota=True)
+    quota_on_dataset = {entry.entry_id for entry in dataset_entries if entry.action == "set_quota"}
+    mine = sorted(
+        (entry for entry in [*entries, *(e for e in dataset_entries if e.entry_id in quota_on_dataset)]
+         if entry.tenant == use.tenant and (entry.action in JOB_ACTIONS or entry.action == "set_quota")),
+        key=lambda entry: entry.entry_id,
+    )
+    for entry in mine:
+        try:
+            replay.apply(entry, from_dataset=entry.entry_id in quota_on_dataset)
+        except (KeyError, TypeError, ValueError, EventError) as error:
+            replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
+    findings = replay.findings
+    if use.quota_epsilon is None and replay.budget_epsilon is None and replay.dataset_quota is None:
+        return findings  # no quota: the tally limits nothing, and the budget's replay checks the jobs
+    for what, replayed, stored in (
+        ("quota ε", replay.budget_epsilon, use.quota_epsilon),
+        ("RDP tally of committed and reserved steps", replay.held, use.held),
+        ("set of committed events", canonical(replay.committed), use.committed_events),
+    ):
+        if replayed != stored:
+            findings.append(Finding(None, replay.dataset, f"the tenant's {what} is not what its history replays to"))
+    return findings
+
+
+def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[Finding]:
+    """Replay one dataset's history from its events and check every admission, commit and release.
+
+    Each reservation must have fitted the rule in force when it was made,
+    each commit must charge the next planned steps and keep the committed
+    steps within the filter, each release must free what was unrun; at the
+    end the replayed RDP tally, committed events, budget and rule must be
+    what the dataset's row holds.
+    """
+    if dataset.block is None:
+        def recorded(details: dict) -> float | None:
+            return details.get("held_epsilon_filter", details.get("held_epsilon_rdp"))
+    else:
+        def recorded(details: dict) -> float | None:
+            return details.get("held_epsilon_filter_by_block", {}).get(dataset.block)
+    replay = _Replay(dataset.name, recorded)
+    for entry in entries:
+        try:
+            replay.apply(entry)
+        except (KeyError, TypeError, ValueError, EventError) as error:
+            replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
+    findings = replay.findings
+    for what, replayed, stored in (
+        ("budget ε", replay.budget_epsilon, dataset.budget_epsilon),
+        ("admission rule", replay.admission, dataset.admission),
+        ("RDP tally of committed and reserved steps", replay.held, dataset.held),
+        ("set of committed events", canonical(replay.committed), dataset.committed_events),
+    ):
+        if replayed != stored:
+            findings.append(Finding(None, dataset.name, f"the row's {what} is not what its history replays to"))
+    return findings
+
+
+@dataclass(frozen=True)
+class BurnDownPoint:
+    """A dataset's figures (ε at its δ, see `budget_figures`) just after one change to it, at `at` (UTC)."""
+
+    at: str
+    action: str
+    budget_epsilon: float
+    spent_epsilon_filter: float
+    reserved_epsilon: float
+    remaining_epsilon: float
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "at": self.at,
+            "action": self.action,
+            "budget_epsilon": self.budget_epsilon,
+            "spent_epsilon_filter": self.spent_epsilon_filter,
+            "reserved_epsilon": self.reserved_epsilon,
+            "remaining_epsilon": self.remaining_epsilon,
+        }
+
+
+def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
+    """A dataset's budget over time: its figures after each change, replayed from its whole history, oldest first.
+
+    `entries` must start at the dataset's creation (ValueError otherwise).
+    The figures are those a status gives at that moment: spent (filter),
+    reserved and remaining add up to the budget, so the last point equals
+    the dataset's status now.
+    """
+    if not entries or entries[0].action != "create_dataset":
+        raise ValueError("a burn-down replays a dataset's history from its creation; the first entry is not it")
+    replay = _Replay(entries[0].dataset or "")
+    points = []
+    for entry in entries:
+        if entry.action in ("add_block", "set_quota") or entry.details.get("blocks"):
+            continue  # a block's budget, a tenant's quota or a job on blocks: not the dataset's own budget
+        replay.apply_details(entry, entry.action, entry.details)
+        spent_filter = replay.admission_epsilon(RdpTally.of(replay.committed))
+        held_filter = replay.admission_epsilon(replay.held)
+        points.append(
+            BurnDownPoint(
+                at=entry.at,
+                action=entry.action,
+                budget_epsilon=replay.budget_epsilon,
+                spent_epsilon_filter=spent_filter,
+                reserved_epsilon=max(0.0, held_filter - spent_filter),
+                remaining_epsilon=max(0.0, replay.budget_epsilon - held_filter),
+            )
+        )
+    return points
