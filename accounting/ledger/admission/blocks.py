@@ -86,9 +86,8 @@ def check_block_data(value: object, privacy_unit: str) -> dict:
         if not (isinstance(bucketing, dict) and set(bucketing) == {"buckets", "bucket"}):
             raise InvalidArgument(f'block data user_hash must be {{"buckets": B, "bucket": I}} (got {bucketing!r})')
         buckets = check_integer("block data user_hash buckets", bucketing["buckets"], 1, MAX_HASH_BUCKETS)
-        data["user_hash"] = {
-            "buckets": buckets, "bucket": check_integer("block data user_hash bucket", bucketing["bucket"], 0, buckets - 1)
-        }
+        bucket = check_integer("block data user_hash bucket", bucketing["bucket"], 0, buckets - 1)
+        data["user_hash"] = {"buckets": buckets, "bucket": bucket}
     if privacy_unit == USER and selector not in USER_SELECTORS:
         raise InvalidArgument(
             "the dataset's budget is per person (privacy unit 'user'), so its blocks must partition people, not "
