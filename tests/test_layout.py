@@ -178,22 +178,33 @@ def face_of(init: Path, package: str) -> list[tuple[str, str | None]] | None:
     """
     tree = ast.parse(init.read_text(), str(init))
     for node in tree.body:
-        if not (isinstance(node, ast.Assign) and "__all__" in {
-                name.id for target in node.targets for name in ast.walk(target) if isinstance(name, ast.Name)}):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, ast.AnnAssign) and node.value else []
+        if "__all__" not in {name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)}:
             continue
-        if isinstance(node.value, ast.Call):
-            homes = ast.literal_eval(node.value.args[1])
-            here = [ast.literal_eval(keyword.value) for keyword in node.value.keywords
-                    if keyword.arg == "defined_here"]
-            return [(name, f"{package}.{module}") for module, names in homes.items() for name in names] + \
-                [(name, package) for names in here for name in names]
-        imported_from = {(alias.asname or alias.name): absolute_module(statement, package, True)
-                         for statement in tree.body if isinstance(statement, ast.ImportFrom)
-                         for alias in statement.names}
-        defined = bound_names(tree.body) - set(imported_from)
-        return [(name, package if name in defined else imported_from.get(name))
-                for name in ast.literal_eval(node.value)]
+        try:
+            return literal_face(tree, node.value, package)
+        except (ValueError, TypeError, IndexError, AttributeError):
+            raise ValueError(f"{init}: __all__ must be a literal list of names or public_face(__name__, {{module: "
+                             f"names}}, defined_here=names) with literal arguments, for the layout test to read it")
     return None
+
+
+def literal_face(tree: ast.Module, value: ast.expr, package: str) -> list[tuple[str, str | None]]:
+    """``face_of`` for the ``__all__`` assigned ``value``: a ``public_face(...)`` call or a literal list of names."""
+    if isinstance(value, ast.Call):
+        if (getattr(value.func, "id", None) or getattr(value.func, "attr", None)) != "public_face":
+            raise ValueError(value)
+        homes = ast.literal_eval(value.args[1])
+        here = [ast.literal_eval(argument) for argument in value.args[2:]] + \
+            [ast.literal_eval(keyword.value) for keyword in value.keywords if keyword.arg == "defined_here"]
+        return [(name, f"{package}.{module}") for module, names in homes.items() for name in names] + \
+            [(name, package) for names in here for name in names]
+    imported_from = {(alias.asname or alias.name): absolute_module(statement, package, True)
+                     for statement in tree.body if isinstance(statement, ast.ImportFrom)
+                     for alias in statement.names}
+    defined = bound_names(tree.body) - set(imported_from)
+    return [(name, package if name in defined else imported_from.get(name)) for name in ast.literal_eval(value)]
 
 
 def absolute_module(node: ast.ImportFrom, importer: str, importer_is_package: bool) -> str:
@@ -269,6 +280,13 @@ def attribute_use(path: Path, line: int, module: str, attributes: list[str], kno
     return set()
 
 
+def holding_package(module: str, packages: dict[str, Path]) -> str:
+    """The innermost package that holds ``module`` (``module`` itself when it is one)."""
+    while module not in packages:
+        module = module.rpartition(".")[0]
+    return module
+
+
 def inside(module: str, package: str) -> bool:
     """Whether ``module`` is ``package`` or one of its modules, at any depth."""
     return module == package or module.startswith(f"{package}.")
@@ -292,7 +310,7 @@ def public_face_violations(root: Path = ROOT) -> list[str]:
         for path in sorted((root / room).rglob("*.py")):
             importer = module_name(path, root)
             for use in sorted(name_uses(path, importer, set(modules)), key=lambda use: (use.line, use.name)):
-                package = use.module if use.module in packages else use.module.rpartition(".")[0]
+                package = holding_package(use.module, packages)
                 if inside(importer, package) or (use.name.startswith("__") and use.name.endswith("__")):
                     continue
                 where = f"{path.relative_to(root)}:{use.line}"
@@ -319,8 +337,13 @@ def public_face_errors(root: Path = ROOT) -> list[str]:
     packages = package_inits(root)
     defined = {module: bound_names(ast.parse(path.read_text(), str(path)).body) for module, path in modules.items()}
     for package, init in packages.items():  # a home that is a package offers its own face's names too
-        defined[package] |= {name for name, _ in face_of(init, package) or []}
-    found = []
+        try:
+            defined[package] |= {name for name, _ in face_of(init, package) or []}
+        except ValueError as unreadable:
+            return [str(unreadable)]
+    found = [f"{folder.relative_to(root)}: Python modules but no __init__.py: make it a package with a public face"
+             for room in PACKAGES for folder in sorted({path.parent for path in (root / room).rglob("*.py")})
+             if not (folder / "__init__.py").exists()]
     for package, init in packages.items():
         where = init.relative_to(root)
         if not ast.get_docstring(ast.parse(init.read_text(), str(init))):
@@ -356,18 +379,20 @@ def test_code_outside_a_package_imports_only_the_names_in_its_all():
 
 def test_the_face_checks_catch_a_private_name_a_missing_module_and_a_false_entry(tmp_path):
     package = tmp_path / "workers" / "engines"
-    package.mkdir(parents=True)
-    (tmp_path / "workers" / "__init__.py").write_text('"""Workers."""\n__all__ = ["shared"]\nshared = 1\n')
+    (package / "extra").mkdir(parents=True)
+    (tmp_path / "workers" / "__init__.py").write_text('"""Workers."""\n__all__: list[str] = ["shared"]\nshared = 1\n')
     (package / "__init__.py").write_text(
         '"""Engines."""\nfrom workers.lazy import public_face\n'
         '__getattr__, __dir__, __all__ = public_face(__name__, {"core": ["clip", "gone"], "missing": ["x"]})\n')
     (package / "core.py").write_text("def clip(): pass\ndef _private(): pass\n")
+    (package / "extra" / "rules.py").write_text("def rule(): pass\n")
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "run.py").write_text(
         "import workers.engines.core\nfrom workers.engines.core import clip, _private\n"
         "from workers import engines\nworkers.engines.core.clip()\nengines.core._private()\n"
-        "from workers import shared, hidden\n")
+        "from workers import shared, hidden\nfrom workers.engines.extra.rules import rule\n")
     assert public_face_errors(tmp_path) == [
+        "workers/engines/extra: Python modules but no __init__.py: make it a package with a public face",
         "workers/engines/__init__.py: `gone` in __all__ is not defined in workers.engines.core",
         "workers/engines/__init__.py: `x` in __all__ lives in workers.engines.missing, which does not exist",
     ]
@@ -376,8 +401,16 @@ def test_the_face_checks_catch_a_private_name_a_missing_module_and_a_false_entry
         "bench/run.py:2: `_private` (from workers.engines.core)",
         "bench/run.py:5: `_private` (from workers.engines.core)",
         "bench/run.py:6: `hidden` (from workers)",
+        "bench/run.py:7: `rule` (from workers.engines.extra.rules)",
     ]
     assert "package workers.engines: add it to __all__ in workers/engines/__init__.py" in violations[0]
+
+
+def test_a_face_the_checks_cannot_read_is_refused_with_what_to_write(tmp_path):
+    (tmp_path / "workers").mkdir()
+    (tmp_path / "workers" / "__init__.py").write_text('"""Workers."""\n__all__ = sorted(["shared"])\n')
+    (errors,) = public_face_errors(tmp_path)
+    assert "__all__ must be a literal list of names or public_face(__name__" in errors
 
 
 def test_every_package_imports_without_torch_ray_or_grpc_and_its_all_is_what_the_face_reads():
