@@ -281,8 +281,8 @@ def attribute_use(path: Path, line: int, module: str, attributes: list[str], kno
 
 
 def holding_package(module: str, packages: dict[str, Path]) -> str:
-    """The innermost package that holds ``module`` (``module`` itself when it is one)."""
-    while module not in packages:
+    """The innermost package that holds ``module`` (``module`` itself when it is one); "" when none does."""
+    while module and module not in packages:
         module = module.rpartition(".")[0]
     return module
 
@@ -311,7 +311,7 @@ def public_face_violations(root: Path = ROOT) -> list[str]:
             importer = module_name(path, root)
             for use in sorted(name_uses(path, importer, set(modules)), key=lambda use: (use.line, use.name)):
                 package = holding_package(use.module, packages)
-                if inside(importer, package) or (use.name.startswith("__") and use.name.endswith("__")):
+                if not package or inside(importer, package) or (use.name.startswith("__") and use.name.endswith("__")):
                     continue
                 where = f"{path.relative_to(root)}:{use.line}"
                 if (str(path.relative_to(root)), use.name) in PRIVATE_USES:
