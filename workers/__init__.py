@@ -1,0 +1,24 @@
+"""The workers' room: Ray gradient actors, clipping engines, models, data sources and Poisson sampling."""
+
+from workers.lazy import public_face
+
+__getattr__, __dir__, __all__ = public_face(__name__, {
+    "actor": ["GradientWorkerActor", "retain_freed_memory"],
+    "clipping": ["LayerClipNorms", "clip_factors"],
+    "data": ["DATASETS", "dataset_size", "load_split", "write_atomically"],
+    "engines": ["clipped_sum"],
+    "fingerprints": ["dataset_identity"],
+    "keys": ["NOISE", "SecretKey", "process_key"],
+    "models": ["bind_flat_views", "build_model", "flat_parameters", "load_flat_parameters", "parameter_count"],
+    "names": ["ENGINE_NAMES", "LOSS_NAMES", "MODEL_NAMES", "check_metrics", "task_of"],
+    "reducer": ["NodeReducerActor"],
+    "sampling": ["make_generator", "poisson_sample", "step_generator"],
+    "shard_worker": ["ShardWorkerActor"],
+    "shards": ["ShardSpec"],
+    "sources": ["BUILTINS", "DataError", "SPLITS", "check_source", "parse_spec", "read_first", "select_blocks",
+                "source_size", "spec_name", "write_parquet_shards"],
+    "tasks": ["build_loss", "build_transform"],
+    "users": ["UserSpec", "user_index"],
+    "validation": ["check_model", "unchanged_buffers"],
+    "vmap_engine": ["per_example_clipped_sum"],
+})

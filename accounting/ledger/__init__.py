@@ -1,4 +1,4 @@
-"""The global privacy ledger: one budget per dataset across every job and tenant.
+"""The global privacy ledger: one budget per dataset across every job and tenant, embedded or served over gRPC.
 
 - `admission`: the budget arithmetic over event records, pure: plans, RDP tallies, the filter, block rules;
   `caches` computes its RDP curves and PLD figures once, in threads or processes.
@@ -8,3 +8,22 @@
 - `store`: the SQLite store and the embedded `Ledger`.
 - `service` and `client`: the gRPC server and `RemoteLedger`, one interface (`interface.PrivacyLedger`).
 """
+
+from accounting.lazy import public_face
+
+__getattr__, __dir__, __all__ = public_face(__name__, {
+    "callers": ["ADMIN"],
+    "client": ["RemoteLedger"],
+    "databases": ["is_postgresql", "shown_location"],
+    "errors": ["BudgetExceeded", "FailedPrecondition", "InvalidArgument", "LedgerError", "LedgerUnavailable",
+               "NotFound", "PermissionDenied", "RateLimited"],
+    "interface": ["PrivacyLedger"],
+    "limits": ["AUTH_FAILURE_BURST", "AUTH_FAILURE_RATE_PER_SECOND", "CURVE_BURST", "CURVE_RATE_PER_SECOND"],
+    "records": ["DatasetStatus", "QueuedJob"],
+    "scheduling": ["BlockBudget", "DPACK", "DPF", "FCFS", "POLICIES", "PRIORITY_RANGE", "QueuedDemand",
+                   "SchedulingPolicy", "schedule"],
+    "service": ["LedgerServer", "serve"],
+    "store": ["Ledger", "default_ledger_path", "open_embedded_ledger"],
+    "tokens": ["hash_token"],
+    "validation": ["ADMITTED", "MAX_PLAN_MECHANISMS", "QUEUED", "check_budget_epsilon", "check_delta", "delta_warning"],
+})

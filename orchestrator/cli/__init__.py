@@ -18,9 +18,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
+from accounting.lazy import public_face
 from orchestrator import __version__
 from orchestrator.cli.display import plain_when_asked
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
+
+# `main` is the `dpfleet` console script (pyproject.toml).
+__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table"]}, defined_here=["main"])
 
 
 @dataclass(frozen=True)
