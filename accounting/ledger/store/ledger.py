@@ -36,9 +36,6 @@ the ledger already freed.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import getpass
 import hmac
 import json
 import math
@@ -47,9 +44,9 @@ import secrets
 import threading
 import time
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import NamedTuple
 
 from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
@@ -71,7 +68,6 @@ from accounting.ledger.core import (
     BlockStatus,
     BudgetCheck,
     Caller,
-    CurveNotCached,
     CommitResult,
     DatasetRef,
     DatasetStatus,
@@ -79,14 +75,12 @@ from accounting.ledger.core import (
     FitReport,
     HistoryEntry,
     InvalidArgument,
-    LedgerUnavailable,
     NotFound,
     PermissionDenied,
     QueuedJob,
     QuotaStatus,
     RdpTally,
     Reservation,
-    ANCHOR_ACTION,
     SignedHead,
     StoredCommit,
     StoredDataset,
@@ -104,9 +98,7 @@ from accounting.ledger.core import (
     canonical,
     charged_plan,
     check_block_data,
-    chain_findings,
     check_block_names,
-    compute_curve,
     check_budget_epsilon,
     check_delta,
     check_history_limit,
@@ -130,7 +122,6 @@ from accounting.ledger.core import (
     no_access,
     no_reservation,
     quota_status,
-    rdp_curves_cached_only,
     resolve_dataset,
     sign_head,
     split_steps,
@@ -142,154 +133,14 @@ from accounting.ledger.core import (
     uncached_mechanisms,
     verify_history,
 )
-from accounting.ledger.databases import Connection, Database, open_database
+from accounting.ledger.databases import Connection, open_database
 from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
-
-SCHEMA_VERSION = 9
-
-_LEASE_INDEX = (
-    "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
-)
-
-_ONE_ACTIVE_RESERVATION_PER_JOB = (
-    "CREATE UNIQUE INDEX one_active_reservation_per_job ON reservations (dataset_id, tenant, job_id) "
-    "WHERE state = 'active'"
-)
-# A tenant's tally on one budget (a dataset or a block), and its quota there when an admin set one.
-_TENANT_USE = """CREATE TABLE tenant_use (
-        budget_id {integer} NOT NULL REFERENCES datasets(id),
-        tenant TEXT NOT NULL REFERENCES tenants(name),
-        quota_epsilon {float},
-        quota_rule TEXT,
-        held_rdp TEXT NOT NULL,
-        committed_events TEXT NOT NULL,
-        PRIMARY KEY (budget_id, tenant)
-    )"""
-
-# Jobs waiting for budget (schema version 6); `position` and `reason` are what the last scheduling pass said,
-# `conversion` what the `reserve` entry of its admission records of a job charged other events than its own.
-_QUEUE_TABLES = (
-    """CREATE TABLE queued_jobs (
-        id TEXT PRIMARY KEY,
-        dataset_id {integer} NOT NULL REFERENCES datasets(id),
-        job_id TEXT NOT NULL,
-        tenant TEXT NOT NULL,
-        blocks TEXT NOT NULL,
-        planned_events TEXT NOT NULL,
-        conversion TEXT NOT NULL,
-        priority {integer} NOT NULL,
-        lease_seconds {float},
-        created_at TEXT NOT NULL,
-        deadline TEXT,
-        state TEXT NOT NULL CHECK (state IN ('queued', 'admitted', 'cancelled', 'timed_out')),
-        position {integer} NOT NULL DEFAULT 0,
-        reason TEXT NOT NULL DEFAULT '',
-        reservation_id TEXT REFERENCES reservations(id),
-        ended_at TEXT
-    )""",
-    "CREATE INDEX queued_jobs_by_dataset ON queued_jobs (dataset_id, state, created_at)",
-)
-
-# Admin tokens kept by the ledger (schema version 7): those the servers were started with and those rotated
-# in, each as its SHA-256 digest (core.token_digest); a revoked one keeps its row, so a server started again
-# with it still refuses it. `token_generation` counts rotations and revocations: a server re-reads it at
-# most TOKEN_RECHECK_SECONDS after it last did, and forgets the tokens it had verified when it changed.
-_TOKEN_TABLES = (
-    """CREATE TABLE admin_tokens (
-        key_id TEXT PRIMARY KEY,
-        token_hash {bytes} NOT NULL,
-        created_at TEXT NOT NULL,
-        revoked_at TEXT
-    )""",
-    "CREATE TABLE token_generation (generation {integer} NOT NULL)",
-    "INSERT INTO token_generation (generation) VALUES (0)",
-)
-
-# The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
-_TABLES = (
-    "CREATE TABLE schema_version (version {integer} NOT NULL)",
-    """CREATE TABLE tenants (
-        name TEXT PRIMARY KEY,
-        key_id TEXT UNIQUE,
-        token_salt {bytes},
-        token_hash {bytes},
-        created_at TEXT NOT NULL
-    )""",
-    """CREATE TABLE datasets (
-        id {dataset_id},
-        tenant TEXT NOT NULL REFERENCES tenants(name),
-        name TEXT NOT NULL,
-        budget_epsilon {float} NOT NULL,
-        delta {float} NOT NULL,
-        held_rdp TEXT NOT NULL,
-        committed_events TEXT NOT NULL,
-        created_at TEXT NOT NULL,
-        released_jobs {integer} NOT NULL DEFAULT 0,
-        admission_rule TEXT NOT NULL,
-        privacy_unit TEXT NOT NULL DEFAULT 'example',
-        block_of {integer} REFERENCES datasets(id),
-        block TEXT,
-        scheduling TEXT NOT NULL DEFAULT '{fcfs}',
-        arrived_jobs {integer} NOT NULL DEFAULT 0,
-        block_data TEXT,
-        UNIQUE (tenant, name)
-    )""",
-    """CREATE TABLE reservations (
-        id TEXT PRIMARY KEY,
-        dataset_id {integer} NOT NULL REFERENCES datasets(id),
-        job_id TEXT NOT NULL,
-        planned_events TEXT NOT NULL,
-        committed_steps {integer} NOT NULL,
-        state TEXT NOT NULL CHECK (state IN ('active', 'released')),
-        created_at TEXT NOT NULL,
-        released_at TEXT,
-        lease_seconds {float},
-        expires_at TEXT,
-        lease_expired {integer} NOT NULL DEFAULT 0,
-        tenant TEXT NOT NULL,
-        blocks TEXT NOT NULL DEFAULT '[]'{order_column}
-    )""",
-    _ONE_ACTIVE_RESERVATION_PER_JOB,
-    "CREATE INDEX reservations_by_dataset ON reservations (dataset_id, state)",
-    _LEASE_INDEX,
-    """CREATE TABLE commits (
-        reservation_id TEXT NOT NULL REFERENCES reservations(id),
-        sequence {integer} NOT NULL,
-        steps {integer} NOT NULL,
-        committed_steps {integer} NOT NULL,
-        at TEXT NOT NULL,
-        PRIMARY KEY (reservation_id, sequence)
-    )""",
-    """CREATE TABLE history (
-        id {history_id},
-        at TEXT NOT NULL,
-        actor TEXT NOT NULL,
-        action TEXT NOT NULL,
-        tenant TEXT,
-        dataset_id {integer} REFERENCES datasets(id),
-        details TEXT NOT NULL,
-        previous_hash TEXT NOT NULL,
-        hash TEXT NOT NULL
-    )""",
-    "CREATE INDEX history_by_tenant ON history (tenant, id)",
-    "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
-    _TENANT_USE,
-    *_QUEUE_TABLES,
-    *_TOKEN_TABLES,
-)
-
-
-def _schema(database: Database) -> tuple[str, ...]:
-    """The statements that create a new ledger in `database`."""
-    return (*(_formatted(statement, database) for statement in _TABLES), *database.append_only)
-
-
-def _formatted(statement: str, database: Database) -> str:
-    """A statement of the schema with the database's type names and the default scheduling policy filled in."""
-    return statement.format(fcfs=json.dumps(SchedulingPolicy().to_dict()), **database.types)
-
-
+from accounting.ledger.store.clock import expiry, now
+from accounting.ledger.store.history import HISTORY_COLUMNS, HistoryChain
+from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key, local_user
+from accounting.ledger.store.schema import create_or_check_schema
+from accounting.ledger.store.transactions import Transactions, curves_outside_lock
 _DATASET_COLUMNS = (
     "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit, "
     "block_of, block, scheduling, arrived_jobs, created_at, block_data"
@@ -302,7 +153,6 @@ _RESERVATION_COLUMNS = (
 # with ", r.dataset_id" after them holds the dataset's id next.
 _JOB_TENANT = 12
 _JOB_DATASET_ID = 14
-_HISTORY_COLUMNS = "id, at, actor, action, tenant, dataset_id, details, previous_hash, hash"
 _QUEUE_COLUMNS = (
     "q.id, d.tenant, d.name, q.job_id, q.state, q.planned_events, q.priority, q.created_at, q.deadline, q.position, "
     "q.reason, q.reservation_id, q.ended_at, q.lease_seconds"
@@ -330,257 +180,9 @@ class _DatasetRow(NamedTuple):
     block_data: str | None
 
 
-def _count_released_jobs(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 2: a count of released jobs per dataset, so a status reads one row, not every job it ever had."""
-    connection.execute("ALTER TABLE datasets ADD COLUMN released_jobs INTEGER NOT NULL DEFAULT 0")
-    connection.execute(
-        "UPDATE datasets SET released_jobs = "
-        "(SELECT COUNT(*) FROM reservations r WHERE r.dataset_id = datasets.id AND r.state = 'released')"
-    )
-
-
-def _adopt_filters_leases_and_hashes(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 3: hash-chained history, leases, and an RDP filter for every dataset, keeping its events.
-
-    Each dataset gets the rule a new dataset of its budget would get, in a
-    history entry of its own that says whether what it holds fits the
-    filter; one that does not admits no new job, and its reservations
-    commit only what still fits.
-    """
-    for statement in (
-        "ALTER TABLE datasets ADD COLUMN admission_rule TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE reservations ADD COLUMN lease_seconds REAL",
-        "ALTER TABLE reservations ADD COLUMN expires_at TEXT",
-        "ALTER TABLE reservations ADD COLUMN lease_expired INTEGER NOT NULL DEFAULT 0",
-        _LEASE_INDEX,
-        "ALTER TABLE history ADD COLUMN previous_hash TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE history ADD COLUMN hash TEXT NOT NULL DEFAULT ''",
-        "DROP TRIGGER history_is_append_only_update",
-        "DROP TRIGGER history_is_append_only_delete",
-    ):
-        connection.execute(statement)
-    previous = ""
-    for entry_id, at, actor, action, tenant, dataset_id, details in connection.execute(
-        "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
-    ).fetchall():
-        entry_hash = history_hash(previous, entry_id, at, actor, action, tenant, dataset_id, details)
-        connection.execute(
-            "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry_id)
-        )
-        previous = entry_hash
-    for statement in database.append_only:
-        connection.execute(statement)
-    for dataset_id, tenant, budget_epsilon, delta, held in connection.execute(
-        "SELECT id, tenant, budget_epsilon, delta, held_rdp FROM datasets ORDER BY id"
-    ).fetchall():
-        rule = AdmissionRule.for_budget(budget_epsilon, delta)
-        connection.execute(
-            "UPDATE datasets SET admission_rule = ? WHERE id = ?", (json.dumps(rule.to_dict()), dataset_id)
-        )
-        held_epsilon = rule.epsilon(RdpTally.from_json(held))
-        _append_history(
-            connection, None, caller, "adopt_admission_rule", tenant, dataset_id,
-            {"admission": rule.to_dict(), "held_epsilon_filter": held_epsilon,
-             "held_fits_budget": fits_budget(held_epsilon, budget_epsilon)},
-        )
-
-
-def _add_privacy_units(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 4: each dataset says what it protects; every existing one protects rows ('example')."""
-    connection.execute("ALTER TABLE datasets ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'")
-
-
-
-def _add_blocks_and_quotas(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 5: blocks of a dataset, and each tenant's tally and quota per budget.
-
-    Until now only a dataset's owner could reserve on it, so the owner's
-    tally on each dataset is the dataset's own, and every reservation is the
-    owner's.
-    """
-    types = database.types
-    for statement in (
-        f"ALTER TABLE datasets ADD COLUMN block_of {types['integer']} REFERENCES datasets(id)",
-        "ALTER TABLE datasets ADD COLUMN block TEXT",
-        "ALTER TABLE reservations ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
-        "ALTER TABLE reservations ADD COLUMN blocks TEXT NOT NULL DEFAULT '[]'",
-        "UPDATE reservations SET tenant = (SELECT d.tenant FROM datasets d WHERE d.id = reservations.dataset_id)",
-        "DROP INDEX one_active_reservation_per_job",
-        _ONE_ACTIVE_RESERVATION_PER_JOB,
-        _TENANT_USE.format(**types),
-        "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) "
-        "SELECT id, tenant, held_rdp, committed_events FROM datasets",
-    ):
-        connection.execute(statement)
-
-
-def _add_queues(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 6: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
-    for statement in (
-        "ALTER TABLE datasets ADD COLUMN scheduling TEXT NOT NULL DEFAULT '{fcfs}'",
-        "ALTER TABLE datasets ADD COLUMN arrived_jobs {integer} NOT NULL DEFAULT 0",
-        *_QUEUE_TABLES,
-    ):
-        connection.execute(_formatted(statement, database))
-
-
-def _declare_block_data(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 7: each block declares where its rows are (`block_data`, JSON; see core.check_block_data).
-
-    A block of an older file declared nothing, so nothing shows which rows
-    it holds: it keeps its history and its active reservations, admits no
-    new job (the dataset's new blocks each declare their data), and `verify`
-    counts it as sharing rows with every other block of its dataset.
-    """
-    connection.execute("ALTER TABLE datasets ADD COLUMN block_data TEXT")
-
-
-def _add_fast_tokens_and_revocation(connection: Connection, caller: Caller, database: Database) -> None:
-    """Version 8: admin tokens and a token generation in the ledger, so tokens can be rotated and revoked.
-
-    Tenant tokens hashed with scrypt before (those with a salt) stay as
-    they are: the first request that shows one is checked with scrypt once,
-    and its row then takes the token's SHA-256 digest and loses its salt
-    (`Ledger.authenticate`). Until then a wrong token for such a key id
-    costs one scrypt, which the servers' limit on failed authentications
-    per peer bounds.
-    """
-    for statement in _TOKEN_TABLES:
-        connection.execute(_formatted(statement, database))
-
-
-def _key_the_history(connection: Connection, caller: Caller, database: Database, key: bytes) -> None:
-    """Version 9: re-anchor the unkeyed hash chain under the history key, and refuse TRUNCATE on PostgreSQL.
-
-    The unkeyed chain is checked first; what it shows wrong (a row edited or
-    removed before now) goes into an `anchor_history` entry with the number
-    of entries and their unkeyed head hash, and `verify` reports it there
-    from then on. Then every entry is re-chained with the key, so from now
-    on a chain that is not keyed is a finding, not an older format.
-    """
-    entries = [
-        StoredEntry(*row)
-        for row in connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
-    ]
-    unkeyed_findings = [str(finding) for finding in chain_findings(entries, {})]
-    for statement in database.drop_append_only:
-        connection.execute(statement)
-    previous = ""
-    for entry in entries:
-        entry_hash = history_hash(
-            previous, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant, entry.dataset_id,
-            entry.details_json, key,
-        )
-        connection.execute(
-            "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry.entry_id)
-        )
-        previous = entry_hash
-    for statement in database.append_only:
-        connection.execute(statement)
-    _append_history(
-        connection, key, caller, ANCHOR_ACTION, None, None,
-        {"entries": len(entries), "unkeyed_head_hash": entries[-1].entry_hash if entries else "",
-         "unkeyed_chain_findings": unkeyed_findings},
-    )
-
-
-# Each version's step brings a file of the previous version up to it, in the transaction that opens it.
-_MIGRATIONS = {
-    2: _count_released_jobs,
-    3: _adopt_filters_leases_and_hashes,
-    4: _add_privacy_units,
-    5: _add_blocks_and_quotas,
-    6: _add_queues,
-    7: _declare_block_data,
-    8: _add_fast_tokens_and_revocation,
-}
-# Steps that re-chain the history also get the ledger's history key.
-_KEYED_MIGRATIONS = {
-    9: _key_the_history,
-}
-
-
-def _append_history(
-    connection: Connection,
-    key: bytes | None,
-    caller: Caller,
-    action: str,
-    tenant: str | None,
-    dataset_id: int | None,
-    details: dict,
-) -> None:
-    """Append one entry to the history, chained to the last under `key` (None: unkeyed, as before version 9)."""
-    last = connection.execute("SELECT id, hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
-    entry_id, previous = (last[0] + 1, last[1]) if last is not None else (1, "")
-    at, details_json = _now(), json.dumps(details, sort_keys=True)
-    entry_hash = history_hash(previous, entry_id, at, caller.actor, action, tenant, dataset_id, details_json, key)
-    connection.execute(
-        f"INSERT INTO history ({_HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
-    )
-
 # How long a server trusts the tokens it verified without looking at the token generation again: a rotation or
 # revocation on any server of the database takes effect on every other within this (plus one read).
 TOKEN_RECHECK_SECONDS = 0.5
-# How often one change is run again after computing a curve it found missing under the lock (see
-# _curves_outside_lock); a change still missing one after that computes the rest in place.
-_CURVE_ATTEMPTS = 8
-
-_CHANGE = threading.local()
-
-
-def _curves_outside_lock(method: Callable) -> Callable:
-    """Run a change so that the RDP curves it needs are computed with no lock held.
-
-    Under the write lock only cached curves may be used (core.rdp_curves_cached_only):
-    a missing one aborts the change's savepoint and releases the lock, the
-    curve is computed, and the change runs again from the start, which is
-    safe as nothing of it was written. So the lock covers reading and
-    writing rows only, and one tenant's new mechanisms never stall another
-    tenant's commits.
-    """
-
-    @functools.wraps(method)
-    def change(self: "Ledger", *args: object, **kwargs: object) -> object:
-        previous = getattr(_CHANGE, "curves_cached_only", False)
-        try:
-            for _ in range(_CURVE_ATTEMPTS):
-                _CHANGE.curves_cached_only = True
-                try:
-                    return method(self, *args, **kwargs)
-                except CurveNotCached as missing:
-                    _CHANGE.curves_cached_only = False
-                    compute_curve(missing.mechanism)
-            _CHANGE.curves_cached_only = False
-            return method(self, *args, **kwargs)
-        finally:
-            _CHANGE.curves_cached_only = previous
-
-    return change
-
-
-# Changes grouped into one transaction at most; bounds the wait of the first of them.
-_MAX_BATCH = 64
-
-
-class _Batch:
-    """Changes sharing one transaction; `committed` is set once its COMMIT returned (or failed: `error`)."""
-
-    def __init__(self) -> None:
-        self.changes = 0
-        self.committed = threading.Event()
-        self.error: BaseException | None = None
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-def _expiry(lease_seconds: float | None) -> str | None:
-    """When a lease of `lease_seconds` taken now ends (None without a lease); compares as text with `_now()`."""
-    if lease_seconds is None:
-        return None
-    return (datetime.now(timezone.utc) + timedelta(seconds=lease_seconds)).isoformat(timespec="milliseconds")
 
 
 def _conversion(planned: Composition, job_events: Composition, rows_per_person: int | None) -> dict:
@@ -629,65 +231,6 @@ def _job_tenant(caller: Caller, dataset: _DatasetRow) -> str:
     return dataset.tenant if caller.admin else caller.tenant
 
 
-def default_ledger_path() -> Path:
-    """The embedded ledger file: $DPFLEET_HOME/ledger.db, else ~/.local/share/dpfleet/ledger.db."""
-    home = os.environ.get("DPFLEET_HOME")
-    base = Path(home) if home else Path.home() / ".local" / "share" / "dpfleet"
-    return base / "ledger.db"
-
-
-def default_history_key_path() -> Path:
-    """The history key file: ledger-history.key beside the embedded ledger file, in $DPFLEET_HOME or
-    ~/.local/share/dpfleet (for a ledger anywhere, a file or a database: the key is never in it)."""
-    return default_ledger_path().parent / "ledger-history.key"
-
-
-_HISTORY_KEY_BYTES = 32
-
-
-def load_history_key(path: str | os.PathLike | None = None) -> bytes:
-    """The key the history is chained with, from `path` (default `default_history_key_path()`).
-
-    A missing file is created with a new random 256-bit key, mode 0600;
-    several processes creating it at once agree on one key. A file that
-    others than its owner and group may read, or others than its owner may
-    write, is refused: the key is what lets `verify` tell a rewritten
-    history. (Its group may read it: Kubernetes gives a mounted Secret's
-    files to the pod's fsGroup.)
-    """
-    path = Path(path) if path is not None else default_history_key_path()
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        draft = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(descriptor, "w") as file:
-                file.write(secrets.token_hex(_HISTORY_KEY_BYTES) + "\n")
-                file.flush()
-                os.fsync(file.fileno())
-            with contextlib.suppress(FileExistsError):  # another process made it first: use that one
-                os.link(draft, path)
-        finally:
-            draft.unlink()
-    mode = path.stat().st_mode
-    if mode & 0o027:
-        raise FailedPrecondition(
-            f"the history key {path} may be read or written by others (mode {mode & 0o777:o}); "
-            f"make it the owner's only: chmod 600 {path}"
-        )
-    text = path.read_text().strip()
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if len(key) != _HISTORY_KEY_BYTES:
-        raise FailedPrecondition(
-            f"the history key {path} is not {2 * _HISTORY_KEY_BYTES} hex digits; restore it from its backup "
-            "(see docs/ledger.md, 'The history key and the signed head')"
-        )
-    return key
-
-
 class Ledger:
     """The privacy ledger on an SQLite file or a PostgreSQL database: the embedded ledger, and what a server serves.
 
@@ -708,29 +251,23 @@ class Ledger:
         scheduling: SchedulingPolicy | None = None,
         history_key_file: str | os.PathLike | None = None,
     ) -> None:
-        self._history_key = load_history_key(history_key_file)
-        self._history_key_file = history_key_file or default_history_key_path()
-        # Whether this ledger has seen that the history's last entry is chained with its key (at its first change).
-        self._history_key_checked = False
+        history_key = load_history_key(history_key_file)
         self._database = open_database(path)
+        self._history = HistoryChain(
+            history_key, history_key_file or default_history_key_path(), self._database.location
+        )
         self._default_scheduling = scheduling or SchedulingPolicy()
         self.path = Path(path) if self._database.is_file else str(path)
         self._default_caller = caller
-        self._writer = None
-        self._write_lock = threading.Lock()
-        self._writers_waiting = 0
-        self._waiting_lock = threading.Lock()
-        self._batch: _Batch | None = None
-        self._idle_readers: list = []
-        self._readers_lock = threading.Lock()
-        self._closed = False
+        self._transactions = Transactions(self._database)
+        self._tokens_lock = threading.Lock()
         self._verified_tokens: dict[bytes, Caller] = {}
         self._token_generation: int | None = None
         self._tokens_checked_at = -math.inf
         # Set by a server: the buckets of tenants' costly requests (see `_charge_curves`); None charges nothing.
         self.curve_limits: TokenBuckets | None = None
         try:
-            self._create_or_check_schema()
+            create_or_check_schema(self._transactions, self._database, self._history, self._default_caller)
         except BaseException:
             self.close()
             raise
@@ -743,198 +280,13 @@ class Ledger:
 
     def close(self) -> None:
         """Close the store; a read in progress finishes first on its own connection, which closes after it."""
-        with self._write_lock, self._readers_lock:
-            self._closed = True
-            for reader in self._idle_readers:
-                reader.close()
-            self._idle_readers.clear()
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-
-    # ------------------------------------------------------------ plumbing
-
-    def _unavailable(self, error: BaseException) -> LedgerUnavailable:
-        return LedgerUnavailable(
-            f"the ledger's database {self._database.location} did not answer ({type(error).__name__}: "
-            f"{str(error).strip()}); nothing of this request was acknowledged: retry it"
-        )
-
-    def _drop_writer(self, error: BaseException) -> LedgerUnavailable:
-        """Forget a writer whose database went away; the changes of its open batch fail with LedgerUnavailable."""
-        unavailable = self._unavailable(error)
-        batch, self._batch = self._batch, None
-        if batch is not None:
-            batch.error = unavailable
-            batch.committed.set()
-        writer, self._writer = self._writer, None
-        with contextlib.suppress(Exception):
-            writer.close()
-        return unavailable
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator:
-        """One state change, in its own savepoint; on success, returns only once it is durable.
-
-        Group commit: changes that queue up while one transaction is being
-        committed (fsync'd) run one after another in the next transaction,
-        each in a savepoint, and the last of them commits it. A change that
-        fails rolls back its savepoint and raises at once; a change that
-        succeeds waits until the COMMIT of its transaction has returned.
-        A database that stops answering fails every change of the open
-        transaction with LedgerUnavailable; the next change connects again.
-        """
-        unavailable_errors = self._database.unavailable_errors
-        with self._waiting_lock:
-            self._writers_waiting += 1
-        self._write_lock.acquire()
-        with self._waiting_lock:
-            self._writers_waiting -= 1
-        batch = None
-        try:
-            try:
-                if self._closed:
-                    raise FailedPrecondition(f"the ledger {self._database.location} is closed")
-                if self._writer is None:
-                    self._writer = self._database.connect()
-                if self._batch is None:
-                    for statement in self._database.begin_change:
-                        self._writer.execute(statement)
-                    self._batch = _Batch()
-                self._writer.execute("SAVEPOINT change")
-            except unavailable_errors as error:
-                raise self._drop_writer(error) from None
-            try:
-                cached_only = getattr(_CHANGE, "curves_cached_only", False)
-                with rdp_curves_cached_only() if cached_only else contextlib.nullcontext():
-                    yield self._writer
-            except BaseException as error:
-                try:
-                    self._writer.execute("ROLLBACK TO change")
-                    self._writer.execute("RELEASE change")
-                except unavailable_errors as lost:
-                    raise self._drop_writer(lost) from None
-                if isinstance(error, unavailable_errors):
-                    raise self._drop_writer(error) from None
-                raise
-            try:
-                self._writer.execute("RELEASE change")
-            except unavailable_errors as error:
-                raise self._drop_writer(error) from None
-            batch = self._batch
-            batch.changes += 1
-        finally:
-            if self._batch is not None and (self._writers_waiting == 0 or self._batch.changes >= _MAX_BATCH):
-                self._commit_batch()
-            self._write_lock.release()
-        batch.committed.wait()
-        if batch.error is not None:
-            raise batch.error
-
-    def _commit_batch(self) -> None:
-        batch, self._batch = self._batch, None
-        try:
-            self._writer.execute("COMMIT")
-        except self._database.unavailable_errors as error:
-            batch.error = self._drop_writer(error)
-        except BaseException as error:
-            if self._writer.in_transaction:
-                self._writer.execute("ROLLBACK")
-            batch.error = error
-        batch.committed.set()
-
-    @contextlib.contextmanager
-    def _read(self) -> Iterator:
-        """A snapshot of what is committed, on a connection of its own (reads run beside writes)."""
-        unavailable_errors = self._database.unavailable_errors
-        with self._readers_lock:
-            if self._closed:
-                raise FailedPrecondition(f"the ledger {self._database.location} is closed")
-            reader = self._idle_readers.pop() if self._idle_readers else None
-        keep = True
-        try:
-            if reader is None:
-                reader = self._database.connect()
-            reader.execute(self._database.begin_read)
-            try:
-                yield reader
-            finally:
-                reader.execute("COMMIT")
-        except unavailable_errors as error:
-            keep = False
-            raise self._unavailable(error) from None
-        finally:
-            with self._readers_lock:
-                if reader is not None and (self._closed or not keep):
-                    with contextlib.suppress(Exception):
-                        reader.close()
-                elif reader is not None:
-                    self._idle_readers.append(reader)
-
-    def _create_or_check_schema(self) -> None:
-        with self._transaction() as connection:
-            if not connection.execute(self._database.schema_exists).fetchone():
-                for statement in _schema(self._database):
-                    connection.execute(statement)
-                connection.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
-                return
-            (version,) = connection.execute("SELECT version FROM schema_version").fetchone()
-            if version < SCHEMA_VERSION:
-                self._migrate(connection, version)
-                return
-        if version != SCHEMA_VERSION:
-            raise FailedPrecondition(
-                f"the ledger {self._database.location} has schema version {version}; this dpfleet reads versions "
-                f"up to {SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
-            )
-
-    def _check_history_key(self, connection: Connection) -> None:
-        """Refuse a key the history was not chained with, before a change chains an entry to it under another."""
-        last = connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT 1").fetchone()
-        if last is not None:
-            entry = StoredEntry(*last)
-            expected = history_hash(
-                entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
-                entry.dataset_id, entry.details_json, self._history_key,
-            )
-            if entry.entry_hash != expected:
-                raise FailedPrecondition(
-                    f"the last history entry of {self._database.location} is not chained with the history key "
-                    f"{self._history_key_file}: give the key this ledger was opened with (--history-key), or "
-                    "restore it from its backup; dpfleet ledger verify tells whether the row was edited. See "
-                    "docs/ledger.md, 'The history key and the signed head'"
-                )
-
-    def _migrate(self, connection: Connection, version: int) -> None:
-        """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
-        caller = self._default_caller or Caller(actor=f"{_local_user()} (opening the file)", tenant=None)
-        for target in range(version + 1, SCHEMA_VERSION + 1):
-            if target in _KEYED_MIGRATIONS:
-                _KEYED_MIGRATIONS[target](connection, caller, self._database, self._history_key)
-            else:
-                _MIGRATIONS[target](connection, caller, self._database)
-        connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
-        self._record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
+        self._transactions.close()
 
     def _caller(self, caller: Caller | None) -> Caller:
         caller = caller or self._default_caller
         if caller is None:
             raise Unauthenticated("no caller given; open the ledger with a caller or pass one")
         return caller
-
-    def _record(
-        self,
-        connection: Connection,
-        caller: Caller,
-        action: str,
-        tenant: str | None,
-        dataset_id: int | None,
-        details: dict,
-    ) -> None:
-        if not self._history_key_checked:
-            self._check_history_key(connection)
-            self._history_key_checked = True
-        _append_history(connection, self._history_key, caller, action, tenant, dataset_id, details)
 
     @staticmethod
     def _dataset_row(connection: Connection, caller: Caller, reference: str, shared: bool = False) -> _DatasetRow:
@@ -1174,12 +526,12 @@ class Ledger:
         )
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             created = connection.execute(
-                "INSERT INTO tenants (name, created_at) VALUES (?, ?) ON CONFLICT DO NOTHING", (tenant, _now())
+                "INSERT INTO tenants (name, created_at) VALUES (?, ?) ON CONFLICT DO NOTHING", (tenant, now())
             ).rowcount
             if created:
-                self._record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False})
+                self._history.record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False})
 
     # ------------------------------------------------------------ identity
 
@@ -1193,9 +545,9 @@ class Ledger:
         """
         now = time.monotonic()
         if now - self._tokens_checked_at >= TOKEN_RECHECK_SECONDS:
-            with self._read() as connection:
+            with self._transactions.read() as connection:
                 (generation,) = connection.execute("SELECT generation FROM token_generation").fetchone()
-            with self._readers_lock:
+            with self._tokens_lock:
                 if generation != self._token_generation:
                     self._verified_tokens.clear()
                     self._token_generation = generation
@@ -1218,7 +570,7 @@ class Ledger:
         caller = self._admin_caller(token, digest)
         if caller is None:
             key_id = token_key_id(token)
-            with self._read() as connection:
+            with self._transactions.read() as connection:
                 row = connection.execute(
                     "SELECT name, token_salt, token_hash FROM tenants WHERE key_id = ?", (key_id,)
                 ).fetchone()
@@ -1230,7 +582,7 @@ class Ledger:
                     "tenant create or dpfleet ledger token rotate printed"
                 )
             if row[1] is not None:
-                with self._transaction() as connection:
+                with self._transactions.change() as connection:
                     connection.execute(
                         "UPDATE tenants SET token_salt = NULL, token_hash = ? WHERE key_id = ? AND token_salt = ?",
                         (digest, key_id, row[1]),
@@ -1242,7 +594,7 @@ class Ledger:
     def _admin_caller(self, token: str, digest: bytes) -> Caller | None:
         """The admin, when `token` is an admin token the ledger keeps and has not revoked; else None."""
         key_id = admin_key_id(token)
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             row = connection.execute(
                 "SELECT token_hash FROM admin_tokens WHERE key_id = ? AND revoked_at IS NULL", (key_id,)
             ).fetchone()
@@ -1252,10 +604,10 @@ class Ledger:
 
     def register_admin_token(self, token: str) -> None:
         """Keep the admin token a server was started with (once); a revoked one stays revoked."""
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             connection.execute(
                 "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                (admin_key_id(token), token_digest(token), _now()),
+                (admin_key_id(token), token_digest(token), now()),
             )
 
     def _tokens_changed(self, connection: Connection) -> None:
@@ -1277,27 +629,27 @@ class Ledger:
             if not caller.admin:
                 raise PermissionDenied("rotating the admin token needs the admin token; a tenant rotates its own")
             key_id, token = new_token()
-            with self._transaction() as connection:
+            with self._transactions.change() as connection:
                 connection.execute(
                     "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?)",
-                    (key_id, token_digest(token), _now()),
+                    (key_id, token_digest(token), now()),
                 )
                 revoked = []
                 if caller.key_id is not None:
                     revoked = [caller.key_id]
                     connection.execute(
                         "UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
-                        (_now(), caller.key_id),
+                        (now(), caller.key_id),
                     )
                 self._tokens_changed(connection)
-                self._record(connection, caller, "rotate_token", None, None,
+                self._history.record(connection, caller, "rotate_token", None, None,
                              {"admin": True, "key_id": key_id, "revoked_key_ids": revoked})
             return TenantCreated(None, token)
         check_name("tenant name", tenant)
         if not (caller.admin or caller.tenant == tenant):
             raise PermissionDenied(f"a tenant rotates only its own token; rotating {tenant!r}'s needs the admin token")
         key_id, token = new_token()
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
             if row is None:
                 raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
@@ -1306,7 +658,7 @@ class Ledger:
                 (key_id, token_digest(token), tenant),
             )
             self._tokens_changed(connection)
-            self._record(connection, caller, "rotate_token", tenant, None,
+            self._history.record(connection, caller, "rotate_token", tenant, None,
                          {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [row[0]] if row[0] else [],
                           "token_digest": stored_token_digest(None, token_digest(token))})
         return TenantCreated(tenant, token)
@@ -1325,7 +677,7 @@ class Ledger:
             raise PermissionDenied("revoking a token needs the admin token (a tenant can rotate its own)")
         if (tenant is None) == (key_id is None):
             raise InvalidArgument("name either a tenant, or the key id of an admin token (got both or neither)")
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             if tenant is not None:
                 check_name("tenant name", tenant)
                 row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
@@ -1348,10 +700,10 @@ class Ledger:
                     raise FailedPrecondition(
                         f"admin token {key_id} is the last one; rotate it (dpfleet ledger token rotate --admin) instead"
                     )
-                connection.execute("UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ?", (_now(), key_id))
+                connection.execute("UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ?", (now(), key_id))
                 revoked = key_id
             self._tokens_changed(connection)
-            self._record(connection, caller, "revoke_token", tenant, None,
+            self._history.record(connection, caller, "revoke_token", tenant, None,
                          {"tenant": tenant, "admin": tenant is None, "key_id": revoked})
         return revoked
 
@@ -1364,15 +716,15 @@ class Ledger:
             )
         check_name("tenant name", tenant)
         key_id, token = new_token()
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             try:
                 connection.execute(
                     "INSERT INTO tenants (name, key_id, token_salt, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
-                    (tenant, key_id, None, token_digest(token), _now()),
+                    (tenant, key_id, None, token_digest(token), now()),
                 )
             except self._database.duplicate_errors:
                 raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name") from None
-            self._record(
+            self._history.record(
                 connection, caller, "create_tenant", tenant, None,
                 {"tenant": tenant, "key_id": key_id, "token_digest": stored_token_digest(None, token_digest(token))},
             )
@@ -1404,7 +756,7 @@ class Ledger:
         reference = resolve_dataset(caller, dataset)
         zero = RdpTally.zero().to_json()
         rule = AdmissionRule.for_budget(epsilon, delta)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             if not connection.execute("SELECT 1 FROM tenants WHERE name = ?", (reference.tenant,)).fetchone():
                 raise NotFound(
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
@@ -1415,7 +767,7 @@ class Ledger:
                     "created_at, admission_rule, privacy_unit, scheduling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                     "RETURNING id",
                     (
-                        reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), _now(),
+                        reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), now(),
                         json.dumps(rule.to_dict()), privacy_unit, json.dumps(scheduling.to_dict()),
                     ),
                 ).fetchone()
@@ -1423,7 +775,7 @@ class Ledger:
                 raise AlreadyExists(
                     f"dataset {dataset!r} already exists; an admin can raise its budget (dpfleet ledger dataset raise)"
                 ) from None
-            self._record(
+            self._history.record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
                 {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
                  "scheduling": scheduling.to_dict()},
@@ -1439,7 +791,7 @@ class Ledger:
                 "changing a budget needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
             )
         epsilon = check_budget_epsilon(epsilon)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._dataset_row(connection, caller, dataset)
             check_new_budget(dataset, _rule(row), epsilon, RdpTally.from_json(row.held_rdp))
             (largest_block,) = connection.execute(
@@ -1451,7 +803,7 @@ class Ledger:
                     f"of it may spend, cannot be below that (got ε {epsilon:g}). Choose at least ε {largest_block:g}"
                 )
             connection.execute("UPDATE datasets SET budget_epsilon = ? WHERE id = ?", (epsilon, row.dataset_id))
-            self._record(
+            self._history.record(
                 connection, caller, "raise_budget", row.tenant, row.dataset_id,
                 {"from": row.budget_epsilon, "to": epsilon},
             )
@@ -1478,7 +830,7 @@ class Ledger:
         caller = self._caller(caller)
         check_name("block name", block)
         epsilon = check_budget_epsilon(epsilon, "block epsilon")
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._dataset_row(connection, caller, dataset)
             delta = row.delta if delta is None else check_delta(delta)
             data = check_block_data(data, row.privacy_unit)
@@ -1492,13 +844,13 @@ class Ledger:
                     (
                         # ':' is in no dataset name, so a block's row never takes a dataset's name.
                         row.tenant, f"{row.name}:{block}", epsilon, delta, RdpTally.zero().to_json(),
-                        Composition().to_json(), _now(), json.dumps(rule.to_dict()), row.privacy_unit,
+                        Composition().to_json(), now(), json.dumps(rule.to_dict()), row.privacy_unit,
                         row.dataset_id, block, json.dumps(data, sort_keys=True),
                     ),
                 ).fetchone()
             except self._database.duplicate_errors:
                 raise AlreadyExists(f"dataset {dataset!r} already has a block {block!r}; choose another name") from None
-            self._record(
+            self._history.record(
                 connection, caller, "add_block", row.tenant, block_id,
                 {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta, "admission": rule.to_dict(),
                  "data": data},
@@ -1560,7 +912,7 @@ class Ledger:
         check_name("tenant name", tenant)
         epsilon = check_budget_epsilon(epsilon, "quota epsilon")
         blocks = () if block is None else check_block_names([block])
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._dataset_row(connection, caller, dataset)
             if not connection.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant,)).fetchone():
                 raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
@@ -1573,7 +925,7 @@ class Ledger:
                 (epsilon, json.dumps(rule.to_dict()), budget.dataset_id, tenant),
             )
             held_epsilon = rule.epsilon(held)
-            self._record(
+            self._history.record(
                 connection, caller, "set_quota", tenant, budget.dataset_id,
                 {"tenant": tenant, "block": block, "epsilon": epsilon, "admission": rule.to_dict(),
                  "held_epsilon_filter": held_epsilon, "held_fits_quota": fits_budget(held_epsilon, epsilon)},
@@ -1597,7 +949,7 @@ class Ledger:
         _, charged, _ = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
         self._charge_curves(caller, uncached_mechanisms(charged))
         planned_tally = RdpTally.of(charged)
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
             budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
             checks, quota_checks = self._admission_checks(
@@ -1615,7 +967,7 @@ class Ledger:
         labelled "rdp" (see `budget_figures`).
         """
         caller = self._caller(caller)
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset, shared=True))
         return self._status(caller, rows, pld_may_be_pending)
 
@@ -1624,7 +976,7 @@ class Ledger:
     ) -> list[DatasetStatus]:
         """Every dataset the caller may see (its own; all for an admin), by tenant and name (see get_budget)."""
         caller = self._caller(caller)
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             if caller.admin:
                 datasets = connection.execute(
                     f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of IS NULL ORDER BY tenant, name"
@@ -1649,7 +1001,7 @@ class Ledger:
         caller = self._caller(caller)
         state = check_state(state)
         conditions, parameters = [], []
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             if dataset is not None:
                 conditions.append("r.dataset_id = ?")
                 parameters.append(self._dataset_row(connection, caller, dataset, shared=True).dataset_id)
@@ -1683,7 +1035,7 @@ class Ledger:
             parameters.append(state)
         return (f"WHERE {' AND '.join(conditions)}" if conditions else ""), parameters
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def reserve(
         self,
         dataset: str,
@@ -1719,7 +1071,7 @@ class Ledger:
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
         self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._dataset_row(connection, caller, dataset, shared=True)
             tenant = _job_tenant(caller, row)
             self._expire_leases(connection, row.dataset_id)
@@ -1757,7 +1109,7 @@ class Ledger:
         job_events = check_plan(planned)
         privacy_unit = check_privacy_unit(privacy_unit)
         rows_per_person = check_rows_per_person(rows_per_person)
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             dataset_unit = self._dataset_row(connection, caller, dataset, shared=True).privacy_unit
         charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         return job_events, charged, rows_per_person
@@ -1813,8 +1165,8 @@ class Ledger:
             "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at, "
             "lease_seconds, expires_at, tenant, blocks) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)",
             (
-                reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, _now(), lease_seconds,
-                _expiry(lease_seconds), tenant, json.dumps(list(blocks)),
+                reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, now(), lease_seconds,
+                expiry(lease_seconds), tenant, json.dumps(list(blocks)),
             ),
         )
         for budget in budgets:
@@ -1833,7 +1185,7 @@ class Ledger:
             {"blocks": list(blocks), "held_epsilon_filter_by_block": dict(zip(blocks, held_after))}
             if blocks else {"held_epsilon_filter": held_after[0]}
         )
-        self._record(
+        self._history.record(
             connection,
             caller,
             "reserve",
@@ -1850,7 +1202,7 @@ class Ledger:
         )
         return reservation_id
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def commit(
         self, reservation_id: str, steps: int, sequence: int, *, caller: Caller | None = None
     ) -> CommitResult:
@@ -1864,10 +1216,10 @@ class Ledger:
         caller = self._caller(caller)
         steps = check_steps(steps)
         sequence = check_sequence(sequence)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._reservation_row(connection, caller, reservation_id)
             dataset_id = row[_JOB_DATASET_ID]
-            if row[4] == ACTIVE and row[10] is not None and row[10] <= _now():  # its own lease ran out
+            if row[4] == ACTIVE and row[10] is not None and row[10] <= now():  # its own lease ran out
                 self._expire_leases(connection, dataset_id)
                 row = self._reservation_row(connection, caller, reservation_id)
             reservation = self._reservation(caller, row)
@@ -1923,13 +1275,13 @@ class Ledger:
             committed_steps = reservation.committed_steps + steps
             connection.execute(
                 "UPDATE reservations SET committed_steps = ?, expires_at = ? WHERE id = ?",
-                (committed_steps, _expiry(reservation.lease_seconds), reservation_id),
+                (committed_steps, expiry(reservation.lease_seconds), reservation_id),
             )
             connection.execute(
                 "INSERT INTO commits (reservation_id, sequence, steps, committed_steps, at) VALUES (?, ?, ?, ?, ?)",
-                (reservation_id, sequence, steps, committed_steps, _now()),
+                (reservation_id, sequence, steps, committed_steps, now()),
             )
-            self._record(
+            self._history.record(
                 connection,
                 caller,
                 "commit",
@@ -1945,11 +1297,11 @@ class Ledger:
             )
         return CommitResult(reservation_id, sequence, steps, committed_steps, reservation.planned_steps)
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def release(self, reservation_id: str, *, caller: Caller | None = None) -> Reservation:
         """Free a reservation's unrun steps; committed steps stay spent. Releasing twice is a no-op."""
         caller = self._caller(caller)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._reservation_row(connection, caller, reservation_id)
             self._expire_leases(connection, row[_JOB_DATASET_ID])
             self._free(connection, caller, self._reservation_row(connection, caller, reservation_id), "release")
@@ -1957,19 +1309,19 @@ class Ledger:
             row = self._reservation_row(connection, caller, reservation_id)
         return self._reservation(caller, row)
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def expire_leases(self) -> None:
         """Release the unrun steps of every reservation whose lease ran out (a server calls this every second).
 
         Looks first on a reader, so a sweep that finds nothing writes nothing and waits for no fsync.
         """
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             due = connection.execute(
                 "SELECT 1 FROM reservations WHERE state = ? AND expires_at IS NOT NULL AND expires_at <= ? LIMIT 1",
-                (ACTIVE, _now()),
+                (ACTIVE, now()),
             ).fetchone()
         if due is not None:
-            with self._transaction() as connection:
+            with self._transactions.change() as connection:
                 self._expire_leases(connection, None)
 
     def _expire_leases(self, connection: Connection, dataset_id: int | None) -> None:
@@ -1978,7 +1330,7 @@ class Ledger:
             f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
             f"WHERE r.state = ? AND r.expires_at IS NOT NULL AND r.expires_at <= ? {condition} "
             f"ORDER BY r.{self._database.insertion_order}",
-            (ACTIVE, _now(), *parameters),
+            (ACTIVE, now(), *parameters),
         ).fetchall()
         for row in expired:
             self._free(connection, LEASE_EXPIRY, row, "expire")
@@ -2007,9 +1359,9 @@ class Ledger:
         connection.execute("UPDATE datasets SET released_jobs = released_jobs + 1 WHERE id = ?", (dataset_id,))
         connection.execute(
             "UPDATE reservations SET state = ?, released_at = ?, lease_expired = ? WHERE id = ?",
-            (RELEASED, _now(), int(action == "expire"), reservation.reservation_id),
+            (RELEASED, now(), int(action == "expire"), reservation.reservation_id),
         )
-        self._record(
+        self._history.record(
             connection,
             caller,
             action,
@@ -2026,7 +1378,7 @@ class Ledger:
 
     # ------------------------------------------------------------ the queue
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def enqueue(
         self,
         dataset: str,
@@ -2062,7 +1414,7 @@ class Ledger:
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
         self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._dataset_row(connection, caller, dataset)
             tenant = _job_tenant(caller, row)
             self._expire_leases(connection, row.dataset_id)
@@ -2097,18 +1449,18 @@ class Ledger:
                 if not check.fits:
                     raise check.refusal(dataset)
             queue_id = f"q-{secrets.token_hex(8)}"
-            deadline = _expiry(max_wait_seconds)
+            deadline = expiry(max_wait_seconds)
             connection.execute(
                 "INSERT INTO queued_jobs (id, dataset_id, job_id, tenant, blocks, planned_events, conversion, "
                 "priority, lease_seconds, created_at, deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     queue_id, row.dataset_id, job_id, tenant, json.dumps(list(blocks)), planned.to_json(),
-                    json.dumps(_conversion(planned, job_events, rows_per_person)), priority, lease_seconds, _now(),
+                    json.dumps(_conversion(planned, job_events, rows_per_person)), priority, lease_seconds, now(),
                     deadline, QUEUED,
                 ),
             )
             self._count_arrival(connection, budgets)
-            self._record(
+            self._history.record(
                 connection, caller, "enqueue", tenant, row.dataset_id,
                 {"queue_id": queue_id, "job_id": job_id, "planned_events": planned.to_dict(), "priority": priority,
                  "deadline": deadline, "lease_seconds": lease_seconds, "blocks": list(blocks)},
@@ -2117,11 +1469,11 @@ class Ledger:
             queued = self._queued_job(caller, self._queued_row(connection, caller, queue_id))
         return queued
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def queued_job(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
         """A queued job as it stands now; a waiting one is scheduled first, so time-based unlocking shows."""
         caller = self._caller(caller)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._queued_row(connection, caller, queue_id)
             if row[4] == QUEUED:
                 self._expire_leases(connection, row[14])
@@ -2129,11 +1481,11 @@ class Ledger:
                 row = self._queued_row(connection, caller, queue_id)
         return self._queued_job(caller, row)
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def cancel_queued(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
         """Take a waiting job out of the queue; a job already admitted holds a reservation: release that instead."""
         caller = self._caller(caller)
-        with self._transaction() as connection:
+        with self._transactions.change() as connection:
             row = self._queued_row(connection, caller, queue_id)
             if row[4] == ADMITTED:
                 raise FailedPrecondition(
@@ -2143,9 +1495,9 @@ class Ledger:
             if row[4] == QUEUED:
                 connection.execute(
                     "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
-                    (CANCELLED, _now(), f"cancelled by {caller.actor}", queue_id),
+                    (CANCELLED, now(), f"cancelled by {caller.actor}", queue_id),
                 )
-                self._record(
+                self._history.record(
                     connection, caller, "cancel_queued", row[1], row[14], {"queue_id": queue_id, "job_id": row[3]}
                 )
                 self._serve_queue(connection, row[14])
@@ -2158,7 +1510,7 @@ class Ledger:
         """Queued jobs on the caller's datasets (waiting ones by default), by dataset then queue position."""
         caller = self._caller(caller)
         state = check_queue_state(state)
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             where, parameters = self._visible(connection, caller, "q", dataset, state)
             rows = connection.execute(
                 f"SELECT {_QUEUE_COLUMNS}, q.dataset_id FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
@@ -2167,13 +1519,13 @@ class Ledger:
             ).fetchall()
         return [self._queued_job(caller, row) for row in rows]
 
-    @_curves_outside_lock
+    @curves_outside_lock
     def serve_queues(self) -> None:
         """Serve every dataset with waiting jobs, for unlocking over time and deadlines (a server: every second).
 
         Looks first on a reader, so a sweep with nothing queued writes nothing.
         """
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             waiting = [
                 dataset_id
                 for (dataset_id,) in connection.execute(
@@ -2181,7 +1533,7 @@ class Ledger:
                 ).fetchall()
             ]
         if waiting:
-            with self._transaction() as connection:
+            with self._transactions.change() as connection:
                 for dataset_id in waiting:
                     self._serve_queue(connection, dataset_id)
 
@@ -2192,7 +1544,7 @@ class Ledger:
         it names) is one block of the policy, unlocked from its own creation
         and by the jobs that arrived on it.
         """
-        now = _now()
+        started = now()
         waiting = connection.execute(
             "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, conversion, tenant, blocks, "
             "deadline FROM queued_jobs WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
@@ -2204,16 +1556,16 @@ class Ledger:
             *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
         )
         for queue_id, job_id, *_, deadline in waiting:
-            if deadline is not None and deadline <= now:
+            if deadline is not None and deadline <= started:
                 connection.execute(
                     "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
-                    (TIMED_OUT, now, "gave up waiting at its deadline", queue_id),
+                    (TIMED_OUT, started, "gave up waiting at its deadline", queue_id),
                 )
-                self._record(
+                self._history.record(
                     connection, QUEUE_TIMEOUT, "queue_timeout", row.tenant, dataset_id,
                     {"queue_id": queue_id, "job_id": job_id},
                 )
-        waiting = [entry for entry in waiting if entry[-1] is None or entry[-1] > now]
+        waiting = [entry for entry in waiting if entry[-1] is None or entry[-1] > started]
         if not waiting:
             return
         policy = SchedulingPolicy.from_dict(json.loads(row.scheduling))
@@ -2236,7 +1588,7 @@ class Ledger:
                 name = budget.block if budget.block is not None else row.name
                 rule = _rule(budget)
                 if name not in budget_blocks:
-                    age = datetime.fromisoformat(now) - datetime.fromisoformat(budget.created_at)
+                    age = datetime.fromisoformat(started) - datetime.fromisoformat(budget.created_at)
                     budget_blocks[name] = BlockBudget(
                         name, rule.capacities(budget.budget_epsilon),
                         rule.order_divergences(RdpTally.from_json(budget.held_rdp)),
@@ -2272,7 +1624,7 @@ class Ledger:
                     connection.execute(
                         "UPDATE queued_jobs SET state = ?, reservation_id = ?, ended_at = ?, position = 0, reason = ? "
                         "WHERE id = ?",
-                        (ADMITTED, reservation_id, _now(), f"admitted by {policy.name}", decision.job),
+                        (ADMITTED, reservation_id, now(), f"admitted by {policy.name}", decision.job),
                     )
                     continue
             if (decision.position, decision.reason) != (position, reason):
@@ -2324,10 +1676,10 @@ class Ledger:
         caller = self._caller(caller)
         if not caller.admin:
             raise PermissionDenied("the signed head needs the admin (dpfleet ledger head runs on the file)")
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             (entries,) = connection.execute("SELECT COUNT(*) FROM history").fetchone()
             last = connection.execute("SELECT hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
-        return sign_head(self._history_key, entries, last[0] if last else "", _now())
+        return sign_head(self._history.key, entries, last[0] if last else "", now())
 
     def verify(self, head: SignedHead | None = None, *, caller: Caller | None = None) -> Verification:
         """Check the history's keyed hash chain, replay every dataset's, block's, tenant use's, reservation's,
@@ -2336,7 +1688,7 @@ class Ledger:
         caller = self._caller(caller)
         if not caller.admin:
             raise PermissionDenied("verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             reservations = [
                 StoredReservation(
                     reservation_id, dataset_id, tenant, job_id, Composition.from_json(planned), committed_steps,
@@ -2362,7 +1714,7 @@ class Ledger:
             ]
             entries = [
                 StoredEntry(*row)
-                for row in connection.execute(f"SELECT {_HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
+                for row in connection.execute(f"SELECT {HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
             ]
             rows = [
                 _DatasetRow(*row)
@@ -2395,7 +1747,7 @@ class Ledger:
             for row in rows
         ]
         return verify_history(
-            entries, datasets, uses, key=self._history_key, reservations=reservations, commits=commits,
+            entries, datasets, uses, key=self._history.key, reservations=reservations, commits=commits,
             tenants=tenants, head=head,
         )
 
@@ -2406,7 +1758,7 @@ class Ledger:
         caller = self._caller(caller)
         limit = check_history_limit(limit)
         conditions, parameters = [], []
-        with self._read() as connection:
+        with self._transactions.read() as connection:
             if dataset is not None:
                 # A block's own entries (its creation, quotas on it) are the dataset's too.
                 conditions.append("(h.dataset_id = ? OR h.dataset_id IN (SELECT id FROM datasets WHERE block_of = ?))")
@@ -2434,13 +1786,6 @@ class Ledger:
         ]
 
 
-def _local_user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry, as in some containers
-        return "unknown"
-
-
 def open_embedded_ledger(path: str | os.PathLike | None = None) -> Ledger:
     """The single-machine ledger: the local user is admin and owns the tenant 'local'.
 
@@ -2448,7 +1793,7 @@ def open_embedded_ledger(path: str | os.PathLike | None = None) -> Ledger:
     """
     path = Path(path) if path is not None else default_ledger_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    caller = Caller(actor=f"{_local_user()} (embedded)", tenant=LOCAL_TENANT, admin=True)
+    caller = Caller(actor=f"{local_user()} (embedded)", tenant=LOCAL_TENANT, admin=True)
     ledger = Ledger(path, caller=caller)
     ledger._ensure_tokenless_tenant(LOCAL_TENANT, caller)
     return ledger
