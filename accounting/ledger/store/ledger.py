@@ -1,75 +1,28 @@
-"""The ledger's SQLite store and `Ledger`, the embedded ledger (store + core).
+"""`Ledger`, the embedded ledger and what a server serves: the store's tables composed with the pure core.
 
-Durability: WAL journal with synchronous=FULL, so a change is on disk when
-its transaction returns; every state change is one BEGIN IMMEDIATE
-transaction, which also serialises writers across processes sharing the file.
-Reads run on a pool of connections of their own, beside writes and beside
-each other.
-Each change appends a row to `history` (who, when, what, JSON details); the
-table refuses UPDATE, DELETE (and on PostgreSQL TRUNCATE), and each row
-carries an HMAC under the history key over the row and the hash of the one
-before it (core.history_hash), so `verify` finds a row edited or removed by
-hand, and nobody without the key can rewrite the chain to hide it. The key is
-a file the ledger reads when it opens (`load_history_key`), never the
-database. `head` signs the chain's head with the same key; `verify` with a
-head kept elsewhere finds a tail cut off together with the rows it changed.
-
-Datasets belong to tenants. A caller names a dataset 'name' within its own
-tenant or 'tenant/name'; only admins may use another tenant's prefix. A tenant
-asking for another tenant's dataset or reservation, or one that does not
-exist, gets the same PermissionDenied, so existence is never revealed; an
-admin gets NotFound for what does not exist.
-
-Each dataset row carries its admission rule (core.AdmissionRule), its
-committed events in canonical form (one record per mechanism) and the exact
-RDP tally (see core.RdpTally) of committed + reserved-unrun steps, so
-admission and status never read the history; a commit only rewrites the
-committed events, which the figures of what is spent are computed from.
-
-A reservation may carry a lease: it expires `lease_seconds` after the
-reserve or its last commit. Every reserve and release on its dataset, a
-commit to it, and `expire_leases` (which a server runs every second) first
-release the unrun steps of the reservations whose lease ran out. A commit to an expired
-reservation is refused, so a driver that lost its lease cannot charge steps
-the ledger already freed.
+Each public method validates its arguments (core), opens one transaction
+(`transactions`) and composes the repositories (one per table) with the
+rules of the package: authorisation, admission, the queue, leases, status and
+verification. Each change appends an entry to the keyed history (`history`).
 """
 
 from __future__ import annotations
 
-import hmac
-import json
-import math
 import os
-import secrets
-import threading
-import time
-from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
 
-from accounting.events import Composition, EventsLike
+from accounting.events import EventsLike, Composition
 from accounting.ledger.core import (
     ACTIVE,
     ADMITTED,
     CANCELLED,
     EXAMPLE,
-    LEASE_EXPIRY,
     LOCAL_TENANT,
-    QUEUE_ADMISSION,
-    QUEUE_TIMEOUT,
     QUEUED,
-    RELEASED,
-    TIMED_OUT,
-    ADMIN,
     AdmissionRule,
     AlreadyExists,
-    BudgetExceeded,
-    BlockStatus,
-    BudgetCheck,
     Caller,
     CommitResult,
-    DatasetRef,
     DatasetStatus,
     FailedPrecondition,
     FitReport,
@@ -78,24 +31,12 @@ from accounting.ledger.core import (
     NotFound,
     PermissionDenied,
     QueuedJob,
-    QuotaStatus,
     RdpTally,
     Reservation,
     SignedHead,
-    StoredCommit,
-    StoredDataset,
-    StoredEntry,
-    StoredReservation,
-    StoredTenant,
-    StoredTenantUse,
     TenantCreated,
-    Unauthenticated,
     Verification,
     admin_key_id,
-    assess_admission,
-    block_data_overlap,
-    budget_figures,
-    canonical,
     charged_plan,
     check_block_data,
     check_block_names,
@@ -104,131 +45,49 @@ from accounting.ledger.core import (
     check_history_limit,
     check_lease_seconds,
     check_max_wait_seconds,
-    check_privacy_unit,
-    check_rows_per_person,
     check_name,
     check_new_budget,
     check_plan,
     check_priority,
+    check_privacy_unit,
     check_queue_state,
+    check_rows_per_person,
     check_scheduling,
     check_sequence,
     check_state,
     check_steps,
-    display_name,
     fits_budget,
-    history_hash,
     new_token,
-    no_access,
-    no_reservation,
-    quota_status,
     resolve_dataset,
     sign_head,
-    split_steps,
-    tenant_caller,
     stored_token_digest,
     token_digest,
-    token_key_id,
-    token_matches,
     uncached_mechanisms,
-    verify_history,
 )
-from accounting.ledger.databases import Connection, open_database
+from accounting.ledger.databases import open_database
 from accounting.ledger.limits import TokenBuckets
-from accounting.ledger.scheduling import BlockBudget, QueuedDemand, SchedulingPolicy, schedule
-from accounting.ledger.store.clock import expiry, now
-from accounting.ledger.store.history import HISTORY_COLUMNS, HistoryChain
+from accounting.ledger.scheduling import SchedulingPolicy
+from accounting.ledger.store import admission, queueing
+from accounting.ledger.store.admission import JobRequest
+from accounting.ledger.store.authorisation import (
+    Authenticator,
+    acting_caller,
+    job_tenant,
+    require_admin,
+    visible_dataset,
+    visible_queued_job,
+    visible_reservation,
+)
+from accounting.ledger.store.clock import now
+from accounting.ledger.store.history import HistoryChain
+from accounting.ledger.store.leases import expire_leases
 from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key, local_user
 from accounting.ledger.store.schema import create_or_check_schema
+from accounting.ledger.store.status import dataset_status, read_status
+from accounting.ledger.store.tables import Tables
 from accounting.ledger.store.transactions import Transactions, curves_outside_lock
-_DATASET_COLUMNS = (
-    "id, tenant, name, budget_epsilon, delta, held_rdp, committed_events, released_jobs, admission_rule, privacy_unit, "
-    "block_of, block, scheduling, arrived_jobs, created_at, block_data"
-)
-_RESERVATION_COLUMNS = (
-    "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
-    "r.lease_seconds, r.expires_at, r.lease_expired, r.tenant, r.blocks"
-)
-# Where a reservation row, as _RESERVATION_COLUMNS selects it, holds the tenant that made it; a row selected
-# with ", r.dataset_id" after them holds the dataset's id next.
-_JOB_TENANT = 12
-_JOB_DATASET_ID = 14
-_QUEUE_COLUMNS = (
-    "q.id, d.tenant, d.name, q.job_id, q.state, q.planned_events, q.priority, q.created_at, q.deadline, q.position, "
-    "q.reason, q.reservation_id, q.ended_at, q.lease_seconds"
-)
-
-
-class _DatasetRow(NamedTuple):
-    """A row of `datasets` as _DATASET_COLUMNS selects it."""
-
-    dataset_id: int
-    tenant: str
-    name: str
-    budget_epsilon: float
-    delta: float
-    held_rdp: str
-    committed_events: str
-    released_jobs: int
-    admission_rule: str
-    privacy_unit: str
-    block_of: int | None
-    block: str | None
-    scheduling: str
-    arrived_jobs: int
-    created_at: str
-    block_data: str | None
-
-
-# How long a server trusts the tokens it verified without looking at the token generation again: a rotation or
-# revocation on any server of the database takes effect on every other within this (plus one read).
-TOKEN_RECHECK_SECONDS = 0.5
-
-
-def _conversion(planned: Composition, job_events: Composition, rows_per_person: int | None) -> dict:
-    """What a `reserve` history entry records of a job's own events when the ledger charged it others."""
-    if planned == job_events:
-        return {}
-    return {"job_events": job_events.to_dict(), "rows_per_person": rows_per_person}
-
-
-def _rule(row: _DatasetRow) -> AdmissionRule:
-    return AdmissionRule.from_dict(json.loads(row.admission_rule))
-
-
-def _budget_fields(budget: _DatasetRow, pld_may_be_pending: bool) -> dict:
-    """A dataset's or block's budget, rule and figures, as the fields its status shares with the other's."""
-    rule = _rule(budget)
-    figures = budget_figures(
-        budget.budget_epsilon, rule, Composition.from_json(budget.committed_events),
-        RdpTally.from_json(budget.held_rdp), pld_may_be_pending,
-    )
-    return {
-        "budget_epsilon": budget.budget_epsilon,
-        "delta": budget.delta,
-        "admission": rule,
-        "spent_epsilon": figures.spent_epsilon,
-        "spent_epsilon_rdp": figures.spent_epsilon_rdp,
-        "spent_epsilon_filter": figures.spent_epsilon_filter,
-        "reserved_epsilon": figures.reserved_epsilon,
-        "remaining_epsilon": figures.remaining_epsilon,
-        "spent_epsilon_accountant": figures.spent_epsilon_accountant,
-    }
-
-
-def _budget_label(reference: str, budget: _DatasetRow) -> str:
-    """A budget in words, for refusals: the dataset's, or one block's."""
-    return f"dataset {reference!r}" if budget.block is None else f"block {budget.block!r} of dataset {reference!r}"
-
-
-def _blocks_detail(blocks: tuple[str, ...]) -> dict:
-    """The history detail naming the blocks a job is charged to (none for a job on the dataset itself)."""
-    return {"blocks": list(blocks)} if blocks else {}
-
-
-def _job_tenant(caller: Caller, dataset: _DatasetRow) -> str:
-    """Whose job a reservation is: the tenant's that makes it; an admin's jobs count as the dataset owner's."""
-    return dataset.tenant if caller.admin else caller.tenant
+from accounting.ledger.store.uses import Quota
+from accounting.ledger.store.verification import read_stored, verify_stored
 
 
 class Ledger:
@@ -260,10 +119,8 @@ class Ledger:
         self.path = Path(path) if self._database.is_file else str(path)
         self._default_caller = caller
         self._transactions = Transactions(self._database)
-        self._tokens_lock = threading.Lock()
-        self._verified_tokens: dict[bytes, Caller] = {}
-        self._token_generation: int | None = None
-        self._tokens_checked_at = -math.inf
+        self._tables = Tables.of(self._database, self._history)
+        self._authenticator = Authenticator(self._transactions, self._tables.tenants)
         # Set by a server: the buckets of tenants' costly requests (see `_charge_curves`); None charges nothing.
         self.curve_limits: TokenBuckets | None = None
         try:
@@ -283,255 +140,14 @@ class Ledger:
         self._transactions.close()
 
     def _caller(self, caller: Caller | None) -> Caller:
-        caller = caller or self._default_caller
-        if caller is None:
-            raise Unauthenticated("no caller given; open the ledger with a caller or pass one")
-        return caller
-
-    @staticmethod
-    def _dataset_row(connection: Connection, caller: Caller, reference: str, shared: bool = False) -> _DatasetRow:
-        """The dataset `reference` names; with `shared`, also another tenant's where the caller holds a quota."""
-        dataset = resolve_dataset(caller, reference, shared)
-        row = connection.execute(
-            f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE tenant = ? AND name = ? AND block_of IS NULL",
-            (dataset.tenant, dataset.name),
-        ).fetchone()
-        if row is None:
-            if caller.admin:
-                raise NotFound(f"dataset {reference!r} does not exist; create it with dpfleet ledger dataset create")
-            raise no_access(reference)
-        row = _DatasetRow(*row)
-        if not caller.admin and row.tenant != caller.tenant and not connection.execute(
-            "SELECT 1 FROM tenant_use u JOIN datasets d ON d.id = u.budget_id "
-            "WHERE u.tenant = ? AND u.quota_epsilon IS NOT NULL AND (d.id = ? OR d.block_of = ?) LIMIT 1",
-            (caller.tenant, row.dataset_id, row.dataset_id),
-        ).fetchone():
-            raise no_access(reference)
-        return row
-
-    @staticmethod
-    def _budget_rows(connection: Connection, dataset: _DatasetRow, blocks: tuple[str, ...], reference: str,
-                     new_job: bool = False) -> list[_DatasetRow]:
-        """The budgets a job on `blocks` of `dataset` is charged to: each block's, or the dataset's own for ().
-
-        A `new_job` on a dataset made of blocks must name them; a job
-        reserved before the dataset had blocks stays on its own budget.
-        """
-        rows = [
-            _DatasetRow(*row) for row in connection.execute(
-                f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of = ? ORDER BY block", (dataset.dataset_id,)
-            ).fetchall()
-        ]
-        if not blocks:
-            if rows and new_job:
-                raise FailedPrecondition(
-                    f"dataset {reference!r} is made of blocks ({', '.join(row.block for row in rows)}); a job names "
-                    "the blocks it trains on (the config's blocks = [...], or a range of them)"
-                )
-            return [dataset]
-        by_name = {row.block: row for row in rows}
-        missing = [block for block in blocks if block not in by_name]
-        if missing:
-            raise NotFound(
-                f"dataset {reference!r} has no block {', '.join(map(repr, missing))}; its blocks are "
-                f"{', '.join(by_name) or 'none'} (dpfleet ledger block add creates one)"
-            )
-        undeclared = [block for block in blocks if by_name[block].block_data is None]
-        if undeclared and new_job:
-            raise FailedPrecondition(
-                f"block {', '.join(map(repr, undeclared))} of dataset {reference!r} was added before blocks declared "
-                "where their rows are, so nothing shows it owns them alone: it takes no new job. Train on blocks "
-                "that declare their data (dpfleet ledger block add ... --files/--rows/--partition/--user-hash/"
-                "--user-range)"
-            )
-        return [by_name[block] for block in blocks]
-
-    @staticmethod
-    def _use(connection: Connection, budget_id: int, tenant: str) -> tuple[RdpTally, Composition]:
-        """A tenant's tally of committed and reserved steps on a budget, and its committed events."""
-        row = connection.execute(
-            "SELECT held_rdp, committed_events FROM tenant_use WHERE budget_id = ? AND tenant = ?", (budget_id, tenant)
-        ).fetchone()
-        if row is None:
-            return RdpTally.zero(), Composition()
-        return RdpTally.from_json(row[0]), Composition.from_json(row[1])
-
-    @staticmethod
-    def _set_use(connection: Connection, budget_id: int, tenant: str, held: RdpTally, committed: Composition) -> None:
-        connection.execute(
-            "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) VALUES (?, ?, ?, ?) "
-            "ON CONFLICT (budget_id, tenant) DO UPDATE SET held_rdp = excluded.held_rdp, "
-            "committed_events = excluded.committed_events",
-            (budget_id, tenant, held.to_json(), canonical(committed).to_json()),
-        )
-
-    @staticmethod
-    def _quota(connection: Connection, budget: _DatasetRow, tenant: str) -> tuple[float, AdmissionRule] | None:
-        """The tenant's quota on a budget: its own, else (for a block) the one set on its dataset; None if none."""
-        for budget_id in (budget.dataset_id, budget.block_of):
-            if budget_id is None:
-                continue
-            row = connection.execute(
-                "SELECT quota_epsilon, quota_rule FROM tenant_use WHERE budget_id = ? AND tenant = ? "
-                "AND quota_epsilon IS NOT NULL",
-                (budget_id, tenant),
-            ).fetchone()
-            if row is not None:
-                return row[0], AdmissionRule.from_dict(json.loads(row[1]))
-        return None
-
-    def _admission_checks(
-        self, connection: Connection, tenant: str, dataset: _DatasetRow, budgets: list[_DatasetRow],
-        planned: RdpTally, reference: str, committed: bool = False,
-    ) -> tuple[list[BudgetCheck], list[BudgetCheck]]:
-        """Every filter a job of `tenant` must pass: each budget's (in order), and the tenant's quotas where set.
-
-        Against what is committed and reserved, or with `committed`, against
-        what is committed only (a commit's check). Another tenant than the
-        owner needs a quota on each budget it is charged to.
-        """
-        checks, quota_checks = [], []
-        for budget in budgets:
-            label = _budget_label(reference, budget)
-            if committed:
-                held = RdpTally.of(Composition.from_json(budget.committed_events))
-            else:
-                (held,) = connection.execute(
-                    "SELECT held_rdp FROM datasets WHERE id = ?", (budget.dataset_id,)
-                ).fetchone()
-                held = RdpTally.from_json(held)
-            checks.append(assess_admission(label, _rule(budget), budget.budget_epsilon, held, planned))
-            quota = self._quota(connection, budget, tenant)
-            if quota is None:
-                if tenant != dataset.tenant:
-                    raise PermissionDenied(
-                        f"tenant {tenant!r} has no quota on {label}; an admin gives one with dpfleet ledger quota set"
-                    )
-                continue
-            use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
-            quota_checks.append(
-                assess_admission(
-                    f"tenant {tenant!r}'s quota on {label}", quota[1], quota[0],
-                    RdpTally.of(use_committed) if committed else use_held, planned,
-                )
-            )
-        return checks, quota_checks
-
-    @staticmethod
-    def _reservation_row(connection: Connection, caller: Caller, reservation_id: str) -> tuple:
-        check_name("reservation id", reservation_id)
-        row = connection.execute(
-            f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r "
-            "JOIN datasets d ON d.id = r.dataset_id WHERE r.id = ?",
-            (reservation_id,),
-        ).fetchone()
-        if row is None and caller.admin:
-            raise NotFound(f"reservation {reservation_id!r} does not exist (dpfleet ledger jobs lists them)")
-        if row is None or not (caller.admin or row[_JOB_TENANT] == caller.tenant):
-            raise no_reservation(reservation_id)
-        return row
-
-    @staticmethod
-    def _reservation(caller: Caller, row: tuple) -> Reservation:
-        (
-            reservation_id, tenant, name, job_id, state, planned, committed, created_at, released_at,
-            lease_seconds, expires_at, lease_expired, _, blocks,
-        ) = row[:14]
-        return Reservation(
-            reservation_id=reservation_id,
-            dataset=display_name(caller, DatasetRef(tenant, name)),
-            job_id=job_id,
-            state=state,
-            planned=Composition.from_json(planned),
-            committed_steps=committed,
-            created_at=created_at,
-            released_at=released_at,
-            lease_seconds=lease_seconds,
-            expires_at=expires_at,
-            lease_expired=bool(lease_expired),
-            blocks=tuple(json.loads(blocks)),
-        )
-
-    def _status_rows(self, connection: Connection, caller: Caller, row: _DatasetRow) -> tuple:
-        """What a status needs from the file: read inside a transaction, computed on outside it.
-
-        A tenant sees its own jobs and quotas only; an admin every tenant's.
-        """
-        mine, parameters = ("", ()) if caller.admin else ("AND r.tenant = ?", (caller.tenant,))
-        jobs = connection.execute(
-            f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-            f"WHERE r.dataset_id = ? AND r.state = ? {mine} ORDER BY r.{self._database.insertion_order}",
-            (row.dataset_id, ACTIVE, *parameters),
-        ).fetchall()
-        blocks = [
-            _DatasetRow(*block) for block in connection.execute(
-                f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of = ? ORDER BY block", (row.dataset_id,)
-            ).fetchall()
-        ]
-        mine, parameters = ("", ()) if caller.admin else ("AND u.tenant = ?", (caller.tenant,))
-        uses = connection.execute(
-            "SELECT u.budget_id, u.tenant, u.quota_epsilon, u.quota_rule, u.held_rdp, u.committed_events "
-            f"FROM tenant_use u JOIN datasets d ON d.id = u.budget_id WHERE (d.id = ? OR d.block_of = ?) {mine} "
-            "ORDER BY u.tenant, u.budget_id",
-            (row.dataset_id, row.dataset_id, *parameters),
-        ).fetchall()
-        (queued,) = connection.execute(
-            "SELECT COUNT(*) FROM queued_jobs WHERE dataset_id = ? AND state = ?", (row.dataset_id, QUEUED)
-        ).fetchone()
-        return row, jobs, blocks, uses, queued
-
-    @staticmethod
-    def _quota_statuses(row: _DatasetRow, blocks: list[_DatasetRow], uses: list[tuple]) -> tuple[QuotaStatus, ...]:
-        """Each tenant's quota on the dataset and on each block; a quota set on the dataset stands in for a
-        block that has none of its own."""
-        by_budget = {(budget_id, tenant): tuple(use) for budget_id, tenant, *use in uses}
-        statuses = []
-        for tenant in sorted({use[1] for use in uses}):
-            dataset_quota = by_budget.get((row.dataset_id, tenant))
-            for budget in [row, *blocks]:
-                quota_epsilon, quota_rule, held, committed = by_budget.get(
-                    (budget.dataset_id, tenant), (None, None, RdpTally.zero().to_json(), Composition().to_json())
-                )
-                inherited = quota_epsilon is None and budget is not row and dataset_quota is not None
-                if inherited:
-                    quota_epsilon, quota_rule = dataset_quota[0], dataset_quota[1]
-                if quota_epsilon is None:
-                    continue
-                statuses.append(
-                    quota_status(
-                        tenant, budget.block, quota_epsilon, AdmissionRule.from_dict(json.loads(quota_rule)),
-                        Composition.from_json(committed), RdpTally.from_json(held), inherited,
-                    )
-                )
-        return tuple(statuses)
-
-    def _status(self, caller: Caller, rows: tuple, pld_may_be_pending: bool = False) -> DatasetStatus:
-        # The PLD epsilon can take a second when the committed events changed; no lock is held here.
-        row, jobs, blocks, uses, queued = rows
-        return DatasetStatus(
-            name=display_name(caller, DatasetRef(row.tenant, row.name)),
-            tenant=row.tenant,
-            **_budget_fields(row, pld_may_be_pending),
-            jobs=tuple(self._reservation(caller, job) for job in jobs),
-            released_jobs=row.released_jobs,
-            blocks=tuple(
-                BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending),
-                            data=json.loads(block.block_data) if block.block_data else None)
-                for block in blocks
-            ),
-            quotas=self._quota_statuses(row, blocks, uses),
-            privacy_unit=row.privacy_unit,
-            scheduling=SchedulingPolicy.from_dict(json.loads(row.scheduling)),
-            queued_jobs=queued,
-        )
+        return acting_caller(caller, self._default_caller)
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
         with self._transactions.change() as connection:
-            created = connection.execute(
-                "INSERT INTO tenants (name, created_at) VALUES (?, ?) ON CONFLICT DO NOTHING", (tenant, now())
-            ).rowcount
-            if created:
-                self._history.record(connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False})
+            if self._tables.tenants.insert_tokenless(connection, tenant):
+                self._history.record(
+                    connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False}
+                )
 
     # ------------------------------------------------------------ identity
 
@@ -543,16 +159,7 @@ class Ledger:
         on this server or another of the database, every verified token is
         forgotten.
         """
-        now = time.monotonic()
-        if now - self._tokens_checked_at >= TOKEN_RECHECK_SECONDS:
-            with self._transactions.read() as connection:
-                (generation,) = connection.execute("SELECT generation FROM token_generation").fetchone()
-            with self._tokens_lock:
-                if generation != self._token_generation:
-                    self._verified_tokens.clear()
-                    self._token_generation = generation
-                self._tokens_checked_at = now
-        return self._verified_tokens.get(token_digest(token))
+        return self._authenticator.verified_caller(token)
 
     def authenticate(self, token: str) -> Caller:
         """The admin or tenant a token belongs to; raises Unauthenticated for an unknown or revoked token.
@@ -563,58 +170,14 @@ class Ledger:
         `verified_caller`). A tenant token stored by scrypt (schema version 6
         and before) is checked with scrypt once and then stored by digest.
         """
-        known = self.verified_caller(token)
-        if known is not None:
-            return known
-        digest = token_digest(token)
-        caller = self._admin_caller(token, digest)
-        if caller is None:
-            key_id = token_key_id(token)
-            with self._transactions.read() as connection:
-                row = connection.execute(
-                    "SELECT name, token_salt, token_hash FROM tenants WHERE key_id = ?", (key_id,)
-                ).fetchone()
-            if row is None or not (
-                hmac.compare_digest(digest, row[2]) if row[1] is None else token_matches(token, row[1], row[2])
-            ):
-                raise Unauthenticated(
-                    "the token is not known to this ledger, or was revoked or rotated; use the token dpfleet ledger "
-                    "tenant create or dpfleet ledger token rotate printed"
-                )
-            if row[1] is not None:
-                with self._transactions.change() as connection:
-                    connection.execute(
-                        "UPDATE tenants SET token_salt = NULL, token_hash = ? WHERE key_id = ? AND token_salt = ?",
-                        (digest, key_id, row[1]),
-                    )
-            caller = replace(tenant_caller(row[0]), key_id=key_id)
-        self._verified_tokens[digest] = caller
-        return caller
-
-    def _admin_caller(self, token: str, digest: bytes) -> Caller | None:
-        """The admin, when `token` is an admin token the ledger keeps and has not revoked; else None."""
-        key_id = admin_key_id(token)
-        with self._transactions.read() as connection:
-            row = connection.execute(
-                "SELECT token_hash FROM admin_tokens WHERE key_id = ? AND revoked_at IS NULL", (key_id,)
-            ).fetchone()
-        if row is None or not hmac.compare_digest(digest, row[0]):
-            return None
-        return replace(ADMIN, key_id=key_id)
+        return self._authenticator.authenticate(token)
 
     def register_admin_token(self, token: str) -> None:
         """Keep the admin token a server was started with (once); a revoked one stays revoked."""
         with self._transactions.change() as connection:
-            connection.execute(
-                "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
-                (admin_key_id(token), token_digest(token), now()),
+            self._tables.tenants.add_admin_token(
+                connection, admin_key_id(token), token_digest(token), unless_known=True
             )
-
-    def _tokens_changed(self, connection: Connection) -> None:
-        """Count a rotation or revocation, so every server forgets the tokens it verified (this one at once)."""
-        connection.execute("UPDATE token_generation SET generation = generation + 1")
-        self._verified_tokens.clear()
-        self._tokens_checked_at = 0.0
 
     def rotate_token(self, tenant: str | None = None, *, caller: Caller | None = None) -> TenantCreated:
         """Replace a token with a new one, shown this once; the old one stops working on every server within
@@ -626,41 +189,33 @@ class Ledger:
         """
         caller = self._caller(caller)
         if tenant is None:
-            if not caller.admin:
-                raise PermissionDenied("rotating the admin token needs the admin token; a tenant rotates its own")
+            require_admin(caller, "rotating the admin token needs the admin token; a tenant rotates its own")
             key_id, token = new_token()
             with self._transactions.change() as connection:
-                connection.execute(
-                    "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?)",
-                    (key_id, token_digest(token), now()),
-                )
+                self._tables.tenants.add_admin_token(connection, key_id, token_digest(token))
                 revoked = []
                 if caller.key_id is not None:
                     revoked = [caller.key_id]
-                    connection.execute(
-                        "UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ? AND revoked_at IS NULL",
-                        (now(), caller.key_id),
-                    )
-                self._tokens_changed(connection)
+                    self._tables.tenants.revoke_admin_token(connection, caller.key_id)
+                self._authenticator.tokens_changed(connection)
                 self._history.record(connection, caller, "rotate_token", None, None,
-                             {"admin": True, "key_id": key_id, "revoked_key_ids": revoked})
+                                     {"admin": True, "key_id": key_id, "revoked_key_ids": revoked})
             return TenantCreated(None, token)
         check_name("tenant name", tenant)
         if not (caller.admin or caller.tenant == tenant):
             raise PermissionDenied(f"a tenant rotates only its own token; rotating {tenant!r}'s needs the admin token")
         key_id, token = new_token()
         with self._transactions.change() as connection:
-            row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
+            row = self._tables.tenants.named(connection, tenant)
             if row is None:
                 raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
-            connection.execute(
-                "UPDATE tenants SET key_id = ?, token_salt = NULL, token_hash = ? WHERE name = ?",
-                (key_id, token_digest(token), tenant),
+            self._tables.tenants.set_token(connection, tenant, key_id, token_digest(token))
+            self._authenticator.tokens_changed(connection)
+            self._history.record(
+                connection, caller, "rotate_token", tenant, None,
+                {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [row.key_id] if row.key_id else [],
+                 "token_digest": stored_token_digest(None, token_digest(token))},
             )
-            self._tokens_changed(connection)
-            self._history.record(connection, caller, "rotate_token", tenant, None,
-                         {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [row[0]] if row[0] else [],
-                          "token_digest": stored_token_digest(None, token_digest(token))})
         return TenantCreated(tenant, token)
 
     def revoke_token(
@@ -673,57 +228,48 @@ class Ledger:
         admin token is not revoked (rotate it instead).
         """
         caller = self._caller(caller)
-        if not caller.admin:
-            raise PermissionDenied("revoking a token needs the admin token (a tenant can rotate its own)")
+        require_admin(caller, "revoking a token needs the admin token (a tenant can rotate its own)")
         if (tenant is None) == (key_id is None):
             raise InvalidArgument("name either a tenant, or the key id of an admin token (got both or neither)")
         with self._transactions.change() as connection:
             if tenant is not None:
                 check_name("tenant name", tenant)
-                row = connection.execute("SELECT key_id FROM tenants WHERE name = ?", (tenant,)).fetchone()
+                row = self._tables.tenants.named(connection, tenant)
                 if row is None:
                     raise NotFound(f"tenant {tenant!r} does not exist (dpfleet ledger status lists what you see)")
-                if row[0] is None:
+                if row.key_id is None:
                     raise FailedPrecondition(f"tenant {tenant!r} has no token to revoke")
-                connection.execute(
-                    "UPDATE tenants SET key_id = NULL, token_salt = NULL, token_hash = NULL WHERE name = ?", (tenant,)
-                )
-                revoked = row[0]
+                self._tables.tenants.set_token(connection, tenant, None, None)
+                revoked = row.key_id
             else:
                 check_name("admin key id", key_id)
-                live = [live_id for (live_id,) in connection.execute(
-                    "SELECT key_id FROM admin_tokens WHERE revoked_at IS NULL ORDER BY key_id"
-                ).fetchall()]
+                live = self._tables.tenants.live_admin_key_ids(connection)
                 if key_id not in live:
-                    raise NotFound(f"no admin token with key id {key_id!r} is in use; those in use are {', '.join(live)}")
+                    raise NotFound(
+                        f"no admin token with key id {key_id!r} is in use; those in use are {', '.join(live)}"
+                    )
                 if live == [key_id]:
                     raise FailedPrecondition(
                         f"admin token {key_id} is the last one; rotate it (dpfleet ledger token rotate --admin) instead"
                     )
-                connection.execute("UPDATE admin_tokens SET revoked_at = ? WHERE key_id = ?", (now(), key_id))
+                self._tables.tenants.revoke_admin_token(connection, key_id)
                 revoked = key_id
-            self._tokens_changed(connection)
+            self._authenticator.tokens_changed(connection)
             self._history.record(connection, caller, "revoke_token", tenant, None,
-                         {"tenant": tenant, "admin": tenant is None, "key_id": revoked})
+                                 {"tenant": tenant, "admin": tenant is None, "key_id": revoked})
         return revoked
 
     def create_tenant(self, tenant: str, *, caller: Caller | None = None) -> TenantCreated:
         """Create a tenant and return its token, shown this once (admin only)."""
         caller = self._caller(caller)
-        if not caller.admin:
-            raise PermissionDenied(
-                "creating a tenant needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
-            )
+        require_admin(
+            caller, "creating a tenant needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
+        )
         check_name("tenant name", tenant)
         key_id, token = new_token()
         with self._transactions.change() as connection:
-            try:
-                connection.execute(
-                    "INSERT INTO tenants (name, key_id, token_salt, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
-                    (tenant, key_id, None, token_digest(token), now()),
-                )
-            except self._database.duplicate_errors:
-                raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name") from None
+            if not self._tables.tenants.insert(connection, tenant, key_id, token_digest(token)):
+                raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name")
             self._history.record(
                 connection, caller, "create_tenant", tenant, None,
                 {"tenant": tenant, "key_id": key_id, "token_digest": stored_token_digest(None, token_digest(token))},
@@ -754,61 +300,54 @@ class Ledger:
         privacy_unit = check_privacy_unit(privacy_unit)
         scheduling = check_scheduling(scheduling) if scheduling is not None else self._default_scheduling
         reference = resolve_dataset(caller, dataset)
-        zero = RdpTally.zero().to_json()
         rule = AdmissionRule.for_budget(epsilon, delta)
         with self._transactions.change() as connection:
-            if not connection.execute("SELECT 1 FROM tenants WHERE name = ?", (reference.tenant,)).fetchone():
+            if not self._tables.tenants.exists(connection, reference.tenant):
                 raise NotFound(
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
                 )
-            try:
-                (dataset_id,) = connection.execute(
-                    "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule, privacy_unit, scheduling) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                    "RETURNING id",
-                    (
-                        reference.tenant, reference.name, epsilon, delta, zero, Composition().to_json(), now(),
-                        json.dumps(rule.to_dict()), privacy_unit, json.dumps(scheduling.to_dict()),
-                    ),
-                ).fetchone()
-            except self._database.duplicate_errors:
+            dataset_id = self._tables.datasets.insert_dataset(
+                connection, reference.tenant, reference.name, epsilon, delta, rule, privacy_unit, scheduling
+            )
+            if dataset_id is None:
                 raise AlreadyExists(
                     f"dataset {dataset!r} already exists; an admin can raise its budget (dpfleet ledger dataset raise)"
-                ) from None
+                )
             self._history.record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
                 {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
                  "scheduling": scheduling.to_dict()},
             )
-            rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset))
-        return self._status(caller, rows)
+            rows = read_status(
+                self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
+            )
+        return dataset_status(caller, rows)
 
     def raise_budget(self, dataset: str, epsilon: float, *, caller: Caller | None = None) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only); refused below what is committed and reserved."""
         caller = self._caller(caller)
-        if not caller.admin:
-            raise PermissionDenied(
-                "changing a budget needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
-            )
+        require_admin(
+            caller, "changing a budget needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
+        )
         epsilon = check_budget_epsilon(epsilon)
         with self._transactions.change() as connection:
-            row = self._dataset_row(connection, caller, dataset)
-            check_new_budget(dataset, _rule(row), epsilon, RdpTally.from_json(row.held_rdp))
-            (largest_block,) = connection.execute(
-                "SELECT MAX(budget_epsilon) FROM datasets WHERE block_of = ?", (row.dataset_id,)
-            ).fetchone()
+            row = visible_dataset(self._tables, connection, caller, dataset)
+            check_new_budget(dataset, row.rule(), epsilon, RdpTally.from_json(row.held_rdp))
+            largest_block = self._tables.datasets.largest_block_epsilon(connection, row.dataset_id)
             if largest_block is not None and epsilon < largest_block:
                 raise FailedPrecondition(
                     f"dataset {dataset!r} has a block of ε {largest_block:g}; its budget, the most any row or person "
                     f"of it may spend, cannot be below that (got ε {epsilon:g}). Choose at least ε {largest_block:g}"
                 )
-            connection.execute("UPDATE datasets SET budget_epsilon = ? WHERE id = ?", (epsilon, row.dataset_id))
+            self._tables.datasets.set_budget(connection, row.dataset_id, epsilon)
             self._history.record(
                 connection, caller, "raise_budget", row.tenant, row.dataset_id,
                 {"from": row.budget_epsilon, "to": epsilon},
             )
-            rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset))
-        return self._status(caller, rows)
+            rows = read_status(
+                self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
+            )
+        return dataset_status(caller, rows)
 
     def add_block(
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None,
@@ -831,65 +370,21 @@ class Ledger:
         check_name("block name", block)
         epsilon = check_budget_epsilon(epsilon, "block epsilon")
         with self._transactions.change() as connection:
-            row = self._dataset_row(connection, caller, dataset)
+            row = visible_dataset(self._tables, connection, caller, dataset)
             delta = row.delta if delta is None else check_delta(delta)
             data = check_block_data(data, row.privacy_unit)
-            self._check_new_block(connection, dataset, row, block, epsilon, delta, data)
+            admission.check_new_block(self._tables, connection, dataset, row, block, epsilon, delta, data)
             rule = AdmissionRule.for_budget(epsilon, delta)
-            try:
-                (block_id,) = connection.execute(
-                    "INSERT INTO datasets (tenant, name, budget_epsilon, delta, held_rdp, committed_events, "
-                    "created_at, admission_rule, privacy_unit, block_of, block, block_data) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
-                    (
-                        # ':' is in no dataset name, so a block's row never takes a dataset's name.
-                        row.tenant, f"{row.name}:{block}", epsilon, delta, RdpTally.zero().to_json(),
-                        Composition().to_json(), now(), json.dumps(rule.to_dict()), row.privacy_unit,
-                        row.dataset_id, block, json.dumps(data, sort_keys=True),
-                    ),
-                ).fetchone()
-            except self._database.duplicate_errors:
-                raise AlreadyExists(f"dataset {dataset!r} already has a block {block!r}; choose another name") from None
+            block_id = self._tables.datasets.insert_block(connection, row, block, epsilon, delta, rule, data)
+            if block_id is None:
+                raise AlreadyExists(f"dataset {dataset!r} already has a block {block!r}; choose another name")
             self._history.record(
                 connection, caller, "add_block", row.tenant, block_id,
                 {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta, "admission": rule.to_dict(),
                  "data": data},
             )
-            rows = self._status_rows(connection, caller, row)
-        return self._status(caller, rows)
-
-    @staticmethod
-    def _check_new_block(
-        connection: Connection, reference: str, row: _DatasetRow, block: str, epsilon: float, delta: float, data: dict
-    ) -> None:
-        """Refuse a block whose budget exceeds the dataset's, whose data may meet another block's, or on a dataset
-        whose own budget was charged."""
-        if epsilon > row.budget_epsilon or delta > row.delta:
-            raise InvalidArgument(
-                f"block {block!r} asks for ε {epsilon:g} at δ={delta:g}, above dataset {reference!r}'s budget of "
-                f"ε {row.budget_epsilon:g} at δ={row.delta:g}: each unit's guarantee is its block's, and the "
-                "dataset's budget is what it promises. Choose at most the dataset's ε and δ, or ask an admin to "
-                "raise the budget"
-            )
-        if RdpTally.from_json(row.held_rdp) != RdpTally.zero() or connection.execute(
-            "SELECT 1 FROM queued_jobs WHERE dataset_id = ? AND state = ? AND blocks = '[]' LIMIT 1",
-            (row.dataset_id, QUEUED),
-        ).fetchone():
-            raise FailedPrecondition(
-                f"dataset {reference!r} has jobs on its own budget, which read every row, so no block of it could "
-                "own its rows alone; add blocks only to a dataset before its first job (create a new dataset for "
-                "the data you want in blocks)"
-            )
-        for other, other_data in connection.execute(
-            "SELECT block, block_data FROM datasets WHERE block_of = ? ORDER BY block", (row.dataset_id,)
-        ).fetchall():
-            reason = block_data_overlap(json.loads(other_data) if other_data else None, data, row.privacy_unit)
-            if reason is not None:
-                raise FailedPrecondition(
-                    f"block {block!r} may hold data of block {other!r} of dataset {reference!r} ({reason}); a block "
-                    "owns its data alone, so that no row or person is charged by two budgets. Declare data that "
-                    "no other block declares"
-                )
+            rows = read_status(self._tables, connection, caller, row)
+        return dataset_status(caller, rows)
 
     def set_quota(
         self, dataset: str, tenant: str, epsilon: float, block: str | None = None, *, caller: Caller | None = None
@@ -905,33 +400,29 @@ class Ledger:
         job until enough is released.
         """
         caller = self._caller(caller)
-        if not caller.admin:
-            raise PermissionDenied(
-                "setting a quota needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
-            )
+        require_admin(
+            caller, "setting a quota needs the admin token (the server's --admin-token-file or DPFLEET_ADMIN_TOKEN)"
+        )
         check_name("tenant name", tenant)
         epsilon = check_budget_epsilon(epsilon, "quota epsilon")
         blocks = () if block is None else check_block_names([block])
         with self._transactions.change() as connection:
-            row = self._dataset_row(connection, caller, dataset)
-            if not connection.execute("SELECT 1 FROM tenants WHERE name = ?", (tenant,)).fetchone():
+            row = visible_dataset(self._tables, connection, caller, dataset)
+            if not self._tables.tenants.exists(connection, tenant):
                 raise NotFound(f"tenant {tenant!r} does not exist; create it with dpfleet ledger tenant create")
-            (budget,) = self._budget_rows(connection, row, blocks, dataset) if blocks else (row,)
+            (budget,) = admission.budget_rows(self._tables, connection, row, blocks, dataset) if blocks else (row,)
             rule = AdmissionRule.for_budget(epsilon, budget.delta)
-            held, committed = self._use(connection, budget.dataset_id, tenant)
-            self._set_use(connection, budget.dataset_id, tenant, held, committed)
-            connection.execute(
-                "UPDATE tenant_use SET quota_epsilon = ?, quota_rule = ? WHERE budget_id = ? AND tenant = ?",
-                (epsilon, json.dumps(rule.to_dict()), budget.dataset_id, tenant),
-            )
-            held_epsilon = rule.epsilon(held)
+            use = self._tables.uses.use(connection, budget.dataset_id, tenant)
+            self._tables.uses.set_use(connection, budget.dataset_id, tenant, use.held, use.committed)
+            self._tables.uses.set_quota(connection, budget.dataset_id, tenant, Quota(epsilon, rule))
+            held_epsilon = rule.epsilon(use.held)
             self._history.record(
                 connection, caller, "set_quota", tenant, budget.dataset_id,
                 {"tenant": tenant, "block": block, "epsilon": epsilon, "admission": rule.to_dict(),
                  "held_epsilon_filter": held_epsilon, "held_fits_quota": fits_budget(held_epsilon, epsilon)},
             )
-            rows = self._status_rows(connection, caller, row)
-        return self._status(caller, rows)
+            rows = read_status(self._tables, connection, caller, row)
+        return dataset_status(caller, rows)
 
     def fits(
         self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
@@ -950,10 +441,10 @@ class Ledger:
         self._charge_curves(caller, uncached_mechanisms(charged))
         planned_tally = RdpTally.of(charged)
         with self._transactions.read() as connection:
-            row = self._dataset_row(connection, caller, dataset, shared=True)
-            budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
-            checks, quota_checks = self._admission_checks(
-                connection, _job_tenant(caller, row), row, budgets, planned_tally, dataset
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            budgets = admission.budget_rows(self._tables, connection, row, blocks, dataset, new_job=True)
+            checks, quota_checks = admission.admission_checks(
+                self._tables, connection, job_tenant(caller, row), row, budgets, planned_tally, dataset
             )
         return FitReport(dataset, blocks, (*checks, *quota_checks))
 
@@ -968,8 +459,9 @@ class Ledger:
         """
         caller = self._caller(caller)
         with self._transactions.read() as connection:
-            rows = self._status_rows(connection, caller, self._dataset_row(connection, caller, dataset, shared=True))
-        return self._status(caller, rows, pld_may_be_pending)
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            rows = read_status(self._tables, connection, caller, row)
+        return dataset_status(caller, rows, pld_may_be_pending)
 
     def list_datasets(
         self, pld_may_be_pending: bool = False, *, caller: Caller | None = None
@@ -977,20 +469,9 @@ class Ledger:
         """Every dataset the caller may see (its own; all for an admin), by tenant and name (see get_budget)."""
         caller = self._caller(caller)
         with self._transactions.read() as connection:
-            if caller.admin:
-                datasets = connection.execute(
-                    f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of IS NULL ORDER BY tenant, name"
-                )
-            else:
-                # Its own datasets, and those where it holds a quota on the dataset or one of its blocks.
-                datasets = connection.execute(
-                    f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE block_of IS NULL AND (tenant = ? OR id IN "
-                    "(SELECT COALESCE(d.block_of, d.id) FROM tenant_use u JOIN datasets d ON d.id = u.budget_id "
-                    "WHERE u.tenant = ? AND u.quota_epsilon IS NOT NULL)) ORDER BY tenant, name",
-                    (caller.tenant, caller.tenant),
-                )
-            all_rows = [self._status_rows(connection, caller, _DatasetRow(*row)) for row in datasets.fetchall()]
-        return [self._status(caller, rows, pld_may_be_pending) for rows in all_rows]
+            datasets = self._tables.datasets.listed(connection, None if caller.admin else caller.tenant)
+            all_rows = [read_status(self._tables, connection, caller, row) for row in datasets]
+        return [dataset_status(caller, rows, pld_may_be_pending) for rows in all_rows]
 
     # ------------------------------------------------------------ jobs
 
@@ -1000,40 +481,15 @@ class Ledger:
         """Reservations on the caller's datasets, oldest first; optionally of one dataset or state."""
         caller = self._caller(caller)
         state = check_state(state)
-        conditions, parameters = [], []
         with self._transactions.read() as connection:
-            if dataset is not None:
-                conditions.append("r.dataset_id = ?")
-                parameters.append(self._dataset_row(connection, caller, dataset, shared=True).dataset_id)
-            if not caller.admin:
-                conditions.append("r.tenant = ?")
-                parameters.append(caller.tenant)
-            if state is not None:
-                conditions.append("r.state = ?")
-                parameters.append(state)
-            where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-            rows = connection.execute(
-                f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-                f"{where} ORDER BY r.{self._database.insertion_order}",
-                parameters,
-            ).fetchall()
-        return [self._reservation(caller, row) for row in rows]
-
-    def _visible(
-        self, connection: Connection, caller: Caller, table: str, dataset: str | None, state: str | None
-    ) -> tuple[str, list]:
-        """The WHERE clause and its parameters for rows of `table` (joined to datasets as d) the caller may list."""
-        conditions, parameters = [], []
-        if dataset is not None:
-            conditions.append(f"{table}.dataset_id = ?")
-            parameters.append(self._dataset_row(connection, caller, dataset).dataset_id)
-        elif not caller.admin:
-            conditions.append("d.tenant = ?")
-            parameters.append(caller.tenant)
-        if state is not None:
-            conditions.append(f"{table}.state = ?")
-            parameters.append(state)
-        return (f"WHERE {' AND '.join(conditions)}" if conditions else ""), parameters
+            dataset_id = (
+                visible_dataset(self._tables, connection, caller, dataset, shared=True).dataset_id
+                if dataset is not None else None
+            )
+            rows = self._tables.reservations.listed(
+                connection, dataset_id, None if caller.admin else caller.tenant, state
+            )
+        return [row.reservation(caller) for row in rows]
 
     @curves_outside_lock
     def reserve(
@@ -1072,35 +528,27 @@ class Ledger:
         self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transactions.change() as connection:
-            row = self._dataset_row(connection, caller, dataset, shared=True)
-            tenant = _job_tenant(caller, row)
-            self._expire_leases(connection, row.dataset_id)
-            existing = connection.execute(
-                f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-                "WHERE r.dataset_id = ? AND r.tenant = ? AND r.job_id = ? AND r.state = ?",
-                (row.dataset_id, tenant, job_id, ACTIVE),
-            ).fetchone()
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            job = JobRequest(job_tenant(caller, row), job_id, blocks, planned, planned_tally, lease_seconds)
+            expire_leases(self._tables, connection, row.dataset_id)
+            existing = self._tables.reservations.active_of_job(connection, row.dataset_id, job.tenant, job_id)
             if existing is not None:
-                reservation = self._reservation(caller, existing)
+                reservation = existing.reservation(caller)
                 if reservation.planned != planned or reservation.blocks != blocks:
                     raise FailedPrecondition(
                         f"job {job_id!r} already holds reservation {reservation.reservation_id} on dataset "
                         f"{dataset!r} with another plan or blocks; release it first or use another job id"
                     )
                 return reservation
-            budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
-            reservation_id = self._hold(
-                connection, caller, tenant, dataset, row, budgets, blocks, job_id, planned, planned_tally,
-                lease_seconds, _conversion(planned, job_events, rows_per_person),
+            budgets = admission.budget_rows(self._tables, connection, row, blocks, dataset, new_job=True)
+            reservation_id = admission.hold(
+                self._tables, connection, caller, dataset, row, budgets, job,
+                admission.conversion(planned, job_events, rows_per_person),
             )
-            self._count_arrival(connection, budgets)
-            self._serve_queue(connection, row.dataset_id)
-            reserved = connection.execute(
-                f"SELECT {_RESERVATION_COLUMNS} FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-                "WHERE r.id = ?",
-                (reservation_id,),
-            ).fetchone()
-        return self._reservation(caller, reserved)
+            self._tables.datasets.count_arrival(connection, budgets)
+            queueing.serve_queue(self._tables, connection, row.dataset_id)
+            reserved = self._tables.reservations.by_id(connection, reservation_id)
+        return reserved.reservation(caller)
 
     def _charged(
         self, caller: Caller, dataset: str, planned: EventsLike, privacy_unit: str, rows_per_person: int | None
@@ -1110,7 +558,7 @@ class Ledger:
         privacy_unit = check_privacy_unit(privacy_unit)
         rows_per_person = check_rows_per_person(rows_per_person)
         with self._transactions.read() as connection:
-            dataset_unit = self._dataset_row(connection, caller, dataset, shared=True).privacy_unit
+            dataset_unit = visible_dataset(self._tables, connection, caller, dataset, shared=True).privacy_unit
         charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
         return job_events, charged, rows_per_person
 
@@ -1130,78 +578,6 @@ class Ledger:
         if self.curve_limits is not None and not caller.admin:
             self.curve_limits.take(f"tenant {caller.tenant!r}", cost)
 
-    @staticmethod
-    def _count_arrival(connection: Connection, budgets: list[_DatasetRow]) -> None:
-        """A job arrived on `budgets` (the dataset, or the blocks it names): what DPF-N unlocks by."""
-        for budget in budgets:
-            connection.execute("UPDATE datasets SET arrived_jobs = arrived_jobs + 1 WHERE id = ?", (budget.dataset_id,))
-
-    def _hold(
-        self,
-        connection: Connection,
-        caller: Caller,
-        tenant: str,
-        dataset: str,
-        row: _DatasetRow,
-        budgets: list[_DatasetRow],
-        blocks: tuple[str, ...],
-        job_id: str,
-        planned: Composition,
-        planned_tally: RdpTally,
-        lease_seconds: float | None,
-        details: dict,
-    ) -> str:
-        """Admit `tenant`'s plan on `budgets` (the dataset, or its `blocks`) through every budget's filter and
-        the tenant's quotas (or raise BudgetExceeded), and hold it; the new reservation's id.
-
-        `dataset` is the name a refusal gives; `details` go into the `reserve` history entry besides the plan.
-        """
-        checks, quota_checks = self._admission_checks(connection, tenant, row, budgets, planned_tally, dataset)
-        for check in [*checks, *quota_checks]:
-            if not check.fits:
-                raise check.refusal(dataset)
-        reservation_id = f"r-{secrets.token_hex(8)}"
-        connection.execute(
-            "INSERT INTO reservations (id, dataset_id, job_id, planned_events, committed_steps, state, created_at, "
-            "lease_seconds, expires_at, tenant, blocks) VALUES (?, ?, ?, ?, 0, ?, ?, ?, ?, ?, ?)",
-            (
-                reservation_id, row.dataset_id, job_id, planned.to_json(), ACTIVE, now(), lease_seconds,
-                expiry(lease_seconds), tenant, json.dumps(list(blocks)),
-            ),
-        )
-        for budget in budgets:
-            (held,) = connection.execute(
-                "SELECT held_rdp FROM datasets WHERE id = ?", (budget.dataset_id,)
-            ).fetchone()
-            connection.execute(
-                "UPDATE datasets SET held_rdp = ? WHERE id = ?",
-                ((RdpTally.from_json(held) + planned_tally).to_json(), budget.dataset_id),
-            )
-            use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
-            self._set_use(connection, budget.dataset_id, tenant, use_held + planned_tally, use_committed)
-        # The filter epsilon each budget holds after admission, as verify replays it.
-        held_after = [check.held_after_epsilon for check in checks]
-        placement = (
-            {"blocks": list(blocks), "held_epsilon_filter_by_block": dict(zip(blocks, held_after))}
-            if blocks else {"held_epsilon_filter": held_after[0]}
-        )
-        self._history.record(
-            connection,
-            caller,
-            "reserve",
-            tenant,
-            row.dataset_id,
-            {
-                "reservation_id": reservation_id,
-                "job_id": job_id,
-                "planned_events": planned.to_dict(),
-                "lease_seconds": lease_seconds,
-                **placement,
-                **details,
-            },
-        )
-        return reservation_id
-
     @curves_outside_lock
     def commit(
         self, reservation_id: str, steps: int, sequence: int, *, caller: Caller | None = None
@@ -1217,12 +593,11 @@ class Ledger:
         steps = check_steps(steps)
         sequence = check_sequence(sequence)
         with self._transactions.change() as connection:
-            row = self._reservation_row(connection, caller, reservation_id)
-            dataset_id = row[_JOB_DATASET_ID]
-            if row[4] == ACTIVE and row[10] is not None and row[10] <= now():  # its own lease ran out
-                self._expire_leases(connection, dataset_id)
-                row = self._reservation_row(connection, caller, reservation_id)
-            reservation = self._reservation(caller, row)
+            row = visible_reservation(self._tables, connection, caller, reservation_id)
+            if row.state == ACTIVE and row.expires_at is not None and row.expires_at <= now():  # its lease ran out
+                expire_leases(self._tables, connection, row.dataset_id)
+                row = visible_reservation(self._tables, connection, caller, reservation_id)
+            reservation = row.reservation(caller)
             # The reservation and its lease first: a retried sequence does not let a driver that lost its lease,
             # or whose job was released, learn or assume that its charges still stand.
             if reservation.lease_expired:
@@ -1234,67 +609,20 @@ class Ledger:
                 raise FailedPrecondition(
                     f"reservation {reservation_id} was released; reserve again for more steps"
                 )
-            earlier = connection.execute(
-                "SELECT steps, committed_steps FROM commits WHERE reservation_id = ? AND sequence = ?",
-                (reservation_id, sequence),
-            ).fetchone()
+            earlier = self._tables.reservations.commit_of(connection, reservation_id, sequence)
             if earlier is not None:
-                if earlier[0] != steps:
+                if earlier.steps != steps:
                     raise InvalidArgument(
-                        f"sequence {sequence} of reservation {reservation_id} was committed with {earlier[0]} steps "
-                        f"(got {steps}); a retry must repeat the same steps, a new block needs a new sequence"
+                        f"sequence {sequence} of reservation {reservation_id} was committed with {earlier.steps} "
+                        f"steps (got {steps}); a retry must repeat the same steps, a new block needs a new sequence"
                     )
-                return CommitResult(reservation_id, sequence, steps, earlier[1], reservation.planned_steps)
+                return CommitResult(reservation_id, sequence, steps, earlier.committed_steps, reservation.planned_steps)
             if steps > reservation.unrun_steps:
                 raise InvalidArgument(
                     f"reservation {reservation_id} has {reservation.unrun_steps} unrun steps of "
                     f"{reservation.planned_steps} (got {steps}); commit at most that, or reserve a new plan"
                 )
-            _, unrun = split_steps(reservation.planned, reservation.committed_steps)
-            block, _ = split_steps(unrun, steps)
-            dataset = _DatasetRow(
-                *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
-            )
-            tenant = row[_JOB_TENANT]
-            budgets = self._budget_rows(connection, dataset, reservation.blocks, reservation.dataset)
-            # Admission keeps every commit within the filters; this holds the line for reservations made before
-            # a dataset had one (a file of schema version 2), or before a tenant's quota was set or lowered.
-            checks, quota_checks = self._admission_checks(
-                connection, tenant, dataset, budgets, RdpTally.of(block), reservation.dataset, committed=True
-            )
-            for check in [*checks, *quota_checks]:
-                if not check.fits:
-                    raise check.refusal(reservation.dataset)
-            for budget in budgets:
-                connection.execute(
-                    "UPDATE datasets SET committed_events = ? WHERE id = ?",
-                    (canonical(Composition.from_json(budget.committed_events).then(block)).to_json(), budget.dataset_id),
-                )
-                use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
-                self._set_use(connection, budget.dataset_id, tenant, use_held, use_committed.then(block))
-            committed_steps = reservation.committed_steps + steps
-            connection.execute(
-                "UPDATE reservations SET committed_steps = ?, expires_at = ? WHERE id = ?",
-                (committed_steps, expiry(reservation.lease_seconds), reservation_id),
-            )
-            connection.execute(
-                "INSERT INTO commits (reservation_id, sequence, steps, committed_steps, at) VALUES (?, ?, ?, ?, ?)",
-                (reservation_id, sequence, steps, committed_steps, now()),
-            )
-            self._history.record(
-                connection,
-                caller,
-                "commit",
-                tenant,
-                dataset_id,
-                {
-                    "reservation_id": reservation_id,
-                    "job_id": reservation.job_id,
-                    "sequence": sequence,
-                    "events": block.to_dict(),
-                    **_blocks_detail(reservation.blocks),
-                },
-            )
+            committed_steps = admission.charge(self._tables, connection, caller, row, sequence, steps)
         return CommitResult(reservation_id, sequence, steps, committed_steps, reservation.planned_steps)
 
     @curves_outside_lock
@@ -1302,12 +630,15 @@ class Ledger:
         """Free a reservation's unrun steps; committed steps stay spent. Releasing twice is a no-op."""
         caller = self._caller(caller)
         with self._transactions.change() as connection:
-            row = self._reservation_row(connection, caller, reservation_id)
-            self._expire_leases(connection, row[_JOB_DATASET_ID])
-            self._free(connection, caller, self._reservation_row(connection, caller, reservation_id), "release")
-            self._serve_queue(connection, row[_JOB_DATASET_ID])
-            row = self._reservation_row(connection, caller, reservation_id)
-        return self._reservation(caller, row)
+            row = visible_reservation(self._tables, connection, caller, reservation_id)
+            expire_leases(self._tables, connection, row.dataset_id)
+            admission.free(
+                self._tables, connection, caller, visible_reservation(self._tables, connection, caller, reservation_id),
+                "release",
+            )
+            queueing.serve_queue(self._tables, connection, row.dataset_id)
+            row = visible_reservation(self._tables, connection, caller, reservation_id)
+        return row.reservation(caller)
 
     @curves_outside_lock
     def expire_leases(self) -> None:
@@ -1316,65 +647,10 @@ class Ledger:
         Looks first on a reader, so a sweep that finds nothing writes nothing and waits for no fsync.
         """
         with self._transactions.read() as connection:
-            due = connection.execute(
-                "SELECT 1 FROM reservations WHERE state = ? AND expires_at IS NOT NULL AND expires_at <= ? LIMIT 1",
-                (ACTIVE, now()),
-            ).fetchone()
-        if due is not None:
+            due = self._tables.reservations.any_expired(connection)
+        if due:
             with self._transactions.change() as connection:
-                self._expire_leases(connection, None)
-
-    def _expire_leases(self, connection: Connection, dataset_id: int | None) -> None:
-        condition, parameters = ("AND r.dataset_id = ?", (dataset_id,)) if dataset_id is not None else ("", ())
-        expired = connection.execute(
-            f"SELECT {_RESERVATION_COLUMNS}, r.dataset_id FROM reservations r JOIN datasets d ON d.id = r.dataset_id "
-            f"WHERE r.state = ? AND r.expires_at IS NOT NULL AND r.expires_at <= ? {condition} "
-            f"ORDER BY r.{self._database.insertion_order}",
-            (ACTIVE, now(), *parameters),
-        ).fetchall()
-        for row in expired:
-            self._free(connection, LEASE_EXPIRY, row, "expire")
-        for freed_dataset_id in sorted({row[_JOB_DATASET_ID] for row in expired}):
-            self._serve_queue(connection, freed_dataset_id)
-
-    def _free(self, connection: Connection, caller: Caller, row: tuple, action: str) -> None:
-        """Release an active reservation's unrun steps (`action`: "release", or "expire" for a lease that ran out)."""
-        reservation = self._reservation(caller, row)
-        if reservation.state != ACTIVE:
-            return
-        dataset_id, tenant = row[_JOB_DATASET_ID], row[_JOB_TENANT]
-        _, unrun = split_steps(reservation.planned, reservation.committed_steps)
-        unrun_tally = RdpTally.of(unrun)
-        dataset = _DatasetRow(
-            *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
-        )
-        for budget in self._budget_rows(connection, dataset, reservation.blocks, reservation.dataset):
-            (held,) = connection.execute("SELECT held_rdp FROM datasets WHERE id = ?", (budget.dataset_id,)).fetchone()
-            connection.execute(
-                "UPDATE datasets SET held_rdp = ? WHERE id = ?",
-                ((RdpTally.from_json(held) - unrun_tally).to_json(), budget.dataset_id),
-            )
-            use_held, use_committed = self._use(connection, budget.dataset_id, tenant)
-            self._set_use(connection, budget.dataset_id, tenant, use_held - unrun_tally, use_committed)
-        connection.execute("UPDATE datasets SET released_jobs = released_jobs + 1 WHERE id = ?", (dataset_id,))
-        connection.execute(
-            "UPDATE reservations SET state = ?, released_at = ?, lease_expired = ? WHERE id = ?",
-            (RELEASED, now(), int(action == "expire"), reservation.reservation_id),
-        )
-        self._history.record(
-            connection,
-            caller,
-            action,
-            tenant,
-            dataset_id,
-            {
-                "reservation_id": reservation.reservation_id,
-                "job_id": reservation.job_id,
-                "committed_steps": reservation.committed_steps,
-                "freed_steps": unrun.steps,
-                **_blocks_detail(reservation.blocks),
-            },
-        )
+                expire_leases(self._tables, connection, None)
 
     # ------------------------------------------------------------ the queue
 
@@ -1415,58 +691,18 @@ class Ledger:
         self._charge_curves(caller, uncached_mechanisms(planned))
         planned_tally = RdpTally.of(planned)
         with self._transactions.change() as connection:
-            row = self._dataset_row(connection, caller, dataset)
-            tenant = _job_tenant(caller, row)
-            self._expire_leases(connection, row.dataset_id)
-            earlier = connection.execute(
-                f"SELECT {_QUEUE_COLUMNS} FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
-                "LEFT JOIN reservations r ON r.id = q.reservation_id "
-                "WHERE q.dataset_id = ? AND q.job_id = ? AND (q.state = ? OR (q.state = ? AND r.state = ?))",
-                (row.dataset_id, job_id, QUEUED, ADMITTED, ACTIVE),
-            ).fetchone()
+            row = visible_dataset(self._tables, connection, caller, dataset)
+            job = JobRequest(job_tenant(caller, row), job_id, blocks, planned, planned_tally, lease_seconds)
+            expire_leases(self._tables, connection, row.dataset_id)
+            earlier = queueing.same_job_queued(self._tables, connection, caller, dataset, row, job_id, planned)
             if earlier is not None:
-                queued = self._queued_job(caller, earlier)
-                if queued.planned != planned:
-                    raise FailedPrecondition(
-                        f"job {job_id!r} is already {queued.state} on dataset {dataset!r} as {queued.queue_id} with "
-                        "another plan; cancel or release it first, or use another job id"
-                    )
-                return queued
-            if connection.execute(
-                "SELECT 1 FROM reservations WHERE dataset_id = ? AND tenant = ? AND job_id = ? AND state = ?",
-                (row.dataset_id, tenant, job_id, ACTIVE),
-            ).fetchone():
-                raise FailedPrecondition(
-                    f"job {job_id!r} already holds a reservation on dataset {dataset!r}; release it first or use "
-                    "another job id"
-                )
-            budgets = self._budget_rows(connection, row, blocks, dataset, new_job=True)
-            # Committed steps are never freed: a plan that does not fit beside them would wait forever.
-            checks, quota_checks = self._admission_checks(
-                connection, tenant, row, budgets, planned_tally, dataset, committed=True
+                return earlier
+            queue_id = queueing.queue_job(
+                self._tables, connection, caller, dataset, row, job, priority, max_wait_seconds,
+                admission.conversion(planned, job_events, rows_per_person),
             )
-            for check in [*checks, *quota_checks]:
-                if not check.fits:
-                    raise check.refusal(dataset)
-            queue_id = f"q-{secrets.token_hex(8)}"
-            deadline = expiry(max_wait_seconds)
-            connection.execute(
-                "INSERT INTO queued_jobs (id, dataset_id, job_id, tenant, blocks, planned_events, conversion, "
-                "priority, lease_seconds, created_at, deadline, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    queue_id, row.dataset_id, job_id, tenant, json.dumps(list(blocks)), planned.to_json(),
-                    json.dumps(_conversion(planned, job_events, rows_per_person)), priority, lease_seconds, now(),
-                    deadline, QUEUED,
-                ),
-            )
-            self._count_arrival(connection, budgets)
-            self._history.record(
-                connection, caller, "enqueue", tenant, row.dataset_id,
-                {"queue_id": queue_id, "job_id": job_id, "planned_events": planned.to_dict(), "priority": priority,
-                 "deadline": deadline, "lease_seconds": lease_seconds, "blocks": list(blocks)},
-            )
-            self._serve_queue(connection, row.dataset_id)
-            queued = self._queued_job(caller, self._queued_row(connection, caller, queue_id))
+            queueing.serve_queue(self._tables, connection, row.dataset_id)
+            queued = visible_queued_job(self._tables, connection, caller, queue_id).queued_job(caller)
         return queued
 
     @curves_outside_lock
@@ -1474,35 +710,33 @@ class Ledger:
         """A queued job as it stands now; a waiting one is scheduled first, so time-based unlocking shows."""
         caller = self._caller(caller)
         with self._transactions.change() as connection:
-            row = self._queued_row(connection, caller, queue_id)
-            if row[4] == QUEUED:
-                self._expire_leases(connection, row[14])
-                self._serve_queue(connection, row[14])
-                row = self._queued_row(connection, caller, queue_id)
-        return self._queued_job(caller, row)
+            row = visible_queued_job(self._tables, connection, caller, queue_id)
+            if row.state == QUEUED:
+                expire_leases(self._tables, connection, row.dataset_id)
+                queueing.serve_queue(self._tables, connection, row.dataset_id)
+                row = visible_queued_job(self._tables, connection, caller, queue_id)
+        return row.queued_job(caller)
 
     @curves_outside_lock
     def cancel_queued(self, queue_id: str, *, caller: Caller | None = None) -> QueuedJob:
         """Take a waiting job out of the queue; a job already admitted holds a reservation: release that instead."""
         caller = self._caller(caller)
         with self._transactions.change() as connection:
-            row = self._queued_row(connection, caller, queue_id)
-            if row[4] == ADMITTED:
+            row = visible_queued_job(self._tables, connection, caller, queue_id)
+            if row.state == ADMITTED:
                 raise FailedPrecondition(
-                    f"queued job {queue_id} was already admitted as reservation {row[11]}; release that instead "
-                    "(dpfleet ledger release)"
+                    f"queued job {queue_id} was already admitted as reservation {row.reservation_id}; release that "
+                    "instead (dpfleet ledger release)"
                 )
-            if row[4] == QUEUED:
-                connection.execute(
-                    "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
-                    (CANCELLED, now(), f"cancelled by {caller.actor}", queue_id),
-                )
+            if row.state == QUEUED:
+                self._tables.queue.end(connection, queue_id, CANCELLED, now(), f"cancelled by {caller.actor}")
                 self._history.record(
-                    connection, caller, "cancel_queued", row[1], row[14], {"queue_id": queue_id, "job_id": row[3]}
+                    connection, caller, "cancel_queued", row.dataset_tenant, row.dataset_id,
+                    {"queue_id": queue_id, "job_id": row.job_id},
                 )
-                self._serve_queue(connection, row[14])
-                row = self._queued_row(connection, caller, queue_id)
-        return self._queued_job(caller, row)
+                queueing.serve_queue(self._tables, connection, row.dataset_id)
+                row = visible_queued_job(self._tables, connection, caller, queue_id)
+        return row.queued_job(caller)
 
     def list_queued(
         self, dataset: str | None = None, state: str | None = QUEUED, *, caller: Caller | None = None
@@ -1511,13 +745,13 @@ class Ledger:
         caller = self._caller(caller)
         state = check_queue_state(state)
         with self._transactions.read() as connection:
-            where, parameters = self._visible(connection, caller, "q", dataset, state)
-            rows = connection.execute(
-                f"SELECT {_QUEUE_COLUMNS}, q.dataset_id FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
-                f"{where} ORDER BY d.tenant, d.name, q.position, q.created_at, q.id",
-                parameters,
-            ).fetchall()
-        return [self._queued_job(caller, row) for row in rows]
+            if dataset is not None:
+                # Only the owner (or an admin) names a dataset here: its queue shows every tenant's jobs.
+                dataset_id, owner = visible_dataset(self._tables, connection, caller, dataset).dataset_id, None
+            else:
+                dataset_id, owner = None, None if caller.admin else caller.tenant
+            rows = self._tables.queue.listed(connection, dataset_id, owner, state)
+        return [row.queued_job(caller) for row in rows]
 
     @curves_outside_lock
     def serve_queues(self) -> None:
@@ -1526,230 +760,31 @@ class Ledger:
         Looks first on a reader, so a sweep with nothing queued writes nothing.
         """
         with self._transactions.read() as connection:
-            waiting = [
-                dataset_id
-                for (dataset_id,) in connection.execute(
-                    "SELECT DISTINCT dataset_id FROM queued_jobs WHERE state = ? ORDER BY dataset_id", (QUEUED,)
-                ).fetchall()
-            ]
+            waiting = self._tables.queue.datasets_waiting(connection)
         if waiting:
             with self._transactions.change() as connection:
                 for dataset_id in waiting:
-                    self._serve_queue(connection, dataset_id)
+                    queueing.serve_queue(self._tables, connection, dataset_id)
 
-    def _serve_queue(self, connection: Connection, dataset_id: int) -> None:
-        """Time out the dataset's overdue waiting jobs, admit those its policy picks, note where the rest stand.
-
-        Each budget a waiting job asks for (the dataset's own, or each block
-        it names) is one block of the policy, unlocked from its own creation
-        and by the jobs that arrived on it.
-        """
-        started = now()
-        waiting = connection.execute(
-            "SELECT id, job_id, planned_events, priority, lease_seconds, position, reason, conversion, tenant, blocks, "
-            "deadline FROM queued_jobs WHERE dataset_id = ? AND state = ? ORDER BY created_at, id",
-            (dataset_id, QUEUED),
-        ).fetchall()
-        if not waiting:
-            return
-        row = _DatasetRow(
-            *connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets WHERE id = ?", (dataset_id,)).fetchone()
-        )
-        for queue_id, job_id, *_, deadline in waiting:
-            if deadline is not None and deadline <= started:
-                connection.execute(
-                    "UPDATE queued_jobs SET state = ?, ended_at = ?, position = 0, reason = ? WHERE id = ?",
-                    (TIMED_OUT, started, "gave up waiting at its deadline", queue_id),
-                )
-                self._history.record(
-                    connection, QUEUE_TIMEOUT, "queue_timeout", row.tenant, dataset_id,
-                    {"queue_id": queue_id, "job_id": job_id},
-                )
-        waiting = [entry for entry in waiting if entry[-1] is None or entry[-1] > started]
-        if not waiting:
-            return
-        policy = SchedulingPolicy.from_dict(json.loads(row.scheduling))
-        reference = f"{row.tenant}/{row.name}"
-        jobs, budget_blocks = {}, {}
-        for arrival, (queue_id, job_id, planned, priority, lease, position, reason, conversion, tenant, blocks, _) in \
-                enumerate(waiting):
-            blocks = tuple(json.loads(blocks))
-            budgets = self._budget_rows(connection, row, blocks, reference)
-            if any(budget.block is not None and budget.block_data is None for budget in budgets):
-                # Queued before its blocks had to declare their data: like a new job, it is not admitted there.
-                undeclared = "a block it names declared no data, so it takes no new job; cancel it"
-                if reason != undeclared:
-                    connection.execute("UPDATE queued_jobs SET reason = ? WHERE id = ?", (undeclared, queue_id))
-                continue
-            plan = Composition.from_json(planned)
-            tally = RdpTally.of(plan)
-            demand = {}
-            for budget in budgets:
-                name = budget.block if budget.block is not None else row.name
-                rule = _rule(budget)
-                if name not in budget_blocks:
-                    age = datetime.fromisoformat(started) - datetime.fromisoformat(budget.created_at)
-                    budget_blocks[name] = BlockBudget(
-                        name, rule.capacities(budget.budget_epsilon),
-                        rule.order_divergences(RdpTally.from_json(budget.held_rdp)),
-                        policy.unlocked_fraction(budget.arrived_jobs, age.total_seconds()),
-                    )
-                demand[name] = rule.order_divergences(tally)
-            jobs[queue_id] = (
-                QueuedDemand(queue_id, demand, float(arrival), priority),
-                job_id, plan, tally, lease, position, reason, json.loads(conversion), tenant, blocks, budgets,
-            )
-        for decision in schedule(policy, budget_blocks, [entry[0] for entry in jobs.values()]):
-            _, job_id, plan, tally, lease_seconds, position, reason, conversion, tenant, blocks, budgets = \
-                jobs[decision.job]
-            holding = connection.execute(
-                "SELECT id FROM reservations WHERE dataset_id = ? AND tenant = ? AND job_id = ? AND state = ?",
-                (dataset_id, tenant, job_id, ACTIVE),
-            ).fetchone() if decision.admitted else None
-            if holding is not None:
-                # The same job id reserved directly while it waited: one active reservation per job id.
-                decision = replace(decision, admitted=False,
-                                   reason=f"job id already holds reservation {holding[0]}; cancel this or release that")
-            if decision.admitted:
-                try:
-                    reservation_id = self._hold(
-                        connection, QUEUE_ADMISSION, tenant, reference, row, budgets, blocks, job_id, plan, tally,
-                        lease_seconds, {**conversion, "queue_id": decision.job, "policy": policy.name},
-                    )
-                except BudgetExceeded:
-                    # The policy's float arithmetic let it through at the very edge, or a tenant's quota refused it.
-                    decision = replace(decision, admitted=False,
-                                       reason="at the edge of the budget or of the tenant's quota; waits for more")
-                else:
-                    connection.execute(
-                        "UPDATE queued_jobs SET state = ?, reservation_id = ?, ended_at = ?, position = 0, reason = ? "
-                        "WHERE id = ?",
-                        (ADMITTED, reservation_id, now(), f"admitted by {policy.name}", decision.job),
-                    )
-                    continue
-            if (decision.position, decision.reason) != (position, reason):
-                connection.execute(
-                    "UPDATE queued_jobs SET position = ?, reason = ? WHERE id = ?",
-                    (decision.position, decision.reason, decision.job),
-                )
-
-    @staticmethod
-    def _queued_row(connection: Connection, caller: Caller, queue_id: str) -> tuple:
-        check_name("queued job id", queue_id)
-        row = connection.execute(
-            f"SELECT {_QUEUE_COLUMNS}, q.dataset_id FROM queued_jobs q JOIN datasets d ON d.id = q.dataset_id "
-            "WHERE q.id = ?",
-            (queue_id,),
-        ).fetchone()
-        if row is None and caller.admin:
-            raise NotFound(f"queued job {queue_id!r} does not exist (dpfleet ledger jobs --queued lists them)")
-        if row is None or not (caller.admin or row[1] == caller.tenant):
-            raise PermissionDenied(
-                f"queued job {queue_id!r} is not one of yours, or does not exist (dpfleet ledger jobs --queued)"
-            )
-        return row
-
-    @staticmethod
-    def _queued_job(caller: Caller, row: tuple) -> QueuedJob:
-        (
-            queue_id, tenant, name, job_id, state, planned, priority, created_at, deadline, position, reason,
-            reservation_id, ended_at, lease_seconds,
-        ) = row[:14]
-        return QueuedJob(
-            queue_id=queue_id,
-            dataset=display_name(caller, DatasetRef(tenant, name)),
-            job_id=job_id,
-            state=state,
-            planned=Composition.from_json(planned),
-            priority=priority,
-            created_at=created_at,
-            deadline=deadline,
-            position=position,
-            reason=reason,
-            reservation_id=reservation_id,
-            ended_at=ended_at,
-            lease_seconds=lease_seconds,
-        )
+    # ------------------------------------------------------------ the history
 
     def head(self, *, caller: Caller | None = None) -> SignedHead:
         """The history's head (entries, last hash, now) signed with the history key, to keep elsewhere (admin only)."""
         caller = self._caller(caller)
-        if not caller.admin:
-            raise PermissionDenied("the signed head needs the admin (dpfleet ledger head runs on the file)")
+        require_admin(caller, "the signed head needs the admin (dpfleet ledger head runs on the file)")
         with self._transactions.read() as connection:
-            (entries,) = connection.execute("SELECT COUNT(*) FROM history").fetchone()
-            last = connection.execute("SELECT hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
-        return sign_head(self._history.key, entries, last[0] if last else "", now())
+            entries, last_hash = self._history.head(connection)
+        return sign_head(self._history.key, entries, last_hash, now())
 
     def verify(self, head: SignedHead | None = None, *, caller: Caller | None = None) -> Verification:
         """Check the history's keyed hash chain, replay every dataset's, block's, tenant use's, reservation's,
         commit's and tenant's history against its row, and with `head` check that the history extends it
         (admin only)."""
         caller = self._caller(caller)
-        if not caller.admin:
-            raise PermissionDenied("verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
+        require_admin(caller, "verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
         with self._transactions.read() as connection:
-            reservations = [
-                StoredReservation(
-                    reservation_id, dataset_id, tenant, job_id, Composition.from_json(planned), committed_steps,
-                    state, lease_seconds, bool(lease_expired), tuple(json.loads(blocks)),
-                )
-                for (reservation_id, dataset_id, tenant, job_id, planned, committed_steps, state, lease_seconds,
-                     lease_expired, blocks) in connection.execute(
-                    "SELECT id, dataset_id, tenant, job_id, planned_events, committed_steps, state, lease_seconds, "
-                    "lease_expired, blocks FROM reservations ORDER BY id"
-                ).fetchall()
-            ]
-            commits = [
-                StoredCommit(*row) for row in connection.execute(
-                    "SELECT reservation_id, sequence, steps, committed_steps FROM commits ORDER BY reservation_id, "
-                    "sequence"
-                ).fetchall()
-            ]
-            tenants = [
-                StoredTenant(name, key_id, stored_token_digest(salt, token_hash))
-                for name, key_id, salt, token_hash in connection.execute(
-                    "SELECT name, key_id, token_salt, token_hash FROM tenants ORDER BY name"
-                ).fetchall()
-            ]
-            entries = [
-                StoredEntry(*row)
-                for row in connection.execute(f"SELECT {HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
-            ]
-            rows = [
-                _DatasetRow(*row)
-                for row in connection.execute(f"SELECT {_DATASET_COLUMNS} FROM datasets ORDER BY id").fetchall()
-            ]
-            uses = [
-                StoredTenantUse(
-                    budget_id, tenant, quota_epsilon,
-                    AdmissionRule.from_dict(json.loads(quota_rule)) if quota_rule else None,
-                    RdpTally.from_json(held), Composition.from_json(committed),
-                )
-                for budget_id, tenant, quota_epsilon, quota_rule, held, committed in connection.execute(
-                    "SELECT budget_id, tenant, quota_epsilon, quota_rule, held_rdp, committed_events FROM tenant_use "
-                    "ORDER BY budget_id, tenant"
-                ).fetchall()
-            ]
-        datasets = [
-            StoredDataset(
-                dataset_id=row.dataset_id,
-                name=f"{row.tenant}/{row.name}",
-                budget_epsilon=row.budget_epsilon,
-                delta=row.delta,
-                admission=_rule(row),
-                held=RdpTally.from_json(row.held_rdp),
-                committed_events=Composition.from_json(row.committed_events),
-                block_of=row.block_of,
-                block=row.block,
-                data=json.loads(row.block_data) if row.block_data else None,
-            )
-            for row in rows
-        ]
-        return verify_history(
-            entries, datasets, uses, key=self._history.key, reservations=reservations, commits=commits,
-            tenants=tenants, head=head,
-        )
+            stored = read_stored(self._tables, connection)
+        return verify_stored(stored, self._history.key, head)
 
     def history(
         self, dataset: str | None = None, limit: int = 1000, *, caller: Caller | None = None
@@ -1757,33 +792,13 @@ class Ledger:
         """The newest `limit` changes the caller may see (its tenant's; all for an admin), oldest first."""
         caller = self._caller(caller)
         limit = check_history_limit(limit)
-        conditions, parameters = [], []
         with self._transactions.read() as connection:
-            if dataset is not None:
-                # A block's own entries (its creation, quotas on it) are the dataset's too.
-                conditions.append("(h.dataset_id = ? OR h.dataset_id IN (SELECT id FROM datasets WHERE block_of = ?))")
-                dataset_id = self._dataset_row(connection, caller, dataset, shared=True).dataset_id
-                parameters += [dataset_id, dataset_id]
-            if not caller.admin:
-                conditions.append("h.tenant = ?")
-                parameters.append(caller.tenant)
-            where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-            rows = connection.execute(
-                "SELECT h.id, h.at, h.actor, h.action, d.tenant, d.name, h.details FROM history h "
-                f"LEFT JOIN datasets d ON d.id = h.dataset_id {where} ORDER BY h.id DESC LIMIT ?",
-                (*parameters, limit),
-            ).fetchall()
-        return [
-            HistoryEntry(
-                entry_id=entry_id,
-                at=at,
-                actor=actor,
-                action=action,
-                dataset=display_name(caller, DatasetRef(tenant, name)) if name is not None else None,
-                details=json.loads(details),
+            dataset_id = (
+                visible_dataset(self._tables, connection, caller, dataset, shared=True).dataset_id
+                if dataset is not None else None
             )
-            for entry_id, at, actor, action, tenant, name, details in reversed(rows)
-        ]
+            entries = self._history.listed(connection, dataset_id, None if caller.admin else caller.tenant, limit)
+        return [entry.entry(caller) for entry in entries]
 
 
 def open_embedded_ledger(path: str | os.PathLike | None = None) -> Ledger:
