@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from accounting.events import EventsLike, Composition
+from accounting.events import Composition, EventsLike
 from accounting.ledger.core import (
     ACTIVE,
     ADMITTED,
