@@ -189,7 +189,7 @@ def test_a_status_that_may_not_wait_reports_the_rdp_bound_until_the_pld_figure_i
 def test_closing_lets_a_read_in_progress_finish_and_refuses_reads_after(ledger):
     ledger.create_dataset("mnist", 1.0, DELTA)
     ledger.get_budget("mnist")  # leaves an idle reader in the pool
-    with ledger._read() as connection:  # a read another thread might be in the middle of
+    with ledger._transactions.read() as connection:  # a read another thread might be in the middle of
         ledger.close()
         assert connection.execute("SELECT COUNT(*) FROM datasets").fetchone() == (1,)
     with pytest.raises(sqlite3.ProgrammingError):
@@ -759,7 +759,7 @@ class _CurvesSeenUnderTheLock:
         return self.real.peek(*mechanism)
 
     def __call__(self, *mechanism):
-        if self.ledger._write_lock.locked():
+        if self.ledger._transactions.write_lock.locked():
             self.computed_under_lock.append(mechanism)
         return self.real(*mechanism)
 

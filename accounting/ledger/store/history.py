@@ -1,0 +1,142 @@
+"""The `history` table: every change as an entry chained to the one before it under the history key.
+
+The table refuses UPDATE and DELETE (and on PostgreSQL TRUNCATE); each entry
+carries an HMAC under the history key over the entry and the hash of the one
+before it (verification.history_hash), so `verify` finds an entry edited or removed by
+hand, and nobody without the key can rewrite the chain to hide it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple
+
+from accounting.ledger.callers import Caller, DatasetRef, display_name
+from accounting.ledger.databases import Connection
+from accounting.ledger.errors import FailedPrecondition
+from accounting.ledger.records import HistoryEntry
+from accounting.ledger.store.clock import now
+from accounting.ledger.verification import StoredEntry, history_hash
+
+HISTORY_COLUMNS = "id, at, actor, action, tenant, dataset_id, details, previous_hash, hash"
+
+
+class ListedEntry(NamedTuple):
+    """An entry as a caller lists it: with the tenant and name of its dataset (None for none) instead of its id."""
+
+    entry_id: int
+    at: str
+    actor: str
+    action: str
+    dataset_tenant: str | None
+    dataset_name: str | None
+    details: str
+
+    def entry(self, caller: Caller) -> HistoryEntry:
+        """The entry as `caller` sees it: its dataset named as the caller names it."""
+        return HistoryEntry(
+            entry_id=self.entry_id,
+            at=self.at,
+            actor=self.actor,
+            action=self.action,
+            dataset=(
+                display_name(caller, DatasetRef(self.dataset_tenant, self.dataset_name))
+                if self.dataset_name is not None else None
+            ),
+            details=json.loads(self.details),
+        )
+
+
+class HistoryChain:
+    """The history of one ledger, chained under `key` (None: unkeyed, as files before schema version 9 were).
+
+    `record` appends an entry; the first one a chain appends is refused when
+    the last entry is not chained with `key` (`key_file` and `location` name
+    the key and the database in that refusal), so a ledger opened with
+    another key never chains to a history it cannot vouch for.
+    """
+
+    def __init__(self, key: bytes | None, key_file: str | os.PathLike | None, location: str) -> None:
+        self.key = key
+        self._key_file = key_file
+        self._location = location
+        # Whether this chain has seen that the history's last entry is chained with its key (at its first change).
+        self._key_checked = False
+
+    def record(
+        self,
+        connection: Connection,
+        caller: Caller,
+        action: str,
+        tenant: str | None,
+        dataset_id: int | None,
+        details: dict,
+    ) -> None:
+        """Append one entry (who, what, on which tenant and dataset, JSON details), chained to the last."""
+        if not self._key_checked:
+            self._check_key(connection)
+            self._key_checked = True
+        last = connection.execute("SELECT id, hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
+        entry_id, previous = (last[0] + 1, last[1]) if last is not None else (1, "")
+        at, details_json = now(), json.dumps(details, sort_keys=True)
+        entry_hash = history_hash(
+            previous, entry_id, at, caller.actor, action, tenant, dataset_id, details_json, self.key
+        )
+        connection.execute(
+            f"INSERT INTO history ({HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
+        )
+
+    def _check_key(self, connection: Connection) -> None:
+        """Refuse a key the history was not chained with, before a change chains an entry to it under another."""
+        last = connection.execute(f"SELECT {HISTORY_COLUMNS} FROM history ORDER BY id DESC LIMIT 1").fetchone()
+        if last is not None:
+            entry = StoredEntry(*last)
+            expected = history_hash(
+                entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
+                entry.dataset_id, entry.details_json, self.key,
+            )
+            if entry.entry_hash != expected:
+                raise FailedPrecondition(
+                    f"the last history entry of {self._location} is not chained with the history key "
+                    f"{self._key_file}: give the key this ledger was opened with (--history-key), or "
+                    "restore it from its backup; dpfleet ledger verify tells whether the row was edited. See "
+                    "docs/ledger.md, 'The history key and the signed head'"
+                )
+
+    @staticmethod
+    def entries(connection: Connection) -> list[StoredEntry]:
+        """Every entry, oldest first, as stored."""
+        return [
+            StoredEntry(*row)
+            for row in connection.execute(f"SELECT {HISTORY_COLUMNS} FROM history ORDER BY id").fetchall()
+        ]
+
+    @staticmethod
+    def head(connection: Connection) -> tuple[int, str]:
+        """How many entries the history has, and the hash of the last ("" for none)."""
+        (entries,) = connection.execute("SELECT COUNT(*) FROM history").fetchone()
+        last = connection.execute("SELECT hash FROM history ORDER BY id DESC LIMIT 1").fetchone()
+        return entries, last[0] if last else ""
+
+    @staticmethod
+    def listed(
+        connection: Connection, dataset_id: int | None, tenant: str | None, limit: int
+    ) -> list[ListedEntry]:
+        """The newest `limit` entries, oldest first: of one dataset and its blocks, and of one tenant (None: any)."""
+        conditions, parameters = [], []
+        if dataset_id is not None:
+            # A block's own entries (its creation, quotas on it) are the dataset's too.
+            conditions.append("(h.dataset_id = ? OR h.dataset_id IN (SELECT id FROM datasets WHERE block_of = ?))")
+            parameters += [dataset_id, dataset_id]
+        if tenant is not None:
+            conditions.append("h.tenant = ?")
+            parameters.append(tenant)
+        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+        rows = connection.execute(
+            "SELECT h.id, h.at, h.actor, h.action, d.tenant, d.name, h.details FROM history h "
+            f"LEFT JOIN datasets d ON d.id = h.dataset_id {where} ORDER BY h.id DESC LIMIT ?",
+            (*parameters, limit),
+        ).fetchall()
+        return [ListedEntry(*row) for row in reversed(rows)]

@@ -1,0 +1,380 @@
+"""The ledger's SQL schema, and the steps that bring a file of an older schema version up to this one.
+
+The statements are written once, in the SQL both kinds of database read
+(`Database.types` fills in the type names that differ); a new ledger is
+created at SCHEMA_VERSION, an older one is migrated in the transaction that
+opens it, recorded in its history.
+"""
+
+from __future__ import annotations
+
+import json
+
+from accounting.ledger.admission import AdmissionRule, RdpTally, fits_budget
+from accounting.ledger.callers import Caller
+from accounting.ledger.databases import Connection, Database
+from accounting.ledger.errors import FailedPrecondition
+from accounting.ledger.scheduling import SchedulingPolicy
+from accounting.ledger.store.history import HistoryChain
+from accounting.ledger.store.local import local_user
+from accounting.ledger.store.transactions import Transactions
+from accounting.ledger.verification import ANCHOR_ACTION, chain_findings, history_hash
+
+SCHEMA_VERSION = 9
+
+_LEASE_INDEX = (
+    "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
+)
+
+_ONE_ACTIVE_RESERVATION_PER_JOB = (
+    "CREATE UNIQUE INDEX one_active_reservation_per_job ON reservations (dataset_id, tenant, job_id) "
+    "WHERE state = 'active'"
+)
+# A tenant's tally on one budget (a dataset or a block), and its quota there when an admin set one.
+_TENANT_USE = """CREATE TABLE tenant_use (
+        budget_id {integer} NOT NULL REFERENCES datasets(id),
+        tenant TEXT NOT NULL REFERENCES tenants(name),
+        quota_epsilon {float},
+        quota_rule TEXT,
+        held_rdp TEXT NOT NULL,
+        committed_events TEXT NOT NULL,
+        PRIMARY KEY (budget_id, tenant)
+    )"""
+
+# Jobs waiting for budget (schema version 6); `position` and `reason` are what the last scheduling pass said,
+# `conversion` what the `reserve` entry of its admission records of a job charged other events than its own.
+_QUEUE_TABLES = (
+    """CREATE TABLE queued_jobs (
+        id TEXT PRIMARY KEY,
+        dataset_id {integer} NOT NULL REFERENCES datasets(id),
+        job_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        blocks TEXT NOT NULL,
+        planned_events TEXT NOT NULL,
+        conversion TEXT NOT NULL,
+        priority {integer} NOT NULL,
+        lease_seconds {float},
+        created_at TEXT NOT NULL,
+        deadline TEXT,
+        state TEXT NOT NULL CHECK (state IN ('queued', 'admitted', 'cancelled', 'timed_out')),
+        position {integer} NOT NULL DEFAULT 0,
+        reason TEXT NOT NULL DEFAULT '',
+        reservation_id TEXT REFERENCES reservations(id),
+        ended_at TEXT
+    )""",
+    "CREATE INDEX queued_jobs_by_dataset ON queued_jobs (dataset_id, state, created_at)",
+)
+
+# Admin tokens kept by the ledger (schema version 7): those the servers were started with and those rotated
+# in, each as its SHA-256 digest (tokens.token_digest); a revoked one keeps its row, so a server started again
+# with it still refuses it. `token_generation` counts rotations and revocations: a server re-reads it at
+# most TOKEN_RECHECK_SECONDS after it last did, and forgets the tokens it had verified when it changed.
+_TOKEN_TABLES = (
+    """CREATE TABLE admin_tokens (
+        key_id TEXT PRIMARY KEY,
+        token_hash {bytes} NOT NULL,
+        created_at TEXT NOT NULL,
+        revoked_at TEXT
+    )""",
+    "CREATE TABLE token_generation (generation {integer} NOT NULL)",
+    "INSERT INTO token_generation (generation) VALUES (0)",
+)
+
+# The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
+_TABLES = (
+    "CREATE TABLE schema_version (version {integer} NOT NULL)",
+    """CREATE TABLE tenants (
+        name TEXT PRIMARY KEY,
+        key_id TEXT UNIQUE,
+        token_salt {bytes},
+        token_hash {bytes},
+        created_at TEXT NOT NULL
+    )""",
+    """CREATE TABLE datasets (
+        id {dataset_id},
+        tenant TEXT NOT NULL REFERENCES tenants(name),
+        name TEXT NOT NULL,
+        budget_epsilon {float} NOT NULL,
+        delta {float} NOT NULL,
+        held_rdp TEXT NOT NULL,
+        committed_events TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        released_jobs {integer} NOT NULL DEFAULT 0,
+        admission_rule TEXT NOT NULL,
+        privacy_unit TEXT NOT NULL DEFAULT 'example',
+        block_of {integer} REFERENCES datasets(id),
+        block TEXT,
+        scheduling TEXT NOT NULL DEFAULT '{fcfs}',
+        arrived_jobs {integer} NOT NULL DEFAULT 0,
+        block_data TEXT,
+        UNIQUE (tenant, name)
+    )""",
+    """CREATE TABLE reservations (
+        id TEXT PRIMARY KEY,
+        dataset_id {integer} NOT NULL REFERENCES datasets(id),
+        job_id TEXT NOT NULL,
+        planned_events TEXT NOT NULL,
+        committed_steps {integer} NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('active', 'released')),
+        created_at TEXT NOT NULL,
+        released_at TEXT,
+        lease_seconds {float},
+        expires_at TEXT,
+        lease_expired {integer} NOT NULL DEFAULT 0,
+        tenant TEXT NOT NULL,
+        blocks TEXT NOT NULL DEFAULT '[]'{order_column}
+    )""",
+    _ONE_ACTIVE_RESERVATION_PER_JOB,
+    "CREATE INDEX reservations_by_dataset ON reservations (dataset_id, state)",
+    _LEASE_INDEX,
+    """CREATE TABLE commits (
+        reservation_id TEXT NOT NULL REFERENCES reservations(id),
+        sequence {integer} NOT NULL,
+        steps {integer} NOT NULL,
+        committed_steps {integer} NOT NULL,
+        at TEXT NOT NULL,
+        PRIMARY KEY (reservation_id, sequence)
+    )""",
+    """CREATE TABLE history (
+        id {history_id},
+        at TEXT NOT NULL,
+        actor TEXT NOT NULL,
+        action TEXT NOT NULL,
+        tenant TEXT,
+        dataset_id {integer} REFERENCES datasets(id),
+        details TEXT NOT NULL,
+        previous_hash TEXT NOT NULL,
+        hash TEXT NOT NULL
+    )""",
+    "CREATE INDEX history_by_tenant ON history (tenant, id)",
+    "CREATE INDEX history_by_dataset ON history (dataset_id, id)",
+    _TENANT_USE,
+    *_QUEUE_TABLES,
+    *_TOKEN_TABLES,
+)
+
+
+def schema_statements(database: Database) -> tuple[str, ...]:
+    """The statements that create a new ledger in `database`."""
+    return (*(formatted(statement, database) for statement in _TABLES), *database.append_only)
+
+
+def formatted(statement: str, database: Database) -> str:
+    """A statement of the schema with the database's type names and the default scheduling policy filled in."""
+    return statement.format(fcfs=json.dumps(SchedulingPolicy().to_dict()), **database.types)
+
+
+def _count_released_jobs(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 2: a count of released jobs per dataset, so a status reads one row, not every job it ever had."""
+    connection.execute("ALTER TABLE datasets ADD COLUMN released_jobs INTEGER NOT NULL DEFAULT 0")
+    connection.execute(
+        "UPDATE datasets SET released_jobs = "
+        "(SELECT COUNT(*) FROM reservations r WHERE r.dataset_id = datasets.id AND r.state = 'released')"
+    )
+
+
+def _adopt_filters_leases_and_hashes(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 3: hash-chained history, leases, and an RDP filter for every dataset, keeping its events.
+
+    Each dataset gets the rule a new dataset of its budget would get, in a
+    history entry of its own that says whether what it holds fits the
+    filter; one that does not admits no new job, and its reservations
+    commit only what still fits.
+    """
+    for statement in (
+        "ALTER TABLE datasets ADD COLUMN admission_rule TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE reservations ADD COLUMN lease_seconds REAL",
+        "ALTER TABLE reservations ADD COLUMN expires_at TEXT",
+        "ALTER TABLE reservations ADD COLUMN lease_expired INTEGER NOT NULL DEFAULT 0",
+        _LEASE_INDEX,
+        "ALTER TABLE history ADD COLUMN previous_hash TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE history ADD COLUMN hash TEXT NOT NULL DEFAULT ''",
+        "DROP TRIGGER history_is_append_only_update",
+        "DROP TRIGGER history_is_append_only_delete",
+    ):
+        connection.execute(statement)
+    previous = ""
+    for entry_id, at, actor, action, tenant, dataset_id, details in connection.execute(
+        "SELECT id, at, actor, action, tenant, dataset_id, details FROM history ORDER BY id"
+    ).fetchall():
+        entry_hash = history_hash(previous, entry_id, at, actor, action, tenant, dataset_id, details)
+        connection.execute(
+            "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry_id)
+        )
+        previous = entry_hash
+    for statement in database.append_only:
+        connection.execute(statement)
+    unkeyed = HistoryChain(None, None, database.location)  # the key came with version 9
+    for dataset_id, tenant, budget_epsilon, delta, held in connection.execute(
+        "SELECT id, tenant, budget_epsilon, delta, held_rdp FROM datasets ORDER BY id"
+    ).fetchall():
+        rule = AdmissionRule.for_budget(budget_epsilon, delta)
+        connection.execute(
+            "UPDATE datasets SET admission_rule = ? WHERE id = ?", (json.dumps(rule.to_dict()), dataset_id)
+        )
+        held_epsilon = rule.epsilon(RdpTally.from_json(held))
+        unkeyed.record(
+            connection, caller, "adopt_admission_rule", tenant, dataset_id,
+            {"admission": rule.to_dict(), "held_epsilon_filter": held_epsilon,
+             "held_fits_budget": fits_budget(held_epsilon, budget_epsilon)},
+        )
+
+
+def _add_privacy_units(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 4: each dataset says what it protects; every existing one protects rows ('example')."""
+    connection.execute("ALTER TABLE datasets ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'")
+
+
+def _add_blocks_and_quotas(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 5: blocks of a dataset, and each tenant's tally and quota per budget.
+
+    Until now only a dataset's owner could reserve on it, so the owner's
+    tally on each dataset is the dataset's own, and every reservation is the
+    owner's.
+    """
+    types = database.types
+    for statement in (
+        f"ALTER TABLE datasets ADD COLUMN block_of {types['integer']} REFERENCES datasets(id)",
+        "ALTER TABLE datasets ADD COLUMN block TEXT",
+        "ALTER TABLE reservations ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE reservations ADD COLUMN blocks TEXT NOT NULL DEFAULT '[]'",
+        "UPDATE reservations SET tenant = (SELECT d.tenant FROM datasets d WHERE d.id = reservations.dataset_id)",
+        "DROP INDEX one_active_reservation_per_job",
+        _ONE_ACTIVE_RESERVATION_PER_JOB,
+        _TENANT_USE.format(**types),
+        "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) "
+        "SELECT id, tenant, held_rdp, committed_events FROM datasets",
+    ):
+        connection.execute(statement)
+
+
+def _add_queues(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 6: a queue of jobs waiting for budget, and each dataset's scheduling policy (fcfs until changed)."""
+    for statement in (
+        "ALTER TABLE datasets ADD COLUMN scheduling TEXT NOT NULL DEFAULT '{fcfs}'",
+        "ALTER TABLE datasets ADD COLUMN arrived_jobs {integer} NOT NULL DEFAULT 0",
+        *_QUEUE_TABLES,
+    ):
+        connection.execute(formatted(statement, database))
+
+
+def _declare_block_data(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 7: each block declares where its rows are (`block_data`, JSON; see admission.check_block_data).
+
+    A block of an older file declared nothing, so nothing shows which rows
+    it holds: it keeps its history and its active reservations, admits no
+    new job (the dataset's new blocks each declare their data), and `verify`
+    counts it as sharing rows with every other block of its dataset.
+    """
+    connection.execute("ALTER TABLE datasets ADD COLUMN block_data TEXT")
+
+
+def _add_fast_tokens_and_revocation(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 8: admin tokens and a token generation in the ledger, so tokens can be rotated and revoked.
+
+    Tenant tokens hashed with scrypt before (those with a salt) stay as
+    they are: the first request that shows one is checked with scrypt once,
+    and its row then takes the token's SHA-256 digest and loses its salt
+    (`Ledger.authenticate`). Until then a wrong token for such a key id
+    costs one scrypt, which the servers' limit on failed authentications
+    per peer bounds.
+    """
+    for statement in _TOKEN_TABLES:
+        connection.execute(formatted(statement, database))
+
+
+def _key_the_history(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 9: re-anchor the unkeyed hash chain under the history key, and refuse TRUNCATE on PostgreSQL.
+
+    The unkeyed chain is checked first; what it shows wrong (a row edited or
+    removed before now) goes into an `anchor_history` entry with the number
+    of entries and their unkeyed head hash, and `verify` reports it there
+    from then on. Then every entry is re-chained with the key, so from now
+    on a chain that is not keyed is a finding, not an older format.
+    """
+    entries = HistoryChain.entries(connection)
+    unkeyed_findings = [str(finding) for finding in chain_findings(entries, {})]
+    for statement in database.drop_append_only:
+        connection.execute(statement)
+    previous = ""
+    for entry in entries:
+        entry_hash = history_hash(
+            previous, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant, entry.dataset_id,
+            entry.details_json, history.key,
+        )
+        connection.execute(
+            "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry.entry_id)
+        )
+        previous = entry_hash
+    for statement in database.append_only:
+        connection.execute(statement)
+    history.record(
+        connection, caller, ANCHOR_ACTION, None, None,
+        {"entries": len(entries), "unkeyed_head_hash": entries[-1].entry_hash if entries else "",
+         "unkeyed_chain_findings": unkeyed_findings},
+    )
+
+
+# Each version's step brings a file of the previous version up to it, in the transaction that opens it; the steps
+# that append to the history append to `history` (the one that re-chains it under the key uses the key).
+_MIGRATIONS = {
+    2: _count_released_jobs,
+    3: _adopt_filters_leases_and_hashes,
+    4: _add_privacy_units,
+    5: _add_blocks_and_quotas,
+    6: _add_queues,
+    7: _declare_block_data,
+    8: _add_fast_tokens_and_revocation,
+    9: _key_the_history,
+}
+
+
+def create_or_check_schema(
+    transactions: Transactions, database: Database, history: HistoryChain, caller: Caller | None
+) -> None:
+    """Create a new ledger in `database`, or migrate an older one (recorded by `caller`, default the local user).
+
+    Refuses a ledger of a newer schema version than this dpfleet reads.
+    """
+    with transactions.change() as connection:
+        if not connection.execute(database.schema_exists).fetchone():
+            for statement in schema_statements(database):
+                connection.execute(statement)
+            connection.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            return
+        (version,) = connection.execute("SELECT version FROM schema_version").fetchone()
+        if version < SCHEMA_VERSION:
+            _migrate(connection, database, history, caller, version)
+            return
+    if version != SCHEMA_VERSION:
+        raise FailedPrecondition(
+            f"the ledger {database.location} has schema version {version}; this dpfleet reads versions "
+            f"up to {SCHEMA_VERSION}. Open it with the dpfleet version that wrote it, or a newer one"
+        )
+
+
+def _migrate(
+    connection: Connection, database: Database, history: HistoryChain, caller: Caller | None, version: int
+) -> None:
+    """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
+    caller = caller or Caller(actor=f"{local_user()} (opening the file)", tenant=None)
+    for target in range(version + 1, SCHEMA_VERSION + 1):
+        _MIGRATIONS[target](connection, caller, database, history)
+    connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+    history.record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
