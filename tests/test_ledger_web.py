@@ -18,13 +18,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.events import SampledGaussian
-from accounting.ledger import view
+from accounting.ledger.service import view
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, burn_down, tenant_caller
-from accounting.ledger.metrics import BLOCK_GAUGES, DATASET_GAUGES, QUOTA_GAUGES, RPC_SECONDS, exposition
+from accounting.ledger.service import BLOCK_GAUGES, DATASET_GAUGES, QUOTA_GAUGES, RPC_SECONDS, exposition
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger
-from accounting.ledger.web import TOKEN_COOKIE
+from accounting.ledger.service import TOKEN_COOKIE
 from orchestrator.cli import main
 from servers import self_signed_certificate, start_serve_process
 
