@@ -8,7 +8,9 @@ same stand-in. Errors go the same way back: each LedgerError the store
 raises reaches the client's caller as the same error.
 """
 
+import argparse
 import ast
+import functools
 import inspect
 import json
 import textwrap
@@ -324,10 +326,16 @@ def test_the_store_raises_only_the_errors_declared_for_the_operation(operation):
     assert raised_by(getattr(Ledger, operation), set()) <= declared
 
 
+@functools.cache
+def ledger_parser():
+    return build_parser(("ledger",))
+
+
 def subparser(words):
-    parser = build_parser()
+    """The parser of `dpfleet ledger WORDS...`."""
+    parser = ledger_parser()
     for word in ("ledger", *words):
-        (commands,) = [action for action in parser._actions if isinstance(action, type(parser._subparsers._actions[-1]))]
+        (commands,) = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
         parser = commands.choices[word]
     return parser
 
