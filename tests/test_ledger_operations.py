@@ -1,4 +1,4 @@
-"""Every ledger operation as declared in `accounting.ledger.operations`, in each layer: store, client, service, proto, CLI.
+"""Each ledger operation as `accounting.ledger.operations` declares it, in every layer: store, client, servicer, CLI.
 
 No server runs. The client's request goes straight to the servicer's method,
 and the servicer's call to a recording stand-in for the store, which checks
@@ -349,8 +349,9 @@ def test_each_commands_options_exist_take_the_declared_defaults_and_give_every_r
         required = {parameter.name for parameter in operation.parameters if parameter.default is REQUIRED}
         assert required <= given, operation.name
         assert given <= {parameter.name for parameter in operation.parameters}, operation.name
-        for dests in [*operation.command.derived.values(), *map(lambda dest: (dest,), operation.command.options.values())]:
-            assert set(dests) <= set(actions), (operation.name, dests)
+        named = {*operation.command.options.values(), *(dest for dests in operation.command.derived.values()
+                                                        for dest in dests)}
+        assert named <= set(actions), operation.name
         for name, dest in operation.command.options.items():
             default = operation.default(name)
             if actions[dest].default is not None and default is not REQUIRED:
@@ -359,7 +360,9 @@ def test_each_commands_options_exist_take_the_declared_defaults_and_give_every_r
 
 # What the command line needs beside the operation's own options, and what it then hands the store.
 CLI_EXTRAS = {
-    "create_dataset": (["--scheduling", "dpf", "--unlock-jobs", "3"], {"scheduling": SchedulingPolicy("dpf", 3, None)}),
+    "create_dataset": (
+        ["--scheduling", "dpf", "--unlock-jobs", "3"], {"scheduling": SchedulingPolicy("dpf", 3, None)}
+    ),
     "rotate_token": (["--tenant", "acme"], {"tenant": "acme"}),
     "list_jobs": (["--active"], {"state": "active"}),
     "list_queued": (["--queued"], {"state": "queued"}),
