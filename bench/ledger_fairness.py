@@ -40,7 +40,7 @@ import psutil
 
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.core import MAX_PLAN_MECHANISMS, LedgerError, RateLimited
+from accounting.ledger.core import EPSILON_RANGE, MAX_PLAN_MECHANISMS, LedgerError, RateLimited
 from bench.ledger import ADMIN_TOKEN, DELTA, STEP, closed_loop, serve_process, timed
 
 FLOOD_CLIENTS = 4
@@ -109,10 +109,10 @@ def fairness(folder: str, name: str, seconds: float, honor_retry: bool) -> dict:
             victim = admin.create_tenant("victim").token
             flooder = admin.create_tenant("flooder").token
         with RemoteLedger(address, victim) as client:
-            client.create_dataset("mnist", 1e6, DELTA)
+            client.create_dataset("mnist", EPSILON_RANGE[1], DELTA)
             reservation_id = client.reserve("mnist", "long", STEP.with_steps(10**7)).reservation_id
         with RemoteLedger(address, flooder) as client:
-            client.create_dataset("mnist", 1e6, DELTA)
+            client.create_dataset("mnist", EPSILON_RANGE[1], DELTA)
         unloaded = commit_latencies(address, victim, reservation_id, 0, seconds)
         # Spawned, not forked: this process has used gRPC.
         spawn = multiprocessing.get_context("spawn")
