@@ -67,6 +67,8 @@ ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 DELTA = 1e-5
 STEP = SampledGaussian(0.001, 1.0, 1)
 HISTORY_JOBS = 10_000
+# A long reservation: more steps than any run commits, within the datasets' budget of 1e4 (8 at once).
+LONG_JOB_STEPS = 10**7
 TARGET_COMMITS_PER_SECOND = 1000.0
 TARGET_P99_MS = 10.0
 TARGET_STATUS_MS = 20.0
@@ -161,7 +163,8 @@ def disk_floor(folder: Path, seconds: float = 10.0) -> dict:
 def _operation(ledger: RemoteLedger, workload: str, index: int, health) -> Callable[[int], list[float]]:
     """The workload's operation for this client: called with a counter, it returns the latency of each RPC."""
     if workload == "commit":
-        reservation_id = ledger.reserve("writes", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12)).reservation_id
+        long_job = f"long-{index}-{os.getpid()}"
+        reservation_id = ledger.reserve("writes", long_job, STEP.with_steps(LONG_JOB_STEPS)).reservation_id
         return lambda count: timed(lambda: ledger.commit(reservation_id, 1, count))
     if workload == "reserve+commit":
 
@@ -176,7 +179,8 @@ def _operation(ledger: RemoteLedger, workload: str, index: int, health) -> Calla
     if workload == "status":
         return lambda count: timed(lambda: ledger.get_budget("history"))
     if workload.startswith("status after commit"):
-        reservation_id = ledger.reserve("history", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12)).reservation_id
+        long_job = f"long-{index}-{os.getpid()}"
+        reservation_id = ledger.reserve("history", long_job, STEP.with_steps(LONG_JOB_STEPS)).reservation_id
         pld_may_be_pending = workload.endswith("no wait")
 
         def commit_then_status(count: int) -> list[float]:

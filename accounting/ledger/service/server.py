@@ -143,18 +143,11 @@ def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", SERVICE_NAME):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        if tls_cert is None:
-            bound = server.add_insecure_port(bind)
-        else:
-            credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
-            bound = server.add_secure_port(bind, credentials)
-    except RuntimeError:
-        bound = 0
-    if not bound:
+        bound = _listen(server, host, port, tls_cert, tls_key)
+    except BaseException:
         ledger.close()
-        raise OSError(f"cannot listen on {bind}; is the port in use? Choose another --port (0 picks a free one)")
+        raise
     web_server = None
     if http_port is not None or metrics_port is not None:
         try:
@@ -171,6 +164,22 @@ def start_server(
     sweeper = threading.Thread(target=_sweep_leases, args=(ledger, stopping), name="ledger-leases", daemon=True)
     sweeper.start()
     return LedgerServer(server, ledger, health_servicer, host, bound, stopping, sweeper, web_server)
+
+
+def _listen(server: grpc.Server, host: str, port: int, tls_cert: str | Path | None, tls_key: str | Path | None) -> int:
+    """Add the gRPC port (TLS with a certificate and key); the port bound, or OSError when none could be."""
+    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        if tls_cert is None:
+            bound = server.add_insecure_port(bind)
+        else:
+            credentials = grpc.ssl_server_credentials([(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())])
+            bound = server.add_secure_port(bind, credentials)
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise OSError(f"cannot listen on {bind}; is the port in use? Choose another --port (0 picks a free one)")
+    return bound
 
 
 def _https_context(tls_cert: str | Path | None, tls_key: str | Path | None) -> ssl.SSLContext | None:
