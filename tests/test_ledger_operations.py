@@ -20,11 +20,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from accounting.events import SampledGaussian
-from accounting.ledger import core, ledger_pb2
+from accounting.ledger import ledger_pb2
 from accounting.ledger import client as client_module
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.core import ADMIN, BudgetExceeded, LedgerError, RateLimited, check_lease_seconds, check_plan
-from accounting.ledger.core import check_scheduling
+from accounting.ledger.core import InvalidArgument, LedgerUnavailable, check_scheduling
 from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.messages import STATUS_CODES
 from accounting.ledger.operations import OPERATIONS, REQUIRED
@@ -260,7 +260,7 @@ def test_an_optional_parameter_given_its_fields_zero_is_refused_or_reaches_the_s
     values[parameter] = zero
     try:
         arguments, _ = through_client_and_service(operation, (), values)
-    except core.InvalidArgument:  # refused by the client, as the embedded ledger refuses it
+    except InvalidArgument:  # refused by the client, as the embedded ledger refuses it
         return
     except Aborted as refused:  # refused by the servicer before the store
         assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
@@ -269,19 +269,23 @@ def test_an_optional_parameter_given_its_fields_zero_is_refused_or_reaches_the_s
     assert arguments[parameter] == given
 
 
-def ledger_errors():
-    """Every LedgerError subclass of the core, with an instance of it."""
-    classes, pending = [], [LedgerError]
+def ledger_error_classes():
+    """Every subclass of LedgerError, by name."""
+    classes, pending = {}, [LedgerError]
     while pending:
         for subclass in pending.pop().__subclasses__():
-            if subclass.__module__ == core.__name__:
-                classes.append(subclass)
-                pending.append(subclass)
+            classes[subclass.__name__] = subclass
+            pending.append(subclass)
+    return classes
+
+
+def ledger_errors():
+    """An instance of every LedgerError subclass."""
     instances = {
         BudgetExceeded: BudgetExceeded("acme/mnist", 0.25, 0.75, 1e-5, "block 'day-1' of dataset 'acme/mnist'"),
         RateLimited: RateLimited("costly requests for acme: retry in 1.5 s", 1.5),
     }
-    return [instances.get(error, None) or error(f"{error.__name__} of the store") for error in classes]
+    return [instances.get(error, None) or error(f"{error.__name__} of the store") for error in ledger_error_classes().values()]
 
 
 def test_every_ledger_error_has_a_status_code():
@@ -294,7 +298,7 @@ def test_a_ledger_error_of_the_store_reaches_the_clients_caller_as_itself(error)
     assert aborted.code == STATUS_CODES[type(error)]
     rebuilt = client_module._ledger_error("127.0.0.1:1", RefusedRpc(aborted))
     assert type(rebuilt) is type(error)
-    if not isinstance(error, core.LedgerUnavailable):  # the client names the server that did not answer
+    if not isinstance(error, LedgerUnavailable):  # the client names the server that did not answer
         assert str(rebuilt) == str(error)
     if isinstance(error, BudgetExceeded):
         fields = ("dataset", "remaining_epsilon", "needed_epsilon", "delta", "budget")
@@ -304,7 +308,7 @@ def test_a_ledger_error_of_the_store_reaches_the_clients_caller_as_itself(error)
 
 
 def raised_by(function, seen):
-    """The core errors a store method raises itself, or through the store's own methods it calls."""
+    """The LedgerErrors a store method raises itself, or through the store's own methods it calls."""
     if function is None or function in seen or not callable(function):
         return set()
     seen.add(function)
@@ -312,8 +316,8 @@ def raised_by(function, seen):
     for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
         if isinstance(node, ast.Raise) and node.exc is not None:
             raised_name = (node.exc.func if isinstance(node.exc, ast.Call) else node.exc)
-            if isinstance(raised_name, ast.Name) and isinstance(getattr(core, raised_name.id, None), type):
-                raised.add(getattr(core, raised_name.id))
+            if isinstance(raised_name, ast.Name) and raised_name.id in ledger_error_classes():
+                raised.add(ledger_error_classes()[raised_name.id])
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
             raised |= raised_by(inspect.getattr_static(Ledger, node.attr, None), seen)
     return raised
