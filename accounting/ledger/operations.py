@@ -9,8 +9,8 @@ Here each is written down once: its parameters with their defaults, the
 request fields that carry each, the LedgerError subclasses it may raise, its
 RPC with its request and reply messages, and its command.
 tests/test_ledger_operations.py checks the store, the client, the servicer,
-the proto and the command line against it; the servicer and the command
-line read their defaults from it.
+the proto and the command line against it; the servicer's history limit and
+the command line's history limit and privacy unit are its defaults.
 
 Loads no gRPC: the command line reads it to build its parser.
 """
