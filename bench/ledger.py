@@ -67,6 +67,8 @@ ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
 DELTA = 1e-5
 STEP = SampledGaussian(0.001, 1.0, 1)
 HISTORY_JOBS = 10_000
+# A long reservation: more steps than any run commits, within the datasets' budget of 1e4 (8 at once).
+LONG_JOB_STEPS = 10**7
 TARGET_COMMITS_PER_SECOND = 1000.0
 TARGET_P99_MS = 10.0
 TARGET_STATUS_MS = 20.0
@@ -75,10 +77,43 @@ WORKLOADS = ("commit", "reserve+commit", "status", "no-op floor")
 PACED = (("commit", 500.0), ("commit", 1000.0), ("reserve+commit", 100.0), ("no-op floor", 500.0))
 RESULTS = Path(__file__).resolve().parent / "results" / "ledger.json"
 _SERVE = (
-    "import sys\n"
+    "import json, sys\n"
     "from accounting.ledger.service import serve\n"
-    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True))\n"
+    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True),\n"
+    "      **json.loads(sys.argv[3]))\n"
 )
+
+
+def serve_process(db: str | Path, rate_limits: dict | None = None) -> subprocess.Popen:
+    """A ledger server in a process of its own on `db`, with ADMIN_TOKEN; its first line of output is its address.
+
+    `rate_limits` are start_server's, by name (None: the defaults).
+    """
+    return subprocess.Popen(
+        [sys.executable, "-c", _SERVE, str(db), ADMIN_TOKEN, json.dumps(rate_limits or {})],
+        stdout=subprocess.PIPE, text=True,
+    )
+
+
+def timed(call: Callable[[], object]) -> list[float]:
+    """The seconds `call` took, as a one-RPC operation's latencies."""
+    began = time.perf_counter()
+    call()
+    return [time.perf_counter() - began]
+
+
+def closed_loop(operation: Callable[[int], list[float]], seconds: float, first: int = 1) -> tuple[int, list[float]]:
+    """Call `operation` with first, first + 1, ..., each as soon as the last returns, for `seconds`.
+
+    Returns how many operations ran and the latencies they returned. The
+    most load one client makes: latency under it is mostly queueing.
+    """
+    latencies: list[float] = []
+    count, deadline = first, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        latencies += operation(count)
+        count += 1
+    return count - first, latencies
 
 
 def prepare_history(db: str | Path, jobs: int) -> str:
@@ -127,14 +162,9 @@ def disk_floor(folder: Path, seconds: float = 10.0) -> dict:
 
 def _operation(ledger: RemoteLedger, workload: str, index: int, health) -> Callable[[int], list[float]]:
     """The workload's operation for this client: called with a counter, it returns the latency of each RPC."""
-
-    def timed(call: Callable[[], object]) -> list[float]:
-        began = time.perf_counter()
-        call()
-        return [time.perf_counter() - began]
-
     if workload == "commit":
-        reservation_id = ledger.reserve("writes", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12)).reservation_id
+        long_job = f"long-{index}-{os.getpid()}"
+        reservation_id = ledger.reserve("writes", long_job, STEP.with_steps(LONG_JOB_STEPS)).reservation_id
         return lambda count: timed(lambda: ledger.commit(reservation_id, 1, count))
     if workload == "reserve+commit":
 
@@ -149,7 +179,8 @@ def _operation(ledger: RemoteLedger, workload: str, index: int, health) -> Calla
     if workload == "status":
         return lambda count: timed(lambda: ledger.get_budget("history"))
     if workload.startswith("status after commit"):
-        reservation_id = ledger.reserve("history", f"long-{index}-{os.getpid()}", STEP.with_steps(10**12)).reservation_id
+        long_job = f"long-{index}-{os.getpid()}"
+        reservation_id = ledger.reserve("history", long_job, STEP.with_steps(LONG_JOB_STEPS)).reservation_id
         pld_may_be_pending = workload.endswith("no wait")
 
         def commit_then_status(count: int) -> list[float]:
@@ -186,9 +217,7 @@ def _client(
         start = time.perf_counter()
         deadline = start + seconds
         if rate is None:
-            while time.perf_counter() < deadline:
-                operations += 1
-                latencies += operation(operations)
+            operations, latencies = closed_loop(operation, seconds)
         else:
             scheduled = start + arrivals.exponential(1.0 / rate)
             while scheduled < deadline:
@@ -319,10 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         began = time.perf_counter()
         token = prepare_history(db, args.history_jobs)
         print(f"prepared {args.history_jobs} finished jobs in {time.perf_counter() - began:.1f} s", flush=True)
-        servers = [
-            subprocess.Popen([sys.executable, "-c", _SERVE, db, ADMIN_TOKEN], stdout=subprocess.PIPE, text=True)
-            for _ in range(args.servers)
-        ]
+        servers = [serve_process(db) for _ in range(args.servers)]
         try:
             addresses = [server.stdout.readline().strip() for server in servers]
             if args.servers == 1:

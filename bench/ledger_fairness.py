@@ -29,7 +29,6 @@ import json
 import multiprocessing
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,31 +41,20 @@ import psutil
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import LedgerError, RateLimited
-from accounting.ledger.validation import MAX_PLAN_MECHANISMS
+from accounting.ledger.validation import EPSILON_RANGE, MAX_PLAN_MECHANISMS
+from bench.ledger import ADMIN_TOKEN, DELTA, STEP, closed_loop, serve_process, timed
 
-ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
-DELTA = 1e-5
-STEP = SampledGaussian(0.001, 1.0, 1)
 FLOOD_CLIENTS = 4
 BAD_TOKEN_CALLS = 1000
 TARGET_P99_RATIO = 2.0
 TARGET_BAD_TOKEN_CPU_SECONDS = 1.0
 RESULTS = Path(__file__).resolve().parent / "results" / "ledger_fairness.json"
-_SERVE = (
-    "import json, sys\n"
-    "from accounting.ledger.service import serve\n"
-    "serve(sys.argv[1], '127.0.0.1', 0, sys.argv[2], announce=lambda server: print(server.address, flush=True),\n"
-    "      **json.loads(sys.argv[3]))\n"
-)
 
 
 @contextlib.contextmanager
 def ledger_server(folder: str, name: str, rate_limits: dict) -> Iterator[tuple[str, psutil.Process]]:
     """A server process on a fresh file in `folder`: its address and its process (for CPU times)."""
-    process = subprocess.Popen(
-        [sys.executable, "-c", _SERVE, os.path.join(folder, name), ADMIN_TOKEN, json.dumps(rate_limits)],
-        stdout=subprocess.PIPE, text=True,
-    )
+    process = serve_process(os.path.join(folder, name), rate_limits)
     try:
         yield process.stdout.readline().strip(), psutil.Process(process.pid)
     finally:
@@ -75,15 +63,11 @@ def ledger_server(folder: str, name: str, rate_limits: dict) -> Iterator[tuple[s
 
 
 def commit_latencies(address: str, token: str, reservation_id: str, first_sequence: int, seconds: float) -> list:
-    """Commit 1 step at a time for `seconds`; each commit's latency in seconds."""
-    latencies = []
+    """Commit 1 step at a time for `seconds`, closed loop, from sequence `first_sequence`; each commit's latency."""
     with RemoteLedger(address, token) as client:
-        sequence, end = first_sequence, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            started = time.perf_counter()
-            client.commit(reservation_id, 1, sequence)
-            latencies.append(time.perf_counter() - started)
-            sequence += 1
+        _, latencies = closed_loop(
+            lambda sequence: timed(lambda: client.commit(reservation_id, 1, sequence)), seconds, first_sequence
+        )
     return latencies
 
 
@@ -126,10 +110,10 @@ def fairness(folder: str, name: str, seconds: float, honor_retry: bool) -> dict:
             victim = admin.create_tenant("victim").token
             flooder = admin.create_tenant("flooder").token
         with RemoteLedger(address, victim) as client:
-            client.create_dataset("mnist", 1e6, DELTA)
+            client.create_dataset("mnist", EPSILON_RANGE[1], DELTA)
             reservation_id = client.reserve("mnist", "long", STEP.with_steps(10**7)).reservation_id
         with RemoteLedger(address, flooder) as client:
-            client.create_dataset("mnist", 1e6, DELTA)
+            client.create_dataset("mnist", EPSILON_RANGE[1], DELTA)
         unloaded = commit_latencies(address, victim, reservation_id, 0, seconds)
         # Spawned, not forked: this process has used gRPC.
         spawn = multiprocessing.get_context("spawn")

@@ -18,15 +18,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.events import SampledGaussian
-from accounting.ledger import view
 from accounting.ledger.callers import ADMIN, tenant_caller
-from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import BudgetExceeded
-from accounting.ledger.metrics import BLOCK_GAUGES, DATASET_GAUGES, QUOTA_GAUGES, RPC_SECONDS, exposition
+from accounting.ledger.service import view
+from accounting.ledger.client import RemoteLedger
+from accounting.ledger.service import BLOCK_GAUGES, DATASET_GAUGES, QUOTA_GAUGES, RPC_SECONDS, exposition
 from accounting.ledger.service import start_server
 from accounting.ledger.store import Ledger
+from accounting.ledger.service import TOKEN_COOKIE
 from accounting.ledger.verification import burn_down
-from accounting.ledger.web import TOKEN_COOKIE
 from orchestrator.cli import main
 from servers import self_signed_certificate, start_serve_process
 

@@ -337,7 +337,7 @@ def test_the_working_dir_upload_holds_the_code_and_leaves_environments_and_resul
     package = tmp_path / "working_dir.zip"
     create_package(str(REPOSITORY), package, include_gitignore=False, excludes=UPLOAD_EXCLUDES)
     names = zipfile.ZipFile(package).namelist()
-    assert {"orchestrator/cli/__init__.py", "workers/__init__.py", "accounting/ledger/service.py"} <= set(names)
+    assert {"orchestrator/cli/__init__.py", "workers/__init__.py", "accounting/ledger/service/__init__.py"} <= set(names)
     assert not [name for name in names if re.match(r"(\.venv|\.git|runs|bench/results|data)/|.*__pycache__/", name)]
     assert package.stat().st_size < 5 * 1024**2
 

@@ -6,7 +6,8 @@
   refuses it with, the records it answers with, who is asking and their tokens.
 - `verification`: `verify`, the history's chain and signed head, and its replays.
 - `store`: the SQLite store and the embedded `Ledger`.
-- `service` and `client`: the gRPC server and `RemoteLedger`, one interface (`interface.PrivacyLedger`).
+- `service` and `client`: the gRPC server and `RemoteLedger`, one interface (`interface.PrivacyLedger`);
+  `operations` declares each operation once, and a test holds the store, client, service and CLI to it.
 """
 
 from accounting.lazy import public_face
@@ -19,11 +20,13 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
                "NotFound", "PermissionDenied", "RateLimited"],
     "interface": ["PrivacyLedger"],
     "limits": ["AUTH_FAILURE_BURST", "AUTH_FAILURE_RATE_PER_SECOND", "CURVE_BURST", "CURVE_RATE_PER_SECOND"],
+    "operations": ["OPERATIONS"],
     "records": ["DatasetStatus", "QueuedJob"],
     "scheduling": ["BlockBudget", "DPACK", "DPF", "FCFS", "POLICIES", "PRIORITY_RANGE", "QueuedDemand",
                    "SchedulingPolicy", "schedule"],
     "service": ["LedgerServer", "serve"],
     "store": ["Ledger", "default_ledger_path", "open_embedded_ledger"],
     "tokens": ["hash_token"],
-    "validation": ["ADMITTED", "MAX_PLAN_MECHANISMS", "QUEUED", "check_budget_epsilon", "check_delta", "delta_warning"],
+    "validation": ["ADMITTED", "EPSILON_RANGE", "MAX_PLAN_MECHANISMS", "PRIVACY_UNITS", "QUEUED", "check_budget_epsilon",
+                   "check_delta", "delta_warning"],
 })

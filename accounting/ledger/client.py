@@ -36,6 +36,7 @@ from accounting.ledger.messages import (
 from accounting.ledger.validation import (
     EXAMPLE,
     check_block_names,
+    check_delta,
     check_history_limit,
     check_lease_seconds,
     check_max_wait_seconds,
@@ -76,6 +77,17 @@ def _ledger_error(address: str, error: grpc.RpcError) -> LedgerError:
         )
     error_class = _ERRORS_BY_CODE.get(code, LedgerError)
     return error_class(details if error_class is not LedgerError else f"{code.name}: {details}")
+
+
+def _optional_field(name: str, value: object) -> object:
+    """An optional argument as its request field, which reads its zero ("" or 0) as "not given": None is that zero.
+
+    Any other value must not be the zero itself: the embedded Ledger refuses
+    an empty name or a zero delta, and the server must not take one for None.
+    """
+    if value is None or value:
+        return value
+    raise InvalidArgument(f"{name} must not be empty or zero (got {value!r}); leave it out (None) for its default")
 
 
 def parse_addresses(address: str) -> list[str]:
@@ -169,7 +181,10 @@ class RemoteLedger:
 
     def revoke_token(self, tenant: str | None = None, key_id: str | None = None) -> str:
         """Revoke a tenant's token, or the admin token of `key_id` (admin only); the revoked key id."""
-        request = self._request(pb.RevokeTokenRequest, tenant=tenant or "", admin_key_id=key_id or "")
+        request = self._request(
+            pb.RevokeTokenRequest, tenant=_optional_field("tenant", tenant) or "",
+            admin_key_id=_optional_field("key_id", key_id) or "",
+        )
         return self._call("RevokeToken", request).key_id
 
     def create_dataset(
@@ -210,7 +225,9 @@ class RemoteLedger:
 
     def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
         """Reservations on the token's datasets, oldest first; optionally of one dataset or state."""
-        request = self._request(pb.ListJobsRequest, dataset=dataset or "", state=messages.state_to_proto(state))
+        request = self._request(
+            pb.ListJobsRequest, dataset=_optional_field("dataset", dataset) or "", state=messages.state_to_proto(state)
+        )
         return [messages.reservation_from_proto(job) for job in self._call("ListJobs", request).jobs]
 
     def reserve(
@@ -235,8 +252,10 @@ class RemoteLedger:
     ) -> DatasetStatus:
         """Add a block with its own budget of `epsilon` at `delta` (default: the dataset's) to a dataset,
         bound to the rows `data` declares (see admission.check_block_data; the server checks it)."""
+        data = _optional_field("data", data)
         request = self._request(
-            pb.AddBlockRequest, dataset=dataset, block=block, epsilon=epsilon, delta=delta or 0.0,
+            pb.AddBlockRequest, dataset=dataset, block=block, epsilon=epsilon,
+            delta=check_delta(delta) if delta is not None else 0.0,
             data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",
         )
         return messages.status_from_proto(self._call("AddBlock", request))
@@ -244,7 +263,8 @@ class RemoteLedger:
     def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
         """Give `tenant` a quota of `epsilon` on a dataset or one of its blocks (admin token only)."""
         request = self._request(
-            pb.SetQuotaRequest, dataset=dataset, tenant=tenant, epsilon=epsilon, block=block or ""
+            pb.SetQuotaRequest, dataset=dataset, tenant=tenant, epsilon=epsilon,
+            block=_optional_field("block", block) or "",
         )
         return messages.status_from_proto(self._call("SetQuota", request))
 
@@ -274,7 +294,9 @@ class RemoteLedger:
 
     def history(self, dataset: str | None = None, limit: int = 1000) -> list[HistoryEntry]:
         """The newest `limit` changes the token may see, oldest first."""
-        request = self._request(pb.HistoryRequest, dataset=dataset or "", limit=check_history_limit(limit))
+        request = self._request(
+            pb.HistoryRequest, dataset=_optional_field("dataset", dataset) or "", limit=check_history_limit(limit)
+        )
         return [messages.history_from_proto(entry) for entry in self._call("History", request).entries]
 
     def enqueue(
@@ -311,5 +333,8 @@ class RemoteLedger:
 
     def list_queued(self, dataset: str | None = None, state: str | None = "queued") -> list[QueuedJob]:
         """Queued jobs on the token's datasets (waiting ones by default; None: any state)."""
-        request = self._request(pb.ListQueuedRequest, dataset=dataset or "", state=check_queue_state(state) or "")
+        request = self._request(
+            pb.ListQueuedRequest, dataset=_optional_field("dataset", dataset) or "",
+            state=check_queue_state(state) or "",
+        )
         return [messages.queued_from_proto(job) for job in self._call("ListQueued", request).jobs]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 
 from accounting.ledger.limits import AUTH_FAILURE_BURST, AUTH_FAILURE_RATE_PER_SECOND, CURVE_BURST, CURVE_RATE_PER_SECOND
+from accounting.ledger.operations import OPERATIONS
 from accounting.ledger.scheduling import POLICIES
+from accounting.ledger.validation import PRIVACY_UNITS
 
 # Each command's handler, imported only when the command runs: the parser needs none of the ledger's modules.
 _HANDLERS = "orchestrator.cli.ledger:"
@@ -37,6 +39,10 @@ def _add_history_key_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_store_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+
+
 def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
     parser.add_argument("--scheduling", choices=POLICIES,
                         help=f"how {whose} queue of waiting jobs is served: fcfs (in arrival order), dpf "
@@ -48,12 +54,35 @@ def _add_scheduling_flags(parser: argparse.ArgumentParser, whose: str) -> None:
                              "creation")
 
 
-def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
-    """The `ledger` commands and their arguments."""
-    ledger.description = __doc__
-    ledger.formatter_class = argparse.RawDescriptionHelpFormatter
-    commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="COMMAND")
+def _command_group(commands: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+    """A command that only groups others (`dpfleet ledger NAME COMMAND`): its subcommands."""
+    return commands.add_parser(name, help=help).add_subparsers(
+        dest=f"{name}_command", required=True, metavar="COMMAND"
+    )
 
+
+def _add_listener_port_flag(parser: argparse.ArgumentParser, flag: str, serves: str, default: str) -> None:
+    """A port the server also serves `serves` on, beside gRPC (`default` says what runs without the flag)."""
+    parser.add_argument(
+        flag, help=f"also serve {serves} on this port, behind the same tokens; 0 picks a free one (default: {default})"
+    )
+
+
+def _add_token_bucket_flags(
+    parser: argparse.ArgumentParser, flags: tuple[str, str], counted: str, rate: float, burst: float,
+    rate_help: str, burst_note: str = "",
+) -> None:
+    """The two flags of one rate limit (accounting.ledger.limits): the rate `counted` refill at, and the burst."""
+    rate_flag, burst_flag = flags
+    parser.add_argument(rate_flag, default=f"{rate:g}", help=f"{rate_help} (default {rate:g})")
+    parser.add_argument(
+        burst_flag, default=f"{burst:g}",
+        help=f"{counted} at once before the rate applies (default {burst:g}{burst_note})",
+    )
+
+
+def _add_serve_command(commands: argparse._SubParsersAction) -> None:
+    """`serve`: the server's listeners, TLS, admin token, history key, default scheduling and rate limits."""
     serve_parser = commands.add_parser(
         "serve",
         help="serve a ledger file over gRPC",
@@ -69,15 +98,10 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve_parser.add_argument("--port", default="50051", help="port to listen on; 0 picks a free one (default 50051)")
     serve_parser.add_argument("--admin-token-file", help="file holding the admin token (default: $DPFLEET_ADMIN_TOKEN)")
-    serve_parser.add_argument(
-        "--http-port",
-        help="also serve the read-only web page (budgets, burn-down, jobs) on this port, behind the same tokens; "
-        "0 picks a free one (default: no page)",
-    )
-    serve_parser.add_argument(
-        "--metrics-port",
-        help="also serve Prometheus metrics at /metrics on this port (send the token as 'Authorization: Bearer'); "
-        "0 picks a free one (default: no metrics)",
+    _add_listener_port_flag(serve_parser, "--http-port", "the read-only web page (budgets, burn-down, jobs)", "no page")
+    _add_listener_port_flag(
+        serve_parser, "--metrics-port",
+        "Prometheus metrics at /metrics (send the token as 'Authorization: Bearer')", "no metrics",
     )
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
@@ -89,38 +113,31 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
         help="processes that compute RDP curves (80-400 ms each) beside the server, so that no request waits for "
         "another tenant's curve on the GIL; 0 computes them in the request threads (default 1)",
     )
-    serve_parser.add_argument(
-        "--curves-per-second", default=str(CURVE_RATE_PER_SECOND),
-        help="each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (80-400 ms "
-        f"of CPU each), and one more per fits; refilled at this rate (default {CURVE_RATE_PER_SECOND:g})",
+    _add_token_bucket_flags(
+        serve_parser, ("--curves-per-second", "--curve-burst"), "each tenant's costly requests",
+        CURVE_RATE_PER_SECOND, CURVE_BURST,
+        "each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (80-400 ms "
+        "of CPU each), and one more per fits; refilled at this rate",
+        ", a plan of the most distinct mechanisms a plan may have",
     )
-    serve_parser.add_argument(
-        "--curve-burst", default=f"{CURVE_BURST:g}",
-        help=f"each tenant's costly requests at once before the rate applies (default {CURVE_BURST:g}, a plan of "
-        "the most distinct mechanisms a plan may have)",
-    )
-    serve_parser.add_argument(
-        "--auth-failures-per-second", default=str(AUTH_FAILURE_RATE_PER_SECOND),
-        help="failed authentications per peer address, refilled at this rate; beyond them the peer is refused "
-        f"without a look at its token (default {AUTH_FAILURE_RATE_PER_SECOND:g})",
-    )
-    serve_parser.add_argument(
-        "--auth-failure-burst", default=f"{AUTH_FAILURE_BURST:g}",
-        help=f"failed authentications per peer address at once before the rate applies (default {AUTH_FAILURE_BURST:g})",
+    _add_token_bucket_flags(
+        serve_parser, ("--auth-failures-per-second", "--auth-failure-burst"), "failed authentications per peer address",
+        AUTH_FAILURE_RATE_PER_SECOND, AUTH_FAILURE_BURST,
+        "failed authentications per peer address, refilled at this rate; beyond them the peer is refused without a "
+        "look at its token",
     )
     serve_parser.set_defaults(handler=_HANDLERS + "run_serve")
 
-    tenant = commands.add_parser("tenant", help="tenants (admin)").add_subparsers(
-        dest="tenant_command", required=True, metavar="COMMAND"
-    )
+
+def _add_tenant_and_token_commands(commands: argparse._SubParsersAction) -> None:
+    """Tenants and the tokens they and the admins hold."""
+    tenant = _command_group(commands, "tenant", "tenants (admin)")
     tenant_create = tenant.add_parser("create", help="create a tenant and print its token once (admin)")
     tenant_create.add_argument("name", help="tenant name: 1-128 letters, digits, '.', '_' or '-'")
     _add_client_flags(tenant_create)
     tenant_create.set_defaults(handler=_HANDLERS + "run_tenant_create")
 
-    token = commands.add_parser("token", help="rotate and revoke tenant and admin tokens").add_subparsers(
-        dest="token_command", required=True, metavar="COMMAND"
-    )
+    token = _command_group(commands, "token", "rotate and revoke tenant and admin tokens")
     token_rotate = token.add_parser(
         "rotate",
         help="replace a tenant's token (admin, or the tenant itself) or the admin token of the call (--admin) "
@@ -142,9 +159,10 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_client_flags(token_revoke)
     token_revoke.set_defaults(handler=_HANDLERS + "run_token_revoke")
 
-    dataset = commands.add_parser("dataset", help="datasets and their budgets").add_subparsers(
-        dest="dataset_command", required=True, metavar="COMMAND"
-    )
+
+def _add_budget_commands(commands: argparse._SubParsersAction) -> None:
+    """Datasets, their blocks and tenants' quotas on them."""
+    dataset = _command_group(commands, "dataset", "datasets and their budgets")
     dataset_create = dataset.add_parser("create", help="create a dataset with an (epsilon, delta) budget")
     dataset_create.add_argument("name", help="dataset name (admins: TENANT/NAME)")
     dataset_create.add_argument(
@@ -157,7 +175,7 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
         "--dataset-size", help="rows (or people) in the dataset: warns when --delta is above 1/N"
     )
     dataset_create.add_argument(
-        "--privacy-unit", choices=("example", "user"), default="example",
+        "--privacy-unit", choices=PRIVACY_UNITS, default=OPERATIONS["create_dataset"].default("privacy_unit"),
         help="what the budget protects: one row (example, the default) or one person with all its rows (user); "
         "an example-level job is charged on a user-level dataset by group privacy, given max_examples_per_user",
     )
@@ -172,9 +190,7 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_client_flags(dataset_raise)
     dataset_raise.set_defaults(handler=_HANDLERS + "run_dataset_raise")
 
-    block = commands.add_parser("block", help="blocks of a dataset, each with its own budget").add_subparsers(
-        dest="block_command", required=True, metavar="COMMAND"
-    )
+    block = _command_group(commands, "block", "blocks of a dataset, each with its own budget")
     block_add = block.add_parser(
         "add", help="add a block (e.g. one day of data) with its own epsilon budget to a dataset (owner or admin)"
     )
@@ -200,9 +216,7 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_client_flags(block_add)
     block_add.set_defaults(handler=_HANDLERS + "run_block_add")
 
-    quota = commands.add_parser("quota", help="tenants' quotas on datasets and blocks (admin)").add_subparsers(
-        dest="quota_command", required=True, metavar="COMMAND"
-    )
+    quota = _command_group(commands, "quota", "tenants' quotas on datasets and blocks (admin)")
     quota_set = quota.add_parser(
         "set", help="give a tenant a quota on a dataset or block: an extra filter on its own use (admin)"
     )
@@ -215,6 +229,9 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_client_flags(quota_set)
     quota_set.set_defaults(handler=_HANDLERS + "run_quota_set")
 
+
+def _add_fits_command(commands: argparse._SubParsersAction) -> None:
+    """`fits`: would a training config's job be admitted now."""
     fits = commands.add_parser(
         "fits",
         help="would a training config's job be admitted now? its cost and what would remain; reserves nothing",
@@ -227,6 +244,9 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_client_flags(fits)
     fits.set_defaults(handler="orchestrator.cli.ledger_fits:run_fits")
 
+
+def _add_job_commands(commands: argparse._SubParsersAction) -> None:
+    """What the ledger holds now and held before: status, history, jobs; and freeing a job's budget."""
     status = commands.add_parser("status", help="budget, spent, reserved and remaining epsilon per dataset")
     status.add_argument("--dataset", help="only this dataset")
     status.add_argument(
@@ -240,7 +260,8 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
 
     history = commands.add_parser("history", help="every change to the ledger: who, when, what")
     history.add_argument("--dataset", help="only changes to this dataset")
-    history.add_argument("--limit", default="1000", help="show the newest N changes (default 1000)")
+    limit = OPERATIONS["history"].default("limit")
+    history.add_argument("--limit", default=str(limit), help=f"show the newest N changes (default {limit})")
     _add_client_flags(history)
     history.set_defaults(handler=_HANDLERS + "run_history")
 
@@ -249,6 +270,22 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_client_flags(release)
     release.set_defaults(handler=_HANDLERS + "run_release")
 
+    jobs = commands.add_parser("jobs", help="reservations, oldest first")
+    jobs.add_argument("--dataset", help="only jobs on this dataset")
+    jobs.add_argument("--active", action="store_true", help="only jobs still holding budget")
+    jobs.add_argument("--queued", action="store_true",
+                      help="the jobs waiting for budget instead: position, priority, deadline and why each waits")
+    _add_client_flags(jobs)
+    jobs.set_defaults(handler=_HANDLERS + "run_jobs")
+
+    cancel = commands.add_parser("cancel", help="take a waiting job out of its dataset's queue")
+    cancel.add_argument("queue_id", help="the queued job, as listed by dpfleet ledger jobs --queued")
+    _add_client_flags(cancel)
+    cancel.set_defaults(handler=_HANDLERS + "run_cancel")
+
+
+def _add_audit_commands(commands: argparse._SubParsersAction) -> None:
+    """Checks of the history (verify) and its signed head to keep elsewhere (head), on the store itself."""
     verify = commands.add_parser(
         "verify",
         help="check the history's hash chain and replay every dataset's admissions, tally and commits",
@@ -257,7 +294,7 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
         "replayed RDP tally and committed events against the dataset's row. Prints each finding with its "
         "dataset and entry; exits 1 when there is any.",
     )
-    verify.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    _add_store_flag(verify)
     verify.add_argument(
         "--head", help="a head file dpfleet ledger head printed earlier: also check that the history still extends "
         "it (no entry cut from the tail, none rewritten)"
@@ -273,19 +310,19 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
         "signed (HMAC-SHA-256) with the history key. Keep it somewhere the ledger's database administrator cannot "
         "write; dpfleet ledger verify --head FILE then tells whether entries were cut from the tail since.",
     )
-    head.add_argument("--db", help="the ledger file or postgresql:// URL (default: the embedded ledger file)")
+    _add_store_flag(head)
     _add_history_key_flag(head)
     head.set_defaults(handler=_HANDLERS + "run_head")
 
-    jobs = commands.add_parser("jobs", help="reservations, oldest first")
-    jobs.add_argument("--dataset", help="only jobs on this dataset")
-    jobs.add_argument("--active", action="store_true", help="only jobs still holding budget")
-    jobs.add_argument("--queued", action="store_true",
-                      help="the jobs waiting for budget instead: position, priority, deadline and why each waits")
-    _add_client_flags(jobs)
-    jobs.set_defaults(handler=_HANDLERS + "run_jobs")
 
-    cancel = commands.add_parser("cancel", help="take a waiting job out of its dataset's queue")
-    cancel.add_argument("queue_id", help="the queued job, as listed by dpfleet ledger jobs --queued")
-    _add_client_flags(cancel)
-    cancel.set_defaults(handler=_HANDLERS + "run_cancel")
+def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
+    """The `ledger` commands and their arguments."""
+    ledger.description = __doc__
+    ledger.formatter_class = argparse.RawDescriptionHelpFormatter
+    commands = ledger.add_subparsers(dest="ledger_command", required=True, metavar="COMMAND")
+    _add_serve_command(commands)
+    _add_tenant_and_token_commands(commands)
+    _add_budget_commands(commands)
+    _add_fits_command(commands)
+    _add_job_commands(commands)
+    _add_audit_commands(commands)

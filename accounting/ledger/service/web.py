@@ -31,9 +31,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from accounting.ledger.callers import Caller
 from accounting.ledger.errors import LedgerError, Unauthenticated
-from accounting.ledger.metrics import exposition
+from accounting.ledger.service.metrics import exposition
 from accounting.ledger.store import Ledger
-from accounting.ledger.view import ledger_view
+from accounting.ledger.service.view import ledger_view
 
 TOKEN_COOKIE = "dpfleet_token"
 # The page's own files, in this package's page/ folder.
@@ -56,7 +56,7 @@ Authenticate = Callable[[str], Caller]
 
 @cache
 def _page_file(name: str) -> str:
-    return resources.files("accounting.ledger").joinpath("page", name).read_text(encoding="utf-8")
+    return resources.files("accounting.ledger.service").joinpath("page", name).read_text(encoding="utf-8")
 
 
 @cache
