@@ -1,8 +1,8 @@
 """Writes the references that come from the code: docs/config-reference.md and docs/cli-reference.md.
 
-The config reference comes from ``TrainConfig``'s field documentation
-(``orchestrator.config.key``), the command-line reference from the argparse
-parsers. Run ``python -m orchestrator.cli.reference`` after changing either;
+The config reference comes from the config's declaration (each section's
+``key(...)`` fields in ``orchestrator/config/sections.py``), the
+command-line reference from the argparse parsers. Run ``python -m orchestrator.cli.reference`` after changing either;
 ``--check`` exits 1, naming the stale files, when the committed ones differ.
 """
 
@@ -27,13 +27,15 @@ def _cell(text: str) -> str:
 def config_reference() -> str:
     """docs/config-reference.md: every config key by group, with its TOML type, default, valid range and meaning."""
     lines = [
-        _GENERATED.format(source="TrainConfig in orchestrator/config.py"),
+        _GENERATED.format(source="the sections in orchestrator/config/sections.py"),
         "",
         "# Config reference",
         "",
         "A training config is a TOML file of the keys below (`dpfleet init` writes a commented one;",
-        "`examples/` holds more). `dpfleet train` checks every key before Ray starts: a bad key prints one",
-        "line naming it and its valid range, and exits with status 2. Units are per example unless stated.",
+        "`examples/` holds more; `dpfleet config schema` prints its JSON Schema for editors). `dpfleet train`",
+        "checks every key before Ray starts: each bad key prints one line naming the file, the key and its",
+        "valid range, and it exits with status 2. Units are per example unless stated. The keys are flat in",
+        "the file; the sections below group them.",
         "",
     ]
     keys = documented_keys()
