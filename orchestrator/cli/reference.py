@@ -33,8 +33,8 @@ def config_reference() -> str:
         "",
         "A training config is a TOML file of the keys below (`dpfleet init` writes a commented one;",
         "`examples/` holds more; `dpfleet config schema` prints its JSON Schema for editors). `dpfleet train`",
-        "checks every key before Ray starts: each bad key prints one line naming the file, the key and its",
-        "valid range, and it exits with status 2. Units are per example unless stated. The keys are flat in",
+        "checks every key before Ray starts: each bad key prints one line naming the key, its valid range",
+        "and the file, and it exits with status 2. Units are per example unless stated. The keys are flat in",
         "the file; the sections below group them.",
         "",
     ]

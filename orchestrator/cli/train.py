@@ -69,7 +69,7 @@ OVERRIDES = ("workers", "epochs", "steps", "run_dir", "seed")
 
 
 def add_override_flags(train: argparse.ArgumentParser) -> None:
-    """A flag for each key of ``OVERRIDES`` (``--run-dir`` for ``run_dir``), its help and range from the key's declaration.
+    """A flag for each key of ``OVERRIDES`` (``--run-dir`` for ``run_dir``), its help and range from its declaration.
 
     The value stays a string: the config's check reads it, as it reads the file's.
     """

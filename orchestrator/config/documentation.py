@@ -1,4 +1,4 @@
-"""The config's documentation, read from its declaration: the key table of the references and init, and a JSON Schema."""
+"""The config's documentation, read from its declaration: the key table of the references, and a JSON Schema."""
 
 from __future__ import annotations
 
@@ -67,5 +67,5 @@ def json_schema() -> dict:
         if defaults[name] is not None:
             properties["default"] = json.loads(defaults[name])
     schema.update({"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "dpfleet training config",
-                   "description": "A `dpfleet train --config` file (TOML). docs/config-reference.md explains each key."})
+                   "description": "A `dpfleet train --config` file (TOML); docs/config-reference.md explains it."})
     return schema

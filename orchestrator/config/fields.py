@@ -103,5 +103,5 @@ def valid_text(field: FieldInfo) -> str:
     limits = bounds(field)
     if "gt" in limits and "lt" in limits:
         return f"in ({limits['gt']:g}, {limits['lt']:g})"
-    return ", ".join(f"{symbol} {limits[name]:g}" for name, symbol in (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
-                     if name in limits)
+    symbols = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
+    return ", ".join(f"{symbol} {limits[name]:g}" for name, symbol in symbols if name in limits)

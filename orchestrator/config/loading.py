@@ -37,6 +37,11 @@ def build_config(values: Mapping[str, Any], source: str | None = None,
     return config
 
 
+def replaced(config: TrainConfig, **changes: Any) -> TrainConfig:
+    """``config`` with some keys changed, checked again as a whole, as ``build_config`` checks a new one."""
+    return build_config({**config.to_dict(), **changes})
+
+
 def read_toml(path: str, what: str = "config") -> dict[str, Any]:
     """A TOML file's table; a missing or broken file is a UsageError naming it (``what``: which file it is)."""
     try:

@@ -211,13 +211,3 @@ KEYS = frozenset(TrainConfig.model_fields)
 
 GROUPS = tuple(section.title for section in SECTIONS)
 """The groups of config keys (one a section), in the order the references and ``dpfleet init`` list them."""
-
-
-def section_of(name: str) -> type:
-    """The section that declares the key ``name``."""
-    return next(section for section in SECTIONS if name in section.model_fields)
-
-
-def replaced(config: TrainConfig, **changes: Any) -> TrainConfig:
-    """``config`` with some keys changed, checked again as a whole (the sections' rules and the rules between keys)."""
-    return TrainConfig.model_validate({**config.to_dict(), **changes})

@@ -75,17 +75,17 @@ def problem_lines(error: ValidationError) -> list[tuple[str | None, UsageError]]
 
 
 def config_error(error: ValidationError, source: str | None = None, overrides: Mapping[str, str] = {}) -> UsageError:
-    """One UsageError naming every problem, each line where its key was given: the file, or the flag.
+    """One UsageError naming every problem, each line ending with where its key was given: the file, or the flag.
 
     ``source`` names the file the keys came from (None: no prefix), and
     ``overrides`` maps each key given on the command line to its flag.
     """
     lines, quoted = [], []
     for name, problem in problem_lines(error):
-        where = overrides.get(name) or source
-        prefix = f"{where}: " if where else ""
-        lines.append(prefix + str(problem))
-        quoted.append(prefix + problem.with_values)
+        # The key leads each line, as in every other error; where it was given follows.
+        where = f" (from {overrides[name]})" if name in overrides else f" (in {source})" if source else ""
+        lines.append(f"{problem}{where}")
+        quoted.append(f"{problem.with_values}{where}")
     if len(lines) == 1:
         return UsageError(lines[0], quoted[0])
     heading = f"{len(lines)} problems in the config:"

@@ -70,7 +70,9 @@ class EvaluateEvery:
 class Section(BaseModel):
     """A group of config keys: frozen, and no key it does not declare."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True)
+    # The schemas are built on first use: `dpfleet init` and the help read only the declarations.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True,
+                              defer_build=True)
     title: ClassVar[str]
 
 
@@ -409,7 +411,8 @@ class OptimisationSection(Section):
 
     title: ClassVar[str] = "optimisation"
     optimizer: OptimizerConfig = key(
-        OptimizerConfig(), "The torch optimizer that steps on the noisy mean gradient (post-processing: no privacy cost).",
+        OptimizerConfig(),
+        "The torch optimizer that steps on the noisy mean gradient (post-processing: no privacy cost).",
         kind="string or table",
         valid='`"sgd"`, or `{ name = "sgd" | "momentum" | "adam" | "adamw", ... }` with `momentum` (in [0, 1), '
               "default 0.9), `nesterov`, `betas` (two numbers in [0, 1)), `eps`, `weight_decay` (≥ 0)",
