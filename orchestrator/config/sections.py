@@ -19,7 +19,7 @@ from accounting.accountants import ACCOUNTANTS
 from accounting.lazy import LazyModule
 from orchestrator import checks
 from orchestrator.adaptive_clipping import UPDATES, AdaptiveClipping, parse_adaptive_clipping
-from orchestrator.config.fields import key
+from orchestrator.config.fields import key, value_type
 from orchestrator.errors import UsageError
 from orchestrator.schedules import (
     LR_SCHEDULES,
@@ -74,6 +74,19 @@ class Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True,
                               defer_build=True)
     title: ClassVar[str]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_number_text(cls, value: Any, info: ValidationInfo) -> Any:
+        # A flag's value is text: "2.0" or "1e3" is a whole number, as 2.0 is in TOML.
+        if isinstance(value, str) and value_type(cls.model_fields[info.field_name]) is int:
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            if number.is_integer():
+                return int(number)
+        return value
 
 
 def _usage(error: ValueError) -> UsageError:
