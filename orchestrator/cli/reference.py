@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from orchestrator.config import GROUPS, documented_keys
+from orchestrator.config import SECTIONS, documented_keys
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 _WIDTH = 100
@@ -25,7 +25,7 @@ def _cell(text: str) -> str:
 
 
 def config_reference() -> str:
-    """docs/config-reference.md: every config key by group, with its TOML type, default, valid range and meaning."""
+    """docs/config-reference.md: every config key by section, with its TOML type, default, valid range and meaning."""
     lines = [
         _GENERATED.format(source="the sections in orchestrator/config/sections.py"),
         "",
@@ -39,9 +39,10 @@ def config_reference() -> str:
         "",
     ]
     keys = documented_keys()
-    for group in GROUPS:
-        lines += [f"## {group[0].upper()}{group[1:]}", "", "| key | type | default | valid | meaning |",
-                  "|---|---|---|---|---|"]
+    for section in SECTIONS:
+        group = section.title
+        lines += [f"## {group[0].upper()}{group[1:]}", "", _cell(section.__doc__), "",
+                  "| key | type | default | valid | meaning |", "|---|---|---|---|---|"]
         lines += [f"| `{item.name}` | {item.kind} | {_cell(item.default)} | {_cell(item.valid)} | "
                   f"{_cell(item.meaning)} |" for item in keys if item.group == group]
         lines.append("")
