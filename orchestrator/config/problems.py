@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from orchestrator.config.fields import choices, range_text
+from orchestrator.config.fields import choices, range_text, value_type
 from orchestrator.config.model import KEYS, KeyProblems, TrainConfig
 from orchestrator.errors import UsageError
 
@@ -28,7 +28,7 @@ def _shown(value: Any, integer: bool) -> str:
 def _field_message(name: str, field: FieldInfo, error: dict) -> str:
     """One refused key's error: what was wrong, the valid range, and the value given."""
     kind, value = error["type"], error["input"]
-    integer = field.annotation in (int, int | None)
+    integer = value_type(field) is int
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         return f"{name} must be {range_text(field)} (got {_shown(value, integer)})"
     if kind == "literal_error":
