@@ -100,6 +100,7 @@ def test_help_version_accounting_init_and_the_embedded_ledger_load_no_torch_or_r
         ["eps", "--noise-multiplier", "1.0", "--microbatch-size", "4", *RUN_SHAPE],
         ["noise", "--target-epsilon", "2", *RUN_SHAPE],
         ["init", str(tmp_path / "starter.toml")],
+        ["config", "schema"],
         ["ledger", "tenant", "create", "acme"],
         ["ledger", "dataset", "create", "mnist", "--epsilon", "2", "--delta", "1e-5", "--scheduling", "dpf"],
         ["ledger", "dataset", "raise", "mnist", "--epsilon", "3"],

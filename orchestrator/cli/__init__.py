@@ -4,7 +4,7 @@
 module that adds its arguments. A command's module is imported only when that
 command runs (or when the whole parser is built, for the reference), and its
 handler, a ``module:function`` name, only when the command runs: `dpfleet
---help`, `--version`, `eps`, `noise`, `init`, `data --help` and the ledger
+--help`, `--version`, `eps`, `noise`, `init`, `config`, `data --help` and the ledger
 commands never load torch, torchvision or Ray. Adding a command is one entry.
 `python -m orchestrator.cli` is the same as the `dpfleet` console script.
 """
@@ -42,6 +42,7 @@ COMMANDS = {
     "tune": Command("search hyperparameters: every trial an ordinary job, every trial charged",
                     "orchestrator.cli.tune:add_tune_arguments"),
     "init": Command("write a commented starter config", "orchestrator.cli.init:add_init_arguments"),
+    "config": Command("the training config's JSON Schema, for editors", "orchestrator.cli.config:add_config_arguments"),
     "ledger": Command("the global privacy ledger: budgets, jobs, history, server",
                       "orchestrator.cli.ledger_parser:add_ledger_arguments"),
     "audit": Command("measure a lower bound on epsilon from one training run with canaries",

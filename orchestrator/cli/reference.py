@@ -1,8 +1,8 @@
 """Writes the references that come from the code: docs/config-reference.md and docs/cli-reference.md.
 
-The config reference comes from ``TrainConfig``'s field documentation
-(``orchestrator.config.key``), the command-line reference from the argparse
-parsers. Run ``python -m orchestrator.cli.reference`` after changing either;
+The config reference comes from the config's declaration (each section's
+``key(...)`` fields in ``orchestrator/config/sections.py``), the
+command-line reference from the argparse parsers. Run ``python -m orchestrator.cli.reference`` after changing either;
 ``--check`` exits 1, naming the stale files, when the committed ones differ.
 """
 
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from orchestrator.config import GROUPS, documented_keys
+from orchestrator.config import SECTIONS, documented_keys
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 _WIDTH = 100
@@ -25,21 +25,24 @@ def _cell(text: str) -> str:
 
 
 def config_reference() -> str:
-    """docs/config-reference.md: every config key by group, with its TOML type, default, valid range and meaning."""
+    """docs/config-reference.md: every config key by section, with its TOML type, default, valid range and meaning."""
     lines = [
-        _GENERATED.format(source="TrainConfig in orchestrator/config.py"),
+        _GENERATED.format(source="the sections in orchestrator/config/sections.py"),
         "",
         "# Config reference",
         "",
         "A training config is a TOML file of the keys below (`dpfleet init` writes a commented one;",
-        "`examples/` holds more). `dpfleet train` checks every key before Ray starts: a bad key prints one",
-        "line naming it and its valid range, and exits with status 2. Units are per example unless stated.",
+        "`examples/` holds more; `dpfleet config schema` prints its JSON Schema for editors). `dpfleet train`",
+        "checks every key before Ray starts: each bad key prints one line naming the key, its valid range",
+        "and the file, and it exits with status 2. Units are per example unless stated. The keys are flat in",
+        "the file; the sections below group them.",
         "",
     ]
     keys = documented_keys()
-    for group in GROUPS:
-        lines += [f"## {group[0].upper()}{group[1:]}", "", "| key | type | default | valid | meaning |",
-                  "|---|---|---|---|---|"]
+    for section in SECTIONS:
+        group = section.title
+        lines += [f"## {group[0].upper()}{group[1:]}", "", _cell(section.__doc__), "",
+                  "| key | type | default | valid | meaning |", "|---|---|---|---|---|"]
         lines += [f"| `{item.name}` | {item.kind} | {_cell(item.default)} | {_cell(item.valid)} | "
                   f"{_cell(item.meaning)} |" for item in keys if item.group == group]
         lines.append("")

@@ -10,7 +10,8 @@ from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from accounting.ledger.validation import delta_warning
 from orchestrator import checks
-from orchestrator.config import GROUPS, documented_keys, load_config
+from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
+from orchestrator.config.fields import valid_text
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import (
@@ -43,12 +44,7 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     source.add_argument("--config", help="TOML file with the run's keys (see examples/)")
     source.add_argument("--resume", metavar="RUN_DIR",
                         help="continue the run in RUN_DIR from its newest intact checkpoint")
-    train.add_argument("--workers", help="number of gradient worker actors (overrides the config)")
-    length = train.add_mutually_exclusive_group()
-    length.add_argument("--epochs", help="passes over the data (overrides the config)")
-    length.add_argument("--steps", help="number of steps (overrides the config)")
-    train.add_argument("--run-dir", help="where metrics.jsonl, summary.json and curves.png go")
-    train.add_argument("--seed", help="fixed seed for sampling and noise: tests only, never production")
+    add_override_flags(train)
     add_job_ledger_flags(train)
     train.add_argument("--non-private-train-loss", action="store_true",
                        help="also print and record the loss on the first training examples after each epoch; it "
@@ -66,6 +62,23 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
     train.set_defaults(handler=f"{__name__}:run_train")
+
+
+# The config keys `dpfleet train` takes as flags too; a length given either way replaces the file's.
+OVERRIDES = ("workers", "epochs", "steps", "run_dir", "seed")
+
+
+def add_override_flags(train: argparse.ArgumentParser) -> None:
+    """A flag for each key of ``OVERRIDES`` (``--run-dir`` for ``run_dir``), its help and range from its declaration.
+
+    The value stays a string: the config's check reads it, as it reads the file's.
+    """
+    length = train.add_mutually_exclusive_group()
+    for name in OVERRIDES:
+        field = TrainConfig.model_fields[name]
+        meaning = f"{field.description} ({valid_text(field)}; overrides the config)".replace("`", "")
+        (length if name in ("epochs", "steps") else train).add_argument(
+            f"--{name.replace('_', '-')}", help=meaning.replace("%", "%%"))
 
 
 class RenamedFlag(argparse.Action):
@@ -127,11 +140,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.resume:
             trainer = resume_trainer(args.resume, **options)
         else:
-            config = load_config(
-                args.config,
-                {"workers": args.workers, "epochs": args.epochs, "steps": args.steps,
-                 "run_dir": args.run_dir, "seed": args.seed},
-            )
+            config = load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
             charge_epsilon = None
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)

@@ -13,8 +13,7 @@ from accounting.accountants import get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.cli.train import add_job_ledger_flags, check_queue_flags, job_ledger
-from orchestrator.config import load_config, tomllib
-from orchestrator.errors import UsageError
+from orchestrator.config import load_config, read_toml
 from orchestrator.trainer import Trainer
 from orchestrator.tuning import best_trial, grid_trials, parse_grid, random_trials, selection_events
 
@@ -43,16 +42,11 @@ def add_tune_arguments(tune: argparse.ArgumentParser) -> None:
 def run_tune(args: argparse.Namespace) -> int:
     """Run every trial as a charged job, then report the trials, the best one and the ε of choosing it."""
     check_queue_flags(args)
-    try:
-        with open(args.grid, "rb") as handle:
-            grid = parse_grid(tomllib.load(handle))
-    except FileNotFoundError:
-        raise UsageError(f"grid file {args.grid!r} does not exist") from None
-    except tomllib.TOMLDecodeError as error:
-        raise UsageError(f"grid file {args.grid!r} is not valid TOML: {error}") from None
+    grid = parse_grid(read_toml(args.grid, "grid"))
     trials = (grid_trials(grid) if args.trials is None
               else random_trials(grid, args.trials, np.random.default_rng(args.search_seed)))
-    configs = [load_config(args.config, {**overrides, "run_dir": str(Path(args.run_dir) / f"trial-{index}")})
+    configs = [load_config(args.config, {**overrides, "run_dir": str(Path(args.run_dir) / f"trial-{index}")},
+                           overrides_from=args.grid)
                for index, overrides in enumerate(trials)]
     results, trial_events = [], []
     for index, (overrides, config) in enumerate(zip(trials, configs)):

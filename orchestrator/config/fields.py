@@ -1,0 +1,107 @@
+"""How a config key is declared: its default, range and documentation in one ``key(...)`` call.
+
+A key's TOML type, valid range and choices are read back from its
+declaration (its annotation and its pydantic constraints) by the
+references, the error messages and the JSON Schema; ``kind`` and ``valid``
+are written out only where the declaration cannot say it.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Literal
+
+import annotated_types
+from pydantic import Field
+from pydantic.fields import FieldInfo
+
+_DOCUMENTATION = "x-dpfleet"
+_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def key(default: Any, meaning: str, *, kind: str | None = None, valid: str | None = None,
+        shown_default: str | None = None, schema: dict | None = None, **constraints: Any) -> Any:
+    """A config key: its default, its range (pydantic's ``ge``, ``gt``, ``lt``, ...) and its documentation.
+
+    ``meaning`` says what the key does (Markdown). ``kind`` (its TOML type)
+    and ``valid`` (its range or choices, Markdown) are needed only where the
+    annotation and constraints do not say them; ``shown_default`` is the
+    default as a person reads it, where the default value alone does not say
+    it; ``schema`` is the key's JSON Schema where its value is a table that
+    a parser, not the annotation, checks.
+    """
+    documentation = {name: value for name, value in
+                     (("kind", kind), ("valid", valid), ("default", shown_default)) if value is not None}
+    extra = {**(schema or {}), _DOCUMENTATION: documentation}
+    return Field(default, description=meaning, json_schema_extra=extra, **constraints)
+
+
+def documentation(field: FieldInfo) -> dict[str, str]:
+    """The documentation ``key`` gave a field beyond its meaning: any of kind, valid and default."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return dict(extra.get(_DOCUMENTATION, {}))
+
+
+def value_type(field: FieldInfo) -> Any:
+    """The field's annotation without ``| None``."""
+    annotation = field.annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        others = [member for member in typing.get_args(annotation) if member is not type(None)]
+        if len(others) == 1:
+            return others[0]
+    return annotation
+
+
+def choices(field: FieldInfo) -> tuple[str, ...] | None:
+    """A ``Literal`` key's choices, in declaration order; None for any other key."""
+    annotation = value_type(field)
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else None
+
+
+def kind(field: FieldInfo) -> str:
+    """The key's TOML type as the references name it: integer, number, string, boolean, or as declared."""
+    declared = documentation(field).get("kind")
+    if declared:
+        return declared
+    annotation = value_type(field)
+    return "string" if choices(field) else _KINDS[annotation]
+
+
+def bounds(field: FieldInfo) -> dict[str, float]:
+    """The field's numeric constraints by name (``ge``, ``gt``, ``le``, ``lt``)."""
+    found = {}
+    for constraint in field.metadata:
+        for name in ("ge", "gt", "le", "lt"):
+            if isinstance(constraint, getattr(annotated_types, name.capitalize())):
+                found[name] = getattr(constraint, name)
+    return found
+
+
+def range_text(field: FieldInfo) -> str:
+    """The valid range as the errors word it: ``an integer >= 1``, ``> 0``, ``>= 0``, ``in (0, 1)``."""
+    limits = bounds(field)
+    if "gt" in limits and "lt" in limits:
+        return f"in ({limits['gt']:g}, {limits['lt']:g})"
+    words = [f"{symbol} {limits[name]:g}" for name, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+             if name in limits]
+    text = " and ".join(words)
+    return f"an integer {text}" if value_type(field) is int else text
+
+
+def valid_text(field: FieldInfo) -> str:
+    """The valid range or choices as the references show them (Markdown): declared, else read from the field."""
+    declared = documentation(field).get("valid")
+    if declared:
+        return declared
+    options = choices(field)
+    if options:
+        quoted = [f'`"{option}"`' for option in options]
+        return " or ".join(quoted) if len(quoted) == 2 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+    if value_type(field) is bool:
+        return "`true` or `false`"
+    limits = bounds(field)
+    if "gt" in limits and "lt" in limits:
+        return f"in ({limits['gt']:g}, {limits['lt']:g})"
+    symbols = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
+    return ", ".join(f"{symbol} {limits[name]:g}" for name, symbol in symbols if name in limits)

@@ -1,0 +1,213 @@
+"""TrainConfig: the sections composed into one flat, frozen record, and the rules that tie keys of several together.
+
+TrainConfig inherits every section, so that a key is read as
+``config.sigma`` wherever it is declared and the TOML stays flat. Composing
+by fields (``config.privacy.clip_norm``) would nest the TOML or need a
+mapping from flat keys to sections, and would change every reader of the
+config; the sections stay the unit of declaration and documentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Mapping
+
+from pydantic import model_validator
+
+from accounting.lazy import LazyModule
+from orchestrator.config.sections import (
+    SECTIONS,
+    DataSection,
+    LedgerSection,
+    ModelSection,
+    OptimisationSection,
+    PrivacySection,
+    RunSection,
+    SamplingSection,
+)
+from orchestrator.errors import UsageError
+from orchestrator.shard_config import check_shard_mode
+
+sources = LazyModule("workers.sources")
+
+
+# pydantic lists an heir's fields from its last base to its first: the sections go in reverse, so that the
+# fields (and the order they are checked in) are the sections' order, and `shards` sees the dataset.
+class TrainConfig(LedgerSection, RunSection, OptimisationSection, PrivacySection, SamplingSection, ModelSection,
+                  DataSection):
+    """Everything a DP-SGD run needs; units are per-example unless stated."""
+
+    @model_validator(mode="after")
+    def _keys_fit_together(self) -> TrainConfig:
+        problems = []
+        for check in KEY_RULES:
+            try:
+                check(self)
+            except UsageError as error:
+                problems.append(error)
+        if problems:
+            raise KeyProblems(problems)
+        return self
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict of every key, as config.json holds it and `build_config` reads it back."""
+        data = {name: _plain(getattr(self, name)) for name in type(self).model_fields}
+        data["optimizer"] = {"name": self.optimizer.name, **dict(self.optimizer.parameters)}
+        if self.layer_clip_norms is not None:
+            data["layer_clip_norms"] = dict(self.layer_clip_norms.groups)
+        if self.evaluate_every is not None:
+            data["evaluate_every"] = {key: value for key, value in data["evaluate_every"].items() if value is not None}
+        return data
+
+
+class KeyProblems(UsageError):
+    """Every rule between keys that a config breaks, each a UsageError of its own."""
+
+    def __init__(self, problems: list[UsageError]) -> None:
+        super().__init__("\n".join(map(str, problems)), "\n".join(problem.with_values for problem in problems))
+        self.problems = problems
+
+
+def _plain(value: Any) -> Any:
+    """A value with its records as dicts, as ``dataclasses.asdict`` gives them (tuples stay tuples)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, Mapping):
+        return {name: _plain(item) for name, item in value.items()}
+    return value
+
+
+def _settle(config: TrainConfig, **values: Any) -> None:
+    """Give keys that other keys decide their value, during validation (the record is frozen to its readers)."""
+    config.__dict__.update(values)
+
+
+def _given(config: TrainConfig) -> dict[str, Any]:
+    """The keys the config's source gave, with their checked values."""
+    return {name: getattr(config, name) for name in config.model_fields_set}
+
+
+def _one_length(config: TrainConfig) -> None:
+    if (config.epochs is None) == (config.steps is None):
+        raise UsageError("give exactly one of epochs (> 0) or steps (integer >= 1)")
+
+
+def _one_noise(config: TrainConfig) -> None:
+    if (config.noise_multiplier is None) == (config.target_epsilon is None):
+        raise UsageError("give exactly one of noise_multiplier (> 0) or target_epsilon (> 0)")
+    if config.target_epsilon_basis == "filter" and config.target_epsilon is None:
+        raise UsageError('target_epsilon_basis = "filter" sets how σ meets target_epsilon; give target_epsilon '
+                         "instead of noise_multiplier, or leave target_epsilon_basis out")
+
+
+def _shard_mode(config: TrainConfig) -> None:
+    """With shards, the shards' workers are the run's workers; refuse what shard mode cannot do."""
+    workers = check_shard_mode(_given(config), config.shards)
+    if workers is not None:
+        _settle(config, workers=workers)
+
+
+def _chosen_blocks(config: TrainConfig) -> None:
+    """The blocks as names (a range { from, to } takes every block whose name sorts between), and their rows.
+
+    ISO dates sort as time does, so a range of dates is the days between.
+    """
+    spec, value = config.dataset, config.blocks
+    known = list(spec.get("blocks", {})) if isinstance(spec, dict) else []
+    if not value:
+        if known and "train" not in spec:
+            raise UsageError(
+                f"the dataset is made of blocks ({', '.join(known)}); choose the run's with blocks = [...] or "
+                'blocks = { from = "...", to = "..." }'
+            )
+        return
+    if isinstance(value, dict):
+        chosen = [name for name in sorted(known) if value["from"] <= name <= value["to"]]
+        if not chosen:
+            raise UsageError(
+                f"no block of the dataset lies between {value['from']!r} and {value['to']!r} "
+                f"(its blocks: {', '.join(known) or 'none'})"
+            )
+    else:
+        chosen = list(value)
+    if config.shards:
+        # Each shard reads its own dataset, so the blocks charged would not be the rows the run reads.
+        raise UsageError("blocks is not supported with shards; train on blocks of one Parquet dataset without shards")
+    try:
+        _settle(config, dataset=sources.select_blocks(spec if isinstance(spec, dict) else {}, chosen),
+                blocks=tuple(chosen))
+    except ValueError as error:
+        raise UsageError(f"blocks: {error}") from None
+
+
+def _privacy_unit(config: TrainConfig) -> None:
+    """Refuse keys about people (user level, or a rows-per-person bound) that do not fit together, and say why."""
+    user_keys = {"user_id": config.user_id, "synthetic_users": config.synthetic_users,
+                 "max_examples_per_user": config.max_examples_per_user, "local_steps": config.local_steps,
+                 "local_learning_rate": config.local_learning_rate}
+    if config.privacy_unit == "example":
+        given = [name for name, value in user_keys.items() if value is not None]
+        people = config.user_id is not None or config.synthetic_users is not None
+        if not given or (config.max_examples_per_user is not None and people
+                         and set(given) <= {"user_id", "synthetic_users", "max_examples_per_user"}):
+            _people_keys(config)
+            return
+        raise UsageError(f"{', '.join(given)} apply to user-level privacy; add privacy_unit = \"user\", or at "
+                         "example level give max_examples_per_user with user_id or synthetic_users to bound each "
+                         "person's rows (local_steps needs user level), or remove them")
+    _people_keys(config)
+    if (config.local_steps is None) != (config.local_learning_rate is None):
+        raise UsageError("DP-FedAvg needs both local_steps (>= 1) and local_learning_rate (> 0); give both or neither")
+    clashing = [name for name, value in (("shards", config.shards), ("microbatch_size", config.microbatch_size),
+                                         ("adaptive_clipping", config.adaptive_clipping),
+                                         ("layer_clip_norms", config.layer_clip_norms)) if value]
+    if clashing:
+        raise UsageError(f"privacy_unit = \"user\" clips each user's gradient whole with a fixed norm over one "
+                         f"dataset; it cannot be combined with {', '.join(clashing)}")
+
+
+def _people_keys(config: TrainConfig) -> None:
+    """Exactly one of user_id and synthetic_users names the people, when any key about people is given."""
+    if config.privacy_unit == "example" and config.max_examples_per_user is None:
+        return
+    if (config.user_id is None) == (config.synthetic_users is None):
+        raise UsageError("naming each row's person needs exactly one of user_id (the column naming each row's "
+                         "person) or synthetic_users (a number of users to assign the rows to)")
+    if config.privacy_unit == "example" and config.shards:
+        raise UsageError("max_examples_per_user at example level reads the people of one dataset; it cannot be "
+                         "combined with shards")
+
+
+def _augmentations(config: TrainConfig) -> None:
+    if config.augmentations_per_example == 1:
+        return
+    if not config.train_transforms:
+        raise UsageError(f"augmentations_per_example = {config.augmentations_per_example} needs train_transforms "
+                         "to draw the views from; without them every view is the same example")
+    if config.microbatch_size:
+        raise UsageError("augmentations_per_example clips each example's mean gradient over its views; "
+                         "it cannot be combined with microbatch_size")
+    if config.privacy_unit == "user":
+        raise UsageError("augmentations_per_example averages one example's views; with privacy_unit = \"user\" "
+                         "a user's rows are combined instead: leave augmentations_per_example at 1")
+
+
+def _layer_clipping(config: TrainConfig) -> None:
+    if config.layer_clip_norms is not None and (config.microbatch_size or config.adaptive_clipping):
+        raise UsageError("layer_clip_norms clips single examples with fixed norms; "
+                         "it cannot be combined with microbatch_size or adaptive_clipping")
+
+
+KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
+    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _augmentations, _layer_clipping,
+)
+"""The rules between keys, in the order their errors are listed; each raises UsageError."""
+
+KEYS = frozenset(TrainConfig.model_fields)
+"""Every config key."""
+
+GROUPS = tuple(section.title for section in SECTIONS)
+"""The groups of config keys (one a section), in the order the references and ``dpfleet init`` list them."""

@@ -1,0 +1,662 @@
+"""The config's sections: one pydantic model each, every key declared once with its type, default, range and meaning.
+
+A key that a table or a name stands for (a dataset, an optimizer, the
+shards) is checked by its parser, which words the error as the rest of the
+command line does; every other key is checked by its declaration alone.
+The keys are flat in TOML (``sigma`` is not ``privacy.sigma``): a section
+is how the references group them and where its keys are declared.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+
+from accounting.accountants import ACCOUNTANTS
+from accounting.lazy import LazyModule
+from orchestrator import checks
+from orchestrator.adaptive_clipping import UPDATES, AdaptiveClipping, parse_adaptive_clipping
+from orchestrator.config.fields import key, value_type
+from orchestrator.errors import UsageError
+from orchestrator.schedules import (
+    LR_SCHEDULES,
+    NOISE_SCHEDULES,
+    LearningRateSchedule,
+    NoiseSchedule,
+    parse_lr_schedule,
+    parse_noise_schedule,
+)
+from orchestrator.shard_config import DEFAULT_ON_SHARD_LOSS, DEFAULT_SHARD_TIMEOUT, SHARD_LOSS_POLICIES, parse_shards
+from workers import names
+
+# The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help,
+# the schema), and they load when a config is first checked.
+clipping = LazyModule("workers.clipping")
+sources = LazyModule("workers.sources")
+tasks = LazyModule("workers.tasks")
+
+ACCOUNTANT_NAMES = tuple(ACCOUNTANTS)
+CHECK_DATA_LEVELS = ("basic", "full")
+PRIVACY_UNITS = ("example", "user")
+TARGET_EPSILON_BASES = ("accountant", "filter")
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+_OPTIMIZER_PARAMETERS = {
+    "sgd": {"weight_decay"},
+    "momentum": {"momentum", "nesterov", "weight_decay"},
+    "adam": {"betas", "eps", "weight_decay"},
+    "adamw": {"betas", "eps", "weight_decay"},
+}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which torch optimizer post-processes the noisy mean gradient, and its parameters."""
+
+    name: str = "sgd"
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvaluateEvery:
+    """How often the test split is evaluated: every ``steps`` steps, or every ``epochs`` epochs (one is set)."""
+
+    steps: int | None = None
+    epochs: float | None = None
+
+
+class Section(BaseModel):
+    """A group of config keys: frozen, and no key it does not declare."""
+
+    # The schemas are built on first use: `dpfleet init` and the help read only the declarations.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False, arbitrary_types_allowed=True,
+                              defer_build=True)
+    title: ClassVar[str]
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_number_text(cls, value: Any, info: ValidationInfo) -> Any:
+        # A flag's value is text: "2.0" or "1e3" is a whole number, as 2.0 is in TOML.
+        if isinstance(value, str) and value_type(cls.model_fields[info.field_name]) is int:
+            try:
+                number = float(value)
+            except ValueError:
+                return value
+            if number.is_integer():
+                return int(number)
+        return value
+
+
+def _usage(error: ValueError) -> UsageError:
+    """A parser's ValueError as the UsageError the command line reports, keeping its quoted-values form."""
+    return UsageError(str(error), getattr(error, "with_values", None))
+
+
+def _path(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise UsageError(f"{name} must be a non-empty path (got {value!r})")
+    return os.path.expanduser(value)
+
+
+_PATH = {"type": "string", "minLength": 1}
+
+
+def _name_or_function(known: tuple[str, ...]) -> dict:
+    """A key that is a built-in's name or a ``package.module:function`` reference."""
+    return {"anyOf": [{"enum": list(known)}, {"type": "string", "pattern": "^[^:]+:[^:]+$"}]}
+
+
+def _table_schema(kinds: tuple[str, ...], properties: dict) -> dict:
+    """A key that is a kind's name or a table with the kind and its parameters."""
+    return {"anyOf": [{"enum": list(kinds)},
+                      {"type": "object", "properties": properties, "additionalProperties": False}]}
+
+
+class DataSection(Section):
+    """Where the training and test examples come from, and how much of them the run uses."""
+
+    title: ClassVar[str] = "data"
+    dataset: str | dict = key(
+        "mnist",
+        "The training and test data: a built-in dataset, a function returning (train, test) map-style "
+        "datasets, or files (see docs/training.md, Data).",
+        kind="string or table",
+        valid='`"mnist"`, `"fashion-mnist"`, `"package.module:function"`, or a table '
+              '`{ format = "parquet" | "csv" | "npy" | "npz" | "imagefolder", train, test, ... }`',
+        schema={"anyOf": [{"type": "string"}, {"type": "object", "required": ["format"], "properties": {
+            "format": {"enum": ["parquet", "csv", "npy", "npz", "imagefolder"]}}}]},
+    )
+    train_subset: int | None = key(
+        None, "Train on the first n examples only (for quick runs): N = n.",
+        valid="1 ≤ train_subset ≤ the training split's size", shown_default="all", ge=1,
+    )
+    test_subset: int | None = key(None, "Evaluate on the first n test examples only.", shown_default="all", ge=1)
+    data_root: str | None = key(
+        None, "The built-in datasets' cache (also `DPFLEET_DATA`).",
+        valid="a non-empty path", shown_default="`~/.cache/dpfleet`", schema=_PATH,
+    )
+    check_data: Literal[CHECK_DATA_LEVELS] = key(
+        "basic",
+        "Before any budget is reserved or worker started, check the data files: `basic` from metadata and a scan "
+        "(missing files or columns, wrong types, empty files, examples of the wrong size); `full` also every "
+        "value (NaN, infinity, nulls, integer labels outside 0..num_classes-1).",
+    )
+
+    @field_validator("dataset", mode="plain")
+    @classmethod
+    def _dataset(cls, value: Any) -> str | dict:
+        try:
+            return sources.parse_spec(value)
+        except ValueError as error:
+            raise _usage(error) from None
+
+    @field_validator("data_root", mode="plain")
+    @classmethod
+    def _data_root(cls, value: Any) -> str | None:
+        return None if value is None else _path("data_root", value)
+
+
+class ModelSection(Section):
+    """The network, the loss it is trained on, its test metrics and its augmentations."""
+
+    title: ClassVar[str] = "model and task"
+    model: str = key(
+        "gdp_cnn", "The model: a built-in one, or a function returning an `nn.Module` (no BatchNorm).",
+        valid='`"gdp_cnn"`, `"opacus_cnn"`, `"lenet5"`, or `"package.module:function"`',
+        schema=_name_or_function(names.MODEL_NAMES),
+    )
+    loss: str = key(
+        "cross_entropy",
+        "The per-example loss. `token_cross_entropy` takes logits [B, T, V] against tokens [B, T] and ignores "
+        "-100; a function takes (outputs, labels).",
+        valid='`"cross_entropy"`, `"mse"`, `"bce_with_logits"`, `"token_cross_entropy"`, or '
+              '`"package.module:function"`',
+        schema=_name_or_function(names.LOSS_NAMES),
+    )
+    # Declared after `loss`: its default is the loss's task's first metric.
+    metrics: tuple[str, ...] = key(
+        None, "Test metrics fitting the loss's task, computed with torchmetrics. The first is plotted.",
+        kind="list of strings",
+        valid='`"accuracy"`, `"top5_accuracy"`, `"auroc"` (classification); `"accuracy"`, `"auroc"` (binary); '
+              '`"mse"`, `"mae"` (regression)',
+        shown_default="the task's first metric", validate_default=True,
+        schema={"type": "array", "items": {"type": "string"}, "minItems": 1},
+    )
+    train_transforms: tuple[dict, ...] = key(
+        (),
+        "torchvision v2 transforms applied in the worker to each sampled example on its own. "
+        "MixUp and CutMix mix examples and are refused.",
+        kind="list of tables", valid='`[{ name = "RandomCrop", size = 28, padding = 2 }, ...]`', shown_default="none",
+        schema={"type": "array", "items": {"type": "object", "required": ["name"]}},
+    )
+    augmentations_per_example: int = key(
+        1,
+        "Augmentation multiplicity (De et al. 2022): each sampled example's gradient is the mean over K views "
+        "drawn by `train_transforms`, and that mean is clipped to C, so the sensitivity stays C. Not with "
+        "`microbatch_size`. The fast engine hands such steps to the vmap engine.",
+        valid="≥ 1; above 1 needs `train_transforms`", ge=1,
+    )
+
+    @field_validator("model", mode="plain")
+    @classmethod
+    def _model(cls, value: Any) -> str:
+        if not isinstance(value, str) or not (value in names.MODEL_NAMES or ":" in value):
+            raise UsageError(
+                f"model must be one of {', '.join(names.MODEL_NAMES)} or 'package.module:function' (got {value!r})"
+            )
+        return value
+
+    @field_validator("loss", mode="plain")
+    @classmethod
+    def _loss(cls, value: Any) -> str:
+        if not isinstance(value, str):
+            raise UsageError(f"loss must be a name or 'package.module:function' (got {value!r})")
+        if value not in names.LOSS_NAMES:
+            try:
+                tasks.build_loss(value)
+            except ValueError as error:
+                raise _usage(error) from None
+        return value
+
+    @field_validator("metrics", mode="plain")
+    @classmethod
+    def _metrics(cls, value: Any, info: ValidationInfo) -> tuple[str, ...]:
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is not None and not (isinstance(value, list) and value and all(isinstance(v, str) for v in value)):
+            raise UsageError(f'metrics must be a non-empty list of names, e.g. ["accuracy", "auroc"] (got {value!r})')
+        if "loss" not in info.data:
+            return tuple(value or ())  # the loss is refused, and the metrics are checked against it once it is not
+        try:
+            return names.check_metrics(info.data["loss"], value)
+        except ValueError as error:
+            raise _usage(error) from None
+
+    @field_validator("train_transforms", mode="plain")
+    @classmethod
+    def _train_transforms(cls, value: Any) -> tuple[dict, ...]:
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise UsageError(f'train_transforms must be a list of tables, e.g. [{{ name = "RandomHorizontalFlip" }}] '
+                             f"(got {value!r})")
+        try:
+            if value:
+                tasks.build_transform(value)
+        except ValueError as error:
+            raise _usage(error) from None
+        return tuple(dict(step) for step in value)
+
+
+class SamplingSection(Section):
+    """What one unit of protection is, and how the units are Poisson-sampled into steps."""
+
+    title: ClassVar[str] = "sampling"
+    batch_size: int = key(
+        250, "The *expected* batch size: each example joins a step with probability q = batch_size / N.",
+        valid="1 ≤ batch_size ≤ N", ge=1,
+    )
+    shards: tuple[Any, ...] = key(  # workers.shards.ShardSpec, which loads torch
+        (), "Training data that stays on its nodes and is Poisson-sampled there (see docs/training.md, Shards).",
+        kind="list of tables",
+        valid='`[{ dataset, part, parts, resources = { "silo-a" = 1 }, workers }, ...]`; shards may not overlap',
+        shown_default="none",
+        schema={"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
+            "dataset": {"type": "string"}, "part": {"type": "integer", "minimum": 0},
+            "parts": {"type": "integer", "minimum": 1}, "workers": {"type": "integer", "minimum": 1},
+            "resources": {"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": 0}}}}},
+    )
+    on_shard_loss: Literal[SHARD_LOSS_POLICIES] = key(
+        DEFAULT_ON_SHARD_LOSS,
+        "With shards, what a step does while a shard is lost: wait for its replacement, or run without it.",
+    )
+    shard_timeout: float = key(
+        DEFAULT_SHARD_TIMEOUT,
+        "With shards, seconds a shard's resources may be missing before the run stops at a checkpoint (exit "
+        "status 5).", gt=0,
+    )
+    privacy_unit: Literal[PRIVACY_UNITS] = key(
+        "example",
+        "What one unit of protection is. Under `\"user\"`, users are Poisson-sampled (`batch_size` is then the "
+        "expected number of users a step), each sampled user gives one clipped gradient of its mean loss, and ε "
+        "protects each person, however many rows it owns. Not with shards, microbatches, adaptive clipping or "
+        "`layer_clip_norms`.",
+    )
+    user_id: str | None = key(
+        None, "Under `privacy_unit = \"user\"`, the Parquet or CSV column naming each row's person.",
+        valid="a column name", shown_default="none", schema={"type": "string", "minLength": 1},
+    )
+    synthetic_users: int | None = key(
+        None,
+        "Under `privacy_unit = \"user\"`, assign the rows to this many synthetic users instead (skewed: 1 to 300 "
+        "rows each, a fixed assignment); for built-in datasets and tests.",
+        valid="≥ 1, at most the training examples", shown_default="none", ge=1,
+    )
+    max_examples_per_user: int | None = key(
+        None,
+        "Under `privacy_unit = \"user\"`, a sampled user gives at most this many of its rows a step, drawn at random "
+        "each time. At example level, with `user_id` or `synthetic_users`, a bound on every person's rows, checked "
+        "against the data before training: the summary's `user_epsilon` and a ledger dataset with a user-level "
+        "budget then count each person by group privacy over that many rows.",
+        shown_default="all its rows", ge=1,
+    )
+
+    @field_validator("shards", mode="plain")
+    @classmethod
+    def _shards(cls, value: Any, info: ValidationInfo) -> tuple:
+        # A shard without a dataset reads the config's (a refused dataset is reported by its own key).
+        return parse_shards(list(value) if isinstance(value, tuple) else value, sources.BUILTINS,
+                            info.data.get("dataset", "mnist"))
+
+    @field_validator("user_id", mode="plain")
+    @classmethod
+    def _user_id(cls, value: Any) -> str | None:
+        if value is not None and (not isinstance(value, str) or not value):
+            raise UsageError(f"user_id must be a column name (got {value!r})")
+        return value
+
+
+class PrivacySection(Section):
+    """The noise, the clipping and how ε is computed."""
+
+    title: ClassVar[str] = "privacy"
+    noise_multiplier: float | None = key(
+        None, "σ: the noise standard deviation over the clip norm.",
+        shown_default="none: give exactly one of `noise_multiplier` and `target_epsilon`", gt=0,
+    )
+    target_epsilon: float | None = key(
+        None, "The ε to meet at `delta`; σ is then the smallest that meets it, by the run's accountant.",
+        shown_default="none: give exactly one of `noise_multiplier` and `target_epsilon`", gt=0,
+    )
+    target_epsilon_basis: Literal[TARGET_EPSILON_BASES] = key(
+        "accountant",
+        "Which ε `target_epsilon` sets: the run's `accountant`'s (what it reports), or `filter`: the RDP-filter ε "
+        "the ledger charges the job (at each charged budget's orders and δ; the largest when it names several "
+        "blocks), so that the charge is the target. The ledger is read before planning.",
+    )
+    clip_norm: float = key(1.0, "C: the per-example L2 bound.", gt=0)
+    noise_schedule: NoiseSchedule = key(
+        NoiseSchedule(),
+        "σ held constant over blocks of `every` steps (default one epoch) and changed between them: "
+        "exponential σ·decay^k, step σ·decay^⌊k/step_size⌋, linear from σ to σ·final_ratio. "
+        "The reported ε is the exact composition of the blocks.",
+        kind="string or table",
+        valid='`{ kind = "constant" | "exponential" | "step" | "linear", decay, step_size, final_ratio, every }`; '
+              "`decay` and `final_ratio` > 0 (default 1), `step_size` and `every` ≥ 1",
+        shown_default='`"constant"`',
+        schema=_table_schema(NOISE_SCHEDULES, {
+            "kind": {"enum": list(NOISE_SCHEDULES)}, "decay": {"type": "number", "exclusiveMinimum": 0},
+            "step_size": {"type": "integer", "minimum": 1}, "final_ratio": {"type": "number", "exclusiveMinimum": 0},
+            "every": {"type": "integer", "minimum": 1}}),
+    )
+    secure_noise: bool = key(
+        True,
+        "Each noise value is the sum of four float64 Gaussian draws, against the floating-point attack "
+        "on Gaussian sampling.", strict=True,
+    )
+    delta: float = key(1e-5, "The δ at which ε is reported and charged.", gt=0, lt=1)
+    accountant: Literal[ACCOUNTANT_NAMES] = key(
+        "pld",
+        "How ε is computed: PLD (rigorous, tightest), RDP (rigorous) or GDP (approximate, never used for budgets).",
+    )
+    seed: int | None = key(
+        None, "Fixes sampling and noise, for tests only: the run prints `seeded: not for production use`.",
+        shown_default="none (OS entropy)", ge=0,
+    )
+    microbatch_size: int | None = key(
+        None,
+        "Clip groups of about k examples instead of single examples; ε then uses sensitivity factor 2. "
+        "Not with shards or `layer_clip_norms`.",
+        shown_default="none", ge=1,
+    )
+    adaptive_clipping: AdaptiveClipping | None = key(
+        None,
+        "The clip norm follows a target quantile of the gradient norms, moved each step by a noisy count "
+        "that is accounted together with the gradient. Not with shards or `layer_clip_norms`.",
+        kind="boolean or table",
+        valid='`true`, or `{ target_quantile, learning_rate, update = "geometric" | "linear", '
+              "count_noise_multiplier }`; `target_quantile` in (0, 1) (default 0.5), `learning_rate` > 0 "
+              "(default 0.2), `count_noise_multiplier` > 0 (default 10)",
+        shown_default="off",
+        schema={"anyOf": [{"type": "boolean"}, {"type": "object", "additionalProperties": False, "properties": {
+            "target_quantile": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+            "learning_rate": {"type": "number", "exclusiveMinimum": 0}, "update": {"enum": list(UPDATES)},
+            "count_noise_multiplier": {"type": "number", "exclusiveMinimum": 0}}}]},
+    )
+    layer_clip_norms: Any = key(  # workers.clipping.LayerClipNorms | None, which loads torch
+        None,
+        "Per-layer clipping: each group of parameters is clipped to its own norm; the noise is scaled to the "
+        "root of the sum of their squares. Every trainable parameter needs a prefix.",
+        kind="table", valid='`{ "conv1" = 0.5, "fc" = 1.0 }`: parameter-name prefix = clip norm (> 0)',
+        shown_default="none",
+        schema={"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": 0}},
+    )
+
+    @field_validator("noise_schedule", mode="plain")
+    @classmethod
+    def _noise_schedule(cls, value: Any) -> NoiseSchedule:
+        return value if isinstance(value, NoiseSchedule) else parse_noise_schedule(value)
+
+    @field_validator("adaptive_clipping", mode="plain")
+    @classmethod
+    def _adaptive_clipping(cls, value: Any) -> AdaptiveClipping | None:
+        return value if isinstance(value, AdaptiveClipping) else parse_adaptive_clipping(value)
+
+    @field_validator("layer_clip_norms", mode="plain")
+    @classmethod
+    def _layer_clip_norms(cls, value: Any) -> Any:
+        if value is None or isinstance(value, clipping.LayerClipNorms):
+            return value
+        if not isinstance(value, Mapping) or not value:
+            raise UsageError(
+                f"layer_clip_norms must be a table of parameter-name prefix = clip norm, e.g. "
+                f'{{ "0" = 1.0, "7" = 0.5 }} (got {value!r})'
+            )
+        return clipping.LayerClipNorms(tuple(
+            (str(prefix), checks.positive_number(f"layer_clip_norms.{prefix}", norm)) for prefix, norm in value.items()
+        ))
+
+
+class OptimisationSection(Section):
+    """What steps on the noisy mean gradient (post-processing: no privacy cost), and DP-FedAvg's local steps."""
+
+    title: ClassVar[str] = "optimisation"
+    optimizer: OptimizerConfig = key(
+        OptimizerConfig(),
+        "The torch optimizer that steps on the noisy mean gradient (post-processing: no privacy cost).",
+        kind="string or table",
+        valid='`"sgd"`, or `{ name = "sgd" | "momentum" | "adam" | "adamw", ... }` with `momentum` (in [0, 1), '
+              "default 0.9), `nesterov`, `betas` (two numbers in [0, 1)), `eps`, `weight_decay` (≥ 0)",
+        shown_default='`"sgd"`',
+        schema={"anyOf": [{"enum": list(OPTIMIZERS)}, {"type": "object", "additionalProperties": False, "properties": {
+            "name": {"enum": list(OPTIMIZERS)},
+            "momentum": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}, "nesterov": {"type": "boolean"},
+            "betas": {"type": "array", "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+                      "minItems": 2, "maxItems": 2},
+            "eps": {"type": "number", "minimum": 0}, "weight_decay": {"type": "number", "minimum": 0}}}]},
+    )
+    learning_rate: float = key(0.1, "The optimizer's step size.", gt=0)
+    ema_decay: float | None = key(
+        None,
+        "Parameter averaging: the driver keeps an exponential moving average of the weights (decay warmed up "
+        "as min(decay, (1 + t) / (10 + t)) at step t), evaluates it instead of the weights, and saves it with "
+        "the checkpoints (post-processing: no privacy cost).",
+        shown_default="off", gt=0, lt=1,
+    )
+    lr_schedule: LearningRateSchedule = key(
+        LearningRateSchedule(), "How the learning rate changes per step (post-processing: no privacy cost).",
+        kind="string or table",
+        valid='`{ kind = "constant" | "cosine" | "step" | "exponential", gamma, step_size }`; '
+              "`gamma` > 0 (default 1), `step_size` ≥ 1 (default 1)",
+        shown_default='`"constant"`',
+        schema=_table_schema(LR_SCHEDULES, {
+            "kind": {"enum": list(LR_SCHEDULES)}, "gamma": {"type": "number", "exclusiveMinimum": 0},
+            "step_size": {"type": "integer", "minimum": 1}}),
+    )
+    local_steps: int | None = key(
+        None,
+        "DP-FedAvg: each sampled user takes this many local SGD steps on its own rows in the worker, and its "
+        "model delta, clipped to `clip_norm`, replaces its gradient; the noisy mean delta is applied by `optimizer` "
+        "at `learning_rate` (the server's). Needs `privacy_unit = \"user\"` and `local_learning_rate`.",
+        shown_default="off (one clipped gradient a user)", ge=1,
+    )
+    local_learning_rate: float | None = key(
+        None, "DP-FedAvg: the learning rate of each user's local SGD steps.", shown_default="none", gt=0,
+    )
+
+    @field_validator("optimizer", mode="plain")
+    @classmethod
+    def _optimizer(cls, value: Any) -> OptimizerConfig:
+        return value if isinstance(value, OptimizerConfig) else parse_optimizer(value)
+
+    @field_validator("lr_schedule", mode="plain")
+    @classmethod
+    def _lr_schedule(cls, value: Any) -> LearningRateSchedule:
+        return value if isinstance(value, LearningRateSchedule) else parse_lr_schedule(value)
+
+
+def parse_optimizer(value: Any) -> OptimizerConfig:
+    """The ``optimizer`` key: a name, or a table of the name and the parameters that optimizer takes."""
+    if isinstance(value, str):
+        value = {"name": value}
+    if not isinstance(value, Mapping):
+        raise UsageError(f"optimizer must be a name or a table with a 'name' key (got {value!r})")
+    parameters = dict(value)
+    name = checks.one_of("optimizer.name", parameters.pop("name", "sgd"), OPTIMIZERS)
+    unknown = set(parameters) - _OPTIMIZER_PARAMETERS[name]
+    if unknown:
+        allowed = ", ".join(sorted(_OPTIMIZER_PARAMETERS[name]))
+        raise UsageError(f"optimizer {name!r} takes {allowed}; unknown: {', '.join(sorted(unknown))}")
+    for parameter, item in parameters.items():
+        if parameter == "betas":
+            if not (isinstance(item, list) and len(item) == 2):
+                raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {item!r})")
+            for beta in item:
+                if not 0.0 <= checks.non_negative_number("optimizer.betas", beta) < 1.0:
+                    raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {item!r})")
+        elif parameter == "nesterov":
+            if not isinstance(item, bool):
+                raise UsageError(f"optimizer.nesterov must be true or false (got {item!r})")
+        elif parameter == "momentum" and not 0.0 <= checks.non_negative_number("optimizer.momentum", item) < 1.0:
+            raise UsageError(f"optimizer.momentum must be in [0, 1) (got {item!r})")
+        else:
+            checks.non_negative_number(f"optimizer.{parameter}", item)
+    if name == "momentum":
+        parameters.setdefault("momentum", 0.9)
+    return OptimizerConfig(name, parameters)
+
+
+class RunSection(Section):
+    """How long the run is, how often it evaluates and checkpoints, and the workers that compute its gradients."""
+
+    title: ClassVar[str] = "run"
+    epochs: float | None = key(
+        None, "Run length in passes over the data: steps = ceil(epochs · N / batch_size).",
+        shown_default="none: give exactly one of `epochs` and `steps`", gt=0,
+    )
+    steps: int | None = key(
+        None, "Run length in steps.", shown_default="none: give exactly one of `epochs` and `steps`", ge=1,
+    )
+    evaluate_every: EvaluateEvery | None = key(
+        None, "Also evaluate within epochs; the workers evaluate the test split in parts and return only sums.",
+        kind="table", valid="`{ steps = n }` (n ≥ 1) or `{ epochs = e }` (e > 0)", shown_default="every epoch",
+        schema={"oneOf": [
+            {"type": "object", "properties": {"steps": {"type": "integer", "minimum": 1}}, "required": ["steps"],
+             "additionalProperties": False},
+            {"type": "object", "properties": {"epochs": {"type": "number", "exclusiveMinimum": 0}},
+             "required": ["epochs"], "additionalProperties": False}]},
+    )
+    workers: int = key(2, "Gradient worker actors. With `shards`, the sum of the shards' `workers`.", ge=1)
+    cpus_per_worker: int = key(1, "CPUs each worker asks Ray for; also its torch threads.", ge=1)
+    gpus_per_worker: float = key(
+        0.0, "GPUs each worker asks Ray for, e.g. 0.5 for two workers on one GPU (`examples/mnist_gpu.toml`).", ge=0,
+    )
+    max_physical_batch: int = key(
+        128, "Examples whose gradients a worker processes at once (a memory bound, not a privacy parameter).", ge=1,
+    )
+    engine: Literal[names.ENGINE_NAMES] = key(
+        "fast",
+        "The per-example clipping engine: `fast` (per-layer rules: ghost norms and book-keeping, checked "
+        "against autograd on each model) or `vmap` (the torch.func reference).",
+    )
+    run_dir: str = key(
+        "runs/latest", "Where config.json, metrics.jsonl, summary.json, curves.png and the checkpoints go.",
+        valid="a non-empty path", schema=_PATH,
+    )
+    checkpoint_every: int = key(
+        0, "Also checkpoint every n steps (0: only at each epoch's end, which is always done).", ge=0,
+    )
+
+    @field_validator("evaluate_every", mode="plain")
+    @classmethod
+    def _evaluate_every(cls, value: Any) -> EvaluateEvery | None:
+        if value is None or isinstance(value, EvaluateEvery):
+            return value
+        if not (isinstance(value, Mapping) and len(value) == 1 and set(value) <= {"steps", "epochs"}):
+            raise UsageError(f"evaluate_every must be {{ steps = n }} or {{ epochs = e }} (got {value!r})")
+        if "steps" in value:
+            return EvaluateEvery(steps=checks.integer_at_least("evaluate_every.steps", value["steps"], 1))
+        return EvaluateEvery(epochs=checks.positive_number("evaluate_every.epochs", value["epochs"]))
+
+    @field_validator("run_dir", mode="plain")
+    @classmethod
+    def _run_dir(cls, value: Any) -> str:
+        return _path("run_dir", value)
+
+
+class LedgerSection(Section):
+    """Which ledger charges the run, on which dataset and blocks, and how often."""
+
+    title: ClassVar[str] = "ledger"
+    ledger: str | None = key(
+        None,
+        "The privacy ledger server, or servers of one PostgreSQL ledger (a call one does not answer goes to the "
+        "next); `--ledger` overrides it, and `DPFLEET_LEDGER` stands in when neither is given.",
+        valid='`"HOST:PORT"`, or several separated by commas', shown_default="the embedded ledger",
+        schema={"type": "string", "pattern": r"^[^,]+:\d+(\s*,\s*[^,]+:\d+)*$"},
+    )
+    dataset_name: str | None = key(
+        None, "The dataset's name in the ledger (also `--dataset-name`).",
+        valid="1 to 128 characters", schema={"type": "string", "minLength": 1, "maxLength": 128},
+        shown_default="the dataset's name (a table's `name`, else its train location), with characters a ledger "
+                      "name cannot hold replaced by `-`",
+    )
+    dataset_budget_epsilon: float = key(
+        10.0, "The ε budget given to a dataset the embedded ledger has not seen, at the run's `delta`.", gt=0,
+    )
+    # The names a range stands for are the dataset's, so TrainConfig settles a range into names.
+    blocks: tuple[str, ...] | dict = key(
+        (),
+        "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only the rows they "
+        "declare, samples at batch_size / their row count, and the ledger charges each of them in full; each "
+        "block's declaration must be the one the ledger holds (see docs/ledger.md, Blocks). Not with shards.",
+        kind="list of strings, or table",
+        valid='`["2026-11-01", ...]`, or `{ from = "2026-11-01", to = "2026-11-07" }` (names between, inclusive)',
+        shown_default="none: the dataset as a whole",
+        schema={"anyOf": [{"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+                          {"type": "object", "required": ["from", "to"], "additionalProperties": False,
+                           "properties": {"from": {"type": "string"}, "to": {"type": "string"}}}]},
+    )
+    commit_every: int | None = key(
+        None, "Steps per ledger charge; each block is charged before it runs.", shown_default="one epoch", ge=1,
+    )
+    commit_interval: float = key(
+        1.0,
+        "Seconds between ledger charges. Blocks are charged on this fixed clock from the run's start, whatever the "
+        "steps are doing, so commit times say nothing about the batches; a block's steps wait for its charge. A "
+        "block's wall time is a good value: a shorter interval charges blocks ahead of the steps (a resume runs "
+        "them without charging again), a longer one makes the steps wait.", gt=0,
+    )
+    ledger_timeout: float = key(
+        300.0, "Seconds to wait out a ledger outage before stopping at a checkpoint (exit status 4).", gt=0,
+    )
+    ledger_lease: float | None = key(
+        None,
+        "Seconds the job's reservation lasts without a charge; each charge renews it. A job that stops charging "
+        "loses its unrun steps, and a charge after that is refused.",
+        valid="> 0, several times a block's wall time", shown_default="no lease: the reservation holds until released",
+        gt=0,
+    )
+
+    @field_validator("ledger", mode="plain")
+    @classmethod
+    def _ledger(cls, value: Any) -> str | None:
+        if value is None:
+            return None
+        for address in str(value).split(","):
+            host, _, port = address.strip().rpartition(":")
+            if not (isinstance(value, str) and host and port.isdigit() and 0 < int(port) < 65536):
+                raise UsageError(
+                    f"ledger must be HOST:PORT with a port in 1..65535, or several separated by commas (got {value!r})"
+                )
+        return value
+
+    @field_validator("dataset_name", mode="plain")
+    @classmethod
+    def _dataset_name(cls, value: Any) -> str | None:
+        if value is not None and not (isinstance(value, str) and 0 < len(value) <= 128):
+            raise UsageError(f"dataset_name must be a name of 1 to 128 characters (got {value!r})")
+        return value
+
+    @field_validator("blocks", mode="plain")
+    @classmethod
+    def _blocks(cls, value: Any) -> tuple[str, ...] | dict:
+        if value is None:  # a run's config.json writes "no blocks" as []
+            return ()
+        if isinstance(value, Mapping):
+            if set(value) != {"from", "to"} or not all(isinstance(value[end], str) for end in ("from", "to")):
+                raise UsageError(f'blocks as a range is a table {{ from = "NAME", to = "NAME" }} (got {value!r})')
+            return dict(value)
+        if not (isinstance(value, (list, tuple)) and all(isinstance(name, str) for name in value)):
+            raise UsageError(f'blocks must be a list of block names or a table {{ from, to }} (got {value!r})')
+        if len(set(value)) != len(value):
+            raise UsageError(f"blocks must name each block once (got {list(value)!r})")
+        return tuple(value)
+
+
+SECTIONS: tuple[type[Section], ...] = (
+    DataSection, ModelSection, SamplingSection, PrivacySection, OptimisationSection, RunSection, LedgerSection,
+)
+"""The sections, in the order the references and ``dpfleet init`` list them."""
