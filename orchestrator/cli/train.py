@@ -10,8 +10,7 @@ from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from accounting.ledger.validation import delta_warning
 from orchestrator import checks
-from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
-from orchestrator.config.fields import valid_text
+from orchestrator.config import GROUPS, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, UsageError
 from orchestrator.ledger_session import (
@@ -74,9 +73,9 @@ def add_override_flags(train: argparse.ArgumentParser) -> None:
     The value stays a string: the config's check reads it, as it reads the file's.
     """
     length = train.add_mutually_exclusive_group()
+    documented = {key.name: key for key in documented_keys()}
     for name in OVERRIDES:
-        field = TrainConfig.model_fields[name]
-        meaning = f"{field.description} ({valid_text(field)}; overrides the config)".replace("`", "")
+        meaning = f"{documented[name].meaning} ({documented[name].valid}; overrides the config)".replace("`", "")
         (length if name in ("epochs", "steps") else train).add_argument(
             f"--{name.replace('_', '-')}", help=meaning.replace("%", "%%"))
 
