@@ -95,8 +95,14 @@ class WorkerFleet:
         return gathered
 
     def close(self) -> None:
-        """Stop the node reducers (the workers end with the run's Ray, or stay pooled by whoever made them)."""
+        """Stop the node reducers and let go of the workers.
+
+        Ray ends an actor once no handle to it is left, freeing its CPUs for
+        the next run; a worker that whoever made it still holds (a pool)
+        keeps running.
+        """
         self.aggregation.close()
+        self.workers.clear()
 
 
 def start_evaluation(actors: list, weights: ray.ObjectRef, split: str, size: int,

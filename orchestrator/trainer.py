@@ -18,7 +18,7 @@ complete when it is made:
 - the ledger: a ``LedgerSession`` and its ``ChargeClock`` (``orchestrator.charge_clock``);
 - the record of what ran, which checkpoints carry: ``RunRecord``
   (``orchestrator.run_record``; the file format in ``orchestrator.checkpoint``);
-- what the run reports: ``RunReport`` (``orchestrator.reporting``).
+- what the run reports: ``RunReport`` (``orchestrator.report``).
 
 The fleet, the noise's feed and the charge clock hold threads or actors, so
 `run` makes them and stops them; the rest is made with the Trainer. The
@@ -57,7 +57,8 @@ from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merg
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.planning import RunPlan, plan_run
-from orchestrator.reporting import RunReport
+from orchestrator.preflight import check_data, check_trainable
+from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.sampling import step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
@@ -65,8 +66,6 @@ from workers.actor import retain_freed_memory
 from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, build_model, parameter_count
-from workers.sources import SPLITS, DataError, check_source, read_first
-from workers.validation import check_model, unchanged_buffers
 
 _TRAIN_LOSS_EXAMPLES = 10_000
 
@@ -181,8 +180,9 @@ class Trainer:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model = build_model(config.model)
-        self._check_model()
-        self._check_data()
+        check_trainable(config, self.model)
+        # Before any budget is reserved or worker started.
+        check_data(config, self.model)
         self.bound_config = bound_config(config)
         self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
                                  else dataset_identity(config.dataset))
@@ -224,42 +224,6 @@ class Trainer:
         if self.device.type == "cuda":
             return TorchGaussianNoise(self.run_key, self.config.secure_noise, self.device)
         return GaussianNoise(self.run_key, secure=self.config.secure_noise)
-
-    def _check_model(self) -> None:
-        """Refuse a model that mixes examples, or one whose trainable parameters layer_clip_norms leaves out."""
-        check_model(self.model)
-        layer_clip_norms = self.config.layer_clip_norms
-        if layer_clip_norms is not None:
-            unmatched = layer_clip_norms.unmatched([name for name, p in self.model.named_parameters()
-                                                    if p.requires_grad])
-            if unmatched:
-                raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
-                                 "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
-
-    def _check_data(self) -> None:
-        """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
-
-        With check_data = "full", integer labels must lie below the dataset's
-        num_classes, else below the model's output width on a test example.
-        The built-ins are verified by digest, and a ``module:function``
-        dataset's examples are not read in the driver, so only tables are checked.
-        """
-        config = self.config
-        if isinstance(config.dataset, str):
-            return
-        full = config.check_data == "full"
-        try:
-            num_classes = None
-            if full:
-                check_source(config.dataset, "test")
-                first_test_input, _ = read_first(config.dataset, "test", 1)
-                # The saved model's buffers are the ones it was built with: this forward may not write them.
-                with torch.no_grad(), unchanged_buffers(self.model):
-                    num_classes = self.model(first_test_input).shape[-1]
-            for split in SPLITS:
-                check_source(config.dataset, split, full, num_classes)
-        except DataError as error:
-            raise UsageError(str(error), error.with_values) from None
 
     @property
     def resumed_reservation_id(self) -> str | None:
