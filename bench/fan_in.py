@@ -39,7 +39,7 @@ def measure(nodes: int, workers_per_node: int, steps: int, batch_size: int, run_
         run_dir=str(run_root / f"workers-{cluster_workers}"),
     ))
     placement: dict[str, int] = {}
-    for node in trainer.worker_nodes.values():
+    for node in trainer.fleet.worker_nodes.values():
         placement[node] = placement.get(node, 0) + 1
     return {
         "nodes": nodes,

@@ -42,18 +42,18 @@ WARMUP_STEPS = 3
 
 
 class MeasuredTrainer(Trainer):
-    """A trainer that keeps, per step, its breakdown (``Trainer.times``), CPU time and traffic."""
+    """A trainer that keeps, per step, its breakdown (``Trainer.record.times``), CPU time and traffic."""
 
     def __init__(self, *args, **kwargs):
         self.rows: list[dict] = []
         super().__init__(*args, **kwargs)
 
     def _step(self, workers):
-        before, cpu = self.times, time.thread_time()
+        before, cpu = self.record.times, time.thread_time()
         super()._step(workers)
-        cpu, step = time.thread_time() - cpu, self.times.minus(before)
+        cpu, step = time.thread_time() - cpu, self.record.times.minus(before)
         weights_bytes = 4 * self.flat_weights.numel()
-        nodes = len(set(self.shards.nodes.values()) if self.shards else set(self.worker_nodes.values()))
+        nodes = len(set(self.shards.nodes.values()) if self.shards else set(self.fleet.worker_nodes.values()))
         self.rows.append({
             "step": self.step, "driver_wall_s": step.driver + step.wait, "driver_own_s": step.driver,
             "driver_cpu_s": cpu, "bytes_out": weights_bytes * nodes,

@@ -92,3 +92,19 @@ def next_clip_norm(clip_norm: float, unclipped_fraction: float, settings: Adapti
         return clip_norm * math.exp(-settings.learning_rate * error)
     # A linear step could cross zero; a clip norm must stay positive.
     return max(clip_norm - settings.learning_rate * error, 1e-6)
+
+
+def adapted_clip_norm(clip_norm: float, settings: AdaptiveClipping, count_noise: float, unclipped: float,
+                      realised_batch: int, expected_batch_size: float, microbatches: int | None,
+                      empty_microbatches: int) -> float:
+    """The next step's clip norm, moved by the noisy unclipped fraction (the raw counts stay in the driver).
+
+    `count_noise` is the step's N(0, count_noise_multiplier^2) draw.
+    `unclipped` counts examples, or with `microbatches` the non-empty
+    microbatches, to which the `empty_microbatches` are added as unclipped.
+    """
+    if not microbatches:
+        fraction = noisy_unclipped_fraction(unclipped, realised_batch, count_noise, expected_batch_size)
+    else:
+        fraction = noisy_unclipped_microbatch_fraction(unclipped + empty_microbatches, microbatches, count_noise)
+    return next_clip_norm(clip_norm, fraction, settings)

@@ -55,11 +55,12 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon  # noqa: E402
 from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
-from accounting.events import group_events  # noqa: E402
+from accounting.events import Composition, group_events  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
 from orchestrator.noise import GaussianNoise, noisy_sum_at  # noqa: E402
+from orchestrator.planning import RunPlan  # noqa: E402
 from orchestrator.sampling import make_generator, partition  # noqa: E402
 from orchestrator.trainer import Trainer  # noqa: E402
 from workers.clipping import clip_factors  # noqa: E402
@@ -170,15 +171,18 @@ class CanaryTrainer(Trainer):
         if config.microbatch_size:
             raise ValueError("the audit inserts canaries as single examples, so it cannot run with microbatch_size "
                              f"(got {config.microbatch_size}); audit the configuration without it")
-        super().__init__(config, **options)
         self.canaries = canaries
-        self.real_dataset_size = self.plan.dataset_size
-        # The sampling rate, and so the accountant's events, stay the plan's; the divisor q * N stays too
-        # (post-processing, so it cannot change what leaks).
-        self.plan = dataclasses.replace(self.plan, dataset_size=self.real_dataset_size + canaries.units)
         self.watch = watch
         self.observations: list[np.ndarray] = []
         self.noise_multipliers: list[float] = []
+        super().__init__(config, **options)
+
+    def _plan_run(self, dataset_size, charge_epsilon) -> RunPlan:
+        plan = super()._plan_run(dataset_size, charge_epsilon)
+        self.real_dataset_size = plan.dataset_size
+        # The sampling rate, and so the accountant's events, stay the plan's; the divisor q * N stays too
+        # (post-processing, so it cannot change what leaks).
+        return dataclasses.replace(plan, dataset_size=self.real_dataset_size + self.canaries.units)
 
     def _partial_sums(self, workers: list, weights, shards: list[np.ndarray], group_shards: None,
                       next_shards: list[np.ndarray] | None) -> list[np.ndarray]:
@@ -367,17 +371,9 @@ def run_audit(
     _check_request(config, canaries, confidence, mode, rows_per_canary)
     grouped = config.privacy_unit == "user"
     generator = make_generator(config.seed if seed is None else seed, CANARY_STREAM)
-    included = generator.random(canaries) < 0.5
     test_images, test_labels = load_split(config.dataset, "test", config.data_root)
-    if mode == "white-box":
-        watch = quietest_coordinates(config, canaries, generator)
-        canary_set = DiracCanaries(watch, included, rows_per_canary, grouped)
-    else:
-        watch = None
-        canary_set = MislabelledCanaries(
-            *mislabelled(test_images[-canaries:], test_labels[-canaries:], generator), included,
-            config.max_physical_batch,
-        )
+    canary_set, watch = _draw_canaries(config, canaries, mode, rows_per_canary, generator, test_images, test_labels)
+    included = canary_set.included
     trainer = trainer_class(config, canary_set, watch=watch, noise=noise, show_progress=show_progress, out=out)
     owning = f" of {rows_per_canary} rows each" if rows_per_canary > 1 else ""
     trainer.say(
@@ -387,38 +383,12 @@ def run_audit(
     )
     summary = trainer.run()
 
-    if mode == "white-box":
-        # Grouped, a canary is one sampled unit, however many rows it owns.
-        sampled_rows = 1 if grouped else rows_per_canary
-        scores = dirac_canary_scores(
-            np.array(trainer.observations), trainer.plan.sampling_rate, np.array(trainer.noise_multipliers),
-            config.clip_norm, sampled_rows,
-        )
-        if sampled_rows == 1:
-            statistic = "sum over steps of log(1 - q + q exp((x C - C^2/2) / (sigma C)^2)) on the canary's coordinate"
-        else:
-            statistic = (f"sum over steps of log E[exp(b (x / C - b / 2) / sigma^2)], b ~ Binomial({sampled_rows}, q), "
-                         "on the canary's coordinate")
-    else:
-        scores = -example_losses(trainer.model, canary_set.images, canary_set.labels)
-        statistic = "minus the final model's loss on the mislabelled canary"
+    scores, statistic = _canary_scores(trainer, mode, canary_set, 1 if grouped else rows_per_canary)
     bound = audit_scores(scores, included, config.delta, confidence)
-    epsilon_upper = get_accountant("pld").epsilon(trainer.events, config.delta)
-    epsilon_upper_person, person_accountant = None, None
-    if rows_per_canary > 1 and not grouped:
-        # What the run's example-level events bound for a person of that many rows: the canaries' own bound.
-        epsilon_upper_person, person_label = labelled_epsilon(
-            get_accountant("pld"), group_events(trainer.events, rows_per_canary), config.delta)
-        person_accountant = "rdp" if person_label == PLD_FALLBACK_LABEL else "pld"
-
-    train_images, train_labels = load_split(config.dataset, "train", config.data_root)
-    members = min(_MEMBERSHIP_EXAMPLES, training_set_size(config))  # rows, also when users are sampled
-    # Black-box canaries come from the second half of the test split, so the first half is never trained on.
-    nonmembers = min(_MEMBERSHIP_EXAMPLES, len(test_labels) // 2)
-    membership = membership_report(
-        trainer.model, train_images[:members], train_labels[:members],
-        test_images[:nonmembers], test_labels[:nonmembers],
-    )
+    epsilon_upper = get_accountant("pld").epsilon(trainer.record.events, config.delta)
+    epsilon_upper_person, person_accountant = (_person_bound(trainer.record.events, rows_per_canary, config.delta)
+                                               if rows_per_canary > 1 and not grouped else (None, None))
+    membership = _membership_of_trained_model(trainer.model, config, test_images, test_labels)
     run_dir = Path(config.run_dir)
     png = run_dir / SCORES_PNG
     kind = f"{rows_per_canary}-row users, {config.privacy_unit} level" if rows_per_canary > 1 else f"{mode} canaries"
@@ -456,3 +426,64 @@ def run_audit(
     }
     (run_dir / AUDIT_JSON).write_text(json.dumps(result, indent=2, sort_keys=True))
     return result
+
+
+def _draw_canaries(
+    config: TrainConfig, canaries: int, mode: str, rows_per_canary: int, generator: np.random.Generator,
+    test_images: torch.Tensor, test_labels: torch.Tensor,
+) -> tuple[Canaries, np.ndarray | None]:
+    """The audit's canaries, each included with probability 1/2, and the coordinates to watch (white-box only).
+
+    White-box canaries are Dirac gradients on the quietest coordinates;
+    black-box ones are mislabelled examples from the end of the test split.
+    """
+    included = generator.random(canaries) < 0.5
+    if mode == "white-box":
+        watch = quietest_coordinates(config, canaries, generator)
+        return DiracCanaries(watch, included, rows_per_canary, config.privacy_unit == "user"), watch
+    return MislabelledCanaries(
+        *mislabelled(test_images[-canaries:], test_labels[-canaries:], generator), included,
+        config.max_physical_batch,
+    ), None
+
+
+def _canary_scores(trainer: CanaryTrainer, mode: str, canary_set: Canaries,
+                   sampled_rows: int) -> tuple[np.ndarray, str]:
+    """Each canary's score (higher = guessed included) after the run, and a line saying what the score is.
+
+    White-box: the likelihood ratio of the noisy sums watched at the
+    canary's coordinate, for a canary of `sampled_rows` rows per sampled
+    unit (1 when grouped: a canary is one sampled user). Black-box: minus
+    the trained model's loss on the canary.
+    """
+    if mode != "white-box":
+        return (-example_losses(trainer.model, canary_set.images, canary_set.labels),
+                "minus the final model's loss on the mislabelled canary")
+    scores = dirac_canary_scores(
+        np.array(trainer.observations), trainer.plan.sampling_rate, np.array(trainer.noise_multipliers),
+        trainer.config.clip_norm, sampled_rows,
+    )
+    if sampled_rows == 1:
+        return scores, "sum over steps of log(1 - q + q exp((x C - C^2/2) / (sigma C)^2)) on the canary's coordinate"
+    return scores, (f"sum over steps of log E[exp(b (x / C - b / 2) / sigma^2)], b ~ Binomial({sampled_rows}, q), "
+                    "on the canary's coordinate")
+
+
+def _person_bound(events: Composition, rows_per_canary: int, delta: float) -> tuple[float, str]:
+    """What a run's example-level `events` bound for a person of `rows_per_canary` rows, and the accountant used.
+
+    That is the bound of canary users trained at example level (group privacy).
+    """
+    epsilon, shown = labelled_epsilon(get_accountant("pld"), group_events(events, rows_per_canary), delta)
+    return epsilon, "rdp" if shown == PLD_FALLBACK_LABEL else "pld"
+
+
+def _membership_of_trained_model(model: torch.nn.Module, config: TrainConfig, test_images: torch.Tensor,
+                                 test_labels: torch.Tensor) -> dict:
+    """The loss attack's figures on the first training rows against the first half of the test split."""
+    train_images, train_labels = load_split(config.dataset, "train", config.data_root)
+    members = min(_MEMBERSHIP_EXAMPLES, training_set_size(config))  # rows, also when users are sampled
+    # Black-box canaries come from the second half of the test split, so the first half is never trained on.
+    nonmembers = min(_MEMBERSHIP_EXAMPLES, len(test_labels) // 2)
+    return membership_report(model, train_images[:members], train_labels[:members],
+                             test_images[:nonmembers], test_labels[:nonmembers])

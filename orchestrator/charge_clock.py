@@ -20,6 +20,24 @@ class ChargedBlocks(Protocol):
         """Commit `events` (block number `sequence`) durably; a repeat of the same block charges nothing more."""
 
 
+class LedgerSession(ChargedBlocks, Protocol):
+    """What the trainer needs from the privacy ledger: its reservation, and blocks charged before they run."""
+
+    reservation_id: str
+
+
+def block_at(charge_ends: Sequence[int], step: int) -> int:
+    """The index of the ledger block that holds step `step` (0-based); `charge_ends` are the blocks' end steps."""
+    return next(index for index, end in enumerate(charge_ends) if end > step)
+
+
+def uncharged_blocks(plan, charged: int) -> list[tuple[int, Composition]]:
+    """(sequence, row-level events) of each block of `plan` (a RunPlan) from block `charged` on, in order."""
+    ends = plan.charge_ends
+    return [(index, plan.row_level_events_between(ends[index - 1] if index else 0, end))
+            for index, end in enumerate(ends) if index >= charged]
+
+
 class ChargeClock:
     """Charges a run's blocks on a fixed clock from a background thread: block i of `blocks` at start + i * interval.
 

@@ -9,7 +9,9 @@ corrupted write) is skipped and the previous checkpoint is used.
 A checkpoint is the run's working state, for the run's operator: it holds
 no secret (no key, generator state or drawn sample; see docs/threat-model.md).
 Its name carries the run's id, so runs that share a directory keep and prune
-their own checkpoints only.
+their own checkpoints only. A resume reads only this format's version
+(`check_checkpoint_version`) of the same run (`check_same_run`, by the
+binding of ``orchestrator.binding``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from typing import Any
 
 import torch
 
+from orchestrator.binding import binding_differences
+from orchestrator.errors import UsageError
+
+# 2: no secret (no noise entropy, sampler state or drawn sample), a run id, and the run's binding.
+CHECKPOINT_VERSION = 2
 _DIGEST_BYTES = 32
 # checkpoint-<run id>-<step>.pt; the names of the first format had no run id.
 _NAME = re.compile(r"^checkpoint-(?:(?P<run_id>[0-9a-f]{16})-)?(?P<step>\d{9})\.pt$")
@@ -101,3 +108,38 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, dict[str, Any]] | None:
         if state is not None:
             return path, state
     return None
+
+
+def check_checkpoint_version(state: dict, path: Path | None = None) -> None:
+    """Refuse a checkpoint of another format: those of version 1 held the run's secrets and no binding to its data.
+
+    A version 1 checkpoint kept the noise's root entropy and the sampler's
+    state, from which every step's noise and sample can be recomputed, and
+    nothing to check that a resume is the same run. It is refused rather
+    than resumed without them: the run cannot be shown to continue on the
+    same data, and the file itself should not be kept.
+    """
+    version = state.get("version")
+    if version == CHECKPOINT_VERSION:
+        return
+    where = f" {str(path)!r}" if path is not None else ""
+    if version == 1:
+        raise UsageError(
+            f"checkpoint{where} is of version 1, which holds the run's noise and sampling secrets and no binding "
+            "to its data, and cannot be resumed: delete it (anyone who reads it can recompute every step's noise "
+            "and sample) and start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
+        )
+    raise UsageError(f"checkpoint{where} is of version {version!r}; this dpfleet reads version {CHECKPOINT_VERSION} "
+                     "only: resume with the dpfleet that wrote it, or start a new run")
+
+
+def check_same_run(state: dict, binding: dict, run_dir: Path) -> None:
+    """Refuse a checkpoint of another format, or of another run than the one that `binding` describes."""
+    check_checkpoint_version(state)
+    differences = binding_differences(state["binding"], binding)
+    if differences:
+        raise UsageError(
+            f"the checkpoint in {str(run_dir)!r} is not of this run: " + "; ".join(differences)
+            + ". A resume continues the same run on the same data under the same reservation; to train "
+            "with this configuration or data, start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
+        )

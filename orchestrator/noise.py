@@ -254,3 +254,37 @@ def noisy_mean_gradient(
     else:
         list(pool.map(combine, bounds))
     return out
+
+
+class CentralNoise:
+    """A run's noise at the driver: each step's unit vector drawn ahead (`NoiseFeed`), added once to the sum.
+
+    `noise` is the run's generator, keyed by the run key; `size` the
+    number of parameters. The threads that add it take every core the
+    driver has: the workers are idle while it runs. `close` stops both.
+    """
+
+    def __init__(self, noise: GaussianNoise, size: int, steps: int):
+        self.steps = steps
+        self.feed = NoiseFeed(noise, size)
+        self.arithmetic = ThreadPoolExecutor(driver_threads(), thread_name_prefix="driver")
+
+    def request(self, step: int) -> None:
+        """Start drawing step `step`'s noise and the next step's, while the workers compute."""
+        self.feed.request(step)
+        if step + 1 < self.steps:
+            self.feed.request(step + 1)
+
+    def take(self, step: int):
+        """Step `step`'s unit noise vector, handed out once (`NoiseFeed.take`)."""
+        return self.feed.take(step)
+
+    def mean_gradient(self, partial_sums: Sequence[np.ndarray], unit_noise, noise_std: float, contributions: float,
+                      out) -> None:
+        """Write (sum of `partial_sums` + noise_std * unit_noise) / contributions into `out` (`noisy_mean_gradient`)."""
+        noisy_mean_gradient(partial_sums, unit_noise, noise_std, contributions, out, self.arithmetic)
+
+    def close(self) -> None:
+        """Stop drawing and adding."""
+        self.feed.close()
+        self.arithmetic.shutdown()

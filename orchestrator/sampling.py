@@ -42,3 +42,14 @@ def worker_shares(
     if group_ids is None:
         return partition(indices, parts), None
     return partition_microbatches(indices, group_ids, parts)
+
+
+def step_sample(run_key, step: int, dataset_size: int, sampling_rate: float,
+                microbatches: int | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch.
+
+    Both come from PRF(run key, "sample", step): drawn again, the step gets the same sample.
+    """
+    generator = step_generator(run_key, step)
+    indices = poisson_sample(generator, dataset_size, sampling_rate)
+    return indices, assign_microbatches(generator, len(indices), microbatches) if microbatches else None

@@ -267,3 +267,21 @@ class ShardFleet:
             names.append(f"shard {shard} ({dict(spec.resources)})" if spec.workers == 1
                          else f"shard {shard} worker {worker} of {spec.workers} ({dict(spec.resources)})")
         return ", ".join(names)
+
+
+def extend_outages(outages: list[dict], step: int, missing: list[Slot], shards) -> None:
+    """Extend each missing (shard, worker) slot's outage in `outages` to step `step` (0-based).
+
+    An outage names the shard, the worker within it (of the shard's
+    `workers`: with several, the others' examples still took part) and
+    1-based steps, inclusive. `shards` is the config's shard list.
+    """
+    for shard, worker in missing:
+        open_outage = next((outage for outage in reversed(outages)
+                            if (outage["shard"], outage["worker"]) == (shard, worker)), None)
+        if open_outage is not None and open_outage["last_step"] == step:
+            open_outage["last_step"] = step + 1
+        else:
+            spec = shards[shard]
+            outages.append({"shard": shard, "worker": worker, "workers": spec.workers,
+                            "resources": dict(spec.resources), "first_step": step + 1, "last_step": step + 1})

@@ -7,71 +7,67 @@ aggregation``); the driver adds up the nodes' sums, adds Gaussian noise
 N(0, (sigma * C)^2) once (drawn in the background while the workers computed,
 ``orchestrator.noise``), divides by the expected batch size, steps the
 optimizer and ships the new weights with the next step.
+
+``Trainer`` is the loop; each of its concerns is a collaborator, built
+complete when it is made:
+
+- the sample: PRF(run key, step) (``orchestrator.sampling.step_sample``);
+- the fleet: ``WorkerFleet`` (``orchestrator.fleet``), or with shards
+  ``ShardFleet`` (``orchestrator.shard_fleet``);
+- the noise: the run's generator and ``CentralNoise`` (``orchestrator.noise``);
+- the ledger: a ``LedgerSession`` and its ``ChargeClock`` (``orchestrator.charge_clock``);
+- the record of what ran, which checkpoints carry: ``RunRecord``
+  (``orchestrator.run_record``; the file format in ``orchestrator.checkpoint``);
+- what the run reports: ``RunReport`` (``orchestrator.report``).
+
+The fleet, the noise's feed and the charge clock hold threads or actors, so
+`run` makes them and stops them; the rest is made with the Trainer. The
+stages of a step (`_draw_sample`, `_partial_sums`, `_apply_noise`, ...) are
+methods, so that a subclass can watch or change one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from contextlib import ExitStack, closing
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 import ray
 import torch
-from tqdm import tqdm
 
-from accounting.accountants import get_accountant, label, labelled_epsilon
-from accounting.events import Composition, group_events
-from orchestrator.adaptive_clipping import (
-    next_clip_norm,
-    noisy_unclipped_fraction,
-    noisy_unclipped_microbatch_fraction,
+from orchestrator.adaptive_clipping import adapted_clip_norm
+from orchestrator.aggregation import Gathered, split_counts
+from orchestrator.binding import bound_config, run_binding
+from orchestrator.charge_clock import ChargeClock, LedgerSession, block_at, uncharged_blocks
+from orchestrator.checkpoint import (
+    CHECKPOINT_VERSION,
+    check_checkpoint_version,
+    check_same_run,
+    latest_checkpoint,
+    save_checkpoint,
 )
-from orchestrator.aggregation import NodeAggregation, split_counts
-from orchestrator.binding import binding_differences, bound_config, run_binding
-from orchestrator.charge_clock import ChargeClock, ChargedBlocks
-from orchestrator.checkpoint import latest_checkpoint, save_checkpoint
-from orchestrator.config import TrainConfig, test_set_size, user_spec
+from orchestrator.config import TrainConfig, test_set_size
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
-from orchestrator.noise import (
-    COUNT_NOISE,
-    GaussianNoise,
-    NoiseFeed,
-    TorchGaussianNoise,
-    driver_threads,
-    noisy_mean_gradient,
-)
+from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merge_evaluation, start_evaluation
+from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.planning import RunPlan, plan_run
-from orchestrator.report import plot_curves
-from orchestrator.sampling import (
-    assign_microbatches,
-    poisson_sample,
-    step_generator,
-    worker_shares,
-)
-from orchestrator.shard_fleet import ShardFleet
-from workers.actor import GradientWorkerActor, retain_freed_memory
+from orchestrator.preflight import check_data, check_trainable
+from orchestrator.report import RunReport
+from orchestrator.run_record import RunRecord
+from orchestrator.sampling import step_sample, worker_shares
+from orchestrator.shard_fleet import ShardFleet, extend_outages
+from workers.actor import retain_freed_memory
 from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, build_model, parameter_count
-from workers.sources import SPLITS, DataError, check_source, read_first, spec_name
-from workers.validation import check_model, unchanged_buffers
 
-# 2: no secret (no noise entropy, sampler state or drawn sample), a run id, and the run's binding.
-CHECKPOINT_VERSION = 2
-WORKER_RESTARTS = 2
-WORKER_REPLACEMENTS = 2
 _TRAIN_LOSS_EXAMPLES = 10_000
-# The breakdown of a step's wall time, per step, averaged over the whole run in the summary: a step's own time
-# tracks its realised batch size, so timings never go into the per-row metrics.
-BREAKDOWN = ("driver_seconds_per_step", "worker_seconds_per_step", "wait_seconds_per_step")
 
 
 LOCAL_RAY_START_ATTEMPTS = 3
@@ -143,41 +139,6 @@ def local_shard_resources(config: TrainConfig) -> dict[str, float]:
     return resources
 
 
-@dataclass(frozen=True)
-class StepTimes:
-    """Seconds over a number of steps: the driver's own, the slowest worker's in its call, the driver's wait.
-
-    The driver's own time is a step's wall time minus its wait for the
-    workers' sums: what the workers wait for between steps.
-    """
-
-    steps: int = 0
-    driver: float = 0.0
-    worker: float = 0.0
-    wait: float = 0.0
-
-    def plus(self, wall: float, worker: float, wait: float) -> StepTimes:
-        """These times and one more step's."""
-        return StepTimes(self.steps + 1, self.driver + wall - wait, self.worker + worker, self.wait + wait)
-
-    def minus(self, earlier: StepTimes) -> StepTimes:
-        """The steps since `earlier`, a copy of these times taken then."""
-        return StepTimes(self.steps - earlier.steps, self.driver - earlier.driver, self.worker - earlier.worker,
-                         self.wait - earlier.wait)
-
-    def per_step(self) -> dict[str, float]:
-        """The BREAKDOWN means, in seconds per step (empty with no steps)."""
-        if not self.steps:
-            return {}
-        return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
-
-
-class LedgerSession(ChargedBlocks, Protocol):
-    """What the trainer needs from the privacy ledger: its reservation, and blocks charged before they run."""
-
-    reservation_id: str
-
-
 class Trainer:
     """One DP-SGD run over Ray gradient workers, resumable from its checkpoints.
 
@@ -201,51 +162,27 @@ class Trainer:
         out=sys.stdout,
         charge_epsilon: Callable[[RunPlan], float] | None = None,
     ):
-        self.config = config
-        self.out = out
-        self.started_ray = False
-        self.shards: ShardFleet | None = None
-        self.shard_outages: list[dict] = []
-        dataset_size = None
-        if config.shards:
-            if non_private_train_loss:
-                raise UsageError("--non-private-train-loss evaluates training examples on the driver's terms; with "
-                                 "shards the training data stays on its nodes, so leave it off")
-            self.started_ray = start_ray(config, self.say)
-            self.shards = ShardFleet(config, self.say)
-            dataset_size = self.shards.start()
-        self.plan = plan_run(config, dataset_size, charge_epsilon)
+        self.config, self.out, self.ledger = config, out, ledger
+        self.non_private_train_loss = non_private_train_loss
+        self.started_ray, self.shards, dataset_size = self._start_shards()
+        self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
             self.shards.set_sampling_rate(self.plan.sampling_rate)
+        self.report = RunReport(config, self.plan, self.say, show_progress)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         # The driver's secret: every step's sample and noise derive from it. In memory only, never saved.
         self.run_key = process_key(config.seed)
-        if noise is None:
-            noise = (TorchGaussianNoise(self.run_key, config.secure_noise, self.device) if self.device.type == "cuda"
-                     else GaussianNoise(self.run_key, secure=config.secure_noise))
-        self.noise = noise
+        self.noise = self._run_noise() if noise is None else noise
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
-        self.show_progress = show_progress
-        self.non_private_train_loss = non_private_train_loss
-        self.ledger = ledger
-        self.accountant = get_accountant(config.accountant)
-        self.epsilon_label = label(self.accountant)
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model = build_model(config.model)
-        check_model(self.model)
-        if config.layer_clip_norms is not None:
-            unmatched = config.layer_clip_norms.unmatched([name for name, p in self.model.named_parameters()
-                                                           if p.requires_grad])
-            if unmatched:
-                raise UsageError(f"layer_clip_norms gives no clip norm to {', '.join(unmatched)}; every trainable "
-                                 "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
-        self._check_data()
-        # A new run's id names its checkpoints; a resume takes the id of the run it continues.
-        self.run_id = secrets.token_hex(8)
+        check_trainable(config, self.model)
+        # Before any budget is reserved or worker started.
+        check_data(config, self.model)
         self.bound_config = bound_config(config)
         self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
                                  else dataset_identity(config.dataset))
@@ -256,48 +193,37 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(config.lr_schedule, self.optimizer, self.plan.steps)
         # Parameter averaging: a function of the noisy updates only, kept here and shipped for evaluation.
         self.ema_weights = None if config.ema_decay is None else self.flat_weights.clone()
-        self.events = Composition()
         # The bound noise is scaled to: the total of the per-layer norms, or the (possibly adaptive) clip norm.
-        self.clip_norm = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm
-        self.metrics: list[dict] = []
-        self.zeroed_examples = 0
-        self.engine_reported = False
-        self.charged_blocks = 0
-        self.wall_seconds_before = 0.0
+        self.record = RunRecord(clip_norm=config.layer_clip_norms.total_norm if config.layer_clip_norms
+                                else config.clip_norm)
         # The reservation {"id", "dataset"} a resumed run continues under, as its checkpoint recorded it.
         self.resumed_reservation: dict | None = None
-        self.run_dir = Path(config.run_dir)
-        self.times = StepTimes()
-        self.aggregation: NodeAggregation | None = None
-        self.worker_nodes: dict[int, str] = {}
-        self.noise_feed: NoiseFeed | None = None
-        self.arithmetic: ThreadPoolExecutor | None = None
-        self.charge_clock: ChargeClock | None = None
+        # Raw counts and the last step's sums: they stay in the driver and are never logged or saved.
+        self.zeroed_examples = 0
+        self.gathered = Gathered()
+        self.engine_reported = False
 
-    def _check_data(self) -> None:
-        """Check both splits' files before any budget is reserved or worker started (UsageError on a bad file).
-
-        With check_data = "full", integer labels must lie below the dataset's
-        num_classes, else below the model's output width on a test example.
-        The built-ins are verified by digest, and a ``module:function``
-        dataset's examples are not read in the driver, so only tables are checked.
-        """
+    def _start_shards(self) -> tuple[bool, ShardFleet | None, int | None]:
+        """With shards: start Ray (unless it is up) and the shards' workers; (started Ray, the fleet, their N)."""
         config = self.config
-        if isinstance(config.dataset, str):
-            return
-        full = config.check_data == "full"
-        try:
-            num_classes = None
-            if full:
-                check_source(config.dataset, "test")
-                first_test_input, _ = read_first(config.dataset, "test", 1)
-                # The saved model's buffers are the ones it was built with: this forward may not write them.
-                with torch.no_grad(), unchanged_buffers(self.model):
-                    num_classes = self.model(first_test_input).shape[-1]
-            for split in SPLITS:
-                check_source(config.dataset, split, full, num_classes)
-        except DataError as error:
-            raise UsageError(str(error), error.with_values) from None
+        if not config.shards:
+            return False, None, None
+        if self.non_private_train_loss:
+            raise UsageError("--non-private-train-loss evaluates training examples on the driver's terms; with "
+                             "shards the training data stays on its nodes, so leave it off")
+        started_ray = start_ray(config, self.say)
+        shards = ShardFleet(config, self.say)
+        return started_ray, shards, shards.start()
+
+    def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
+        """The run's plan (N, q, sigma, steps, events) for a dataset of `dataset_size` units (None: the config's)."""
+        return plan_run(self.config, dataset_size, charge_epsilon)
+
+    def _run_noise(self) -> GaussianNoise:
+        """The run's noise generator, keyed by the run key, on the driver's GPU when it has one."""
+        if self.device.type == "cuda":
+            return TorchGaussianNoise(self.run_key, self.config.secure_noise, self.device)
+        return GaussianNoise(self.run_key, secure=self.config.secure_noise)
 
     @property
     def resumed_reservation_id(self) -> str | None:
@@ -307,15 +233,14 @@ class Trainer:
     @property
     def step(self) -> int:
         """Steps run so far."""
-        return self.events.steps
+        return self.record.step
 
     def epsilon(self) -> float:
         """Epsilon of the steps run so far, at the config's delta, by the config's accountant.
 
-        Also sets ``epsilon_label``: how that figure was obtained, for the log and the plot.
+        Also sets the report's ``epsilon_label``: how that figure was obtained, for the log and the plot.
         """
-        value, self.epsilon_label = labelled_epsilon(self.accountant, self.events, self.config.delta)
-        return value
+        return self.report.epsilon(self.record.events)
 
     def say(self, text: str) -> None:
         """Print one line of the run's log."""
@@ -337,47 +262,25 @@ class Trainer:
         """
         return {
             "version": CHECKPOINT_VERSION,
-            "run_id": self.run_id,
             "binding": self.binding(),
-            "step": self.step,
+            **self.record.to_state(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-            "events": self.events.to_dict(),
-            "metrics": self.metrics,
-            "charged_blocks": self.charged_blocks,
             "noise_multiplier": self.plan.noise_multiplier,
-            "clip_norm": self.clip_norm,
-            "wall_seconds": self._wall_seconds(),
-            "shard_outages": self.shard_outages,
-            "step_times": asdict(self.times),
             # Laid out as workers.models.flat_parameters: load_flat_parameters(model, ...) gives the averaged model.
             "ema_weights": None if self.ema_weights is None else self.ema_weights.cpu().clone(),
         }
 
     def load_state(self, state: dict) -> None:
         """Continue from a checkpoint's state (see `state`), refused unless it is this run's (`binding`)."""
-        check_checkpoint_version(state)
-        differences = binding_differences(state["binding"], self.binding())
-        if differences:
-            raise UsageError(
-                f"the checkpoint in {str(self.run_dir)!r} is not of this run: " + "; ".join(differences)
-                + ". A resume continues the same run on the same data under the same reservation; to train "
-                "with this configuration or data, start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
-            )
-        self.run_id = state["run_id"]
+        check_same_run(state, self.binding(), Path(self.config.run_dir))
+        self.record = RunRecord.from_state(state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.events = Composition.from_dict(state["events"])
-        self.metrics = list(state["metrics"])
-        self.charged_blocks = state["charged_blocks"]
-        self.clip_norm = state["clip_norm"]
-        self.wall_seconds_before = state["wall_seconds"]
         self.resumed_reservation = state["binding"]["reservation"]
-        self.shard_outages = list(state.get("shard_outages", []))
-        self.times = StepTimes(**state.get("step_times", {}))
         if self.ema_weights is not None:
             if state.get("ema_weights") is None:
                 raise ValueError("the checkpoint holds no averaged weights, but the run has ema_decay set; "
@@ -385,200 +288,156 @@ class Trainer:
             self.ema_weights.copy_(state["ema_weights"])
 
     def _save_checkpoint(self) -> None:
-        self.wall_seconds_before, self.started = self._wall_seconds(), time.perf_counter()
-        save_checkpoint(self.run_dir, self.run_id, self.step, self.state())
+        self.record.lap_clock()
+        save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step, self.state())
 
-    def _wall_seconds(self) -> float:
-        return self.wall_seconds_before + (time.perf_counter() - self.started if hasattr(self, "started") else 0.0)
+    def _stop_at_checkpoint(self, error: ShardTimeoutError) -> None:
+        """Save a checkpoint of the steps that ran and stop with a message that says how to continue."""
+        self._save_checkpoint()
+        raise ShardTimeoutError(
+            f"{error}. The run stopped at a checkpoint after step {self.step}; the ledger block it was in stays "
+            f"charged once and is not charged again; continue with: dpfleet train --resume {self.config.run_dir}"
+        ) from None
 
     # --- the run -------------------------------------------------------------
 
     def run(self) -> dict:
-        """Train the remaining planned steps and return the summary (also written to run_dir)."""
-        config, plan = self.config, self.plan
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
-        if config.seed is not None:
-            self.say(f"seeded: not for production use (seed {config.seed})")
-        self.say(
-            f"dpfleet: {config.model} on "
-            + (f"{len(config.shards)} shards" if config.shards else spec_name(config.dataset))
-            + (f" (N={plan.dataset_size})" if plan.privacy_unit == "example" else f" ({plan.dataset_size} users)")
-            + f", {plan.steps} steps, "
-            f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
-            f"{config.workers} worker(s)" + (f", resuming at step {self.step}" if self.step else "")
-        )
-        started_ray = start_ray(config, self.say) or self.started_ray
+        """Train the remaining planned steps and return the summary (also written to run_dir).
+
+        For the run's length it holds the fleet (`fleet`, without shards),
+        the noise being drawn and added (`central_noise`) and, with a
+        ledger, the clock that charges its blocks (`charge_clock`); all are
+        stopped when it ends, as is a Ray it started.
+        """
+        self.report.start(self.step)
+        started_ray = start_ray(self.config, self.say) or self.started_ray
         # The driver allocates and frees the same large buffers every step, as the workers do.
         retain_freed_memory()
-        self.noise_feed = NoiseFeed(self.noise, parameter_count(self.model))
-        # The workers are idle while the driver adds the noise: its arithmetic may take every core it has.
-        self.arithmetic = ThreadPoolExecutor(driver_threads(), thread_name_prefix="driver")
-        try:
-            # With shards the fleet holds the workers (placed while planning); `workers` stays empty.
-            workers = [] if self.shards else [self._new_worker() for _ in range(config.workers)]
-            devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
-            self.say("gradient workers on " + ", ".join(devices))
-            # The workers settled their engine on synthetic examples as they started: the start says what runs where.
-            self._report_engine(workers)
-            if not self.shards:
-                self.aggregation = NodeAggregation()
-                self._place_reducers(workers, range(len(workers)))
-            if self.ledger is not None:
-                self.charge_clock = ChargeClock(self.ledger, self._uncharged_blocks(), config.commit_interval).start()
-            self._train(workers)
-        finally:
-            if self.charge_clock is not None:
-                self.charge_clock.stop()
-            self.noise_feed.close()
-            self.arithmetic.shutdown()
-            if self.aggregation is not None:
-                self.aggregation.close()
-            if self.shards is not None:
-                self.shards.close()
+        with ExitStack() as running:
             if started_ray:
-                ray.shutdown()
+                running.callback(ray.shutdown)
+            if self.shards is not None:
+                running.callback(self.shards.close)
+            self.central_noise = running.enter_context(closing(
+                CentralNoise(self.noise, parameter_count(self.model), self.plan.steps)))
+            workers = self._start_workers(running)
+            self.charge_clock = None
+            if self.ledger is not None:
+                self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, self.record.charged_blocks),
+                                                self.config.commit_interval).start()
+                running.callback(self.charge_clock.stop)
+            self._train(workers)
         return self._finish()
+
+    def _start_workers(self, running: ExitStack) -> list:
+        """Start the gradient workers (without shards, as `fleet`), say where they run and how they clip.
+
+        Returns the workers the step hooks see: with shards the fleet holds
+        the workers (placed while planning), and the list is empty.
+        """
+        if self.shards is None:
+            self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
+        workers = [] if self.shards is not None else self.fleet.workers
+        devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
+        self.say("gradient workers on " + ", ".join(devices))
+        # The workers settled their engine on synthetic examples as they started: the start says what runs where.
+        self._report_engine(workers)
+        return workers
+
+    def _new_worker(self) -> ray.actor.ActorHandle:
+        """A new gradient worker for this run (the fleet's factory: at its start and for each replacement)."""
+        return gradient_worker(self.config)
 
     def _workers_now(self, workers: list) -> list:
         """The workers to evaluate on and ask for reports: `workers`, or the shards' workers that are up."""
         return workers if self.shards is None else self.shards.present_actors()
 
-    def _weights(self, evaluated: bool = False) -> ray.ObjectRef:
-        """The current flat float32 weights in the object store (one copy, straight from the model's buffer).
+    def _report_engine(self, workers: list) -> None:
+        """Log once how each layer's per-example gradients are computed, as the first worker to decide says."""
+        lines = engine_report(self._workers_now(workers), self.plan.microbatches)
+        if lines is None:  # no worker has had an example yet
+            return
+        self.say("clipping engine, per layer: " + "; ".join(lines))
+        self.engine_reported = True
 
-        With ``evaluated``, the weights an evaluation uses: their moving average when ``ema_decay`` is set.
-        """
-        weights = self.ema_weights if evaluated and self.ema_weights is not None else self.flat_weights
-        return ray.put(weights.numpy() if self.device.type == "cpu" else weights.cpu().numpy())
+    def _train(self, workers: list) -> None:
+        """Run every epoch that is not done, each followed by its metrics row and a checkpoint."""
+        plan = self.plan
+        self.record.restart_clock()
+        if not self.record.metrics:
+            self._record_epoch(0, workers)
+        for epoch, epoch_end in enumerate(plan.epoch_ends, start=1):
+            if epoch_end <= self.step:
+                continue
+            self._train_epoch(epoch, epoch_end, workers)
+            if epoch_end in plan.evaluation_steps:
+                self._record_epoch(epoch, workers)
+            self._save_checkpoint()
 
-    def _start_evaluation(self, workers: list, split: str, size: int) -> list[ray.ObjectRef]:
-        """Ask the workers for their parts of an evaluation over the first ``size`` examples of a split."""
-        workers = self._workers_now(workers)
-        bounds = np.linspace(0, size, len(workers) + 1).astype(int)
-        weights = self._weights(evaluated=True)
-        return [worker.evaluate.remote(weights, split, int(start), int(stop), self.config.metrics)
-                for worker, start, stop in zip(workers, bounds[:-1], bounds[1:]) if stop > start]
+    def _train_epoch(self, epoch: int, epoch_end: int, workers: list) -> None:
+        """Run the steps of epoch `epoch` (1-based) up to step `epoch_end`: its bar, rows within it, checkpoints."""
+        plan, config = self.plan, self.config
+        bar = self.report.progress_bar(epoch, epoch_end - self.step)
+        bar_started, bar_steps = time.perf_counter(), 0
+        refresh_every = max(1, (epoch_end - self.step) // 4)
+        while self.step < epoch_end:
+            self._charge_block_at(self.step)
+            self._step(workers)
+            if not self.engine_reported:
+                self._report_engine(workers)
+            bar.update(1)
+            bar_steps += 1
+            if bar_steps % refresh_every == 0:
+                bar.set_postfix(
+                    eps=f"{self.epsilon():.3f}",
+                    samples_s=f"{bar_steps * plan.expected_batch_size / (time.perf_counter() - bar_started):.0f}",
+                )
+            if self.step in plan.evaluation_steps and self.step < epoch_end:
+                self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
+                self._save_checkpoint()
+        bar.close()
 
-    @staticmethod
-    def _merge_evaluation(pending: list[ray.ObjectRef]) -> dict[str, float]:
-        """Mean loss and metrics from the workers' parts of an evaluation.
+    def _charge_block_at(self, step: int) -> None:
+        """Wait until the block that starts at `step` is charged (on the charge clock) before any of its steps run."""
+        block = block_at(self.plan.charge_ends, step)
+        if block < self.record.charged_blocks:
+            return
+        if self.shards is not None and self.config.on_shard_loss == "wait":
+            # Start a block only once every shard is up to run it (the clock charges it on its own schedule).
+            try:
+                self.shards.wait_for_all(step)
+            except ShardTimeoutError as error:
+                self._stop_at_checkpoint(error)
+        if self.charge_clock is not None:
+            try:
+                self.charge_clock.wait_for(block)
+            except LedgerTimeoutError:
+                self._save_checkpoint()
+                raise
+        self.record.charged_blocks = block + 1
 
-        Each worker returns sums over its part (loss sum, count, torchmetrics
-        states); the driver merges them and never loads an example.
-        """
-        parts = ray.get(pending)
-        merged = parts[0]["metrics"]
-        for part in parts[1:]:
-            for name, metric in part["metrics"].items():
-                merged[name].merge_state(metric)
-        result = {"loss": sum(part["loss_sum"] for part in parts) / sum(part["count"] for part in parts)}
-        return result | {name: float(metric.compute()) for name, metric in merged.items()}
-
-    def _new_worker(self):
-        config = self.config
-        # A killed worker is restarted by Ray, which re-runs its interrupted call: the call is a
-        # pure function of (weights, indices, clip norm), so the retry returns the same sum.
-        return GradientWorkerActor.options(
-            num_cpus=config.cpus_per_worker,
-            num_gpus=config.gpus_per_worker,
-            max_restarts=WORKER_RESTARTS,
-            max_task_retries=WORKER_RESTARTS,
-        ).remote(
-            config.model,
-            config.dataset,
-            config.train_subset,
-            config.max_physical_batch,
-            threads=config.cpus_per_worker,
-            data_root=config.data_root,
-            engine=config.engine,
-            loss=config.loss,
-            train_transforms=config.train_transforms,
-            augmentations_per_example=config.augmentations_per_example,
-            users=user_spec(config),
-        )
-
-    def _place_reducers(self, workers: list, indices) -> None:
-        """Learn the nodes of workers `indices` and give each node that runs several of them its reducer."""
-        indices = list(indices)
-        nodes = ray.get([workers[index].node_id.remote() for index in indices])
-        self.worker_nodes.update(zip(indices, nodes))
-        self.aggregation.place(dict(enumerate(workers)), self.worker_nodes)
-
-    def _partial_sums(
-        self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None,
-        next_shards: list[np.ndarray] | None,
-    ) -> list[np.ndarray]:
-        """The clipped sums of the workers' shards: one per node, added there, or per worker on the driver's node.
-
-        Each sum carries raw counts after it: with adaptive clipping the
-        unclipped count, then always the count of examples left out for a
-        non-finite gradient. `next_shards`, the workers' shares of the next
-        step's sample, are read ahead while the sums compute. The shards of a
-        node whose sum failed are recomputed by calling its workers one by
-        one; a worker that is gone for good is replaced.
-        """
-        clip_norm, count = self.config.layer_clip_norms or self.clip_norm, self.config.adaptive_clipping is not None
-        if self.config.privacy_unit == "user":
-            # The shards hold user numbers: each user, with all its rows, goes to one worker.
-            method, options = "user_clipped_sum", {}
-            arguments = {index: (shards[index], clip_norm, self.step) for index in range(len(workers))}
-        else:
-            groups = group_shards or [None] * len(shards)
-            upcoming = next_shards or [None] * len(shards)
-            method, options = "clipped_grad_sum", {"count_zeroed": True}
-            arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index])
-                         for index in range(len(workers))}
-        gathered = self.aggregation.gather(self.aggregation.run(dict(enumerate(workers)), self.worker_nodes,
-                                                                method, weights, arguments, options))
-        self.aggregation.forget(gathered.failed)
-        failed, replacements = gathered.failed, 0
-        while failed:
-            retried = self.aggregation.gather(self.aggregation.run(
-                dict(enumerate(workers)), self.worker_nodes, method, weights,
-                {index: arguments[index] for index in failed}, options, direct=True))
-            gathered.add(retried)
-            failed = retried.failed
-            if failed and replacements == WORKER_REPLACEMENTS:
-                raise RuntimeError(f"gradient worker(s) {failed} were lost again after {WORKER_REPLACEMENTS} "
-                                   "replacements within one step; check the workers' logs (ray logs)")
-            for index in failed:
-                self.say(f"worker {index} is gone; replacing it and recomputing its shard")
-                workers[index] = self._new_worker()
-            replacements += bool(failed)
-        if gathered.failed:
-            self._place_reducers(workers, gathered.failed)
-        self.gathered = gathered
-        return gathered.parts
+    # --- a step --------------------------------------------------------------
 
     def _step(self, workers: list) -> None:
         """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step; its times are kept."""
         started = time.perf_counter()
-        step = self.step
-        self.noise_feed.request(step)
-        if step + 1 < self.plan.steps:
-            self.noise_feed.request(step + 1)
+        self.central_noise.request(self.step)
         if self.shards is not None:
             self._shard_step()
         else:
             self._sampled_step(workers)
-        self.times = self.times.plus(time.perf_counter() - started, self.gathered.slowest_worker_seconds,
-                                     self.gathered.wait_seconds)
+        self.record.times = self.record.times.plus(time.perf_counter() - started,
+                                                   self.gathered.slowest_worker_seconds, self.gathered.wait_seconds)
 
     def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch.
-
-        Both come from PRF(run key, "sample", step): drawn again, the step gets the same sample.
-        """
+        """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`)."""
         plan = self.plan
-        generator = step_generator(self.run_key, step)
-        indices = poisson_sample(generator, plan.dataset_size, plan.sampling_rate)
-        return indices, assign_microbatches(generator, len(indices), plan.microbatches) if plan.microbatches else None
+        return step_sample(self.run_key, step, plan.dataset_size, plan.sampling_rate, plan.microbatches)
 
     def _sampled_step(self, workers: list) -> None:
         """A step of driver-sampled examples, split across `workers`; the next step's sample is drawn here too."""
-        plan = self.plan
-        step = self.step
+        plan, step = self.plan, self.step
         indices, group_ids = self.drawn_sample or self._draw_sample(step)
         self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
         weights = self._weights()
@@ -591,12 +450,10 @@ class Trainer:
         partial_sums, counts = split_counts(partial_sums, self.flat_weights.numel(), 2 if adaptive else 1)
         # Raw counts: they stay in the driver and are never logged or saved.
         self.zeroed_examples += int(counts[-1])
-        clip_norm = self.clip_norm
+        clip_norm = self.record.clip_norm
         if adaptive:
             self._adapt_clip_norm(counts[0], len(indices), group_ids)
-        # Taken after every shard is in: a recomputed shard never causes a second draw.
-        self._apply_noise(partial_sums, self.noise_feed.take(step), plan.sigma_at(step) * clip_norm)
-        self.events = self.events.then(plan.events_between(step, step + 1))
+        self._noise_and_step(partial_sums, plan.sigma_at(step) * clip_norm)
 
     def _shard_step(self) -> None:
         """One DP-SGD step with shards: each worker samples its own examples; sum, noise once, average, step.
@@ -605,74 +462,66 @@ class Trainer:
         clipped sums (and the raw zeroed count). A shard lost under "skip"
         contributes nothing; the normaliser stays q*N for the declared N.
         """
-        plan, step = self.plan, self.step
+        step, clip_norm = self.step, self.record.clip_norm
         weights = self._weights()
         try:
             self.gathered, missing = self.shards.clipped_sums(weights, step, self.config.layer_clip_norms
-                                                              or self.clip_norm)
+                                                              or clip_norm)
         except ShardTimeoutError as error:
             self._stop_at_checkpoint(error)
         partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(), 1)
         # A raw count: it stays in the driver and is never logged or saved.
         self.zeroed_examples += int(counts[-1])
-        self._record_missing_shards(step, missing)
-        # Taken after every shard is in: a recomputed shard never causes a second draw.
-        self._apply_noise(partial_sums, self.noise_feed.take(step), plan.sigma_at(step) * self.clip_norm)
-        self.events = self.events.then(plan.events_between(step, step + 1))
+        extend_outages(self.record.shard_outages, step, missing, self.config.shards)
+        self._noise_and_step(partial_sums, self.plan.sigma_at(step) * clip_norm)
 
-    def _record_missing_shards(self, step: int, missing: list[tuple[int, int]]) -> None:
-        """Extend each missing (shard, worker) slot's outage to step `step` (0-based).
+    def _partial_sums(
+        self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None,
+        next_shards: list[np.ndarray] | None,
+    ) -> list[np.ndarray]:
+        """The clipped sums of the workers' shards: one per node, added there, or per worker on the driver's node.
 
-        An outage names the shard, the worker within it (of the shard's
-        `workers`: with several, the others' examples still took part) and
-        1-based steps, inclusive.
+        Each sum carries raw counts after it: with adaptive clipping the
+        unclipped count, then always the count of examples left out for a
+        non-finite gradient. `next_shards`, the workers' shares of the next
+        step's sample, are read ahead while the sums compute. The shards of a
+        node whose sum failed are recomputed by calling its workers one by
+        one; a worker that is gone for good is replaced (`WorkerFleet.gather`).
         """
-        for shard, worker in missing:
-            open_outage = next((outage for outage in reversed(self.shard_outages)
-                                if (outage["shard"], outage["worker"]) == (shard, worker)), None)
-            if open_outage is not None and open_outage["last_step"] == step:
-                open_outage["last_step"] = step + 1
-            else:
-                spec = self.config.shards[shard]
-                self.shard_outages.append({"shard": shard, "worker": worker, "workers": spec.workers,
-                                           "resources": dict(spec.resources), "first_step": step + 1,
-                                           "last_step": step + 1})
-
-    def _stop_at_checkpoint(self, error: ShardTimeoutError) -> None:
-        """Save a checkpoint of the steps that ran and stop with a message that says how to continue."""
-        self._save_checkpoint()
-        raise ShardTimeoutError(
-            f"{error}. The run stopped at a checkpoint after step {self.step}; the ledger block it was in stays "
-            f"charged once and is not charged again; continue with: dpfleet train --resume {self.config.run_dir}"
-        ) from None
-
-    def _report_engine(self, workers: list) -> None:
-        """Log once how each layer's per-example gradients are computed, as the first worker to decide says."""
-        if self.plan.microbatches:
-            lines = ["every layer: vmap (each microbatch's mean-loss gradient)"]
+        clip_norm = self.config.layer_clip_norms or self.record.clip_norm
+        if self.config.privacy_unit == "user":
+            # The shards hold user numbers: each user, with all its rows, goes to one worker.
+            method, options = "user_clipped_sum", {}
+            arguments = {index: (shards[index], clip_norm, self.step) for index in range(len(workers))}
         else:
-            lines = next((report for report in ray.get([worker.engine_report.remote()
-                                                        for worker in self._workers_now(workers)])
-                          if report is not None), None)
-            if lines is None:  # no worker has had an example yet
-                return
-        self.say("clipping engine, per layer: " + "; ".join(lines))
-        self.engine_reported = True
+            count = self.config.adaptive_clipping is not None
+            groups = group_shards or [None] * len(shards)
+            upcoming = next_shards or [None] * len(shards)
+            method, options = "clipped_grad_sum", {"count_zeroed": True}
+            arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index])
+                         for index in range(len(workers))}
+        self.gathered = self.fleet.gather(method, weights, arguments, options)
+        return self.gathered.parts
 
     def _adapt_clip_norm(self, unclipped: float, realised_batch: int, group_ids: np.ndarray | None) -> None:
         """Move the clip norm for the next step by the noisy unclipped fraction (the raw counts stay here).
 
         `unclipped` counts examples, or with microbatches (`group_ids`) the
-        non-empty microbatches; empty ones are added here as unclipped.
+        non-empty microbatches; empty ones are added as unclipped.
         """
-        settings = self.config.adaptive_clipping
+        settings, plan = self.config.adaptive_clipping, self.plan
         count_noise = float(self.noise.draw(1, settings.count_noise_multiplier, (COUNT_NOISE, self.step))[0])
-        if group_ids is None:
-            fraction = noisy_unclipped_fraction(unclipped, realised_batch, count_noise, self.plan.expected_batch_size)
-        else:
-            empty = self.plan.microbatches - np.unique(group_ids).size
-            fraction = noisy_unclipped_microbatch_fraction(unclipped + empty, self.plan.microbatches, count_noise)
-        self.clip_norm = next_clip_norm(self.clip_norm, fraction, settings)
+        microbatches = None if group_ids is None else plan.microbatches
+        empty = 0 if group_ids is None else plan.microbatches - np.unique(group_ids).size
+        self.record.clip_norm = adapted_clip_norm(self.record.clip_norm, settings, count_noise, unclipped,
+                                                  realised_batch, plan.expected_batch_size, microbatches, empty)
+
+    def _noise_and_step(self, partial_sums: list[np.ndarray], noise_std: float) -> None:
+        """Take the step's noise, add it once (`_apply_noise`) and account the step's events."""
+        step = self.step
+        # Taken after every shard is in: a recomputed shard never causes a second draw.
+        self._apply_noise(partial_sums, self.central_noise.take(step), noise_std)
+        self.record.events = self.record.events.then(self.plan.events_between(step, step + 1))
 
     def _apply_noise(self, partial_sums: list[np.ndarray], unit_noise, noise_std: float) -> None:
         """Add the step's noise once to the sum of `partial_sums`, average by q*N, step the optimizer and LR schedule.
@@ -681,8 +530,8 @@ class Trainer:
         the clip norm. The noisy mean gradient is written straight into the
         model's flat gradient buffer.
         """
-        noisy_mean_gradient(partial_sums, unit_noise, noise_std, self.plan.contributions_per_step, self.flat_gradient,
-                            self.arithmetic)
+        self.central_noise.mean_gradient(partial_sums, unit_noise, noise_std, self.plan.contributions_per_step,
+                                         self.flat_gradient)
         if self.config.local_steps is not None:
             # DP-FedAvg: the noisy mean is a model delta, a step the server optimizer takes as minus a gradient.
             self.flat_gradient.neg_()
@@ -692,70 +541,20 @@ class Trainer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _uncharged_blocks(self) -> list[tuple[int, Composition]]:
-        """(sequence, row-level events) of each block of the plan this run has not charged, in order."""
-        ends = self.plan.charge_ends
-        return [(index, self.plan.row_level_events_between(ends[index - 1] if index else 0, end))
-                for index, end in enumerate(ends) if index >= self.charged_blocks]
+    def _weights(self, evaluated: bool = False) -> ray.ObjectRef:
+        """The current flat float32 weights in the object store (one copy, straight from the model's buffer).
 
-    def _charge_block_at(self, step: int) -> None:
-        """Wait until the block that starts at `step` is charged (on the charge clock) before any of its steps run."""
-        plan = self.plan
-        block_index = plan.charge_ends.index(next(end for end in plan.charge_ends if end > step))
-        if block_index < self.charged_blocks:
-            return
-        if self.shards is not None and self.config.on_shard_loss == "wait":
-            # Start a block only once every shard is up to run it (the clock charges it on its own schedule).
-            try:
-                self.shards.wait_for_all(step)
-            except ShardTimeoutError as error:
-                self._stop_at_checkpoint(error)
-        if self.charge_clock is not None:
-            try:
-                self.charge_clock.wait_for(block_index)
-            except LedgerTimeoutError:
-                self._save_checkpoint()
-                raise
-        self.charged_blocks = block_index + 1
+        With ``evaluated``, the weights an evaluation uses: their moving average when ``ema_decay`` is set.
+        """
+        weights = self.ema_weights if evaluated and self.ema_weights is not None else self.flat_weights
+        return ray.put(weights.numpy() if self.device.type == "cpu" else weights.cpu().numpy())
 
-    def _train(self, workers: list) -> None:
-        plan, config = self.plan, self.config
-        self.started = time.perf_counter()
-        if not self.metrics:
-            self._record_epoch(0, workers)
-        for epoch, epoch_end in enumerate(plan.epoch_ends, start=1):
-            if epoch_end <= self.step:
-                continue
-            bar = tqdm(
-                total=epoch_end - self.step,
-                desc=f"epoch {epoch}/{len(plan.epoch_ends)}",
-                unit="step",
-                disable=not self.show_progress,
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
-            bar_started, bar_steps = time.perf_counter(), 0
-            refresh_every = max(1, (epoch_end - self.step) // 4)
-            while self.step < epoch_end:
-                self._charge_block_at(self.step)
-                self._step(workers)
-                if not self.engine_reported:
-                    self._report_engine(workers)
-                bar.update(1)
-                bar_steps += 1
-                if bar_steps % refresh_every == 0:
-                    bar.set_postfix(
-                        eps=f"{self.epsilon():.3f}",
-                        samples_s=f"{bar_steps * plan.expected_batch_size / (time.perf_counter() - bar_started):.0f}",
-                    )
-                if self.step in plan.evaluation_steps and self.step < epoch_end:
-                    self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
-                if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
-                    self._save_checkpoint()
-            bar.close()
-            if epoch_end in plan.evaluation_steps:
-                self._record_epoch(epoch, workers)
-            self._save_checkpoint()
+    # --- reporting -----------------------------------------------------------
+
+    def _start_evaluation(self, workers: list, split: str, size: int) -> list[ray.ObjectRef]:
+        """Ask the workers for their parts of an evaluation over the first ``size`` examples of a split."""
+        return start_evaluation(self._workers_now(workers), self._weights(evaluated=True), split, size,
+                                self.config.metrics)
 
     def _record_epoch(self, epoch: float, workers: list) -> None:
         """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
@@ -767,81 +566,16 @@ class Trainer:
         row = {
             "epoch": epoch,
             "step": self.step,
-            **{f"test_{name}": value for name, value in self._merge_evaluation(test).items()},
+            **{f"test_{name}": value for name, value in merge_evaluation(test).items()},
             "epsilon": epsilon,
         }
         if self.non_private_train_loss:
-            row["train_loss_non_private"] = self._merge_evaluation(train)["loss"]
-        self.metrics.append(row)
-        (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in self.metrics))
-        if epoch:
-            self.say(self._epoch_line(row))
-
-    def _epoch_line(self, row: dict) -> str:
-        figures = ", ".join(f"test {name.replace('_', ' ')} {row[f'test_{name}']:.4f}"
-                            for name in (*self.config.metrics, "loss"))
-        line = (
-            f"epoch {row['epoch']:.4g}: {figures}, "
-            f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}{self._unit_label()}, delta={self.config.delta:g})"
-        )
-        if "train_loss_non_private" in row:
-            line += f", train loss {row['train_loss_non_private']:.4f} (NOT private: read from training rows)"
-        return line
-
-    def _unit_label(self) -> str:
-        """", per user" when ε protects each user rather than each row."""
-        return ", per user" if self.plan.privacy_unit == "user" else ""
+            row["train_loss_non_private"] = merge_evaluation(train)["loss"]
+        self.report.add_row(self.record.metrics, row)
 
     def _finish(self) -> dict:
-        config, plan = self.config, self.plan
-        wall_seconds = self._wall_seconds()
-        last = self.metrics[-1]
-        summary = {
-            **{key: value for key, value in last.items() if key.startswith("test_")},
-            "loss": config.loss,
-            "epsilon": self.epsilon(),
-            "epsilon_label": self.epsilon_label,
-            "epsilon_rigorous": self.accountant.rigorous,
-            "delta": config.delta,
-            "accountant": config.accountant,
-            "steps": self.step,
-            "noise_multiplier": plan.noise_multiplier,
-            "sampling_rate": plan.sampling_rate,
-            "clip_norm": config.clip_norm,
-            "final_clip_norm": self.clip_norm,
-            "batch_size": config.batch_size,
-            "epochs": self.step * config.batch_size / plan.dataset_size,
-            "dataset": spec_name(config.dataset),
-            "dataset_size": plan.dataset_size,
-            "model": config.model,
-            "workers": config.workers,
-            "wall_seconds": wall_seconds,
-            # From the expected batch size: the realised sizes are raw counts and stay inside the driver.
-            "samples_per_second": self.step * plan.expected_batch_size / wall_seconds,
-            # Means over the run's steps: like wall_seconds, timings of whole steps, never of one example.
-            **self.times.per_step(),
-            "seeded": config.seed is not None,
-            "reservation_id": None if self.ledger is None else self.ledger.reservation_id,
-            "events": self.events.to_dict(),
-        }
-        if plan.privacy_unit == "user":
-            # Each user's ε is `epsilon`; what one row reveals is bounded by the events the ledger was charged.
-            summary["privacy_unit"] = "user"
-            summary["users"] = plan.dataset_size
-            summary["row_epsilon"] = labelled_epsilon(self.accountant, plan.row_level_events_between(0, self.step),
-                                                      config.delta)[0]
-        if plan.rows_per_person is not None:
-            # Group privacy: what the events so far reveal about a person of at most this many rows.
-            summary["rows_per_person"] = plan.rows_per_person
-            summary["user_epsilon"] = labelled_epsilon(self.accountant, group_events(self.events, plan.rows_per_person),
-                                                       config.delta)[0]
-        if config.shards:
-            summary["shards"] = len(config.shards)
-            summary["shard_outages"] = self.shard_outages
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-        plot_curves(self.metrics, self.run_dir / "curves.png",
-                    f"{self.epsilon_label} epsilon at delta={config.delta:g}", config.metrics[0])
-        return summary
+        """The run's summary (`RunReport.finish`)."""
+        return self.report.finish(self.record, None if self.ledger is None else self.ledger.reservation_id)
 
 
 def resume_trainer(run_dir: str, **options) -> Trainer:
@@ -867,26 +601,3 @@ def resume_trainer(run_dir: str, **options) -> Trainer:
     trainer.bound_config = written
     trainer.load_state(state)
     return trainer
-
-
-def check_checkpoint_version(state: dict, path: Path | None = None) -> None:
-    """Refuse a checkpoint of another format: those of version 1 held the run's secrets and no binding to its data.
-
-    A version 1 checkpoint kept the noise's root entropy and the sampler's
-    state, from which every step's noise and sample can be recomputed, and
-    nothing to check that a resume is the same run. It is refused rather
-    than resumed without them: the run cannot be shown to continue on the
-    same data, and the file itself should not be kept.
-    """
-    version = state.get("version")
-    if version == CHECKPOINT_VERSION:
-        return
-    where = f" {str(path)!r}" if path is not None else ""
-    if version == 1:
-        raise UsageError(
-            f"checkpoint{where} is of version 1, which holds the run's noise and sampling secrets and no binding "
-            "to its data, and cannot be resumed: delete it (anyone who reads it can recompute every step's noise "
-            "and sample) and start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
-        )
-    raise UsageError(f"checkpoint{where} is of version {version!r}; this dpfleet reads version {CHECKPOINT_VERSION} "
-                     "only: resume with the dpfleet that wrote it, or start a new run")

@@ -178,7 +178,7 @@ def write_run(run_dir, config, trainer):
     """A run directory as a run leaves it: config.json and a checkpoint of `trainer` after 0 steps."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
-    save_checkpoint(run_dir, trainer.run_id, 0, trainer.state())
+    save_checkpoint(run_dir, trainer.record.run_id, 0, trainer.state())
 
 
 def test_a_resume_with_another_config_is_refused_naming_what_differs(tmp_path):
@@ -198,7 +198,7 @@ def test_a_resume_with_another_config_is_refused_naming_what_differs(tmp_path):
     # The same config (on more workers) resumes, as the run it is, under its own id.
     (tmp_path / "run" / "config.json").write_text(json.dumps({**config.to_dict(), "workers": 1}))
     resumed = resume_trainer(str(tmp_path / "run"), show_progress=False)
-    assert resumed.run_id == latest_checkpoint(tmp_path / "run")[1]["run_id"]
+    assert resumed.record.run_id == latest_checkpoint(tmp_path / "run")[1]["run_id"]
 
 
 def test_a_resume_on_changed_data_is_refused(tmp_path):

@@ -65,7 +65,7 @@ def test_noise_is_scaled_to_the_total_sensitivity_and_every_parameter_needs_a_gr
     config = build_config(dict(steps=2, batch_size=10, train_subset=100, noise_multiplier=1.2,
                                layer_clip_norms={"0": 0.3, "3": 0.4, "7": 1.2, "9": 0.1}, run_dir=str(tmp_path)))
     trainer = Trainer(config, show_progress=False)
-    assert trainer.clip_norm == pytest.approx(math.sqrt(0.09 + 0.16 + 1.44 + 0.01))
+    assert trainer.record.clip_norm == pytest.approx(math.sqrt(0.09 + 0.16 + 1.44 + 0.01))
     missing = build_config(dict(steps=2, batch_size=10, train_subset=100, noise_multiplier=1.2,
                                 layer_clip_norms={"0": 0.3, "3": 0.4}, run_dir=str(tmp_path)))
     with pytest.raises(UsageError, match="no clip norm to 7.weight, 7.bias, 9.weight, 9.bias"):

@@ -112,9 +112,9 @@ def test_the_driver_loads_no_example_for_training_or_evaluation(local_ray, tmp_p
     summary = trainer.run()
     assert 0.0 <= summary["test_accuracy"] <= summary["test_top5_accuracy"] <= 1.0
     assert np.isfinite(summary["test_loss"])
-    assert [row["step"] for row in trainer.metrics] == [0, 2, 3]
-    assert [row["epoch"] for row in trainer.metrics] == [0, 2 * 60 / 600, 1]
-    assert all(np.isfinite(row["train_loss_non_private"]) for row in trainer.metrics)
+    assert [row["step"] for row in trainer.record.metrics] == [0, 2, 3]
+    assert [row["epoch"] for row in trainer.record.metrics] == [0, 2 * 60 / 600, 1]
+    assert all(np.isfinite(row["train_loss_non_private"]) for row in trainer.record.metrics)
 
 
 def test_transforms_apply_to_each_example_on_its_own_and_examples_are_never_mixed():

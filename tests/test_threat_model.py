@@ -131,7 +131,7 @@ def test_driver_sampling_finished_and_resumed_runs_leave_nothing_that_recomputes
     found = harvest(left_behind(tmp_path))
     # The attacker did read the files: every checkpoint's tensors, and the integers of the logs, metrics and summary.
     assert {Path(where.split("[")[0]).name for _, where in found.float_arrays} >= {
-        f"checkpoint-{crashed.run_id}-{step:09d}.pt" for step in (CRASH_AT, STEPS)}
+        f"checkpoint-{crashed.record.run_id}-{step:09d}.pt" for step in (CRASH_AT, STEPS)}
     assert len(found.integers) > 20
     assert attack(found, finished_truth) == [] and attack(found, resumed_truth) == []
     # Nor does any file hold a training example, as the workers read it.

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import orchestrator.trainer as trainer_module
+import orchestrator.sampling as sampling_module
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
 from orchestrator.adaptive_clipping import effective_noise_multiplier
@@ -19,7 +19,8 @@ from orchestrator.config import build_config
 from orchestrator.noise import GRADIENT_NOISE, GaussianNoise
 from orchestrator.checkpoint import latest_checkpoint
 from orchestrator.sampling import assign_microbatches, poisson_sample, step_generator, worker_shares
-from orchestrator.trainer import BREAKDOWN, Trainer, init_local_ray, resume_trainer
+from orchestrator.run_record import BREAKDOWN
+from orchestrator.trainer import Trainer, init_local_ray, resume_trainer
 from accounting.ledger.store import open_embedded_ledger
 from servers import TINY_JOB
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
@@ -98,7 +99,7 @@ def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, tmp_path):
 
 
 def test_an_empty_batch_still_adds_noise_and_steps(local_ray, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer_module, "poisson_sample", lambda *args: np.array([], dtype=np.int64))
+    monkeypatch.setattr(sampling_module, "poisson_sample", lambda *args: np.array([], dtype=np.int64))
     config = small_config(tmp_path, steps=1, optimizer="sgd")
     log = io.StringIO()
     trainer = NoiseRecordingTrainer(config, show_progress=False, out=log)

@@ -7,6 +7,8 @@ clip arithmetic of ``workers.clipping`` and run in IEEE float32.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +102,64 @@ def check_views(inputs: torch.Tensor, augmentations: int) -> None:
                          f"(got shape {tuple(inputs.shape)}); stack each example's views along dimension 1")
 
 
+def per_example_gradients(
+    model: nn.Module, params: dict[str, torch.Tensor], fixed: dict[str, torch.Tensor], loss_fn: LossFunction,
+    augmentations: int, device: torch.device,
+) -> Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+    """A function of (inputs, labels) giving each example's gradient per trainable parameter, as [n, ...] tensors.
+
+    The parameters are `params` (trainable) and `fixed`; an example's loss
+    is as in `per_example_clipped_sum`. The gradients come from one vmapped
+    grad, or, for a loss torch.func cannot batch, through the outputs'
+    gradients taken outside vmap (a class loss has no such fallback: its
+    error is raised).
+    """
+
+    def example_outputs(trainable_params, example):
+        # One example's outputs [1, ...], or with K views [K, ...]: the K views run as one batch.
+        views = example.unsqueeze(0) if augmentations == 1 else example
+        return functional_call(model, (trainable_params, fixed), (views,))
+
+    def example_loss(trainable_params, example, label):
+        # Each view's loss is the loss of a batch of one, as for a single example.
+        outputs = example_outputs(trainable_params, example)
+        return per_example_losses(loss_fn, outputs, label.expand(outputs.shape[0], *label.shape)).mean()
+
+    def output_dot(trainable_params, example, output_gradient):
+        return (example_outputs(trainable_params, example) * output_gradient).sum()
+
+    # randomness="different" gives each example its own dropout mask, as a
+    # plain per-example loop would.
+    per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
+
+    def through_output_gradients(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-example gradients for a loss torch.func cannot batch: its output gradients are taken outside vmap.
+
+        Each example's outputs come from one vmapped forward; the loss's
+        gradient at them from autograd over ``per_example_losses`` (which then
+        runs one example at a time); the parameters' gradients from a second
+        vmapped pass that draws the same random numbers as the first.
+        """
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            outputs = vmap(example_outputs, in_dims=(None, 0), randomness="different")(params, chunk)
+        views = outputs.shape[1]
+        leaf = outputs.detach().requires_grad_()
+        with torch.enable_grad():
+            losses = per_example_losses(loss_fn, leaf.flatten(0, 1), chunk_labels.repeat_interleave(views, 0))
+            (output_gradients,) = torch.autograd.grad(losses.reshape(-1, views).mean(1).sum(), leaf)
+        return vmap(grad(output_dot), in_dims=(None, 0, 0), randomness="different")(params, chunk, output_gradients)
+
+    def gradients(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        try:
+            return per_example_grads(params, chunk, chunk_labels)
+        except RuntimeError:
+            if class_loss_of(loss_fn) is not None:
+                raise
+            return through_output_gradients(chunk, chunk_labels)
+
+    return gradients
+
+
 @keeps_buffers
 @in_ieee_float32
 def per_example_clipped_sum(
@@ -145,41 +205,7 @@ def per_example_clipped_sum(
         return (empty, {}) if return_norms else empty
 
     check_views(inputs, augmentations)
-
-    def example_outputs(trainable_params, example):
-        # One example's outputs [1, ...], or with K views [K, ...]: the K views run as one batch.
-        views = example.unsqueeze(0) if augmentations == 1 else example
-        return functional_call(model, (trainable_params, fixed), (views,))
-
-    def example_loss(trainable_params, example, label):
-        # Each view's loss is the loss of a batch of one, as for a single example.
-        outputs = example_outputs(trainable_params, example)
-        return per_example_losses(loss_fn, outputs, label.expand(outputs.shape[0], *label.shape)).mean()
-
-    def output_dot(trainable_params, example, output_gradient):
-        return (example_outputs(trainable_params, example) * output_gradient).sum()
-
-    # randomness="different" gives each example its own dropout mask, as a
-    # plain per-example loop would.
-    per_example_grads = vmap(grad(example_loss), in_dims=(None, 0, 0), randomness="different")
-
-    def through_output_gradients(chunk: torch.Tensor, chunk_labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-example gradients for a loss torch.func cannot batch: its output gradients are taken outside vmap.
-
-        Each example's outputs come from one vmapped forward; the loss's
-        gradient at them from autograd over ``per_example_losses`` (which then
-        runs one example at a time); the parameters' gradients from a second
-        vmapped pass that draws the same random numbers as the first.
-        """
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            outputs = vmap(example_outputs, in_dims=(None, 0), randomness="different")(params, chunk)
-        views = outputs.shape[1]
-        leaf = outputs.detach().requires_grad_()
-        with torch.enable_grad():
-            losses = per_example_losses(loss_fn, leaf.flatten(0, 1), chunk_labels.repeat_interleave(views, 0))
-            (output_gradients,) = torch.autograd.grad(losses.reshape(-1, views).mean(1).sum(), leaf)
-        return vmap(grad(output_dot), in_dims=(None, 0, 0), randomness="different")(params, chunk, output_gradients)
-
+    gradients = per_example_gradients(model, params, fixed, loss_fn, augmentations, device)
     sums = {name: torch.zeros(parameter.shape, dtype=torch.float32, device=device) for name, parameter in trainable}
     norms: dict[str, list[torch.Tensor]] = {name: [] for name, _ in trainable}
     inputs = inputs.to(device)
@@ -188,12 +214,7 @@ def per_example_clipped_sum(
         # torch.func can batch recurrent layers unrolled step by step, not their fused kernels.
         chunk, chunk_labels = inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
         with unrolled_recurrences(model):
-            try:
-                grads = per_example_grads(params, chunk, chunk_labels)
-            except RuntimeError:
-                if class_loss_of(loss_fn) is not None:
-                    raise
-                grads = through_output_gradients(chunk, chunk_labels)
+            grads = gradients(chunk, chunk_labels)
         squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
         finite = torch.stack(list(squared.values())).sum(0).isfinite()
         factors = clip_factors_by_parameter(squared, clip_norm)

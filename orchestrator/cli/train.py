@@ -267,7 +267,7 @@ def charge_line(trainer: Trainer, status, blocks: tuple[str, ...]) -> str:
     """What the job is charged, in the filter's ε at each budget, beside its ε by the run's accountant."""
     config = trainer.config
     charges = ", ".join(f"{epsilon:.4g} on {name}" for name, epsilon in filter_charges(trainer.plan, status, blocks))
-    epsilon, shown = labelled_epsilon(trainer.accountant, trainer.plan.planned_events, config.delta)
+    epsilon, shown = labelled_epsilon(trainer.report.accountant, trainer.plan.planned_events, config.delta)
     return (f"charged filter ε {charges} (at the budget's δ); the run's ε {epsilon:.4g} ({shown}, "
             f"delta={config.delta:g})")
 

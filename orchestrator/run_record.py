@@ -1,0 +1,104 @@
+"""What a run has done, besides its weights: the part of a checkpoint that the training loop advances."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from accounting.events import Composition
+
+# The breakdown of a step's wall time, per step, averaged over the whole run in the summary: a step's own time
+# tracks its realised batch size, so timings never go into the per-row metrics.
+BREAKDOWN = ("driver_seconds_per_step", "worker_seconds_per_step", "wait_seconds_per_step")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds over a number of steps: the driver's own, the slowest worker's in its call, the driver's wait.
+
+    The driver's own time is a step's wall time minus its wait for the
+    workers' sums: what the workers wait for between steps.
+    """
+
+    steps: int = 0
+    driver: float = 0.0
+    worker: float = 0.0
+    wait: float = 0.0
+
+    def plus(self, wall: float, worker: float, wait: float) -> StepTimes:
+        """These times and one more step's."""
+        return StepTimes(self.steps + 1, self.driver + wall - wait, self.worker + worker, self.wait + wait)
+
+    def minus(self, earlier: StepTimes) -> StepTimes:
+        """The steps since `earlier`, a copy of these times taken then."""
+        return StepTimes(self.steps - earlier.steps, self.driver - earlier.driver, self.worker - earlier.worker,
+                         self.wait - earlier.wait)
+
+    def per_step(self) -> dict[str, float]:
+        """The BREAKDOWN means, in seconds per step (empty with no steps)."""
+        if not self.steps:
+            return {}
+        return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
+
+
+@dataclass
+class RunRecord:
+    """What a run has done, besides its weights: what a checkpoint carries of it, with the run's wall clock.
+
+    Nothing here is secret or raw: the events, the metrics rows (noisy), the
+    number of ledger blocks charged, the (noisily adapted) clip norm, the
+    shards' outages and whole-step timings. A new run's id names its
+    checkpoints; a resume takes the id of the run it continues.
+    """
+
+    clip_norm: float
+    run_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    events: Composition = field(default_factory=Composition)
+    metrics: list[dict] = field(default_factory=list)
+    charged_blocks: int = 0
+    shard_outages: list[dict] = field(default_factory=list)
+    times: StepTimes = field(default_factory=StepTimes)
+    wall_seconds_before: float = 0.0
+    # perf_counter() when the clock last started: the record's creation, the start of training, or a checkpoint.
+    clock_started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def step(self) -> int:
+        """Steps run so far."""
+        return self.events.steps
+
+    def wall_seconds(self) -> float:
+        """Seconds the run has trained, over every start of it."""
+        return self.wall_seconds_before + time.perf_counter() - self.clock_started
+
+    def restart_clock(self) -> None:
+        """Count from now (training starts): the time since the last count is not the run's."""
+        self.clock_started = time.perf_counter()
+
+    def lap_clock(self) -> None:
+        """Fold the time so far into `wall_seconds_before` (a checkpoint is written)."""
+        self.wall_seconds_before, self.clock_started = self.wall_seconds(), time.perf_counter()
+
+    def to_state(self) -> dict[str, Any]:
+        """The record as a checkpoint's keys."""
+        return {
+            "run_id": self.run_id,
+            "step": self.step,
+            "events": self.events.to_dict(),
+            "metrics": self.metrics,
+            "charged_blocks": self.charged_blocks,
+            "clip_norm": self.clip_norm,
+            "wall_seconds": self.wall_seconds(),
+            "shard_outages": self.shard_outages,
+            "step_times": asdict(self.times),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RunRecord:
+        """The record a checkpoint's state carries (see `to_state`); its clock starts now."""
+        return cls(clip_norm=state["clip_norm"], run_id=state["run_id"], events=Composition.from_dict(state["events"]),
+                   metrics=list(state["metrics"]), charged_blocks=state["charged_blocks"],
+                   shard_outages=list(state.get("shard_outages", [])), times=StepTimes(**state.get("step_times", {})),
+                   wall_seconds_before=state["wall_seconds"])
