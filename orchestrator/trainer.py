@@ -198,8 +198,7 @@ class Trainer:
                                 else config.clip_norm)
         # The reservation {"id", "dataset"} a resumed run continues under, as its checkpoint recorded it.
         self.resumed_reservation: dict | None = None
-        # Raw counts and the last step's sums: they stay in the driver and are never logged or saved.
-        self.zeroed_examples = 0
+        # The last step's sums: they stay in the driver and are never logged or saved.
         self.gathered = Gathered()
         self.engine_reported = False
 
@@ -448,8 +447,7 @@ class Trainer:
         partial_sums = self._partial_sums(workers, weights, shards, group_shards, next_shards)
         adaptive = self.config.adaptive_clipping is not None
         partial_sums, counts = split_counts(partial_sums, self.flat_weights.numel(), 2 if adaptive else 1)
-        # Raw counts: they stay in the driver and are never logged or saved.
-        self.zeroed_examples += int(counts[-1])
+        # The last count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3).
         clip_norm = self.record.clip_norm
         if adaptive:
             self._adapt_clip_norm(counts[0], len(indices), group_ids)
@@ -470,8 +468,7 @@ class Trainer:
         except ShardTimeoutError as error:
             self._stop_at_checkpoint(error)
         partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(), 1)
-        # A raw count: it stays in the driver and is never logged or saved.
-        self.zeroed_examples += int(counts[-1])
+        # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3).
         extend_outages(self.record.shard_outages, step, missing, self.config.shards)
         self._noise_and_step(partial_sums, self.plan.sigma_at(step) * clip_norm)
 
