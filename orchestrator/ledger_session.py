@@ -2,7 +2,7 @@
 
 The ledger is either a `dpfleet ledger serve` server (`--ledger HOST:PORT`,
 or DPFLEET_LEDGER) or, by default, the embedded SQLite ledger used in-process
-through the same core.
+through the same admission code as a server.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def ledger_from_flags(args: argparse.Namespace) -> PrivacyLedger:
 
 
 def _ledger_number(flag: str, text: str, check: Callable[[float], float]) -> float:
-    """A number given on the command line, range-checked by the ledger core's own check (a server's too)."""
+    """A number given on the command line, range-checked by the ledger's own validation (a server's too)."""
     try:
         return check(float(text))
     except ValueError:  # float() of text that is not a number
