@@ -20,46 +20,26 @@ and the noisy fraction is (count + noise) / G.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Literal
 
-from orchestrator import checks
-from orchestrator.errors import UsageError
+from pydantic import Field
+
+from orchestrator.table import table
 
 UPDATES = ("geometric", "linear")
 
 
-@dataclass(frozen=True)
+@table
 class AdaptiveClipping:
     """Target quantile gamma, clip learning rate eta, update rule, and the count's noise sigma_b."""
 
-    target_quantile: float = 0.5
-    learning_rate: float = 0.2
-    update: str = "geometric"
-    count_noise_multiplier: float = 10.0
-
-
-def parse_adaptive_clipping(value: Any) -> AdaptiveClipping | None:
-    """Validate the `adaptive_clipping` config table (None or false: off)."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        value = {}
-    if not isinstance(value, Mapping):
-        raise UsageError(f"adaptive_clipping must be a table or true/false (got {value!r})")
-    allowed = {"target_quantile", "learning_rate", "update", "count_noise_multiplier"}
-    unknown = set(value) - allowed
-    if unknown:
-        raise UsageError(f"adaptive_clipping takes {', '.join(sorted(allowed))}; unknown: {', '.join(sorted(unknown))}")
-    target = checks.positive_number("adaptive_clipping.target_quantile", value.get("target_quantile", 0.5))
-    if target >= 1.0:
-        raise UsageError(f"adaptive_clipping.target_quantile must be in (0, 1) (got {target:g})")
-    return AdaptiveClipping(
-        target,
-        checks.positive_number("adaptive_clipping.learning_rate", value.get("learning_rate", 0.2)),
-        checks.one_of("adaptive_clipping.update", value.get("update", "geometric"), UPDATES),
-        checks.positive_number("adaptive_clipping.count_noise_multiplier", value.get("count_noise_multiplier", 10.0)),
-    )
+    target_quantile: float = Field(
+        0.5, gt=0, lt=1, description="γ: the fraction of per-example gradient norms the clip norm aims to sit above.")
+    learning_rate: float = Field(0.2, gt=0, description="η: how far one step moves the clip norm.")
+    update: Literal[UPDATES] = Field(
+        "geometric", description="How the clip norm moves: geometric C·exp(-η(b - γ)), or linear C - η(b - γ).")
+    count_noise_multiplier: float = Field(
+        10.0, gt=0, description="σ_b: the standard deviation of the noise on the centred unclipped count.")
 
 
 def effective_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:

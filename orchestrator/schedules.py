@@ -10,18 +10,18 @@ block form is exact for what it runs.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Literal
+
+from pydantic import Field
 
 from accounting.events import Composition, SampledGaussian
-from orchestrator import checks
-from orchestrator.errors import UsageError
+from orchestrator.table import table
 
 NOISE_SCHEDULES = ("constant", "exponential", "step", "linear")
 LR_SCHEDULES = ("constant", "cosine", "step", "exponential")
 
 
-@dataclass(frozen=True)
+@table
 class NoiseSchedule:
     """How sigma changes between blocks of `every` steps (None: one epoch per block).
 
@@ -31,53 +31,21 @@ class NoiseSchedule:
     - linear: sigma_k goes linearly from sigma to sigma * final_ratio over the blocks
     """
 
-    kind: str = "constant"
-    decay: float = 1.0
-    step_size: int = 1
-    final_ratio: float = 1.0
-    every: int | None = None
+    kind: Literal[NOISE_SCHEDULES] = Field("constant", description="How σ changes from one block to the next.")
+    decay: float = Field(
+        1.0, gt=0, description="exponential: σ·decay^k in block k; step: σ·decay^⌊k/step_size⌋.")
+    step_size: int = Field(1, ge=1, description="step: blocks between two decays.")
+    final_ratio: float = Field(1.0, gt=0, description="linear: the last block's σ over the first's.")
+    every: int | None = Field(None, ge=1, description="Steps a block (none: one epoch).")
 
 
-@dataclass(frozen=True)
+@table
 class LearningRateSchedule:
     """How the learning rate changes per step: post-processing, free of privacy cost."""
 
-    kind: str = "constant"
-    gamma: float = 1.0
-    step_size: int = 1
-
-
-def _table(name: str, value: Any, allowed: set[str]) -> dict:
-    if isinstance(value, str):
-        value = {"kind": value}
-    if not isinstance(value, Mapping):
-        raise UsageError(f"{name} must be a kind name or a table with a 'kind' key (got {value!r})")
-    unknown = set(value) - allowed - {"kind"}
-    if unknown:
-        raise UsageError(f"{name} takes kind, {', '.join(sorted(allowed))}; unknown: {', '.join(sorted(unknown))}")
-    return dict(value)
-
-
-def parse_noise_schedule(value: Any) -> NoiseSchedule:
-    """Validate the `noise_schedule` config value."""
-    table = _table("noise_schedule", value, {"decay", "step_size", "final_ratio", "every"})
-    kind = checks.one_of("noise_schedule.kind", table.get("kind", "constant"), NOISE_SCHEDULES)
-    decay = checks.positive_number("noise_schedule.decay", table.get("decay", 1.0))
-    final_ratio = checks.positive_number("noise_schedule.final_ratio", table.get("final_ratio", 1.0))
-    step_size = checks.integer_at_least("noise_schedule.step_size", table.get("step_size", 1), 1)
-    every = table.get("every")
-    if every is not None:
-        every = checks.integer_at_least("noise_schedule.every", every, 1)
-    return NoiseSchedule(kind, decay, step_size, final_ratio, every)
-
-
-def parse_lr_schedule(value: Any) -> LearningRateSchedule:
-    """Validate the `lr_schedule` config value."""
-    table = _table("lr_schedule", value, {"gamma", "step_size"})
-    kind = checks.one_of("lr_schedule.kind", table.get("kind", "constant"), LR_SCHEDULES)
-    gamma = checks.positive_number("lr_schedule.gamma", table.get("gamma", 1.0))
-    step_size = checks.integer_at_least("lr_schedule.step_size", table.get("step_size", 1), 1)
-    return LearningRateSchedule(kind, gamma, step_size)
+    kind: Literal[LR_SCHEDULES] = Field("constant", description="How the learning rate changes per step.")
+    gamma: float = Field(1.0, gt=0, description="step and exponential: the factor the learning rate is multiplied by.")
+    step_size: int = Field(1, ge=1, description="step: steps between two multiplications by gamma.")
 
 
 def noise_blocks(

@@ -9,9 +9,8 @@ from orchestrator.adaptive_clipping import (
     next_clip_norm,
     noisy_unclipped_fraction,
     noisy_unclipped_microbatch_fraction,
-    parse_adaptive_clipping,
 )
-from orchestrator.config import build_config
+from orchestrator.config import build_config, parse_adaptive_clipping
 from orchestrator.errors import UsageError
 from orchestrator.sampling import assign_microbatches, make_generator, poisson_sample
 from orchestrator.planning import plan_run

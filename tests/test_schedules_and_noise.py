@@ -12,7 +12,7 @@ from dp_accounting import pld, rdp
 from scipy import stats
 
 from accounting.accountants import RDP_ORDERS, get_accountant
-from orchestrator.config import build_config
+from orchestrator.config import build_config, parse_noise_schedule
 from orchestrator.errors import UsageError
 from orchestrator.noise import (
     CHUNK_VALUES,
@@ -27,7 +27,6 @@ from orchestrator.schedules import (
     LearningRateSchedule,
     NoiseSchedule,
     noise_blocks,
-    parse_noise_schedule,
     schedule_events,
 )
 from orchestrator.planning import plan_run

@@ -61,6 +61,9 @@ def json_schema() -> dict:
     """
     schema = TrainConfig.model_json_schema(mode="validation")
     defaults = {key.name: key.literal for key in documented_keys()}
+    for table in schema.get("$defs", {}).values():  # the sub-tables' keys keep their defaults
+        for properties in table.get("properties", {}).values():
+            properties.pop("x-dpfleet", None)
     for name, properties in schema["properties"].items():
         properties.pop("x-dpfleet", None)
         properties.pop("default", None)

@@ -78,11 +78,23 @@ def bounds(field: FieldInfo) -> dict[str, float]:
     return found
 
 
+def _interval(limits: dict[str, float]) -> str | None:
+    """Bounds on both sides as an interval: ``in (0, 1)``, ``in [0, 1)``; None unless both sides are bounded."""
+    low = [(name, limits[name]) for name in ("gt", "ge") if name in limits]
+    high = [(name, limits[name]) for name in ("lt", "le") if name in limits]
+    if not (low and high):
+        return None
+    (low_name, low_value), (high_name, high_value) = low[0], high[0]
+    return (f"in {'(' if low_name == 'gt' else '['}{low_value:g}, {high_value:g}"
+            f"{')' if high_name == 'lt' else ']'}")
+
+
 def range_text(field: FieldInfo) -> str:
     """The valid range as the errors word it: ``an integer >= 1``, ``> 0``, ``>= 0``, ``in (0, 1)``."""
     limits = bounds(field)
-    if "gt" in limits and "lt" in limits:
-        return f"in ({limits['gt']:g}, {limits['lt']:g})"
+    interval = _interval(limits)
+    if interval:
+        return interval
     words = [f"{symbol} {limits[name]:g}" for name, symbol in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
              if name in limits]
     text = " and ".join(words)
@@ -101,7 +113,35 @@ def valid_text(field: FieldInfo) -> str:
     if value_type(field) is bool:
         return "`true` or `false`"
     limits = bounds(field)
-    if "gt" in limits and "lt" in limits:
-        return f"in ({limits['gt']:g}, {limits['lt']:g})"
+    interval = _interval(limits)
+    if interval:
+        return interval
     symbols = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"))
     return ", ".join(f"{symbol} {limits[name]:g}" for name, symbol in symbols if name in limits)
+
+
+def _shown_default(value: Any) -> str:
+    """A sub-table key's default as the references show it (Markdown)."""
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    return f"{value:g}" if isinstance(value, (int, float)) else str(value)
+
+
+def table_text(table: type) -> str:
+    """A sub-table's keys as the references show them (Markdown), read from its declaration.
+
+    Each key with its range or choices and its default, e.g.
+    ``{ kind, decay, ... }`` with ``decay`` > 0 (default 1).
+    """
+    fields = table.__pydantic_fields__
+    described = []
+    for name, field in fields.items():
+        valid = valid_text(field)
+        shown = documentation(field).get("default")
+        default = (f"default {shown}" if shown else "" if field.default is None
+                   else f"default {_shown_default(field.default)}")
+        details = "; ".join(part for part in (valid, default) if part)
+        described.append(f"`{name}`" + (f" ({details})" if details else ""))
+    return f"`{{ {', '.join(fields)} }}` with " + ", ".join(described)

@@ -46,16 +46,49 @@ def _field_message(name: str, field: FieldInfo, error: dict) -> str:
             return f"{name} must be a whole number (got {number:g})"
     if kind in ("int_parsing", "int_from_float", "int_type", "float_parsing", "float_type"):
         return f"{name} must be a number (got {value!r})"
+    if kind in ("dataclass_type", "dataclass_exact_type", "dict_type", "model_type"):
+        return f"{name} must be a table (got {value!r})"
     return f"{name}: {error['msg']} (got {value!r})"
 
 
+def _located(location: tuple) -> tuple[str, FieldInfo | None, type | None]:
+    """Where in the config a problem lies: its key path (``adaptive_clipping.target_quantile``), the field declared
+    there, and the sub-table that declares it (None for a top-level key)."""
+    field, table = TrainConfig.model_fields[location[0]], None
+    path = [str(location[0])]
+    for part in location[1:]:
+        inner = getattr(value_type(field), "__pydantic_fields__", None)
+        if not isinstance(part, str) or inner is None or part not in inner:
+            break
+        table, field = value_type(field), inner[part]
+        path.append(part)
+    return ".".join(path), field, table
+
+
+def _unknown_in_tables(unknown: dict[str, list[str]]) -> list[tuple[str, UsageError]]:
+    """One error per sub-table given keys it does not declare: the keys it takes, and the unknown ones."""
+    found = []
+    for path, names in unknown.items():
+        table = value_type(_located(tuple(path.split(".")))[1])
+        takes = ", ".join(table.__pydantic_fields__)
+        found.append((path.split(".")[0],
+                      UsageError(f"{path} takes {takes}; unknown: {', '.join(sorted(names))}")))
+    return found
+
+
 def problem_lines(error: ValidationError) -> list[tuple[str | None, UsageError]]:
-    """(the key, or None for a rule between keys, and its UsageError) for every problem pydantic found."""
-    found, unknown = [], []
+    """(the key, or None for a rule between keys, and its UsageError) for every problem pydantic found.
+
+    A problem inside a sub-table names its key path, ``optimizer.betas``; the key is the top-level one.
+    """
+    found, unknown, unknown_in_tables = [], [], {}
     for item in error.errors():
         location = item["loc"]
-        if item["type"] == "extra_forbidden":
+        if item["type"] == "extra_forbidden" and len(location) == 1:
             unknown.append(str(location[0]))
+            continue
+        if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a sub-table's word for it
+            unknown_in_tables.setdefault(_located(location[:-1])[0], []).append(str(location[-1]))
             continue
         name = str(location[0]) if location else None
         cause = item.get("ctx", {}).get("error")
@@ -66,7 +99,9 @@ def problem_lines(error: ValidationError) -> list[tuple[str | None, UsageError]]
         elif isinstance(cause, ValueError):
             found.append((name, UsageError(str(cause))))
         else:
-            found.append((name, UsageError(_field_message(name, TrainConfig.model_fields[name], item))))
+            path, field, _ = _located(location)
+            found.append((name, UsageError(_field_message(path, field, item))))
+    found += _unknown_in_tables(unknown_in_tables)
     if unknown:
         found.insert(0, (None, UsageError(
             f"unknown config key(s): {', '.join(sorted(unknown))}; valid keys: {', '.join(sorted(KEYS))}"

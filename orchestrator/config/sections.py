@@ -9,27 +9,22 @@ is how the references group them and where its keys are declared.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping
+from functools import partial
+from typing import Annotated, Any, ClassVar, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from accounting.accountants import ACCOUNTANTS
 from accounting.lazy import LazyModule
 from orchestrator import checks
-from orchestrator.adaptive_clipping import UPDATES, AdaptiveClipping, parse_adaptive_clipping
-from orchestrator.config.fields import key, value_type
+from orchestrator.adaptive_clipping import AdaptiveClipping
+from orchestrator.config.fields import key, table_text, value_type
 from orchestrator.errors import UsageError
-from orchestrator.schedules import (
-    LR_SCHEDULES,
-    NOISE_SCHEDULES,
-    LearningRateSchedule,
-    NoiseSchedule,
-    parse_lr_schedule,
-    parse_noise_schedule,
-)
+from orchestrator.schedules import LR_SCHEDULES, NOISE_SCHEDULES, LearningRateSchedule, NoiseSchedule
 from orchestrator.shard_config import DEFAULT_ON_SHARD_LOSS, DEFAULT_SHARD_TIMEOUT, SHARD_LOSS_POLICIES, parse_shards
+from orchestrator.table import table
 from workers import names
 
 # The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help,
@@ -51,20 +46,56 @@ _OPTIMIZER_PARAMETERS = {
 }
 
 
-@dataclass(frozen=True)
+_UNIT = Annotated[float, Field(ge=0, lt=1)]
+_MOMENTUM = 0.9  # torch's SGD has no momentum by default; the `momentum` optimizer has this
+
+
+@table
 class OptimizerConfig:
-    """Which torch optimizer post-processes the noisy mean gradient, and its parameters."""
+    """Which torch optimizer post-processes the noisy mean gradient, and the parameters given it (none: torch's)."""
 
-    name: str = "sgd"
-    parameters: Mapping[str, Any] = field(default_factory=dict)
+    name: Literal[OPTIMIZERS] = Field("sgd", description="The torch optimizer.")
+    momentum: float | None = key(None, "momentum: the momentum factor.", shown_default=f"{_MOMENTUM:g}",
+                                      ge=0, lt=1)
+    nesterov: bool | None = Field(None, strict=True, description="momentum: Nesterov momentum.")
+    betas: tuple[_UNIT, _UNIT] | None = key(
+        None, "adam, adamw: the two moments' decay rates.", valid="two numbers in [0, 1)")
+    eps: float | None = Field(None, ge=0, description="adam, adamw: added to the denominator.")
+    weight_decay: float | None = Field(None, ge=0, description="L2 penalty (adamw: decoupled weight decay).")
+
+    @field_validator("betas", mode="wrap")
+    @classmethod
+    def _betas(cls, value: Any, handler: Any) -> Any:
+        # The pair's errors name one item of it; the key's range is said for the pair.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {value!r})") from None
+
+    @model_validator(mode="after")
+    def _parameters_of_the_optimizer(self) -> OptimizerConfig:
+        unknown = set(self.parameters) - _OPTIMIZER_PARAMETERS[self.name]
+        if unknown:
+            allowed = ", ".join(sorted(_OPTIMIZER_PARAMETERS[self.name]))
+            raise UsageError(f"optimizer {self.name!r} takes {allowed}; unknown: {', '.join(sorted(unknown))}")
+        if self.name == "momentum" and self.momentum is None:
+            object.__setattr__(self, "momentum", _MOMENTUM)  # the record is frozen to its readers
+        return self
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The parameters given, by name, as the optimizer takes them."""
+        return {name: getattr(self, name) for name in type(self).__pydantic_fields__
+                if name != "name" and getattr(self, name) is not None}
 
 
-@dataclass(frozen=True)
+# "Exactly one of the two" is not a field's range: the schema says it by the table's size.
+@partial(table, json_schema_extra={"minProperties": 1, "maxProperties": 1})
 class EvaluateEvery:
     """How often the test split is evaluated: every ``steps`` steps, or every ``epochs`` epochs (one is set)."""
 
-    steps: int | None = None
-    epochs: float | None = None
+    steps: int | None = Field(None, ge=1, description="Evaluate every this many steps.")
+    epochs: float | None = Field(None, gt=0, description="Evaluate every this many epochs.")
 
 
 class Section(BaseModel):
@@ -108,10 +139,13 @@ def _name_or_function(known: tuple[str, ...]) -> dict:
     return {"anyOf": [{"enum": list(known)}, {"type": "string", "pattern": "^[^:]+:[^:]+$"}]}
 
 
-def _table_schema(kinds: tuple[str, ...], properties: dict) -> dict:
-    """A key that is a kind's name or a table with the kind and its parameters."""
-    return {"anyOf": [{"enum": list(kinds)},
-                      {"type": "object", "properties": properties, "additionalProperties": False}]}
+def _named_table(name: str, value: Any, name_key: str) -> Any:
+    """A sub-table given by its kind's name alone (``"cosine"``) as the table of that name; a table as it is."""
+    if isinstance(value, str):
+        return {name_key: value}
+    if not (isinstance(value, Mapping) or dataclasses.is_dataclass(value)):
+        raise UsageError(f"{name} must be a {name_key} name or a table with a {name_key!r} key (got {value!r})")
+    return value
 
 
 class DataSection(Section):
@@ -343,13 +377,7 @@ class PrivacySection(Section):
         "exponential σ·decay^k, step σ·decay^⌊k/step_size⌋, linear from σ to σ·final_ratio. "
         "The reported ε is the exact composition of the blocks.",
         kind="string or table",
-        valid='`{ kind = "constant" | "exponential" | "step" | "linear", decay, step_size, final_ratio, every }`; '
-              "`decay` and `final_ratio` > 0 (default 1), `step_size` and `every` ≥ 1",
-        shown_default='`"constant"`',
-        schema=_table_schema(NOISE_SCHEDULES, {
-            "kind": {"enum": list(NOISE_SCHEDULES)}, "decay": {"type": "number", "exclusiveMinimum": 0},
-            "step_size": {"type": "integer", "minimum": 1}, "final_ratio": {"type": "number", "exclusiveMinimum": 0},
-            "every": {"type": "integer", "minimum": 1}}),
+        valid=f"a kind's name, or {table_text(NoiseSchedule)}", shown_default='`"constant"`',
     )
     secure_noise: bool = key(
         True,
@@ -376,14 +404,7 @@ class PrivacySection(Section):
         "The clip norm follows a target quantile of the gradient norms, moved each step by a noisy count "
         "that is accounted together with the gradient. Not with shards or `layer_clip_norms`.",
         kind="boolean or table",
-        valid='`true`, or `{ target_quantile, learning_rate, update = "geometric" | "linear", '
-              "count_noise_multiplier }`; `target_quantile` in (0, 1) (default 0.5), `learning_rate` > 0 "
-              "(default 0.2), `count_noise_multiplier` > 0 (default 10)",
-        shown_default="off",
-        schema={"anyOf": [{"type": "boolean"}, {"type": "object", "additionalProperties": False, "properties": {
-            "target_quantile": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
-            "learning_rate": {"type": "number", "exclusiveMinimum": 0}, "update": {"enum": list(UPDATES)},
-            "count_noise_multiplier": {"type": "number", "exclusiveMinimum": 0}}}]},
+        valid=f"`true`, or {table_text(AdaptiveClipping)}", shown_default="off",
     )
     layer_clip_norms: Any = key(  # workers.clipping.LayerClipNorms | None, which loads torch
         None,
@@ -394,15 +415,21 @@ class PrivacySection(Section):
         schema={"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": 0}},
     )
 
-    @field_validator("noise_schedule", mode="plain")
+    @field_validator("noise_schedule", mode="before", json_schema_input_type=Literal[NOISE_SCHEDULES] | NoiseSchedule)
     @classmethod
-    def _noise_schedule(cls, value: Any) -> NoiseSchedule:
-        return value if isinstance(value, NoiseSchedule) else parse_noise_schedule(value)
+    def _noise_schedule(cls, value: Any) -> Any:
+        return _named_table("noise_schedule", value, "kind")
 
-    @field_validator("adaptive_clipping", mode="plain")
+    @field_validator("adaptive_clipping", mode="before", json_schema_input_type=bool | AdaptiveClipping)
     @classmethod
-    def _adaptive_clipping(cls, value: Any) -> AdaptiveClipping | None:
-        return value if isinstance(value, AdaptiveClipping) else parse_adaptive_clipping(value)
+    def _adaptive_clipping(cls, value: Any) -> Any:
+        if value is None or value is False:
+            return None
+        if value is True:
+            return {}
+        if not isinstance(value, (Mapping, AdaptiveClipping)):
+            raise UsageError(f"adaptive_clipping must be a table or true/false (got {value!r})")
+        return value
 
     @field_validator("layer_clip_norms", mode="plain")
     @classmethod
@@ -427,15 +454,10 @@ class OptimisationSection(Section):
         OptimizerConfig(),
         "The torch optimizer that steps on the noisy mean gradient (post-processing: no privacy cost).",
         kind="string or table",
-        valid='`"sgd"`, or `{ name = "sgd" | "momentum" | "adam" | "adamw", ... }` with `momentum` (in [0, 1), '
-              "default 0.9), `nesterov`, `betas` (two numbers in [0, 1)), `eps`, `weight_decay` (≥ 0)",
+        valid=f"a name, or {table_text(OptimizerConfig)}: "
+              + "; ".join(f"`{name}` takes {', '.join(f'`{p}`' for p in sorted(parameters))}"
+                          for name, parameters in _OPTIMIZER_PARAMETERS.items()),
         shown_default='`"sgd"`',
-        schema={"anyOf": [{"enum": list(OPTIMIZERS)}, {"type": "object", "additionalProperties": False, "properties": {
-            "name": {"enum": list(OPTIMIZERS)},
-            "momentum": {"type": "number", "minimum": 0, "exclusiveMaximum": 1}, "nesterov": {"type": "boolean"},
-            "betas": {"type": "array", "items": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-                      "minItems": 2, "maxItems": 2},
-            "eps": {"type": "number", "minimum": 0}, "weight_decay": {"type": "number", "minimum": 0}}}]},
     )
     learning_rate: float = key(0.1, "The optimizer's step size.", gt=0)
     ema_decay: float | None = key(
@@ -448,12 +470,7 @@ class OptimisationSection(Section):
     lr_schedule: LearningRateSchedule = key(
         LearningRateSchedule(), "How the learning rate changes per step (post-processing: no privacy cost).",
         kind="string or table",
-        valid='`{ kind = "constant" | "cosine" | "step" | "exponential", gamma, step_size }`; '
-              "`gamma` > 0 (default 1), `step_size` ≥ 1 (default 1)",
-        shown_default='`"constant"`',
-        schema=_table_schema(LR_SCHEDULES, {
-            "kind": {"enum": list(LR_SCHEDULES)}, "gamma": {"type": "number", "exclusiveMinimum": 0},
-            "step_size": {"type": "integer", "minimum": 1}}),
+        valid=f"a kind's name, or {table_text(LearningRateSchedule)}", shown_default='`"constant"`',
     )
     local_steps: int | None = key(
         None,
@@ -466,46 +483,15 @@ class OptimisationSection(Section):
         None, "DP-FedAvg: the learning rate of each user's local SGD steps.", shown_default="none", gt=0,
     )
 
-    @field_validator("optimizer", mode="plain")
+    @field_validator("optimizer", mode="before", json_schema_input_type=Literal[OPTIMIZERS] | OptimizerConfig)
     @classmethod
-    def _optimizer(cls, value: Any) -> OptimizerConfig:
-        return value if isinstance(value, OptimizerConfig) else parse_optimizer(value)
+    def _optimizer(cls, value: Any) -> Any:
+        return _named_table("optimizer", value, "name")
 
-    @field_validator("lr_schedule", mode="plain")
+    @field_validator("lr_schedule", mode="before", json_schema_input_type=Literal[LR_SCHEDULES] | LearningRateSchedule)
     @classmethod
-    def _lr_schedule(cls, value: Any) -> LearningRateSchedule:
-        return value if isinstance(value, LearningRateSchedule) else parse_lr_schedule(value)
-
-
-def parse_optimizer(value: Any) -> OptimizerConfig:
-    """The ``optimizer`` key: a name, or a table of the name and the parameters that optimizer takes."""
-    if isinstance(value, str):
-        value = {"name": value}
-    if not isinstance(value, Mapping):
-        raise UsageError(f"optimizer must be a name or a table with a 'name' key (got {value!r})")
-    parameters = dict(value)
-    name = checks.one_of("optimizer.name", parameters.pop("name", "sgd"), OPTIMIZERS)
-    unknown = set(parameters) - _OPTIMIZER_PARAMETERS[name]
-    if unknown:
-        allowed = ", ".join(sorted(_OPTIMIZER_PARAMETERS[name]))
-        raise UsageError(f"optimizer {name!r} takes {allowed}; unknown: {', '.join(sorted(unknown))}")
-    for parameter, item in parameters.items():
-        if parameter == "betas":
-            if not (isinstance(item, list) and len(item) == 2):
-                raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {item!r})")
-            for beta in item:
-                if not 0.0 <= checks.non_negative_number("optimizer.betas", beta) < 1.0:
-                    raise UsageError(f"optimizer.betas must be two numbers in [0, 1) (got {item!r})")
-        elif parameter == "nesterov":
-            if not isinstance(item, bool):
-                raise UsageError(f"optimizer.nesterov must be true or false (got {item!r})")
-        elif parameter == "momentum" and not 0.0 <= checks.non_negative_number("optimizer.momentum", item) < 1.0:
-            raise UsageError(f"optimizer.momentum must be in [0, 1) (got {item!r})")
-        else:
-            checks.non_negative_number(f"optimizer.{parameter}", item)
-    if name == "momentum":
-        parameters.setdefault("momentum", 0.9)
-    return OptimizerConfig(name, parameters)
+    def _lr_schedule(cls, value: Any) -> Any:
+        return _named_table("lr_schedule", value, "kind")
 
 
 class RunSection(Section):
@@ -521,12 +507,7 @@ class RunSection(Section):
     )
     evaluate_every: EvaluateEvery | None = key(
         None, "Also evaluate within epochs; the workers evaluate the test split in parts and return only sums.",
-        kind="table", valid="`{ steps = n }` (n ≥ 1) or `{ epochs = e }` (e > 0)", shown_default="every epoch",
-        schema={"oneOf": [
-            {"type": "object", "properties": {"steps": {"type": "integer", "minimum": 1}}, "required": ["steps"],
-             "additionalProperties": False},
-            {"type": "object", "properties": {"epochs": {"type": "number", "exclusiveMinimum": 0}},
-             "required": ["epochs"], "additionalProperties": False}]},
+        kind="table", valid=f"one key of {table_text(EvaluateEvery)}", shown_default="every epoch",
     )
     workers: int = key(2, "Gradient worker actors. With `shards`, the sum of the shards' `workers`.", ge=1)
     cpus_per_worker: int = key(1, "CPUs each worker asks Ray for; also its torch threads.", ge=1)
@@ -549,16 +530,12 @@ class RunSection(Section):
         0, "Also checkpoint every n steps (0: only at each epoch's end, which is always done).", ge=0,
     )
 
-    @field_validator("evaluate_every", mode="plain")
+    @field_validator("evaluate_every", mode="before")
     @classmethod
-    def _evaluate_every(cls, value: Any) -> EvaluateEvery | None:
-        if value is None or isinstance(value, EvaluateEvery):
-            return value
-        if not (isinstance(value, Mapping) and len(value) == 1 and set(value) <= {"steps", "epochs"}):
+    def _evaluate_every(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and len(value) != 1:
             raise UsageError(f"evaluate_every must be {{ steps = n }} or {{ epochs = e }} (got {value!r})")
-        if "steps" in value:
-            return EvaluateEvery(steps=checks.integer_at_least("evaluate_every.steps", value["steps"], 1))
-        return EvaluateEvery(epochs=checks.positive_number("evaluate_every.epochs", value["epochs"]))
+        return value
 
     @field_validator("run_dir", mode="plain")
     @classmethod
