@@ -99,3 +99,38 @@ def test_the_train_flags_take_their_range_from_the_keys_declaration(capsys):
         main(["train", "--help"])
     usage = " ".join(capsys.readouterr().out.split())
     assert "--workers WORKERS Gradient worker actors." in usage and "(≥ 1; overrides the config)" in usage
+
+
+def test_every_bad_key_of_the_sub_tables_is_named_with_its_key_path_and_the_schema_refuses_them(tmp_path):
+    values = {"steps": 3, "noise_multiplier": 1.0,
+              "adaptive_clipping": {"target_quantile": 1.5, "update": "cosine", "speed": 1},
+              "noise_schedule": {"kind": "exponential", "decay": -1, "every": 2.5},
+              "optimizer": {"name": "adam", "betas": [0.9, 1.5], "eps": -1},
+              "lr_schedule": "warmup", "evaluate_every": {"steps": 0}}
+    path = tmp_path / "job.toml"
+    with pytest.raises(UsageError) as refused:
+        build_config(values, str(path))
+    lines = str(refused.value).splitlines()
+    named = ["adaptive_clipping.target_quantile must be in (0, 1) (got 1.5)",
+             "adaptive_clipping.update must be one of geometric, linear (got 'cosine')",
+             "adaptive_clipping takes target_quantile, learning_rate, update, count_noise_multiplier; unknown: speed",
+             "noise_schedule.decay must be > 0 (got -1)", "noise_schedule.every must be a whole number (got 2.5)",
+             "optimizer.betas must be two numbers in [0, 1) (got [0.9, 1.5])", "optimizer.eps must be >= 0 (got -1)",
+             "lr_schedule.kind must be one of constant, cosine, step, exponential (got 'warmup')",
+             "evaluate_every.steps must be an integer >= 1 (got 0)"]
+    assert lines[0] == f"{len(named)} problems in the config:"
+    assert sorted(lines[1:]) == sorted(f"  {message} (in {path})" for message in named)
+    validator = jsonschema.Draft202012Validator(json_schema())
+    flagged = {error.path[0] for error in validator.iter_errors(values)}
+    assert flagged == {"adaptive_clipping", "noise_schedule", "optimizer", "lr_schedule", "evaluate_every"}
+    assert not list(validator.iter_errors({"steps": 3, "noise_multiplier": 1.0, "adaptive_clipping": True,
+                                            "optimizer": {"name": "momentum", "nesterov": True},
+                                            "lr_schedule": "cosine", "evaluate_every": {"epochs": 0.5}}))
+
+
+def test_a_sub_table_reads_its_defaults_from_its_declaration():
+    config = build_config({"steps": 3, "noise_multiplier": 1.0, "adaptive_clipping": True, "optimizer": "momentum",
+                           "noise_schedule": "exponential"})
+    assert (config.adaptive_clipping.target_quantile, config.adaptive_clipping.count_noise_multiplier) == (0.5, 10.0)
+    assert config.optimizer.parameters == {"momentum": 0.9} and config.noise_schedule.decay == 1.0
+    assert build_config(json.loads(json.dumps(config.to_dict()))) == config  # as --resume reads config.json
