@@ -2,35 +2,57 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from accounting.lazy import LazyModule
 from orchestrator import checks
 from orchestrator.errors import UsageError
-
-# workers.shards loads torch; the config keys are documented without it (see accounting.lazy).
-worker_shards = LazyModule("workers.shards")
+from workers import ShardSpec
 
 SHARD_LOSS_POLICIES = ("wait", "skip")
 DEFAULT_ON_SHARD_LOSS = "wait"
 DEFAULT_SHARD_TIMEOUT = 300.0
-_SHARD_KEYS = {"dataset", "part", "parts", "resources", "workers"}
 _EXAMPLE = '[{ dataset = "mnist", part = 0, parts = 3, resources = { "silo-a" = 1 }, workers = 1 }, ...]'
 
 
-def parse_shards(value: Any, datasets: tuple[str, ...], default_dataset: Any) -> tuple[worker_shards.ShardSpec, ...]:
-    """The `shards` list as ShardSpecs; none means the unsharded, driver-sampled run.
+def shard_tables(value: Any, datasets: tuple[str, ...], default_dataset: Any) -> list:
+    """The `shards` list as tables for ShardSpec to check, each with its dataset (by default the config's).
 
-    Refuses two shards that would hold the same example: it would be sampled
-    at twice the rate q that the accountant assumes.
+    Refuses what is not a list of tables, keys a shard does not declare, and
+    datasets other than ``datasets``; ShardSpec checks the rest.
     """
-    if value is None or value == []:
-        return ()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(table, Mapping) for table in value):
+    if value is None or value == [] or value == ():
+        return []
+    if isinstance(value, tuple):
+        value = list(value)
+    if not isinstance(value, list) or not all(isinstance(table, (Mapping, ShardSpec)) for table in value):
         raise UsageError(f"shards must be a list of tables, e.g. {_EXAMPLE} (got {value!r})")
-    shards = tuple(_shard(index, table, datasets, default_dataset) for index, table in enumerate(value))
+    keys = list(ShardSpec.__pydantic_fields__)
+    tables = []
+    for index, table in enumerate(value):
+        if isinstance(table, ShardSpec):
+            table = dataclasses.asdict(table)
+        unknown = set(table) - set(keys)
+        if unknown:
+            raise UsageError(f"shards[{index}] has unknown key(s) {', '.join(sorted(unknown))}; "
+                             f"valid keys: {', '.join(sorted(keys))}")
+        dataset = checks.one_of(f"shards[{index}].dataset", table.get("dataset", default_dataset), datasets)
+        tables.append({**table, "dataset": dataset})
+    return tables
+
+
+def check_shards(shards: tuple[ShardSpec, ...]) -> tuple[ShardSpec, ...]:
+    """Refuse a part outside its parts, and two shards that would hold the same example.
+
+    An example in two shards would be sampled at twice the rate q that the
+    accountant assumes.
+    """
+    for index, shard in enumerate(shards):
+        if shard.part >= shard.parts:
+            raise UsageError(f"shards[{index}].part must be in 0..{shard.parts - 1} for parts = {shard.parts} "
+                             f"(got {shard.part})")
     for first in range(len(shards)):
         for second in range(first + 1, len(shards)):
             a, b = shards[first], shards[second]
@@ -44,27 +66,7 @@ def parse_shards(value: Any, datasets: tuple[str, ...], default_dataset: Any) ->
     return shards
 
 
-def _shard(index: int, table: Mapping, datasets: tuple[str, ...], default_dataset: Any) -> worker_shards.ShardSpec:
-    unknown = set(table) - _SHARD_KEYS
-    if unknown:
-        raise UsageError(f"shards[{index}] has unknown key(s) {', '.join(sorted(unknown))}; "
-                         f"valid keys: {', '.join(sorted(_SHARD_KEYS))}")
-    dataset = checks.one_of(f"shards[{index}].dataset", table.get("dataset", default_dataset), datasets)
-    parts = checks.integer_at_least(f"shards[{index}].parts", table.get("parts", 1), 1)
-    part = checks.integer_at_least(f"shards[{index}].part", table.get("part", 0), 0)
-    if part >= parts:
-        raise UsageError(f"shards[{index}].part must be in 0..{parts - 1} for parts = {parts} (got {part})")
-    resources = table.get("resources", {})
-    if not isinstance(resources, Mapping):
-        raise UsageError(f'shards[{index}].resources must be a table of Ray custom resources, e.g. {{ "silo-a" = 1 }} '
-                         f"(got {resources!r})")
-    resources = {str(name): checks.positive_number(f"shards[{index}].resources.{name}", amount)
-                 for name, amount in resources.items()}
-    workers = checks.integer_at_least(f"shards[{index}].workers", table.get("workers", 1), 1)
-    return worker_shards.ShardSpec(dataset, part, parts, resources, workers)
-
-
-def check_shard_mode(values: Mapping[str, Any], shards: tuple[worker_shards.ShardSpec, ...]) -> int | None:
+def check_shard_mode(values: Mapping[str, Any], shards: tuple[ShardSpec, ...]) -> int | None:
     """Refuse what shard mode cannot do; return the run's worker count with shards (None without).
 
     Microbatches and adaptive clipping need the whole step's sample in one

@@ -14,7 +14,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "reducer": ["NodeReducerActor"],
     "sampling": ["make_generator", "poisson_sample", "step_generator"],
     "shard_worker": ["ShardWorkerActor"],
-    "shards": ["ShardSpec"],
+    "shard_spec": ["ShardSpec"],
     "sources": ["BUILTINS", "DataError", "SPLITS", "check_source", "parse_spec", "read_first", "select_blocks",
                 "source_size", "spec_name", "write_parquet_shards"],
     "tasks": ["build_loss", "build_transform"],

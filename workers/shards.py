@@ -7,29 +7,11 @@ only their own range.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
 import torch
 
 from workers.data import load_split
 from workers.sampling import part_bounds
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """One shard: contiguous part ``part`` of ``parts`` of ``dataset``'s training split.
-
-    ``resources`` are the Ray custom resources its workers need (so they run
-    only on the nodes that hold the data, e.g. ``{"silo-a": 1}``); ``workers``
-    is how many gradient workers split the shard between them.
-    """
-
-    dataset: str
-    part: int = 0
-    parts: int = 1
-    resources: Mapping[str, float] = field(default_factory=dict)
-    workers: int = 1
+from workers.shard_spec import ShardSpec
 
 
 def worker_bounds(source_size: int, shard: ShardSpec, worker_index: int) -> tuple[int, int]:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import annotated_types
 from pydantic import Field
 from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
 _DOCUMENTATION = "x-dpfleet"
 _KINDS = {bool: "boolean", int: "integer", float: "number", str: "string"}
@@ -129,19 +131,28 @@ def _shown_default(value: Any) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) else str(value)
 
 
+def _table_valid_text(field: FieldInfo) -> str:
+    """A sub-table key's range or choices (Markdown); a table of names has its values' range."""
+    valid = valid_text(field)
+    items = typing.get_args(value_type(field))
+    if not valid and typing.get_origin(value_type(field)) in (dict, Mapping) and len(items) == 2:
+        item = FieldInfo.from_annotation(items[1])
+        valid = f"a table of name = {_KINDS.get(item.annotation, 'value')} ({valid_text(item)})"
+    return valid
+
+
 def table_text(table: type) -> str:
     """A sub-table's keys as the references show them (Markdown), read from its declaration.
 
     Each key with its range or choices and its default, e.g.
-    ``{ kind, decay, ... }`` with ``decay`` > 0 (default 1).
+    ``{ kind, decay, ... }`` with ``decay`` (> 0; default 1).
     """
     fields = table.__pydantic_fields__
     described = []
     for name, field in fields.items():
-        valid = valid_text(field)
-        shown = documentation(field).get("default")
-        default = (f"default {shown}" if shown else "" if field.default is None
-                   else f"default {_shown_default(field.default)}")
-        details = "; ".join(part for part in (valid, default) if part)
+        shown, value = documentation(field).get("default"), field.get_default(call_default_factory=True)
+        default = (f"default {shown}" if shown else "" if value in (None, PydanticUndefined, {}, ())
+                   else f"default {_shown_default(value)}")
+        details = "; ".join(part for part in (_table_valid_text(field), default) if part)
         described.append(f"`{name}`" + (f" ({details})" if details else ""))
     return f"`{{ {', '.join(fields)} }}` with " + ", ".join(described)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,28 +52,32 @@ def _field_message(name: str, field: FieldInfo, error: dict) -> str:
     return f"{name}: {error['msg']} (got {value!r})"
 
 
-def _located(location: tuple) -> tuple[str, FieldInfo | None, type | None]:
-    """Where in the config a problem lies: its key path (``adaptive_clipping.target_quantile``), the field declared
-    there, and the sub-table that declares it (None for a top-level key)."""
-    field, table = TrainConfig.model_fields[location[0]], None
-    path = [str(location[0])]
+def _located(location: tuple) -> tuple[str, FieldInfo]:
+    """Where in the config a problem lies: its key path (``adaptive_clipping.target_quantile``,
+    ``shards[0].resources.silo-a``), and the field declared there (an item's, for a list's or a table's item)."""
+    field, path = TrainConfig.model_fields[location[0]], str(location[0])
     for part in location[1:]:
-        inner = getattr(value_type(field), "__pydantic_fields__", None)
-        if not isinstance(part, str) or inner is None or part not in inner:
+        annotation = value_type(field)
+        fields = getattr(annotation, "__pydantic_fields__", None)
+        items, origin = typing.get_args(annotation), typing.get_origin(annotation)
+        if isinstance(part, str) and fields and part in fields:
+            field, path = fields[part], f"{path}.{part}"
+        elif isinstance(part, int) and origin in (tuple, list) and items:
+            field, path = FieldInfo.from_annotation(items[0]), f"{path}[{part}]"
+        elif isinstance(part, str) and origin in (dict, Mapping) and len(items) == 2:
+            field, path = FieldInfo.from_annotation(items[1]), f"{path}.{part}"
+        else:
             break
-        table, field = value_type(field), inner[part]
-        path.append(part)
-    return ".".join(path), field, table
+    return path, field
 
 
-def _unknown_in_tables(unknown: dict[str, list[str]]) -> list[tuple[str, UsageError]]:
+def _unknown_in_tables(unknown: dict[tuple, list[str]]) -> list[tuple[str, UsageError]]:
     """One error per sub-table given keys it does not declare: the keys it takes, and the unknown ones."""
     found = []
-    for path, names in unknown.items():
-        table = value_type(_located(tuple(path.split(".")))[1])
-        takes = ", ".join(table.__pydantic_fields__)
-        found.append((path.split(".")[0],
-                      UsageError(f"{path} takes {takes}; unknown: {', '.join(sorted(names))}")))
+    for location, names in unknown.items():
+        path, field = _located(location)
+        takes = ", ".join(value_type(field).__pydantic_fields__)
+        found.append((str(location[0]), UsageError(f"{path} takes {takes}; unknown: {', '.join(sorted(names))}")))
     return found
 
 
@@ -88,7 +93,7 @@ def problem_lines(error: ValidationError) -> list[tuple[str | None, UsageError]]
             unknown.append(str(location[0]))
             continue
         if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a sub-table's word for it
-            unknown_in_tables.setdefault(_located(location[:-1])[0], []).append(str(location[-1]))
+            unknown_in_tables.setdefault(location[:-1], []).append(str(location[-1]))
             continue
         name = str(location[0]) if location else None
         cause = item.get("ctx", {}).get("error")
@@ -99,7 +104,7 @@ def problem_lines(error: ValidationError) -> list[tuple[str | None, UsageError]]
         elif isinstance(cause, ValueError):
             found.append((name, UsageError(str(cause))))
         else:
-            path, field, _ = _located(location)
+            path, field = _located(location)
             found.append((name, UsageError(_field_message(path, field, item))))
     found += _unknown_in_tables(unknown_in_tables)
     if unknown:

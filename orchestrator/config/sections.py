@@ -23,9 +23,15 @@ from orchestrator.adaptive_clipping import AdaptiveClipping
 from orchestrator.config.fields import key, table_text, value_type
 from orchestrator.errors import UsageError
 from orchestrator.schedules import LR_SCHEDULES, NOISE_SCHEDULES, LearningRateSchedule, NoiseSchedule
-from orchestrator.shard_config import DEFAULT_ON_SHARD_LOSS, DEFAULT_SHARD_TIMEOUT, SHARD_LOSS_POLICIES, parse_shards
+from orchestrator.shard_config import (
+    DEFAULT_ON_SHARD_LOSS,
+    DEFAULT_SHARD_TIMEOUT,
+    SHARD_LOSS_POLICIES,
+    check_shards,
+    shard_tables,
+)
 from orchestrator.table import table
-from workers import names
+from workers import ShardSpec, names
 
 # The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help,
 # the schema), and they load when a config is first checked.
@@ -292,15 +298,12 @@ class SamplingSection(Section):
         250, "The *expected* batch size: each example joins a step with probability q = batch_size / N.",
         valid="1 ≤ batch_size ≤ N", ge=1,
     )
-    shards: tuple[Any, ...] = key(  # workers.shards.ShardSpec, which loads torch
+    shards: tuple[ShardSpec, ...] = key(
         (), "Training data that stays on its nodes and is Poisson-sampled there (see docs/training.md, Shards).",
         kind="list of tables",
-        valid='`[{ dataset, part, parts, resources = { "silo-a" = 1 }, workers }, ...]`; shards may not overlap',
+        valid=f"a list of {table_text(ShardSpec)}; `dataset` is by default the config's, `part` < `parts`, "
+              "and shards may not overlap",
         shown_default="none",
-        schema={"type": "array", "items": {"type": "object", "additionalProperties": False, "properties": {
-            "dataset": {"type": "string"}, "part": {"type": "integer", "minimum": 0},
-            "parts": {"type": "integer", "minimum": 1}, "workers": {"type": "integer", "minimum": 1},
-            "resources": {"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": 0}}}}},
     )
     on_shard_loss: Literal[SHARD_LOSS_POLICIES] = key(
         DEFAULT_ON_SHARD_LOSS,
@@ -337,12 +340,16 @@ class SamplingSection(Section):
         shown_default="all its rows", ge=1,
     )
 
-    @field_validator("shards", mode="plain")
+    @field_validator("shards", mode="before")
     @classmethod
-    def _shards(cls, value: Any, info: ValidationInfo) -> tuple:
+    def _shard_tables(cls, value: Any, info: ValidationInfo) -> list:
         # A shard without a dataset reads the config's (a refused dataset is reported by its own key).
-        return parse_shards(list(value) if isinstance(value, tuple) else value, sources.BUILTINS,
-                            info.data.get("dataset", "mnist"))
+        return shard_tables(value, sources.BUILTINS, info.data.get("dataset", "mnist"))
+
+    @field_validator("shards", mode="after")
+    @classmethod
+    def _shards(cls, value: tuple[ShardSpec, ...]) -> tuple[ShardSpec, ...]:
+        return check_shards(value)
 
     @field_validator("user_id", mode="plain")
     @classmethod
