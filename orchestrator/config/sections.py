@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from accounting.accountants import ACCOUNTANTS
 from accounting.lazy import LazyModule
-from orchestrator import checks
 from orchestrator.adaptive_clipping import AdaptiveClipping
 from orchestrator.config.fields import key, table_text, value_type
 from orchestrator.errors import UsageError
@@ -413,13 +412,13 @@ class PrivacySection(Section):
         kind="boolean or table",
         valid=f"`true`, or {table_text(AdaptiveClipping)}", shown_default="off",
     )
-    layer_clip_norms: Any = key(  # workers.clipping.LayerClipNorms | None, which loads torch
+    # Declared as the table it is given as; checked, it is a workers.clipping.LayerClipNorms (which loads torch).
+    layer_clip_norms: dict[str, Annotated[float, Field(gt=0)]] | None = key(
         None,
         "Per-layer clipping: each group of parameters is clipped to its own norm; the noise is scaled to the "
         "root of the sum of their squares. Every trainable parameter needs a prefix.",
         kind="table", valid='`{ "conv1" = 0.5, "fc" = 1.0 }`: parameter-name prefix = clip norm (> 0)',
-        shown_default="none",
-        schema={"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": 0}},
+        shown_default="none", min_length=1,
     )
 
     @field_validator("noise_schedule", mode="before", json_schema_input_type=Literal[NOISE_SCHEDULES] | NoiseSchedule)
@@ -438,19 +437,22 @@ class PrivacySection(Section):
             raise UsageError(f"adaptive_clipping must be a table or true/false (got {value!r})")
         return value
 
-    @field_validator("layer_clip_norms", mode="plain")
+    @field_validator("layer_clip_norms", mode="before")
     @classmethod
-    def _layer_clip_norms(cls, value: Any) -> Any:
+    def _layer_clip_norm_table(cls, value: Any) -> Any:
         if value is None or isinstance(value, clipping.LayerClipNorms):
-            return value
+            return None if value is None else dict(value.groups)
         if not isinstance(value, Mapping) or not value:
             raise UsageError(
                 f"layer_clip_norms must be a table of parameter-name prefix = clip norm, e.g. "
                 f'{{ "0" = 1.0, "7" = 0.5 }} (got {value!r})'
             )
-        return clipping.LayerClipNorms(tuple(
-            (str(prefix), checks.positive_number(f"layer_clip_norms.{prefix}", norm)) for prefix, norm in value.items()
-        ))
+        return {str(prefix): norm for prefix, norm in value.items()}
+
+    @field_validator("layer_clip_norms", mode="after")
+    @classmethod
+    def _layer_clip_norms(cls, value: dict[str, float] | None) -> Any:
+        return None if value is None else clipping.LayerClipNorms(tuple(value.items()))
 
 
 class OptimisationSection(Section):
