@@ -14,6 +14,8 @@ import os
 from functools import partial
 from typing import Annotated, Any, ClassVar, Literal, Mapping
 
+from typing_extensions import TypedDict
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from accounting.accountants import ACCOUNTANTS
@@ -151,6 +153,12 @@ def _named_table(name: str, value: Any, name_key: str) -> Any:
     if not (isinstance(value, Mapping) or dataclasses.is_dataclass(value)):
         raise UsageError(f"{name} must be a {name_key} name or a table with a {name_key!r} key (got {value!r})")
     return value
+
+
+# `from` is a Python keyword: the range is a table of two names, not a record with attributes.
+BlockRange = TypedDict("BlockRange", {"from": str, "to": str})
+"""A range of blocks by name, ``{ from = "2026-11-01", to = "2026-11-07" }``: every block whose name sorts between."""
+BlockRange.__pydantic_config__ = ConfigDict(extra="forbid")
 
 
 class DataSection(Section):
@@ -573,7 +581,7 @@ class LedgerSection(Section):
         10.0, "The ε budget given to a dataset the embedded ledger has not seen, at the run's `delta`.", gt=0,
     )
     # The names a range stands for are the dataset's, so TrainConfig settles a range into names.
-    blocks: tuple[str, ...] | dict = key(
+    blocks: tuple[str, ...] | BlockRange = key(
         (),
         "The blocks of a Parquet dataset with `blocks` that the run trains on: it reads only the rows they "
         "declare, samples at batch_size / their row count, and the ledger charges each of them in full; each "
@@ -581,9 +589,7 @@ class LedgerSection(Section):
         kind="list of strings, or table",
         valid='`["2026-11-01", ...]`, or `{ from = "2026-11-01", to = "2026-11-07" }` (names between, inclusive)',
         shown_default="none: the dataset as a whole",
-        schema={"anyOf": [{"type": "array", "items": {"type": "string"}, "uniqueItems": True},
-                          {"type": "object", "required": ["from", "to"], "additionalProperties": False,
-                           "properties": {"from": {"type": "string"}, "to": {"type": "string"}}}]},
+        schema={"uniqueItems": True},  # pydantic has no unique-items constraint; it holds for the list form only
     )
     commit_every: int | None = key(
         None, "Steps per ledger charge; each block is charged before it runs.", shown_default="one epoch", ge=1,
@@ -626,13 +632,13 @@ class LedgerSection(Section):
             raise UsageError(f"dataset_name must be a name of 1 to 128 characters (got {value!r})")
         return value
 
-    @field_validator("blocks", mode="plain")
+    @field_validator("blocks", mode="before")
     @classmethod
     def _blocks(cls, value: Any) -> tuple[str, ...] | dict:
         if value is None:  # a run's config.json writes "no blocks" as []
             return ()
         if isinstance(value, Mapping):
-            if set(value) != {"from", "to"} or not all(isinstance(value[end], str) for end in ("from", "to")):
+            if set(value) != BlockRange.__required_keys__ or not all(isinstance(end, str) for end in value.values()):
                 raise UsageError(f'blocks as a range is a table {{ from = "NAME", to = "NAME" }} (got {value!r})')
             return dict(value)
         if not (isinstance(value, (list, tuple)) and all(isinstance(name, str) for name in value)):
