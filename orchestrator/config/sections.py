@@ -1,8 +1,12 @@
 """The config's sections: one pydantic model each, every key declared once with its type, default, range and meaning.
 
-A key that a table or a name stands for (a dataset, an optimizer, the
-shards) is checked by its parser, which words the error as the rest of the
-command line does; every other key is checked by its declaration alone.
+A sub-table (the optimizer, the schedules, adaptive clipping, a shard,
+``evaluate_every``) is a record whose fields are declared once too
+(orchestrator/table.py), and is checked, documented and given its JSON
+Schema from them; a validator before it only reads a name as the table of
+that name (``"adam"``). A key that names something a parser knows (a
+dataset, a model, a loss) is checked by that parser, which words the error
+as the rest of the command line does.
 The keys are flat in TOML (``sigma`` is not ``privacy.sigma``): a section
 is how the references group them and where its keys are declared.
 """
