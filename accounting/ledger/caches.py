@@ -276,6 +276,8 @@ def spent_pld_epsilon(
     ready: it is computed on a background thread (one at a time) and a later
     call finds it.
     """
+    if not committed_events.events:
+        return 0.0
     if wait:
         return _spent_pld_epsilon(committed_events, delta, lineage)
     pending = _spent_pld_epsilon.start(committed_events, delta, lineage)
