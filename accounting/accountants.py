@@ -108,6 +108,12 @@ def _one_step_pld(
     )
 
 
+def forget_plds() -> None:
+    """Forget every cached one-step and composed PLD, as a new process starts without them."""
+    _one_step_pld.cache_clear()
+    _pld_of.cache_clear()
+
+
 @functools.lru_cache(maxsize=16)
 def _pld_of(composition: Composition, value_interval: float) -> privacy_loss_distribution.PrivacyLossDistribution:
     return composed_pld(composition, value_interval)

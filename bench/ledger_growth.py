@@ -14,7 +14,8 @@ history in place:
 - `status_first_seconds`: the first status of the point, which composes the
   whole history (as a ledger with no kept state would);
 - `status_after_restart_seconds`: a status of a ledger reopened in a process
-  that forgot every figure (the composed state is read back from the file);
+  that forgot every figure and distribution (the composed state is read back
+  from the file; the steps committed since it was kept are composed onto it);
 - `history_seconds`: the dataset's last 50 history entries (median of 20);
 - `verify_seconds`: `verify` after 1,000 more commits; `verify_full_seconds`:
   `verify` replaying everything (the same call: verify is not yet incremental);
@@ -126,7 +127,7 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         for _ in range(5):
             jobs.run(1, mechanism_index=0)
             status_seconds.append(timed(lambda: ledger.get_budget(DATASET)))
-        jobs.run(1, mechanism_index=mechanisms + 7)  # a σ of no earlier job
+        jobs.run(1, mechanism_index=mechanisms + commits)  # a σ of no earlier job, of this point or another
         status_new_mechanism = timed(lambda: ledger.get_budget(DATASET))
         history_seconds = [timed(lambda: ledger.history(DATASET, 50)) for _ in range(20)]
         jobs.run(1000)

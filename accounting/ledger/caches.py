@@ -23,7 +23,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Hashable, Iterator
 
-from accounting.accountants import get_accountant, rdp_vector
+from accounting.accountants import forget_plds, get_accountant, rdp_vector
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.composed import COMPOSED
 
@@ -287,6 +287,7 @@ def spent_pld_epsilon(
 
 
 def forget_pld_figures() -> None:
-    """Forget every PLD figure and composed distribution held in memory, as a restart of the process does."""
+    """Forget every PLD figure and distribution held in memory (one-step, composed), as a restart does."""
     _spent_pld_epsilon.clear()
     COMPOSED.clear()
+    forget_plds()
