@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from accounting.accountants import get_accountant
+from accounting.accountants import PldFallbackWarning, get_accountant
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.admission import canonical
 from accounting.ledger.caches import forget_pld_figures
@@ -103,3 +103,15 @@ def test_an_edited_kept_state_is_ignored_and_the_figure_is_composed_again(tmp_pa
     with open_embedded_ledger(path) as reopened:
         assert reopened.get_budget("mnist").spent_epsilon == honest
 
+
+
+def test_where_pld_is_impractical_the_status_reports_the_rdp_bound_without_composing(tmp_path, monkeypatch):
+    heavy = SampledGaussian(1.0, 0.25, 10)  # ε about 139: past where PLD's grid is practical
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("mnist", 1e4, DELTA)
+        reservation = ledger.reserve("mnist", "job", heavy)
+        ledger.commit(reservation.reservation_id, 10, 0)
+        monkeypatch.setattr(COMPOSED, "extended", lambda *_: pytest.fail("an impractical PLD was composed"))
+        with pytest.warns(PldFallbackWarning):
+            status = ledger.get_budget("mnist")
+    assert status.spent_epsilon == get_accountant("rdp").epsilon(Composition((heavy,)), DELTA) > 100

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Hashable, Iterator
 
-from accounting.accountants import forget_plds, get_accountant, rdp_vector
+from accounting.accountants import forget_plds, get_accountant, rdp_fallback_epsilon, rdp_vector
 from accounting.events import Composition, SampledGaussian
 from accounting.ledger.composed import COMPOSED
 
@@ -261,6 +261,9 @@ def _spent_pld_epsilon(committed_events: Composition, delta: float, lineage: Has
     # statuses asking at once after a commit wait for one computation.
     if lineage is None:
         return get_accountant("pld").epsilon(committed_events, delta)
+    fallback = rdp_fallback_epsilon(committed_events, delta)  # where PLD's grid is impractical: not composed
+    if fallback is not None:
+        return fallback
     return COMPOSED.extended(lineage, committed_events).epsilon(delta)
 
 

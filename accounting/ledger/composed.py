@@ -29,7 +29,7 @@ from typing import Hashable
 
 import numpy as np
 
-from accounting.accountants import composed_pld, privacy_loss_distribution, rdp_fallback_epsilon
+from accounting.accountants import composed_pld, privacy_loss_distribution
 from accounting.events import Composition, SampledGaussian
 
 # Budgets whose composed distribution is kept in memory (each up to a few MB); one a status has not asked for
@@ -83,12 +83,10 @@ class ComposedPld:
         return ComposedPld(committed, composed_pld(added, onto=self.distribution))
 
     def epsilon(self, delta: float) -> float:
-        """ε at `delta`: the PLD bound, or the RDP bound where PLD's grid is impractical (see rdp_fallback_epsilon)."""
+        """The PLD ε at `delta` (check `rdp_fallback_epsilon` of the events first: where PLD's grid is
+        impractical, do not compose them at all)."""
         if not self.events.events:
             return 0.0
-        fallback = rdp_fallback_epsilon(self.events, delta)
-        if fallback is not None:
-            return fallback
         return float(self.distribution.get_epsilon_for_delta(delta))
 
     def to_bytes(self, key: bytes) -> bytes:
