@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from bench import (
-    admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, mnist, out_of_core, scaling,
-    scheduling, seeds, throughput,
+    admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, ledger_growth, mnist, out_of_core,
+    scaling, scheduling, seeds, throughput,
 )
 
 BENCHMARKS = {
@@ -14,6 +14,7 @@ BENCHMARKS = {
     "ledger": ledger.main,
     "ledger_fairness": ledger_fairness.main,
     "ledger_commit_profile": ledger_commit_profile.main,
+    "ledger_growth": ledger_growth.main,
     "admission": admission.main,
     "scheduling": scheduling.main,
     "mnist": mnist.main,

@@ -66,6 +66,13 @@ def held_back_pld(monkeypatch):
 
         return SimpleNamespace(epsilon=epsilon)
 
+    real_extended = caches.COMPOSED.extended
+
+    def held_back_extended(lineage, committed_events):
+        may_finish.wait(30)
+        return real_extended(lineage, committed_events)
+
     monkeypatch.setattr(caches, "get_accountant", held_back)
+    monkeypatch.setattr(caches.COMPOSED, "extended", held_back_extended)
     yield may_finish
     may_finish.set()

@@ -22,9 +22,12 @@ from accounting.ledger.admission import (
     check_admission,
     check_new_budget,
     check_plan,
+    committed_json_with,
     fits_budget,
     parse_plan,
+    remember_stored_tally,
     split_steps,
+    stored_tally,
     uncached_mechanisms,
 )
 from accounting.ledger.caches import CurveNotCached, rdp_curves_cached_only, shared_cache
@@ -523,3 +526,29 @@ def test_a_number_sent_as_text_is_refused_and_delta_above_one_over_n_is_warned_a
                    '"sampling_rate": 0.01, "noise_multiplier": "1.0", "steps": 10}]}')
     assert delta_warning(1e-5, None) is None and delta_warning(1e-5, 100_000) is None
     assert delta_warning(1e-4, 60_000).startswith("delta 0.0001 is above 1/N = 1.67e-05 for a dataset of 60000 rows")
+
+
+_MECHANISM_RECORDS = st.builds(
+    SampledGaussian, st.sampled_from([0.001, 0.004, 0.01]), st.sampled_from([0.8, 1.1, 1.3]),
+    st.integers(1, 50), st.sampled_from([1.0, 2.0]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_MECHANISM_RECORDS, max_size=8), st.lists(_MECHANISM_RECORDS, min_size=1, max_size=3))
+def test_a_commit_adds_its_block_to_the_stored_events_as_a_canonical_rebuild_would(stored, block):
+    stored_json = canonical(Composition(tuple(stored))).to_json()
+    block = Composition(tuple(block))
+    assert committed_json_with(stored_json, block) == canonical(Composition.from_json(stored_json).then(block)).to_json()
+    # A stored list that is not canonical (never written so) takes the general way to the same answer.
+    uncanonical = Composition(tuple(stored) + tuple(stored)).to_json()
+    assert committed_json_with(uncanonical, block) == canonical(Composition.from_json(uncanonical).then(block)).to_json()
+
+
+def test_a_stored_tally_is_remembered_and_is_the_tally_of_the_stored_events():
+    committed = canonical(Composition((SampledGaussian(0.004, 1.1, 30), SampledGaussian(0.01, 0.9, 5))))
+    assert stored_tally(committed.to_json()) == RdpTally.of(committed)
+    block = Composition((SampledGaussian(0.004, 1.1, 3),))
+    after = committed_json_with(committed.to_json(), block)
+    remember_stored_tally(after, stored_tally(committed.to_json()) + RdpTally.of(block))
+    assert stored_tally(after) == RdpTally.of(Composition.from_json(after))

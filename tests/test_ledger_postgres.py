@@ -23,6 +23,7 @@ from accounting.ledger.service import start_server
 from accounting.ledger.store import TOKEN_RECHECK_SECONDS, Ledger
 from bench.postgres import PostgresCluster, postgresql_binaries
 from orchestrator.cli import main
+from query_plans import listing_statements, postgres_plan_problems, reads_growing_table, recording_statements
 from servers import REPOSITORY, start_racers
 
 psycopg = pytest.importorskip("psycopg", reason="the PostgreSQL ledger needs psycopg (the test extra installs it)")
@@ -376,3 +377,20 @@ def test_kill_9_of_postgresql_mid_burst_keeps_every_acknowledged_commit(cluster)
         assert sorted(sequences) == list(range(300)) and committed_steps == 300  # and charged each block once
     finally:
         server.stop(grace_seconds=1.0)
+
+
+def test_every_listing_reads_the_growing_tables_by_index_in_order_on_postgresql(cluster, monkeypatch):
+    url = cluster.create_database("listings")
+    statements = recording_statements(monkeypatch)
+    with Ledger(url, caller=ADMIN) as ledger:
+        listings = listing_statements(ledger, statements)
+    with psycopg.connect(url, autocommit=True) as connection:
+        # The tables are tiny: priced out, a sequential scan or a sort shows only where no index serves.
+        connection.execute("SET enable_seqscan = off")
+        connection.execute("SET enable_sort = off")
+        problems = {
+            statement: postgres_plan_problems(connection, statement, parameters)
+            for statement, parameters in listings if reads_growing_table(statement)
+        }
+    assert {statement: found for statement, found in problems.items() if found} == {}
+    assert len(problems) >= 6

@@ -37,6 +37,7 @@ from accounting.ledger.store import (
 )
 from accounting.ledger.tokens import hash_token, token_digest
 from accounting.ledger.verification import history_hash
+from query_plans import listing_statements, reads_growing_table, recording_statements, sqlite_plan_problems
 
 DELTA = 1e-5
 FIRST = SampledGaussian(0.004, 1.1, 1)
@@ -803,3 +804,17 @@ def test_a_tenants_new_curves_and_fits_take_from_its_bucket(ledger):
     assert row_counts(ledger) == before
     assert ledger.fits("mnist", new[2], caller=globex).fits  # another tenant's bucket is its own
     ledger.reserve("acme/mnist", "job-3", SampledGaussian(0.0013, 3.5, 1))  # the admin is not limited
+
+
+def test_every_listing_reads_the_growing_tables_by_index_in_order(tmp_path, monkeypatch):
+    statements = recording_statements(monkeypatch)
+    with open_embedded_ledger(tmp_path / "ledger.db") as opened:
+        listings = listing_statements(opened, statements)
+    assert any(statement.startswith("SELECT h.id") for statement, _ in listings)
+    with sqlite3.connect(tmp_path / "ledger.db") as connection:
+        problems = {
+            statement: sqlite_plan_problems(connection, statement, parameters)
+            for statement, parameters in listings if reads_growing_table(statement)
+        }
+    assert {statement: found for statement, found in problems.items() if found} == {}
+    assert len(problems) >= 6

@@ -1,7 +1,8 @@
 """The global privacy ledger: one budget per dataset across every job and tenant, embedded or served over gRPC.
 
 - `admission`: the budget arithmetic over event records, pure: plans, RDP tallies, the filter, block rules;
-  `caches` computes its RDP curves and PLD figures once, in threads or processes.
+  `caches` computes its RDP curves and PLD figures once, in threads or processes; `composed` keeps each
+  budget's composed PLD, extended by new commits.
 - `validation`, `errors`, `records`, `callers`, `tokens`: what a request may hold, what the ledger
   refuses it with, the records it answers with, who is asking and their tokens.
 - `verification`: `verify`, the history's chain and signed head, and its replays.
@@ -13,6 +14,7 @@
 from accounting.lazy import public_face
 
 __getattr__, __dir__, __all__ = public_face(__name__, {
+    "caches": ["forget_pld_figures"],
     "callers": ["ADMIN"],
     "client": ["RemoteLedger"],
     "databases": ["is_postgresql", "shown_location"],

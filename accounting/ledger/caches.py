@@ -21,10 +21,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterator
 
-from accounting.accountants import get_accountant, rdp_vector
+from accounting.accountants import forget_plds, get_accountant, rdp_fallback_epsilon, rdp_vector
 from accounting.events import Composition, SampledGaussian
+from accounting.ledger.composed import COMPOSED
 
 # Renyi divergences are tallied in integer units of 2**-60 nats: exact under
 # addition and subtraction, and finer than any float we would compare.
@@ -180,6 +181,11 @@ class SharedCache:
             threading.Thread(target=self._compute, args=(args, pending), name="dpfleet-cache", daemon=True).start()
         return pending
 
+    def clear(self) -> None:
+        """Forget every cached result (computations under way finish for their callers)."""
+        with self._lock:
+            self._results.clear()
+
     def peek(self, *args: object) -> object | None:
         """The cached result, or None when it is not cached (nothing is computed)."""
         with self._lock:
@@ -250,22 +256,41 @@ _step_curve = shared_cache(maxsize=4096)(_curve_anywhere)
 
 
 @shared_cache(maxsize=1024)
-def _spent_pld_epsilon(committed_events: Composition, delta: float) -> float:
-    # The PLD of a long composition takes 0.1-1 s; a dataset's committed events change only on commit,
-    # and statuses asking at once after a commit wait for one computation.
-    return get_accountant("pld").epsilon(committed_events, delta)
+def _spent_pld_epsilon(committed_events: Composition, delta: float, lineage: Hashable | None) -> float:
+    # A budget's composed distribution is extended by the steps committed since it was last asked (composed.py);
+    # statuses asking at once after a commit wait for one computation.
+    if lineage is None:
+        return get_accountant("pld").epsilon(committed_events, delta)
+    fallback = rdp_fallback_epsilon(committed_events, delta)  # where PLD's grid is impractical: not composed
+    if fallback is not None:
+        return fallback
+    return COMPOSED.extended(lineage, committed_events).epsilon(delta)
 
 
-def spent_pld_epsilon(committed_events: Composition, delta: float, wait: bool = True) -> float | None:
+def spent_pld_epsilon(
+    committed_events: Composition, delta: float, wait: bool = True, lineage: Hashable | None = None
+) -> float | None:
     """The PLD ε at `delta` of a dataset's committed events, as if every job had been fixed in advance.
 
-    Cached, and computed once for callers asking at once. With `wait` False,
-    None until the figure is ready: it is computed on a background thread
-    (one at a time) and a later call finds it.
+    `lineage` names the budget (any hashable): its composed distribution is
+    kept and extended by the steps committed since (accounting.ledger.composed);
+    None composes the events from the start. Cached, and computed once for
+    callers asking at once. With `wait` False, None until the figure is
+    ready: it is computed on a background thread (one at a time) and a later
+    call finds it.
     """
+    if not committed_events.events:
+        return 0.0
     if wait:
-        return _spent_pld_epsilon(committed_events, delta)
-    pending = _spent_pld_epsilon.start(committed_events, delta)
+        return _spent_pld_epsilon(committed_events, delta, lineage)
+    pending = _spent_pld_epsilon.start(committed_events, delta, lineage)
     if pending is None or not pending.done() or pending.exception() is not None:
         return None
     return pending.result()
+
+
+def forget_pld_figures() -> None:
+    """Forget every PLD figure and distribution held in memory (one-step, composed), as a restart does."""
+    _spent_pld_epsilon.clear()
+    COMPOSED.clear()
+    forget_plds()

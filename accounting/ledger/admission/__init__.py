@@ -25,6 +25,7 @@ from accounting.ledger.admission.plans import (
     canonical,
     charged_plan,
     check_plan,
+    committed_json_with,
     mechanisms_of,
     parse_plan,
     split_steps,
@@ -38,6 +39,8 @@ from accounting.ledger.admission.rule import (
 )
 from accounting.ledger.admission.tally import (
     RdpTally,
+    remember_stored_tally,
+    stored_tally,
 )
 
 __all__ = [
@@ -63,11 +66,14 @@ __all__ = [
     "check_block_data",
     "check_new_budget",
     "check_plan",
+    "committed_json_with",
     "fits_budget",
     "mechanisms_of",
     "order_epsilon",
     "parse_plan",
     "rdp_figures",
+    "remember_stored_tally",
     "split_steps",
+    "stored_tally",
     "uncached_mechanisms",
 ]

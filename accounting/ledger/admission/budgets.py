@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Hashable
 
 from accounting.events import Composition
 from accounting.ledger.admission.rule import AdmissionRule
@@ -196,6 +197,7 @@ def budget_figures(
     committed_events: Composition,
     held: RdpTally,
     pld_may_be_pending: bool = False,
+    lineage: Hashable | None = None,
 ) -> BudgetFigures:
     """Spent (filter, and non-adaptive PLD and RDP), reserved and remaining epsilon of one dataset.
 
@@ -205,10 +207,12 @@ def budget_figures(
     PLD epsilon of newly committed events takes 0.1-1 s; with
     `pld_may_be_pending` a caller gets the figures at once, with the
     non-adaptive RDP bound as `spent_epsilon` (labelled "rdp") until the PLD
-    figure, started in the background, is ready.
+    figure, started in the background, is ready. `lineage` names the
+    budget, whose composed PLD is then extended by new commits, not
+    composed again (see caches.spent_pld_epsilon).
     """
     figures = rdp_figures(budget_epsilon, rule, committed_events, held)
-    spent_pld = spent_pld_epsilon(committed_events, rule.delta, wait=not pld_may_be_pending)
+    spent_pld = spent_pld_epsilon(committed_events, rule.delta, wait=not pld_may_be_pending, lineage=lineage)
     if spent_pld is None:
         return figures
     return replace(figures, spent_epsilon=spent_pld, spent_epsilon_accountant="pld")

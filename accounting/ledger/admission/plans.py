@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition, group_events
 from accounting.ledger.caches import is_curve_cached
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument
@@ -108,6 +110,33 @@ def canonical(composition: EventsLike) -> Composition:
             for (rate, sigma, factor), steps in sorted(steps_by_mechanism.items())
         )
     )
+
+
+def _mechanism_of_record(record: dict) -> tuple[float, float, float]:
+    return record["sampling_rate"], record["noise_multiplier"], record.get("sensitivity_factor", 1.0)
+
+
+def committed_json_with(stored: str, block: Composition) -> str:
+    """A budget's committed events as stored (canonical JSON) with `block` added, as stored.
+
+    Equal to `canonical(Composition.from_json(stored).then(block)).to_json()`
+    (a test holds them equal), without building a record per mechanism: a
+    commit's cost stays small however many mechanisms a budget has seen.
+    """
+    data = json.loads(stored)
+    records = data.get("events", [])
+    by_mechanism = {_mechanism_of_record(record): record for record in records}
+    if len(by_mechanism) != len(records):  # not canonical (never written so): the general way
+        return canonical(Composition.from_json(stored).then(block)).to_json()
+    for event in block.events:
+        record = by_mechanism.get((event.sampling_rate, event.noise_multiplier, event.sensitivity_factor))
+        if record is None:
+            records.append(event.to_dict())
+            by_mechanism[_mechanism_of_record(records[-1])] = records[-1]
+        else:
+            record["steps"] += event.steps
+    data["events"] = sorted(records, key=_mechanism_of_record)
+    return json.dumps(data, sort_keys=True)
 
 
 def mechanisms_of(events: EventsLike) -> set[tuple[float, float, float]]:

@@ -11,14 +11,17 @@ something at the exact edge, never admit something over it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from accounting.accountants import RDP_ORDERS, epsilon_from_rdp
-from accounting.events import EventsLike, as_composition
+from accounting.events import Composition, EventsLike, as_composition
 from accounting.ledger.caches import UNITS_PER_NAT, step_units
 
 
@@ -96,3 +99,36 @@ class RdpTally:
                 "open the ledger with the dpfleet version that wrote it"
             )
         return cls(tuple(data["units"]), tuple(data["unbounded_steps"]))
+
+
+# A commit adds its block's tally to the one of the events before it (`remember_stored_tally`), so a budget's
+# tally of committed events is computed afresh only once per process (or after another server's commit).
+_STORED_TALLIES: OrderedDict[bytes, RdpTally] = OrderedDict()
+_STORED_TALLIES_SIZE = 1024
+_STORED_TALLIES_LOCK = threading.Lock()
+
+
+def _stored_key(committed_json: str) -> bytes:
+    return hashlib.sha256(committed_json.encode()).digest()
+
+
+def stored_tally(committed_json: str) -> RdpTally:
+    """The tally of committed events as a budget stores them (JSON): remembered, else computed."""
+    key = _stored_key(committed_json)
+    with _STORED_TALLIES_LOCK:
+        tally = _STORED_TALLIES.get(key)
+        if tally is not None:
+            _STORED_TALLIES.move_to_end(key)
+            return tally
+    tally = RdpTally.of(Composition.from_json(committed_json))
+    remember_stored_tally(committed_json, tally)
+    return tally
+
+
+def remember_stored_tally(committed_json: str, tally: RdpTally) -> None:
+    """Remember `tally` as that of the committed events stored as `committed_json` (its tally, exactly)."""
+    with _STORED_TALLIES_LOCK:
+        _STORED_TALLIES[_stored_key(committed_json)] = tally
+        _STORED_TALLIES.move_to_end(_stored_key(committed_json))
+        while len(_STORED_TALLIES) > _STORED_TALLIES_SIZE:
+            _STORED_TALLIES.popitem(last=False)

@@ -15,7 +15,15 @@ import secrets
 from typing import NamedTuple
 
 from accounting.events import Composition
-from accounting.ledger.admission import BudgetCheck, RdpTally, assess_admission, block_data_overlap, split_steps
+from accounting.ledger.admission import (
+    BudgetCheck,
+    RdpTally,
+    assess_admission,
+    block_data_overlap,
+    remember_stored_tally,
+    split_steps,
+    stored_tally,
+)
 from accounting.ledger.callers import Caller
 from accounting.ledger.databases import Connection
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
@@ -103,7 +111,7 @@ def admission_checks(
     for budget in budgets:
         label = budget_label(reference, budget)
         if committed:
-            held = RdpTally.of(Composition.from_json(budget.committed_events))
+            held = stored_tally(budget.committed_events)
         else:
             held = tables.datasets.held(connection, budget.dataset_id)
         checks.append(assess_admission(label, budget.rule(), budget.budget_epsilon, held, planned))
@@ -114,12 +122,12 @@ def admission_checks(
                     f"tenant {tenant!r} has no quota on {label}; an admin gives one with dpfleet ledger quota set"
                 )
             continue
-        use = tables.uses.use(connection, budget.dataset_id, tenant)
+        if committed:
+            use_held = stored_tally(tables.uses.committed_json(connection, budget.dataset_id, tenant))
+        else:
+            use_held = tables.uses.use(connection, budget.dataset_id, tenant).held
         quota_checks.append(
-            assess_admission(
-                f"tenant {tenant!r}'s quota on {label}", quota.rule, quota.epsilon,
-                RdpTally.of(use.committed) if committed else use.held, planned,
-            )
+            assess_admission(f"tenant {tenant!r}'s quota on {label}", quota.rule, quota.epsilon, use_held, planned)
         )
     return checks, quota_checks
 
@@ -187,16 +195,20 @@ def charge(
     block, _ = split_steps(unrun, steps)
     dataset = tables.datasets.by_id(connection, row.dataset_id)
     budgets = budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset)
+    block_tally = RdpTally.of(block)
     checks, quota_checks = admission_checks(
-        tables, connection, row.tenant, dataset, budgets, RdpTally.of(block), reservation.dataset, committed=True
+        tables, connection, row.tenant, dataset, budgets, block_tally, reservation.dataset, committed=True
     )
     refuse_unless_admitted([*checks, *quota_checks], reservation.dataset)
     for budget in budgets:
-        tables.datasets.set_committed_events(
-            connection, budget.dataset_id, Composition.from_json(budget.committed_events).then(block)
+        # The committed events' tallies follow from those before, for the next commit's check.
+        before = stored_tally(budget.committed_events)
+        remember_stored_tally(tables.datasets.add_committed_events(connection, budget, block), before + block_tally)
+        use_before = stored_tally(tables.uses.committed_json(connection, budget.dataset_id, row.tenant))
+        remember_stored_tally(
+            tables.uses.add_committed_events(connection, budget.dataset_id, row.tenant, block),
+            use_before + block_tally,
         )
-        use = tables.uses.use(connection, budget.dataset_id, row.tenant)
-        tables.uses.set_use(connection, budget.dataset_id, row.tenant, use.held, use.committed.then(block))
     committed_steps = reservation.committed_steps + steps
     tables.reservations.set_committed(connection, reservation.reservation_id, committed_steps,
                                       expiry(reservation.lease_seconds))

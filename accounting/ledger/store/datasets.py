@@ -10,7 +10,7 @@ import json
 from typing import NamedTuple
 
 from accounting.events import Composition
-from accounting.ledger.admission import AdmissionRule, RdpTally, canonical
+from accounting.ledger.admission import AdmissionRule, RdpTally, committed_json_with
 from accounting.ledger.databases import Connection, Database
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store.clock import now
@@ -183,11 +183,12 @@ class Datasets:
         connection.execute("UPDATE datasets SET held_rdp = ? WHERE id = ?", (held.to_json(), budget_id))
 
     @staticmethod
-    def set_committed_events(connection: Connection, budget_id: int, committed: Composition) -> None:
-        """Set a budget's committed events (stored canonical: one record per mechanism)."""
-        connection.execute(
-            "UPDATE datasets SET committed_events = ? WHERE id = ?", (canonical(committed).to_json(), budget_id)
-        )
+    def add_committed_events(connection: Connection, budget: DatasetRow, block: Composition) -> str:
+        """Add `block` to the committed events of `budget` (its row as read in this transaction), stored
+        canonical (one record per mechanism); the events as stored now."""
+        committed = committed_json_with(budget.committed_events, block)
+        connection.execute("UPDATE datasets SET committed_events = ? WHERE id = ?", (committed, budget.dataset_id))
+        return committed
 
     @staticmethod
     def count_arrival(connection: Connection, budgets: list[DatasetRow]) -> None:

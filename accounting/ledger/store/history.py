@@ -8,6 +8,7 @@ hand, and nobody without the key can rewrite the chain to hide it.
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from typing import NamedTuple
@@ -124,19 +125,32 @@ class HistoryChain:
     def listed(
         connection: Connection, dataset_id: int | None, tenant: str | None, limit: int
     ) -> list[ListedEntry]:
-        """The newest `limit` entries, oldest first: of one dataset and its blocks, and of one tenant (None: any)."""
-        conditions, parameters = [], []
-        if dataset_id is not None:
-            # A block's own entries (its creation, quotas on it) are the dataset's too.
-            conditions.append("(h.dataset_id = ? OR h.dataset_id IN (SELECT id FROM datasets WHERE block_of = ?))")
-            parameters += [dataset_id, dataset_id]
-        if tenant is not None:
-            conditions.append("h.tenant = ?")
-            parameters.append(tenant)
-        where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
-        rows = connection.execute(
+        """The newest `limit` entries, oldest first: of one dataset and its blocks, and of one tenant (None: any).
+
+        Each of the dataset's budgets is read backwards along its index
+        (history_by_dataset, or history_by_dataset_and_tenant) for at most
+        `limit` entries, so the time follows `limit` and the number of
+        blocks, not the length of the history.
+        """
+        select = (
             "SELECT h.id, h.at, h.actor, h.action, d.tenant, d.name, h.details FROM history h "
-            f"LEFT JOIN datasets d ON d.id = h.dataset_id {where} ORDER BY h.id DESC LIMIT ?",
-            (*parameters, limit),
-        ).fetchall()
-        return [ListedEntry(*row) for row in reversed(rows)]
+            "LEFT JOIN datasets d ON d.id = h.dataset_id"
+        )
+        mine, tenant_parameters = ("AND h.tenant = ?", (tenant,)) if tenant is not None else ("", ())
+        if dataset_id is None:
+            where = "WHERE h.tenant = ?" if tenant is not None else ""
+            rows = connection.execute(f"{select} {where} ORDER BY h.id DESC LIMIT ?", (*tenant_parameters, limit))
+            return [ListedEntry(*row) for row in reversed(rows.fetchall())]
+        # A block's own entries (its creation, quotas on it) are the dataset's too.
+        budgets = [dataset_id] + [
+            block_id for (block_id,) in connection.execute(
+                "SELECT id FROM datasets WHERE block_of = ? ORDER BY block", (dataset_id,)
+            ).fetchall()
+        ]
+        newest = heapq.nlargest(limit, (
+            row for budget_id in budgets for row in connection.execute(
+                f"{select} WHERE h.dataset_id = ? {mine} ORDER BY h.id DESC LIMIT ?",
+                (budget_id, *tenant_parameters, limit),
+            ).fetchall()
+        ))
+        return [ListedEntry(*row) for row in reversed(newest)]

@@ -8,6 +8,7 @@ verification. Each change appends an entry to the keyed history (`history`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -25,7 +26,14 @@ from accounting.ledger.admission import (
 )
 from accounting.ledger.callers import LOCAL_TENANT, Caller, resolve_dataset
 from accounting.ledger.databases import open_database
-from accounting.ledger.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from accounting.ledger.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    LedgerUnavailable,
+    NotFound,
+    PermissionDenied,
+)
 from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.records import CommitResult, DatasetStatus, HistoryEntry, QueuedJob, Reservation, TenantCreated
 from accounting.ledger.scheduling import SchedulingPolicy
@@ -45,7 +53,7 @@ from accounting.ledger.store.history import HistoryChain
 from accounting.ledger.store.leases import expire_leases
 from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key, local_user
 from accounting.ledger.store.schema import create_or_check_schema
-from accounting.ledger.store.status import dataset_status, read_status
+from accounting.ledger.store.status import StatusRows, budget_ids, dataset_status, read_status
 from accounting.ledger.store.tables import Tables
 from accounting.ledger.store.transactions import Transactions, curves_outside_lock
 from accounting.ledger.store.uses import Quota
@@ -127,6 +135,19 @@ class Ledger:
 
     def _caller(self, caller: Caller | None) -> Caller:
         return acting_caller(caller, self._default_caller)
+
+    def _status(self, caller: Caller, rows: StatusRows, pld_may_be_pending: bool = False) -> DatasetStatus:
+        """A dataset's status from its rows, each budget's PLD extended from its composed state; the states
+        due to be kept are written (see store.composed)."""
+        status = dataset_status(caller, rows, pld_may_be_pending, self._tables.composed.lineage)
+        due = self._tables.composed.due(budget_ids(rows))
+        if due:
+            # A cache of a report: a database that does not answer now fails the next change, not this status.
+            with contextlib.suppress(LedgerUnavailable):
+                with self._transactions.change() as connection:
+                    for budget_id, state in due:
+                        self._tables.composed.keep(connection, budget_id, state)
+        return status
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
         with self._transactions.change() as connection:
@@ -307,7 +328,7 @@ class Ledger:
             rows = read_status(
                 self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
             )
-        return dataset_status(caller, rows)
+        return self._status(caller, rows)
 
     def raise_budget(self, dataset: str, epsilon: float, *, caller: Caller | None = None) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only); refused below what is committed and reserved."""
@@ -333,7 +354,7 @@ class Ledger:
             rows = read_status(
                 self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
             )
-        return dataset_status(caller, rows)
+        return self._status(caller, rows)
 
     def add_block(
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None,
@@ -370,7 +391,7 @@ class Ledger:
                  "data": data},
             )
             rows = read_status(self._tables, connection, caller, row)
-        return dataset_status(caller, rows)
+        return self._status(caller, rows)
 
     def set_quota(
         self, dataset: str, tenant: str, epsilon: float, block: str | None = None, *, caller: Caller | None = None
@@ -408,7 +429,7 @@ class Ledger:
                  "held_epsilon_filter": held_epsilon, "held_fits_quota": fits_budget(held_epsilon, epsilon)},
             )
             rows = read_status(self._tables, connection, caller, row)
-        return dataset_status(caller, rows)
+        return self._status(caller, rows)
 
     def fits(
         self, dataset: str, planned: EventsLike, blocks: tuple[str, ...] | list[str] = (),
@@ -447,7 +468,7 @@ class Ledger:
         with self._transactions.read() as connection:
             row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
             rows = read_status(self._tables, connection, caller, row)
-        return dataset_status(caller, rows, pld_may_be_pending)
+        return self._status(caller, rows, pld_may_be_pending)
 
     def list_datasets(
         self, pld_may_be_pending: bool = False, *, caller: Caller | None = None
@@ -457,7 +478,7 @@ class Ledger:
         with self._transactions.read() as connection:
             datasets = self._tables.datasets.listed(connection, None if caller.admin else caller.tenant)
             all_rows = [read_status(self._tables, connection, caller, row) for row in datasets]
-        return [dataset_status(caller, rows, pld_may_be_pending) for rows in all_rows]
+        return [self._status(caller, rows, pld_may_be_pending) for rows in all_rows]
 
     # ------------------------------------------------------------ jobs
 

@@ -140,9 +140,13 @@ class QueuedJobs:
                 conditions.append(condition)
                 parameters.append(value)
         where = f"WHERE {' AND '.join(conditions)}" if conditions else ""
+        # One dataset's queue is read in order from its index (queued_jobs_in_position).
+        order = "q.position, q.created_at, q.id"
+        if dataset_id is None:
+            order = f"d.tenant, d.name, {order}"
         return [
             QueuedRow(*row) for row in connection.execute(
-                f"SELECT {_QUEUE_COLUMNS} {_FROM} {where} ORDER BY d.tenant, d.name, q.position, q.created_at, q.id",
+                f"SELECT {_QUEUE_COLUMNS} {_FROM} {where} ORDER BY {order}",
                 parameters,
             ).fetchall()
         ]

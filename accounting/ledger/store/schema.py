@@ -20,7 +20,26 @@ from accounting.ledger.store.local import local_user
 from accounting.ledger.store.transactions import Transactions
 from accounting.ledger.verification import ANCHOR_ACTION, chain_findings, history_hash
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
+
+# The indexes each listing reads in order (schema version 10), so that its time follows what it lists, not the
+# whole history: a dataset's last history entries, as the admin or one tenant sees them; a dataset's jobs, of
+# any state or of one, oldest first ({order_key} is the insertion order where it is not the rowid, PostgreSQL);
+# a dataset's queue in its order; a dataset's blocks.
+_LISTING_INDEXES = (
+    "CREATE INDEX IF NOT EXISTS history_by_dataset_and_tenant ON history (dataset_id, tenant, id)",
+    "CREATE INDEX IF NOT EXISTS reservations_by_dataset_in_order ON reservations (dataset_id{order_key})",
+    "CREATE INDEX IF NOT EXISTS reservations_by_dataset ON reservations (dataset_id, state{order_key})",
+    "CREATE INDEX IF NOT EXISTS queued_jobs_in_position ON queued_jobs (dataset_id, state, position, created_at, id)",
+    "CREATE INDEX IF NOT EXISTS blocks_by_dataset ON datasets (block_of, block)",
+)
+
+# Each budget's composed PLD as last kept (schema version 10; see store/composed.py): a cache of a report.
+_COMPOSED_PLD = """CREATE TABLE IF NOT EXISTS composed_pld (
+        budget_id {integer} PRIMARY KEY REFERENCES datasets(id),
+        state {bytes} NOT NULL,
+        at TEXT NOT NULL
+    )"""
 
 _LEASE_INDEX = (
     "CREATE INDEX leases_by_expiry ON reservations (expires_at) WHERE state = 'active' AND expires_at IS NOT NULL"
@@ -125,7 +144,6 @@ _TABLES = (
         blocks TEXT NOT NULL DEFAULT '[]'{order_column}
     )""",
     _ONE_ACTIVE_RESERVATION_PER_JOB,
-    "CREATE INDEX reservations_by_dataset ON reservations (dataset_id, state)",
     _LEASE_INDEX,
     """CREATE TABLE commits (
         reservation_id TEXT NOT NULL REFERENCES reservations(id),
@@ -151,6 +169,8 @@ _TABLES = (
     _TENANT_USE,
     *_QUEUE_TABLES,
     *_TOKEN_TABLES,
+    *_LISTING_INDEXES,
+    _COMPOSED_PLD,
 )
 
 
@@ -331,6 +351,20 @@ def _key_the_history(
     )
 
 
+def _index_listings_and_keep_composed_plds(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 10: an index for each listing, read in the listing's order (`_LISTING_INDEXES`), and each
+    budget's composed PLD (`_COMPOSED_PLD`, empty until a status composes one).
+
+    The jobs' index of a dataset and state replaces the one of version 1,
+    which on PostgreSQL did not hold the insertion order.
+    """
+    connection.execute("DROP INDEX IF EXISTS reservations_by_dataset")
+    for statement in (*_LISTING_INDEXES, _COMPOSED_PLD):
+        connection.execute(formatted(statement, database))
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it; the steps
 # that append to the history append to `history` (the one that re-chains it under the key uses the key).
 _MIGRATIONS = {
@@ -342,6 +376,7 @@ _MIGRATIONS = {
     7: _declare_block_data,
     8: _add_fast_tokens_and_revocation,
     9: _key_the_history,
+    10: _index_listings_and_keep_composed_plds,
 }
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 from accounting.events import Composition
 from accounting.ledger.admission import AdmissionRule, RdpTally, budget_figures
@@ -32,27 +33,42 @@ class StatusRows(NamedTuple):
 def read_status(tables: Tables, connection: Connection, caller: Caller, dataset: DatasetRow) -> StatusRows:
     """What a status needs from the tables. A tenant sees its own jobs and quotas only; an admin every tenant's."""
     mine = None if caller.admin else caller.tenant
-    return StatusRows(
+    rows = StatusRows(
         dataset,
         tables.reservations.listed(connection, dataset.dataset_id, mine, ACTIVE),
         tables.datasets.blocks(connection, dataset.dataset_id),
         tables.uses.of_dataset(connection, dataset.dataset_id, mine),
         tables.queue.count_waiting(connection, dataset.dataset_id),
     )
+    tables.composed.recall(connection, budget_ids(rows))
+    return rows
 
 
-def dataset_status(caller: Caller, rows: StatusRows, pld_may_be_pending: bool = False) -> DatasetStatus:
-    """The status of a dataset as `caller` sees it (see `Ledger.get_budget` for `pld_may_be_pending`)."""
-    # The PLD epsilon can take a second when the committed events changed; no lock is held here.
+def budget_ids(rows: StatusRows) -> list[int]:
+    """The dataset's and its blocks' ids: the budgets whose figures a status shows."""
+    return [rows.dataset.dataset_id, *(block.dataset_id for block in rows.blocks)]
+
+
+def dataset_status(
+    caller: Caller, rows: StatusRows, pld_may_be_pending: bool = False,
+    lineage: Callable[[int], Hashable] | None = None,
+) -> DatasetStatus:
+    """The status of a dataset as `caller` sees it (see `Ledger.get_budget` for `pld_may_be_pending`).
+
+    `lineage` names each budget's composed PLD, extended by new commits
+    (ComposedDistributions.lineage); None composes each from the start.
+    """
+    # The PLD epsilon of new commits takes one composition; no lock is held here.
     dataset = rows.dataset
+    fields = functools.partial(_budget_fields, pld_may_be_pending=pld_may_be_pending, lineage=lineage)
     return DatasetStatus(
         name=display_name(caller, DatasetRef(dataset.tenant, dataset.name)),
         tenant=dataset.tenant,
-        **_budget_fields(dataset, pld_may_be_pending),
+        **fields(dataset),
         jobs=tuple(job.reservation(caller) for job in rows.jobs),
         released_jobs=dataset.released_jobs,
         blocks=tuple(
-            BlockStatus(name=block.block, **_budget_fields(block, pld_may_be_pending),
+            BlockStatus(name=block.block, **fields(block),
                         data=json.loads(block.block_data) if block.block_data else None)
             for block in rows.blocks
         ),
@@ -63,12 +79,15 @@ def dataset_status(caller: Caller, rows: StatusRows, pld_may_be_pending: bool = 
     )
 
 
-def _budget_fields(budget: DatasetRow, pld_may_be_pending: bool) -> dict:
+def _budget_fields(
+    budget: DatasetRow, pld_may_be_pending: bool, lineage: Callable[[int], Hashable] | None
+) -> dict:
     """A dataset's or block's budget, rule and figures, as the fields its status shares with the other's."""
     rule = budget.rule()
     figures = budget_figures(
         budget.budget_epsilon, rule, Composition.from_json(budget.committed_events),
         RdpTally.from_json(budget.held_rdp), pld_may_be_pending,
+        lineage(budget.dataset_id) if lineage is not None else None,
     )
     return {
         "budget_epsilon": budget.budget_epsilon,

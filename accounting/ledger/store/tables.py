@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from accounting.ledger.databases import Database
+from accounting.ledger.store.composed import ComposedDistributions
 from accounting.ledger.store.datasets import Datasets
 from accounting.ledger.store.history import HistoryChain
 from accounting.ledger.store.queued_jobs import QueuedJobs
@@ -16,7 +17,7 @@ from accounting.ledger.store.uses import TenantUses
 @dataclass(frozen=True)
 class Tables:
     """One ledger's repositories: datasets and blocks, tenant uses and quotas, reservations and commits, the
-    queue, tenants and tokens, and the history it records every change in."""
+    queue, tenants and tokens, the history it records every change in, and the budgets' composed PLDs."""
 
     datasets: Datasets
     uses: TenantUses
@@ -24,8 +25,12 @@ class Tables:
     queue: QueuedJobs
     tenants: Tenants
     history: HistoryChain
+    composed: ComposedDistributions
 
     @classmethod
     def of(cls, database: Database, history: HistoryChain) -> "Tables":
         """The repositories of `database`, recording in `history`."""
-        return cls(Datasets(database), TenantUses(), Reservations(database), QueuedJobs(), Tenants(database), history)
+        return cls(
+            Datasets(database), TenantUses(), Reservations(database), QueuedJobs(), Tenants(database), history,
+            ComposedDistributions(database.location, history.key),
+        )

@@ -6,7 +6,7 @@ import json
 from typing import NamedTuple
 
 from accounting.events import Composition
-from accounting.ledger.admission import AdmissionRule, RdpTally, canonical
+from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, committed_json_with
 from accounting.ledger.databases import Connection
 from accounting.ledger.store.datasets import DatasetRow
 from accounting.ledger.verification import StoredTenantUse
@@ -62,6 +62,26 @@ class TenantUses:
             "committed_events = excluded.committed_events",
             (budget_id, tenant, held.to_json(), canonical(committed).to_json()),
         )
+
+    @staticmethod
+    def committed_json(connection: Connection, budget_id: int, tenant: str) -> str:
+        """A tenant's committed events on a budget as stored (JSON; no events for a tenant that never used it)."""
+        row = connection.execute(
+            "SELECT committed_events FROM tenant_use WHERE budget_id = ? AND tenant = ?", (budget_id, tenant)
+        ).fetchone()
+        return row[0] if row is not None else Composition().to_json()
+
+    @staticmethod
+    def add_committed_events(connection: Connection, budget_id: int, tenant: str, block: Composition) -> str:
+        """Add `block` to a tenant's committed events on a budget, keeping its tally and quota; the events as
+        stored now."""
+        committed = committed_json_with(TenantUses.committed_json(connection, budget_id, tenant), block)
+        connection.execute(
+            "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (budget_id, tenant) DO UPDATE SET committed_events = excluded.committed_events",
+            (budget_id, tenant, RdpTally.zero().to_json(), committed),
+        )
+        return committed
 
     @staticmethod
     def quota(connection: Connection, budget: DatasetRow, tenant: str) -> Quota | None:

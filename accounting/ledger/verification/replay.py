@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from accounting.events import Composition, EventError, group_events
+from accounting.events import Composition, EventError, SampledGaussian, group_events
 from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, fits_budget, split_steps
 from accounting.ledger.records import HistoryEntry
 from accounting.ledger.verification.findings import Finding
@@ -37,7 +37,10 @@ class _Replay:
         # A tenant's quota set on the dataset applies to each of its blocks that has none of its own.
         self.dataset_quota: tuple[float, AdmissionRule] | None = None
         self.held = RdpTally.zero()
-        self.committed = Composition()
+        # The committed steps per mechanism, and their tally: a commit adds to both, with no pass over every
+        # mechanism committed before (a tally is an exact sum).
+        self.committed_steps_by_mechanism: dict[tuple[float, float, float], int] = {}
+        self.committed_tally = RdpTally.zero()
         self.plans: dict[str, Composition] = {}
         self.committed_steps: dict[str, int] = {}
 
@@ -108,6 +111,14 @@ class _Replay:
         self.held = self.held + RdpTally.of(planned)
 
     @property
+    def committed(self) -> Composition:
+        """The committed events, canonical (one record per mechanism)."""
+        return Composition(tuple(
+            SampledGaussian(rate, sigma, steps, factor)
+            for (rate, sigma, factor), steps in sorted(self.committed_steps_by_mechanism.items())
+        ))
+
+    @property
     def kind(self) -> str:
         return "quota" if self.quota else "budget"
 
@@ -122,12 +133,17 @@ class _Replay:
             self.note_structure(
                 entry, f"charges events that are not the next {block.steps} planned steps of {reservation_id}"
             )
+        block_tally = RdpTally.of(block)
         limit = self.limit()
         if limit is not None and limit[1] is not None:
-            admitted, epsilon = self.fits(limit[1].epsilon, RdpTally.of(self.committed.then(block)))
+            admitted, epsilon = self.fits(limit[1].epsilon, self.committed_tally + block_tally)
             if not admitted:
                 self.note(entry, f"commits to filter ε {epsilon:.6g}, over the {self.kind} ε {limit[0]:g}")
-        self.committed = canonical(self.committed.then(block))
+        steps_by_mechanism = self.committed_steps_by_mechanism
+        for event in block.events:
+            mechanism = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+            steps_by_mechanism[mechanism] = steps_by_mechanism.get(mechanism, 0) + event.steps
+        self.committed_tally = self.committed_tally + block_tally
         self.committed_steps[reservation_id] += block.steps
 
     def release(self, entry: StoredEntry, details: dict) -> None:
@@ -251,7 +267,7 @@ def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
         if entry.action in ("add_block", "set_quota") or entry.details.get("blocks"):
             continue  # a block's budget, a tenant's quota or a job on blocks: not the dataset's own budget
         replay.apply_details(entry, entry.action, entry.details)
-        spent_filter = replay.admission_epsilon(RdpTally.of(replay.committed))
+        spent_filter = replay.admission_epsilon(replay.committed_tally)
         held_filter = replay.admission_epsilon(replay.held)
         points.append(
             BurnDownPoint(

@@ -1,0 +1,198 @@
+"""How the embedded ledger's costs grow with its history: `python -m bench.ledger_growth [--json] [--points ...]`.
+
+For each point (commits, distinct mechanisms) a fresh SQLite ledger gets
+that many commits of 1 step on one dataset (δ 1e-5, q 0.004), from jobs
+of up to 20 commits, job j with mechanism j mod M (each mechanism its own
+σ, as jobs that calibrate σ to a target ε bring). Then it times, with the
+history in place:
+
+- `commit_seconds`: one commit of a running job (median of 100);
+- `status_seconds`: a status waiting for the PLD figure just after a commit
+  (median of 5; the dataset's composed PLD extended by that commit);
+- `status_new_mechanism_seconds`: the same after the first commit of a σ never
+  seen before (its one-step PLD is built: dp-accounting's Python loop);
+- `status_first_seconds`: the first status of the point, which composes the
+  whole history (as a ledger with no kept state would);
+- `status_after_restart_seconds`: a status of a ledger reopened in a process
+  that forgot every figure and distribution (the composed state is read back
+  from the file; the steps committed since it was kept are composed onto it);
+- `history_seconds`: the dataset's last 50 history entries (median of 20);
+- `verify_seconds`: `verify` after 1,000 more commits; `verify_full_seconds`:
+  `verify` replaying everything (the same call: verify is not yet incremental);
+- `database_bytes`: the file and its WAL.
+
+Goals (on 2 cores): at 100k commits and 1,000 mechanisms commit
+≤ 5 ms, status with PLD ≤ 0.5 s, history ≤ 5 ms; incremental verify of
+1,000 new commits ≤ 2 s. `--json` writes bench/results/ledger-growth.json (or `--output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from accounting.events import SampledGaussian
+from accounting.ledger.caches import forget_pld_figures
+from accounting.ledger.callers import ADMIN
+from accounting.ledger.store import Ledger
+
+RESULTS = Path(__file__).resolve().parent / "results" / "ledger-growth.json"
+DEFAULT_POINTS = ("1000x10", "10000x10", "100000x10", "1000x1000", "10000x1000", "100000x1000")
+DELTA = 1e-5
+SAMPLING_RATE = 0.004
+DATASET = "acme/growth"
+MAX_COMMITS_PER_JOB = 20
+
+
+def mechanism(index: int) -> SampledGaussian:
+    """The `index`-th job mechanism: its own σ in [0.9, 1.5)."""
+    return SampledGaussian(SAMPLING_RATE, 0.9 + 0.6 * ((index * 0.6180339887) % 1.0), 1)
+
+
+def parse_point(text: str) -> tuple[int, int]:
+    """'10000x1000' as (commits, mechanisms)."""
+    try:
+        commits, mechanisms = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a point is COMMITSxMECHANISMS, such as 10000x1000 (got {text!r})") from None
+    if commits < 1 or not 1 <= mechanisms <= commits:
+        raise argparse.ArgumentTypeError(f"a point needs 1 <= mechanisms <= commits (got {text!r})")
+    return commits, mechanisms
+
+
+class Jobs:
+    """Jobs committing one step at a time on the bench's dataset, job j with mechanism j mod `mechanisms`."""
+
+    def __init__(self, ledger: Ledger, mechanisms: int, commits_per_job: int) -> None:
+        self.ledger = ledger
+        self.mechanisms = mechanisms
+        self.commits_per_job = commits_per_job
+        self.started = 0
+
+    def run(self, commits: int, mechanism_index: int | None = None) -> None:
+        """Commit `commits` steps, job after job (a job with `mechanism_index`'s mechanism when given)."""
+        while commits > 0:
+            steps = min(commits, self.commits_per_job)
+            index = self.started % self.mechanisms if mechanism_index is None else mechanism_index
+            reservation = self.ledger.reserve(DATASET, f"job-{self.started}", mechanism(index).with_steps(steps))
+            self.started += 1
+            for sequence in range(steps):
+                self.ledger.commit(reservation.reservation_id, 1, sequence)
+            self.ledger.release(reservation.reservation_id)
+            commits -= steps
+
+    def timed_commits(self, count: int) -> list[float]:
+        """The seconds of each of `count` commits of one running job (of a known mechanism)."""
+        reservation = self.ledger.reserve(DATASET, f"job-{self.started}", mechanism(0).with_steps(count))
+        self.started += 1
+        seconds = []
+        for sequence in range(count):
+            started = time.perf_counter()
+            self.ledger.commit(reservation.reservation_id, 1, sequence)
+            seconds.append(time.perf_counter() - started)
+        self.ledger.release(reservation.reservation_id)
+        return seconds
+
+
+def timed(call) -> float:
+    """The seconds `call()` takes."""
+    started = time.perf_counter()
+    call()
+    return time.perf_counter() - started
+
+
+def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
+    """Build a ledger of `commits` commits of `mechanisms` mechanisms in `folder` and time it (see module doc)."""
+    path, key = folder / f"ledger-{commits}x{mechanisms}.db", folder / "ledger-history.key"
+    commits_per_job = max(1, min(MAX_COMMITS_PER_JOB, commits // mechanisms))
+    forget_pld_figures()
+    started = time.perf_counter()
+    with Ledger(path, caller=ADMIN, history_key_file=key) as ledger:
+        ledger.create_tenant("acme")
+        ledger.create_dataset(DATASET, 1e4, DELTA)
+        jobs = Jobs(ledger, mechanisms, commits_per_job)
+        jobs.run(commits)
+        build_seconds = time.perf_counter() - started
+        status_first = timed(lambda: ledger.get_budget(DATASET))
+        commit_seconds = jobs.timed_commits(100)
+        status_seconds = []
+        for _ in range(5):
+            jobs.run(1, mechanism_index=0)
+            status_seconds.append(timed(lambda: ledger.get_budget(DATASET)))
+        jobs.run(1, mechanism_index=mechanisms + commits)  # a σ of no earlier job, of this point or another
+        status_new_mechanism = timed(lambda: ledger.get_budget(DATASET))
+        history_seconds = [timed(lambda: ledger.history(DATASET, 50)) for _ in range(20)]
+        jobs.run(1000)
+        verification = None
+
+        def verify() -> None:
+            nonlocal verification
+            verification = ledger.verify()
+
+        verify_seconds = timed(verify)
+        assert not verification.findings, verification.findings
+    forget_pld_figures()
+    with Ledger(path, caller=ADMIN, history_key_file=key) as reopened:
+        status_after_restart = timed(lambda: reopened.get_budget(DATASET))
+    database_bytes = sum(
+        candidate.stat().st_size for candidate in (path, Path(f"{path}-wal")) if candidate.exists()
+    )
+    return {
+        "commits": commits,
+        "mechanisms": mechanisms,
+        "commits_per_job": commits_per_job,
+        "build_seconds": build_seconds,
+        "commit_seconds": statistics.median(commit_seconds),
+        "commit_seconds_p99": sorted(commit_seconds)[98],
+        "status_seconds": statistics.median(status_seconds),
+        "status_seconds_max": max(status_seconds),
+        "status_new_mechanism_seconds": status_new_mechanism,
+        "status_first_seconds": status_first,
+        "status_after_restart_seconds": status_after_restart,
+        "history_seconds": statistics.median(history_seconds),
+        "verify_seconds": verify_seconds,
+        "verify_full_seconds": verify_seconds,
+        "verify_is_incremental": False,
+        "database_bytes": database_bytes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ledger_growth", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--points", nargs="+", type=parse_point, default=[parse_point(point) for point in DEFAULT_POINTS[:1]],
+        metavar="COMMITSxMECHANISMS",
+        help=f"the points to measure (default {DEFAULT_POINTS[0]}; the issue's are {' '.join(DEFAULT_POINTS)})",
+    )
+    parser.add_argument("--json", action="store_true", help="also write the results as JSON (see --output)")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)")
+    args = parser.parse_args(argv)
+    load_before = os.getloadavg()
+    command = "python -m bench.ledger_growth " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dpfleet-ledger-growth-") as folder:
+        for commits, mechanisms in args.points:
+            result = measure_point(commits, mechanisms, Path(folder))
+            results.append(result)
+            print(json.dumps(result), flush=True)
+            if args.json:  # after each point: a long run stopped early keeps the points it measured
+                machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "platform": platform.platform(), "sqlite": sqlite3.sqlite_version,
+                           "load_average_before": load_before, "load_average_after": os.getloadavg()}
+                args.output.write_text(json.dumps(
+                    {"date": time.strftime("%Y-%m-%d"), "machine": machine, "command": command, "points": results},
+                    indent=2,
+                ) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
