@@ -15,7 +15,7 @@ from servers import start_loopback_cluster, stop_loopback_cluster
 
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.trainer import Trainer
+from orchestrator.trainer import Trainer, resume_trainer
 from workers.collective import slice_bounds
 from workers.models import flat_parameters
 
@@ -121,3 +121,28 @@ def test_each_coordinate_gets_noise_of_std_sigma_c_once(cluster, tmp_path):
     # The slices' noise is independent: no slice repeats another's.
     (first, second) = (noise[start:stop] for start, stop in slice_bounds(noise.size, NODES))
     assert abs(np.corrcoef(first[:second.size], second)[0, 1]) < 0.06
+
+
+class StopAfterCheckpoint(Trainer):
+    """A driver that dies right after writing the checkpoint of step 2."""
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.step == 2:
+            raise KeyboardInterrupt
+
+
+def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, tmp_path):
+    # Seeded, so the resumed run draws the same samples and noise: it must end where the whole run does, which
+    # it only does when each rank gets its Adam state back. Adaptive clipping's noisy count runs on the driver.
+    options = dict(aggregation="collective", steps=4, checkpoint_every=2,
+                   adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
+    whole, whole_summary = run(Trainer, tiny_config(tmp_path, "whole", **options))
+    with pytest.raises(KeyboardInterrupt):
+        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **options))
+    resumed = resume_trainer(str(tmp_path / "split"), show_progress=False, out=io.StringIO())
+    assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
+    summary = resumed.run()
+    assert summary["epsilon"] == whole_summary["epsilon"] and resumed.record.clip_norm == whole.record.clip_norm
+    assert whole.record.clip_norm != 1.0
+    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
