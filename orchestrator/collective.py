@@ -67,7 +67,8 @@ class CollectiveFleet:
         self.say = say
         self.workers = [gradient_worker(config, CollectiveRankActor, restarts=0) for _ in range(config.workers)]
         address, port = ray.get(self.workers[0].rendezvous.remote())
-        backend = "nccl" if config.gpus_per_worker else "gloo"
+        # NCCL takes one GPU per rank; ranks that share a GPU (gpus_per_worker < 1) reduce over gloo on the host.
+        backend = "nccl" if config.gpus_per_worker >= 1 else "gloo"
         shared_weights = ray.put(np.asarray(weights, dtype=np.float32))
         ray.get([worker.join_group.remote(rank, len(self.workers), address, port, backend, shared_weights,
                                           config.optimizer.name, dict(config.optimizer.parameters), learning_rate,

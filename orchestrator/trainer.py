@@ -13,7 +13,11 @@ complete when it is made:
 
 - the sample: PRF(run key, step) (``orchestrator.sampling.step_sample``);
 - the fleet: ``WorkerFleet`` (``orchestrator.fleet``), or with shards
-  ``ShardFleet`` (``orchestrator.shard_fleet``);
+  ``ShardFleet`` (``orchestrator.shard_fleet``), or on the collective path
+  (``aggregation = "collective"``) ``CollectiveFleet``
+  (``orchestrator.collective``), whose ranks reduce-scatter, noise, step
+  and all-gather among themselves while the driver sends index shares,
+  slice keys and scalars;
 - the noise: the run's generator and ``CentralNoise`` (``orchestrator.noise``);
 - the ledger: a ``LedgerSession`` and its ``ChargeClock`` (``orchestrator.charge_clock``);
 - the record of what ran, which checkpoints carry: ``RunRecord``
