@@ -26,10 +26,12 @@ from orchestrator.fleet import gradient_worker
 from workers.collective import CollectiveRankActor
 from workers.noise import GaussianNoise
 
-# `aggregation = "auto"` picks the driver path for every run for now. Source: issue 32's measurements on a
-# 2-core CPU machine (driver 2.7 ms per million parameters + 10 ms a step, workers 17-36 ms per million) put
-# the driver under 17% of a CPU worker's step up to 40M parameters; no crossover of P x nodes has been measured
-# on GPU workers yet (bench/scaling.py measures both paths side by side). Change this rule with its measurement.
+# `aggregation = "auto"` picks the driver path for every run for now, although the collective path was
+# measured faster from 1M parameters with 2 workers (docs/benchmarks.md, "Driver path against collective path",
+# 2026-11-26, 2-core VM: 123 against 152 ms a step at 1M, 1260 against 2551 ms at 10M): a lost rank stops a
+# collective run, where the driver path replaces a lost worker and recomputes its share, and the collective path
+# does not run shards, users or ema_decay. Once it re-forms its group after a loss, pick "collective" from
+# 1M parameters x 2 workers. With 1 worker it lost at 10M (1733 against 1329 ms: the rank draws its noise itself).
 AUTO_AGGREGATION = "driver"
 
 
