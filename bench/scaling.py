@@ -1,6 +1,7 @@
 """Sharded training on 1, 2 and 4 Ray nodes on loopback: what each step costs the driver and the workers.
 
     python -m bench.scaling [--steps 30] [--batch-size 256] [--json]
+    python -m bench.scaling --paths [--models bench.mlp:mlp_1m ...] [--workers 1 2] [--json]
 
 For each node count, a Ray cluster starts on this machine (`ray.cluster_utils.
 Cluster`: a head with no CPUs, one 1-CPU node per silo with its own custom
@@ -14,6 +15,13 @@ share this machine's cores, so more nodes here means contention, not speed:
 the figures show what the driver's share of a step is, and that its traffic
 grows with the node count and not with N. `--json` writes
 bench/results/scaling.json.
+
+With `--paths`, each `bench.mlp` model trains on 1, 2, ... one-CPU loopback
+nodes, one worker each, on the driver path and then the collective path
+(`aggregation`), side by side: the step, the driver's own time, its process's
+CPU seconds (so that work on its other threads shows), the bytes it moved
+(`driver_bytes_per_step`, counted) and the slowest worker's time. `--json`
+writes bench/results/paths.json.
 """
 
 from __future__ import annotations
@@ -49,16 +57,19 @@ class MeasuredTrainer(Trainer):
         super().__init__(*args, **kwargs)
 
     def _step(self, workers):
-        before, cpu = self.record.times, time.thread_time()
+        before, cpu, process_cpu = self.record.times, time.thread_time(), time.process_time()
         super()._step(workers)
         cpu, step = time.thread_time() - cpu, self.record.times.minus(before)
+        collective = self.aggregation == "collective"
         weights_bytes = 4 * self.flat_weights.numel()
-        nodes = len(set(self.shards.nodes.values()) if self.shards else set(self.fleet.worker_nodes.values()))
+        nodes = (0 if collective else len(set(self.shards.nodes.values()) if self.shards
+                                          else set(self.fleet.worker_nodes.values())))
         self.rows.append({
             "step": self.step, "driver_wall_s": step.driver + step.wait, "driver_own_s": step.driver,
-            "driver_cpu_s": cpu, "bytes_out": weights_bytes * nodes,
-            "bytes_in": sum(part.nbytes for part in self.gathered.parts), "buffers_in": len(self.gathered.parts),
-            "worker_s_slowest": step.worker,
+            "driver_cpu_s": cpu, "driver_process_cpu_s": time.process_time() - process_cpu,
+            "bytes_out": weights_bytes * nodes, "driver_bytes": step.driver_bytes,
+            "bytes_in": 0 if collective else sum(part.nbytes for part in self.gathered.parts),
+            "buffers_in": 0 if collective else len(self.gathered.parts), "worker_s_slowest": step.worker,
         })
 
 
@@ -111,18 +122,55 @@ def measure(nodes: int, steps: int, batch_size: int, run_root: Path) -> dict:
     }
 
 
+PATH_KEYS = ("driver_wall_s", "driver_own_s", "driver_process_cpu_s", "driver_bytes", "worker_s_slowest")
+
+
+def compare_paths(model: str, workers: int, steps: int, batch_size: int, run_root: Path) -> list[dict]:
+    """`model` on `workers` one-CPU loopback nodes, on the driver path and then the collective path; medians."""
+    rows = []
+    for aggregation in ("driver", "collective"):
+        trainer = train_on_cluster([{"num_cpus": 1} for _ in range(workers)], dict(
+            dataset="mnist", model=model, workers=workers, aggregation=aggregation, steps=steps,
+            batch_size=batch_size, train_subset=6000, test_subset=100, noise_multiplier=1.0,
+            max_physical_batch=batch_size, run_dir=str(run_root / f"{aggregation}-{workers}-{model}"),
+        ))
+        rows.append({"model": model, "parameters": trainer.flat_weights.numel(), "workers": workers,
+                     "aggregation": aggregation, "median_after_warmup": medians_after_warmup(trainer.rows, PATH_KEYS),
+                     "steps": trainer.rows})
+    return rows
+
+
+def print_path_row(row: dict) -> None:
+    """One line of `compare_paths`'s table."""
+    median = row["median_after_warmup"]
+    print(f"{row['parameters'] / 1e6:.2f}M params, {row['workers']} worker(s), {row['aggregation']:>10}: step "
+          f"{median['driver_wall_s'] * 1e3:.1f} ms, driver's own {median['driver_own_s'] * 1e3:.2f} ms, driver "
+          f"process cpu {median['driver_process_cpu_s'] * 1e3:.1f} ms, driver bytes {median['driver_bytes']:.0f}, "
+          f"slowest worker {median['worker_s_slowest'] * 1e3:.1f} ms", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Measure every node count, print a table, and with --json write bench/results/scaling.json."""
+    """Measure every node count (or with --paths, driver against collective), print a table; --json writes it."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--json", action="store_true", help="write bench/results/scaling.json")
+    parser.add_argument("--paths", action="store_true",
+                        help="driver path against collective path on bench.mlp models (--models, --workers)")
+    parser.add_argument("--models", nargs="+", default=["bench.mlp:mlp_1m"])
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--json", action="store_true", help="write bench/results/scaling.json (paths.json)")
     args = parser.parse_args(argv)
     # Ray starts workers at niceness 15; keep them on the driver's terms on a shared machine.
     os.environ["RAY_worker_niceness"] = str(os.nice(0))
     results = []
     with tempfile.TemporaryDirectory() as run_root:
-        for nodes in NODE_COUNTS:
+        if args.paths:
+            for model in args.models:
+                for workers in args.workers:
+                    for row in compare_paths(model, workers, args.steps, args.batch_size, Path(run_root)):
+                        results.append(row)
+                        print_path_row(row)
+        for nodes in () if args.paths else NODE_COUNTS:
             results.append(measure(nodes, args.steps, args.batch_size, Path(run_root)))
             row = results[-1]["median_after_warmup"]
             print(f"{nodes} node(s): step {row['driver_wall_s'] * 1e3:.1f} ms, driver's own "
@@ -131,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['worker_s_slowest'] * 1e3:.1f} ms", flush=True)
     if args.json:
         RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (RESULTS_DIR / "scaling.json").write_text(json.dumps({
-            **results_header("bench.scaling", argv, args.batch_size), "runs": results,
+        (RESULTS_DIR / ("paths.json" if args.paths else "scaling.json")).write_text(json.dumps({
+            **results_header("bench.scaling", argv, args.batch_size),
+            **({"model": args.models, "dataset": "mnist"} if args.paths else {}), "runs": results,
         }, indent=2))
     return 0
 

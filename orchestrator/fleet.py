@@ -20,15 +20,20 @@ WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
 
 
-def gradient_worker(config: TrainConfig) -> ray.actor.ActorHandle:
-    """A new gradient worker actor for `config`'s model, data and engine, sized by its per-worker CPUs and GPUs."""
+def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: int = WORKER_RESTARTS
+                    ) -> ray.actor.ActorHandle:
+    """A new gradient worker actor for `config`'s model, data and engine, sized by its per-worker CPUs and GPUs.
+
+    `actor` is the worker's Ray class (a collective rank's, on that path);
+    `restarts` how often Ray restarts it and retries its call when it dies.
+    """
     # A killed worker is restarted by Ray, which re-runs its interrupted call: the call is a
     # pure function of (weights, indices, clip norm), so the retry returns the same sum.
-    return GradientWorkerActor.options(
+    return actor.options(
         num_cpus=config.cpus_per_worker,
         num_gpus=config.gpus_per_worker,
-        max_restarts=WORKER_RESTARTS,
-        max_task_retries=WORKER_RESTARTS,
+        max_restarts=restarts,
+        max_task_retries=restarts,
     ).remote(
         config.model,
         config.dataset,

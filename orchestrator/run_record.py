@@ -19,28 +19,33 @@ class StepTimes:
     """Seconds over a number of steps: the driver's own, the slowest worker's in its call, the driver's wait.
 
     The driver's own time is a step's wall time minus its wait for the
-    workers' sums: what the workers wait for between steps.
+    workers' sums: what the workers wait for between steps. `driver_bytes`
+    counts the bytes the driver sent and received for the steps (see
+    `Trainer._step`), a measure of whether it is on the data path.
     """
 
     steps: int = 0
     driver: float = 0.0
     worker: float = 0.0
     wait: float = 0.0
+    driver_bytes: float = 0.0
 
-    def plus(self, wall: float, worker: float, wait: float) -> StepTimes:
+    def plus(self, wall: float, worker: float, wait: float, driver_bytes: float = 0.0) -> StepTimes:
         """These times and one more step's."""
-        return StepTimes(self.steps + 1, self.driver + wall - wait, self.worker + worker, self.wait + wait)
+        return StepTimes(self.steps + 1, self.driver + wall - wait, self.worker + worker, self.wait + wait,
+                         self.driver_bytes + driver_bytes)
 
     def minus(self, earlier: StepTimes) -> StepTimes:
         """The steps since `earlier`, a copy of these times taken then."""
         return StepTimes(self.steps - earlier.steps, self.driver - earlier.driver, self.worker - earlier.worker,
-                         self.wait - earlier.wait)
+                         self.wait - earlier.wait, self.driver_bytes - earlier.driver_bytes)
 
     def per_step(self) -> dict[str, float]:
-        """The BREAKDOWN means, in seconds per step (empty with no steps)."""
+        """The BREAKDOWN means, in seconds per step, and `driver_bytes_per_step` (empty with no steps)."""
         if not self.steps:
             return {}
-        return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
+        means = dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
+        return means | {"driver_bytes_per_step": self.driver_bytes / self.steps}
 
 
 @dataclass

@@ -13,7 +13,11 @@ complete when it is made:
 
 - the sample: PRF(run key, step) (``orchestrator.sampling.step_sample``);
 - the fleet: ``WorkerFleet`` (``orchestrator.fleet``), or with shards
-  ``ShardFleet`` (``orchestrator.shard_fleet``);
+  ``ShardFleet`` (``orchestrator.shard_fleet``), or on the collective path
+  (``aggregation = "collective"``) ``CollectiveFleet``
+  (``orchestrator.collective``), whose ranks reduce-scatter, noise, step
+  and all-gather among themselves while the driver sends index shares,
+  slice keys and scalars;
 - the noise: the run's generator and ``CentralNoise`` (``orchestrator.noise``);
 - the ledger: a ``LedgerSession`` and its ``ChargeClock`` (``orchestrator.charge_clock``);
 - the record of what ran, which checkpoints carry: ``RunRecord``
@@ -44,6 +48,7 @@ from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
 from orchestrator.charge_clock import ChargeClock, LedgerSession, block_at, uncharged_blocks
+from orchestrator.collective import CollectiveFleet, resolved_aggregation
 from orchestrator.checkpoint import (
     CHECKPOINT_VERSION,
     check_checkpoint_version,
@@ -201,6 +206,12 @@ class Trainer:
         # The last step's sums: they stay in the driver and are never logged or saved.
         self.gathered = Gathered()
         self.engine_reported = False
+        # "driver" or "collective" (orchestrator.collective); on the collective path the ranks hold the weights
+        # and each its slice of the optimizer's state, which checkpoints carry as `optimizer_slices`.
+        self.aggregation = resolved_aggregation(config)
+        self.optimizer_slices: list[dict] | None = None
+        # The bytes of the last step's sample shares (the driver path's part of `_driver_bytes`; none with shards).
+        self.sample_bytes = 0
 
     def _start_shards(self) -> tuple[bool, ShardFleet | None, int | None]:
         """With shards: start Ray (unless it is up) and the shards' workers; (started Ray, the fleet, their N)."""
@@ -269,6 +280,7 @@ class Trainer:
             "noise_multiplier": self.plan.noise_multiplier,
             # Laid out as workers.models.flat_parameters: load_flat_parameters(model, ...) gives the averaged model.
             "ema_weights": None if self.ema_weights is None else self.ema_weights.cpu().clone(),
+            "optimizer_slices": self.optimizer_slices,
         }
 
     def load_state(self, state: dict) -> None:
@@ -280,6 +292,11 @@ class Trainer:
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.resumed_reservation = state["binding"]["reservation"]
+        self.optimizer_slices = state.get("optimizer_slices")
+        if (self.optimizer_slices is None) != (self.aggregation == "driver"):
+            saved = "driver" if self.optimizer_slices is None else "collective"
+            raise UsageError(f"the checkpoint was written on the {saved} path and holds its optimizer state there; "
+                             f'resume with aggregation = "{saved}"')
         if self.ema_weights is not None:
             if state.get("ema_weights") is None:
                 raise ValueError("the checkpoint holds no averaged weights, but the run has ema_decay set; "
@@ -287,6 +304,9 @@ class Trainer:
             self.ema_weights.copy_(state["ema_weights"])
 
     def _save_checkpoint(self) -> None:
+        self._collect_weights()
+        if self.aggregation == "collective":
+            self.optimizer_slices = self.fleet.optimizer_slices()
         self.record.lap_clock()
         save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step, self.state())
 
@@ -334,7 +354,12 @@ class Trainer:
         Returns the workers the step hooks see: with shards the fleet holds
         the workers (placed while planning), and the list is empty.
         """
-        if self.shards is None:
+        if self.aggregation == "collective":
+            self.fleet = running.enter_context(closing(CollectiveFleet(
+                self.config, self.flat_weights.cpu().numpy(), self.optimizer.param_groups[0]["lr"], self.say)))
+            if self.optimizer_slices is not None:
+                self.fleet.load_optimizer_slices(self.optimizer_slices)
+        elif self.shards is None:
             self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
         workers = [] if self.shards is not None else self.fleet.workers
         devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
@@ -421,13 +446,32 @@ class Trainer:
     def _step(self, workers: list) -> None:
         """One DP-SGD step: sample, fan out, sum, noise once, average, optimizer step; its times are kept."""
         started = time.perf_counter()
-        self.central_noise.request(self.step)
-        if self.shards is not None:
-            self._shard_step()
+        if self.aggregation == "collective":
+            self._collective_step(workers)
         else:
-            self._sampled_step(workers)
+            self.central_noise.request(self.step)
+            if self.shards is not None:
+                self._shard_step()
+            else:
+                self._sampled_step(workers)
         self.record.times = self.record.times.plus(time.perf_counter() - started,
-                                                   self.gathered.slowest_worker_seconds, self.gathered.wait_seconds)
+                                                   self.gathered.slowest_worker_seconds, self.gathered.wait_seconds,
+                                                   self._driver_bytes())
+
+    def _driver_bytes(self) -> int:
+        """The bytes the driver moved in the step just run.
+
+        On the collective path, what it sent to and received from the ranks
+        (pickled). On the driver path: the weights written to the object
+        store, once more for each other node they reach, the sample shares
+        sent and the sums received.
+        """
+        if self.aggregation == "collective":
+            return self.gathered.driver_bytes
+        weights = self.flat_weights.numel() * self.flat_weights.element_size()
+        nodes = (set(self.shards.nodes.values()) if self.shards is not None
+                 else set(self.fleet.worker_nodes.values())) - {ray.get_runtime_context().get_node_id()}
+        return weights * (1 + len(nodes)) + self.sample_bytes + sum(part.nbytes for part in self.gathered.parts)
 
     def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`)."""
@@ -441,6 +485,7 @@ class Trainer:
         self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
         weights = self._weights()
         shards, group_shards = worker_shares(indices, group_ids, len(workers))
+        self.sample_bytes = indices.nbytes + (0 if group_ids is None else group_ids.nbytes)
         # Under users, a worker picks each user's rows itself when the step runs, so nothing is read ahead.
         next_shards = (None if self.drawn_sample is None or self.config.privacy_unit == "user"
                        else worker_shares(*self.drawn_sample, len(workers))[0])
@@ -451,7 +496,39 @@ class Trainer:
         clip_norm = self.record.clip_norm
         if adaptive:
             self._adapt_clip_norm(counts[0], len(indices), group_ids)
-        self._noise_and_step(partial_sums, plan.sigma_at(step) * clip_norm)
+        self._noise_and_step(partial_sums, self._noise_std(step, clip_norm))
+
+    def _collective_step(self, workers: list) -> None:
+        """A step on the collective path: the driver samples and sends shares, keys and scalars; the ranks do the rest.
+
+        Each rank gets its share of the sample and its slice's noise key;
+        the ranks reduce-scatter, noise their slices once, step and
+        all-gather (`workers.collective`). The driver keeps the learning-rate
+        schedule, adaptive clipping's noisy count and the events.
+        """
+        plan, step, config = self.plan, self.step, self.config
+        indices, group_ids = self.drawn_sample or self._draw_sample(step)
+        self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
+        shares, group_shares = worker_shares(indices, group_ids, len(workers))
+        clip_norm = self.record.clip_norm
+        adaptive = config.adaptive_clipping is not None
+        self.gathered = self.fleet.step(step, shares, group_shares, config.layer_clip_norms or clip_norm, self.noise,
+                                        self._noise_std(step, clip_norm), plan.contributions_per_step,
+                                        self.optimizer.param_groups[0]["lr"], adaptive)
+        if adaptive:
+            self._adapt_clip_norm(self.gathered.unclipped, len(indices), group_ids)
+        self.record.events = self.record.events.then(plan.events_between(step, step + 1))
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _noise_std(self, step: int, clip_norm: float) -> float:
+        """The std of step `step`'s noise on the sum: sigma at that step times the clip norm."""
+        return self.plan.sigma_at(step) * clip_norm
+
+    def _collect_weights(self) -> None:
+        """On the collective path, copy the ranks' weights into the driver's model (to evaluate or checkpoint)."""
+        if self.aggregation == "collective":
+            self.flat_weights.copy_(torch.tensor(self.fleet.weights()))
 
     def _shard_step(self) -> None:
         """One DP-SGD step with shards: each worker samples its own examples; sum, noise once, average, step.
@@ -470,7 +547,7 @@ class Trainer:
         partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(), 1)
         # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3).
         extend_outages(self.record.shard_outages, step, missing, self.config.shards)
-        self._noise_and_step(partial_sums, self.plan.sigma_at(step) * clip_norm)
+        self._noise_and_step(partial_sums, self._noise_std(step, clip_norm))
 
     def _partial_sums(
         self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None,
@@ -555,6 +632,7 @@ class Trainer:
 
     def _record_epoch(self, epoch: float, workers: list) -> None:
         """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
+        self._collect_weights()
         test = self._start_evaluation(workers, "test", test_set_size(self.config))
         if self.non_private_train_loss:
             train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size))

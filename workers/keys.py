@@ -31,6 +31,7 @@ _DERIVE_PERSON = b"dpfleet-derive"
 NOISE = "noise"
 SAMPLE = "sample"
 LOCAL_SAMPLE = "local sample"
+SLICE_NOISE = "slice noise"
 DRIVER = "driver"
 
 

@@ -201,8 +201,20 @@ def _layer_clipping(config: TrainConfig) -> None:
                          "it cannot be combined with microbatch_size or adaptive_clipping")
 
 
+def _aggregation(config: TrainConfig) -> None:
+    if config.aggregation != "collective":
+        return
+    refused = [reason for reason, present in (
+        ("shards (silo mode)", config.shards), ('privacy_unit = "user"', config.privacy_unit == "user"),
+        ("ema_decay", config.ema_decay is not None)) if present]
+    if refused:
+        raise UsageError(f'aggregation = "collective" does not run {", ".join(refused)} yet; use aggregation = '
+                         '"driver" (or "auto"), or remove them')
+
+
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _augmentations, _layer_clipping,
+    _aggregation,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 

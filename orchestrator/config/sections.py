@@ -38,6 +38,9 @@ from orchestrator.shard_config import (
 from orchestrator.table import table
 from workers import ShardSpec, names
 
+# Where a step's clipped sums are added up, noised and stepped on: see orchestrator/collective.py.
+AGGREGATIONS = ("auto", "driver", "collective")
+
 # The workers' modules load torch: the keys are declared and documented without them (`dpfleet init`, the help,
 # the schema), and they load when a config is first checked.
 clipping = LazyModule("workers.clipping")
@@ -531,6 +534,16 @@ class RunSection(Section):
         kind="table", valid=f"one key of {table_text(EvaluateEvery)}", shown_default="every epoch",
     )
     workers: int = key(2, "Gradient worker actors. With `shards`, the sum of the shards' `workers`.", ge=1)
+    aggregation: Literal[AGGREGATIONS] = key(
+        "auto",
+        "Where each step's clipped sums are added up, noised and stepped on: `driver` (the driver receives every "
+        "node's sum, adds the noise once and runs the optimizer) or `collective` (the workers form a "
+        "torch.distributed group, gloo on CPUs and NCCL on GPUs, reduce-scatter their sums, each noises and "
+        "steps its own slice of the coordinates, and they all-gather the weights; the driver sends and receives "
+        "only scalars, the step's sample shares and the slices' noise keys). `auto` picks `driver` until a "
+        "crossover is measured (orchestrator/collective.py). The collective path assumes the workers trust "
+        "each other: each sees the un-noised total of its slice.",
+    )
     cpus_per_worker: int = key(1, "CPUs each worker asks Ray for; also its torch threads.", ge=1)
     gpus_per_worker: float = key(
         0.0, "GPUs each worker asks Ray for, e.g. 0.5 for two workers on one GPU (`examples/mnist_gpu.toml`).", ge=0,

@@ -1,0 +1,148 @@
+"""The collective path on a real Ray cluster of two nodes on loopback: one rank on each, over gloo.
+
+The head has no CPUs, so each rank runs on a node of its own and the
+reduce-scatter and all-gather cross between them.
+"""
+
+import io
+
+import numpy as np
+import pytest
+import ray
+from hypothesis import given
+from hypothesis import strategies as st
+from servers import start_loopback_cluster, stop_loopback_cluster
+
+from orchestrator.config import build_config
+from orchestrator.errors import UsageError
+from orchestrator.trainer import Trainer, resume_trainer
+from workers.collective import slice_bounds
+from workers.models import flat_parameters
+
+NODES = 2
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head with no CPUs and two nodes of one CPU each."""
+    cluster, _ = start_loopback_cluster([dict(num_cpus=1) for _ in range(NODES)])
+    yield cluster
+    stop_loopback_cluster(cluster)
+
+
+def tiny_config(tmp_path, name, **overrides):
+    values = dict(
+        dataset="mnist", model="bench.mlp:mlp_tiny", workers=NODES, steps=3, batch_size=40, train_subset=400,
+        test_subset=100, noise_multiplier=1.0, clip_norm=1.0, learning_rate=0.05, seed=3,
+        optimizer={"name": "adam"}, run_dir=str(tmp_path / name), max_physical_batch=64,
+    )
+    values.update(overrides)
+    return build_config(values)
+
+
+class NoiseOff(Trainer):
+    """A seeded run with no noise (tests only): the sums alone move the weights, on either path."""
+
+    def _noise_std(self, step, clip_norm):
+        return 0.0
+
+
+class RanksAgree(NoiseOff):
+    """A noiseless run that fetches every rank's weights after each step and keeps whether they were identical."""
+
+    def _step(self, workers):
+        super()._step(workers)
+        weights = ray.get([worker.current_weights.remote() for worker in workers])
+        self.identical = getattr(self, "identical", []) + [all(np.array_equal(weights[0], other)
+                                                                for other in weights[1:])]
+
+
+def run(trainer_class, config):
+    trainer = trainer_class(config, show_progress=False, out=io.StringIO())
+    summary = trainer.run()
+    return trainer, summary
+
+
+@given(st.integers(0, 10_000), st.integers(1, 64))
+def test_slices_cover_every_coordinate_exactly_once(size, world_size):
+    owners = np.zeros(size, dtype=int)
+    for start, stop in slice_bounds(size, world_size):
+        owners[start:stop] += 1
+    assert (owners == 1).all()
+    # Equal lengths but the trailing ones: what reduce-scatter pads to.
+    lengths = [stop - start for start, stop in slice_bounds(size, world_size)]
+    assert lengths == sorted(lengths, reverse=True) and max(lengths) == -(-size // world_size)
+
+
+def test_collective_refuses_what_it_does_not_run(tmp_path):
+    with pytest.raises(UsageError, match="ema_decay"):
+        tiny_config(tmp_path, "refused", aggregation="collective", ema_decay=0.9)
+    assert tiny_config(tmp_path, "auto").aggregation == "auto"
+
+
+def test_collective_gives_the_driver_paths_weights_and_ranks_agree_each_step(cluster, tmp_path):
+    driver, driver_summary = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver"))
+    collective, summary = run(RanksAgree, tiny_config(tmp_path, "collective", aggregation="collective"))
+    # Adam's state is held a slice per rank (ZeRO-1); the weights still match the whole-vector optimizer's.
+    np.testing.assert_allclose(flat_parameters(collective.model).numpy(), flat_parameters(driver.model).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    untrained = Trainer(tiny_config(tmp_path, "untrained"), show_progress=False, out=io.StringIO())
+    assert (flat_parameters(collective.model) - flat_parameters(untrained.model)).abs().max() > 1e-3
+    assert collective.identical == [True] * 3
+    assert summary["epsilon"] == driver_summary["epsilon"]
+    assert summary["driver_bytes_per_step"] < 64 * 1024
+    # The driver path moves the weights and the sums through the driver; the collective path does not.
+    assert driver_summary["driver_bytes_per_step"] > 3 * 4 * collective.flat_weights.numel()
+
+
+def test_driver_bytes_per_step_do_not_grow_with_the_model(cluster, tmp_path):
+    tiny = run(NoiseOff, tiny_config(tmp_path, "tiny", aggregation="collective", steps=2))[1]
+    small = run(NoiseOff, tiny_config(tmp_path, "small", aggregation="collective", steps=2,
+                                      model="bench.mlp:mlp_small"))[1]
+    # Eight times the parameters, the same sample and scalars: the same bytes.
+    assert small["driver_bytes_per_step"] == tiny["driver_bytes_per_step"]
+
+
+def test_each_coordinate_gets_noise_of_std_sigma_c_once(cluster, tmp_path):
+    # One SGD step, with and without noise, from the same seed (same sample, same start): the difference of
+    # the weights is lr * noise / (q N), coordinate by coordinate.
+    options = dict(aggregation="collective", steps=1, optimizer="sgd", learning_rate=1.0, noise_multiplier=2.0,
+                   clip_norm=0.5)
+    noisy, _ = run(Trainer, tiny_config(tmp_path, "noisy", **options))
+    quiet, _ = run(NoiseOff, tiny_config(tmp_path, "quiet", **options))
+    noise = ((flat_parameters(quiet.model) - flat_parameters(noisy.model)).double().numpy()
+             * noisy.plan.contributions_per_step)
+    std = 2.0 * 0.5
+    assert (noise != 0).all()  # no coordinate left un-noised
+    # Each rank's slice on its own: a slice noised twice would have std sqrt(2) sigma C (a 41% excess).
+    for start, stop in slice_bounds(noise.size, NODES):
+        assert noise[start:stop].std() == pytest.approx(std, rel=0.05)
+        assert abs(noise[start:stop].mean()) < 4 * std / np.sqrt(stop - start)
+    # The slices' noise is independent: no slice repeats another's.
+    (first, second) = (noise[start:stop] for start, stop in slice_bounds(noise.size, NODES))
+    assert abs(np.corrcoef(first[:second.size], second)[0, 1]) < 0.06
+
+
+class StopAfterCheckpoint(Trainer):
+    """A driver that dies right after writing the checkpoint of step 2."""
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.step == 2:
+            raise KeyboardInterrupt
+
+
+def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, tmp_path):
+    # Seeded, so the resumed run draws the same samples and noise: it must end where the whole run does, which
+    # it only does when each rank gets its Adam state back. Adaptive clipping's noisy count runs on the driver.
+    options = dict(aggregation="collective", steps=4, checkpoint_every=2,
+                   adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
+    whole, whole_summary = run(Trainer, tiny_config(tmp_path, "whole", **options))
+    with pytest.raises(KeyboardInterrupt):
+        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **options))
+    resumed = resume_trainer(str(tmp_path / "split"), show_progress=False, out=io.StringIO())
+    assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
+    summary = resumed.run()
+    assert summary["epsilon"] == whole_summary["epsilon"] and resumed.record.clip_norm == whole.record.clip_norm
+    assert whole.record.clip_norm != 1.0
+    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)

@@ -1,0 +1,168 @@
+"""A gradient worker that is one rank of a torch.distributed group: the collective path's data plane.
+
+Each step the driver sends a rank its share of the step's sample, the step's
+scalars (clip norm, noise std, q·N, learning rate) and the 32-byte key of its
+slice's noise; nothing of size P. The ranks then:
+
+1. compute their clipped sums (float32, as every gradient worker does);
+2. reduce-scatter them in float64, so rank r holds the total of slice r of
+   the coordinates (`slice_bounds`), and only that;
+3. add the Gaussian noise of slice r, drawn from PRF(run key, "slice noise",
+   step, r) (`workers.noise.GaussianNoise.slice_key`): the slices are
+   disjoint and cover every coordinate, so each coordinate is noised exactly
+   once, with std σ·C, by the same secure generator as the driver's;
+4. divide by q·N and step the optimizer on slice r, which holds that
+   slice's optimizer state alone (ZeRO-1: every optimizer offered updates a
+   coordinate from its own gradient and state);
+5. all-gather the new weights, so every rank ends the step with the same
+   weights.
+
+The ranks see the un-noised totals of their slices: the path assumes that
+the workers trust each other (docs/scaling.md). The noise keys live in the
+ranks' memory for one step and are never written anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from workers.actor import GradientWorker
+from workers.keys import SecretKey
+from workers.noise import GRADIENT_NOISE, GaussianNoise
+from workers.optimizers import torch_optimizer
+
+# How long a rank waits in a collective for the others (a rank lost mid-step leaves the rest waiting this long).
+GROUP_TIMEOUT = datetime.timedelta(minutes=5)
+
+
+def slice_bounds(size: int, world_size: int) -> list[tuple[int, int]]:
+    """[start, stop) of each rank's slice of `size` coordinates: ceil(size / world_size) each, the last ones shorter.
+
+    The slices are disjoint and cover 0..size - 1, so each coordinate has
+    exactly one owner (a trailing slice may be empty when world_size > size).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 (got {world_size})")
+    length = -(-size // world_size)
+    return [(min(size, rank * length), min(size, (rank + 1) * length)) for rank in range(world_size)]
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now, for the group's rendezvous on rank 0."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+class CollectiveRank(GradientWorker):
+    """A gradient worker that trains as one rank of a process group (see the module); `GradientWorker`'s arguments."""
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's IP address and a free port: where the group meets when this worker is rank 0.
+
+        As Ray Train does for torch: the driver asks rank 0 for them and
+        hands them to every rank with its rank number.
+        """
+        return ray.util.get_node_ip_address(), free_port()
+
+    def join_group(
+        self, rank: int, world_size: int, address: str, port: int, backend: str, weights: np.ndarray,
+        optimizer: str, optimizer_options: dict, learning_rate: float, secure_noise: bool,
+    ) -> None:
+        """Join the group as `rank` of `world_size` (gloo on CPUs, nccl on GPUs) and hold the run's weights.
+
+        `weights` are the initial flat float32 weights, the same for every
+        rank; the rank's optimizer (`optimizer`, `optimizer_options`) covers
+        its slice of them only.
+        """
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size,
+                                timeout=GROUP_TIMEOUT)
+        self.rank, self.world_size, self.secure_noise = rank, world_size, secure_noise
+        self.collective_device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+        self.size = int(np.asarray(weights).size)
+        self.slice_start, self.slice_stop = slice_bounds(self.size, world_size)[rank]
+        self.slice_length = -(-self.size // world_size)
+        # Padded to world_size equal slices, as reduce-scatter and all-gather need; the padding stays zero.
+        self.weights = torch.zeros(self.slice_length * world_size, dtype=torch.float32, device=self.collective_device)
+        self.weights[:self.size] = torch.as_tensor(np.asarray(weights, dtype=np.float32))
+        self.slice_weights = torch.nn.Parameter(self.weights[self.slice_start:self.slice_stop].clone())
+        self.optimizer = torch_optimizer(optimizer, learning_rate, [self.slice_weights], optimizer_options)
+
+    def train_step(
+        self, step: int, indices: np.ndarray, clip_norm, group_ids: np.ndarray | None, noise_key: bytes,
+        seeded: bool, noise_std: float, contributions: float, learning_rate: float, count_unclipped: bool,
+    ) -> dict:
+        """One DP-SGD step of the group (see the module); only scalars come back.
+
+        `noise_key` is this rank's slice key for `step` (32 bytes, in memory
+        only; `seeded` when it derives from a test seed); `noise_std` is σ·C;
+        `contributions` the expected batch size q·N that the noisy sum is
+        divided by. Returns the seconds of the clipped sum and of the whole
+        step, and with `count_unclipped` this rank's raw count of unclipped
+        examples (the driver noises their total, as on the driver path).
+        """
+        started = time.perf_counter()
+        flat_weights = self.weights[:self.size].cpu().numpy()
+        part = self.clipped_grad_sum(flat_weights, indices, clip_norm, group_ids, count_unclipped,
+                                     count_zeroed=True)
+        worker_seconds = time.perf_counter() - started
+        sums = torch.zeros(self.slice_length * self.world_size, dtype=torch.float64, device=self.collective_device)
+        sums[:self.size] = torch.as_tensor(part[:self.size])
+        total = torch.empty(self.slice_length, dtype=torch.float64, device=self.collective_device)
+        dist.reduce_scatter_tensor(total, sums)
+        owned = self.slice_stop - self.slice_start
+        noisy = total[:owned].cpu().numpy()
+        noisy += self._slice_noise(noise_key, seeded, step, owned, noise_std)
+        noisy /= contributions
+        self.slice_weights.grad = torch.as_tensor(noisy.astype(np.float32), device=self.collective_device)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        self.optimizer.step()
+        self._gather_weights()
+        return {"worker_seconds": worker_seconds, "step_seconds": time.perf_counter() - started,
+                "unclipped": float(part[self.size]) if count_unclipped else None}
+
+    def _slice_noise(self, noise_key: bytes, seeded: bool, step: int, owned: int, noise_std: float) -> np.ndarray:
+        """N(0, noise_std^2) for each of the `owned` coordinates of this rank's slice, from its slice key."""
+        noise = GaussianNoise(SecretKey(noise_key, seeded), secure=self.secure_noise,
+                              threads=torch.get_num_threads())
+        try:
+            return noise.draw(owned, noise_std, (GRADIENT_NOISE, step))
+        finally:
+            noise.close()
+
+    def _gather_weights(self) -> None:
+        """Every rank's new slice into every rank's weights (one all-gather)."""
+        mine = torch.zeros(self.slice_length, dtype=torch.float32, device=self.collective_device)
+        mine[:self.slice_stop - self.slice_start] = self.slice_weights.detach()
+        dist.all_gather_into_tensor(self.weights, mine)
+
+    def current_weights(self) -> np.ndarray:
+        """The flat float32 weights this rank holds (every rank holds the same after each step)."""
+        return self.weights[:self.size].cpu().numpy().copy()
+
+    def optimizer_slice(self) -> dict:
+        """This rank's slice bounds and its optimizer's state, for the driver's checkpoint."""
+        return {"start": self.slice_start, "stop": self.slice_stop, "state": self.optimizer.state_dict()}
+
+    def load_optimizer_slice(self, saved: dict) -> None:
+        """Restore this rank's optimizer state from `optimizer_slice`'s record of the same slice."""
+        if (saved["start"], saved["stop"]) != (self.slice_start, self.slice_stop):
+            raise ValueError(f"the checkpoint's optimizer slice {saved['start']}..{saved['stop']} is not this rank's "
+                             f"({self.slice_start}..{self.slice_stop}); resume with the same number of workers")
+        self.optimizer.load_state_dict(saved["state"])
+
+    def leave_group(self) -> None:
+        """Leave the process group (the run is over)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+CollectiveRankActor = ray.remote(CollectiveRank)
