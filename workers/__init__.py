@@ -11,6 +11,8 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "keys": ["NOISE", "SecretKey", "process_key"],
     "models": ["bind_flat_views", "build_model", "flat_parameters", "load_flat_parameters", "parameter_count"],
     "names": ["ENGINE_NAMES", "LOSS_NAMES", "MODEL_NAMES", "check_metrics", "task_of"],
+    "planned_batches": ["PlannedBatch", "gather_window", "private_window_folder", "read_planned_batch",
+                        "remove_window_folder", "window_plan"],
     "reducer": ["NodeReducerActor"],
     "sampling": ["make_generator", "poisson_sample", "step_generator"],
     "shard_worker": ["ShardWorkerActor"],

@@ -201,8 +201,21 @@ def _layer_clipping(config: TrainConfig) -> None:
                          "it cannot be combined with microbatch_size or adaptive_clipping")
 
 
+def _planned_batches(config: TrainConfig) -> None:
+    if config.plan_ahead_steps is None:
+        return
+    if not isinstance(config.dataset, Mapping) or config.dataset.get("format") != "parquet" \
+            or config.dataset.get("train_parts"):
+        raise UsageError("plan_ahead_steps gathers Parquet training files: give a parquet dataset without blocks, "
+                         "or leave plan_ahead_steps out")
+    if config.shards or config.privacy_unit == "user":
+        raise UsageError("plan_ahead_steps plans the driver's sample of examples: it cannot be combined with shards "
+                         "or privacy_unit = \"user\"; leave plan_ahead_steps out")
+
+
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _augmentations, _layer_clipping,
+    _planned_batches,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 
