@@ -41,6 +41,7 @@ def gradient_worker(config: TrainConfig) -> ray.actor.ActorHandle:
         train_transforms=config.train_transforms,
         augmentations_per_example=config.augmentations_per_example,
         users=user_spec(config),
+        planned_batches=config.plan_ahead_steps is not None,
     )
 
 

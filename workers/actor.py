@@ -29,7 +29,7 @@ from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.names import task_of
-from workers.planned_batches import PlannedBatch, PlannedBatchReader
+from workers.planned_batches import PlannedBatch, PlannedBatchReader, PlannedRunSource
 from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import (
@@ -101,7 +101,9 @@ class GradientWorker:
     first time it is sampled and kept (``FeatureCache``); with transforms,
     each view's features are computed afresh.
     ``users`` (user-level privacy) says who owns which rows, for
-    ``user_clipped_sum``.
+    ``user_clipped_sum``. With ``planned_batches`` (a Parquet dataset
+    trained with ``plan_ahead_steps``), steps read the batches a window's
+    gather wrote and the worker holds no index of the files.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class GradientWorker:
         train_transforms: Sequence[Mapping[str, Any]] = (),
         augmentations_per_example: int = 1,
         users: UserSpec | None = None,
+        planned_batches: bool = False,
     ) -> None:
         check_engine(engine)
         if augmentations_per_example != 1 and not train_transforms:
@@ -145,6 +148,7 @@ class GradientWorker:
         self.model.to(self.device).train()
         # The engines and evaluation run the model that takes the feature map's output: the whole model without one.
         self.feature_map, self.gradient_model = feature_map(self.model)
+        self.planned_batches = planned_batches
         self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
         self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
                               if self.feature_map is not None and self.transform is None else None)
@@ -176,8 +180,9 @@ class GradientWorker:
         self, dataset: str | dict, train_subset: int | None, data_root: str | None
     ) -> tuple[ExampleSource, int]:
         """The source this worker trains on and how many of its examples it uses (the first ``train_subset``)."""
-        source = open_source(dataset, "train", data_root)
-        if not isinstance(source, InMemorySource):
+        # A planned run's steps read planned batches: the worker holds no index of the files' row groups.
+        source = PlannedRunSource(dataset) if self.planned_batches else open_source(dataset, "train", data_root)
+        if not isinstance(source, (InMemorySource, PlannedRunSource)):
             source = PrefetchingSource(source)
         full_size = len(source)
         if train_subset is not None and not 1 <= train_subset <= full_size:

@@ -33,8 +33,8 @@ import pyarrow.ipc as pa_ipc
 import pyarrow.parquet as pq
 
 from workers.lazy import LazyModule
-from workers.sources import PARQUET_SUFFIXES, _check_schema, _feature_tensor, _files_at, _label_tensor, \
-    _table_to_numpy
+from workers.sources import PARQUET_SUFFIXES, ParquetSource, _check_schema, _files_at, _feature_tensor, \
+    _label_tensor, _table_to_numpy
 
 torch = LazyModule("torch")
 
@@ -243,3 +243,32 @@ class PlannedBatchReader:
             self._ahead = None
             return reading.result()
         return read_planned_batch(batch, self.spec)
+
+
+class PlannedRunSource:
+    """A planned run's training split on a worker: its size from the files' row counts, no row-group index held.
+
+    Steps read from planned batches, so the worker keeps no per-row-group
+    metadata (which grows with N). A read of no rows (the example's shape)
+    opens the files for that read only; any other read (a feature cache, the
+    non-private train loss) opens a `ParquetSource` then and keeps it.
+    """
+
+    def __init__(self, spec: Mapping) -> None:
+        self.spec = spec
+        self.size = int(file_row_counts(spec, "train")[1].sum())
+        self.source: ParquetSource | None = None
+        self.no_rows = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices`` through a Parquet source (opened for the first read of none alone)."""
+        if not len(indices) and self.source is None:
+            if self.no_rows is None:
+                self.no_rows = ParquetSource(self.spec, "train").read(indices)
+            return self.no_rows
+        if self.source is None:
+            self.source = ParquetSource(self.spec, "train")
+        return self.source.read(indices)
