@@ -245,12 +245,23 @@ class PlannedBatchReader:
         return read_planned_batch(batch, self.spec)
 
 
+def first_row(spec: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split's first example, streamed: decoding it never holds its whole row group."""
+    _, paths = _files_at(spec["train"], PARQUET_SUFFIXES)
+    parquet = pq.ParquetFile(paths[0], pre_buffer=False, buffer_size=1 << 20)
+    columns, _ = _check_schema(spec, parquet.schema_arrow, paths[0])
+    label = spec.get("label", "label")
+    batch = next(parquet.iter_batches(batch_size=1, columns=[*columns, label], use_threads=False))
+    features, labels = _table_to_numpy(pa.Table.from_batches([batch]).slice(0, 1), columns, label)
+    return _feature_tensor(features.copy(), spec.get("shape")), _label_tensor(labels.copy())
+
+
 class PlannedRunSource:
     """A planned run's training split on a worker: its size from the files' row counts, no row-group index held.
 
     Steps read from planned batches, so the worker keeps no per-row-group
     metadata (which grows with N). A read of no rows (the example's shape)
-    opens the files for that read only; any other read (a feature cache, the
+    streams the first example alone; any other read (a feature cache, the
     non-private train loss) opens a `ParquetSource` then and keeps it.
     """
 
@@ -267,8 +278,8 @@ class PlannedRunSource:
         """The rows at ``indices`` through a Parquet source (opened for the first read of none alone)."""
         if not len(indices) and self.source is None:
             if self.no_rows is None:
-                self.no_rows = ParquetSource(self.spec, "train").read(indices)
-            return self.no_rows
+                self.no_rows = first_row(self.spec)
+            return self.no_rows[0][:0], self.no_rows[1][:0]
         if self.source is None:
             self.source = ParquetSource(self.spec, "train")
         return self.source.read(indices)
