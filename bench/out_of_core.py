@@ -38,7 +38,7 @@ import torch
 
 from orchestrator.config import build_config
 from orchestrator.trainer import Trainer
-from workers.sources import _schema_of, _table_of, write_parquet_shards
+from workers.sources import training_table, write_parquet_shards
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FEATURES = 784
@@ -114,7 +114,7 @@ def write_synthetic(directory: Path, rows: int, features: int = FEATURES, layout
         features_all, labels_all = map(np.concatenate, zip(*batches))
         for shard in range(shards):
             part = slice(bounds[shard], bounds[shard + 1])
-            table = _table_of(features_all[part], labels_all[part])
+            table = training_table(features_all[part], labels_all[part])
             # pyarrow's default row group (1Mi rows) or the whole file as one group.
             pq.write_table(table, directory / split / f"part-{shard:05d}.parquet", compression="none",
                            row_group_size=None if layout == "pyarrow" else len(table))

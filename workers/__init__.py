@@ -18,7 +18,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "shard_worker": ["ShardWorkerActor"],
     "shards": ["ShardSpec"],
     "sources": ["BUILTINS", "DataError", "SPLITS", "check_source", "parse_spec", "read_first", "select_blocks",
-                "source_size", "spec_name", "write_parquet_shards"],
+                "source_size", "spec_name", "training_table", "write_parquet_shards"],
     "tasks": ["build_loss", "build_transform"],
     "users": ["UserSpec", "user_index"],
     "validation": ["check_model", "unchanged_buffers"],
