@@ -1,4 +1,12 @@
-"""Out-of-core training, side by side with in-memory MNIST: `python -m bench.out_of_core [--rows N] [--json]`.
+"""Out-of-core training, side by side with in memory: `python -m bench.out_of_core [--rows N] [--json]`.
+
+``--layout`` picks how the Parquet files are written: ``export`` (as
+``dpfleet data export``: 16 rows a row group), ``pyarrow`` (pyarrow's default
+row groups) or ``one-group`` (one row group a file, as Spark writes small
+files). ``--plan-ahead K`` trains the Parquet side with ``plan_ahead_steps = K``
+(batches planned K steps ahead and gathered by Ray Data). ``--model mlp``
+trains a small MLP on 64 features instead of gdp_cnn on 784, and its
+in-memory side holds the same synthetic rows in each worker's memory.
 
 Writes a synthetic Parquet dataset (``--rows`` rows of 784 float32 features,
 shaped 1x28x28, and a label in 0..9; 2,000,000 rows, about 6 GB, by
@@ -24,11 +32,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import ray
+import torch
 
 from orchestrator.config import build_config
 from orchestrator.trainer import Trainer
-from workers.sources import write_parquet_shards
+from workers.sources import training_table, write_parquet_shards
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 FEATURES = 784
@@ -66,22 +76,58 @@ def _peak_rss_bytes(pid: int) -> int:
     raise RuntimeError(f"/proc/{pid}/status has no VmHWM line")
 
 
-def write_synthetic(directory: Path, rows: int, seed: int = 0) -> None:
-    """Train (``rows``) and test (TEST_ROWS) splits of uniform [0, 1) features and uniform labels, streamed."""
+MODELS = {"gdp_cnn": 784, "mlp": 64}
+LAYOUTS = ("export", "pyarrow", "one-group")
+_ROWS_VARIABLE = "DPFLEET_BENCH_ROWS"
+
+
+def mlp_64() -> torch.nn.Module:
+    """The MLP of the 64-feature runs: 64 -> 128 -> 10."""
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+
+def _synthetic_batches(rows: int, features: int, seed: int):
     rng = np.random.default_rng(seed)
-    for split, count in (("train", rows), ("test", TEST_ROWS)):
-        batches = ((rng.random((min(_WRITE_BATCH, count - start), FEATURES), dtype=np.float32),
-                    rng.integers(0, 10, min(_WRITE_BATCH, count - start)))
-                   for start in range(0, count, _WRITE_BATCH))
-        write_parquet_shards(str(directory / split), batches, count, min(SHARDS, count))
+    return ((rng.random((min(_WRITE_BATCH, rows - start), features), dtype=np.float32),
+             rng.integers(0, 10, min(_WRITE_BATCH, rows - start))) for start in range(0, rows, _WRITE_BATCH))
 
 
-def measure(dataset, steps: int, batch_size: int, run_dir: Path) -> dict:
+def in_memory_64() -> tuple:
+    """The MLP runs' in-memory side: the same synthetic rows as the Parquet files, held by each worker."""
+    splits = []
+    for seed, rows in ((0, int(os.environ[_ROWS_VARIABLE])), (1, TEST_ROWS)):
+        features, labels = map(np.concatenate, zip(*_synthetic_batches(rows, 64, seed)))
+        splits.append(torch.utils.data.TensorDataset(torch.from_numpy(features), torch.from_numpy(labels)))
+    return tuple(splits)
+
+
+def write_synthetic(directory: Path, rows: int, features: int = FEATURES, layout: str = "export") -> None:
+    """Train (``rows``) and test (TEST_ROWS) splits of uniform [0, 1) features and uniform labels, streamed."""
+    for seed, (split, count) in enumerate((("train", rows), ("test", TEST_ROWS))):
+        batches = _synthetic_batches(count, features, seed)
+        if layout == "export":
+            write_parquet_shards(str(directory / split), batches, count, min(SHARDS, count))
+            continue
+        (directory / split).mkdir(parents=True)
+        shards = min(SHARDS, count)
+        bounds = [shard * count // shards for shard in range(shards + 1)]
+        features_all, labels_all = map(np.concatenate, zip(*batches))
+        for shard in range(shards):
+            part = slice(bounds[shard], bounds[shard + 1])
+            table = training_table(features_all[part], labels_all[part])
+            # pyarrow's default row group (1Mi rows) or the whole file as one group.
+            pq.write_table(table, directory / split / f"part-{shard:05d}.parquet", compression="none",
+                           row_group_size=None if layout == "pyarrow" else len(table))
+
+
+def measure(dataset, steps: int, batch_size: int, run_dir: Path, model: str = "gdp_cnn",
+            plan_ahead: int | None = None) -> dict:
     """Train ``steps`` steps on ``dataset`` with 2 workers; return the step time and worker peak RSS."""
     config = build_config(dict(
-        dataset=dataset, model="gdp_cnn", workers=2, cpus_per_worker=1, steps=steps, batch_size=batch_size,
+        dataset=dataset, model="bench.out_of_core:mlp_64" if model == "mlp" else model, workers=2,
+        cpus_per_worker=1, steps=steps, batch_size=batch_size,
         noise_multiplier=1.0, clip_norm=1.0, learning_rate=0.1, seed=0, max_physical_batch=batch_size,
-        test_subset=TEST_ROWS, run_dir=str(run_dir),
+        test_subset=TEST_ROWS, run_dir=str(run_dir), **({"plan_ahead_steps": plan_ahead} if plan_ahead else {}),
     ))
     trainer = MeasuredTrainer(config, show_progress=False, out=open(os.devnull, "w"))
     trainer.run()
@@ -102,15 +148,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dir", help="where to write the dataset (default: a temporary directory, removed after)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="Parquet/MNIST pairs, in alternating order; the median pair is reported (default 3)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="gdp_cnn",
+                        help="gdp_cnn on 784 features (default) or mlp on 64")
+    parser.add_argument("--layout", choices=LAYOUTS, default="export", help="the Parquet files' row groups")
+    parser.add_argument("--plan-ahead", type=int, default=None,
+                        help="train the Parquet side with plan_ahead_steps = this (default: off)")
     parser.add_argument("--json", action="store_true", help="write bench/results/out_of_core.json")
     args = parser.parse_args(argv)
+    features = MODELS[args.model]
+    os.environ[_ROWS_VARIABLE] = str(args.rows)
     directory = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="dpfleet-out-of-core-"))
     try:
         started = time.perf_counter()
-        write_synthetic(directory, args.rows)
+        write_synthetic(directory, args.rows, features, args.layout)
         write_seconds = time.perf_counter() - started
         table = {"format": "parquet", "train": str(directory / "train"), "test": str(directory / "test"),
-                 "shape": [1, 28, 28], "features": "features"}
+                 "features": "features", **({"shape": [1, 28, 28]} if args.model == "gdp_cnn" else {})}
+        in_memory = "mnist" if args.model == "gdp_cnn" else "bench.out_of_core:in_memory_64"
         # "local": this benchmark's own Ray, even where another on the machine advertises itself.
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         rounds = []
@@ -118,8 +172,9 @@ def main(argv: list[str]) -> int:
             for index in range(args.rounds):
                 # Alternating order: on a shared machine, a load that changes over time falls on both sides.
                 order = ("parquet", "mnist") if index % 2 == 0 else ("mnist", "parquet")
-                measured = {side: measure(table if side == "parquet" else "mnist", args.steps, args.batch_size,
-                                          directory / f"run-{side}-{index}") for side in order}
+                measured = {side: measure(table if side == "parquet" else in_memory, args.steps, args.batch_size,
+                                          directory / f"run-{side}-{index}", args.model,
+                                          args.plan_ahead if side == "parquet" else None) for side in order}
                 rounds.append(measured)
         finally:
             ray.shutdown()
@@ -129,10 +184,13 @@ def main(argv: list[str]) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(directory, ignore_errors=True)
-    data_bytes = args.rows * FEATURES * 4
+    data_bytes = args.rows * features * 4
     results = {
         "command": "python -m bench.out_of_core " + " ".join(argv),
         "rows": args.rows,
+        "model": args.model,
+        "layout": args.layout,
+        "plan_ahead_steps": args.plan_ahead,
         "feature_bytes": data_bytes,
         "steps": args.steps,
         "batch_size": args.batch_size,
@@ -145,11 +203,12 @@ def main(argv: list[str]) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "cpus": os.cpu_count(),
     }
-    print(f"{'':26}{'Parquet (out of core)':>24}{'MNIST (in memory)':>20}")
+    print(f"{args.model}, layout {args.layout}, plan_ahead_steps {args.plan_ahead}")
+    print(f"{'':26}{'Parquet (out of core)':>24}{'in memory':>20}")
     print(f"{'training rows':26}{args.rows:>24,}{mnist['dataset_size']:>20,}")
     print(f"{'peak worker RSS (GB)':26}{parquet['worker_peak_rss_gb_max']:>24.3f}{mnist['worker_peak_rss_gb_max']:>20.3f}")
     print(f"{'step time (ms)':26}{1000 * parquet['step_seconds']:>24.1f}{1000 * mnist['step_seconds']:>20.1f}")
-    print(f"step time ratio (Parquet / MNIST): {results['step_time_ratio']:.2f}, the median of "
+    print(f"step time ratio (Parquet / in memory): {results['step_time_ratio']:.2f}, the median of "
           f"{', '.join(f'{ratio:.2f}' for ratio in ratios)}; "
           f"features on disk {data_bytes / 1e9:.2f} GB uncompressed")
     if args.json:

@@ -46,6 +46,7 @@ def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: in
         train_transforms=config.train_transforms,
         augmentations_per_example=config.augmentations_per_example,
         users=user_spec(config),
+        planned_batches=config.plan_ahead_steps is not None,
     )
 
 

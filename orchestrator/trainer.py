@@ -65,6 +65,7 @@ from orchestrator.planning import RunPlan, plan_run
 from orchestrator.preflight import check_data, check_trainable
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
+from orchestrator.planned_windows import PlannedWindows
 from orchestrator.sampling import step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
@@ -340,6 +341,12 @@ class Trainer:
             self.central_noise = running.enter_context(closing(
                 CentralNoise(self.noise, parameter_count(self.model), self.plan.steps)))
             workers = self._start_workers(running)
+            self.planned_windows = None
+            if self.config.plan_ahead_steps is not None:
+                self.planned_windows = PlannedWindows(
+                    self.config.dataset, self.config.plan_ahead_steps, self.plan.steps,
+                    lambda step: worker_shares(*self._draw_sample(step), len(workers))[0])
+                running.callback(self.planned_windows.close)
             self.charge_clock = None
             if self.ledger is not None:
                 self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, self.record.charged_blocks),
@@ -571,11 +578,22 @@ class Trainer:
             count = self.config.adaptive_clipping is not None
             groups = group_shards or [None] * len(shards)
             upcoming = next_shards or [None] * len(shards)
-            method, options = "clipped_grad_sum", {"count_zeroed": True}
-            arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index])
+            method, options = "clipped_grad_sum", {}
+            planned = self._planned_batches(len(workers))
+            arguments = {index: (shards[index], clip_norm, groups[index], count, upcoming[index], True,
+                                 *planned[index])
                          for index in range(len(workers))}
         self.gathered = self.fleet.gather(method, weights, arguments, options)
         return self.gathered.parts
+
+    def _planned_batches(self, workers: int) -> list[tuple]:
+        """Each worker's (planned batch of this step, of the next step) with planned windows, else ()."""
+        windows, step = self.planned_windows, self.step
+        if windows is None:
+            return [()] * workers
+        # The windows before this step's have all run: their folders go now.
+        windows.done_with(step - 1)
+        return [(windows.batch(step, worker), windows.batch(step + 1, worker)) for worker in range(workers)]
 
     def _adapt_clip_norm(self, unclipped: float, realised_batch: int, group_ids: np.ndarray | None) -> None:
         """Move the clip norm for the next step by the noisy unclipped fraction (the raw counts stay here).

@@ -15,9 +15,12 @@ stream), and a plain vector's first values let the attacker check each of
 its thousands of candidates in microseconds.
 """
 
+import tempfile
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 import torch
@@ -233,3 +236,33 @@ def test_the_attacker_finds_a_training_row_written_anywhere(tmp_path):
     (tmp_path / "cache.bin").write_bytes(b"header" + rows[2].to(torch.float32).numpy().tobytes() + b"tail")
     assert rows_found([tmp_path], rows) == [f"{tmp_path / 'cache.bin'}: row 2"]
 
+
+
+def test_batches_planned_ahead_leave_no_membership_and_a_resumed_run_plans_afresh(
+        local_ray, tmp_path, recording_trainers, monkeypatch):
+    """A planned run from pyarrow-default Parquet, crashed and resumed: its windows' folders (which say who is in
+    which step) are gone each time the run stops, and nothing it left recomputes a sample or holds a row."""
+    images, labels = open_source("mnist", "train").read(np.arange(600))
+    data = tmp_path / "parquet"
+    data.mkdir()
+    element = pa.field("element", pa.float32(), nullable=False)
+    pq.write_table(pa.table({"features": pa.FixedSizeListArray.from_arrays(
+        pa.array(images.reshape(600, -1).numpy().ravel()), type=pa.list_(element, 784)), "label": labels.numpy()}),
+        data / "part-0.parquet")
+    spec = {"format": "parquet", "train": str(data), "test": str(data), "features": "features", "shape": [1, 28, 28]}
+    windows = tmp_path / "windows"
+    windows.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(windows))
+    (tmp_path / "logs").mkdir()
+    truth = Truth(0.1, secure=False)
+    crashed, resumed = run_recorded(attack_config(tmp_path, "planned", dataset=spec, train_subset=None,
+                                                  plan_ahead_steps=3), truth, tmp_path / "logs" / "planned.log",
+                                    crash_at=CRASH_AT)
+    assert list(windows.iterdir()) == []
+    assert sorted(truth.samples["driver"]) == list(range(STEPS))
+    # The resumed run planned its steps with a new key, not the crashed run's window.
+    for step in range(CRASH_AT, STEPS):
+        assert not np.array_equal(poisson_sample(step_generator(crashed.run_key, step), 600, 0.1),
+                                  truth.samples["driver"][step])
+    assert attack(harvest(left_behind(tmp_path)), truth) == []
+    assert rows_found(left_behind(tmp_path), images) == []

@@ -29,6 +29,7 @@ from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.names import task_of
+from workers.planned_batches import PlannedBatch, PlannedBatchReader, PlannedRunSource
 from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import (
@@ -100,7 +101,9 @@ class GradientWorker:
     first time it is sampled and kept (``FeatureCache``); with transforms,
     each view's features are computed afresh.
     ``users`` (user-level privacy) says who owns which rows, for
-    ``user_clipped_sum``.
+    ``user_clipped_sum``. With ``planned_batches`` (a Parquet dataset
+    trained with ``plan_ahead_steps``), steps read the batches a window's
+    gather wrote and the worker holds no index of the files.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class GradientWorker:
         train_transforms: Sequence[Mapping[str, Any]] = (),
         augmentations_per_example: int = 1,
         users: UserSpec | None = None,
+        planned_batches: bool = False,
     ) -> None:
         check_engine(engine)
         if augmentations_per_example != 1 and not train_transforms:
@@ -144,10 +148,12 @@ class GradientWorker:
         self.model.to(self.device).train()
         # The engines and evaluation run the model that takes the feature map's output: the whole model without one.
         self.feature_map, self.gradient_model = feature_map(self.model)
+        self.planned_batches = planned_batches
         self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
         self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
                               if self.feature_map is not None and self.transform is None else None)
         self.users = users
+        self.planned_reader: PlannedBatchReader | None = None
         self.user_index = None if users is None else user_index(users, dataset, self.train_size)
         if self.augmentations == 1:
             # Settled on synthetic examples before any step: no private example decides the engine or its report.
@@ -174,8 +180,9 @@ class GradientWorker:
         self, dataset: str | dict, train_subset: int | None, data_root: str | None
     ) -> tuple[ExampleSource, int]:
         """The source this worker trains on and how many of its examples it uses (the first ``train_subset``)."""
-        source = open_source(dataset, "train", data_root)
-        if not isinstance(source, InMemorySource):
+        # A planned run's steps read planned batches: the worker holds no index of the files' row groups.
+        source = PlannedRunSource(dataset) if self.planned_batches else open_source(dataset, "train", data_root)
+        if not isinstance(source, (InMemorySource, PlannedRunSource)):
             source = PrefetchingSource(source)
         full_size = len(source)
         if train_subset is not None and not 1 <= train_subset <= full_size:
@@ -194,6 +201,8 @@ class GradientWorker:
         count_unclipped: bool = False,
         next_indices: np.ndarray | None = None,
         count_zeroed: bool = False,
+        planned: PlannedBatch | None = None,
+        next_planned: PlannedBatch | None = None,
     ) -> np.ndarray:
         """Sum of the examples' gradients at ``weights``, each clipped to L2 norm ``clip_norm``.
 
@@ -209,14 +218,14 @@ class GradientWorker:
         were left out for a non-finite gradient. ``next_indices``, the
         worker's share of the next step's sample when it is already drawn,
         are read in the background while this sum computes (for sources not
-        held in memory).
+        held in memory). With ``planned``, the rows at ``indices`` are read
+        from the batch a window's gather wrote for this worker
+        (``workers.planned_batches``), and ``next_planned`` is read ahead.
         """
         indices = self._checked_indices(indices)
         flat_weights = _as_tensor(weights)
         wants_norms = count_unclipped or count_zeroed
-        inputs, labels = (self.feature_cache or self.source).read(indices)
-        if next_indices is not None and isinstance(self.source, PrefetchingSource):
-            self.source.prefetch(self._checked_indices(next_indices))
+        inputs, labels = self._step_examples(indices, next_indices, planned, next_planned)
         inputs, labels = self._model_inputs(inputs.to(self.device)), labels.to(self.device)
         if group_ids is not None:
             if self.augmentations != 1:
@@ -246,6 +255,26 @@ class GradientWorker:
             return result.cpu().numpy()
         counts = ([int((norms <= clip_norm).sum())] if count_unclipped else []) + ([zeroed] if count_zeroed else [])
         return torch.cat([summed, summed.new_tensor(counts)]).cpu().numpy()
+
+    def _step_examples(self, indices: np.ndarray, next_indices: np.ndarray | None, planned: PlannedBatch | None,
+                       next_planned: PlannedBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows at ``indices``, from the planned batch when there is one, and the next step's read ahead."""
+        if planned is None or not len(indices) or self.feature_cache is not None:
+            inputs, labels = (self.feature_cache or self.source).read(indices)
+        else:
+            if self.planned_reader is None:
+                self.planned_reader = PlannedBatchReader(self.dataset)
+            inputs, labels = self.planned_reader.read(planned)
+            if len(labels) != len(indices):
+                raise RuntimeError(f"the planned batch of step {planned.step} holds {len(labels)} rows where the "
+                                   f"step sampled {len(indices)}; its window's folder was changed or removed")
+        if next_planned is not None and self.feature_cache is None:
+            if self.planned_reader is None:
+                self.planned_reader = PlannedBatchReader(self.dataset)
+            self.planned_reader.prefetch(next_planned)
+        elif next_indices is not None and isinstance(self.source, PrefetchingSource):
+            self.source.prefetch(self._checked_indices(next_indices))
+        return inputs, labels
 
     def _model_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
         """What the gradient model takes for training examples read from the cache or the source.

@@ -1205,7 +1205,8 @@ def write_parquet_shards(directory: str, batches: Iterable[tuple[np.ndarray, np.
                         compression=compression, use_dictionary=False, write_statistics=["label"],
                     )
                 take = min(len(labels), bounds[shard + 1] - written)
-                writer.write_table(_table_of(features[:take], labels[:take]), row_group_size=PARQUET_ROW_GROUP_ROWS)
+                writer.write_table(training_table(features[:take], labels[:take]),
+                                   row_group_size=PARQUET_ROW_GROUP_ROWS)
                 features, labels, written = features[take:], labels[take:], written + take
     finally:
         if writer is not None:
@@ -1222,7 +1223,8 @@ def _schema_of(features: np.ndarray, labels: np.ndarray) -> pa.Schema:
                       pa.field("label", pa.from_numpy_dtype(labels.dtype), nullable=False)])
 
 
-def _table_of(features: np.ndarray, labels: np.ndarray) -> pa.Table:
+def training_table(features: np.ndarray, labels: np.ndarray) -> pa.Table:
+    """Examples as ``write_parquet_shards`` writes them: a fixed-size list column ``features`` and ``label``."""
     schema = _schema_of(features, labels)
     values = pa.array(np.ascontiguousarray(features).ravel())
     return pa.table({"features": pa.FixedSizeListArray.from_arrays(values, type=schema.field("features").type),

@@ -206,15 +206,28 @@ def _aggregation(config: TrainConfig) -> None:
         return
     refused = [reason for reason, present in (
         ("shards (silo mode)", config.shards), ('privacy_unit = "user"', config.privacy_unit == "user"),
-        ("ema_decay", config.ema_decay is not None)) if present]
+        ("ema_decay", config.ema_decay is not None), ("plan_ahead_steps", config.plan_ahead_steps is not None))
+        if present]
     if refused:
         raise UsageError(f'aggregation = "collective" does not run {", ".join(refused)} yet; use aggregation = '
                          '"driver" (or "auto"), or remove them')
 
 
+def _planned_batches(config: TrainConfig) -> None:
+    if config.plan_ahead_steps is None:
+        return
+    if not isinstance(config.dataset, Mapping) or config.dataset.get("format") != "parquet" \
+            or config.dataset.get("train_parts"):
+        raise UsageError("plan_ahead_steps gathers Parquet training files: give a parquet dataset without blocks, "
+                         "or leave plan_ahead_steps out")
+    if config.shards or config.privacy_unit == "user":
+        raise UsageError("plan_ahead_steps plans the driver's sample of examples: it cannot be combined with shards "
+                         "or privacy_unit = \"user\"; leave plan_ahead_steps out")
+
+
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _augmentations, _layer_clipping,
-    _aggregation,
+    _aggregation, _planned_batches,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 

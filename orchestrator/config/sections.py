@@ -198,6 +198,16 @@ class DataSection(Section):
         "value (NaN, infinity, nulls, integer labels outside 0..num_classes-1).",
     )
 
+    plan_ahead_steps: int | None = key(
+        None,
+        "Read Parquet training rows as batches planned this many steps ahead: each window's samples are gathered "
+        "by Ray Data in one sequential pass over the files (each row group read at most once a window) into a "
+        "folder only the run's user can enter, deleted once its steps ran. Fast whatever the row-group size; "
+        "without it each sampled row costs the decoding of its row group (fast only for `dpfleet data export` "
+        "files). Needs a Parquet dataset, driver sampling (no shards) and privacy_unit = \"example\".",
+        shown_default="off", ge=1,
+    )
+
     @field_validator("dataset", mode="plain")
     @classmethod
     def _dataset(cls, value: Any) -> str | dict:

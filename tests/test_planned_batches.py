@@ -1,0 +1,110 @@
+"""Batches planned ahead: the window's plan, its one-pass gather by Ray Data, and training from them."""
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from orchestrator.config import build_config
+from orchestrator.errors import UsageError
+from orchestrator.trainer import Trainer
+from workers.data import load_split
+from workers.models import flat_parameters
+from workers.planned_batches import PlannedBatch, gather_window, private_window_folder, read_planned_batch, \
+    window_plan
+
+TRAIN_ROWS, TEST_ROWS = 600, 200
+
+
+@given(st.dictionaries(st.integers(0, 20), st.lists(st.lists(st.integers(0, 99), max_size=12), min_size=1,
+                                                     max_size=3), max_size=5))
+@settings(max_examples=60, deadline=None)
+def test_a_window_plan_lists_every_sampled_example_once_per_step_sorted_by_row(shares):
+    plan = window_plan({step: [np.asarray(share, dtype=np.int64) for share in parts]
+                        for step, parts in shares.items()})
+    assert np.all(np.diff(plan.rows) >= 0)
+    for step, parts in shares.items():
+        for worker, share in enumerate(parts):
+            mine = (plan.steps == step) & (plan.workers == worker)
+            # Put back in position order, the entries are the share as the step sends it.
+            assert plan.rows[mine][np.argsort(plan.positions[mine])].tolist() == share
+
+
+def write_default_parquet(directory: Path, features: np.ndarray, labels: np.ndarray, files: int,
+                          row_group_size: int | None = None) -> dict:
+    """`files` Parquet files as pyarrow writes them by default (one row group a file), or in groups of a size."""
+    directory.mkdir(parents=True)
+    element = pa.field("element", pa.float32(), nullable=False)
+    for part, rows in enumerate(np.array_split(np.arange(len(labels)), files)):
+        flat = pa.array(features[rows].reshape(len(rows), -1).ravel())
+        table = pa.table({"features": pa.FixedSizeListArray.from_arrays(flat, type=pa.list_(element,
+                                                                                            features[0].size)),
+                          "label": labels[rows]})
+        pq.write_table(table, directory / f"part-{part}.parquet", row_group_size=row_group_size)
+    return {"format": "parquet", "train": str(directory), "test": str(directory), "features": "features",
+            "shape": list(features.shape[1:])}
+
+
+def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each_share_in_order(local_ray, tmp_path):
+    generator = np.random.default_rng(3)
+    features = generator.normal(size=(1000, 6)).astype(np.float32)
+    labels = generator.integers(0, 5, 1000)
+    spec = write_default_parquet(tmp_path / "data", features, labels, files=3, row_group_size=70)
+    # Eight steps of two workers, each step a fresh sample: many rows share a row group, some rows several steps.
+    shares = {step: np.array_split(np.flatnonzero(generator.random(1000) < 0.05), 2) for step in range(8)}
+    folder = private_window_folder()
+    read = gather_window(spec, shares, folder)
+    assert len(read) == len(set(read))
+    sampled = np.unique(np.concatenate([np.concatenate(parts) for parts in shares.values()]))
+    file_starts = np.array([0, 334, 667])
+    group_of = {(int(np.searchsorted(file_starts, row, side="right") - 1),
+                 int((row - file_starts[np.searchsorted(file_starts, row, side="right") - 1]) // 70))
+                for row in sampled}
+    assert set(read) == group_of
+    assert os.stat(folder).st_mode & 0o777 == 0o700
+    for step, parts in shares.items():
+        for worker, share in enumerate(parts):
+            inputs, gathered_labels = read_planned_batch(PlannedBatch(folder, step, worker), spec)
+            np.testing.assert_array_equal(inputs.numpy(), features[share])
+            np.testing.assert_array_equal(gathered_labels.numpy(), labels[share])
+
+
+def small_config(tmp_path, dataset, **overrides):
+    values = dict(dataset=dataset, model="gdp_cnn", workers=2, steps=4, batch_size=60, noise_multiplier=1.1,
+                  clip_norm=1.0, learning_rate=0.5, seed=13, run_dir=str(tmp_path / "run"), max_physical_batch=32)
+    values.update(overrides)
+    return build_config(values)
+
+
+def test_planned_training_from_default_parquet_takes_the_in_memory_runs_batches(local_ray, tmp_path, monkeypatch):
+    images, labels = load_split("mnist", "train")
+    spec = write_default_parquet(tmp_path / "mnist", images[:TRAIN_ROWS].numpy(), labels[:TRAIN_ROWS].numpy(),
+                                 files=2)
+    windows = tmp_path / "windows"
+    windows.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(windows))
+    # Three steps a window over four steps: the second window is gathered while the first runs its last step.
+    planned = Trainer(small_config(tmp_path / "planned", spec, plan_ahead_steps=3, test_subset=TEST_ROWS),
+                      show_progress=False)
+    in_memory = Trainer(small_config(tmp_path / "memory", "mnist", train_subset=TRAIN_ROWS, test_subset=TEST_ROWS),
+                        show_progress=False)
+    planned.run()
+    in_memory.run()
+    # The same seed and rows: the same samples, sums, noise and steps.
+    torch.testing.assert_close(flat_parameters(planned.model), flat_parameters(in_memory.model))
+    assert list(windows.iterdir()) == []
+
+
+@pytest.mark.parametrize("overrides", [dict(dataset="mnist"),
+                                       dict(privacy_unit="user", synthetic_users=10, max_examples_per_user=4)])
+def test_planned_batches_are_refused_where_they_do_not_apply(tmp_path, overrides):
+    spec = {"format": "parquet", "train": str(tmp_path), "test": str(tmp_path)}
+    with pytest.raises(UsageError, match="plan_ahead_steps"):
+        small_config(tmp_path, overrides.pop("dataset", spec), plan_ahead_steps=4, **overrides)
