@@ -12,7 +12,7 @@ from accounting.ledger.validation import delta_warning
 from orchestrator import checks
 from orchestrator.config import GROUPS, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
-from orchestrator.errors import LedgerTimeoutError, UsageError
+from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.ledger_session import (
     JobLedger,
     block_declarations,
@@ -165,14 +165,7 @@ def run_train(args: argparse.Namespace) -> int:
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     trainer.ledger = job_ledger(args, trainer)
-    try:
-        summary = trainer.run()
-    except LedgerTimeoutError as error:
-        raise LedgerTimeoutError(
-            f"{error}. The run stopped before any uncharged step, at a checkpoint; "
-            f"continue with: dpfleet train --resume {config.run_dir}"
-        ) from None
-    trainer.ledger.release()
+    summary = run_reserved(trainer)
     budget = trainer.ledger.status()
     if args.non_private_mia:
         summary["membership_inference_non_private"] = _membership_inference(trainer)
@@ -203,6 +196,29 @@ def run_train(args: argparse.Namespace) -> int:
         rows.append(["membership inference TPR at 1% FPR (NOT private)", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def run_reserved(trainer: Trainer) -> dict:
+    """Run a trainer that holds a reservation, then release the steps that did not run.
+
+    A run that fails releases them too, so a failed job holds no budget; a
+    run stopped at a resumable checkpoint (the ledger or a shard out of
+    reach) keeps its reservation for `dpfleet train --resume`.
+    """
+    try:
+        summary = trainer.run()
+    except LedgerTimeoutError as error:
+        raise LedgerTimeoutError(
+            f"{error}. The run stopped before any uncharged step, at a checkpoint; "
+            f"continue with: dpfleet train --resume {trainer.config.run_dir}"
+        ) from None
+    except ShardTimeoutError:
+        raise
+    except BaseException:
+        trainer.ledger.release()
+        raise
+    trainer.ledger.release()
+    return summary
 
 
 def outage_rows(outages: list[dict]) -> list[list[str]]:
