@@ -171,3 +171,25 @@ def test_a_failure_after_reserving_releases_the_unrun_steps(tmp_path, capsys, to
         budget = ledger.get_budget(DATASET)
         (job,) = ledger.list_jobs()
     assert job.state == "released" and budget.reserved_epsilon == 0
+
+
+def test_excluded_columns_and_the_user_id_are_no_features(tmp_path, monkeypatch):
+    from orchestrator.config import build_config
+    from workers.sources import split_schema
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    columns = [f"x{index}" for index in range(FEATURES)] + ["user_id", "note"]
+    for split in ("train", "test"):
+        write_csv(tmp_path / f"{split}.csv", columns, 20)
+    table = {"format": "csv", "train": str(tmp_path / "train.csv"), "test": str(tmp_path / "test.csv"),
+             "exclude_columns": ["note"]}
+    people = dict(privacy_unit="user", user_id="user_id", max_examples_per_user=2, noise_multiplier=1.0, steps=2,
+                  batch_size=4)
+    config = build_config({"dataset": table, **people})
+    assert config.dataset["exclude_columns"] == ["note", "user_id"]
+    schema = split_schema(config.dataset, "train")
+    assert schema.columns == tuple(columns[:FEATURES]) and schema.input_shape == (FEATURES,)
+    # Asked for by name, the user id is a feature.
+    named = {key: value for key, value in table.items() if key != "exclude_columns"} | {"features": ["x0", "user_id"]}
+    asked = build_config({"dataset": named, **people})
+    assert split_schema(asked.dataset, "train").columns == ("x0", "user_id")

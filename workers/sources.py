@@ -57,8 +57,8 @@ BUILTINS = tuple(data.DATASETS)
 FORMATS = ("parquet", "csv", "npy", "npz", "imagefolder")
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _FORMAT_KEYS = {
-    "parquet": {"features", "label", "shape"},
-    "csv": {"features", "label", "shape"},
+    "parquet": {"features", "exclude_columns", "label", "shape"},
+    "csv": {"features", "exclude_columns", "label", "shape"},
     "npy": {"shape"},
     "npz": {"features", "label", "shape"},
     "imagefolder": {"mode"},
@@ -140,6 +140,13 @@ def parse_spec(value: Any) -> str | dict:
             raise ValueError(f"dataset.features must be a column name or a list of them (got {features!r})")
         if file_format == "npz" and not isinstance(features, str):
             raise ValueError(f"dataset.features of an npz dataset is one array name (got {features!r})")
+    if "exclude_columns" in spec:
+        excluded = spec["exclude_columns"]
+        if not (isinstance(excluded, list) and all(isinstance(name, str) and name for name in excluded)):
+            raise ValueError(f"dataset.exclude_columns must be a list of column names (got {excluded!r})")
+        if "features" in spec:
+            raise ValueError("dataset.features names the feature columns and exclude_columns leaves columns out of "
+                             "all of them: give one or the other")
     if "label" in spec and not (isinstance(spec["label"], str) and spec["label"]):
         raise ValueError(f"dataset.label must be a column name (got {spec['label']!r})")
     if "shape" in spec:
@@ -602,14 +609,19 @@ def _files_at(location: str | list[str], suffixes: tuple[str, ...]) -> tuple[pa_
 
 
 def _feature_columns(spec: Mapping, schema: pa.Schema, file_name: str) -> list[str]:
-    """The feature column names: ``features`` as given, else every column but the label."""
+    """The feature column names: ``features`` as given, else every column but the label and ``exclude_columns``."""
     label = spec.get("label", "label")
     if label not in schema.names:
         raise DataError(f"{file_name}: no label column {label!r} (columns: {', '.join(schema.names)}); "
                         "set the dataset's label key")
     features = spec.get("features")
     if features is None:
-        return [name for name in schema.names if name != label]
+        excluded = spec.get("exclude_columns", [])
+        missing = [name for name in excluded if name not in schema.names]
+        if missing:
+            raise DataError(f"{file_name}: no column {', '.join(map(repr, missing))} to exclude (columns: "
+                            f"{', '.join(schema.names)}); fix the dataset's exclude_columns")
+        return [name for name in schema.names if name != label and name not in excluded]
     names = [features] if isinstance(features, str) else list(features)
     for name in names:
         if name not in schema.names:
