@@ -24,8 +24,9 @@ from orchestrator import __version__
 from orchestrator.cli.display import plain_when_asked, quiet_third_party
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
 
-# `main` is the `dpfleet` console script (pyproject.toml).
-__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table"]}, defined_here=["main"])
+# `main` is the `dpfleet` console script (pyproject.toml); `build_parser` and `run_job` serve the Python API.
+__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table"], "train": ["run_job"]},
+                                            defined_here=["build_parser", "main"])
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from typing import Any
 
 from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from accounting.ledger.validation import delta_warning
 from orchestrator import checks
-from orchestrator.config import GROUPS, documented_keys, load_config
+from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.ledger_session import (
@@ -130,8 +131,11 @@ def config_keys_help(width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
+def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
+    """The job `dpfleet train` runs, for it and for the Python API: (the trainer, its summary, the ledger's status).
+
+    ``args.config`` is a TOML file's path, or a TrainConfig already checked (the API's).
+    """
     check_queue_flags(args)
     options = {"show_progress": show_progress(args.no_progress, sys.stderr),
                "non_private_train_loss": args.non_private_train_loss}
@@ -139,7 +143,8 @@ def run_train(args: argparse.Namespace) -> int:
         if args.resume:
             trainer = resume_trainer(args.resume, **options)
         else:
-            config = load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
+            config = args.config if isinstance(args.config, TrainConfig) else \
+                load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
             charge_epsilon = None
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)
@@ -169,6 +174,13 @@ def run_train(args: argparse.Namespace) -> int:
     budget = trainer.ledger.status()
     if args.non_private_mia:
         summary["membership_inference_non_private"] = _membership_inference(trainer)
+    return trainer, summary, budget
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
+    trainer, summary, budget = run_job(args)
+    config = trainer.config
     if args.json:
         summary = {key: value for key, value in summary.items() if key != "events"}
         summary["dataset_remaining_epsilon"] = budget.remaining_epsilon
