@@ -193,3 +193,14 @@ def test_excluded_columns_and_the_user_id_are_no_features(tmp_path, monkeypatch)
     named = {key: value for key, value in table.items() if key != "exclude_columns"} | {"features": ["x0", "user_id"]}
     asked = build_config({"dataset": named, **people})
     assert split_schema(asked.dataset, "train").columns == ("x0", "user_id")
+
+
+def test_the_summary_says_whether_sigma_or_the_target_was_fixed():
+    from orchestrator.cli.train import noise_row
+    from orchestrator.config import build_config
+
+    base = {"dataset": "mnist", "steps": 50, "batch_size": 250}
+    assert noise_row(build_config({**base, "noise_multiplier": 1.1}), {"noise_multiplier": 1.1, "steps": 50}) == [
+        "noise multiplier (fixed)", 1.1]
+    chosen = noise_row(build_config({**base, "target_epsilon": 2.0}), {"noise_multiplier": 0.7, "steps": 50})
+    assert chosen == ["noise multiplier (chosen for the fixed target epsilon 2 over 50 steps)", 0.7]

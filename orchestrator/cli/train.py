@@ -192,7 +192,7 @@ def run_train(args: argparse.Namespace) -> int:
          summary["epsilon"]],
         ["delta", summary["delta"]],
         ["steps", summary["steps"]],
-        ["noise multiplier", summary["noise_multiplier"]],
+        noise_row(config, summary),
         ["wall seconds", summary["wall_seconds"]],
         ["samples/s", summary["samples_per_second"]],
         ["run dir", config.run_dir],
@@ -208,6 +208,14 @@ def run_train(args: argparse.Namespace) -> int:
         rows.append(["membership inference TPR at 1% FPR (NOT private)", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def noise_row(config, summary: dict) -> list:
+    """The summary's noise multiplier row, saying which was fixed: σ itself, or a target ε that σ was chosen for."""
+    if config.target_epsilon is None:
+        return ["noise multiplier (fixed)", summary["noise_multiplier"]]
+    return [f"noise multiplier (chosen for the fixed target epsilon {config.target_epsilon:g} over "
+            f"{summary['steps']} steps)", summary["noise_multiplier"]]
 
 
 def run_reserved(trainer: Trainer) -> dict:
