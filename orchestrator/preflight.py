@@ -18,6 +18,7 @@ from orchestrator.config import TrainConfig
 from orchestrator.errors import UsageError
 from workers.engines import ExampleSchema, synthetic_examples
 from workers.models import build_model
+from workers.names import task_of
 from workers.sources import SPLITS, DataError, SplitSchema, check_source, read_first, split_schema
 from workers.tasks import build_loss
 from workers.validation import check_model, unchanged_buffers
@@ -64,6 +65,9 @@ def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = 
 
 # Made-up examples the dry run passes through the model: two, so that a batch dimension is a batch.
 DRY_RUN_EXAMPLES = 2
+# What to do when the model fails on examples of the data's shape.
+SHAPE_FIX = ("make the model take inputs of this shape (its first layer's input size or channels), or set the "
+             "dataset's shape key (e.g. shape = [1, 28, 28] for one-channel 28x28 images)")
 # The rooms of dpfleet itself and of the libraries under it: a failure's place in the user's code is the last frame
 # outside them.
 _NOT_THE_USERS = (*(Path(__file__).resolve().parents[1] / room for room in ("orchestrator", "workers", "accounting")),
@@ -90,10 +94,12 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
     that fails on the data's shape, and a loss that does not fit the model's
     output. Returns the model's output width (its classes, for integer
     labels), or None where the data's schema is not known without reading
-    examples (a ``module:function`` or built-in dataset, an image folder).
+    examples (a ``module:function`` or built-in dataset, an image folder,
+    shards, training transforms).
     """
-    if not isinstance(config.dataset, dict) or config.augmentations_per_example != 1 or config.train_transforms:
-        return None
+    if (not isinstance(config.dataset, dict) or config.shards or config.augmentations_per_example != 1
+            or config.train_transforms):
+        return None  # the training data is elsewhere (shards), or the model sees it only after transforms
     try:
         train, test = (split_schema(config.dataset, split) for split in SPLITS)
     except DataError as error:
@@ -115,7 +121,7 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
             inputs, labels = synthetic_examples(trial, schema, DRY_RUN_EXAMPLES)
             outputs = trial(inputs)
         except Exception as error:  # noqa: BLE001 - the user's model, reported one paragraph
-            raise UsageError(_failure(f"the model's forward pass on {where}", error, _shape_fix(config))) from None
+            raise UsageError(_failure(f"the model's forward pass on {where}", error, SHAPE_FIX)) from None
         try:
             with warnings.catch_warnings():
                 # A loss that broadcasts an output and its labels of different sizes fits neither.
@@ -131,7 +137,9 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
                 "and the \"mse\" loss), or set loss")) from None
     finally:
         torch.set_rng_state(random_state)
-    if train.label_floating or not isinstance(outputs, torch.Tensor) or outputs.dim() < 2:
+    # Only a classifier's output width is its number of classes (a binary model's one logit is not).
+    if (train.label_floating or task_of(config.loss) != "multiclass" or not isinstance(outputs, torch.Tensor)
+            or outputs.dim() < 2):
         return None
     return int(outputs.shape[-1])
 
@@ -150,11 +158,6 @@ def _difference(train: SplitSchema, test: SplitSchema) -> str:
              (train.input_floating, test.input_floating, train.label_floating, test.label_floating)]
     return (f"training features are {kinds[0]} and labels {kinds[2]}; test features are {kinds[1]} and labels "
             f"{kinds[3]}")
-
-
-def _shape_fix(config: TrainConfig) -> str:
-    shape = "set the dataset's shape key (e.g. shape = [1, 28, 28] for one-channel 28x28 images)"
-    return f"make the model take inputs of this shape (its first layer's input size or channels), or {shape}"
 
 
 def _failure(what: str, error: BaseException, fix: str) -> str:
