@@ -5,12 +5,22 @@ Each check raises UsageError, naming what is wrong and what to do.
 
 from __future__ import annotations
 
+import copy
+import sysconfig
+import traceback
+import warnings
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from orchestrator.config import TrainConfig
 from orchestrator.errors import UsageError
-from workers.sources import SPLITS, DataError, check_source, read_first
+from workers.engines import ExampleSchema, synthetic_examples
+from workers.models import build_model
+from workers.names import task_of
+from workers.sources import SPLITS, DataError, SplitSchema, check_source, read_first, split_schema
+from workers.tasks import build_loss
 from workers.validation import check_model, unchanged_buffers
 
 
@@ -25,20 +35,21 @@ def check_trainable(config: TrainConfig, model: nn.Module) -> None:
                              "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
 
 
-def check_data(config: TrainConfig, model: nn.Module) -> None:
+def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = None) -> None:
     """Check both splits' files of the config's dataset (UsageError on a bad file).
 
-    With check_data = "full", integer labels must lie below the dataset's
-    num_classes, else below `model`'s output width on a test example.
+    With check_data = "strict" (or its former name "full"), every value is
+    scanned too: integer labels must lie below the dataset's num_classes,
+    else below ``num_classes`` (the model's output width from the dry run),
+    else below `model`'s output width on a test example.
     The built-ins are verified by digest, and a ``module:function``
     dataset's examples are not read in the driver, so only tables are checked.
     """
     if isinstance(config.dataset, str):
         return
-    full = config.check_data == "full"
+    full = config.check_data in ("strict", "full")
     try:
-        num_classes = None
-        if full:
+        if full and num_classes is None:
             check_source(config.dataset, "test")
             first_test_input, _ = read_first(config.dataset, "test", 1)
             # The saved model's buffers are the ones it was built with: this forward may not write them.
@@ -48,3 +59,123 @@ def check_data(config: TrainConfig, model: nn.Module) -> None:
             check_source(config.dataset, split, full, num_classes)
     except DataError as error:
         raise UsageError(str(error), error.with_values) from None
+
+
+# --- the dry run: the model on made-up examples of the data's schema, before anything is reserved ------------
+
+# Made-up examples the dry run passes through the model: two, so that a batch dimension is a batch.
+DRY_RUN_EXAMPLES = 2
+# What to do when the model fails on examples of the data's shape.
+SHAPE_FIX = ("make the model take inputs of this shape (its first layer's input size or channels), or set the "
+             "dataset's shape key (e.g. shape = [1, 28, 28] for one-channel 28x28 images)")
+# The rooms of dpfleet itself and of the libraries under it: a failure's place in the user's code is the last frame
+# outside them.
+_NOT_THE_USERS = (*(Path(__file__).resolve().parents[1] / room for room in ("orchestrator", "workers", "accounting")),
+                  Path(torch.__file__).resolve().parent)
+
+
+def build_checked_model(config: TrainConfig) -> nn.Module:
+    """The config's model, built; a failure in the user's module is one UsageError naming its file and line."""
+    try:
+        return build_model(config.model)
+    except Exception as error:  # noqa: BLE001 - any failure of the user's code is reported, one paragraph
+        if isinstance(error, ValueError) and _users_frame(error) is None:
+            raise UsageError(str(error)) from None  # a bad spec, worded by build_model
+        raise UsageError(_failure(f"building the model {config.model!r}", error,
+                                  "fix the model's module (run with --debug for the traceback)")) from None
+
+
+def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
+    """One forward and backward pass of a copy of ``model`` on made-up examples of the training split's schema.
+
+    The schema (shapes, dtypes, feature columns) comes from the files'
+    metadata; no private value is read. Refuses, with UsageError, a test
+    split whose columns or shapes differ from the training split's, a model
+    that fails on the data's shape, and a loss that does not fit the model's
+    output. Returns the model's output width (its classes, for integer
+    labels), or None where the data's schema is not known without reading
+    examples (a ``module:function`` or built-in dataset, an image folder,
+    shards, training transforms).
+    """
+    if (not isinstance(config.dataset, dict) or config.shards or config.augmentations_per_example != 1
+            or config.train_transforms):
+        return None  # the training data is elsewhere (shards), or the model sees it only after transforms
+    try:
+        train, test = (split_schema(config.dataset, split) for split in SPLITS)
+    except DataError as error:
+        raise UsageError(str(error), error.with_values) from None
+    if train is None:
+        return None
+    if test is not None and test != train:
+        raise UsageError(f"the test split does not match the training split: {_difference(train, test)}; write both "
+                         "splits with the same columns (or name the features in the dataset's features key, or "
+                         "leave some out with exclude_columns)")
+    where = (f"examples of the data's shape (input {list(train.input_shape)} "
+             f"{'float32' if train.input_floating else 'int64'}, one per row)")
+    schema = ExampleSchema(train.input_shape, torch.float32 if train.input_floating else torch.int64, (),
+                           torch.float32 if train.label_floating else torch.int64)
+    trial = copy.deepcopy(model).train()
+    random_state = torch.get_rng_state()
+    try:
+        try:
+            inputs, labels = synthetic_examples(trial, schema, DRY_RUN_EXAMPLES)
+            outputs = trial(inputs)
+        except Exception as error:  # noqa: BLE001 - the user's model, reported one paragraph
+            raise UsageError(_failure(f"the model's forward pass on {where}", error, SHAPE_FIX)) from None
+        try:
+            with warnings.catch_warnings():
+                # A loss that broadcasts an output and its labels of different sizes fits neither.
+                warnings.filterwarnings("error", message="Using a target size")
+                loss = build_loss(config.loss)(outputs, labels)
+            loss.mean().backward()
+        except Exception as error:  # noqa: BLE001 - the user's loss or model, reported one paragraph
+            shape = list(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
+            raise UsageError(_failure(
+                f"the loss {config.loss!r} on the model's output (shape {shape}) and "
+                f"{'floating-point' if train.label_floating else 'integer'} labels", error,
+                "make the model's output fit the loss (classes: one output per class; regression: one output "
+                "and the \"mse\" loss), or set loss")) from None
+    finally:
+        torch.set_rng_state(random_state)
+    # Only a classifier's output width is its number of classes (a binary model's one logit is not).
+    if (train.label_floating or task_of(config.loss) != "multiclass" or not isinstance(outputs, torch.Tensor)
+            or outputs.dim() < 2):
+        return None
+    return int(outputs.shape[-1])
+
+
+def _difference(train: SplitSchema, test: SplitSchema) -> str:
+    """How two splits' schemas differ, in words: the columns one has and the other lacks, else shape or types."""
+    only_train = [name for name in train.columns if name not in test.columns]
+    only_test = [name for name in test.columns if name not in train.columns]
+    if only_train or only_test:
+        return (f"feature columns only in the training split: {', '.join(only_train) or 'none'}; only in the test "
+                f"split: {', '.join(only_test) or 'none'}")
+    if train.input_shape != test.input_shape or train.columns != test.columns:
+        return (f"training examples have shape {list(train.input_shape)}, test examples {list(test.input_shape)}"
+                if train.input_shape != test.input_shape else "the feature columns are in another order")
+    kinds = [("floating-point" if floating else "integer") for floating in
+             (train.input_floating, test.input_floating, train.label_floating, test.label_floating)]
+    return (f"training features are {kinds[0]} and labels {kinds[2]}; test features are {kinds[1]} and labels "
+            f"{kinds[3]}")
+
+
+def _failure(what: str, error: BaseException, fix: str) -> str:
+    """One paragraph: what failed, where in the user's code (file:line) when it failed there, the error, the fix."""
+    frame = _users_frame(error)
+    place = f" at {frame.filename}:{frame.lineno} (in {frame.name})" if frame is not None else ""
+    lines = str(error).strip().splitlines()
+    reason = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return f"{what} failed{place}: {reason}. No budget was reserved; {fix}"
+
+
+def _users_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback outside dpfleet, torch and the standard library: the user's code."""
+    standard = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if frame.filename.startswith("<") or path.is_relative_to(standard):
+            continue
+        if not any(path.is_relative_to(room) for room in _NOT_THE_USERS) and "site-packages" not in path.parts:
+            return frame
+    return None

@@ -62,7 +62,7 @@ from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merg
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.planning import RunPlan, plan_run
-from orchestrator.preflight import check_data, check_trainable
+from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.planned_windows import PlannedWindows
@@ -71,7 +71,7 @@ from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
 from workers.fingerprints import dataset_identity
 from workers.keys import process_key
-from workers.models import bind_flat_views, build_model, parameter_count
+from workers.models import bind_flat_views, parameter_count
 
 _TRAIN_LOSS_EXAMPLES = 10_000
 
@@ -165,10 +165,11 @@ class Trainer:
         show_progress: bool = True,
         non_private_train_loss: bool = False,
         ledger: LedgerSession | None = None,
-        out=sys.stdout,
+        out=None,
         charge_epsilon: Callable[[RunPlan], float] | None = None,
     ):
-        self.config, self.out, self.ledger = config, out, ledger
+        # sys.stdout as it is when the run is made, not when this module was imported (`out` None).
+        self.config, self.out, self.ledger = config, out or sys.stdout, ledger
         self.non_private_train_loss = non_private_train_loss
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
@@ -185,10 +186,10 @@ class Trainer:
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.model = build_model(config.model)
+        self.model = build_checked_model(config)
         check_trainable(config, self.model)
-        # Before any budget is reserved or worker started.
-        check_data(config, self.model)
+        # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
+        check_data(config, self.model, dry_run(config, self.model))
         self.bound_config = bound_config(config)
         self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
                                  else dataset_identity(config.dataset))

@@ -301,20 +301,23 @@ def test_full_check_refuses_labels_out_of_range_and_non_finite_features(tmp_path
     pq.write_table(list_table(features=features), path)
     spec = table_spec("parquet", path, features="pixels")
     assert check_source(spec, "train") == ROWS  # the basic check reads no values
-    assert one_line_errors(spec, full=True) == (f"{path}: row 17, column 'pixels': not finite; features must be finite",
-                                                f"{path}: row 17, column 'pixels': nan; features must be finite")
+    rule = f"features must be finite (1 of rows 0..{ROWS - 1} (17) have a feature that is not; fix or drop those rows)"
+    assert one_line_errors(spec, full=True) == (f"{path}: row 17, column 'pixels': not finite; {rule}",
+                                                f"{path}: row 17, column 'pixels': nan; {rule}")
     labels = LABELS.copy()
     labels[40] = 3
     pq.write_table(list_table(labels=labels), path)
     assert one_line_errors(spec, full=True, num_classes=3) == (
-        f"{path}: row 40, column 'label': label outside 0..2 (num_classes 3)",
-        f"{path}: row 40, column 'label': label 3 is outside 0..2 (num_classes 3)")
+        f"{path}: row 40, column 'label': label outside 0..2 (num_classes 3; 1 of rows 0..{ROWS - 1} (40) are "
+        "outside; give the model one output per class, or set the dataset's num_classes)",
+        f"{path}: row 40, column 'label': label 3 is outside 0..2 (num_classes 3; 1 of rows 0..{ROWS - 1} (40) are "
+        "outside; give the model one output per class, or set the dataset's num_classes)")
     assert check_source(spec, "train", full=True, num_classes=4) == ROWS
     np.save(tmp_path / "x.npy", features)
     np.save(tmp_path / "y.npy", LABELS)
     files = {"features": str(tmp_path / "x.npy"), "label": str(tmp_path / "y.npy")}
     assert one_line_error(parse_spec({"format": "npy", "train": files, "test": files}), full=True) == (
-        f"{tmp_path / 'x.npy'}: row 17, column 'features[4]': not finite; features must be finite")
+        f"{tmp_path / 'x.npy'}: row 17, column 'features[4]': not finite; {rule}")
 
 
 def test_check_refuses_images_of_another_size(tmp_path):

@@ -35,6 +35,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import IO, Any, Protocol
 
 import fsspec
@@ -56,8 +57,8 @@ BUILTINS = tuple(data.DATASETS)
 FORMATS = ("parquet", "csv", "npy", "npz", "imagefolder")
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 _FORMAT_KEYS = {
-    "parquet": {"features", "label", "shape"},
-    "csv": {"features", "label", "shape"},
+    "parquet": {"features", "exclude_columns", "label", "shape"},
+    "csv": {"features", "exclude_columns", "label", "shape"},
     "npy": {"shape"},
     "npz": {"features", "label", "shape"},
     "imagefolder": {"mode"},
@@ -139,6 +140,13 @@ def parse_spec(value: Any) -> str | dict:
             raise ValueError(f"dataset.features must be a column name or a list of them (got {features!r})")
         if file_format == "npz" and not isinstance(features, str):
             raise ValueError(f"dataset.features of an npz dataset is one array name (got {features!r})")
+    if "exclude_columns" in spec:
+        excluded = spec["exclude_columns"]
+        if not (isinstance(excluded, list) and all(isinstance(name, str) and name for name in excluded)):
+            raise ValueError(f"dataset.exclude_columns must be a list of column names (got {excluded!r})")
+        if "features" in spec:
+            raise ValueError("dataset.features names the feature columns and exclude_columns leaves columns out of "
+                             "all of them: give one or the other")
     if "label" in spec and not (isinstance(spec["label"], str) and spec["label"]):
         raise ValueError(f"dataset.label must be a column name (got {spec['label']!r})")
     if "shape" in spec:
@@ -601,14 +609,19 @@ def _files_at(location: str | list[str], suffixes: tuple[str, ...]) -> tuple[pa_
 
 
 def _feature_columns(spec: Mapping, schema: pa.Schema, file_name: str) -> list[str]:
-    """The feature column names: ``features`` as given, else every column but the label."""
+    """The feature column names: ``features`` as given, else every column but the label and ``exclude_columns``."""
     label = spec.get("label", "label")
     if label not in schema.names:
         raise DataError(f"{file_name}: no label column {label!r} (columns: {', '.join(schema.names)}); "
                         "set the dataset's label key")
     features = spec.get("features")
     if features is None:
-        return [name for name in schema.names if name != label]
+        excluded = spec.get("exclude_columns", [])
+        missing = [name for name in excluded if name not in schema.names]
+        if missing:
+            raise DataError(f"{file_name}: no column {', '.join(map(repr, missing))} to exclude (columns: "
+                            f"{', '.join(schema.names)}); fix the dataset's exclude_columns")
+        return [name for name in schema.names if name != label and name not in excluded]
     names = [features] if isinstance(features, str) else list(features)
     for name in names:
         if name not in schema.names:
@@ -1001,6 +1014,53 @@ class ImageFolderSource:
         return torch.stack(images).to(torch.float32).div_(255.0), torch.from_numpy(labels)
 
 
+# --- schemas ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitSchema:
+    """What a split's examples look like, from its files' metadata and header alone: never a row's values.
+
+    ``columns`` names the feature columns (a table's) or the features array
+    (NumPy's); ``input_shape`` is one example's feature shape, as the sources
+    read it (the spec's ``shape`` when given).
+    """
+
+    columns: tuple[str, ...]
+    input_shape: tuple[int, ...]
+    input_floating: bool
+    label_floating: bool
+
+
+def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
+    """The schema of ``split`` from metadata (Parquet footer, CSV header, NumPy header), or None where they do not
+    give it: a ``module:function`` or built-in dataset, an image folder, a variable-length list column."""
+    if isinstance(spec, str) or spec["format"] == "imagefolder":
+        return None
+    if spec["format"] in ("npy", "npz"):
+        features, labels = _numpy_arrays(spec, split)
+        shape = tuple(spec["shape"]) if "shape" in spec else tuple(features.shape[1:])
+        return SplitSchema(("features" if spec["format"] == "npy" else spec.get("features", "features"),), shape,
+                           bool(np.issubdtype(features.dtype, np.floating) or features.dtype == np.bool_),
+                           bool(np.issubdtype(labels.dtype, np.floating)))
+    filesystem, paths = _files_at(spec[split], PARQUET_SUFFIXES if spec["format"] == "parquet" else (".csv",))
+    if spec["format"] == "parquet":
+        schema = _parquet_file(filesystem, paths[0]).schema_arrow
+    else:
+        schema = next(_csv_batches(paths[0], filesystem), (0, None))[1]
+        if schema is None:
+            return None
+        schema = schema.schema
+    columns, length = _check_schema(spec, schema, paths[0])
+    if "shape" not in spec and length is None:
+        return None
+    types = [schema.field(name).type for name in columns]
+    types = [types[0].value_type] if len(columns) == 1 and _is_list(types[0]) else types
+    return SplitSchema(tuple(columns), tuple(spec["shape"]) if "shape" in spec else (length,),
+                       any(pa.types.is_floating(kind) or pa.types.is_boolean(kind) for kind in types),
+                       pa.types.is_floating(schema.field(spec.get("label", "label")).type))
+
+
 # --- checks -----------------------------------------------------------------------------
 
 
@@ -1147,21 +1207,32 @@ def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list
 
 def _check_values(feature_file: str, label_file: str, first_row: int, features: np.ndarray, names: list[str],
                   labels: np.ndarray, num_classes: int | None, label_name: str = "label") -> None:
-    """Refuses a NaN or infinite feature, and an integer label outside 0..num_classes-1."""
+    """Refuses NaN or infinite features, and integer labels outside 0..num_classes-1: how many rows of the batch
+    scanned, and the first rows' numbers."""
     if np.issubdtype(features.dtype, np.floating):
         bad = np.argwhere(~np.isfinite(features))
         if len(bad):
             row, column = (int(v) for v in bad[0])
+            rows = _row_count(first_row, np.unique(bad[:, 0]), len(features))
             where = f"{feature_file}: row {first_row + row}, column {names[column]!r}"
-            raise DataError(f"{where}: not finite; features must be finite",
-                            f"{where}: {features[row, column]}; features must be finite")
+            rule = f"features must be finite ({rows} have a feature that is not; fix or drop those rows)"
+            raise DataError(f"{where}: not finite; {rule}", f"{where}: {features[row, column]}; {rule}")
     if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
         if len(bad):
             row = int(bad[0])
             where = f"{label_file}: row {first_row + row}, column {label_name!r}"
-            raise DataError(f"{where}: label outside 0..{num_classes - 1} (num_classes {num_classes})",
-                            f"{where}: label {labels[row]} is outside 0..{num_classes - 1} (num_classes {num_classes})")
+            rule = (f"(num_classes {num_classes}; {_row_count(first_row, bad, len(labels))} are outside; give the "
+                    "model one output per class, or set the dataset's num_classes)")
+            raise DataError(f"{where}: label outside 0..{num_classes - 1} {rule}",
+                            f"{where}: label {labels[row]} is outside 0..{num_classes - 1} {rule}")
+
+
+def _row_count(first_row: int, bad_rows: np.ndarray, scanned: int) -> str:
+    """'3 of rows 0..99 (4, 9, 17)': how many of a scanned batch's rows break a rule, and the first ones."""
+    shown = ", ".join(str(first_row + int(row)) for row in bad_rows[:3])
+    more = ", ..." if len(bad_rows) > 3 else ""
+    return f"{len(bad_rows)} of rows {first_row}..{first_row + scanned - 1} ({shown}{more})"
 
 
 # --- writing ----------------------------------------------------------------------------

@@ -14,17 +14,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Collection, Sequence
 
 from accounting.lazy import public_face
 from orchestrator import __version__
-from orchestrator.cli.display import plain_when_asked
+from orchestrator.cli.display import plain_when_asked, quiet_third_party
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
 
-# `main` is the `dpfleet` console script (pyproject.toml).
-__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table"]}, defined_here=["main"])
+# `main` is the `dpfleet` console script (pyproject.toml); `build_parser` and `run_job` serve the Python API.
+__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table"], "train": ["run_job"]},
+                                            defined_here=["build_parser", "main"])
 
 
 @dataclass(frozen=True)
@@ -81,12 +83,22 @@ def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.Argume
         description="Differentially private training across a Ray cluster, with a global privacy ledger.",
     )
     parser.add_argument("--version", action="version", version=f"dpfleet {__version__}")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     for name, entry in COMMANDS.items():
         command_parser = subparsers.add_parser(name, help=entry.help)
         if name in commands:
             load(entry.adds_arguments)(command_parser)
+            # After a command's own flags too (`dpfleet train --debug`); unset there, the top level's value stands.
+            command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
     return parser
+
+
+# Terminal colour codes, which Ray puts in the text of a remote error.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a traceback: the exception's class and its message.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+DEBUG_HELP = "on an unexpected error, show the whole traceback instead of one paragraph"
 
 
 def command_words(argv: Sequence[str]) -> tuple[str, ...]:
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    quiet_third_party(os.environ)
     plain_when_asked(os.environ, sys.stderr)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(command_words(argv)).parse_args(argv)
@@ -115,3 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dpfleet {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # noqa: BLE001 - one paragraph, not a traceback, unless --debug asks for it
+        if args.debug:
+            raise
+        print(f"dpfleet {args.command}: error: {one_paragraph(error)}", file=sys.stderr)
+        return 1
+
+
+def one_paragraph(error: BaseException) -> str:
+    """An unexpected error as one paragraph: its innermost cause (a Ray task's error is what the task raised),
+    its message's first line, and how to see the traceback. A ledger's refusal or silence says what to check."""
+    while getattr(error, "cause", None) is not None and error.cause is not error:  # Ray's RayTaskError
+        error = error.cause
+    lines = [line for line in _ANSI_ESCAPE.sub("", str(error)).strip().splitlines() if line.strip()]
+    message = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if len(lines) > 1 and _EXCEPTION_LINE.match(lines[-1].strip()):
+        # A remote failure carried as text (an actor that died in its creation task): its last line says what.
+        message = f"{message.split(',')[0]}: {lines[-1].strip()}"
+    if type(error).__module__.startswith("accounting.ledger"):
+        return (f"the ledger answered {message}; check the ledger's address and token (--ledger and --token, or "
+                "DPFLEET_LEDGER and DPFLEET_TOKEN)")
+    return f"{message} (run again with --debug for the traceback)"

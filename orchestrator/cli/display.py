@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import IO, Any, MutableMapping, Sequence
 
 
@@ -49,3 +50,27 @@ def plain_when_asked(environ: MutableMapping[str, str], stream: IO) -> None:
     """
     if environ.get("NO_COLOR") or not is_terminal(stream):
         environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+# Ray's logger that announces on every local start whether token authentication is on: the cluster's operator's
+# concern, not a training run's.
+_RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_third_party(environ: MutableMapping[str, str]) -> None:
+    """Silence what the libraries under dpfleet print that is not the user's concern.
+
+    gRPC's and absl's C++ logs below errors (set before grpc loads; a value
+    the user set stands), absl's Python warnings, and Ray's notice about
+    token authentication.
+    """
+    environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    environ.setdefault("GLOG_minloglevel", "2")
+    environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.getLogger(_RAY_TOKEN_LOGGER).addFilter(_not_the_token_notice)
+    # dp_accounting's absl warnings about RDP orders it leaves out: the bound stays valid without them.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _not_the_token_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Token authentication is")

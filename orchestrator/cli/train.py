@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+from typing import Any
 
 from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from accounting.ledger.validation import delta_warning
 from orchestrator import checks
-from orchestrator.config import GROUPS, documented_keys, load_config
+from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
-from orchestrator.errors import LedgerTimeoutError, UsageError
+from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.ledger_session import (
     JobLedger,
     block_declarations,
@@ -130,8 +131,11 @@ def config_keys_help(width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
+def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
+    """The job `dpfleet train` runs, for it and for the Python API: (the trainer, its summary, the ledger's status).
+
+    ``args.config`` is a TOML file's path, or a TrainConfig already checked (the API's).
+    """
     check_queue_flags(args)
     options = {"show_progress": show_progress(args.no_progress, sys.stderr),
                "non_private_train_loss": args.non_private_train_loss}
@@ -139,7 +143,8 @@ def run_train(args: argparse.Namespace) -> int:
         if args.resume:
             trainer = resume_trainer(args.resume, **options)
         else:
-            config = load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
+            config = args.config if isinstance(args.config, TrainConfig) else \
+                load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
             charge_epsilon = None
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)
@@ -165,17 +170,17 @@ def run_train(args: argparse.Namespace) -> int:
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     trainer.ledger = job_ledger(args, trainer)
-    try:
-        summary = trainer.run()
-    except LedgerTimeoutError as error:
-        raise LedgerTimeoutError(
-            f"{error}. The run stopped before any uncharged step, at a checkpoint; "
-            f"continue with: dpfleet train --resume {config.run_dir}"
-        ) from None
-    trainer.ledger.release()
+    summary = run_reserved(trainer)
     budget = trainer.ledger.status()
     if args.non_private_mia:
         summary["membership_inference_non_private"] = _membership_inference(trainer)
+    return trainer, summary, budget
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
+    trainer, summary, budget = run_job(args)
+    config = trainer.config
     if args.json:
         summary = {key: value for key, value in summary.items() if key != "events"}
         summary["dataset_remaining_epsilon"] = budget.remaining_epsilon
@@ -187,7 +192,7 @@ def run_train(args: argparse.Namespace) -> int:
          summary["epsilon"]],
         ["delta", summary["delta"]],
         ["steps", summary["steps"]],
-        ["noise multiplier", summary["noise_multiplier"]],
+        noise_row(config, summary),
         ["wall seconds", summary["wall_seconds"]],
         ["samples/s", summary["samples_per_second"]],
         ["run dir", config.run_dir],
@@ -203,6 +208,37 @@ def run_train(args: argparse.Namespace) -> int:
         rows.append(["membership inference TPR at 1% FPR (NOT private)", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def noise_row(config, summary: dict) -> list:
+    """The summary's noise multiplier row, saying which was fixed: σ itself, or a target ε that σ was chosen for."""
+    if config.target_epsilon is None:
+        return ["noise multiplier (fixed)", summary["noise_multiplier"]]
+    return [f"noise multiplier (chosen for the fixed target epsilon {config.target_epsilon:g} over "
+            f"{summary['steps']} steps)", summary["noise_multiplier"]]
+
+
+def run_reserved(trainer: Trainer) -> dict:
+    """Run a trainer that holds a reservation, then release the steps that did not run.
+
+    A run that fails releases them too, so a failed job holds no budget; a
+    run stopped at a resumable checkpoint (the ledger or a shard out of
+    reach) keeps its reservation for `dpfleet train --resume`.
+    """
+    try:
+        summary = trainer.run()
+    except LedgerTimeoutError as error:
+        raise LedgerTimeoutError(
+            f"{error}. The run stopped before any uncharged step, at a checkpoint; "
+            f"continue with: dpfleet train --resume {trainer.config.run_dir}"
+        ) from None
+    except ShardTimeoutError:
+        raise
+    except BaseException:
+        trainer.ledger.release()
+        raise
+    trainer.ledger.release()
+    return summary
 
 
 def outage_rows(outages: list[dict]) -> list[list[str]]:

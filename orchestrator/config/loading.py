@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Mapping
 
@@ -60,6 +61,8 @@ def load_config(path: str | None, overrides: Mapping[str, Any], overrides_from: 
     or by default the key's flag (``--run-dir`` for ``run_dir``).
     """
     values = read_toml(path) if path is not None else {}
+    if path is not None:
+        put_on_import_path(os.path.dirname(os.path.abspath(path)))
     given = {}
     for key, value in overrides.items():
         if value is None:
@@ -70,3 +73,17 @@ def load_config(path: str | None, overrides: Mapping[str, Any], overrides_from: 
             if key in pair:
                 values.pop(pair[1 - pair.index(key)], None)
     return build_config(values, path, given)
+
+
+def put_on_import_path(folder: str) -> None:
+    """Put ``folder`` (a config's) on the import path, so ``model = "module:function"`` finds a module beside it.
+
+    Also on PYTHONPATH, which the workers of a Ray this process starts
+    inherit; on a running cluster, `dpfleet submit` ships the working
+    directory instead.
+    """
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    paths = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if folder not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([folder, *paths])

@@ -181,6 +181,15 @@ def _people_keys(config: TrainConfig) -> None:
                          "combined with shards")
 
 
+def _people_not_features(config: TrainConfig) -> None:
+    """A table's user_id column names each row's person: it is no feature, unless the dataset's features name it."""
+    spec = config.dataset
+    if config.user_id is None or not isinstance(spec, dict) or spec.get("format") not in ("parquet", "csv") \
+            or "features" in spec or config.user_id in spec.get("exclude_columns", []):
+        return
+    _settle(config, dataset={**spec, "exclude_columns": [*spec.get("exclude_columns", []), config.user_id]})
+
+
 def _augmentations(config: TrainConfig) -> None:
     if config.augmentations_per_example == 1:
         return
@@ -226,8 +235,8 @@ def _planned_batches(config: TrainConfig) -> None:
 
 
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
-    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _augmentations, _layer_clipping,
-    _aggregation, _planned_batches,
+    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _augmentations,
+    _layer_clipping, _aggregation, _planned_batches,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 

@@ -48,7 +48,7 @@ sources = LazyModule("workers.sources")
 tasks = LazyModule("workers.tasks")
 
 ACCOUNTANT_NAMES = tuple(ACCOUNTANTS)
-CHECK_DATA_LEVELS = ("basic", "full")
+CHECK_DATA_LEVELS = ("strict", "basic", "full")
 PRIVACY_UNITS = ("example", "user")
 TARGET_EPSILON_BASES = ("accountant", "filter")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -192,10 +192,12 @@ class DataSection(Section):
         valid="a non-empty path", shown_default="`~/.cache/dpfleet`", schema=_PATH,
     )
     check_data: Literal[CHECK_DATA_LEVELS] = key(
-        "basic",
-        "Before any budget is reserved or worker started, check the data files: `basic` from metadata and a scan "
-        "(missing files or columns, wrong types, empty files, examples of the wrong size); `full` also every "
-        "value (NaN, infinity, nulls, integer labels outside 0..num_classes-1).",
+        "strict",
+        "Before any budget is reserved or worker started, check the data files. `strict`: the files' metadata "
+        "and a scan (missing files or columns, wrong types, empty files, examples of the wrong size) and every "
+        "value: NaN or infinite features, nulls, and integer labels outside 0..num_classes-1 (num_classes from "
+        "the dataset, else the model's output width) are refused, with how many rows and the first ones. "
+        "`basic`: the metadata and the scan only. `full`: the same as `strict` (its former name).",
     )
 
     plan_ahead_steps: int | None = key(

@@ -1,0 +1,206 @@
+"""A newcomer's mistake costs no ε: the model runs on made-up examples of the data's schema before anything is
+reserved, and each mistake is one short paragraph with exit status ≠ 0 and the ledger as it was."""
+
+import csv
+import os
+import sys
+import textwrap
+
+import pytest
+
+from accounting.ledger.store import open_embedded_ledger
+from orchestrator.cli import main
+
+DATASET = "toy"
+FEATURES = 8
+CLASSES = 3
+
+LINEAR_MODEL = """
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, features={features}, classes={classes}):
+        super().__init__()
+        self.layer = nn.Linear(features, classes)
+
+    def forward(self, x):
+        return self.layer(x.flatten(1))
+
+
+def build():
+    return Net()
+"""
+
+
+def write_csv(path, columns, rows, label_of=lambda row: row % CLASSES):
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow([*columns, "label"])
+        for row in range(rows):
+            writer.writerow([*(0.1 * ((row + column) % 7) for column in range(len(columns))), label_of(row)])
+
+
+def newcomer_job(tmp_path, module_text, module_name, test_columns=None, label_of=lambda row: row % CLASSES,
+                 features=FEATURES, dataset_lines=""):
+    """A CSV dataset, a model module beside the config (no PYTHONPATH), and the config; returns its path."""
+    columns = [f"x{index}" for index in range(features)]
+    write_csv(tmp_path / "train.csv", columns, 40, label_of)
+    write_csv(tmp_path / "test.csv", test_columns or columns, 20)
+    (tmp_path / f"{module_name}.py").write_text(module_text)
+    config = tmp_path / "job.toml"
+    config.write_text(textwrap.dedent(f"""\
+        model = "{module_name}:build"
+        workers = 1
+        steps = 2
+        batch_size = 10
+        noise_multiplier = 1.0
+        learning_rate = 0.1
+        max_physical_batch = 16
+        run_dir = "{tmp_path / 'run'}"
+
+        [dataset]
+        format = "csv"
+        name = "{DATASET}"
+        train = "{tmp_path / 'train.csv'}"
+        test = "{tmp_path / 'test.csv'}"
+        """) + dataset_lines)
+    return str(config)
+
+
+@pytest.fixture
+def toy_budget(monkeypatch):
+    """The dataset registered in the (per-test) embedded ledger, so that 'unchanged' has something to compare.
+
+    The config's folder goes on the import path and PYTHONPATH; both are put back after the test.
+    """
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with open_embedded_ledger() as ledger:
+        ledger.create_dataset(DATASET, 10.0, 1e-5)
+
+
+def assert_refused_before_reserving(config, capsys, *expected):
+    """Exit status ≠ 0, at most 15 lines on stderr, no traceback, each ``expected`` text in it, and the ledger as
+    it was: no job, nothing reserved or spent."""
+    status = main(["train", "--config", config, "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert status != 0, err
+    assert len(err.splitlines()) <= 15 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    with open_embedded_ledger() as ledger:
+        budget = ledger.get_budget(DATASET)
+        assert ledger.list_jobs() == []
+    assert budget.reserved_epsilon == 0 and budget.spent_epsilon == 0 and budget.spent_epsilon_filter == 0
+    return err
+
+
+def test_a_model_for_another_input_shape_is_refused_before_reserving(tmp_path, capsys, toy_budget):
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=5, classes=CLASSES), "shape_model")
+    err = assert_refused_before_reserving(config, capsys, "the model's forward pass", "input [8] float32",
+                                          f"{tmp_path / 'shape_model.py'}:", "No budget was reserved")
+    assert "(in forward)" in err
+
+
+def test_a_model_for_another_channel_count_is_refused_before_reserving(tmp_path, capsys, toy_budget):
+    module = textwrap.dedent("""
+        from torch import nn
+
+
+        def build():
+            return nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(16, 3))
+        """)
+    config = newcomer_job(tmp_path, module, "channel_model", features=48, dataset_lines="shape = [3, 4, 4]\n")
+    assert_refused_before_reserving(config, capsys, "input [3, 4, 4] float32", "channels",
+                                    "set the dataset's shape key")
+
+
+def test_a_label_outside_the_classes_is_refused_with_its_count_and_rows(tmp_path, capsys, toy_budget):
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "label_model",
+                          label_of=lambda row: 3 if row in (5, 9, 30) else row % CLASSES)
+    assert_refused_before_reserving(config, capsys, "row 5, column 'label': label outside 0..2",
+                                    "3 of rows 0..39 (5, 9, 30) are outside")
+
+
+def test_train_and_test_with_different_columns_are_refused_before_reserving(tmp_path, capsys, toy_budget):
+    test_columns = [f"x{index}" for index in range(FEATURES - 1)] + ["extra"]
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "columns_model",
+                          test_columns=test_columns)
+    assert_refused_before_reserving(config, capsys, "the test split does not match the training split", "extra")
+
+
+def test_a_bug_in_the_users_model_module_names_its_file_and_line(tmp_path, capsys, toy_budget):
+    module = LINEAR_MODEL.format(features=FEATURES, classes=CLASSES).replace(
+        "return self.layer(x.flatten(1))", "return self.layer(x.flatten(1)) * scale")
+    line = module.splitlines().index("        return self.layer(x.flatten(1)) * scale") + 1
+    config = newcomer_job(tmp_path, module, "buggy_model")
+    assert_refused_before_reserving(config, capsys, f"{tmp_path / 'buggy_model.py'}:{line} (in forward)",
+                                    "NameError: name 'scale' is not defined")
+
+
+def test_a_model_module_that_fails_on_import_names_its_file_and_line(tmp_path, capsys, toy_budget):
+    module = "import torch\n\nLAYERS = 3 / 0\n\n\ndef build():\n    return torch.nn.Linear(8, 3)\n"
+    config = newcomer_job(tmp_path, module, "broken_import_model")
+    assert_refused_before_reserving(config, capsys, f"{tmp_path / 'broken_import_model.py'}:3",
+                                    "ZeroDivisionError")
+
+
+def test_a_loss_that_does_not_fit_the_output_is_refused_before_reserving(tmp_path, capsys, toy_budget):
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "loss_model")
+    with open(config, "a") as handle:
+        handle.write("")
+    text = open(config).read().replace('model = "loss_model:build"', 'model = "loss_model:build"\nloss = "mse"')
+    open(config, "w").write(text)
+    assert_refused_before_reserving(config, capsys, "the loss 'mse' on the model's output (shape [2, 3])")
+
+
+def test_a_failure_after_reserving_releases_the_unrun_steps(tmp_path, capsys, toy_budget):
+    # The model works in the driver's dry run and fails in the gradient worker's process. The run starts its own
+    # Ray, whose workers find the module beside the config as the driver does (the config's folder on PYTHONPATH).
+    module = LINEAR_MODEL.format(features=FEATURES, classes=CLASSES).replace(
+        "return self.layer(x.flatten(1))",
+        f"if os.getpid() != {os.getpid()}:\n            raise RuntimeError('worker-side failure')\n"
+        "        return self.layer(x.flatten(1))").replace("from torch import nn", "import os\n\nfrom torch import nn")
+    config = newcomer_job(tmp_path, module, "worker_failing_model")
+    status = main(["train", "--config", config, "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) <= 15 and "Traceback" not in err, err
+    assert "worker-side failure" in err and "--debug" in err
+    with open_embedded_ledger() as ledger:
+        budget = ledger.get_budget(DATASET)
+        (job,) = ledger.list_jobs()
+    assert job.state == "released" and budget.reserved_epsilon == 0
+
+
+def test_excluded_columns_and_the_user_id_are_no_features(tmp_path, monkeypatch):
+    from orchestrator.config import build_config
+    from workers.sources import split_schema
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    columns = [f"x{index}" for index in range(FEATURES)] + ["user_id", "note"]
+    for split in ("train", "test"):
+        write_csv(tmp_path / f"{split}.csv", columns, 20)
+    table = {"format": "csv", "train": str(tmp_path / "train.csv"), "test": str(tmp_path / "test.csv"),
+             "exclude_columns": ["note"]}
+    people = dict(privacy_unit="user", user_id="user_id", max_examples_per_user=2, noise_multiplier=1.0, steps=2,
+                  batch_size=4)
+    config = build_config({"dataset": table, **people})
+    assert config.dataset["exclude_columns"] == ["note", "user_id"]
+    schema = split_schema(config.dataset, "train")
+    assert schema.columns == tuple(columns[:FEATURES]) and schema.input_shape == (FEATURES,)
+    # Asked for by name, the user id is a feature.
+    named = {key: value for key, value in table.items() if key != "exclude_columns"} | {"features": ["x0", "user_id"]}
+    asked = build_config({"dataset": named, **people})
+    assert split_schema(asked.dataset, "train").columns == ("x0", "user_id")
+
+
+def test_the_summary_says_whether_sigma_or_the_target_was_fixed():
+    from orchestrator.cli.train import noise_row
+    from orchestrator.config import build_config
+
+    base = {"dataset": "mnist", "steps": 50, "batch_size": 250}
+    assert noise_row(build_config({**base, "noise_multiplier": 1.1}), {"noise_multiplier": 1.1, "steps": 50}) == [
+        "noise multiplier (fixed)", 1.1]
+    chosen = noise_row(build_config({**base, "target_epsilon": 2.0}), {"noise_multiplier": 0.7, "steps": 50})
+    assert chosen == ["noise multiplier (chosen for the fixed target epsilon 2 over 50 steps)", 0.7]
