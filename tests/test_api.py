@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from test_dry_run import CLASSES, DATASET, FEATURES, LINEAR_MODEL, newcomer_job
 
