@@ -410,7 +410,7 @@ def test_the_command_hands_the_store_each_option_as_given(operation, monkeypatch
     monkeypatch.setattr(cli_ledger, "ledger_from_flags", lambda args: store)
     argv, expected = command_line(operation)
     with pytest.raises(Recorded):
-        main(argv)
+        main(["--debug", *argv])  # --debug lets the stand-in's exception through the one-paragraph handler
     ((name, arguments),) = store.calls
     assert name == operation, argv
     arguments.pop("caller")
