@@ -552,8 +552,10 @@ class Trainer:
                                                               or clip_norm)
         except ShardTimeoutError as error:
             self._stop_at_checkpoint(error)
-        partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(), 1)
-        # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3).
+        # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3); under
+        # secure aggregation it never leaves its silo.
+        partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(),
+                                            0 if self.config.secure_aggregation else 1)
         extend_outages(self.record.shard_outages, step, missing, self.config.shards)
         self._noise_and_step(partial_sums, self._noise_std(step, clip_norm))
 

@@ -163,3 +163,28 @@ def test_a_party_that_revealed_shares_masks_no_more_and_never_reveals_itself_or_
     with pytest.raises(TypeError, match="never pickled"):
         pickle.dumps(silos[1])
     assert "hidden" in repr(silos[1]) and "y=<hidden>" in repr(split_secret(bytes(32), 2, 2)[0])
+
+
+SHARDS = [{"dataset": "mnist", "part": part, "parts": 3, "resources": {f"silo-{part}": 1}} for part in range(3)]
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(secure_aggregation=True), "runs only in silo mode with two or more shards"),
+    (dict(secure_aggregation=True, shards=SHARDS[:1]), r"two or more shards \(got 1\)"),
+    (dict(secure_aggregation=True, shards=[{**SHARDS[0], "workers": 2}, *SHARDS[1:]]),
+     r"shards \[0\] have more: give each shard workers = 1"),
+    (dict(secure_aggregation=True, shards=SHARDS, mask_share_threshold=4), r"must lie in 2..3 .* got 4"),
+    (dict(shards=SHARDS, mask_share_threshold=2), "applies only with secure_aggregation = true"),
+])
+def test_secure_aggregation_outside_silo_mode_or_with_a_bad_threshold_is_refused_with_the_reason(values, message):
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+    with pytest.raises(UsageError, match=message):
+        build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, **values})
+
+
+def test_the_threshold_defaults_to_a_majority_of_the_silos():
+    from orchestrator.config import build_config
+    config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
+                           "secure_aggregation": True})
+    assert config.mask_share_threshold == 2
