@@ -69,11 +69,15 @@ def encode(values: np.ndarray, scale: float, value_bound: float) -> np.ndarray:
     The check keeps one party from wrapping the sum on its own (a clipped sum
     can never exceed its bound; a non-finite one is a bug upstream).
     """
-    values = np.asarray(values, dtype=np.float64)
-    if values.size and not (np.isfinite(values).all() and np.abs(values).max() <= value_bound):
+    values = np.asarray(values)
+    # NaN makes the peak NaN, which fails the comparison as infinity does.
+    if values.size and not np.max(np.abs(values)) <= value_bound:
         raise ValueError(f"a value to encode lies outside ±{value_bound:g} or is not finite: the bound checked at "
                          "start no longer holds, so the ring sum could wrap")
-    return np.rint(values * scale).astype(np.int64).view(RING_DTYPE)
+    scaled = values.astype(np.float64)
+    scaled *= scale
+    np.rint(scaled, out=scaled)
+    return scaled.astype(np.int64).view(RING_DTYPE)
 
 
 def decode(ring_values: np.ndarray, scale: float) -> np.ndarray:

@@ -43,8 +43,11 @@ def expand_mask(seed: bytes, step: int, size: int) -> np.ndarray:
         raise ValueError(f"a step must lie in 0..2**64 - 1 (got {step})")
     # The 16-byte ChaCha20 nonce: the block counter starts at 0 and the step fills the last 8 bytes.
     nonce = bytes(8) + step.to_bytes(8, "little")
-    keystream = Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor().update(bytes(8 * size))
-    return np.frombuffer(keystream, dtype=RING_DTYPE).copy()
+    mask = np.zeros(size, dtype=RING_DTYPE)
+    # The keystream is the encryption of zeros, written over them in place: no second buffer.
+    buffer = memoryview(mask).cast("B")
+    Cipher(algorithms.ChaCha20(seed, nonce), mode=None).encryptor().update_into(buffer, buffer)
+    return mask
 
 
 def mask_sign(party: int, peer: int) -> int:
