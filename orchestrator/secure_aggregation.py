@@ -5,8 +5,9 @@ cannot open), and each step the masked fixed-point sums, whose ring total is
 the only thing that decodes to anything: the sum of the silos that answered.
 When a silo is lost during a step, the survivors reveal their shares of its
 key, and its pairs' masks are taken out of the survivors' total; the lost
-silo's sum counts as zero for that step. Its key is then known, so the next
-step starts a new keying round among the silos that are up. The pure
+silo's sum counts as zero for that step. Every step has a keying round of its
+own: were a round's keys kept for several steps, a key rebuilt after a loss
+would also unmask that silo's parts of the round's earlier steps. The pure
 protocol is ``workers.secure_aggregation``; docs/silos.md has the threat model.
 """
 
@@ -92,8 +93,8 @@ class SecureAggregation:
                 private_key = recover_private_key([shares[party] for shares in revealed], self.public_keys[party],
                                                   self.threshold)
                 total -= dropped_masks(private_key, party, survivor_keys, self.context, step, size)
-            # Their keys are known now: the next step keys the silos afresh.
-            self.keyed = {}
+        # One round per step: a key rebuilt later must not unmask this step's parts (see the module's docstring).
+        self.keyed = {}
         return decode(total, self.scale)
 
     def revealed_shares(self, dropped: list[Slot], step: int) -> list[dict[int, bytes]]:

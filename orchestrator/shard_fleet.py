@@ -241,9 +241,9 @@ class ShardFleet:
     def _secure_sum(self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms) -> Gathered:
         """The unmasked float64 sum of the silos that answered step `step`, as the one part of a Gathered.
 
-        The silos that are up are keyed afresh when they are not the last
-        round's. A silo lost during the step (or the keying) is handled by
-        the policy and its sum counts as zero for this step.
+        The silos that are up run the step's keying round first. A silo lost
+        during the step (or the keying) is handled by the policy and its sum
+        counts as zero for this step.
         """
         present = {slot: self.actors[slot] for slot in self.present()}
         while set(present) != set(self.secure.keyed):
@@ -265,7 +265,8 @@ class ShardFleet:
                      "silos' shares of its key; its sum counts as zero for this step")
         size = result.values_in // len(result.parts) if result.parts else 0
         total = self.secure.total(result.parts, dropped, step, size)
-        return Gathered([total], [], result.slowest_worker_seconds, result.wait_seconds, result.values_in)
+        return Gathered([total], [], result.slowest_worker_seconds, result.wait_seconds, result.values_in,
+                        result.bytes_in)
 
     def _find_lost(self, slots: list[Slot], step: int) -> set[Slot]:
         """Which of `slots` are lost: their actor does not answer; each is handled by the policy (`_lost`)."""

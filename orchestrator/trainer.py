@@ -479,7 +479,7 @@ class Trainer:
         weights = self.flat_weights.numel() * self.flat_weights.element_size()
         nodes = (set(self.shards.nodes.values()) if self.shards is not None
                  else set(self.fleet.worker_nodes.values())) - {ray.get_runtime_context().get_node_id()}
-        return weights * (1 + len(nodes)) + self.sample_bytes + sum(part.nbytes for part in self.gathered.parts)
+        return weights * (1 + len(nodes)) + self.sample_bytes + self.gathered.bytes_in
 
     def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`)."""

@@ -53,6 +53,17 @@ def looks_uniform_on_the_ring(offsets, scale):
     return abs(np.abs(offsets).mean() / (2.0**62 / scale) - 1) < 0.05
 
 
+def kill_silo_c_after_keying(fleet):
+    """Kill silo-c's actor right after the next keying round: its keys and shares are out, its masked sum never."""
+    key = fleet.secure.key
+
+    def key_then_kill(actors):
+        key(actors)
+        fleet.secure.key = key
+        ray.kill(fleet.actors[(2, 0)])
+    fleet.secure.key = key_then_kill
+
+
 def fleet_steps(config, weights, steps, before_step=lambda fleet, step: None):
     """Each step's gathered parts from a fresh ShardFleet of `config`, and the fleet's log and secure shell."""
     log = []
@@ -72,7 +83,7 @@ def fleet_steps(config, weights, steps, before_step=lambda fleet, step: None):
 
 @pytest.fixture(scope="module")
 def observed(cluster, tmp_path_factory):
-    """The plain and the secure fleet's sums of two steps; in the secure one, silo-c's actor dies before step 2.
+    """The plain and the secure fleet's sums of two steps; in the secure one, silo-c's actor dies in step 2.
 
     Returns the plain per-silo sums (float64) by step, the secure totals by
     step, the masked parts and revealed shares the driver received, the
@@ -102,8 +113,7 @@ def observed(cluster, tmp_path_factory):
                 return received["revealed"]
             secure.total, secure.revealed_shares = recording_total, recording_revealed_shares
         if step == 1:
-            # Killed after its keys and shares were agreed in step 1's round: it never sends step 2's sum.
-            ray.kill(fleet.actors[(2, 0)])
+            kill_silo_c_after_keying(fleet)
 
     secure_sums, log, secure = fleet_steps(silo_config(root, "secure"), weights, 2, record_what_reaches_the_driver)
     return plain, [parts[0] for parts in secure_sums], received, secure, log
@@ -144,6 +154,11 @@ def test_nothing_the_driver_receives_gives_one_silos_sum(observed):
         # What the driver can take out of one part: the masks of its pair with the dropped silo, from its key.
         partial = part - dropped_masks(private_key, 2, {survivor: public_keys[survivor]}, context, 1, part.size)
         assert looks_uniform_on_the_ring(decode(partial, secure.scale) - plain[1][survivor], secure.scale)
+    # Nor does silo-c's key rebuilt in step 2 unmask its step-1 part: each step has keys of its own.
+    first_context, first_keys = received["rounds"][0]
+    step_one_guess = first[2] + dropped_masks(private_key, 2, {0: first_keys[0], 1: first_keys[1]}, first_context,
+                                              0, first[2].size)
+    assert looks_uniform_on_the_ring(decode(step_one_guess, secure.scale) - plain[0][2], secure.scale)
     # Both parts together do unmask (the driver's total): the check above is not vacuous.
     both = ring_sum(second) - dropped_masks(private_key, 2, {0: public_keys[0], 1: public_keys[1]}, context, 1,
                                             second[0].size)
@@ -151,14 +166,14 @@ def test_nothing_the_driver_receives_gives_one_silos_sum(observed):
 
 
 class KillSiloBefore(Trainer):
-    """A trainer that kills silo-c's actor (its keys already agreed) just before step `kill_at` + 1."""
+    """A trainer that kills silo-c's actor in step `kill_at` + 1, once that step's keys are agreed."""
 
     kill_at = 2
 
     def _step(self, workers):
         if self.step == self.kill_at and not getattr(self, "killed", False):
             self.killed = True
-            ray.kill(self.shards.actors[(2, 0)])
+            kill_silo_c_after_keying(self.shards)
         super()._step(workers)
 
 

@@ -1,6 +1,7 @@
 """The secure aggregation of silo sums as pure state machines: a silo's party and the driver's unmasking.
 
-A keying round (run start, and again whenever the set of silos changes):
+A keying round (one per step: a round's key, once rebuilt after a loss,
+unmasks that silo's masks for every step of the round):
 each silo makes an ephemeral X25519 key pair and hands its public key to the
 driver, which relays every public key to every silo. Each silo then splits
 its private key into Shamir shares (threshold t) and seals share j for silo
@@ -9,8 +10,7 @@ shares. Each step, each silo sends only its fixed-point clipped sum plus its
 pairwise masks. The driver adds what arrived; when silos dropped out, each
 survivor reveals its shares of the dropped silos' private keys, and from t of
 them the driver rebuilds those keys and takes the dropped pairs' masks out.
-A silo that revealed shares sends nothing more under these keys: the next
-step starts a new keying round.
+A silo that revealed shares sends nothing more under these keys.
 """
 
 from __future__ import annotations
