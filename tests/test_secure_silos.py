@@ -179,12 +179,15 @@ class KillSiloBefore(Trainer):
 
 def test_a_run_that_loses_a_silo_mid_round_finishes_with_epsilon_as_planned(cluster, tmp_path):
     out = io.StringIO()
-    trainer = KillSiloBefore(silo_config(tmp_path, "killed"), show_progress=False, out=out)
+    trainer = KillSiloBefore(silo_config(tmp_path, "killed", on_shard_loss="wait"), show_progress=False, out=out)
     summary = trainer.run()
     log = out.getvalue()
     assert "step 3: unmasking the sum without shard 2 ({'silo-c': 1.0})" in log
+    # Under "wait" the step is not recomputed: the replacement joins the next step's keying round.
+    assert "step 4: shard 2 ({'silo-c': 1.0}) placed again" in log
     # Every planned step ran and was accounted: silo-c's sum counted as zero in step 3 (sampling is local).
     planned = trainer.plan.events_between(0, trainer.plan.steps)
     assert summary["events"] == planned.to_dict()
     assert summary["epsilon"] == trainer.report.epsilon(planned)
-    assert summary["shard_outages"][0]["shard"] == 2 and summary["shard_outages"][0]["first_step"] == 3
+    assert [(outage["shard"], outage["first_step"], outage["last_step"]) for outage in summary["shard_outages"]] == \
+        [(2, 3, 3)]
