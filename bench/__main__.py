@@ -6,7 +6,7 @@ import sys
 
 from bench import (
     admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, ledger_growth, mnist, out_of_core,
-    scaling, scheduling, seeds, throughput,
+    scaling, scheduling, secure_aggregation, seeds, throughput,
 )
 
 BENCHMARKS = {
@@ -23,6 +23,7 @@ BENCHMARKS = {
     "scaling": scaling.main,
     "fan_in": fan_in.main,
     "cli_startup": cli_startup.main,
+    "secure_aggregation": secure_aggregation.main,
 }
 
 

@@ -46,7 +46,9 @@ class Gathered:
     """One step's partial sums as the driver holds them: one per remote node, one per worker on its own node.
 
     `failed` names the workers whose part is missing (a lost worker, or a
-    node's reducer that failed); `values_in` counts the values of `parts`.
+    node's reducer that failed); `values_in` and `bytes_in` count the values
+    and bytes that arrived (under secure aggregation, the masked parts that
+    `parts`' one unmasked total replaces).
     """
 
     parts: list[np.ndarray] = field(default_factory=list)
@@ -54,6 +56,7 @@ class Gathered:
     slowest_worker_seconds: float = 0.0
     wait_seconds: float = 0.0
     values_in: int = 0
+    bytes_in: int = 0
 
     def add(self, other: Gathered) -> None:
         """Take in `other`'s parts and times (a recomputation within the same step); its failures are not kept."""
@@ -61,6 +64,7 @@ class Gathered:
         self.slowest_worker_seconds = max(self.slowest_worker_seconds, other.slowest_worker_seconds)
         self.wait_seconds += other.wait_seconds
         self.values_in += other.values_in
+        self.bytes_in += other.bytes_in
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ class NodeAggregation:
             gathered.parts.append(values)
             gathered.slowest_worker_seconds = max(gathered.slowest_worker_seconds, seconds)
             gathered.values_in += values.size
+            gathered.bytes_in += values.nbytes
         gathered.wait_seconds = time.perf_counter() - started
         return gathered
 

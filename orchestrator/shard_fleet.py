@@ -8,6 +8,9 @@ resources is there again. Until then the slot is lost, and the policy decides:
 "wait" holds the step (up to shard_timeout), "skip" runs it without the shard.
 A step's calls go through `orchestrator.aggregation`: the sums of a node's
 workers are added on that node, so the driver receives one buffer per node.
+With secure_aggregation each silo's one worker sends its masked sum to the
+driver itself (``orchestrator.secure_aggregation``), and a silo lost during a
+step counts as zero for that step under either policy.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import numpy as np
 import ray
 
 from orchestrator.aggregation import Gathered, NodeAggregation
 from orchestrator.errors import ShardTimeoutError
+from orchestrator.secure_aggregation import SecureAggregation
 from workers.clipping import LayerClipNorms
 from workers.shard_worker import ShardWorkerActor
 
@@ -46,6 +51,7 @@ class ShardFleet:
         # The node each present slot's actor runs on, and the per-node reducers of the step's calls.
         self.nodes: dict[Slot, str] = {}
         self.aggregation: NodeAggregation | None = None
+        self.secure: SecureAggregation | None = None
 
     # --- placement -----------------------------------------------------------
 
@@ -68,7 +74,15 @@ class ShardFleet:
             held = sum(self.example_counts[(shard, worker)] for worker in range(spec.workers))
             self.say(f"shard {shard}: {spec.dataset} part {spec.part} of {spec.parts} on {dict(spec.resources)}, "
                      f"{spec.workers} worker(s), {held} examples")
-        return sum(self.example_counts.values())
+        dataset_size, config = sum(self.example_counts.values()), self.config
+        if config.secure_aggregation:
+            clip_bound = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm
+            self.secure = SecureAggregation(len(config.shards), config.mask_share_threshold, clip_bound,
+                                            dataset_size)
+            self.say(f"secure aggregation: {len(config.shards)} silos, threshold "
+                     f"{config.mask_share_threshold}, fixed point on Z_2^64 at scale 2^"
+                     f"{int(np.log2(self.secure.scale))} (sums up to {self.secure.value_bound:g} per coordinate)")
+        return dataset_size
 
     def set_sampling_rate(self, sampling_rate: float) -> None:
         """Tell every worker, and every later replacement, the common rate q."""
@@ -202,6 +216,8 @@ class ShardFleet:
                 self._rejoin(step)
         if self.aggregation is None:
             self.aggregation = NodeAggregation()
+        if self.secure is not None:
+            return self._secure_sum(weights, step, clip_norm), sorted(self.probes)
         gathered = Gathered()
         pending, one_by_one = self.present(), False
         while pending:
@@ -221,6 +237,36 @@ class ShardFleet:
                 self.say(f"step {step + 1}: recomputing the part of {self._describe(lost)} on its replacement")
                 pending = sorted(result.failed)
         return gathered, sorted(self.probes)
+
+    def _secure_sum(self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms) -> Gathered:
+        """The unmasked float64 sum of the silos that answered step `step`, as the one part of a Gathered.
+
+        The silos that are up run the step's keying round first. A silo lost
+        during the step (or the keying) is handled by the policy and its sum
+        counts as zero for this step.
+        """
+        present = {slot: self.actors[slot] for slot in self.present()}
+        while set(present) != set(self.secure.keyed):
+            try:
+                self.secure.key(present)
+            except ray.exceptions.RayActorError:
+                lost = self._find_lost(list(present), step)
+                present = {slot: actor for slot, actor in present.items() if slot not in lost}
+        result = self.aggregation.gather(self.aggregation.run(present, self.nodes, "masked_clipped_grad_sum",
+                                                              weights, {slot: (step, clip_norm) for slot in present},
+                                                              {}, direct=True))
+        dropped = sorted(result.failed)
+        lost = self._find_lost(dropped, step)
+        if set(dropped) - lost:
+            raise RuntimeError(f"{self._describe(set(dropped) - lost)} failed step {step + 1} but still answers: "
+                               "its masked sum is missing; see the worker's log")
+        if dropped:
+            self.say(f"step {step + 1}: unmasking the sum without {self._describe(set(dropped))}, from the other "
+                     "silos' shares of its key; its sum counts as zero for this step")
+        size = result.values_in // len(result.parts) if result.parts else 0
+        total = self.secure.total(result.parts, dropped, step, size)
+        return Gathered([total], [], result.slowest_worker_seconds, result.wait_seconds, result.values_in,
+                        result.bytes_in)
 
     def _find_lost(self, slots: list[Slot], step: int) -> set[Slot]:
         """Which of `slots` are lost: their actor does not answer; each is handled by the policy (`_lost`)."""

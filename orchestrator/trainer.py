@@ -479,7 +479,7 @@ class Trainer:
         weights = self.flat_weights.numel() * self.flat_weights.element_size()
         nodes = (set(self.shards.nodes.values()) if self.shards is not None
                  else set(self.fleet.worker_nodes.values())) - {ray.get_runtime_context().get_node_id()}
-        return weights * (1 + len(nodes)) + self.sample_bytes + sum(part.nbytes for part in self.gathered.parts)
+        return weights * (1 + len(nodes)) + self.sample_bytes + self.gathered.bytes_in
 
     def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`)."""
@@ -552,8 +552,10 @@ class Trainer:
                                                               or clip_norm)
         except ShardTimeoutError as error:
             self._stop_at_checkpoint(error)
-        partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(), 1)
-        # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3).
+        # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3); under
+        # secure aggregation it never leaves its silo.
+        partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(),
+                                            0 if self.config.secure_aggregation else 1)
         extend_outages(self.record.shard_outages, step, missing, self.config.shards)
         self._noise_and_step(partial_sums, self._noise_std(step, clip_norm))
 

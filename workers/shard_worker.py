@@ -4,7 +4,9 @@ The driver sends the weights and the step number; the worker draws its own
 Poisson sample of its examples at the common rate q and answers with the sum of
 their clipped gradients and the raw count of examples left out for a
 non-finite gradient. Neither an example, an index nor a realised batch size
-leaves the worker.
+leaves the worker. Under secure aggregation the worker is its silo's party:
+it answers with its sum in fixed point plus pairwise masks (``SiloParty``),
+and its keys and shares stay in its memory.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ray
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
 from workers.sampling import local_poisson_sample, local_sampling_key
+from workers.secure_aggregation import SiloParty
 from workers.shards import ShardSpec, load_shard_examples
 from workers.sources import InMemorySource
 
@@ -54,6 +57,7 @@ class ShardWorker(GradientWorker):
         self.shard, self.shard_index, self.worker_index = shard, shard_index, worker_index
         self._sampling_key = local_sampling_key(seed, shard_index, worker_index)
         self.sampling_rate: float | None = None
+        self._secure: SiloParty | None = None
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
                          engine=engine, loss=loss, train_transforms=train_transforms,
                          augmentations_per_example=augmentations_per_example)
@@ -86,6 +90,46 @@ class ShardWorker(GradientWorker):
         sample.
         """
         return self.clipped_grad_sum(weights, self._local_sample(step), clip_norm, count_zeroed=True)
+
+    def secure_start(self, context: bytes, parties: Sequence[int], threshold: int, scale: float,
+                     clip_bound: float) -> bytes:
+        """Start a keying round as party ``shard_index`` of `parties`: a new X25519 key; return its public key.
+
+        Each coordinate of this silo's sum is bounded by `clip_bound` (the
+        bound on one example's contribution) times the examples it holds, a
+        Poisson batch's largest size; a sum beyond it is refused before it
+        can wrap the ring.
+        """
+        self._secure = SiloParty(self.shard_index, parties, threshold, context, scale, clip_bound * self.train_size)
+        return self._secure.public_key()
+
+    def secure_sealed_shares(self, public_keys: Mapping[int, bytes]) -> dict[int, bytes]:
+        """The round's pair secrets from every party's public key; each peer's sealed share of this silo's key."""
+        return self._secure_party().sealed_shares(public_keys)
+
+    def secure_receive_shares(self, sealed: Mapping[int, bytes]) -> None:
+        """Keep the shares of the peers' keys sealed for this silo (`SiloParty.receive_shares`)."""
+        self._secure_party().receive_shares(sealed)
+
+    def masked_clipped_grad_sum(
+        self, weights: np.ndarray, step: int, clip_norm: float | LayerClipNorms
+    ) -> np.ndarray:
+        """This silo's clipped sum of step ``step`` in fixed point plus its pairwise masks (uint64).
+
+        The raw count of examples left out for a non-finite gradient stays
+        here: it would go out un-noised and unmasked.
+        """
+        party = self._secure_party()
+        return party.masked(self.sampled_clipped_grad_sum(weights, step, clip_norm)[:-1], step)
+
+    def secure_reveal_shares(self, dropped: Sequence[int]) -> dict[int, bytes]:
+        """This silo's shares of the dropped silos' keys (`SiloParty.reveal_shares`); it masks no more this round."""
+        return self._secure_party().reveal_shares(dropped)
+
+    def _secure_party(self) -> SiloParty:
+        if self._secure is None:
+            raise RuntimeError("secure_start must begin a keying round before shares or masked sums")
+        return self._secure
 
     def _local_sample(self, step: int) -> np.ndarray:
         """Positions of this worker's examples in step ``step``'s Poisson sample (they never leave the worker)."""

@@ -234,9 +234,32 @@ def _planned_batches(config: TrainConfig) -> None:
                          "or privacy_unit = \"user\"; leave plan_ahead_steps out")
 
 
+def _secure_aggregation(config: TrainConfig) -> None:
+    """Secure aggregation is a protocol among silos, each one shard with one worker; settle its threshold."""
+    if not config.secure_aggregation:
+        if config.mask_share_threshold is not None:
+            raise UsageError("mask_share_threshold applies only with secure_aggregation = true; "
+                             "set secure_aggregation = true or remove mask_share_threshold")
+        return
+    if len(config.shards) < 2:
+        raise UsageError("secure_aggregation hides each silo's sum among the others' and so runs only in silo mode "
+                         f"with two or more shards (got {len(config.shards)}); add shards or remove "
+                         "secure_aggregation")
+    several = [index for index, shard in enumerate(config.shards) if shard.workers != 1]
+    if several:
+        raise UsageError(f"with secure_aggregation each shard's one worker is its silo's party in the protocol; "
+                         f"shards {several} have more: give each shard workers = 1")
+    threshold = config.mask_share_threshold
+    if threshold is None:
+        _settle(config, mask_share_threshold=len(config.shards) // 2 + 1)
+    elif threshold > len(config.shards):
+        raise UsageError(f"mask_share_threshold must lie in 2..{len(config.shards)} (the number of shards); "
+                         f"got {threshold}")
+
+
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _augmentations,
-    _layer_clipping, _aggregation, _planned_batches,
+    _layer_clipping, _aggregation, _planned_batches, _secure_aggregation,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 

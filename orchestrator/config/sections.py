@@ -340,6 +340,18 @@ class SamplingSection(Section):
         "With shards, seconds a shard's resources may be missing before the run stops at a checkpoint (exit "
         "status 5).", gt=0,
     )
+    secure_aggregation: bool = key(
+        False,
+        "With shards, each silo sends the driver only its clipped sum in fixed point plus pairwise masks that "
+        "cancel in the total, so no one learns one silo's sum (see docs/silos.md); a silo lost in a step counts "
+        "as zero for that step.", strict=True,
+    )
+    mask_share_threshold: int | None = key(
+        None,
+        "With secure_aggregation, how many silos' shares rebuild a lost silo's masks: up to (silos - threshold) "
+        "silos may drop out of a step, and a coalition of threshold silos could rebuild another's masks.",
+        valid="2 ≤ threshold ≤ the number of shards", shown_default="a majority: ⌊shards / 2⌋ + 1", ge=2,
+    )
     privacy_unit: Literal[PRIVACY_UNITS] = key(
         "example",
         "What one unit of protection is. Under `\"user\"`, users are Poisson-sampled (`batch_size` is then the "

@@ -1,0 +1,139 @@
+"""Per-step cost of secure aggregation against plain aggregation, for 3 silos at 1M and 10M parameters.
+
+    python -m bench.secure_aggregation [--repeats 5] [--json]
+
+Side by side in one process, on the same random clipped sums: the plain path
+(each silo sends its float32 sum; the driver adds them in float64) and the
+secure path's arithmetic: the step's keying round (every step has one), each
+silo encoding its sum in fixed point and adding its two pairwise masks
+(ChaCha20 keystreams), the driver adding the uint64 parts on the ring and
+decoding; and the driver's part of a step in which one silo dropped (two
+shares rebuild its key, and its two pairs' masks are taken out). Silos work
+in parallel, so a step costs the keying, one silo's time and the driver's.
+The bytes each silo sends are reported (uint64 against float32); Ray's
+transport (three round trips more for the keying) and the gradients
+themselves are the same in both paths and are not timed. `--json` writes
+bench/results/secure_aggregation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from workers.secure_aggregation import (
+    SiloParty,
+    decode,
+    dropped_masks,
+    fixed_point_scale,
+    new_context,
+    recover_private_key,
+    ring_sum,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "secure_aggregation.json"
+SIZES = (1_000_000, 10_000_000)
+SILOS = 3
+CLIP_NORM, EXAMPLES = 1.0, 60_000
+
+
+def median_seconds(action, repeats: int) -> float:
+    """The median wall time of `repeats` calls of `action`."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def keyed_silos(scale: float) -> tuple[dict[int, SiloParty], dict[int, bytes], bytes]:
+    """The three silos after a keying round (the driver's relay played here), their public keys and context."""
+    context = new_context()
+    silos = {party: SiloParty(party, range(SILOS), 2, context, scale, CLIP_NORM * EXAMPLES) for party in range(SILOS)}
+    public_keys = {party: silo.public_key() for party, silo in silos.items()}
+    sealed = {party: silo.sealed_shares(public_keys) for party, silo in silos.items()}
+    for receiver, silo in silos.items():
+        silo.receive_shares({sender: boxes[receiver] for sender, boxes in sealed.items() if sender != receiver})
+    return silos, public_keys, context
+
+
+def measure(size: int, repeats: int) -> dict:
+    """The plain and the secure step's seconds for `size` parameters (silo's part, driver's part, total)."""
+    generator = np.random.default_rng(0)
+    sums = [generator.standard_normal(size, dtype=np.float32) for _ in range(SILOS)]
+    scale = fixed_point_scale(CLIP_NORM * EXAMPLES, SILOS)
+    keying_seconds = median_seconds(lambda: keyed_silos(scale), repeats)
+    silos, public_keys, context = keyed_silos(scale)
+
+    def plain_driver():
+        total = np.zeros(size)
+        for part in sums:
+            total += part
+        return total
+
+    masked = [silos[party].masked(sums[party], 0) for party in range(SILOS)]
+    silo_seconds = median_seconds(lambda: silos[0].masked(sums[0], 1), repeats)
+    driver_seconds = median_seconds(lambda: decode(ring_sum(masked), scale), repeats)
+    plain_seconds = median_seconds(plain_driver, repeats)
+    error = float(np.abs(decode(ring_sum(masked), scale) - plain_driver()).max())
+
+    revealed = [silos[party].reveal_shares([2])[2] for party in (0, 1)]
+    survivors = {party: public_keys[party] for party in (0, 1)}
+
+    def recovery():
+        private_key = recover_private_key(revealed, public_keys[2], 2)
+        return decode(ring_sum(masked[:2]) - dropped_masks(private_key, 2, survivors, context, 0, size), scale)
+    recovery_seconds = median_seconds(recovery, repeats)
+    secure_seconds = keying_seconds + silo_seconds + driver_seconds
+    return {
+        "parameters": size,
+        "plain_step_s": plain_seconds,
+        "secure_silo_s": silo_seconds,
+        "secure_driver_s": driver_seconds,
+        "secure_step_s": secure_seconds,
+        "overhead_s": secure_seconds - plain_seconds,
+        "secure_over_plain": secure_seconds / plain_seconds,
+        "dropout_driver_s": recovery_seconds,
+        "keying_round_s": keying_seconds,
+        "bytes_per_silo_plain": 4 * size,
+        "bytes_per_silo_secure": 8 * size,
+        "largest_decoding_error": error,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure both sizes, print them side by side, and with --json write bench/results/secure_aggregation.json."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="write bench/results/secure_aggregation.json")
+    arguments = parser.parse_args(argv)
+    rows = [measure(size, arguments.repeats) for size in SIZES]
+    print(f"{'parameters':>11} {'plain s':>9} {'silo s':>9} {'driver s':>9} {'secure s':>9} {'ratio':>7} "
+          f"{'dropout s':>10} {'keying s':>9}")
+    for row in rows:
+        print(f"{row['parameters']:>11,} {row['plain_step_s']:>9.4f} {row['secure_silo_s']:>9.4f} "
+              f"{row['secure_driver_s']:>9.4f} {row['secure_step_s']:>9.4f} {row['secure_over_plain']:>7.1f} "
+              f"{row['dropout_driver_s']:>10.4f} {row['keying_round_s']:>9.4f}")
+    if arguments.json:
+        RESULTS.write_text(json.dumps({
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+            "load_average": os.getloadavg(),
+            "command": "python -m bench.secure_aggregation " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "silos": SILOS, "threshold": 2, "clip_norm": CLIP_NORM, "examples": EXAMPLES, "repeats": arguments.repeats,
+            "sizes": rows,
+        }, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

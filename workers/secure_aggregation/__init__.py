@@ -1,0 +1,38 @@
+"""Secure aggregation of silo sums: fixed point on Z_2^64, X25519 pairwise masks, Shamir-shared keys for dropouts."""
+
+from workers.secure_aggregation.fixed_point import (
+    RING_BITS,
+    check_no_wrap,
+    decode,
+    encode,
+    fixed_point_scale,
+    ring_sum,
+)
+from workers.secure_aggregation.masks import expand_mask, pair_secrets
+from workers.secure_aggregation.protocol import (
+    SiloParty,
+    check_round,
+    dropped_masks,
+    new_context,
+    recover_private_key,
+)
+from workers.secure_aggregation.shamir import Share, combine_shares, split_secret
+
+__all__ = [
+    "RING_BITS",
+    "Share",
+    "SiloParty",
+    "check_no_wrap",
+    "check_round",
+    "combine_shares",
+    "decode",
+    "dropped_masks",
+    "encode",
+    "expand_mask",
+    "fixed_point_scale",
+    "new_context",
+    "pair_secrets",
+    "recover_private_key",
+    "ring_sum",
+    "split_secret",
+]
