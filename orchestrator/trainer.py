@@ -306,9 +306,10 @@ class Trainer:
             self.ema_weights.copy_(state["ema_weights"])
 
     def _save_checkpoint(self) -> None:
-        self._collect_weights()
         if self.aggregation == "collective":
-            self.optimizer_slices = self.fleet.optimizer_slices()
+            # The ranks' state at a checkpoint is also where the group restarts from after losing a rank.
+            weights, self.optimizer_slices = self.fleet.checkpoint(self.step)
+            self.flat_weights.copy_(torch.tensor(weights))
         self.record.lap_clock()
         save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step, self.state())
 
@@ -364,9 +365,8 @@ class Trainer:
         """
         if self.aggregation == "collective":
             self.fleet = running.enter_context(closing(CollectiveFleet(
-                self.config, self.flat_weights.cpu().numpy(), self.optimizer.param_groups[0]["lr"], self.say)))
-            if self.optimizer_slices is not None:
-                self.fleet.load_optimizer_slices(self.optimizer_slices)
+                self.config, self.flat_weights.cpu().numpy(), self.optimizer_slices, self.step, self.noise,
+                self.optimizer.param_groups[0]["lr"], self.say)))
         elif self.shards is None:
             self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
         workers = [] if self.shards is not None else self.fleet.workers
@@ -520,7 +520,7 @@ class Trainer:
         shares, group_shares = worker_shares(indices, group_ids, len(workers))
         clip_norm = self.record.clip_norm
         adaptive = config.adaptive_clipping is not None
-        self.gathered = self.fleet.step(step, shares, group_shares, config.layer_clip_norms or clip_norm, self.noise,
+        self.gathered = self.fleet.step(step, shares, group_shares, config.layer_clip_norms or clip_norm,
                                         self._noise_std(step, clip_norm), plan.contributions_per_step,
                                         self.optimizer.param_groups[0]["lr"], adaptive)
         if adaptive:
@@ -536,7 +536,7 @@ class Trainer:
     def _collect_weights(self) -> None:
         """On the collective path, copy the ranks' weights into the driver's model (to evaluate or checkpoint)."""
         if self.aggregation == "collective":
-            self.flat_weights.copy_(torch.tensor(self.fleet.weights()))
+            self.flat_weights.copy_(torch.tensor(self.fleet.weights(self.step)))
 
     def _shard_step(self) -> None:
         """One DP-SGD step with shards: each worker samples its own examples; sum, noise once, average, step.

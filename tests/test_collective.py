@@ -5,13 +5,16 @@ reduce-scatter and all-gather cross between them.
 """
 
 import io
+import os
+import signal
+import threading
 
 import numpy as np
 import pytest
 import ray
 from hypothesis import given
 from hypothesis import strategies as st
-from servers import start_loopback_cluster, stop_loopback_cluster
+from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster
 
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
@@ -132,17 +135,67 @@ class StopAfterCheckpoint(Trainer):
             raise KeyboardInterrupt
 
 
-def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, tmp_path):
-    # Seeded, so the resumed run draws the same samples and noise: it must end where the whole run does, which
-    # it only does when each rank gets its Adam state back. Adaptive clipping's noisy count runs on the driver.
-    options = dict(aggregation="collective", steps=4, checkpoint_every=2,
-                   adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
-    whole, whole_summary = run(Trainer, tiny_config(tmp_path, "whole", **options))
+# Seeded, so that a resumed or a disturbed run draws the same samples and noise as the whole run. Adaptive
+# clipping's noisy count runs on the driver, and moves the clip norm that the steps are sent.
+WHOLE_RUN = dict(aggregation="collective", steps=4, checkpoint_every=2,
+                 adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
+
+
+@pytest.fixture(scope="module")
+def whole_run(cluster, tmp_path_factory):
+    """The seeded WHOLE_RUN, undisturbed: its trainer and summary."""
+    return run(Trainer, tiny_config(tmp_path_factory.mktemp("whole"), "whole", **WHOLE_RUN))
+
+
+def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, whole_run, tmp_path):
+    # It only ends where the whole run does when each rank gets its Adam state back.
+    whole, whole_summary = whole_run
     with pytest.raises(KeyboardInterrupt):
-        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **options))
+        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **WHOLE_RUN))
     resumed = resume_trainer(str(tmp_path / "split"), show_progress=False, out=io.StringIO())
     assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
     summary = resumed.run()
     assert summary["epsilon"] == whole_summary["epsilon"] and resumed.record.clip_norm == whole.record.clip_norm
     assert whole.record.clip_norm != 1.0
     np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+
+
+class RemoveRankNodeMidStep(Trainer):
+    """A trainer that removes, without grace, the node of rank `victim` just as step `at_step` is sent out."""
+
+    at_step, victim, cluster = 3, 0, None
+
+    def _collective_step(self, workers):
+        if self.step == self.at_step and not getattr(self, "removed", False):
+            self.removed = True
+            node_id = ray.get(workers[self.victim].node_id.remote())
+            (node,) = [node for node in self.cluster.worker_nodes if node.node_id == node_id]
+            pid = int(ray.get(workers[self.victim].ping.remote()).rsplit(":", 1)[1])
+
+            def node_dies():
+                # The rank's process first, so that it dies within the step for certain; then the rest of its node.
+                os.kill(pid, signal.SIGKILL)
+                self.cluster.remove_node(node, allow_graceful=False)
+
+            threading.Timer(0.001, node_dies).start()
+        super()._collective_step(workers)
+
+
+def test_a_rank_whose_node_dies_mid_step_is_replaced_and_the_run_ends_as_an_undisturbed_one(
+        cluster, whole_run, tmp_path):
+    # Last in the module: it leaves the cluster with a node of its own in place of the removed one.
+    whole, whole_summary = whole_run
+    add_loopback_node(cluster, num_cpus=1)  # where the replacement rank goes
+    disturbed = RemoveRankNodeMidStep(tiny_config(tmp_path, "disturbed", **WHOLE_RUN), show_progress=False,
+                                      out=io.StringIO())
+    disturbed.cluster = cluster
+    summary = disturbed.run()
+    log = disturbed.out.getvalue()
+    assert disturbed.removed and disturbed.fleet.replacements == 1
+    # Lost in step 3: the group restarts from the checkpoint of step 2 and runs step 2 again, then step 3.
+    assert "step 3: collective rank(s) [0] lost" in log and "the 1 step(s) since the restore point at step 2" in log
+    assert log.count("collective path: 2 ranks over gloo") == 2
+    # The replayed step was sent the clip norm it had, not the one adaptive clipping had moved to since.
+    assert summary["steps"] == whole_summary["steps"] == 4 and summary["epsilon"] == whole_summary["epsilon"]
+    assert disturbed.record.clip_norm == whole.record.clip_norm
+    np.testing.assert_allclose(flat_parameters(disturbed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)

@@ -78,10 +78,14 @@ class CollectiveRank(GradientWorker):
     ) -> None:
         """Join the group as `rank` of `world_size` (gloo on CPUs, nccl on GPUs) and hold the run's weights.
 
-        `weights` are the initial flat float32 weights, the same for every
-        rank; the rank's optimizer (`optimizer`, `optimizer_options`) covers
-        its slice of them only.
+        `weights` are the flat float32 weights to start from, the same for
+        every rank; the rank's optimizer (`optimizer`, `optimizer_options`)
+        covers its slice of them only, with a fresh state (`load_optimizer_slice`
+        restores one). A rank that was in a group before leaves it first:
+        the driver re-forms the group this way after losing a rank, with
+        every rank's weights and state back at one earlier step.
         """
+        self.leave_group()
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size,
                                 timeout=GROUP_TIMEOUT)
         self.rank, self.world_size, self.secure_noise = rank, world_size, secure_noise
@@ -160,7 +164,7 @@ class CollectiveRank(GradientWorker):
         self.optimizer.load_state_dict(saved["state"])
 
     def leave_group(self) -> None:
-        """Leave the process group (the run is over)."""
+        """Leave the process group (the run is over, or the group is re-formed without a lost rank)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 
