@@ -92,6 +92,9 @@ class CollectiveFleet:
     optimizers); `noise` is the run's generator, whose slice keys the ranks
     get step by step.
 
+    With shards (silo mode), `ranks` are the shards' workers, already
+    placed on their silos, and each samples its own examples.
+
     Faults: a rank that dies within a step is replaced. Its replacement
     takes its rank, the group is re-formed (a new rendezvous on the new rank
     0), every rank goes back to the restore point (the weights and optimizer
@@ -102,15 +105,23 @@ class CollectiveFleet:
     undisturbed run and spends nothing more, the steps being accounted once
     by the driver. The calls since the restore point (sample shares and
     scalars, no noise key) are kept in the driver's memory for this.
+
+    With shards a lost rank is not replaced within the run: each silo's
+    worker samples from a key of its own that dies with it, so a replacement
+    could not repeat the lost rank's samples, and a step replayed with the
+    same noise over other samples would release the difference of two sums.
+    The run stops and is resumed from its last checkpoint, with new keys.
     """
 
     def __init__(self, config: TrainConfig, weights: np.ndarray, slices: list[dict] | None, step: int,
-                 noise: GaussianNoise, learning_rate: float, say: Callable[[str], None]):
+                 noise: GaussianNoise, learning_rate: float, say: Callable[[str], None],
+                 ranks: list[ray.actor.ActorHandle] | None = None):
         self.config, self.noise, self.say = config, noise, say
         if slices is not None and len(slices) != config.workers:
             raise ValueError(f"the checkpoint holds the optimizer slices of {len(slices)} ranks, this run has "
                              f"{config.workers}; resume with workers = {len(slices)}")
-        self.workers = [self._new_rank() for _ in range(config.workers)]
+        self.replaceable = ranks is None
+        self.workers = [self._new_rank() for _ in range(config.workers)] if ranks is None else list(ranks)
         # NCCL takes one GPU per rank; ranks that share a GPU (gpus_per_worker < 1) reduce over gloo on the host.
         self.backend = "nccl" if config.gpus_per_worker >= 1 else "gloo"
         self.learning_rate = learning_rate
@@ -181,6 +192,12 @@ class CollectiveFleet:
                         self._train_ranks(replayed_step, arguments)
                 return attempt()
             except RanksLost as error:
+                if not self.replaceable:
+                    raise RuntimeError(
+                        f"step {step}: the shard worker(s) of collective rank(s) {error.ranks} were lost; on the "
+                        "collective path a silo's rank is not replaced within a run (its sampling key died with it): "
+                        f"resume from the last checkpoint, step {self.restore_point.step}, once its node is back "
+                        f"(dpfleet train --resume {self.config.run_dir})") from error
                 if replacements == RANK_REPLACEMENTS:
                     raise RuntimeError(f"collective ranks were lost again after {RANK_REPLACEMENTS} replacements "
                                        f"at step {step}; check the workers' logs (ray logs)") from error
@@ -240,7 +257,7 @@ class CollectiveFleet:
             lambda rank, worker: worker.current_weights.remote(), ranks=[0])[0])
 
     def close(self) -> None:
-        """Leave the group and let go of the ranks."""
+        """Leave the group and let go of the ranks (a shard's ranks stay with the shards' fleet, which stops them)."""
         try:
             ray.get([worker.leave_group.remote() for worker in self.workers])
         except ray.exceptions.RayActorError:

@@ -69,9 +69,11 @@ from orchestrator.planned_windows import PlannedWindows
 from orchestrator.sampling import step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
+from workers.collective import ShardCollectiveRankActor
 from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, parameter_count
+from workers.shard_worker import ShardWorkerActor
 
 _TRAIN_LOSS_EXAMPLES = 10_000
 
@@ -171,6 +173,10 @@ class Trainer:
         # sys.stdout as it is when the run is made, not when this module was imported (`out` None).
         self.config, self.out, self.ledger = config, out or sys.stdout, ledger
         self.non_private_train_loss = non_private_train_loss
+        # "driver" or "collective" (orchestrator.collective); on the collective path the ranks hold the weights
+        # and each its slice of the optimizer's state, which checkpoints carry as `optimizer_slices`.
+        self.aggregation = resolved_aggregation(config)
+        self.optimizer_slices: list[dict] | None = None
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
@@ -208,10 +214,6 @@ class Trainer:
         # The last step's sums: they stay in the driver and are never logged or saved.
         self.gathered = Gathered()
         self.engine_reported = False
-        # "driver" or "collective" (orchestrator.collective); on the collective path the ranks hold the weights
-        # and each its slice of the optimizer's state, which checkpoints carry as `optimizer_slices`.
-        self.aggregation = resolved_aggregation(config)
-        self.optimizer_slices: list[dict] | None = None
         # The bytes of the last step's sample shares (the driver path's part of `_driver_bytes`; none with shards).
         self.sample_bytes = 0
 
@@ -224,7 +226,8 @@ class Trainer:
             raise UsageError("--non-private-train-loss evaluates training examples on the driver's terms; with "
                              "shards the training data stays on its nodes, so leave it off")
         started_ray = start_ray(config, self.say)
-        shards = ShardFleet(config, self.say)
+        shards = ShardFleet(config, self.say,
+                            ShardCollectiveRankActor if self.aggregation == "collective" else ShardWorkerActor)
         return started_ray, shards, shards.start()
 
     def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
@@ -366,10 +369,11 @@ class Trainer:
         if self.aggregation == "collective":
             self.fleet = running.enter_context(closing(CollectiveFleet(
                 self.config, self.flat_weights.cpu().numpy(), self.optimizer_slices, self.step, self.noise,
-                self.optimizer.param_groups[0]["lr"], self.say)))
+                self.optimizer.param_groups[0]["lr"], self.say,
+                ranks=None if self.shards is None else self.shards.present_actors())))
         elif self.shards is None:
             self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
-        workers = [] if self.shards is not None else self.fleet.workers
+        workers = self.fleet.workers if self.aggregation == "collective" or self.shards is None else []
         devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
         self.say("gradient workers on " + ", ".join(devices))
         # The workers settled their engine on synthetic examples as they started: the start says what runs where.
@@ -515,9 +519,12 @@ class Trainer:
         schedule, adaptive clipping's noisy count and the events.
         """
         plan, step, config = self.plan, self.step, self.config
-        indices, group_ids = self.drawn_sample or self._draw_sample(step)
-        self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
-        shares, group_shares = worker_shares(indices, group_ids, len(workers))
+        if self.shards is not None:  # each rank samples its own shard's examples
+            shares, group_shares = [None] * len(workers), None
+        else:
+            indices, group_ids = self.drawn_sample or self._draw_sample(step)
+            self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
+            shares, group_shares = worker_shares(indices, group_ids, len(workers))
         clip_norm = self.record.clip_norm
         adaptive = config.adaptive_clipping is not None
         self.gathered = self.fleet.step(step, shares, group_shares, config.layer_clip_norms or clip_norm,

@@ -77,10 +77,31 @@ def test_slices_cover_every_coordinate_exactly_once(size, world_size):
     assert lengths == sorted(lengths, reverse=True) and max(lengths) == -(-size // world_size)
 
 
+# Two silos of 3,000 MNIST examples each (a twentieth of the training split apiece: quick to load).
+SILOS = [{"dataset": "mnist", "part": part, "parts": 20} for part in range(NODES)]
+
+
 def test_collective_refuses_what_it_does_not_run(tmp_path):
     with pytest.raises(UsageError, match="ema_decay"):
         tiny_config(tmp_path, "refused", aggregation="collective", ema_decay=0.9)
+    with pytest.raises(UsageError, match='on_shard_loss = "skip"'):
+        tiny_config(tmp_path, "skip", aggregation="collective", shards=SILOS, train_subset=None,
+                    on_shard_loss="skip")
     assert tiny_config(tmp_path, "auto").aggregation == "auto"
+
+
+def test_silo_mode_on_the_collective_path_gives_the_driver_paths_weights(cluster, tmp_path):
+    # Each shard's rank samples its own examples from a key of (seed, shard, worker) on both paths.
+    options = dict(shards=SILOS, train_subset=None, steps=3)
+    driver, driver_summary = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver", **options))
+    collective, summary = run(NoiseOff, tiny_config(tmp_path, "collective", aggregation="collective", **options))
+    np.testing.assert_allclose(flat_parameters(collective.model).numpy(), flat_parameters(driver.model).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    untrained = Trainer(tiny_config(tmp_path, "untrained"), show_progress=False, out=io.StringIO())
+    assert (flat_parameters(collective.model) - flat_parameters(untrained.model)).abs().max() > 1e-3
+    assert summary["epsilon"] == driver_summary["epsilon"] and summary["dataset_size"] == 6_000
+    # No index leaves a silo on either path; on this one no vector of P values passes the driver either.
+    assert summary["driver_bytes_per_step"] < 64 * 1024 < driver_summary["driver_bytes_per_step"]
 
 
 def test_collective_gives_the_driver_paths_weights_and_ranks_agree_each_step(cluster, tmp_path):

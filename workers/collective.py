@@ -37,6 +37,7 @@ from workers.actor import GradientWorker
 from workers.keys import SecretKey
 from workers.noise import GRADIENT_NOISE, GaussianNoise
 from workers.optimizers import torch_optimizer
+from workers.shard_worker import ShardWorker
 
 # How long a rank waits in a collective for the others (a rank lost mid-step leaves the rest waiting this long).
 GROUP_TIMEOUT = datetime.timedelta(minutes=5)
@@ -170,3 +171,20 @@ class CollectiveRank(GradientWorker):
 
 
 CollectiveRankActor = ray.remote(CollectiveRank)
+
+
+class ShardCollectiveRank(CollectiveRank, ShardWorker):
+    """A collective rank over a shard's examples (silo mode): it Poisson-samples them itself, as `ShardWorker` does.
+
+    Its arguments are `ShardWorker`'s. The driver sends no indices; the
+    rank's sample comes from its own sampling key and never leaves it. The
+    rank still sees the un-noised total of its slice of the coordinates,
+    added over every silo: the silos trust each other on this path.
+    """
+
+    def train_step(self, step: int, indices: None, *arguments) -> dict:
+        """`CollectiveRank.train_step` over this rank's own Poisson sample of its shard for `step` (0-based)."""
+        return super().train_step(step, self._local_sample(step), *arguments)
+
+
+ShardCollectiveRankActor = ray.remote(ShardCollectiveRank)

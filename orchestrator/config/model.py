@@ -211,14 +211,19 @@ def _layer_clipping(config: TrainConfig) -> None:
 
 
 def _aggregation(config: TrainConfig) -> None:
+    """What the collective path cannot run, each with its reason (orchestrator/collective.py)."""
     if config.aggregation != "collective":
         return
     refused = [reason for reason, present in (
-        ("shards (silo mode)", config.shards), ('privacy_unit = "user"', config.privacy_unit == "user"),
-        ("ema_decay", config.ema_decay is not None), ("plan_ahead_steps", config.plan_ahead_steps is not None))
+        ('privacy_unit = "user" (a rank clips examples, not all the rows of a user)', config.privacy_unit == "user"),
+        ("ema_decay (the average is of the whole weights each step, which the driver does not hold on this path)",
+         config.ema_decay is not None),
+        ("plan_ahead_steps (the planned batches are the driver path's)", config.plan_ahead_steps is not None),
+        ('on_shard_loss = "skip" (the group has a rank per shard worker; a run stops when one is lost and is '
+         'resumed from its checkpoint)', bool(config.shards) and config.on_shard_loss == "skip"))
         if present]
     if refused:
-        raise UsageError(f'aggregation = "collective" does not run {", ".join(refused)} yet; use aggregation = '
+        raise UsageError(f'aggregation = "collective" does not run {"; ".join(refused)}; use aggregation = '
                          '"driver" (or "auto"), or remove them')
 
 
