@@ -21,23 +21,35 @@ from typing import Callable
 import numpy as np
 import ray
 
-from orchestrator.config import TrainConfig
+from orchestrator.config import TrainConfig, collective_refusals
 from orchestrator.fleet import gradient_worker
 from workers.collective import CollectiveRankActor
 from workers.noise import GaussianNoise
 
-# `aggregation = "auto"` picks the driver path for every run for now, although the collective path was
-# measured faster from 1M parameters with 2 workers (docs/benchmarks.md, "Driver path against collective path",
-# 2026-11-26, 2-core VM: 123 against 152 ms a step at 1M, 1260 against 2551 ms at 10M): a lost rank stops a
-# collective run, where the driver path replaces a lost worker and recomputes its share, and the collective path
-# does not run shards, users or ema_decay. Once it re-forms its group after a loss, pick "collective" from
-# 1M parameters x 2 workers. With 1 worker it lost at 10M (1733 against 1329 ms: the rank draws its noise itself).
-AUTO_AGGREGATION = "driver"
+# `aggregation = "auto"` picks the collective path from this many parameters times workers, with 2 workers or more,
+# for a config that path runs. Measured (bench/results/paths.json, docs/benchmarks.md "Driver path against collective
+# path", 2026-11-26, the 2-core VM, `python -m bench.scaling --paths`): with 2 workers the collective step was
+# shorter from the smallest product measured, 1M parameters x 2 workers (123 against 152 ms), and at 10M x 2
+# (1,260 against 2,551 ms). With 1 worker there is no sum to share and the rank draws all of the noise inside
+# its step, where the driver path draws it on the driver's threads during the workers' computation: it lost at
+# 10M (1,733 against 1,329 ms), so one worker stays on the driver path.
+AUTO_COLLECTIVE_FROM = 2_000_000
+AUTO_COLLECTIVE_WORKERS = 2
 
 
-def resolved_aggregation(config: TrainConfig) -> str:
-    """The path a run's sums take: "driver" or "collective" (``auto`` resolves by AUTO_AGGREGATION)."""
-    return AUTO_AGGREGATION if config.aggregation == "auto" else config.aggregation
+def resolved_aggregation(config: TrainConfig, parameters: int) -> str:
+    """The path a run's sums take, "driver" or "collective"; `auto` resolves by the measured crossover above.
+
+    `parameters` is the model's parameter count P; `auto` picks the
+    collective path when the run has AUTO_COLLECTIVE_WORKERS workers or more,
+    P x workers >= AUTO_COLLECTIVE_FROM and the path runs the config
+    (`collective_refusals`).
+    """
+    if config.aggregation != "auto":
+        return config.aggregation
+    collective = (config.workers >= AUTO_COLLECTIVE_WORKERS and parameters * config.workers >= AUTO_COLLECTIVE_FROM
+                  and not collective_refusals(config))
+    return "collective" if collective else "driver"
 
 
 @dataclass

@@ -173,9 +173,13 @@ class Trainer:
         # sys.stdout as it is when the run is made, not when this module was imported (`out` None).
         self.config, self.out, self.ledger = config, out or sys.stdout, ledger
         self.non_private_train_loss = non_private_train_loss
-        # "driver" or "collective" (orchestrator.collective); on the collective path the ranks hold the weights
-        # and each its slice of the optimizer's state, which checkpoints carry as `optimizer_slices`.
-        self.aggregation = resolved_aggregation(config)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.model = build_checked_model(config)
+        # "driver" or "collective" (orchestrator.collective), by the model's size under "auto"; on the collective
+        # path the ranks hold the weights and each its slice of the optimizer's state, which checkpoints carry as
+        # `optimizer_slices`.
+        self.aggregation = resolved_aggregation(config, parameter_count(self.model))
         self.optimizer_slices: list[dict] | None = None
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
@@ -190,9 +194,6 @@ class Trainer:
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.model = build_checked_model(config)
         check_trainable(config, self.model)
         # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
         check_data(config, self.model, dry_run(config, self.model))

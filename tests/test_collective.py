@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster
 
+from orchestrator.collective import AUTO_COLLECTIVE_FROM, resolved_aggregation
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer, resume_trainer
@@ -88,6 +89,17 @@ def test_collective_refuses_what_it_does_not_run(tmp_path):
         tiny_config(tmp_path, "skip", aggregation="collective", shards=SILOS, train_subset=None,
                     on_shard_loss="skip")
     assert tiny_config(tmp_path, "auto").aggregation == "auto"
+
+
+def test_auto_picks_the_collective_path_from_the_measured_crossover(tmp_path):
+    config = tiny_config(tmp_path, "auto")  # 2 workers
+    assert resolved_aggregation(config, AUTO_COLLECTIVE_FROM // 2) == "collective"
+    assert resolved_aggregation(config, AUTO_COLLECTIVE_FROM // 2 - 1) == "driver"
+    # One worker has no sum to share: the driver path, however large the model.
+    assert resolved_aggregation(tiny_config(tmp_path, "one", workers=1), 10 ** 9) == "driver"
+    # A config the collective path does not run stays on the driver path.
+    assert resolved_aggregation(tiny_config(tmp_path, "ema", ema_decay=0.9), 10 ** 9) == "driver"
+    assert resolved_aggregation(tiny_config(tmp_path, "named", aggregation="driver"), 10 ** 9) == "driver"
 
 
 def test_silo_mode_on_the_collective_path_gives_the_driver_paths_weights(cluster, tmp_path):

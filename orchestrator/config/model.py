@@ -210,18 +210,22 @@ def _layer_clipping(config: TrainConfig) -> None:
                          "it cannot be combined with microbatch_size or adaptive_clipping")
 
 
-def _aggregation(config: TrainConfig) -> None:
-    """What the collective path cannot run, each with its reason (orchestrator/collective.py)."""
-    if config.aggregation != "collective":
-        return
-    refused = [reason for reason, present in (
+def collective_refusals(config: TrainConfig) -> list[str]:
+    """What in `config` the collective path cannot run, each with its reason (empty: it runs the config)."""
+    return [reason for reason, present in (
         ('privacy_unit = "user" (a rank clips examples, not all the rows of a user)', config.privacy_unit == "user"),
         ("ema_decay (the average is of the whole weights each step, which the driver does not hold on this path)",
          config.ema_decay is not None),
         ("plan_ahead_steps (the planned batches are the driver path's)", config.plan_ahead_steps is not None),
+        ("local_steps (DP-FedAvg's noisy mean is a model delta for the driver's server optimizer)",
+         config.local_steps is not None),
         ('on_shard_loss = "skip" (the group has a rank per shard worker; a run stops when one is lost and is '
          'resumed from its checkpoint)', bool(config.shards) and config.on_shard_loss == "skip"))
         if present]
+
+
+def _aggregation(config: TrainConfig) -> None:
+    refused = collective_refusals(config) if config.aggregation == "collective" else []
     if refused:
         raise UsageError(f'aggregation = "collective" does not run {"; ".join(refused)}; use aggregation = '
                          '"driver" (or "auto"), or remove them')
