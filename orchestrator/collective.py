@@ -31,9 +31,10 @@ from workers.noise import GaussianNoise
 # path", 2026-11-26, the 2-core VM, `python -m bench.scaling --paths`): with 2 workers the collective step was
 # shorter from the smallest product measured, 1M parameters x 2 workers (123 against 152 ms), and at 10M x 2
 # (1,260 against 2,551 ms); later at 40M x 2 (8,790 against 13,369 ms, bench/results/paths-40m-2.json) and even at
-# 1M x 3 (212 against 213 ms, paths-3-workers.json), so the crossover lies at about 2-3M. With 1 worker there is no sum to share and the rank draws all of the noise inside
-# its step, where the driver path draws it on the driver's threads during the workers' computation: it lost at
-# 10M (1,733 against 1,329 ms), so one worker stays on the driver path.
+# 1M x 3 (212 against 213 ms, paths-3-workers.json), so the crossover lies at about 2-3M. With 1 worker there is
+# no sum to share and the rank draws all of the noise inside its step, where the driver path draws it on the
+# driver's threads during the workers' computation: it lost at 10M (1,733 against 1,329 ms), so one worker stays
+# on the driver path.
 AUTO_COLLECTIVE_FROM = 2_000_000
 AUTO_COLLECTIVE_WORKERS = 2
 
