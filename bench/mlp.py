@@ -43,3 +43,8 @@ def mlp_10m() -> nn.Sequential:
 def mlp_40m() -> nn.Sequential:
     """40.8M parameters."""
     return mlp(6000, hidden_layers=2)
+
+
+def mlp_100m() -> nn.Sequential:
+    """99.8M parameters."""
+    return mlp(9600, hidden_layers=2)

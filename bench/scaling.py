@@ -1,7 +1,8 @@
 """Sharded training on 1, 2 and 4 Ray nodes on loopback: what each step costs the driver and the workers.
 
     python -m bench.scaling [--steps 30] [--batch-size 256] [--json]
-    python -m bench.scaling --paths [--models bench.mlp:mlp_1m ...] [--workers 1 2] [--json]
+    python -m bench.scaling --paths [--models bench.mlp:mlp_1m ...] [--workers 1 2] [--aggregations driver
+        collective] [--json [NAME]]
 
 For each node count, a Ray cluster starts on this machine (`ray.cluster_utils.
 Cluster`: a head with no CPUs, one 1-CPU node per silo with its own custom
@@ -21,7 +22,8 @@ nodes, one worker each, on the driver path and then the collective path
 (`aggregation`), side by side: the step, the driver's own time, its process's
 CPU seconds (so that work on its other threads shows), the bytes it moved
 (`driver_bytes_per_step`, counted) and the slowest worker's time. `--json`
-writes bench/results/paths.json.
+writes bench/results/paths.json (`--json NAME`: bench/results/NAME.json);
+`--aggregations collective` runs one path only (the 100M run).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def train_on_cluster(node_resources: list[dict], config_values: dict) -> Measure
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         trainer = MeasuredTrainer(build_config(config_values), show_progress=False, out=io.StringIO())
-        trainer.run()
+        trainer.summary = trainer.run()
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -125,10 +127,11 @@ def measure(nodes: int, steps: int, batch_size: int, run_root: Path) -> dict:
 PATH_KEYS = ("driver_wall_s", "driver_own_s", "driver_process_cpu_s", "driver_bytes", "worker_s_slowest")
 
 
-def compare_paths(model: str, workers: int, steps: int, batch_size: int, run_root: Path) -> list[dict]:
-    """`model` on `workers` one-CPU loopback nodes, on the driver path and then the collective path; medians."""
+def compare_paths(model: str, workers: int, steps: int, batch_size: int, run_root: Path,
+                  aggregations: tuple[str, ...] = ("driver", "collective")) -> list[dict]:
+    """`model` on `workers` one-CPU loopback nodes, on each of `aggregations` in turn; per-step rows and medians."""
     rows = []
-    for aggregation in ("driver", "collective"):
+    for aggregation in aggregations:
         trainer = train_on_cluster([{"num_cpus": 1} for _ in range(workers)], dict(
             dataset="mnist", model=model, workers=workers, aggregation=aggregation, steps=steps,
             batch_size=batch_size, train_subset=6000, test_subset=100, noise_multiplier=1.0,
@@ -136,7 +139,8 @@ def compare_paths(model: str, workers: int, steps: int, batch_size: int, run_roo
         ))
         rows.append({"model": model, "parameters": trainer.flat_weights.numel(), "workers": workers,
                      "aggregation": aggregation, "median_after_warmup": medians_after_warmup(trainer.rows, PATH_KEYS),
-                     "steps": trainer.rows})
+                     "driver_bytes_per_step": trainer.summary["driver_bytes_per_step"],
+                     "load_average_after": os.getloadavg(), "steps": trainer.rows})
     return rows
 
 
@@ -158,31 +162,43 @@ def main(argv: list[str] | None = None) -> int:
                         help="driver path against collective path on bench.mlp models (--models, --workers)")
     parser.add_argument("--models", nargs="+", default=["bench.mlp:mlp_1m"])
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--json", action="store_true", help="write bench/results/scaling.json (paths.json)")
+    parser.add_argument("--aggregations", nargs="+", default=["driver", "collective"],
+                        choices=["driver", "collective"], help="the paths --paths runs, in this order")
+    parser.add_argument("--json", nargs="?", const="", default=None, metavar="NAME",
+                        help="write bench/results/scaling.json (paths.json; NAME.json when given)")
     args = parser.parse_args(argv)
     # Ray starts workers at niceness 15; keep them on the driver's terms on a shared machine.
     os.environ["RAY_worker_niceness"] = str(os.nice(0))
     results = []
+
+    def write_results() -> None:
+        # After each row, so that a long run stopped midway keeps the rows it measured.
+        if args.json is None:
+            return
+        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+        name = args.json or ("paths" if args.paths else "scaling")
+        (RESULTS_DIR / f"{name}.json").write_text(json.dumps({
+            **results_header("bench.scaling", argv, args.batch_size),
+            **({"model": args.models, "dataset": "mnist"} if args.paths else {}), "runs": results,
+        }, indent=2))
+
     with tempfile.TemporaryDirectory() as run_root:
         if args.paths:
             for model in args.models:
                 for workers in args.workers:
-                    for row in compare_paths(model, workers, args.steps, args.batch_size, Path(run_root)):
+                    for row in compare_paths(model, workers, args.steps, args.batch_size, Path(run_root),
+                                             tuple(args.aggregations)):
                         results.append(row)
                         print_path_row(row)
+                        write_results()
         for nodes in () if args.paths else NODE_COUNTS:
             results.append(measure(nodes, args.steps, args.batch_size, Path(run_root)))
+            write_results()
             row = results[-1]["median_after_warmup"]
             print(f"{nodes} node(s): step {row['driver_wall_s'] * 1e3:.1f} ms, driver's own "
                   f"{row['driver_own_s'] * 1e3:.2f} ms (cpu {row['driver_cpu_s'] * 1e3:.2f} ms), out "
                   f"{row['bytes_out'] / 1e3:.0f} kB, in {row['bytes_in'] / 1e3:.0f} kB, slowest worker "
                   f"{row['worker_s_slowest'] * 1e3:.1f} ms", flush=True)
-    if args.json:
-        RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-        (RESULTS_DIR / ("paths.json" if args.paths else "scaling.json")).write_text(json.dumps({
-            **results_header("bench.scaling", argv, args.batch_size),
-            **({"model": args.models, "dataset": "mnist"} if args.paths else {}), "runs": results,
-        }, indent=2))
     return 0
 
 

@@ -36,11 +36,12 @@ FAILED_STARTS = 3
 class ShardFleet:
     """One ShardWorker actor per (shard, worker) of `config.shards`, and what to do when one is lost.
 
-    `say` prints a line of the run's log.
+    `say` prints a line of the run's log; `actor` is the workers' Ray class
+    (on the collective path, a shard's collective rank).
     """
 
-    def __init__(self, config, say: Callable[[str], None]):
-        self.config, self.say = config, say
+    def __init__(self, config, say: Callable[[str], None], actor=ShardWorkerActor):
+        self.config, self.say, self.actor = config, say, actor
         self.slots: list[Slot] = [(shard, worker) for shard, spec in enumerate(config.shards)
                                   for worker in range(spec.workers)]
         self.actors: dict[Slot, ray.actor.ActorHandle] = {}
@@ -95,7 +96,7 @@ class ShardFleet:
         shard, worker = slot
         spec = config.shards[shard]
         # No restarts by Ray: a lost actor is replaced here, where the policy decides what the step does meanwhile.
-        actor = ShardWorkerActor.options(
+        actor = self.actor.options(
             num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker, resources=dict(spec.resources),
             max_restarts=0,
         ).remote(

@@ -69,9 +69,11 @@ from orchestrator.planned_windows import PlannedWindows
 from orchestrator.sampling import step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
+from workers.collective import ShardCollectiveRankActor
 from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, parameter_count
+from workers.shard_worker import ShardWorkerActor
 
 _TRAIN_LOSS_EXAMPLES = 10_000
 
@@ -171,6 +173,14 @@ class Trainer:
         # sys.stdout as it is when the run is made, not when this module was imported (`out` None).
         self.config, self.out, self.ledger = config, out or sys.stdout, ledger
         self.non_private_train_loss = non_private_train_loss
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.model = build_checked_model(config)
+        # "driver" or "collective" (orchestrator.collective), by the model's size under "auto"; on the collective
+        # path the ranks hold the weights and each its slice of the optimizer's state, which checkpoints carry as
+        # `optimizer_slices`.
+        self.aggregation = resolved_aggregation(config, parameter_count(self.model))
+        self.optimizer_slices: list[dict] | None = None
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
@@ -184,9 +194,6 @@ class Trainer:
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.model = build_checked_model(config)
         check_trainable(config, self.model)
         # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
         check_data(config, self.model, dry_run(config, self.model))
@@ -208,10 +215,6 @@ class Trainer:
         # The last step's sums: they stay in the driver and are never logged or saved.
         self.gathered = Gathered()
         self.engine_reported = False
-        # "driver" or "collective" (orchestrator.collective); on the collective path the ranks hold the weights
-        # and each its slice of the optimizer's state, which checkpoints carry as `optimizer_slices`.
-        self.aggregation = resolved_aggregation(config)
-        self.optimizer_slices: list[dict] | None = None
         # The bytes of the last step's sample shares (the driver path's part of `_driver_bytes`; none with shards).
         self.sample_bytes = 0
 
@@ -224,7 +227,8 @@ class Trainer:
             raise UsageError("--non-private-train-loss evaluates training examples on the driver's terms; with "
                              "shards the training data stays on its nodes, so leave it off")
         started_ray = start_ray(config, self.say)
-        shards = ShardFleet(config, self.say)
+        shards = ShardFleet(config, self.say,
+                            ShardCollectiveRankActor if self.aggregation == "collective" else ShardWorkerActor)
         return started_ray, shards, shards.start()
 
     def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
@@ -306,9 +310,10 @@ class Trainer:
             self.ema_weights.copy_(state["ema_weights"])
 
     def _save_checkpoint(self) -> None:
-        self._collect_weights()
         if self.aggregation == "collective":
-            self.optimizer_slices = self.fleet.optimizer_slices()
+            # The ranks' state at a checkpoint is also where the group restarts from after losing a rank.
+            weights, self.optimizer_slices = self.fleet.checkpoint(self.step)
+            self.flat_weights.copy_(torch.tensor(weights))
         self.record.lap_clock()
         save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step, self.state())
 
@@ -364,12 +369,12 @@ class Trainer:
         """
         if self.aggregation == "collective":
             self.fleet = running.enter_context(closing(CollectiveFleet(
-                self.config, self.flat_weights.cpu().numpy(), self.optimizer.param_groups[0]["lr"], self.say)))
-            if self.optimizer_slices is not None:
-                self.fleet.load_optimizer_slices(self.optimizer_slices)
+                self.config, self.flat_weights.cpu().numpy(), self.optimizer_slices, self.step, self.noise,
+                self.optimizer.param_groups[0]["lr"], self.say,
+                ranks=None if self.shards is None else self.shards.present_actors())))
         elif self.shards is None:
             self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
-        workers = [] if self.shards is not None else self.fleet.workers
+        workers = self.fleet.workers if self.aggregation == "collective" or self.shards is None else []
         devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
         self.say("gradient workers on " + ", ".join(devices))
         # The workers settled their engine on synthetic examples as they started: the start says what runs where.
@@ -515,12 +520,15 @@ class Trainer:
         schedule, adaptive clipping's noisy count and the events.
         """
         plan, step, config = self.plan, self.step, self.config
-        indices, group_ids = self.drawn_sample or self._draw_sample(step)
-        self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
-        shares, group_shares = worker_shares(indices, group_ids, len(workers))
+        if self.shards is not None:  # each rank samples its own shard's examples
+            shares, group_shares = [None] * len(workers), None
+        else:
+            indices, group_ids = self.drawn_sample or self._draw_sample(step)
+            self.drawn_sample = self._draw_sample(step + 1) if step + 1 < plan.steps else None
+            shares, group_shares = worker_shares(indices, group_ids, len(workers))
         clip_norm = self.record.clip_norm
         adaptive = config.adaptive_clipping is not None
-        self.gathered = self.fleet.step(step, shares, group_shares, config.layer_clip_norms or clip_norm, self.noise,
+        self.gathered = self.fleet.step(step, shares, group_shares, config.layer_clip_norms or clip_norm,
                                         self._noise_std(step, clip_norm), plan.contributions_per_step,
                                         self.optimizer.param_groups[0]["lr"], adaptive)
         if adaptive:
@@ -536,7 +544,7 @@ class Trainer:
     def _collect_weights(self) -> None:
         """On the collective path, copy the ranks' weights into the driver's model (to evaluate or checkpoint)."""
         if self.aggregation == "collective":
-            self.flat_weights.copy_(torch.tensor(self.fleet.weights()))
+            self.flat_weights.copy_(torch.tensor(self.fleet.weights(self.step)))
 
     def _shard_step(self) -> None:
         """One DP-SGD step with shards: each worker samples its own examples; sum, noise once, average, step.

@@ -5,14 +5,18 @@ reduce-scatter and all-gather cross between them.
 """
 
 import io
+import os
+import signal
+import threading
 
 import numpy as np
 import pytest
 import ray
 from hypothesis import given
 from hypothesis import strategies as st
-from servers import start_loopback_cluster, stop_loopback_cluster
+from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster
 
+from orchestrator.collective import AUTO_COLLECTIVE_FROM, resolved_aggregation
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer, resume_trainer
@@ -74,10 +78,42 @@ def test_slices_cover_every_coordinate_exactly_once(size, world_size):
     assert lengths == sorted(lengths, reverse=True) and max(lengths) == -(-size // world_size)
 
 
+# Two silos of 3,000 MNIST examples each (a twentieth of the training split apiece: quick to load).
+SILOS = [{"dataset": "mnist", "part": part, "parts": 20} for part in range(NODES)]
+
+
 def test_collective_refuses_what_it_does_not_run(tmp_path):
     with pytest.raises(UsageError, match="ema_decay"):
         tiny_config(tmp_path, "refused", aggregation="collective", ema_decay=0.9)
+    with pytest.raises(UsageError, match='on_shard_loss = "skip"'):
+        tiny_config(tmp_path, "skip", aggregation="collective", shards=SILOS, train_subset=None,
+                    on_shard_loss="skip")
     assert tiny_config(tmp_path, "auto").aggregation == "auto"
+
+
+def test_auto_picks_the_collective_path_from_the_measured_crossover(tmp_path):
+    config = tiny_config(tmp_path, "auto")  # 2 workers
+    assert resolved_aggregation(config, AUTO_COLLECTIVE_FROM // 2) == "collective"
+    assert resolved_aggregation(config, AUTO_COLLECTIVE_FROM // 2 - 1) == "driver"
+    # One worker has no sum to share: the driver path, however large the model.
+    assert resolved_aggregation(tiny_config(tmp_path, "one", workers=1), 10 ** 9) == "driver"
+    # A config the collective path does not run stays on the driver path.
+    assert resolved_aggregation(tiny_config(tmp_path, "ema", ema_decay=0.9), 10 ** 9) == "driver"
+    assert resolved_aggregation(tiny_config(tmp_path, "named", aggregation="driver"), 10 ** 9) == "driver"
+
+
+def test_silo_mode_on_the_collective_path_gives_the_driver_paths_weights(cluster, tmp_path):
+    # Each shard's rank samples its own examples from a key of (seed, shard, worker) on both paths.
+    options = dict(shards=SILOS, train_subset=None, steps=3)
+    driver, driver_summary = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver", **options))
+    collective, summary = run(NoiseOff, tiny_config(tmp_path, "collective", aggregation="collective", **options))
+    np.testing.assert_allclose(flat_parameters(collective.model).numpy(), flat_parameters(driver.model).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    untrained = Trainer(tiny_config(tmp_path, "untrained"), show_progress=False, out=io.StringIO())
+    assert (flat_parameters(collective.model) - flat_parameters(untrained.model)).abs().max() > 1e-3
+    assert summary["epsilon"] == driver_summary["epsilon"] and summary["dataset_size"] == 6_000
+    # No index leaves a silo on either path; on this one no vector of P values passes the driver either.
+    assert summary["driver_bytes_per_step"] < 64 * 1024 < driver_summary["driver_bytes_per_step"]
 
 
 def test_collective_gives_the_driver_paths_weights_and_ranks_agree_each_step(cluster, tmp_path):
@@ -132,17 +168,67 @@ class StopAfterCheckpoint(Trainer):
             raise KeyboardInterrupt
 
 
-def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, tmp_path):
-    # Seeded, so the resumed run draws the same samples and noise: it must end where the whole run does, which
-    # it only does when each rank gets its Adam state back. Adaptive clipping's noisy count runs on the driver.
-    options = dict(aggregation="collective", steps=4, checkpoint_every=2,
-                   adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
-    whole, whole_summary = run(Trainer, tiny_config(tmp_path, "whole", **options))
+# Seeded, so that a resumed or a disturbed run draws the same samples and noise as the whole run. Adaptive
+# clipping's noisy count runs on the driver, and moves the clip norm that the steps are sent.
+WHOLE_RUN = dict(aggregation="collective", steps=4, checkpoint_every=2,
+                 adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
+
+
+@pytest.fixture(scope="module")
+def whole_run(cluster, tmp_path_factory):
+    """The seeded WHOLE_RUN, undisturbed: its trainer and summary."""
+    return run(Trainer, tiny_config(tmp_path_factory.mktemp("whole"), "whole", **WHOLE_RUN))
+
+
+def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, whole_run, tmp_path):
+    # It only ends where the whole run does when each rank gets its Adam state back.
+    whole, whole_summary = whole_run
     with pytest.raises(KeyboardInterrupt):
-        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **options))
+        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **WHOLE_RUN))
     resumed = resume_trainer(str(tmp_path / "split"), show_progress=False, out=io.StringIO())
     assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
     summary = resumed.run()
     assert summary["epsilon"] == whole_summary["epsilon"] and resumed.record.clip_norm == whole.record.clip_norm
     assert whole.record.clip_norm != 1.0
     np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+
+
+class RemoveRankNodeMidStep(Trainer):
+    """A trainer that removes, without grace, the node of rank `victim` just as step `at_step` is sent out."""
+
+    at_step, victim, cluster = 3, 0, None
+
+    def _collective_step(self, workers):
+        if self.step == self.at_step and not getattr(self, "removed", False):
+            self.removed = True
+            node_id = ray.get(workers[self.victim].node_id.remote())
+            (node,) = [node for node in self.cluster.worker_nodes if node.node_id == node_id]
+            pid = int(ray.get(workers[self.victim].ping.remote()).rsplit(":", 1)[1])
+
+            def node_dies():
+                # The rank's process first, so that it dies within the step for certain; then the rest of its node.
+                os.kill(pid, signal.SIGKILL)
+                self.cluster.remove_node(node, allow_graceful=False)
+
+            threading.Timer(0.001, node_dies).start()
+        super()._collective_step(workers)
+
+
+def test_a_rank_whose_node_dies_mid_step_is_replaced_and_the_run_ends_as_an_undisturbed_one(
+        cluster, whole_run, tmp_path):
+    # Last in the module: it leaves the cluster with a node of its own in place of the removed one.
+    whole, whole_summary = whole_run
+    add_loopback_node(cluster, num_cpus=1)  # where the replacement rank goes
+    disturbed = RemoveRankNodeMidStep(tiny_config(tmp_path, "disturbed", **WHOLE_RUN), show_progress=False,
+                                      out=io.StringIO())
+    disturbed.cluster = cluster
+    summary = disturbed.run()
+    log = disturbed.out.getvalue()
+    assert disturbed.removed and disturbed.fleet.replacements == 1
+    # Lost in step 3: the group restarts from the checkpoint of step 2 and runs step 2 again, then step 3.
+    assert "step 3: collective rank(s) [0] lost" in log and "the 1 step(s) since the restore point at step 2" in log
+    assert log.count("collective path: 2 ranks over gloo") == 2
+    # The replayed step was sent the clip norm it had, not the one adaptive clipping had moved to since.
+    assert summary["steps"] == whole_summary["steps"] == 4 and summary["epsilon"] == whole_summary["epsilon"]
+    assert disturbed.record.clip_norm == whole.record.clip_norm
+    np.testing.assert_allclose(flat_parameters(disturbed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)

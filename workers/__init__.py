@@ -9,7 +9,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "engines": ["ExampleSchema", "clipped_sum", "synthetic_examples"],
     "fingerprints": ["dataset_identity"],
     "keys": ["NOISE", "SecretKey", "process_key"],
-    "collective": ["CollectiveRankActor", "slice_bounds"],
+    "collective": ["CollectiveRankActor", "ShardCollectiveRankActor", "slice_bounds"],
     "models": ["bind_flat_views", "build_model", "flat_parameters", "load_flat_parameters", "parameter_count"],
     "noise": ["CHUNK_VALUES", "COUNT_NOISE", "GRADIENT_NOISE", "SECURE_DRAWS", "GaussianNoise", "chunk_bounds",
               "driver_threads", "fill_unit_normal"],

@@ -37,6 +37,7 @@ from workers.actor import GradientWorker
 from workers.keys import SecretKey
 from workers.noise import GRADIENT_NOISE, GaussianNoise
 from workers.optimizers import torch_optimizer
+from workers.shard_worker import ShardWorker
 
 # How long a rank waits in a collective for the others (a rank lost mid-step leaves the rest waiting this long).
 GROUP_TIMEOUT = datetime.timedelta(minutes=5)
@@ -78,10 +79,14 @@ class CollectiveRank(GradientWorker):
     ) -> None:
         """Join the group as `rank` of `world_size` (gloo on CPUs, nccl on GPUs) and hold the run's weights.
 
-        `weights` are the initial flat float32 weights, the same for every
-        rank; the rank's optimizer (`optimizer`, `optimizer_options`) covers
-        its slice of them only.
+        `weights` are the flat float32 weights to start from, the same for
+        every rank; the rank's optimizer (`optimizer`, `optimizer_options`)
+        covers its slice of them only, with a fresh state (`load_optimizer_slice`
+        restores one). A rank that was in a group before leaves it first:
+        the driver re-forms the group this way after losing a rank, with
+        every rank's weights and state back at one earlier step.
         """
+        self.leave_group()
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size,
                                 timeout=GROUP_TIMEOUT)
         self.rank, self.world_size, self.secure_noise = rank, world_size, secure_noise
@@ -160,9 +165,26 @@ class CollectiveRank(GradientWorker):
         self.optimizer.load_state_dict(saved["state"])
 
     def leave_group(self) -> None:
-        """Leave the process group (the run is over)."""
+        """Leave the process group (the run is over, or the group is re-formed without a lost rank)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 CollectiveRankActor = ray.remote(CollectiveRank)
+
+
+class ShardCollectiveRank(CollectiveRank, ShardWorker):
+    """A collective rank over a shard's examples (silo mode): it Poisson-samples them itself, as `ShardWorker` does.
+
+    Its arguments are `ShardWorker`'s. The driver sends no indices; the
+    rank's sample comes from its own sampling key and never leaves it. The
+    rank still sees the un-noised total of its slice of the coordinates,
+    added over every silo: the silos trust each other on this path.
+    """
+
+    def train_step(self, step: int, indices: None, *arguments) -> dict:
+        """`CollectiveRank.train_step` over this rank's own Poisson sample of its shard for `step` (0-based)."""
+        return super().train_step(step, self._local_sample(step), *arguments)
+
+
+ShardCollectiveRankActor = ray.remote(ShardCollectiveRank)

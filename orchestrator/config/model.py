@@ -210,15 +210,26 @@ def _layer_clipping(config: TrainConfig) -> None:
                          "it cannot be combined with microbatch_size or adaptive_clipping")
 
 
-def _aggregation(config: TrainConfig) -> None:
-    if config.aggregation != "collective":
-        return
-    refused = [reason for reason, present in (
-        ("shards (silo mode)", config.shards), ('privacy_unit = "user"', config.privacy_unit == "user"),
-        ("ema_decay", config.ema_decay is not None), ("plan_ahead_steps", config.plan_ahead_steps is not None))
+def collective_refusals(config: TrainConfig) -> list[str]:
+    """What in `config` the collective path cannot run, each with its reason (empty: it runs the config)."""
+    return [reason for reason, present in (
+        ('privacy_unit = "user" (a rank clips examples, not all the rows of a user)', config.privacy_unit == "user"),
+        ("ema_decay (the average is of the whole weights each step, which the driver does not hold on this path)",
+         config.ema_decay is not None),
+        ("plan_ahead_steps (the planned batches are the driver path's)", config.plan_ahead_steps is not None),
+        ("local_steps (DP-FedAvg's noisy mean is a model delta for the driver's server optimizer)",
+         config.local_steps is not None),
+        ('on_shard_loss = "skip" (the group has a rank per shard worker; a run stops when one is lost and is '
+         'resumed from its checkpoint)', bool(config.shards) and config.on_shard_loss == "skip"),
+        ("secure_aggregation (the ranks reduce-scatter plain sums; masked silo sums go through the driver path)",
+         config.secure_aggregation))
         if present]
+
+
+def _aggregation(config: TrainConfig) -> None:
+    refused = collective_refusals(config) if config.aggregation == "collective" else []
     if refused:
-        raise UsageError(f'aggregation = "collective" does not run {", ".join(refused)} yet; use aggregation = '
+        raise UsageError(f'aggregation = "collective" does not run {"; ".join(refused)}; use aggregation = '
                          '"driver" (or "auto"), or remove them')
 
 

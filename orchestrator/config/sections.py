@@ -564,9 +564,10 @@ class RunSection(Section):
         "node's sum, adds the noise once and runs the optimizer) or `collective` (the workers form a "
         "torch.distributed group, gloo on CPUs and NCCL on GPUs, reduce-scatter their sums, each noises and "
         "steps its own slice of the coordinates, and they all-gather the weights; the driver sends and receives "
-        "only scalars, the step's sample shares and the slices' noise keys). `auto` picks `driver` until a "
-        "crossover is measured (orchestrator/collective.py). The collective path assumes the workers trust "
-        "each other: each sees the un-noised total of its slice.",
+        "only scalars, the step's sample shares and the slices' noise keys). `auto` picks `collective` from "
+        "2 workers and 2M parameters x workers, as measured (orchestrator/collective.py, AUTO_COLLECTIVE_FROM), "
+        "for a config it runs, else `driver`. The collective path assumes the workers trust each other: each "
+        "sees the un-noised total of its slice.",
     )
     cpus_per_worker: int = key(1, "CPUs each worker asks Ray for; also its torch threads.", ge=1)
     gpus_per_worker: float = key(
