@@ -43,8 +43,10 @@ MECHANISMS = ("dp-sgd", *CORRELATED_MECHANISMS)
 # epoch (no amplification), or Poisson within one of b groups taken in turn (amplified BandMF).
 SAMPLERS = ("poisson", "fixed-order", "cyclic-poisson")
 
+# The log error the optimiser sees where C⁻¹ overflows: far above any stable strategy's (e^1000).
+_UNSTABLE_LOG_ERROR = 1000.0
 # Bumped whenever the optimisation changes, so that a cache never serves an older optimum.
-_STRATEGY_VERSION = 1
+_STRATEGY_VERSION = 2
 
 
 class StrategyError(ValueError):
@@ -122,14 +124,20 @@ def _optimise_band_coefficients(steps: int, bands: int) -> np.ndarray:
     start = _square_root_coefficients(bands)
 
     def objective(raw: np.ndarray) -> tuple[float, np.ndarray]:
-        # The column-norm constraint is kept by optimising over directions: c = raw / |raw|.
+        # The column-norm constraint is kept by optimising over directions: c = raw / |raw|; the log of the error
+        # keeps the gradient's scale the same for every n.
         norm = float(np.linalg.norm(raw))
         coefficients = raw / norm
-        error, gradient = _prefix_error_and_gradient(coefficients, steps)
-        return error, (gradient - np.dot(gradient, coefficients) * coefficients) / norm
+        with np.errstate(over="ignore", invalid="ignore"):
+            error, gradient = _prefix_error_and_gradient(coefficients, steps)
+        if not (np.isfinite(error) and error > 0 and np.all(np.isfinite(gradient))):
+            # An unstable C⁻¹ (a root of c(z) inside the unit circle) grows without bound: the line search backs off.
+            return _UNSTABLE_LOG_ERROR, np.zeros_like(raw)
+        gradient = gradient / error
+        return math.log(error), (gradient - np.dot(gradient, coefficients) * coefficients) / norm
 
     result = optimize.minimize(objective, start / np.linalg.norm(start), jac=True, method="L-BFGS-B",
-                               options={"maxiter": 500})
+                               options={"maxiter": 1000})
     best = result.x / np.linalg.norm(result.x)
     if best[0] < 0:
         best = -best

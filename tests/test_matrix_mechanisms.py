@@ -49,7 +49,7 @@ def test_prefix_rmse_matches_the_explicit_matrices():
 
 def test_band_strategy_is_cached_on_disk_by_steps_epochs_and_band(tmp_path):
     first = band_coefficients(30, 2, 3)
-    assert (tmp_path / "strategies" / "band-v1-30-2-3.json").exists()
+    assert (tmp_path / "strategies" / "band-v2-30-2-3.json").exists()
     band_coefficients.cache_clear()
     assert band_coefficients(30, 2, 3) == first
     with pytest.raises(StrategyError, match="band_width must be at most the run's steps, 5"):
