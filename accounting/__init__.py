@@ -10,6 +10,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "events": ["Composition", "CorrelatedGaussian", "SampledGaussian", "group_events", "steps_for_epochs"],
     "lazy": ["LazyModule", "public_face"],
     "matrix_mechanisms": ["CORRELATED_MECHANISMS", "MECHANISMS", "SAMPLERS", "CorrelatedNoisePlan", "StrategyError",
-                          "band_coefficients", "banded_prefix_rmse", "banded_sensitivity", "sampler_refusal",
+                          "band_coefficients", "banded_prefix_rmse", "banded_sensitivity", "decorrelated_observations",
+                          "sampler_refusal",
                           "tree_levels", "tree_nodes", "tree_prefix_rmse", "tree_sensitivity"],
 })

@@ -420,3 +420,30 @@ def sampler_refusal(mechanism: str, sampler: str) -> str | None:
         return ('mechanism "band-mf" has no amplification by plain Poisson sampling across bands; choose '
                 'sampler = "cyclic-poisson" (amplified, Choquette-Choo et al. 2023) or "fixed-order" (unamplified)')
     return None
+
+
+def decorrelated_observations(plan: CorrelatedNoisePlan, observations: np.ndarray,
+                              noise_multiplier: float) -> tuple[np.ndarray, np.ndarray]:
+    """Released noisy sums at some coordinates ([steps, coordinates]) as an auditor scores them: with noise
+    independent from step to step, and each step's noise multiplier.
+
+    BandMF: C times the released sequence is C·x + σ·z, z independent
+    (a canary's participation spreads over its column's b rows). DP-FTRL: the
+    released sums as they are; step t's noise is the nodes in which the
+    prefixes t and t - 1 differ, so its multiplier is σ·sqrt(their count).
+    Any score gives a valid one-run lower bound; these keep it close to the
+    DP-SGD score, which they are for b = 1.
+    """
+    observations = np.asarray(observations, dtype=np.float64)
+    steps = len(observations)
+    if plan.mechanism == "band-mf":
+        return toeplitz_matrix(plan.coefficients, steps) @ observations, np.full(steps, noise_multiplier)
+    multipliers = np.empty(steps)
+    leaves = plan.tree_leaves
+    for step in range(steps):
+        tree, position = divmod(step, leaves) if plan.tree_restart else (0, step)
+        tree_leaves = min(leaves, plan.steps - tree * leaves)
+        nodes = set(tree_nodes(position, tree_leaves, plan.tree_completion))
+        before = set(tree_nodes(position - 1, tree_leaves, plan.tree_completion)) if position else set()
+        multipliers[step] = noise_multiplier * math.sqrt(len(nodes ^ before))
+    return observations, multipliers
