@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), help="example config names to run")
     parser.add_argument("--mechanisms", nargs="*", default=list(MECHANISMS), help="mechanisms to compare")
     parser.add_argument("--epochs", type=float, help="override each config's epochs (the same for every mechanism)")
+    parser.add_argument("--model", help="override each config's model (the same for every mechanism)")
     parser.add_argument("--learning-rate-factors", type=float, nargs="*", default=[1.0, 0.5],
                         help="the grid: the config's learning rate times these (default 1 and 0.5)")
     args = parser.parse_args(argv)
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides = dict(MECHANISMS[mechanism])
             if args.epochs is not None:
                 overrides["epochs"] = args.epochs
+            if args.model is not None:
+                overrides["model"] = args.model
             band_choice = None
             if mechanism == "band-mf":
                 overrides["band_width"], band_choice = best_band_width(path, overrides)
