@@ -208,6 +208,11 @@ def plan_run(
         charge_ends = epoch_ends
 
     correlation = correlated_noise_plan(config, dataset_size, steps)
+    if correlation is not None:
+        # A correlated run's events are its participations, one at the start of each period: every charged block
+        # starts at one, so that none is empty.
+        period = correlation.period
+        charge_ends = sorted({min(steps, math.ceil(end / period) * period) for end in charge_ends} | {steps})
 
     def plan_at(noise_multiplier: float) -> RunPlan:
         return RunPlan(

@@ -133,3 +133,16 @@ def test_correlated_mechanisms_train_on_local_ray_and_account_their_participatio
     assert events.steps == -(-12 // period)
     assert summary["epsilon"] == pytest.approx(get_accountant("pld").epsilon(events, config.delta))
     assert np.isfinite(summary["test_accuracy"])
+    assert summary["mechanism"] == mechanism and summary["steps"] == 12
+    assert summary["prefix_rmse"] == pytest.approx(trainer.plan.correlation.prefix_rmse(config.noise_multiplier))
+    assert summary["dp_sgd_prefix_rmse_same_epsilon"] > 0
+
+
+@pytest.mark.parametrize("overrides", [dict(commit_every=3), dict(commit_every=1), dict()])
+def test_every_charged_block_of_a_correlated_run_holds_a_participation(tmp_path, overrides):
+    plan = plan_run(config_of(tmp_path, mechanism="band-mf", sampler="cyclic-poisson", band_width=4, steps=30,
+                              **overrides))
+    starts = [0, *plan.charge_ends[:-1]]
+    assert plan.charge_ends[-1] == 30
+    for start, end in zip(starts, plan.charge_ends):
+        assert plan.events_between(start, end).steps >= 1
