@@ -7,8 +7,8 @@ to the embedded ledger as tuning is), and the best trial is reported with the
 ε of the choice (all trials composed). BandMF runs amplified (cyclic Poisson)
 with the band width of least prefix-sum RMSE at the target ε, chosen before
 any data is read; DP-FTRL runs fixed-order epochs with a tree per epoch and
-tree completion. Writes bench/results/mechanisms.json after every tuning, with
-the date, the machine and the command.
+tree completion. `--json` writes bench/results/mechanisms.json after every
+tuning, with the date, the machine and the command.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from accounting.matrix_mechanisms import banded_prefix_rmse
 from orchestrator.cli import main as dpfleet
+from orchestrator.cli.display import format_table
 from orchestrator.config import load_config
 from orchestrator.planning import plan_run
 
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="override each config's model (the same for every mechanism)")
     parser.add_argument("--learning-rate-factors", type=float, nargs="*", default=[1.0, 0.5],
                         help="the grid: the config's learning rate times these (default 1 and 0.5)")
+    parser.add_argument("--json", action="store_true", help="also write the results (after each tuning, so a "
+                        "partial run keeps what it finished)")
+    parser.add_argument("--output", default=str(RESULTS), help=f"where --json writes (default {RESULTS.name})")
     args = parser.parse_args(argv)
     record = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.mechanisms " + " ".join(sys.argv[1:] if argv is None else argv),
         "results": [],
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     for name in args.configs:
         path = ROOT / "examples" / f"{name}.toml"
         base = load_config(str(path), {})
@@ -119,8 +124,16 @@ def main(argv: list[str] | None = None) -> int:
                 "all_trials": [{"learning_rate": trial["overrides"]["learning_rate"],
                                 "test_accuracy": trial["test_accuracy"]} for trial in outcome["trials"]],
             })
-            RESULTS.write_text(json.dumps(record, indent=2))
+            if args.json:
+                output.write_text(json.dumps(record, indent=2))
             print(json.dumps(record["results"][-1]), flush=True)
+    print(format_table(
+        ["config", "mechanism", "steps", "σ", "prefix RMSE", "best lr", "test accuracy", "ε per trial",
+         "ε of the choice"],
+        [[row["config"], row["mechanism"] + (f" (b={row['overrides']['band_width']})" if row["band_choice"] else ""),
+          row["steps"], f"{row['noise_multiplier']:.3g}", f"{row['prefix_rmse']:.3g}", row["best_learning_rate"],
+          f"{100 * row['test_accuracy']:.2f}%", f"{row['epsilon_per_trial']:.3g}", f"{row['selection_epsilon']:.3g}"]
+         for row in record["results"]]))
     return 0
 
 
