@@ -7,6 +7,10 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
                     "labelled_epsilon"],
     "auditing": ["audit_scores", "dirac_canary_scores"],
     "calibration": ["UnreachableTargetError", "noise_multiplier_for", "scale_for_epsilon", "scale_for_target"],
-    "events": ["Composition", "SampledGaussian", "group_events", "steps_for_epochs"],
+    "events": ["Composition", "CorrelatedGaussian", "SampledGaussian", "group_events", "steps_for_epochs"],
     "lazy": ["LazyModule", "public_face"],
+    "matrix_mechanisms": ["CORRELATED_MECHANISMS", "MECHANISMS", "SAMPLERS", "CorrelatedNoisePlan", "StrategyError",
+                          "band_coefficients", "banded_prefix_rmse", "banded_sensitivity", "decorrelated_observations",
+                          "sampler_refusal",
+                          "tree_levels", "tree_nodes", "tree_prefix_rmse", "tree_sensitivity"],
 })

@@ -91,7 +91,8 @@ class SampledGaussian:
     def same_mechanism(self, other: "SampledGaussian") -> bool:
         """True when both records describe the same per-step mechanism."""
         return (
-            self.sampling_rate == other.sampling_rate
+            type(self) is type(other)
+            and self.sampling_rate == other.sampling_rate
             and self.noise_multiplier == other.noise_multiplier
             and self.sensitivity_factor == other.sensitivity_factor
         )
@@ -127,6 +128,93 @@ class SampledGaussian:
             self.sampling_rate, dp_accounting.GaussianDpEvent(self.effective_noise_multiplier)
         )
         return dp_accounting.SelfComposedDpEvent(step, self.steps)
+
+
+CORRELATED_MECHANISMS = ("band-mf", "dp-ftrl")
+
+
+@dataclass(frozen=True)
+class CorrelatedGaussian(SampledGaussian):
+    """`steps` participations of one example in a correlated-noise mechanism, each a sampled Gaussian by its reduction.
+
+    A matrix mechanism (``accounting.matrix_mechanisms``) releases C·x + z
+    over the whole run. Its privacy is that of a sampled Gaussian per
+    participation of one example, which is what every accountant computes
+    from the inherited fields:
+
+    - ``band-mf`` with cyclic Poisson sampling over `band_width` groups
+      (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
+      Factorization"): each example's group is used every b steps and
+      Poisson-samples it at rate b·B/N; the run is DP-SGD at that rate for
+      ceil(n / b) steps, with C's largest column norm as the sensitivity
+      factor. With b = 1 it is DP-SGD exactly.
+    - ``band-mf`` or ``dp-ftrl`` without sampling (fixed-order epochs,
+      `sampling_rate` 1): the release is one Gaussian mechanism of
+      sensitivity Δ; each participation adds its share of Δ² (for a banded C
+      with separation >= b, the column norm; for a tree restarted every epoch,
+      sqrt(levels)), and Gaussians compose by adding μ² = (Δ/σ)², exactly.
+
+    `period` is the number of training steps between an example's
+    participations (b, or one epoch's steps); `band_width` is b (band-mf) or
+    the leaves of each tree (dp-ftrl).
+    """
+
+    mechanism: str = "band-mf"
+    band_width: int = 1
+    period: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mechanism not in CORRELATED_MECHANISMS:
+            raise EventError(f"mechanism must be one of {', '.join(CORRELATED_MECHANISMS)} (got {self.mechanism!r})")
+        for name in ("band_width", "period"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise EventError(f"{name} must be an integer >= 1 (got {value!r})")
+            object.__setattr__(self, name, int(value))
+
+    def with_steps(self, steps: int) -> "CorrelatedGaussian":
+        """The same mechanism for a different number of participations."""
+        return CorrelatedGaussian(self.sampling_rate, self.noise_multiplier, steps, self.sensitivity_factor,
+                                  self.mechanism, self.band_width, self.period)
+
+    def with_sensitivity(self, sensitivity_factor: float) -> "CorrelatedGaussian":
+        """The same mechanism with a different sensitivity factor."""
+        return CorrelatedGaussian(self.sampling_rate, self.noise_multiplier, self.steps, sensitivity_factor,
+                                  self.mechanism, self.band_width, self.period)
+
+    def same_mechanism(self, other: SampledGaussian) -> bool:
+        """True when both records describe the same correlated mechanism's participations."""
+        return (super().same_mechanism(other)
+                and (self.mechanism, self.band_width, self.period) == (other.mechanism, other.band_width,
+                                                                       other.period))
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict; floats keep their exact value through json."""
+        return {**super().to_dict(), "kind": "correlated_gaussian", "mechanism": self.mechanism,
+                "band_width": self.band_width, "period": self.period}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CorrelatedGaussian":
+        """Inverse of `to_dict`; refuses unknown kinds and missing fields."""
+        if data.get("kind") != "correlated_gaussian":
+            raise EventError(f"unknown event kind {data.get('kind')!r}; expected 'correlated_gaussian'")
+        try:
+            return cls(data["sampling_rate"], data["noise_multiplier"], data["steps"],
+                       data.get("sensitivity_factor", 1.0), data["mechanism"], data["band_width"], data["period"])
+        except KeyError as missing:
+            raise EventError(f"event is missing the field {missing}") from None
+
+
+EVENT_KINDS = {"sampled_gaussian": SampledGaussian, "correlated_gaussian": CorrelatedGaussian}
+
+
+def event_from_dict(data: dict) -> SampledGaussian:
+    """The event record a dict describes, by its kind."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in EVENT_KINDS:
+        raise EventError(f"unknown event kind {kind!r}; expected one of {', '.join(EVENT_KINDS)}")
+    return EVENT_KINDS[kind].from_dict(data)
 
 
 @dataclass(frozen=True)
@@ -193,7 +281,7 @@ class Composition:
             raise EventError(
                 f"event schema version {version!r} is not supported; this dpfleet reads version {SCHEMA_VERSION}"
             )
-        return cls(tuple(SampledGaussian.from_dict(item) for item in data.get("events", [])))
+        return cls(tuple(event_from_dict(item) for item in data.get("events", [])))
 
     def to_json(self) -> str:
         """Serialise exactly (Python floats round-trip through their repr)."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from bench import (
-    admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, ledger_growth, mnist, out_of_core,
-    scaling, scheduling, secure_aggregation, seeds, throughput,
+    admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, ledger_growth, mechanisms, mnist,
+    out_of_core, scaling, scheduling, secure_aggregation, seeds, throughput,
 )
 
 BENCHMARKS = {
@@ -18,6 +18,7 @@ BENCHMARKS = {
     "admission": admission.main,
     "scheduling": scheduling.main,
     "mnist": mnist.main,
+    "mechanisms": mechanisms.main,
     "seeds": seeds.main,
     "out_of_core": out_of_core.main,
     "scaling": scaling.main,

@@ -8,5 +8,6 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "aggregation": ["NodeAggregation"],
     "config": ["build_config", "load_config"],
     "noise": ["GaussianNoise", "NoiseFeed", "TorchGaussianNoise", "driver_threads", "noisy_mean_gradient"],
+    "planning": ["plan_run"],
     "trainer": ["Trainer"],
 })

@@ -56,11 +56,12 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon  # noqa: E402
 from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
 from accounting.events import Composition, group_events  # noqa: E402
+from accounting.matrix_mechanisms import decorrelated_observations  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
 from orchestrator.noise import GaussianNoise, noisy_sum_at  # noqa: E402
-from orchestrator.planning import RunPlan  # noqa: E402
+from orchestrator.planning import RunPlan, correlated_noise_plan  # noqa: E402
 from orchestrator.sampling import make_generator, partition  # noqa: E402
 from orchestrator.trainer import Trainer  # noqa: E402
 from workers.clipping import clip_factors  # noqa: E402
@@ -181,8 +182,12 @@ class CanaryTrainer(Trainer):
         plan = super()._plan_run(dataset_size, charge_epsilon)
         self.real_dataset_size = plan.dataset_size
         # The sampling rate, and so the accountant's events, stay the plan's; the divisor q * N stays too
-        # (post-processing, so it cannot change what leaks).
-        return dataclasses.replace(plan, dataset_size=self.real_dataset_size + self.canaries.units)
+        # (post-processing, so it cannot change what leaks). A correlated mechanism's epochs or groups span the
+        # canaries too, so its participations are those of N + K.
+        units = self.real_dataset_size + self.canaries.units
+        correlation = (None if plan.correlation is None
+                       else correlated_noise_plan(self.config, units, plan.steps))
+        return dataclasses.replace(plan, dataset_size=units, correlation=correlation)
 
     def _partial_sums(self, workers: list, weights, shards: list[np.ndarray], group_shards: None,
                       next_shards: list[np.ndarray] | None) -> list[np.ndarray]:
@@ -459,10 +464,12 @@ def _canary_scores(trainer: CanaryTrainer, mode: str, canary_set: Canaries,
     if mode != "white-box":
         return (-example_losses(trainer.model, canary_set.images, canary_set.labels),
                 "minus the final model's loss on the mislabelled canary")
-    scores = dirac_canary_scores(
-        np.array(trainer.observations), trainer.plan.sampling_rate, np.array(trainer.noise_multipliers),
-        trainer.config.clip_norm, sampled_rows,
-    )
+    observations, noise_multipliers = np.array(trainer.observations), np.array(trainer.noise_multipliers)
+    if trainer.plan.correlation is not None:
+        observations, noise_multipliers = decorrelated_observations(trainer.plan.correlation, observations,
+                                                                    trainer.plan.noise_multiplier)
+    scores = dirac_canary_scores(observations, trainer.plan.sampling_rate, noise_multipliers,
+                                 trainer.config.clip_norm, sampled_rows)
     if sampled_rows == 1:
         return scores, "sum over steps of log(1 - q + q exp((x C - C^2/2) / (sigma C)^2)) on the canary's coordinate"
     return scores, (f"sum over steps of log E[exp(b (x / C - b / 2) / sigma^2)], b ~ Binomial({sampled_rows}, q), "

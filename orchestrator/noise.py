@@ -23,9 +23,10 @@ import torch
 from workers.keys import NOISE, SecretKey
 # The drawing itself is shared with the collective path's ranks, which draw their slices' noise.
 from workers.noise import (  # noqa: F401 - re-exported for the driver and its tests
-    CHUNK_VALUES, COUNT_NOISE, GRADIENT_NOISE, SECURE_DRAWS, GaussianNoise, chunk_bounds, driver_threads,
+    CHUNK_VALUES, COUNT_NOISE, GRADIENT_NOISE, SECURE_DRAWS, TREE_NOISE, GaussianNoise, chunk_bounds, driver_threads,
     fill_unit_normal,
 )
+from accounting.matrix_mechanisms import CorrelatedNoisePlan, tree_nodes
 
 
 class TorchGaussianNoise(GaussianNoise):
@@ -88,6 +89,12 @@ class NoiseFeed:
     def _draw(self, step: int, slot: int):
         self._buffers[slot] = self.noise.draw(self.size, 1.0, (GRADIENT_NOISE, step), out=self._buffers[slot])
         return self._buffers[slot]
+
+    def take_once(self, step: int) -> None:
+        """Mark step `step`'s noise as taken (drawn elsewhere); a second take of a step raises."""
+        if self._taken is not None and step <= self._taken:
+            raise RuntimeError(f"the noise of step {step} was already taken: each step adds noise exactly once")
+        self._taken = step
 
     def take(self, step: int):
         """Step `step`'s unit noise vector (drawn now if it was not requested); a second take of a step raises."""
@@ -173,6 +180,71 @@ def noisy_mean_gradient(
     return out
 
 
+def _copy(vector):
+    """A copy of a numpy array or torch tensor (the feed's buffers are reused two steps later)."""
+    return vector.clone() if isinstance(vector, torch.Tensor) else np.array(vector, copy=True)
+
+
+class CorrelatedNoise:
+    """Each step's correlated unit noise at the driver: row t of C⁻¹Z for BandMF, a prefix difference for DP-FTRL.
+
+    BandMF: w_t = (z_t - Σ_{i=1}^{b-1} c_i w_{t-i}) / c_0, with z_t the
+    step's independent vector (DP-SGD's, keyed (GRADIENT_NOISE, t)); the
+    last b - 1 vectors w are kept, (b - 1)·P floats. With b = 1 it hands z_t
+    on unchanged. DP-FTRL: the noise of the prefix 0..t is the sum of the
+    tree nodes that cover it, each keyed (TREE_NOISE, tree, level, index);
+    the step's noise is that prefix's minus the one before, which is kept.
+    Both live in memory only, so such a run is never resumed (the trainer
+    refuses it).
+    """
+
+    def __init__(self, plan: CorrelatedNoisePlan, noise: GaussianNoise, size: int):
+        self.plan, self.noise, self.size = plan, noise, size
+        self.coefficients = plan.coefficients
+        self._history: list = []
+        self._previous_prefix: tuple[int, object] | None = None
+
+    def unit_noise(self, step: int, independent):
+        """Step `step`'s correlated noise, in units of σ·C; `independent` is the step's z_t (BandMF only)."""
+        if self.plan.mechanism == "band-mf":
+            return self._banded(independent)
+        return self._tree_difference(step)
+
+    def _banded(self, independent):
+        coefficients = self.coefficients
+        if len(coefficients) == 1:
+            return independent
+        value = _copy(independent)
+        for band, previous in enumerate(reversed(self._history), start=1):
+            value -= coefficients[band] * previous
+        value *= 1.0 / coefficients[0]
+        self._history = (self._history + [value])[-(len(coefficients) - 1):]
+        return value
+
+    def _prefix(self, step: int):
+        plan = self.plan
+        leaves = plan.tree_leaves
+        tree, position = divmod(step, leaves) if plan.tree_restart else (0, step)
+        leaves = min(leaves, plan.steps - tree * leaves)
+        total = None
+        for level, index in tree_nodes(position, leaves, plan.tree_completion):
+            node = self.noise.draw(self.size, 1.0, (TREE_NOISE, tree, level, index))
+            total = node if total is None else total + node
+        return tree, total
+
+    def _tree_difference(self, step: int):
+        tree, prefix = self._prefix(step)
+        previous = None
+        if self._previous_prefix is not None and self._previous_prefix[0] == step - 1:
+            previous_tree, previous = self._previous_prefix[1]
+        elif step > 0:
+            previous_tree, previous = self._prefix(step - 1)
+        self._previous_prefix = (step, (tree, prefix))
+        if previous is None or previous_tree != tree:
+            return prefix
+        return prefix - previous
+
+
 class CentralNoise:
     """A run's noise at the driver: each step's unit vector drawn ahead (`NoiseFeed`), added once to the sum.
 
@@ -181,20 +253,31 @@ class CentralNoise:
     driver has: the workers are idle while it runs. `close` stops both.
     """
 
-    def __init__(self, noise: GaussianNoise, size: int, steps: int):
+    def __init__(self, noise: GaussianNoise, size: int, steps: int, correlation: CorrelatedNoisePlan | None = None):
         self.steps = steps
         self.feed = NoiseFeed(noise, size)
         self.arithmetic = ThreadPoolExecutor(driver_threads(), thread_name_prefix="driver")
+        self.correlated = None if correlation is None else CorrelatedNoise(correlation, noise, size)
+        # DP-FTRL draws its tree's nodes, not the feed's independent vectors.
+        self._uses_feed = correlation is None or correlation.mechanism == "band-mf"
 
     def request(self, step: int) -> None:
         """Start drawing step `step`'s noise and the next step's, while the workers compute."""
+        if not self._uses_feed:
+            return
         self.feed.request(step)
         if step + 1 < self.steps:
             self.feed.request(step + 1)
 
     def take(self, step: int):
-        """Step `step`'s unit noise vector, handed out once (`NoiseFeed.take`)."""
-        return self.feed.take(step)
+        """Step `step`'s unit noise vector, handed out once (`NoiseFeed.take`); correlated across steps with a
+        correlated mechanism (`CorrelatedNoise`)."""
+        if self.correlated is None:
+            return self.feed.take(step)
+        if not self._uses_feed:
+            self.feed.take_once(step)
+            return self.correlated.unit_noise(step, None)
+        return self.correlated.unit_noise(step, self.feed.take(step))
 
     def mean_gradient(self, partial_sums: Sequence[np.ndarray], unit_noise, noise_std: float, contributions: float,
                       out) -> None:

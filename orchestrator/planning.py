@@ -14,6 +14,7 @@ from typing import Callable
 
 from accounting.calibration import scale_for_epsilon, scale_for_target
 from accounting.events import Composition
+from accounting.matrix_mechanisms import CorrelatedNoisePlan, StrategyError
 from orchestrator import checks
 from orchestrator.adaptive_clipping import effective_noise_multiplier
 from orchestrator.config import (
@@ -47,6 +48,13 @@ class RunPlan:
     count_noise_multiplier: float | None = None
     privacy_unit: str = "example"
     rows_per_person: int | None = None
+    correlation: CorrelatedNoisePlan | None = None
+    batch_size: int | None = None
+
+    @property
+    def sampler(self) -> str:
+        """How each step's batch is drawn: "poisson", or the correlated mechanism's sampler."""
+        return "poisson" if self.correlation is None else self.correlation.sampler
 
     @property
     def sensitivity_factor(self) -> float:
@@ -64,11 +72,16 @@ class RunPlan:
 
         Cached: the plan is frozen, and every step slices its own event from this.
         """
+        if self.correlation is not None:
+            return self.correlation.events(self.noise_multiplier)
         return schedule_events(accounted_blocks(self.noise_blocks, self.count_noise_multiplier), self.sampling_rate,
                                self.sensitivity_factor)
 
     def events_between(self, start: int, end: int) -> Composition:
-        """The events of steps start..end-1 (0-based) of the plan."""
+        """The events of steps start..end-1 (0-based) of the plan (a correlated mechanism's participations that
+        start there)."""
+        if self.correlation is not None:
+            return self.correlation.events_between(self.noise_multiplier, start, end)
         return steps_between(self.planned_events, start, end)
 
     @functools.cached_property
@@ -86,6 +99,8 @@ class RunPlan:
 
     def row_level_events_between(self, start: int, end: int) -> Composition:
         """`row_level_events` of steps start..end-1 (0-based)."""
+        if self.privacy_unit == "example":
+            return self.events_between(start, end)
         return steps_between(self.row_level_events, start, end)
 
     def ledger_plan(self, dataset_unit: str) -> tuple[Composition, str, int | None]:
@@ -124,6 +139,27 @@ def accounted_blocks(
     if count_noise_multiplier is None:
         return list(blocks)
     return [(effective_noise_multiplier(sigma, count_noise_multiplier), steps) for sigma, steps in blocks]
+
+
+def correlated_noise_plan(config: TrainConfig, dataset_size: int, steps: int) -> CorrelatedNoisePlan | None:
+    """The correlated mechanism's plan (strategy, participation, charges) for N = `dataset_size`; None for DP-SGD."""
+    if config.mechanism == "dp-sgd":
+        return None
+    steps_per_epoch = dataset_size // config.batch_size
+    participation_rate = 1.0
+    if config.sampler == "cyclic-poisson":
+        if config.band_width * config.batch_size > dataset_size:
+            raise UsageError(f"cyclic-poisson samples each of band_width = {config.band_width} groups of N / b "
+                             f"examples at rate b·batch_size/N, so band_width·batch_size must be at most N = "
+                             f"{dataset_size} (got {config.band_width * config.batch_size}); lower band_width "
+                             "or batch_size")
+        # The N mod b examples left over join no group (as jax_privacy accounts it): q = B / (N // b).
+        participation_rate = config.batch_size / (dataset_size // config.band_width)
+    try:
+        return CorrelatedNoisePlan(config.mechanism, config.sampler, steps, steps_per_epoch, config.band_width,
+                                   participation_rate, config.tree_restart, config.tree_completion)
+    except StrategyError as error:
+        raise UsageError(str(error)) from None
 
 
 def evaluation_steps(
@@ -171,13 +207,26 @@ def plan_run(
     else:
         charge_ends = epoch_ends
 
+    correlation = correlated_noise_plan(config, dataset_size, steps)
+    if correlation is not None:
+        # A correlated run's events are its participations, one at the start of each period: every charged block
+        # starts at one, so that none is empty.
+        period = correlation.period
+        charge_ends = sorted({min(steps, math.ceil(end / period) * period) for end in charge_ends} | {steps})
+
     def plan_at(noise_multiplier: float) -> RunPlan:
         return RunPlan(
             dataset_size, rate, expected_batch_size(config, dataset_size), steps, noise_multiplier,
             tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
             evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends),
-            microbatches, count_noise_multiplier, config.privacy_unit, rows_per_person(config),
+            microbatches, count_noise_multiplier, config.privacy_unit, rows_per_person(config), correlation,
+            config.batch_size,
         )
+
+    def events_at(sigma: float) -> Composition:
+        if correlation is not None:
+            return correlation.events(sigma)
+        return schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate, sensitivity_factor)
 
     noise_multiplier = config.noise_multiplier
     if noise_multiplier is None and config.target_epsilon_basis == "filter":
@@ -187,9 +236,6 @@ def plan_run(
         noise_multiplier = scale_for_epsilon(config.target_epsilon, lambda sigma: charge_epsilon(plan_at(sigma)))
     elif noise_multiplier is None:
         noise_multiplier = scale_for_target(
-            config.target_epsilon, config.delta,
-            lambda sigma: schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate,
-                                          sensitivity_factor),
-            config.accountant,
+            config.target_epsilon, config.delta, events_at, config.accountant,
         )
     return plan_at(noise_multiplier)

@@ -20,7 +20,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 from accounting.accountants import get_accountant, label, labelled_epsilon  # noqa: E402
-from accounting.events import Composition, group_events  # noqa: E402
+from accounting.calibration import scale_for_target  # noqa: E402
+from accounting.events import Composition, SampledGaussian, group_events  # noqa: E402
+from accounting.matrix_mechanisms import banded_prefix_rmse  # noqa: E402
 from orchestrator.config import TrainConfig  # noqa: E402
 from orchestrator.planning import RunPlan  # noqa: E402
 from orchestrator.run_record import RunRecord  # noqa: E402
@@ -122,6 +124,7 @@ class RunReport:
             "events": events.to_dict(),
         }
         summary |= self._person_epsilons(events)
+        summary |= self._mechanism_figures(summary["epsilon"], steps)
         if config.shards:
             summary["shards"] = len(config.shards)
             summary["shard_outages"] = record.shard_outages
@@ -129,6 +132,22 @@ class RunReport:
         plot_curves(record.metrics, self.run_dir / "curves.png",
                     f"{self.epsilon_label} epsilon at delta={config.delta:g}", config.metrics[0])
         return summary
+
+    def _mechanism_figures(self, epsilon: float, steps: int) -> dict:
+        """A correlated mechanism's figures: its settings, and the RMSE of its prefix sums beside DP-SGD's at the
+        same ε (σ calibrated for Poisson sampling at the run's q and steps), per coordinate in clip norms."""
+        correlation, plan, config = self.plan.correlation, self.plan, self.config
+        if correlation is None or steps == 0:
+            return {}
+        dp_sgd_sigma = scale_for_target(epsilon, config.delta, lambda sigma: SampledGaussian(
+            plan.sampling_rate, sigma, steps), config.accountant)
+        return {
+            "mechanism": correlation.mechanism, "sampler": correlation.sampler,
+            "band_width": correlation.band_width if correlation.mechanism == "band-mf" else None,
+            "participations": -(-steps // correlation.period),
+            "prefix_rmse": correlation.prefix_rmse(plan.noise_multiplier),
+            "dp_sgd_prefix_rmse_same_epsilon": banded_prefix_rmse([1.0], steps, 1.0, dp_sgd_sigma),
+        }
 
     def _person_epsilons(self, events: Composition) -> dict:
         """The summary's figures for a row under user-level privacy, and for a person of several rows."""

@@ -61,6 +61,8 @@ class RunRecord:
     clip_norm: float
     run_id: str = field(default_factory=lambda: secrets.token_hex(8))
     events: Composition = field(default_factory=Composition)
+    # Steps run: the events' steps are participations under a correlated mechanism, not training steps.
+    steps_run: int = 0
     metrics: list[dict] = field(default_factory=list)
     charged_blocks: int = 0
     shard_outages: list[dict] = field(default_factory=list)
@@ -72,7 +74,12 @@ class RunRecord:
     @property
     def step(self) -> int:
         """Steps run so far."""
-        return self.events.steps
+        return self.steps_run
+
+    def account_step(self, events: Composition) -> None:
+        """One more step has run, with these events."""
+        self.events = self.events.then(events)
+        self.steps_run += 1
 
     def wall_seconds(self) -> float:
         """Seconds the run has trained, over every start of it."""
@@ -104,6 +111,7 @@ class RunRecord:
     def from_state(cls, state: dict[str, Any]) -> RunRecord:
         """The record a checkpoint's state carries (see `to_state`); its clock starts now."""
         return cls(clip_norm=state["clip_norm"], run_id=state["run_id"], events=Composition.from_dict(state["events"]),
+                   steps_run=state["step"],
                    metrics=list(state["metrics"]), charged_blocks=state["charged_blocks"],
                    shard_outages=list(state.get("shard_outages", [])), times=StepTimes(**state.get("step_times", {})),
                    wall_seconds_before=state["wall_seconds"])

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 # One implementation, shared with the workers, which sample locally in shard mode.
-from workers.sampling import make_generator, poisson_sample, step_generator  # noqa: F401 - re-exported for the driver
+from workers.sampling import (  # noqa: F401 - re-exported for the driver
+    cyclic_poisson_batch, fixed_order_batch, make_generator, poisson_sample, shuffled_order, step_generator,
+)
 
 
 def partition(indices: np.ndarray, parts: int) -> list[np.ndarray]:
@@ -53,3 +55,11 @@ def step_sample(run_key, step: int, dataset_size: int, sampling_rate: float,
     generator = step_generator(run_key, step)
     indices = poisson_sample(generator, dataset_size, sampling_rate)
     return indices, assign_microbatches(generator, len(indices), microbatches) if microbatches else None
+
+
+def correlated_step_sample(run_key, order: np.ndarray, step: int, correlation, batch_size: int) -> np.ndarray:
+    """Step `step`'s batch for a correlated mechanism's sampler (`correlation`, a CorrelatedNoisePlan): fixed order,
+    or cyclic Poisson over its band_width groups of the run's shuffled `order`."""
+    if correlation.sampler == "fixed-order":
+        return fixed_order_batch(order, step, batch_size)
+    return cyclic_poisson_batch(run_key, order, step, correlation.band_width, correlation.participation_rate)

@@ -66,7 +66,7 @@ from orchestrator.preflight import build_checked_model, check_data, check_traina
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.planned_windows import PlannedWindows
-from orchestrator.sampling import step_sample, worker_shares
+from orchestrator.sampling import correlated_step_sample, shuffled_order, step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
 from workers.collective import ShardCollectiveRankActor
@@ -194,6 +194,8 @@ class Trainer:
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
+        # The fixed-order and cyclic Poisson samplers' shuffle of the data, from the run key; in memory only.
+        self.sample_order: np.ndarray | None = None
         check_trainable(config, self.model)
         # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
         check_data(config, self.model, dry_run(config, self.model))
@@ -292,6 +294,11 @@ class Trainer:
     def load_state(self, state: dict) -> None:
         """Continue from a checkpoint's state (see `state`), refused unless it is this run's (`binding`)."""
         check_same_run(state, self.binding(), Path(self.config.run_dir))
+        if self.plan.correlation is not None:
+            # A new key reshuffles the fixed order: an example could take part twice within b steps of the
+            # resumption, which the charged participations do not cover.
+            raise UsageError(f'a mechanism = "{self.config.mechanism}" run cannot resume: its sampling order and '
+                             "noise derive from a key that lives in memory only; start the run again")
         self.record = RunRecord.from_state(state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -345,7 +352,7 @@ class Trainer:
             if self.shards is not None:
                 running.callback(self.shards.close)
             self.central_noise = running.enter_context(closing(
-                CentralNoise(self.noise, parameter_count(self.model), self.plan.steps)))
+                CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation)))
             workers = self._start_workers(running)
             self.planned_windows = None
             if self.config.plan_ahead_steps is not None:
@@ -487,8 +494,14 @@ class Trainer:
         return weights * (1 + len(nodes)) + self.sample_bytes + self.gathered.bytes_in
 
     def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`)."""
+        """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`);
+        a correlated mechanism's sampler's batch (`correlated_step_sample`)."""
         plan = self.plan
+        if plan.correlation is not None:
+            if self.sample_order is None:
+                self.sample_order = shuffled_order(self.run_key, plan.dataset_size)
+            return correlated_step_sample(self.run_key, self.sample_order, step, plan.correlation,
+                                          plan.batch_size), None
         return step_sample(self.run_key, step, plan.dataset_size, plan.sampling_rate, plan.microbatches)
 
     def _sampled_step(self, workers: list) -> None:
@@ -533,7 +546,7 @@ class Trainer:
                                         self.optimizer.param_groups[0]["lr"], adaptive)
         if adaptive:
             self._adapt_clip_norm(self.gathered.unclipped, len(indices), group_ids)
-        self.record.events = self.record.events.then(plan.events_between(step, step + 1))
+        self.record.account_step(plan.events_between(step, step + 1))
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
@@ -624,7 +637,7 @@ class Trainer:
         step = self.step
         # Taken after every shard is in: a recomputed shard never causes a second draw.
         self._apply_noise(partial_sums, self.central_noise.take(step), noise_std)
-        self.record.events = self.record.events.then(self.plan.events_between(step, step + 1))
+        self.record.account_step(self.plan.events_between(step, step + 1))
 
     def _apply_noise(self, partial_sums: list[np.ndarray], unit_noise, noise_std: float) -> None:
         """Add the step's noise once to the sum of `partial_sums`, average by q*N, step the optimizer and LR schedule.

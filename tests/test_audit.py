@@ -502,3 +502,11 @@ def test_audit_command_refuses_bad_flags(tmp_path, capsys, flags, message):
     assert main(["audit", "--config", str(config), *flags]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and re.search(message, error)
+
+
+def test_white_box_audit_of_band_mf_noise_stays_below_the_accountant(pooled_workers, tmp_path):
+    config = audit_config(tmp_path, 8, mechanism="band-mf", sampler="cyclic-poisson", band_width=2)
+    result = run_audit(config, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    assert result["epsilon_upper"] > 0
+    assert result["epsilon_lower"] <= result["epsilon_upper"]
+    assert result["verdict"].startswith("consistent")

@@ -193,3 +193,28 @@ def test_wait_stops_at_a_checkpoint_after_shard_timeout_and_resume_finishes_the_
     assert summary["events"] == undisturbed[1]["events"]
     np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(undisturbed[0].model), atol=1e-6,
                                rtol=0)
+
+
+class RecordWorkerNodes(Trainer):
+    """A trainer that notes, after its first step, the nodes its gradient workers run on."""
+
+    def _step(self, workers):
+        super()._step(workers)
+        if self.step == 1:
+            self.worker_nodes = set(ray.get([worker.node_id.remote() for worker in workers]))
+
+
+def test_band_mf_with_fixed_order_trains_across_the_nodes_and_the_ledger_charges_its_participations(cluster, tmp_path):
+    config = build_config(dict(
+        model="gdp_cnn", steps=8, batch_size=30, train_subset=120, test_subset=100, noise_multiplier=1.0, workers=3,
+        seed=5, run_dir=str(tmp_path / "band-mf"), commit_every=2, dataset_name="band-mf", mechanism="band-mf",
+        sampler="fixed-order", band_width=2, max_physical_batch=32,
+    ))
+    trainer = RecordWorkerNodes(config, show_progress=False, out=io.StringIO())
+    summary, job, spent = run_charged(trainer)
+    # 120 examples in batches of 30: an epoch is 4 steps, so 8 steps are two participations of every example.
+    assert trainer.plan.correlation.period == 4
+    assert job.committed_steps == 2 and summary["steps"] == 8
+    assert spent == pytest.approx(summary["epsilon"], rel=1e-9)
+    assert summary["epsilon"] == pytest.approx(trainer.epsilon())
+    assert len(trainer.worker_nodes) == 3

@@ -33,6 +33,7 @@ SAMPLE = "sample"
 LOCAL_SAMPLE = "local sample"
 SLICE_NOISE = "slice noise"
 DRIVER = "driver"
+ORDER = "order"
 
 
 def _encode(purpose: str, numbers: tuple[int, ...]) -> bytes:

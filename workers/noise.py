@@ -26,6 +26,8 @@ SECURE_DRAWS = 4
 # The first element of a noise key: the gradient's noise, and adaptive clipping's count noise, of a step.
 GRADIENT_NOISE = 0
 COUNT_NOISE = 1
+# DP-FTRL's tree nodes: the noise of node (level, index) of tree `tree` is keyed (TREE_NOISE, tree, level, index).
+TREE_NOISE = 2
 
 # Values per independent stream: 2 MB of float64, small enough that a chunk's four draws stay in cache.
 CHUNK_VALUES = 2**18

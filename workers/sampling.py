@@ -1,10 +1,11 @@
-"""Poisson sampling, for the driver over one dataset and for each worker over its own examples (pure functions)."""
+"""Poisson sampling, for the driver over one dataset and for each worker over its own examples, and the fixed-order
+and cyclic Poisson samplers of the correlated-noise mechanisms (pure functions)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from workers.keys import LOCAL_SAMPLE, SAMPLE, SecretKey, process_key
+from workers.keys import LOCAL_SAMPLE, ORDER, SAMPLE, SecretKey, process_key
 
 
 def make_generator(seed: int | None, *stream: int) -> np.random.Generator:
@@ -40,6 +41,32 @@ def part_bounds(size: int, part: int, parts: int) -> tuple[int, int]:
 def step_generator(key: SecretKey, step: int) -> np.random.Generator:
     """The generator step `step` (0-based) is sampled from: PRF(key, "sample", step), so it replays only under `key`."""
     return key.numpy_generator(SAMPLE, step)
+
+
+def shuffled_order(key: SecretKey, dataset_size: int) -> np.ndarray:
+    """The run's one shuffle of 0..N-1, from PRF(key, "order"): the order fixed-order epochs cycle through and the
+    groups cyclic Poisson sampling takes in turn."""
+    return key.numpy_generator(ORDER).permutation(dataset_size)
+
+
+def fixed_order_batch(order: np.ndarray, step: int, batch_size: int) -> np.ndarray:
+    """Step `step`'s batch in fixed order: the next `batch_size` examples of `order`, from the start every epoch.
+
+    An epoch is len(order) // batch_size steps; the len(order) mod batch_size
+    examples at its end never take part. Each example takes part once per
+    epoch, at the same position, so its participations are one epoch apart.
+    """
+    position = step % (len(order) // batch_size)
+    return np.sort(order[position * batch_size:(position + 1) * batch_size])
+
+
+def cyclic_poisson_batch(key: SecretKey, order: np.ndarray, step: int, groups: int, rate: float) -> np.ndarray:
+    """Step `step`'s batch under cyclic Poisson sampling: group step mod `groups` of `order`, each of its
+    N // groups examples joining independently with probability `rate` (PRF(key, "sample", step))."""
+    group_size = len(order) // groups
+    group = step % groups
+    members = order[group * group_size:(group + 1) * group_size]
+    return np.sort(members[poisson_sample(step_generator(key, step), group_size, rate)])
 
 
 def local_sampling_key(seed: int | None, shard_index: int, worker_index: int) -> SecretKey:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from pydantic import model_validator
 
 from accounting.lazy import LazyModule
+from accounting.matrix_mechanisms import sampler_refusal
 from orchestrator.config.sections import (
     SECTIONS,
     DataSection,
@@ -222,7 +223,9 @@ def collective_refusals(config: TrainConfig) -> list[str]:
         ('on_shard_loss = "skip" (the group has a rank per shard worker; a run stops when one is lost and is '
          'resumed from its checkpoint)', bool(config.shards) and config.on_shard_loss == "skip"),
         ("secure_aggregation (the ranks reduce-scatter plain sums; masked silo sums go through the driver path)",
-         config.secure_aggregation))
+         config.secure_aggregation),
+        (f'mechanism = "{config.mechanism}" (correlated noise is kept and added at the driver)',
+         config.mechanism != "dp-sgd"))
         if present]
 
 
@@ -268,9 +271,31 @@ def _secure_aggregation(config: TrainConfig) -> None:
                          f"got {threshold}")
 
 
+def _mechanism(config: TrainConfig) -> None:
+    """The sampler matches the mechanism's accounting; correlated noise runs only what its driver path supports."""
+    refusal = sampler_refusal(config.mechanism, config.sampler)
+    if refusal:
+        raise UsageError(refusal)
+    if config.mechanism != "band-mf" and config.band_width != 1:
+        raise UsageError(f'band_width applies to mechanism = "band-mf" (got mechanism = "{config.mechanism}"); '
+                         "leave band_width out")
+    if config.mechanism == "dp-sgd":
+        return
+    refused = [reason for reason, present in (
+        ("shards", config.shards), ("microbatch_size", config.microbatch_size),
+        ("adaptive_clipping", config.adaptive_clipping), ('privacy_unit = "user"', config.privacy_unit == "user"),
+        ("max_examples_per_user", config.max_examples_per_user is not None),
+        ("a noise_schedule other than constant", config.noise_schedule.kind != "constant"),
+        ('aggregation = "collective"', config.aggregation == "collective"),
+        ("plan_ahead_steps", config.plan_ahead_steps is not None)) if present]
+    if refused:
+        raise UsageError(f'mechanism = "{config.mechanism}" correlates one noise vector per step at the driver, '
+                         f"with one σ over the run; it cannot be combined with {', '.join(refused)}")
+
+
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _augmentations,
-    _layer_clipping, _aggregation, _planned_batches, _secure_aggregation,
+    _layer_clipping, _aggregation, _planned_batches, _secure_aggregation, _mechanism,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from accounting.accountants import ACCOUNTANTS
 from accounting.lazy import LazyModule
+from accounting.matrix_mechanisms import MECHANISMS, SAMPLERS
 from orchestrator.adaptive_clipping import AdaptiveClipping
 from orchestrator.config.fields import key, table_text, value_type
 from orchestrator.errors import UsageError
@@ -324,6 +325,14 @@ class SamplingSection(Section):
         250, "The *expected* batch size: each example joins a step with probability q = batch_size / N.",
         valid="1 ≤ batch_size ≤ N", ge=1,
     )
+    sampler: Literal[SAMPLERS] = key(
+        "poisson",
+        "How each step's batch is drawn: `poisson` (each example independently with probability q; DP-SGD), "
+        "`fixed-order` (the data shuffled once with the run's key, then `batch_size` examples a step in that "
+        "order every epoch; no amplification: for `dp-ftrl` and `band-mf`, and data that cannot be sampled) or "
+        "`cyclic-poisson` (`band-mf` only: the data split into `band_width` groups, step t Poisson-samples group "
+        "t mod b at rate b·batch_size/N). A sampler the `mechanism` is not accounted for is refused.",
+    )
     shards: tuple[ShardSpec, ...] = key(
         (), "Training data that stays on its nodes and is Poisson-sampled there (see docs/training.md, Shards).",
         kind="list of tables",
@@ -416,6 +425,28 @@ class PrivacySection(Section):
         "blocks), so that the charge is the target. The ledger is read before planning.",
     )
     clip_norm: float = key(1.0, "C: the per-example L2 bound.", gt=0)
+    mechanism: Literal[MECHANISMS] = key(
+        "dp-sgd",
+        "How the noise is made: `dp-sgd` (independent each step), `band-mf` (banded matrix factorization: "
+        "noise correlated over `band_width` steps, the strategy optimised for the run's steps) or `dp-ftrl` "
+        "(tree aggregation). See docs/mechanisms.md. Correlated noise needs `sampler` = `fixed-order` or "
+        "(`band-mf`) `cyclic-poisson`, a constant `noise_schedule` and the driver's aggregation; not with shards, "
+        "microbatches, adaptive clipping or privacy_unit = \"user\".",
+    )
+    band_width: int = key(
+        1, "`band-mf`: b, the steps over which noise is correlated (the driver keeps b noise vectors). 1 is "
+        "DP-SGD's noise.", valid="1 ≤ band_width ≤ the steps of one epoch (`fixed-order`) or ≤ N / batch_size",
+        ge=1,
+    )
+    tree_restart: bool = key(
+        True, "`dp-ftrl`: a new tree every epoch (Kairouz et al. 2021), so that each epoch costs one leaf's "
+        "sensitivity; off, one tree spans the run and an example's epochs add up in the nodes they share.",
+        strict=True,
+    )
+    tree_completion: bool = key(
+        False, "`dp-ftrl`: the last step of each tree releases the root's sum (the tree padded with zero leaves to "
+        "a power of two), so the prefix carried over a restart has one node's noise.", strict=True,
+    )
     noise_schedule: NoiseSchedule = key(
         NoiseSchedule(),
         "σ held constant over blocks of `every` steps (default one epoch) and changed between them: "
