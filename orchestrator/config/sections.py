@@ -200,15 +200,24 @@ class DataSection(Section):
         "`basic`: the metadata and the scan only. `full`: the same as `strict` (its former name).",
     )
 
-    plan_ahead_steps: int | None = key(
+    plan_ahead_steps: int | Literal["auto"] | None = key(
         None,
         "Read Parquet training rows as batches planned this many steps ahead: each window's samples are gathered "
         "by Ray Data in one sequential pass over the files (each row group read at most once a window) into a "
-        "folder only the run's user can enter, deleted once its steps ran. Fast whatever the row-group size; "
-        "without it each sampled row costs the decoding of its row group (fast only for `dpfleet data export` "
-        "files). Needs a Parquet dataset, driver sampling (no shards) and privacy_unit = \"example\".",
-        shown_default="off", ge=1,
+        "folder only the run's user can enter, deleted once its steps ran; the next window is gathered while "
+        "this one trains. `auto`: windows of about 256 MiB of rows, at most 1000 steps. Fast whatever the "
+        "row-group size; without it each sampled row costs the decoding of its row group (fast only for "
+        "`dpfleet data export` files). Needs a Parquet dataset, driver sampling (no shards) and "
+        "privacy_unit = \"example\".",
+        kind="integer or \"auto\"", valid="≥ 1, or `auto`", shown_default="off",
     )
+
+    @field_validator("plan_ahead_steps", mode="plain")
+    @classmethod
+    def _plan_ahead_steps(cls, value: Any) -> int | str | None:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise UsageError(f'plan_ahead_steps must be a whole number >= 1 or "auto" (got {value!r})')
 
     @field_validator("dataset", mode="plain")
     @classmethod
