@@ -174,7 +174,7 @@ class Trainer:
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
-            self.shards.set_sampling_rate(self.plan.sampling_rate)
+            self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps)
         self.report = RunReport(config, self.plan, self.say, show_progress)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -342,7 +342,8 @@ class Trainer:
             self.central_noise = running.enter_context(closing(
                 CentralNoise(self.noise, parameter_count(self.model), self.plan.steps)))
             self.planned_windows = None
-            if self.config.plan_ahead_steps is not None:
+            # With shards, each silo's workers plan and gather their own windows (workers.shard_worker).
+            if self.config.plan_ahead_steps is not None and self.shards is None:
                 # The fleet always holds config.workers workers (a lost one is replaced), so the shares are known
                 # before it starts: the first window gathers while the workers start.
                 self.planned_windows = driver_windows(

@@ -356,17 +356,18 @@ def first_row(spec: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PlannedRunSource:
-    """A planned run's training split on a worker: its size from the files' row counts, no row-group index held.
+    """A planned run's training rows [start, stop) on a worker (all by default), no row-group index held.
 
     Steps read from planned batches, so the worker keeps no per-row-group
     metadata (which grows with N). A read of no rows (the example's shape)
     streams the first example alone; any other read (a feature cache, the
     non-private train loss) opens a `ParquetSource` then and keeps it.
+    Indices count from `start` (a silo worker's range of its shard).
     """
 
-    def __init__(self, spec: Mapping) -> None:
-        self.spec = spec
-        self.size = int(file_row_counts(spec, "train")[1].sum())
+    def __init__(self, spec: Mapping, start: int = 0, stop: int | None = None) -> None:
+        self.spec, self.start = spec, start
+        self.size = (int(file_row_counts(spec, "train")[1].sum()) if stop is None else stop) - start
         self.source: ParquetSource | None = None
         self.no_rows = None
 
@@ -381,4 +382,4 @@ class PlannedRunSource:
             return self.no_rows[0][:0], self.no_rows[1][:0]
         if self.source is None:
             self.source = ParquetSource(self.spec, "train")
-        return self.source.read(indices)
+        return self.source.read(np.asarray(indices) + self.start)
