@@ -227,6 +227,13 @@ def main(argv: list[str]) -> int:
                         shutil.rmtree(directory.parent, ignore_errors=True)
                 comparisons.append(comparison)
                 _print(comparison, args.plan_ahead)
+                if args.json:
+                    # After each comparison: a long sweep cut short keeps what it measured.
+                    _save(argv, args, load_before, comparisons)
+    return 0
+
+
+def _save(argv: list[str], args, load_before: tuple, comparisons: list[dict]) -> None:
     results = {
         "command": "python -m bench.out_of_core " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -240,10 +247,8 @@ def main(argv: list[str]) -> int:
         "workers": 2,
         "comparisons": comparisons,
     }
-    if args.json:
-        RESULTS_DIR.mkdir(exist_ok=True)
-        (RESULTS_DIR / f"out_of_core-{'-'.join(args.model)}.json").write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / f"out_of_core-{'-'.join(args.model)}.json").write_text(json.dumps(results, indent=2) + "\n")
 
 
 def _print(comparison: dict, plan_ahead) -> None:
