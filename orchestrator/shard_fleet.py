@@ -175,8 +175,8 @@ class ShardFleet:
         """Stop every actor (placed or still waiting for its node), freeing the silos' CPUs for the next run."""
         if self.aggregation is not None:
             self.aggregation.close()
-        # A Parquet shard's worker deletes its windows' folders first; a lost one's went with its node or process.
-        releases = [actor.release.remote() for actor in self.actors.values()]
+        # A Parquet shard's worker deletes its windows' folders first (one still waiting for its node has none).
+        releases = [self.actors[slot].release.remote() for slot in self.present()]
         ray.wait(releases, num_returns=len(releases), timeout=RELEASE_SECONDS)
         for actor in self.actors.values():
             ray.kill(actor)
