@@ -18,7 +18,7 @@ from orchestrator.trainer import Trainer
 from workers.data import load_split
 from workers.models import flat_parameters
 from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, PlannedBatch, PlannedWindows, \
-    auto_window_steps, gather_window, private_window_folder, read_planned_batch, window_plan
+    auto_window_steps, gather_window, private_window_folder, read_planned_batch, remove_window_folder, window_plan
 
 TRAIN_ROWS, TEST_ROWS = 600, 200
 
@@ -52,7 +52,8 @@ def write_default_parquet(directory: Path, features: np.ndarray, labels: np.ndar
             "shape": list(features.shape[1:])}
 
 
-def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each_share_in_order(local_ray, tmp_path):
+def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each_share_in_order(local_ray, tmp_path,
+                                                                                              request):
     generator = np.random.default_rng(3)
     features = generator.normal(size=(1000, 6)).astype(np.float32)
     labels = generator.integers(0, 5, 1000)
@@ -60,6 +61,7 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
     # Eight steps of two workers, each step a fresh sample: many rows share a row group, some rows several steps.
     shares = {step: np.array_split(np.flatnonzero(generator.random(1000) < 0.05), 2) for step in range(8)}
     folder = private_window_folder()
+    request.addfinalizer(lambda: remove_window_folder(folder))
     read = gather_window(spec, shares, folder)
     assert len(read) == len(set(read))
     sampled = np.unique(np.concatenate([np.concatenate(parts) for parts in shares.values()]))
