@@ -21,7 +21,8 @@ def shard_tables(value: Any, datasets: tuple[str, ...], default_dataset: Any) ->
     """The `shards` list as tables for ShardSpec to check, each with its dataset (by default the config's).
 
     Refuses what is not a list of tables, keys a shard does not declare, and
-    datasets other than ``datasets``; ShardSpec checks the rest.
+    datasets other than ``datasets`` or a Parquet table (the config parses
+    a table with `parse_spec`); ShardSpec checks the rest.
     """
     if value is None or value == [] or value == ():
         return []
@@ -38,7 +39,12 @@ def shard_tables(value: Any, datasets: tuple[str, ...], default_dataset: Any) ->
         if unknown:
             raise UsageError(f"shards[{index}] has unknown key(s) {', '.join(sorted(unknown))}; "
                              f"valid keys: {', '.join(sorted(keys))}")
-        dataset = checks.one_of(f"shards[{index}].dataset", table.get("dataset", default_dataset), datasets)
+        dataset = table.get("dataset", default_dataset)
+        if isinstance(dataset, Mapping) and dataset.get("format") == "parquet" and not dataset.get("train_parts"):
+            # Its silo's own Parquet files, gathered on its node by batches planned ahead (plan_ahead_steps).
+            dataset = dict(dataset)
+        else:
+            dataset = checks.one_of(f"shards[{index}].dataset", dataset, datasets)
         tables.append({**table, "dataset": dataset})
     return tables
 

@@ -31,6 +31,8 @@ Slot = tuple[int, int]  # (shard index, worker index within the shard)
 POLL_SECONDS = 0.5
 # How often a slot's new actor may fail to start on a node that has its resources before the error is raised.
 FAILED_STARTS = 3
+# How long closing waits for the workers to delete their windows' folders.
+RELEASE_SECONDS = 30.0
 
 
 class ShardFleet:
@@ -49,6 +51,7 @@ class ShardFleet:
         self.probes: dict[Slot, ray.ObjectRef] = {}
         self.example_counts: dict[Slot, int] = {}
         self.sampling_rate: float | None = None
+        self.total_steps: int | None = None
         # The node each present slot's actor runs on, and the per-node reducers of the step's calls.
         self.nodes: dict[Slot, str] = {}
         self.aggregation: NodeAggregation | None = None
@@ -85,10 +88,13 @@ class ShardFleet:
                      f"{int(np.log2(self.secure.scale))} (sums up to {self.secure.value_bound:g} per coordinate)")
         return dataset_size
 
-    def set_sampling_rate(self, sampling_rate: float) -> None:
-        """Tell every worker, and every later replacement, the common rate q."""
-        self.sampling_rate = sampling_rate
-        ray.get([self.actors[slot].set_sampling_rate.remote(sampling_rate) for slot in self.present()])
+    def set_sampling_rate(self, sampling_rate: float, total_steps: int) -> None:
+        """Tell every worker, and every later replacement, the common rate q and the run's steps.
+
+        A worker of a Parquet shard starts gathering its first window then.
+        """
+        self.sampling_rate, self.total_steps = sampling_rate, total_steps
+        ray.get([self.actors[slot].set_sampling_rate.remote(sampling_rate, total_steps) for slot in self.present()])
 
     def _place(self, slot: Slot) -> None:
         """Start a (new) actor for `slot` on its shard's resources; it is lost until its probe answers."""
@@ -103,10 +109,11 @@ class ShardFleet:
             spec, shard, worker, config.seed, config.model, config.max_physical_batch,
             threads=config.cpus_per_worker, data_root=config.data_root, engine=config.engine, loss=config.loss,
             train_transforms=config.train_transforms, augmentations_per_example=config.augmentations_per_example,
+            plan_ahead_steps=config.plan_ahead_steps,
         )
         if self.sampling_rate is not None:
             # Calls from one caller run in order on an actor: this lands before the step that follows.
-            actor.set_sampling_rate.remote(self.sampling_rate)
+            actor.set_sampling_rate.remote(self.sampling_rate, self.total_steps)
         self.actors[slot] = actor
         self.probes[slot] = actor.example_count.remote()
 
@@ -183,6 +190,9 @@ class ShardFleet:
         """Stop every actor (placed or still waiting for its node), freeing the silos' CPUs for the next run."""
         if self.aggregation is not None:
             self.aggregation.close()
+        # A Parquet shard's worker deletes its windows' folders first (one still waiting for its node has none).
+        releases = [self.actors[slot].release.remote() for slot in self.present()]
+        ray.wait(releases, num_returns=len(releases), timeout=RELEASE_SECONDS)
         for actor in self.actors.values():
             ray.kill(actor)
         self.actors.clear()

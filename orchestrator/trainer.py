@@ -65,7 +65,7 @@ from orchestrator.planning import RunPlan, plan_run
 from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
-from orchestrator.planned_windows import PlannedWindows
+from orchestrator.planned_windows import driver_windows
 from orchestrator.sampling import correlated_step_sample, shuffled_order, step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
@@ -184,7 +184,7 @@ class Trainer:
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
-            self.shards.set_sampling_rate(self.plan.sampling_rate)
+            self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps)
         self.report = RunReport(config, self.plan, self.say, show_progress)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -353,13 +353,18 @@ class Trainer:
                 running.callback(self.shards.close)
             self.central_noise = running.enter_context(closing(
                 CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation)))
-            workers = self._start_workers(running)
             self.planned_windows = None
-            if self.config.plan_ahead_steps is not None:
-                self.planned_windows = PlannedWindows(
-                    self.config.dataset, self.config.plan_ahead_steps, self.plan.steps,
-                    lambda step: worker_shares(*self._draw_sample(step), len(workers))[0])
+            # With shards, each silo's workers plan and gather their own windows (workers.shard_worker).
+            if self.config.plan_ahead_steps is not None and self.shards is None:
+                # The fleet always holds config.workers workers (a lost one is replaced), so the shares are known
+                # before it starts: the first window gathers while the workers start.
+                self.planned_windows = driver_windows(
+                    self.config.plan_ahead_steps, self.config.dataset, self.plan.expected_batch_size,
+                    self.plan.steps, self.step,
+                    lambda step: worker_shares(*self._draw_sample(step), self.config.workers)[0])
                 running.callback(self.planned_windows.close)
+                self.planned_windows.start()
+            workers = self._start_workers(running)
             self.charge_clock = None
             if self.ledger is not None:
                 self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, self.record.charged_blocks),

@@ -17,8 +17,8 @@ from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
 from workers.data import load_split
 from workers.models import flat_parameters
-from workers.planned_batches import PlannedBatch, gather_window, private_window_folder, read_planned_batch, \
-    window_plan
+from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, PlannedBatch, PlannedWindows, \
+    auto_window_steps, gather_window, private_window_folder, read_planned_batch, remove_window_folder, window_plan
 
 TRAIN_ROWS, TEST_ROWS = 600, 200
 
@@ -52,7 +52,8 @@ def write_default_parquet(directory: Path, features: np.ndarray, labels: np.ndar
             "shape": list(features.shape[1:])}
 
 
-def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each_share_in_order(local_ray, tmp_path):
+def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each_share_in_order(local_ray, tmp_path,
+                                                                                              request):
     generator = np.random.default_rng(3)
     features = generator.normal(size=(1000, 6)).astype(np.float32)
     labels = generator.integers(0, 5, 1000)
@@ -60,6 +61,7 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
     # Eight steps of two workers, each step a fresh sample: many rows share a row group, some rows several steps.
     shares = {step: np.array_split(np.flatnonzero(generator.random(1000) < 0.05), 2) for step in range(8)}
     folder = private_window_folder()
+    request.addfinalizer(lambda: remove_window_folder(folder))
     read = gather_window(spec, shares, folder)
     assert len(read) == len(set(read))
     sampled = np.unique(np.concatenate([np.concatenate(parts) for parts in shares.values()]))
@@ -74,6 +76,40 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
             inputs, gathered_labels = read_planned_batch(PlannedBatch(folder, step, worker), spec)
             np.testing.assert_array_equal(inputs.numpy(), features[share])
             np.testing.assert_array_equal(gathered_labels.numpy(), labels[share])
+
+
+def test_the_next_window_gathers_while_one_trains_and_each_folder_goes_once_its_steps_ran(local_ray, tmp_path):
+    generator = np.random.default_rng(5)
+    features = generator.normal(size=(300, 4)).astype(np.float32)
+    labels = generator.integers(0, 3, 300)
+    spec = write_default_parquet(tmp_path / "data", features, labels, files=2)
+    samples = {step: np.flatnonzero(np.random.default_rng(step).random(300) < 0.1) for step in range(7)}
+    # A resumed run from step 1: windows of three steps, 1-3, 4-6, 7.
+    windows = PlannedWindows(spec, 3, 8, lambda step: np.array_split(samples.get(step, np.zeros(0, int)), 2),
+                             first_step=1)
+    try:
+        windows.start()
+        batch = windows.batch(2, 1)
+        assert sorted(windows.windows) == [0, 1]
+        inputs, _ = read_planned_batch(batch, spec)
+        np.testing.assert_array_equal(inputs.numpy(), features[np.array_split(samples[2], 2)[1]])
+        first_folder = windows.windows[0][0]
+        windows.done_with(3)
+        assert not os.path.exists(first_folder) and sorted(windows.windows) == [1]
+        assert windows.batch(8, 0) is None
+        # Step 7 holds no sample: its shares have no file and read as empty.
+        assert read_planned_batch(windows.batch(7, 0), spec) is None
+        folders = [folder for folder, _ in windows.windows.values()]
+    finally:
+        windows.close()
+    assert not any(os.path.exists(folder) for folder in folders)
+
+
+def test_an_auto_window_holds_about_window_bytes_of_rows_within_its_step_limits():
+    assert auto_window_steps(256, 264, 100_000) == MAX_WINDOW_STEPS
+    assert auto_window_steps(250, 3144, 100_000) == WINDOW_BYTES // (250 * 3144)
+    assert auto_window_steps(250, 3144, 60) == 60
+    assert auto_window_steps(1e6, 1e6, 100) == 1
 
 
 def small_config(tmp_path, dataset, **overrides):
@@ -108,3 +144,12 @@ def test_planned_batches_are_refused_where_they_do_not_apply(tmp_path, overrides
     spec = {"format": "parquet", "train": str(tmp_path), "test": str(tmp_path)}
     with pytest.raises(UsageError, match="plan_ahead_steps"):
         small_config(tmp_path, overrides.pop("dataset", spec), plan_ahead_steps=4, **overrides)
+
+
+@pytest.mark.parametrize("value", [0, -2, "later", True, 2.5])
+def test_plan_ahead_steps_is_a_whole_number_of_steps_or_auto(tmp_path, value):
+    spec = write_default_parquet(tmp_path / "data", np.zeros((100, 1, 28, 28), np.float32), np.zeros(100, np.int64),
+                                 files=1)
+    assert small_config(tmp_path, spec, plan_ahead_steps="auto").plan_ahead_steps == "auto"
+    with pytest.raises(UsageError, match=r'plan_ahead_steps must be a whole number >= 1 or "auto"'):
+        small_config(tmp_path, spec, plan_ahead_steps=value)

@@ -70,7 +70,7 @@ def fleet_steps(config, weights, steps, before_step=lambda fleet, step: None):
     fleet = ShardFleet(config, log.append)
     try:
         fleet.start()
-        fleet.set_sampling_rate(SAMPLING_RATE)
+        fleet.set_sampling_rate(SAMPLING_RATE, steps)
         sums = []
         for step in range(steps):
             before_step(fleet, step)

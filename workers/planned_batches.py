@@ -5,14 +5,16 @@ sampled row, which is ruinous when row groups are large (pyarrow's and
 Spark's defaults). Since each step's sample is a pure function of the run's
 secret key, the next K steps can be drawn before any is run. The window's
 (step, worker, position, row) entries are sorted by row (`window_plan`), and
-one Ray Data pass (`gather_window`) streams every file once, in order,
+one Ray Data pass (`gather_window`) streams the files once, in order,
 decoding only the row groups that hold a planned row, each once per window
 and in record batches of ``READ_ROWS`` rows, so no task holds a whole row
-group. It writes each (step, worker) batch as Arrow IPC fragments into a
+group. It writes each (step, worker) batch as one Arrow IPC file into a
 folder that only the run's user can enter (`private_window_folder`); the
-worker reads its batch of a step from there (`read_planned_batch`). Neither
-the driver nor the gather keeps more than a window's rows of one file, and
-a worker holds only its batch and the one read ahead.
+worker memory-maps its batch of a step from there (`PlannedBatchReader`),
+reading the next step's ahead. `PlannedWindows` gathers window k + 1 on a
+background thread while window k trains. The driver never holds the rows;
+the gather holds one window's gathered rows, and a worker only its batch
+and the one read ahead.
 
 Who is in which step is as secret as the noise: the plan lives in memory and
 in the Ray object store, the folder is 0700 and is removed as soon as its
@@ -24,7 +26,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +43,6 @@ torch = LazyModule("torch")
 
 # Rows per record batch that the gather decodes at a time: its memory is bounded by this, not by the row group.
 READ_ROWS = 4096
-_POSITION = "__position"
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,8 @@ def remove_window_folder(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _fragment_path(folder: str, step: int, worker: int, file_index: int) -> str:
-    return os.path.join(folder, f"step-{step:09d}-worker-{worker:05d}-file-{file_index:06d}.arrow")
+def _batch_path(folder: str, step: int, worker: int) -> str:
+    return os.path.join(folder, f"step-{step:09d}-worker-{worker:05d}.arrow")
 
 
 def file_row_counts(spec: Mapping, split: str) -> tuple[list[str], np.ndarray]:
@@ -96,59 +98,64 @@ def file_row_counts(spec: Mapping, split: str) -> tuple[list[str], np.ndarray]:
     return paths, np.asarray([pq.ParquetFile(path).metadata.num_rows for path in paths], dtype=np.int64)
 
 
-def gather_file(path: str, file_index: int, file_start: int, plan: WindowPlan, columns: list[str], label: str,
-                folder: str) -> list[int]:
-    """Write the planned rows of one file into `folder`, one fragment per (step, worker); the row groups read.
+def gather_file(path: str, file_start: int, rows: np.ndarray, columns: list[str], label: str) \
+        -> tuple[list[pa.RecordBatch], list[int]]:
+    """The planned rows of one file, in the order of `rows` (sorted, global), and the row groups read.
 
-    `plan` holds only this file's entries (rows are global). The row groups
-    holding a planned row are decoded in file order, each once, in record
-    batches of READ_ROWS rows.
+    The row groups holding a planned row are decoded in file order, each
+    once, in record batches of READ_ROWS rows.
     """
     parquet = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)
     metadata = parquet.metadata
     group_sizes = np.asarray([metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)])
     group_starts = file_start + np.concatenate([[0], np.cumsum(group_sizes)])
-    groups = np.unique(np.searchsorted(group_starts, plan.rows, side="right") - 1)
+    groups = np.unique(np.searchsorted(group_starts, rows, side="right") - 1)
     taken, entry = [], 0
     for group in groups.tolist():
         batch_start = int(group_starts[group])
         for batch in parquet.iter_batches(batch_size=READ_ROWS, row_groups=[group], columns=[*columns, label],
                                           use_threads=False):
             batch_stop = batch_start + batch.num_rows
-            stop = int(np.searchsorted(plan.rows, batch_stop, side="left"))
+            stop = int(np.searchsorted(rows, batch_stop, side="left"))
             if stop > entry:
-                taken.append((entry, batch.take(pa.array(plan.rows[entry:stop] - batch_start))))
+                taken.append(batch.take(pa.array(rows[entry:stop] - batch_start)))
                 entry = stop
             batch_start = batch_stop
-    if taken:
-        table = pa.Table.from_batches([batch for _, batch in taken])
-        _write_fragments(table, plan, file_index, folder)
-    return groups.tolist()
+    return taken, groups.tolist()
 
 
-def _write_fragments(table: pa.Table, plan: WindowPlan, file_index: int, folder: str) -> None:
-    """Split the gathered rows (in plan order) by (step, worker) and write each part with its positions."""
-    keys = plan.steps * (plan.workers.max() + 1) + plan.workers
-    for key in np.unique(keys).tolist():
-        chosen = np.flatnonzero(keys == key)
-        step, worker = int(plan.steps[chosen[0]]), int(plan.workers[chosen[0]])
-        part = table.take(pa.array(chosen)).append_column(_POSITION, pa.array(plan.positions[chosen]))
-        descriptor = os.open(_fragment_path(folder, step, worker, file_index), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                             0o600)
-        with os.fdopen(descriptor, "wb") as handle, pa_ipc.new_file(handle, part.schema) as writer:
-            writer.write_table(part)
+def write_step_batches(table: pa.Table, plan: WindowPlan, folder: str) -> None:
+    """Write the gathered rows (in plan order) as one Arrow IPC file per (step, worker), each in share order.
+
+    One file per (step, worker) keeps a worker's read of its step to one
+    memory-mapped file; the files are 0600, created anew (never overwritten).
+    """
+    keys = plan.steps * (int(plan.workers.max()) + 1) + plan.workers
+    order = np.lexsort((plan.positions, keys))
+    table = table.take(pa.array(order))
+    keys = keys[order]
+    bounds = np.flatnonzero(np.diff(keys)) + 1
+    for start, stop in zip([0, *bounds.tolist()], [*bounds.tolist(), len(keys)]):
+        step, worker = int(plan.steps[order[start]]), int(plan.workers[order[start]])
+        descriptor = os.open(_batch_path(folder, step, worker), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "wb") as handle, pa_ipc.new_file(handle, table.schema) as writer:
+            writer.write_table(table.slice(start, stop - start))
 
 
 def _gather_files(items: dict[str, np.ndarray], columns: list[str], label: str, folder: str) -> dict:
-    """Ray Data's map over the files: gather each file's planned rows; answer only which row groups were read."""
-    read_files, read_groups = [], []
-    for index in range(len(items["path"])):
-        plan = WindowPlan(*(np.asarray(items[name][index], dtype=np.int64)
-                            for name in ("rows", "steps", "workers", "positions")))
-        groups = gather_file(str(items["path"][index]), int(items["file"][index]), int(items["start"][index]), plan,
-                             columns, label, folder)
-        read_files.extend([int(items["file"][index])] * len(groups))
-        read_groups.extend(groups)
+    """Ray Data's map over the window: one pass over its files in order; answer only which row groups were read."""
+    read_files, read_groups, taken = [], [], []
+    plan = WindowPlan(*(np.asarray(items[name][0], dtype=np.int64) for name in ("rows", "steps", "workers",
+                                                                                   "positions")))
+    starts, cuts = items["starts"][0], np.searchsorted(plan.rows, items["starts"][0])
+    for file_index, path in enumerate(items["paths"][0]):
+        if cuts[file_index + 1] > cuts[file_index]:
+            batches, groups = gather_file(str(path), int(starts[file_index]),
+                                          plan.rows[cuts[file_index]:cuts[file_index + 1]], columns, label)
+            taken.extend(batches)
+            read_files.extend([file_index] * len(groups))
+            read_groups.extend(groups)
+    write_step_batches(pa.Table.from_batches(taken), plan, folder)
     return {"file": np.asarray(read_files, dtype=np.int64), "group": np.asarray(read_groups, dtype=np.int64)}
 
 
@@ -156,33 +163,30 @@ def gather_window(spec: Mapping, shares: Mapping[int, Sequence[np.ndarray]], fol
                   remote_args: Mapping | None = None) -> list[tuple[int, int]]:
     """Gather the window's batches (`shares`, as for `window_plan`) into `folder` with one Ray Data pass.
 
-    One Ray Data task per file with planned rows, asking for no CPU;
-    `remote_args` are further Ray options for those tasks (a scheduling strategy that keeps them on the
-    node that holds the folder). Returns the (file, row group) pairs read,
-    each once; the rows themselves never come back.
+    One Ray Data task, asking for no CPU, passes over the files in order
+    and writes one file per (step, worker) with planned rows; a share with
+    none has no file. `remote_args` are further Ray options for that task (a
+    scheduling strategy that keeps it on the node that holds the folder).
+    Returns the (file, row group) pairs read, each once; the rows
+    themselves never come back.
     """
     import ray.data  # only a planned run needs Ray Data (and pandas)
 
     paths, counts = file_row_counts(spec, "train")
     columns, _ = _check_schema(spec, pq.ParquetFile(paths[0]).schema_arrow, paths[0])
-    label = spec.get("label", "label")
     plan = window_plan(shares)
-    starts = np.concatenate([[0], np.cumsum(counts)])
-    cuts = np.searchsorted(plan.rows, starts)
-    items = [{"path": paths[index], "file": index, "start": int(starts[index]),
-              "rows": plan.rows[cuts[index]:cuts[index + 1]], "steps": plan.steps[cuts[index]:cuts[index + 1]],
-              "workers": plan.workers[cuts[index]:cuts[index + 1]],
-              "positions": plan.positions[cuts[index]:cuts[index + 1]]}
-             for index in range(len(paths)) if cuts[index + 1] > cuts[index]]
-    if not items:
+    if not len(plan.rows):
         return []
+    item = {"paths": np.asarray(paths), "starts": np.concatenate([[0], np.cumsum(counts)]),
+            "rows": plan.rows, "steps": plan.steps, "workers": plan.workers, "positions": plan.positions}
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    read = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+    read = ray.data.from_items([item], override_num_blocks=1).map_batches(
         _gather_files, batch_size=1, batch_format="numpy",
         # No CPU of its own: the gradient workers may hold every CPU while the next window is gathered.
-        fn_kwargs={"columns": columns, "label": label, "folder": folder}, num_cpus=0, **dict(remote_args or {}),
+        fn_kwargs={"columns": columns, "label": spec.get("label", "label"), "folder": folder}, num_cpus=0,
+        **dict(remote_args or {}),
     ).take_all()
     return [(int(row["file"]), int(row["group"])) for row in read]
 
@@ -198,20 +202,20 @@ class PlannedBatch:
 
 def read_planned_batch(batch: PlannedBatch, spec: Mapping) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(inputs, labels) of a worker's share of a step, in the order of its share; None for an empty share."""
-    prefix = f"step-{batch.step:09d}-worker-{batch.worker:05d}-"
-    names = sorted(name for name in os.listdir(batch.folder) if name.startswith(prefix))
-    if not names:
-        return None
     columns, _ = _check_schema(spec, _first_schema(spec), "the dataset")
-    label = spec.get("label", "label")
-    tables = []
-    for name in names:
-        with pa.memory_map(os.path.join(batch.folder, name)) as source:
-            tables.append(pa_ipc.open_file(source).read_all())
-    table = pa.concat_tables(tables)
-    table = table.take(pa.array(np.argsort(table.column(_POSITION).to_numpy())))
-    features, labels = _table_to_numpy(table, columns, label)
-    return _feature_tensor(features.copy(), spec.get("shape")), _label_tensor(labels.copy())
+    return _read_step_batch(batch, columns, spec.get("label", "label"), spec.get("shape"))
+
+
+def _read_step_batch(batch: PlannedBatch, columns: list[str], label: str, shape: list[int] | None) \
+        -> tuple[torch.Tensor, torch.Tensor] | None:
+    try:
+        source = pa.memory_map(_batch_path(batch.folder, batch.step, batch.worker))
+    except FileNotFoundError:
+        return None
+    with source:
+        # Memory-mapped: the table's buffers are the file's pages, copied once into the tensors.
+        features, labels = _table_to_numpy(pa_ipc.open_file(source).read_all(), columns, label)
+        return _feature_tensor(features.copy(), shape), _label_tensor(labels.copy())
 
 
 def _first_schema(spec: Mapping) -> pa.Schema:
@@ -222,19 +226,21 @@ def _first_schema(spec: Mapping) -> pa.Schema:
 class PlannedBatchReader:
     """A worker's reader of its planned batches, with the next one read on a background thread (read-ahead 1).
 
-    It holds at most two batches: the step's and the next one's.
+    It holds at most two batches: the step's and the next one's. The
+    dataset's columns are checked once, when the reader is made.
     """
 
     def __init__(self, spec: Mapping) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.spec = spec
+        self.columns, _ = _check_schema(spec, _first_schema(spec), "the dataset")
+        self.label, self.shape = spec.get("label", "label"), spec.get("shape")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="planned-batch")
         self._ahead = None
 
     def prefetch(self, batch: PlannedBatch) -> None:
         """Start reading `batch` (replacing any read ahead not yet taken)."""
-        self._ahead = (batch, self._reader.submit(read_planned_batch, batch, self.spec))
+        self._ahead = (batch, self._reader.submit(self._read, batch))
 
     def read(self, batch: PlannedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`batch`'s rows: those read ahead when it is the batch read ahead, else read now."""
@@ -242,7 +248,100 @@ class PlannedBatchReader:
             _, reading = self._ahead
             self._ahead = None
             return reading.result()
-        return read_planned_batch(batch, self.spec)
+        return self._read(batch)
+
+    def _read(self, batch: PlannedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return _read_step_batch(batch, self.columns, self.label, self.shape)
+
+
+# A window's gathered rows on disk are held to about this many bytes when its length is chosen ("auto").
+WINDOW_BYTES = 256 << 20
+# ... and to at most this many steps, so that a run's first window is ready soon after it starts.
+MAX_WINDOW_STEPS = 1000
+
+
+def auto_window_steps(expected_batch_size: float, row_bytes: int, total_steps: int) -> int:
+    """The steps of a window when plan_ahead_steps = "auto": about WINDOW_BYTES of rows, 1..MAX_WINDOW_STEPS.
+
+    A long window spreads the fixed cost of a Ray Data pass (task start-up,
+    planning: about 0.3 to 2 s on 2 loaded cores) over many steps, and gives
+    the next window's gather as long as possible to finish while this one
+    trains; its rows sit on disk, never in a worker's memory.
+    """
+    step_bytes = max(1.0, expected_batch_size * row_bytes)
+    return int(max(1, min(MAX_WINDOW_STEPS, total_steps, WINDOW_BYTES // step_bytes)))
+
+
+class PlannedWindows:
+    """Windows of `window_steps` steps of `spec`'s Parquet training rows, each gathered while the one before trains.
+
+    `shares_of(step)` is the step's sample split across the workers, as the
+    step will send it; it is called on the gathering thread, so it must be a
+    pure function of the step (the run key's PRF). Windows count from
+    `first_step` (a resumed run's first step). `remote_args` are Ray options
+    for the gather's task (keep it on the node whose disk holds the
+    folders). One background thread gathers the windows in order: when a
+    window is first asked for, the next one is started, so at most three
+    folders exist (the one whose last step may still be retried, the one
+    training, the one gathering), and each is deleted once its steps ran.
+    """
+
+    def __init__(self, spec: Mapping, window_steps: int, total_steps: int,
+                 shares_of: Callable[[int], Sequence[np.ndarray]], first_step: int = 0,
+                 remote_args: Mapping | None = None) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if window_steps < 1:
+            raise ValueError(f"plan_ahead_steps must be >= 1 (got {window_steps})")
+        self.spec, self.window_steps, self.total_steps, self.shares_of = spec, window_steps, total_steps, shares_of
+        self.first_step, self.remote_args = first_step, remote_args
+        self.windows: dict[int, tuple[str, Future]] = {}
+        self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="window-gather")
+
+    def start(self) -> None:
+        """Start gathering the first window (before the workers start, so that both go on together)."""
+        self._submit(0)
+
+    def batch(self, step: int, worker: int) -> PlannedBatch | None:
+        """Where worker `worker` finds its share of `step`, once its window is gathered (None past the last step)."""
+        if step >= self.total_steps:
+            return None
+        window = (step - self.first_step) // self.window_steps
+        self._submit(window)
+        # The next window gathers while this one trains.
+        self._submit(window + 1)
+        folder, gathering = self.windows[window]
+        gathering.result()
+        return PlannedBatch(folder, step, worker)
+
+    def done_with(self, step: int) -> None:
+        """Delete the folders of the windows whose every step is at or before `step` (they ran)."""
+        for window in [window for window in self.windows
+                       if self.first_step + (window + 1) * self.window_steps <= step + 1]:
+            folder, gathering = self.windows.pop(window)
+            gathering.result()
+            remove_window_folder(folder)
+
+    def close(self) -> None:
+        """Stop gathering and delete every window's folder (at the end of the run, or when it stops)."""
+        for _, gathering in self.windows.values():
+            gathering.cancel()
+        self._gatherer.shutdown(wait=True)
+        for folder, _ in self.windows.values():
+            remove_window_folder(folder)
+        self.windows.clear()
+
+    def _submit(self, window: int) -> None:
+        start = self.first_step + window * self.window_steps
+        if window in self.windows or start >= self.total_steps:
+            return
+        folder = private_window_folder()
+        self.windows[window] = (folder, self._gatherer.submit(
+            self._gather, range(start, min(start + self.window_steps, self.total_steps)), folder))
+
+    def _gather(self, steps: range, folder: str) -> None:
+        # Which row groups were read says which held a sampled row: it is dropped, never kept or logged.
+        gather_window(self.spec, {step: self.shares_of(step) for step in steps}, folder, self.remote_args)
 
 
 def first_row(spec: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,17 +356,18 @@ def first_row(spec: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PlannedRunSource:
-    """A planned run's training split on a worker: its size from the files' row counts, no row-group index held.
+    """A planned run's training rows [start, stop) on a worker (all by default), no row-group index held.
 
     Steps read from planned batches, so the worker keeps no per-row-group
     metadata (which grows with N). A read of no rows (the example's shape)
     streams the first example alone; any other read (a feature cache, the
     non-private train loss) opens a `ParquetSource` then and keeps it.
+    Indices count from `start` (a silo worker's range of its shard).
     """
 
-    def __init__(self, spec: Mapping) -> None:
-        self.spec = spec
-        self.size = int(file_row_counts(spec, "train")[1].sum())
+    def __init__(self, spec: Mapping, start: int = 0, stop: int | None = None) -> None:
+        self.spec, self.start = spec, start
+        self.size = (int(file_row_counts(spec, "train")[1].sum()) if stop is None else stop) - start
         self.source: ParquetSource | None = None
         self.no_rows = None
 
@@ -282,4 +382,4 @@ class PlannedRunSource:
             return self.no_rows[0][:0], self.no_rows[1][:0]
         if self.source is None:
             self.source = ParquetSource(self.spec, "train")
-        return self.source.read(indices)
+        return self.source.read(np.asarray(indices) + self.start)

@@ -28,7 +28,8 @@ class ShardSpec:
     is how many gradient workers split the shard between them.
     """
 
-    dataset: str = Field(description="The built-in dataset the shard is a part of (default: the config's `dataset`).")
+    dataset: str | dict = Field(description="The built-in dataset the shard is a part of, or a Parquet table read "
+                                            "through `plan_ahead_steps` (default: the config's `dataset`).")
     part: int = Field(0, ge=0, description="Which part of the training split, from 0 to `parts` - 1.")
     parts: int = Field(1, ge=1, description="How many equal, contiguous parts the training split is cut into.")
     resources: Mapping[str, Annotated[float, Field(gt=0)]] = Field(

@@ -6,7 +6,10 @@ their clipped gradients and the raw count of examples left out for a
 non-finite gradient. Neither an example, an index nor a realised batch size
 leaves the worker. Under secure aggregation the worker is its silo's party:
 it answers with its sum in fixed point plus pairwise masks (``SiloParty``),
-and its keys and shares stay in its memory.
+and its keys and shares stay in its memory. A shard of Parquet files is read
+in batches planned ahead: the worker plans its own windows of samples and
+gathers them with Ray Data on its own node
+(`workers.planned_batches.PlannedWindows`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import ray
 
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
+from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, file_row_counts
 from workers.sampling import local_poisson_sample, local_sampling_key
 from workers.secure_aggregation import SiloParty
-from workers.shards import ShardSpec, load_shard_examples
+from workers.shards import ShardSpec, load_shard_examples, worker_bounds
 from workers.sources import InMemorySource
 
 
@@ -32,8 +36,10 @@ class ShardWorker(GradientWorker):
     and keeps in its own memory (``seed`` is None in production), so a
     retried step draws the same examples and nothing outside the worker can
     recompute any step's sample; a replacement worker draws a new key. A seed
-    (tests only) derives the key from (seed, shard, worker). The other
-    arguments are ``GradientWorker``'s.
+    (tests only) derives the key from (seed, shard, worker). A shard whose
+    dataset is a Parquet table is read in windows of ``plan_ahead_steps``
+    steps (a number or "auto") that this worker plans and gathers on its
+    node. The other arguments are ``GradientWorker``'s.
     """
 
     def __init__(
@@ -50,6 +56,7 @@ class ShardWorker(GradientWorker):
         loss: str = "cross_entropy",
         train_transforms: Sequence[Mapping[str, Any]] = (),
         augmentations_per_example: int = 1,
+        plan_ahead_steps: int | str | None = None,
     ) -> None:
         if not 0 <= worker_index < shard.workers:
             raise ValueError(f"worker_index must be in 0..{shard.workers - 1} for a shard of {shard.workers} "
@@ -58,25 +65,62 @@ class ShardWorker(GradientWorker):
         self._sampling_key = local_sampling_key(seed, shard_index, worker_index)
         self.sampling_rate: float | None = None
         self._secure: SiloParty | None = None
+        self.plan_ahead_steps, self.windows = plan_ahead_steps, None
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
                          engine=engine, loss=loss, train_transforms=train_transforms,
-                         augmentations_per_example=augmentations_per_example)
+                         augmentations_per_example=augmentations_per_example,
+                         planned_batches=isinstance(shard.dataset, Mapping))
 
     def _training_source(
-        self, dataset: str, train_subset: int | None, data_root: str | None
-    ) -> tuple[InMemorySource, int]:
-        source = InMemorySource(*load_shard_examples(self.shard, self.worker_index, data_root))
+        self, dataset: str | dict, train_subset: int | None, data_root: str | None
+    ) -> tuple[InMemorySource | PlannedRunSource, int]:
+        if self.planned_batches:
+            self.row_offset, stop = worker_bounds(int(file_row_counts(dataset, "train")[1].sum()), self.shard,
+                                             self.worker_index)
+            source = PlannedRunSource(dataset, self.row_offset, stop)
+        else:
+            source = InMemorySource(*load_shard_examples(self.shard, self.worker_index, data_root))
         return source, len(source)
 
     def example_count(self) -> int:
         """How many training examples this worker holds (public: the driver adds them up to N)."""
         return self.train_size
 
-    def set_sampling_rate(self, sampling_rate: float) -> None:
-        """Set q, the probability with which each example joins a step's sample (the same on every worker)."""
+    def set_sampling_rate(self, sampling_rate: float, total_steps: int | None = None) -> None:
+        """Set q, the probability with which each example joins a step's sample (the same on every worker).
+
+        A Parquet shard also needs the run's `total_steps`: its first window
+        starts gathering here.
+        """
         if not 0.0 < sampling_rate <= 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1] (got {sampling_rate})")
         self.sampling_rate = sampling_rate
+        if self.planned_batches:
+            if total_steps is None:
+                raise ValueError("a Parquet shard's worker plans its windows up to the run's end: give total_steps")
+            self._plan_windows(total_steps)
+
+    def _plan_windows(self, total_steps: int) -> None:
+        """Windows of this worker's own samples, gathered on this node's disk by Ray Data tasks kept on it."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self.windows is not None:
+            self.windows.close()
+        window_steps = self.plan_ahead_steps
+        if window_steps == "auto":
+            inputs, labels = self.source.read(np.zeros(0, dtype=np.int64))
+            row_bytes = inputs.element_size() * int(np.prod(inputs.shape[1:])) + labels.element_size()
+            window_steps = auto_window_steps(self.sampling_rate * self.train_size, row_bytes, total_steps)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.windows = PlannedWindows(self.dataset, int(window_steps), total_steps,
+                                      lambda step: [self.row_offset + self._local_sample(step)],
+                                      remote_args={"scheduling_strategy": here})
+        self.windows.start()
+
+    def release(self) -> None:
+        """Stop gathering and delete every window's folder (before the actor is stopped)."""
+        if self.windows is not None:
+            self.windows.close()
 
     def sampled_clipped_grad_sum(
         self, weights: np.ndarray, step: int, clip_norm: float | LayerClipNorms
@@ -89,7 +133,12 @@ class ShardWorker(GradientWorker):
         ``GradientWorker.clipped_grad_sum``). A retried call draws the same
         sample.
         """
-        return self.clipped_grad_sum(weights, self._local_sample(step), clip_norm, count_zeroed=True)
+        if self.windows is None:
+            return self.clipped_grad_sum(weights, self._local_sample(step), clip_norm, count_zeroed=True)
+        # The windows before this step's have all run (a retried step is this one): their folders go now.
+        self.windows.done_with(step - 1)
+        return self.clipped_grad_sum(weights, self._local_sample(step), clip_norm, count_zeroed=True,
+                                     planned=self.windows.batch(step, 0), next_planned=self.windows.batch(step + 1, 0))
 
     def secure_start(self, context: bytes, parties: Sequence[int], threshold: int, scale: float,
                      clip_bound: float) -> bytes:

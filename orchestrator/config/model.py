@@ -237,15 +237,24 @@ def _aggregation(config: TrainConfig) -> None:
 
 
 def _planned_batches(config: TrainConfig) -> None:
+    parquet_shards = [index for index, shard in enumerate(config.shards) if isinstance(shard.dataset, Mapping)]
     if config.plan_ahead_steps is None:
+        if parquet_shards:
+            raise UsageError(f"shards[{parquet_shards[0]}] reads Parquet files, which a silo gathers in batches "
+                             "planned ahead: set plan_ahead_steps (\"auto\" or a number of steps)")
+        return
+    if config.shards:
+        if len(parquet_shards) < len(config.shards):
+            raise UsageError("with shards, plan_ahead_steps gathers each silo's own Parquet files: give every shard "
+                             "a parquet dataset (or the config's), or leave plan_ahead_steps out")
         return
     if not isinstance(config.dataset, Mapping) or config.dataset.get("format") != "parquet" \
             or config.dataset.get("train_parts"):
         raise UsageError("plan_ahead_steps gathers Parquet training files: give a parquet dataset without blocks, "
                          "or leave plan_ahead_steps out")
-    if config.shards or config.privacy_unit == "user":
-        raise UsageError("plan_ahead_steps plans the driver's sample of examples: it cannot be combined with shards "
-                         "or privacy_unit = \"user\"; leave plan_ahead_steps out")
+    if config.privacy_unit == "user":
+        raise UsageError("plan_ahead_steps plans a sample of examples: it cannot be combined with "
+                         "privacy_unit = \"user\"; leave plan_ahead_steps out")
 
 
 def _secure_aggregation(config: TrainConfig) -> None:

@@ -201,15 +201,25 @@ class DataSection(Section):
         "`basic`: the metadata and the scan only. `full`: the same as `strict` (its former name).",
     )
 
-    plan_ahead_steps: int | None = key(
+    plan_ahead_steps: int | Literal["auto"] | None = key(
         None,
         "Read Parquet training rows as batches planned this many steps ahead: each window's samples are gathered "
         "by Ray Data in one sequential pass over the files (each row group read at most once a window) into a "
-        "folder only the run's user can enter, deleted once its steps ran. Fast whatever the row-group size; "
-        "without it each sampled row costs the decoding of its row group (fast only for `dpfleet data export` "
-        "files). Needs a Parquet dataset, driver sampling (no shards) and privacy_unit = \"example\".",
-        shown_default="off", ge=1,
+        "folder only the run's user can enter, deleted once its steps ran; the next window is gathered while "
+        "this one trains. `auto`: windows of about 256 MiB of rows, at most 1000 steps. Fast whatever the "
+        "row-group size; without it each sampled row costs the decoding of its row group (fast only for "
+        "`dpfleet data export` files). Needs a Parquet dataset and privacy_unit = \"example\". With `shards`, "
+        "each shard's dataset is a Parquet table (its silo's files) and each silo's workers plan their own "
+        "samples and gather them on their own node; a Parquet shard needs this key.",
+        kind="integer or \"auto\"", valid="≥ 1, or `auto`", shown_default="off",
     )
+
+    @field_validator("plan_ahead_steps", mode="plain")
+    @classmethod
+    def _plan_ahead_steps(cls, value: Any) -> int | str | None:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise UsageError(f'plan_ahead_steps must be a whole number >= 1 or "auto" (got {value!r})')
 
     @field_validator("dataset", mode="plain")
     @classmethod
@@ -391,7 +401,12 @@ class SamplingSection(Section):
     @classmethod
     def _shard_tables(cls, value: Any, info: ValidationInfo) -> list:
         # A shard without a dataset reads the config's (a refused dataset is reported by its own key).
-        return shard_tables(value, sources.BUILTINS, info.data.get("dataset", "mnist"))
+        tables = shard_tables(value, sources.BUILTINS, info.data.get("dataset", "mnist"))
+        try:
+            return [{**table, "dataset": sources.parse_spec(table["dataset"])} if isinstance(table["dataset"], dict)
+                    else table for table in tables]
+        except ValueError as error:
+            raise _usage(error) from None
 
     @field_validator("shards", mode="after")
     @classmethod
