@@ -62,7 +62,7 @@ from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merg
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.planning import RunPlan, plan_run
-from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run
+from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run, lenient_drops
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.planned_windows import PlannedWindows
@@ -172,6 +172,15 @@ class Trainer:
         self.config, self.out, self.ledger = config, out or sys.stdout, ledger
         self.non_private_train_loss = non_private_train_loss
         self.started_ray, self.shards, dataset_size = self._start_shards()
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.model = build_checked_model(config)
+        check_trainable(config, self.model)
+        # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
+        # Under check_data = "lenient" the config's table then names its classes, and N counts the rows kept.
+        self.config = config = check_data(config, self.model, dry_run(config, self.model))
+        if config.check_data == "lenient":
+            self.say(lenient_drops(config))
         self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
             self.shards.set_sampling_rate(self.plan.sampling_rate)
@@ -184,12 +193,6 @@ class Trainer:
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.model = build_checked_model(config)
-        check_trainable(config, self.model)
-        # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
-        check_data(config, self.model, dry_run(config, self.model))
         self.bound_config = bound_config(config)
         self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
                                  else dataset_identity(config.dataset))

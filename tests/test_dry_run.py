@@ -2,6 +2,7 @@
 reserved, and each mistake is one short paragraph with exit status ≠ 0 and the ledger as it was."""
 
 import csv
+import json
 import os
 import sys
 import textwrap
@@ -204,3 +205,64 @@ def test_the_summary_says_whether_sigma_or_the_target_was_fixed():
         "noise multiplier (fixed)", 1.1]
     chosen = noise_row(build_config({**base, "target_epsilon": 2.0}), {"noise_multiplier": 0.7, "steps": 50})
     assert chosen == ["noise multiplier (chosen for the fixed target epsilon 2 over 50 steps)", 0.7]
+
+
+def nan_and_label_rows(row):
+    """Labels for the lenient tests: rows 4 and 11 have a label outside 0..2 (row 7's features are made NaN)."""
+    return 5 if row in (4, 11) else row % CLASSES
+
+
+def with_bad_rows(tmp_path, config_text):
+    """Row 7 of the training CSV gets a NaN feature, row 33 an infinite one."""
+    path = tmp_path / "train.csv"
+    lines = path.read_text().splitlines()
+    for row, value in ((7, "nan"), (33, "inf")):
+        cells = lines[row + 1].split(",")
+        cells[2] = value
+        lines[row + 1] = ",".join(cells)
+    path.write_text("\n".join(lines) + "\n")
+    return config_text
+
+
+def test_strict_refuses_nan_rows_with_their_count_and_first_rows(tmp_path, capsys, toy_budget):
+    config = with_bad_rows(tmp_path, newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES),
+                                                  "strict_model"))
+    # A CSV's "nan" reads as a missing value; "inf" as infinity.
+    assert_refused_before_reserving(config, capsys, "row 7, column 'x2': null",
+                                    "1 of rows 0..39 (7) of the column are null", 'check_data = "lenient"')
+    text = (tmp_path / "train.csv").read_text().replace(",nan,", ",0.5,")
+    (tmp_path / "train.csv").write_text(text)
+    assert_refused_before_reserving(config, capsys, "row 33, column 'x2': not finite",
+                                    "1 of rows 0..39 (33) have a feature that is not")
+
+
+def test_lenient_drops_nan_rows_and_outside_labels_says_how_many_and_releases_no_count(tmp_path, capsys,
+                                                                                       toy_budget):
+    config = with_bad_rows(tmp_path, newcomer_job(
+        tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "lenient_model",
+        label_of=nan_and_label_rows))
+    text = open(config).read().replace("run_dir =", 'check_data = "lenient"\nrun_dir =')
+    open(config, "w").write(text)
+    assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert ('check_data = "lenient" dropped 4 of 40 train rows (2 with a NaN or infinite value, 2 with a label '
+            "outside 0..2); 0 of 20 test rows") in out
+    summary = json.loads(out.splitlines()[-1])
+    # N is the 36 rows kept; the dropped count itself is in no released file.
+    assert summary["sampling_rate"] == pytest.approx(10 / 36)
+    run_dir = tmp_path / "run"
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".csv", ".txt"):
+            assert "dropped" not in path.read_text(), path
+    with open_embedded_ledger() as ledger:
+        (job,) = ledger.list_jobs()
+    assert job.state == "released" and job.committed_steps == 2
+
+
+def test_lenient_is_refused_where_the_rows_it_drops_would_differ_between_readers():
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+
+    with pytest.raises(UsageError, match='check_data = "lenient" .* cannot be combined with a dataset other than'):
+        build_config({"dataset": "mnist", "check_data": "lenient", "steps": 1, "batch_size": 10,
+                      "noise_multiplier": 1.0})

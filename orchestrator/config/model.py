@@ -190,6 +190,27 @@ def _people_not_features(config: TrainConfig) -> None:
     _settle(config, dataset={**spec, "exclude_columns": [*spec.get("exclude_columns", []), config.user_id]})
 
 
+def _lenient_rows(config: TrainConfig) -> None:
+    """check_data = "lenient" marks the table's spec so that every reader of it drops the same invalid rows."""
+    spec, lenient = config.dataset, config.check_data == "lenient"
+    if isinstance(spec, dict) and (lenient or "drop_invalid_rows" in spec):
+        _settle(config, dataset={**{key: value for key, value in spec.items() if key != "drop_invalid_rows"},
+                                 **({"drop_invalid_rows": True} if lenient else {})})
+    if not lenient:
+        return
+    refused = [reason for reason, present in (
+        ("a dataset other than a csv, parquet, npy or npz table",
+         not isinstance(spec, dict) or spec.get("format") not in sources.LENIENT_FORMATS),
+        ("shards", config.shards), ("blocks", config.blocks), ("plan_ahead_steps", config.plan_ahead_steps),
+        ("people's rows (privacy_unit = \"user\", user_id, synthetic_users, max_examples_per_user)",
+         config.privacy_unit == "user" or config.user_id is not None or config.synthetic_users is not None
+         or config.max_examples_per_user is not None)) if present]
+    if refused:
+        raise UsageError(f'check_data = "lenient" drops invalid rows of one table as the driver and every worker read '
+                         f'it; it cannot be combined with {", ".join(refused)}: use check_data = "strict" and fix or '
+                         "drop the rows it names")
+
+
 def _augmentations(config: TrainConfig) -> None:
     if config.augmentations_per_example == 1:
         return
@@ -235,7 +256,8 @@ def _planned_batches(config: TrainConfig) -> None:
 
 
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
-    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _augmentations,
+    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _lenient_rows,
+    _augmentations,
     _layer_clipping, _aggregation, _planned_batches,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""

@@ -48,7 +48,7 @@ sources = LazyModule("workers.sources")
 tasks = LazyModule("workers.tasks")
 
 ACCOUNTANT_NAMES = tuple(ACCOUNTANTS)
-CHECK_DATA_LEVELS = ("strict", "basic", "full")
+CHECK_DATA_LEVELS = ("strict", "lenient", "basic", "full")
 PRIVACY_UNITS = ("example", "user")
 TARGET_EPSILON_BASES = ("accountant", "filter")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -197,7 +197,10 @@ class DataSection(Section):
         "and a scan (missing files or columns, wrong types, empty files, examples of the wrong size) and every "
         "value: NaN or infinite features, nulls, and integer labels outside 0..num_classes-1 (num_classes from "
         "the dataset, else the model's output width) are refused, with how many rows and the first ones. "
-        "`basic`: the metadata and the scan only. `full`: the same as `strict` (its former name).",
+        "`lenient`: the metadata and the scan, then rows with a NaN or infinite value or a label outside the "
+        "classes are dropped from both splits (each row by its own values), and the run's log says how many; a "
+        "csv, parquet, npy or npz table at example level only. `basic`: the metadata and the scan only. `full`: "
+        "the same as `strict` (its former name).",
     )
 
     plan_ahead_steps: int | None = key(
