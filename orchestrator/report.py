@@ -122,6 +122,10 @@ class RunReport:
             "events": events.to_dict(),
         }
         summary |= self._person_epsilons(events)
+        if config.early_stopping_patience is not None:
+            # Whether the test metric stopped the run before its planned steps (the rest were released, not charged).
+            summary["stopped_early"] = steps < plan.steps
+            summary["planned_steps"] = plan.steps
         if config.shards:
             summary["shards"] = len(config.shards)
             summary["shard_outages"] = record.shard_outages

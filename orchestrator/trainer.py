@@ -62,6 +62,7 @@ from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merg
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.planning import RunPlan, plan_run
+from orchestrator.early_stopping import stops_early
 from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run, lenient_drops
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
@@ -217,6 +218,8 @@ class Trainer:
         self.optimizer_slices: list[dict] | None = None
         # The bytes of the last step's sample shares (the driver path's part of `_driver_bytes`; none with shards).
         self.sample_bytes = 0
+        # Set at an evaluation point when early_stopping_patience evaluations in a row did not improve.
+        self.stopped_early = False
 
     def _start_shards(self) -> tuple[bool, ShardFleet | None, int | None]:
         """With shards: start Ray (unless it is up) and the shards' workers; (started Ray, the fleet, their N)."""
@@ -405,9 +408,14 @@ class Trainer:
             if epoch_end <= self.step:
                 continue
             self._train_epoch(epoch, epoch_end, workers)
-            if epoch_end in plan.evaluation_steps:
+            if self.step == epoch_end and epoch_end in plan.evaluation_steps:
                 self._record_epoch(epoch, workers)
             self._save_checkpoint()
+            if self.stopped_early:
+                self.say(f"stopped early after step {self.step} of {plan.steps}: test "
+                         f"{self.config.early_stopping_metric} did not improve for "
+                         f"{self.config.early_stopping_patience} evaluation(s); the steps not run are not charged")
+                return
 
     def _train_epoch(self, epoch: int, epoch_end: int, workers: list) -> None:
         """Run the steps of epoch `epoch` (1-based) up to step `epoch_end`: its bar, rows within it, checkpoints."""
@@ -429,6 +437,8 @@ class Trainer:
                 )
             if self.step in plan.evaluation_steps and self.step < epoch_end:
                 self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
+                if self.stopped_early:
+                    break
             if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
                 self._save_checkpoint()
         bar.close()
@@ -669,6 +679,10 @@ class Trainer:
         if self.non_private_train_loss:
             row["train_loss_non_private"] = merge_evaluation(train)["loss"]
         self.report.add_row(self.record.metrics, row)
+        config = self.config
+        if config.early_stopping_patience is not None and self.step < self.plan.steps:
+            self.stopped_early = stops_early(self.record.metrics, config.early_stopping_metric,
+                                             config.early_stopping_patience, config.early_stopping_min_delta)
 
     def _finish(self) -> dict:
         """The run's summary (`RunReport.finish`)."""

@@ -266,3 +266,40 @@ def test_lenient_is_refused_where_the_rows_it_drops_would_differ_between_readers
     with pytest.raises(UsageError, match='check_data = "lenient" .* cannot be combined with a dataset other than'):
         build_config({"dataset": "mnist", "check_data": "lenient", "steps": 1, "batch_size": 10,
                       "noise_multiplier": 1.0})
+
+
+def test_early_stopping_ends_the_run_at_an_evaluation_and_releases_the_unrun_steps(tmp_path, capsys, toy_budget):
+    # min_delta 1e9: no evaluation improves the loss, so patience 1 stops the run at the first evaluation point
+    # (step 4). Blocks of 4 steps on a slow clock: the first is charged at once, the next two never.
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "stopping_model")
+    text = open(config).read().replace("steps = 2", "steps = 12").replace("run_dir =", (
+        "early_stopping_patience = 1\nearly_stopping_min_delta = 1e9\nevaluate_every = { steps = 4 }\n"
+        "commit_every = 4\ncommit_interval = 60\nrun_dir ="))
+    open(config, "w").write(text)
+    assert main(["train", "--config", config, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped early after step 4 of 12: test loss did not improve for 1 evaluation(s)" in out
+    assert "steps (stopped early; the rest released, not charged)" in out and "4 of 12" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["stopped_early"] is True and summary["planned_steps"] == 12
+    with open_embedded_ledger() as ledger:
+        budget = ledger.get_budget(DATASET)
+        (job,) = ledger.list_jobs()
+    assert job.state == "released" and job.committed_steps == 4 and budget.reserved_epsilon == 0
+    assert budget.spent_epsilon == pytest.approx(summary["epsilon"], rel=1e-9)
+
+
+def test_the_early_stopping_rule_counts_evaluations_since_the_best():
+    from orchestrator.early_stopping import evaluations_without_improvement, stops_early
+
+    losses = [{"test_loss": value} for value in (1.0, 0.8, 0.85, 0.79, 0.9, 0.95)]
+    assert evaluations_without_improvement(losses, "loss", 0.0) == 2
+    assert evaluations_without_improvement(losses, "loss", 0.05) == 4  # 0.79 is not 0.05 better than 0.8
+    accuracies = [{"test_accuracy": value} for value in (0.1, 0.5, 0.4)]
+    assert stops_early(accuracies, "accuracy", 1, 0.0) and not stops_early(accuracies, "accuracy", 2, 0.0)
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+
+    with pytest.raises(UsageError, match='early_stopping_metric must be "loss" or one of the run\'s metrics'):
+        build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
+                      "early_stopping_patience": 2, "early_stopping_metric": "auroc"})

@@ -211,6 +211,13 @@ def _lenient_rows(config: TrainConfig) -> None:
                          "drop the rows it names")
 
 
+def _early_stopping(config: TrainConfig) -> None:
+    if config.early_stopping_metric != "loss" and config.early_stopping_metric not in config.metrics:
+        raise UsageError(f"early_stopping_metric must be \"loss\" or one of the run's metrics "
+                         f"({', '.join(config.metrics)}) (got {config.early_stopping_metric!r}); add it to metrics "
+                         "or choose one of them")
+
+
 def _augmentations(config: TrainConfig) -> None:
     if config.augmentations_per_example == 1:
         return
@@ -257,7 +264,7 @@ def _planned_batches(config: TrainConfig) -> None:
 
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _lenient_rows,
-    _augmentations,
+    _early_stopping, _augmentations,
     _layer_clipping, _aggregation, _planned_batches,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""

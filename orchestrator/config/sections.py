@@ -548,6 +548,23 @@ class RunSection(Section):
         None, "Also evaluate within epochs; the workers evaluate the test split in parts and return only sums.",
         kind="table", valid=f"one key of {table_text(EvaluateEvery)}", shown_default="every epoch",
     )
+    early_stopping_patience: int | None = key(
+        None,
+        "Stop the run once this many evaluations in a row (at the evaluation points `evaluate_every` sets) have not "
+        "improved `early_stopping_metric` on the test split; the steps not run are released to the ledger, never "
+        "charged, and the summary says the run stopped early. The test split must be public or held out from the "
+        "private training data: the decision reads it (docs/training.md).",
+        shown_default="off", ge=1,
+    )
+    early_stopping_metric: str = key(
+        "loss",
+        "The test metric early stopping watches: `loss` or one of `metrics`. Loss, mse and mae improve "
+        "downwards, the others upwards.",
+        valid="`\"loss\"` or a name in `metrics`",
+    )
+    early_stopping_min_delta: float = key(
+        0.0, "How much `early_stopping_metric` must beat its best so far to count as an improvement.", ge=0,
+    )
     workers: int = key(2, "Gradient worker actors. With `shards`, the sum of the shards' `workers`.", ge=1)
     aggregation: Literal[AGGREGATIONS] = key(
         "auto",
