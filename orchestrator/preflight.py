@@ -16,8 +16,10 @@ from torch import nn
 
 from orchestrator.config import TrainConfig
 from orchestrator.errors import UsageError
-from workers.engines import ExampleSchema, synthetic_examples
-from workers.models import build_model
+from workers.engines import ExampleSchema, clipped_sum, synthetic_examples
+from workers.features import compute_features, feature_map
+from workers.models import build_model, flat_parameters
+from workers.vmap_engine import microbatch_clipped_sum
 from workers.names import task_of
 from workers.sources import SPLITS, DataError, SplitSchema, check_source, dropped_rows, read_first, split_schema
 from workers.tasks import build_loss
@@ -114,7 +116,8 @@ def build_checked_model(config: TrainConfig) -> nn.Module:
 
 
 def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
-    """One forward and backward pass of a copy of ``model`` on made-up examples of the training split's schema.
+    """One forward and backward pass of a copy of ``model`` on made-up examples of the training split's schema,
+    then one clipped sum of them by the engine the workers will run (``engine_pass``).
 
     The schema (shapes, dtypes, feature columns) comes from the files'
     metadata; no private value is read. Refuses, with UsageError, a test
@@ -163,6 +166,14 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
                 f"{'floating-point' if train.label_floating else 'integer'} labels", error,
                 "make the model's output fit the loss (classes: one output per class; regression: one output "
                 "and the \"mse\" loss), or set loss")) from None
+        engine = "microbatch" if config.microbatch_size else config.engine
+        try:
+            engine_pass(config, trial, inputs, labels)
+        except Exception as error:  # noqa: BLE001 - the user's model under the engine, reported one paragraph
+            raise UsageError(_failure(
+                f"one clipped sum by the {engine} clipping engine (precision {config.precision}) on {where}", error,
+                "the model runs in plain autograd but not under the engine the workers run: try engine = "
+                "\"vmap\" (docs/training.md, the layer rules), or fix the layer the error names")) from None
     finally:
         torch.set_rng_state(random_state)
     # Only a classifier's output width is its number of classes (a binary model's one logit is not).
@@ -170,6 +181,29 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
             or outputs.dim() < 2):
         return None
     return int(outputs.shape[-1])
+
+
+def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """One clipped sum of ``inputs`` by the engine the run's workers will use, at the run's precision.
+
+    That is the microbatch engine with microbatch_size, else the config's
+    engine (fast or vmap), on the model behind any fixed feature map, as the
+    workers run it. User-level runs clip each user's rows in the workers'
+    own path, which this pass does not take.
+    """
+    features, gradient_model = feature_map(model)
+    if features is not None:
+        inputs = compute_features(features, inputs)
+    weights, loss_fn = flat_parameters(gradient_model), build_loss(config.loss)
+    with warnings.catch_warnings():
+        # A fallback to the vmap engine is the workers' to report, once, when they start.
+        warnings.simplefilter("ignore")
+        if config.microbatch_size:
+            microbatch_clipped_sum(gradient_model, weights, inputs, labels, torch.zeros(len(labels), dtype=torch.int64),
+                                   1.0, loss_fn)
+        else:
+            clipped_sum(config.engine, gradient_model, weights, inputs, labels, 1.0, DRY_RUN_EXAMPLES, loss_fn,
+                        precision=config.precision)
 
 
 def _difference(train: SplitSchema, test: SplitSchema) -> str:

@@ -303,3 +303,30 @@ def test_the_early_stopping_rule_counts_evaluations_since_the_best():
     with pytest.raises(UsageError, match='early_stopping_metric must be "loss" or one of the run\'s metrics'):
         build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
                       "early_stopping_patience": 2, "early_stopping_metric": "auroc"})
+
+
+def test_a_model_that_fails_under_the_runs_clipping_engine_is_refused_before_reserving(tmp_path, capsys, toy_budget):
+    # Plain autograd runs .item(); torch.func's vmap, which the vmap engine batches examples with, cannot.
+    module = LINEAR_MODEL.format(features=FEATURES, classes=CLASSES).replace(
+        "return self.layer(x.flatten(1))", "return self.layer(x.flatten(1)) * (1.0 if x.sum().item() else 1.0)")
+    config = newcomer_job(tmp_path, module, "engine_model")
+    text = open(config).read().replace("run_dir =", 'engine = "vmap"\nrun_dir =')
+    open(config, "w").write(text)
+    assert_refused_before_reserving(config, capsys, "one clipped sum by the vmap clipping engine (precision fp32)",
+                                    f"{tmp_path / 'engine_model.py'}:", "No budget was reserved")
+
+
+def test_bf16_trains_with_the_vmap_engine_and_is_refused_with_the_fast_one(tmp_path, capsys, toy_budget):
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "bf16_model")
+    text = open(config).read().replace("run_dir =", 'engine = "vmap"\nprecision = "bf16"\nrun_dir =')
+    open(config, "w").write(text)
+    assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["steps"] == 2 and 0 <= summary["test_accuracy"] <= 1
+    with pytest.raises(UsageError, match='precision = "bf16" cannot be combined with engine = "fast" .*bfloat16 '
+                                         'rounding'):
+        build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
+                      "precision": "bf16"})

@@ -218,6 +218,21 @@ def _early_stopping(config: TrainConfig) -> None:
                          "or choose one of them")
 
 
+def _precision(config: TrainConfig) -> None:
+    if config.precision == "fp32":
+        return
+    refused = [reason for reason, present in (
+        ('engine = "fast" (its layer rules take an example\'s norm and its clipped contribution from different '
+         "products, which bfloat16 rounding would let disagree by about 1%, past the sensitivity bound; set engine = "
+         '"vmap")', config.engine == "fast"),
+        ("microbatch_size", config.microbatch_size), ("shards", config.shards),
+        ('privacy_unit = "user"', config.privacy_unit == "user"),
+        ('aggregation = "collective"', config.aggregation == "collective")) if present]
+    if refused:
+        raise UsageError(f'precision = "{config.precision}" cannot be combined with {"; ".join(refused)}: change '
+                         'those, or set precision = "fp32"')
+
+
 def _augmentations(config: TrainConfig) -> None:
     if config.augmentations_per_example == 1:
         return
@@ -264,7 +279,7 @@ def _planned_batches(config: TrainConfig) -> None:
 
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _lenient_rows,
-    _early_stopping, _augmentations,
+    _early_stopping, _precision, _augmentations,
     _layer_clipping, _aggregation, _planned_batches,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""

@@ -588,6 +588,15 @@ class RunSection(Section):
         "The per-example clipping engine: `fast` (per-layer rules: ghost norms and book-keeping, checked "
         "against autograd on each model) or `vmap` (the torch.func reference).",
     )
+    precision: Literal[names.PRECISIONS] = key(
+        "fp32",
+        "What the workers' forward and backward passes compute in: `fp32`, or `bf16` (bfloat16 autocast). Under "
+        "`bf16` each example's gradient is cast to float32 before its norm and its clipping, and the sums, the "
+        "noise and the optimizer stay float32, so one example still moves the sum by at most C. Needs engine = "
+        "\"vmap\" (the fast engine's layer rules take a norm and a contribution from different products, which "
+        "bfloat16 rounding would let disagree), without microbatch_size, shards, privacy_unit = \"user\" or "
+        "aggregation = \"collective\".",
+    )
     run_dir: str = key(
         "runs/latest", "Where config.json, metrics.jsonl, summary.json, curves.png and the checkpoints go.",
         valid="a non-empty path", schema=_PATH,
