@@ -6,11 +6,12 @@ import sys
 
 from bench import (
     admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, ledger_growth, mechanisms, mnist,
-    out_of_core, scaling, scheduling, secure_aggregation, seeds, throughput,
+    out_of_core, precision, scaling, scheduling, secure_aggregation, seeds, throughput,
 )
 
 BENCHMARKS = {
     "throughput": throughput.main,
+    "precision": precision.main,
     "ledger": ledger.main,
     "ledger_fairness": ledger_fairness.main,
     "ledger_commit_profile": ledger_commit_profile.main,

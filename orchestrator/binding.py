@@ -23,6 +23,7 @@ UNBOUND_KEYS = frozenset({
     "run_dir", "checkpoint_every", "data_root", "check_data",
     "ledger", "ledger_timeout", "ledger_lease", "dataset_budget_epsilon",
     "on_shard_loss", "shard_timeout",
+    "early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta",
 })
 
 

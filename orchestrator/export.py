@@ -30,7 +30,7 @@ from orchestrator.config import TrainConfig, build_config, rows_per_person, samp
 from orchestrator.errors import UsageError
 from workers.data import write_atomically
 from workers.models import MODEL_NAMES, build_model, load_flat_parameters
-from workers.sources import DataError, read_first, spec_name
+from workers.sources import DataError, read_first, spec_name, split_schema
 from workers.names import task_of
 
 WEIGHTS_SUFFIX = ".safetensors"
@@ -131,6 +131,8 @@ def model_description(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
 
     The input shape is read from the first test example, whose values are
     never used; the output shape comes from a forward pass on zeros of that shape.
+    ``input_columns`` names a table's feature columns (an npz file's features
+    array) in order, from the files' metadata; None for other datasets.
     """
     try:
         example = read_first(config.dataset, "test", 1, config.data_root)[0][0]
@@ -146,9 +148,11 @@ def model_description(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
         classes = declared or int(output.shape[-1])
     elif task == "binary":
         classes = 2
+    schema = split_schema(config.dataset, "test") if isinstance(config.dataset, dict) else None
     return {
         "spec": config.model,
         "builtin": config.model in MODEL_NAMES,
+        "input_columns": None if schema is None else list(schema.columns),
         "input_shape": list(example.shape),
         "input_dtype": str(example.dtype).removeprefix("torch."),
         "output_shape": list(output.shape[1:]),
@@ -256,3 +260,36 @@ def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = Fal
     write_atomically(out, payload)
     write_atomically(card_path(out), (json.dumps(card, indent=2, sort_keys=True) + "\n").encode())
     return Export(out, card_path(out), card)
+
+
+@dataclass(frozen=True)
+class ReleasedModel:
+    """A released model, rebuilt in eval mode, and its card's ``model`` entry (how to feed it, what it outputs)."""
+
+    model: nn.Module
+    description: dict[str, Any]
+
+
+def load_released(run_or_export: str | Path) -> ReleasedModel:
+    """The model a finished run released: from its run directory, or from the file `dpfleet export` wrote.
+
+    An export is rebuilt from its card (beside the file) and its weights; a
+    model from your own module needs that module on the import path.
+    """
+    path = Path(run_or_export)
+    if path.is_dir():
+        release = read_run(path)
+        model = released_model(release)
+        return ReleasedModel(model, model_description(release.config, model))
+    if path.suffix != WEIGHTS_SUFFIX or not path.is_file():
+        raise UsageError(f"{str(path)!r} is neither a run directory nor an exported NAME{WEIGHTS_SUFFIX} file; give "
+                         "the run_dir of a `dpfleet train` run or a file `dpfleet export` wrote")
+    if not card_path(path).is_file():
+        raise UsageError(f"{str(path)!r} has no model card beside it ({card_path(path).name}), which says how to "
+                         "rebuild the model; export the run again with `dpfleet export RUN_DIR --out FILE`")
+    from safetensors.torch import load_file
+
+    description = json.loads(card_path(path).read_text())["model"]
+    model = build_model(description["spec"])
+    model.load_state_dict(load_file(str(path)))
+    return ReleasedModel(model.eval(), description)

@@ -47,6 +47,7 @@ def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: in
         augmentations_per_example=config.augmentations_per_example,
         users=user_spec(config),
         planned_batches=config.plan_ahead_steps is not None,
+        precision=config.precision,
     )
 
 

@@ -16,10 +16,12 @@ from torch import nn
 
 from orchestrator.config import TrainConfig
 from orchestrator.errors import UsageError
-from workers.engines import ExampleSchema, synthetic_examples
-from workers.models import build_model
+from workers.engines import ExampleSchema, clipped_sum, synthetic_examples
+from workers.features import compute_features, feature_map
+from workers.models import build_model, flat_parameters
+from workers.vmap_engine import microbatch_clipped_sum
 from workers.names import task_of
-from workers.sources import SPLITS, DataError, SplitSchema, check_source, read_first, split_schema
+from workers.sources import SPLITS, DataError, SplitSchema, check_source, dropped_rows, read_first, split_schema
 from workers.tasks import build_loss
 from workers.validation import check_model, unchanged_buffers
 
@@ -35,23 +37,27 @@ def check_trainable(config: TrainConfig, model: nn.Module) -> None:
                              "parameter needs a prefix (e.g. the layer's name in model.named_parameters())")
 
 
-def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = None) -> None:
-    """Check both splits' files of the config's dataset (UsageError on a bad file).
+def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = None) -> TrainConfig:
+    """Check both splits' files of the config's dataset (UsageError on a bad file); return the config to train on.
 
     With check_data = "strict" (or its former name "full"), every value is
     scanned too: integer labels must lie below the dataset's num_classes,
     else below ``num_classes`` (the model's output width from the dry run),
     else below `model`'s output width on a test example.
+    With "lenient", the returned config's table carries that num_classes, so
+    that the driver and every worker drop the same rows (see lenient_drops).
     The built-ins are verified by digest, and a ``module:function``
     dataset's examples are not read in the driver, so only tables are checked.
     """
     if isinstance(config.dataset, str):
-        return
+        return config
     full = config.check_data in ("strict", "full")
+    lenient = config.check_data == "lenient"
     try:
-        if full and num_classes is None:
+        if (full or lenient) and num_classes is None and config.dataset.get("num_classes") is None \
+                and task_of(config.loss) == "multiclass":
             check_source(config.dataset, "test")
-            first_test_input, _ = read_first(config.dataset, "test", 1)
+            first_test_input, _ = read_first({**config.dataset, "drop_invalid_rows": False}, "test", 1)
             # The saved model's buffers are the ones it was built with: this forward may not write them.
             with torch.no_grad(), unchanged_buffers(model):
                 num_classes = model(first_test_input).shape[-1]
@@ -59,6 +65,30 @@ def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = 
             check_source(config.dataset, split, full, num_classes)
     except DataError as error:
         raise UsageError(str(error), error.with_values) from None
+    if lenient and num_classes is not None and "num_classes" not in config.dataset:
+        return config.model_copy(update={"dataset": {**config.dataset, "num_classes": int(num_classes)}})
+    return config
+
+
+def lenient_drops(config: TrainConfig) -> str:
+    """The line check_data = "lenient" prints for the data's owner: how many rows of each split it dropped, and why.
+
+    For the run's log on the driver only: the counts come from private
+    values, so they go into no summary, metric, checkpoint or export.
+    """
+    parts = []
+    for split in SPLITS:
+        try:
+            dropped = dropped_rows(config.dataset, split)
+        except DataError as error:
+            raise UsageError(str(error), error.with_values) from None
+        classes = config.dataset.get("num_classes")
+        why = f"{dropped.not_finite} with a NaN or infinite value"
+        if classes is not None:
+            why += f", {dropped.label_outside} with a label outside 0..{classes - 1}"
+        parts.append(f"{dropped.dropped} of {dropped.rows} {split} rows ({why})")
+    return (f'check_data = "lenient" dropped {"; ".join(parts)}. This count is for you, the data\'s owner: it is '
+            "printed here only, never released")
 
 
 # --- the dry run: the model on made-up examples of the data's schema, before anything is reserved ------------
@@ -86,7 +116,8 @@ def build_checked_model(config: TrainConfig) -> nn.Module:
 
 
 def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
-    """One forward and backward pass of a copy of ``model`` on made-up examples of the training split's schema.
+    """One forward and backward pass of a copy of ``model`` on made-up examples of the training split's schema,
+    then one clipped sum of them by the engine the workers will run (``engine_pass``).
 
     The schema (shapes, dtypes, feature columns) comes from the files'
     metadata; no private value is read. Refuses, with UsageError, a test
@@ -135,6 +166,14 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
                 f"{'floating-point' if train.label_floating else 'integer'} labels", error,
                 "make the model's output fit the loss (classes: one output per class; regression: one output "
                 "and the \"mse\" loss), or set loss")) from None
+        engine = "microbatch" if config.microbatch_size else config.engine
+        try:
+            engine_pass(config, trial, inputs, labels)
+        except Exception as error:  # noqa: BLE001 - the user's model under the engine, reported one paragraph
+            raise UsageError(_failure(
+                f"one clipped sum by the {engine} clipping engine (precision {config.precision}) on {where}", error,
+                "the model runs in plain autograd but not under the engine the workers run: try engine = "
+                "\"vmap\" (docs/training.md, the layer rules), or fix the layer the error names")) from None
     finally:
         torch.set_rng_state(random_state)
     # Only a classifier's output width is its number of classes (a binary model's one logit is not).
@@ -142,6 +181,29 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
             or outputs.dim() < 2):
         return None
     return int(outputs.shape[-1])
+
+
+def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """One clipped sum of ``inputs`` by the engine the run's workers will use, at the run's precision.
+
+    That is the microbatch engine with microbatch_size, else the config's
+    engine (fast or vmap), on the model behind any fixed feature map, as the
+    workers run it. User-level runs clip each user's rows in the workers'
+    own path, which this pass does not take.
+    """
+    features, gradient_model = feature_map(model)
+    if features is not None:
+        inputs = compute_features(features, inputs)
+    weights, loss_fn = flat_parameters(gradient_model), build_loss(config.loss)
+    with warnings.catch_warnings():
+        # A fallback to the vmap engine is the workers' to report, once, when they start.
+        warnings.simplefilter("ignore")
+        if config.microbatch_size:
+            microbatch_clipped_sum(gradient_model, weights, inputs, labels, torch.zeros(len(labels), dtype=torch.int64),
+                                   1.0, loss_fn)
+        else:
+            clipped_sum(config.engine, gradient_model, weights, inputs, labels, 1.0, DRY_RUN_EXAMPLES, loss_fn,
+                        precision=config.precision)
 
 
 def _difference(train: SplitSchema, test: SplitSchema) -> str:

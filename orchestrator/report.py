@@ -125,6 +125,10 @@ class RunReport:
         }
         summary |= self._person_epsilons(events)
         summary |= self._mechanism_figures(summary["epsilon"], steps)
+        if config.early_stopping_patience is not None:
+            # Whether the test metric stopped the run before its planned steps (the rest were released, not charged).
+            summary["stopped_early"] = steps < plan.steps
+            summary["planned_steps"] = plan.steps
         if config.shards:
             summary["shards"] = len(config.shards)
             summary["shard_outages"] = record.shard_outages

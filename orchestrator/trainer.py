@@ -62,7 +62,8 @@ from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merg
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
 from orchestrator.planning import RunPlan, plan_run
-from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run
+from orchestrator.early_stopping import stops_early
+from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run, lenient_drops
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.planned_windows import driver_windows
@@ -176,6 +177,12 @@ class Trainer:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.model = build_checked_model(config)
+        check_trainable(config, self.model)
+        # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
+        # Under check_data = "lenient" the config's table then names its classes, and N counts the rows kept.
+        self.config = config = check_data(config, self.model, dry_run(config, self.model))
+        if config.check_data == "lenient":
+            self.say(lenient_drops(config))
         # "driver" or "collective" (orchestrator.collective), by the model's size under "auto"; on the collective
         # path the ranks hold the weights and each its slice of the optimizer's state, which checkpoints carry as
         # `optimizer_slices`.
@@ -196,9 +203,6 @@ class Trainer:
         self.drawn_sample: tuple[np.ndarray, np.ndarray | None] | None = None
         # The fixed-order and cyclic Poisson samplers' shuffle of the data, from the run key; in memory only.
         self.sample_order: np.ndarray | None = None
-        check_trainable(config, self.model)
-        # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
-        check_data(config, self.model, dry_run(config, self.model))
         self.bound_config = bound_config(config)
         self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
                                  else dataset_identity(config.dataset))
@@ -219,6 +223,8 @@ class Trainer:
         self.engine_reported = False
         # The bytes of the last step's sample shares (the driver path's part of `_driver_bytes`; none with shards).
         self.sample_bytes = 0
+        # Set at an evaluation point when early_stopping_patience evaluations in a row did not improve.
+        self.stopped_early = False
 
     def _start_shards(self) -> tuple[bool, ShardFleet | None, int | None]:
         """With shards: start Ray (unless it is up) and the shards' workers; (started Ray, the fleet, their N)."""
@@ -419,9 +425,14 @@ class Trainer:
             if epoch_end <= self.step:
                 continue
             self._train_epoch(epoch, epoch_end, workers)
-            if epoch_end in plan.evaluation_steps:
+            if self.step == epoch_end and epoch_end in plan.evaluation_steps:
                 self._record_epoch(epoch, workers)
             self._save_checkpoint()
+            if self.stopped_early:
+                self.say(f"stopped early after step {self.step} of {plan.steps}: test "
+                         f"{self.config.early_stopping_metric} did not improve for "
+                         f"{self.config.early_stopping_patience} evaluation(s); the steps not run are not charged")
+                return
 
     def _train_epoch(self, epoch: int, epoch_end: int, workers: list) -> None:
         """Run the steps of epoch `epoch` (1-based) up to step `epoch_end`: its bar, rows within it, checkpoints."""
@@ -443,6 +454,8 @@ class Trainer:
                 )
             if self.step in plan.evaluation_steps and self.step < epoch_end:
                 self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
+                if self.stopped_early:
+                    break
             if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
                 self._save_checkpoint()
         bar.close()
@@ -694,6 +707,10 @@ class Trainer:
         if self.non_private_train_loss:
             row["train_loss_non_private"] = merge_evaluation(train)["loss"]
         self.report.add_row(self.record.metrics, row)
+        config = self.config
+        if config.early_stopping_patience is not None and self.step < self.plan.steps:
+            self.stopped_early = stops_early(self.record.metrics, config.early_stopping_metric,
+                                             config.early_stopping_patience, config.early_stopping_min_delta)
 
     def _finish(self) -> dict:
         """The run's summary (`RunReport.finish`)."""

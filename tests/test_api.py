@@ -61,3 +61,36 @@ def test_train_charges_the_ledger_and_returns_the_exported_model(tmp_path, monke
     assert result.run_dir == tmp_path / "run" and set(result.metrics) >= {"accuracy", "loss"}
     model = dpfleet.load(result.export_path)
     assert model(torch.zeros(4, FEATURES)).shape == (4, CLASSES)
+
+
+def test_predict_writes_the_released_models_predictions_from_a_run_or_its_export(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    dpfleet = import_dpfleet()
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "predict_model")
+    result = dpfleet.train(config, steps=2, seed=2)
+    model = dpfleet.load(result.export_path)
+    # The examples to predict on: the columns in another order, with the label column left out.
+    rows = torch.rand(5, FEATURES)
+    columns = [f"x{index}" for index in range(FEATURES)]
+    data = tmp_path / "new.csv"
+    data.write_text(",".join(reversed(columns)) + "\n" + "".join(
+        ",".join(repr(value) for value in reversed(row.tolist())) + "\n" for row in rows))
+    with torch.no_grad():
+        expected = model(rows)
+    for source in (result.export_path, result.run_dir):
+        out = tmp_path / f"predictions-{Path(source).name}.csv"
+        assert main(["predict", str(source), "--data", str(data), "--out", str(out)]) == 0
+        assert f"wrote 5 predictions to {out}" in capsys.readouterr().out
+        header, *lines = out.read_text().splitlines()
+        assert header == "prediction," + ",".join(f"output_{index}" for index in range(CLASSES))
+        written = torch.tensor([[float(value) for value in line.split(",")] for line in lines])
+        torch.testing.assert_close(written[:, 1:], expected)
+        assert written[:, 0].long().tolist() == expected.argmax(dim=1).tolist()
+
+
+def test_predict_on_a_file_without_the_models_columns_is_one_paragraph(tmp_path, capsys):
+    export = tmp_path / "absent.safetensors"
+    assert main(["predict", str(export), "--data", str(tmp_path / "x.csv"), "--out", str(tmp_path / "p.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "neither a run directory nor an exported" in err, err

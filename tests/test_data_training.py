@@ -131,13 +131,14 @@ def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label outside 0..9 (num_classes 10; "
-        "1 of rows 0..29 (12) are outside; give the model one output per class, or set the dataset's num_classes)")
+        "1 of rows 0..29 (12) are outside; give the model one output per class, set the dataset's num_classes, or set "
+        'check_data = "lenient" to drop those rows)')
     # The data's owner may ask for the value.
     assert main(["train", "--config", str(config), "--no-progress", "--show-values"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label 10 is outside 0..9 "
-        "(num_classes 10; 1 of rows 0..29 (12) are outside; give the model one output per class, or set the "
-        "dataset's num_classes)")
+        "(num_classes 10; 1 of rows 0..29 (12) are outside; give the model one output per class, set the "
+        'dataset\'s num_classes, or set check_data = "lenient" to drop those rows)')
 
 
 def test_export_writes_shards_that_train(tmp_path, capsys):

@@ -2,6 +2,7 @@
 reserved, and each mistake is one short paragraph with exit status ≠ 0 and the ledger as it was."""
 
 import csv
+import json
 import os
 import sys
 import textwrap
@@ -204,3 +205,128 @@ def test_the_summary_says_whether_sigma_or_the_target_was_fixed():
         "noise multiplier (fixed)", 1.1]
     chosen = noise_row(build_config({**base, "target_epsilon": 2.0}), {"noise_multiplier": 0.7, "steps": 50})
     assert chosen == ["noise multiplier (chosen for the fixed target epsilon 2 over 50 steps)", 0.7]
+
+
+def nan_and_label_rows(row):
+    """Labels for the lenient tests: rows 4 and 11 have a label outside 0..2 (row 7's features are made NaN)."""
+    return 5 if row in (4, 11) else row % CLASSES
+
+
+def with_bad_rows(tmp_path, config_text):
+    """Row 7 of the training CSV gets a NaN feature, row 33 an infinite one."""
+    path = tmp_path / "train.csv"
+    lines = path.read_text().splitlines()
+    for row, value in ((7, "nan"), (33, "inf")):
+        cells = lines[row + 1].split(",")
+        cells[2] = value
+        lines[row + 1] = ",".join(cells)
+    path.write_text("\n".join(lines) + "\n")
+    return config_text
+
+
+def test_strict_refuses_nan_rows_with_their_count_and_first_rows(tmp_path, capsys, toy_budget):
+    config = with_bad_rows(tmp_path, newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES),
+                                                  "strict_model"))
+    # A CSV's "nan" reads as a missing value; "inf" as infinity.
+    assert_refused_before_reserving(config, capsys, "row 7, column 'x2': null",
+                                    "1 of rows 0..39 (7) of the column are null", 'check_data = "lenient"')
+    text = (tmp_path / "train.csv").read_text().replace(",nan,", ",0.5,")
+    (tmp_path / "train.csv").write_text(text)
+    assert_refused_before_reserving(config, capsys, "row 33, column 'x2': not finite",
+                                    "1 of rows 0..39 (33) have a feature that is not")
+
+
+def test_lenient_drops_nan_rows_and_outside_labels_says_how_many_and_releases_no_count(tmp_path, capsys,
+                                                                                       toy_budget):
+    config = with_bad_rows(tmp_path, newcomer_job(
+        tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "lenient_model",
+        label_of=nan_and_label_rows))
+    text = open(config).read().replace("run_dir =", 'check_data = "lenient"\nrun_dir =')
+    open(config, "w").write(text)
+    assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert ('check_data = "lenient" dropped 4 of 40 train rows (2 with a NaN or infinite value, 2 with a label '
+            "outside 0..2); 0 of 20 test rows") in out
+    summary = json.loads(out.splitlines()[-1])
+    # N is the 36 rows kept; the dropped count itself is in no released file.
+    assert summary["sampling_rate"] == pytest.approx(10 / 36)
+    run_dir = tmp_path / "run"
+    for path in run_dir.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".jsonl", ".csv", ".txt"):
+            assert "dropped" not in path.read_text(), path
+    with open_embedded_ledger() as ledger:
+        (job,) = ledger.list_jobs()
+    assert job.state == "released" and job.committed_steps == 2
+
+
+def test_lenient_is_refused_where_the_rows_it_drops_would_differ_between_readers():
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+
+    with pytest.raises(UsageError, match='check_data = "lenient" .* cannot be combined with a dataset other than'):
+        build_config({"dataset": "mnist", "check_data": "lenient", "steps": 1, "batch_size": 10,
+                      "noise_multiplier": 1.0})
+
+
+def test_early_stopping_ends_the_run_at_an_evaluation_and_releases_the_unrun_steps(tmp_path, capsys, toy_budget):
+    # min_delta 1e9: no evaluation improves the loss, so patience 1 stops the run at the first evaluation point
+    # (step 4). Blocks of 4 steps on a slow clock: the first is charged at once, the next two never.
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "stopping_model")
+    text = open(config).read().replace("steps = 2", "steps = 12").replace("run_dir =", (
+        "early_stopping_patience = 1\nearly_stopping_min_delta = 1e9\nevaluate_every = { steps = 4 }\n"
+        "commit_every = 4\ncommit_interval = 60\nrun_dir ="))
+    open(config, "w").write(text)
+    assert main(["train", "--config", config, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped early after step 4 of 12: test loss did not improve for 1 evaluation(s)" in out
+    assert "steps (stopped early; the rest released, not charged)" in out and "4 of 12" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["stopped_early"] is True and summary["planned_steps"] == 12
+    with open_embedded_ledger() as ledger:
+        budget = ledger.get_budget(DATASET)
+        (job,) = ledger.list_jobs()
+    assert job.state == "released" and job.committed_steps == 4 and budget.reserved_epsilon == 0
+    assert budget.spent_epsilon == pytest.approx(summary["epsilon"], rel=1e-9)
+
+
+def test_the_early_stopping_rule_counts_evaluations_since_the_best():
+    from orchestrator.early_stopping import evaluations_without_improvement, stops_early
+
+    losses = [{"test_loss": value} for value in (1.0, 0.8, 0.85, 0.79, 0.9, 0.95)]
+    assert evaluations_without_improvement(losses, "loss", 0.0) == 2
+    assert evaluations_without_improvement(losses, "loss", 0.05) == 4  # 0.79 is not 0.05 better than 0.8
+    accuracies = [{"test_accuracy": value} for value in (0.1, 0.5, 0.4)]
+    assert stops_early(accuracies, "accuracy", 1, 0.0) and not stops_early(accuracies, "accuracy", 2, 0.0)
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+
+    with pytest.raises(UsageError, match='early_stopping_metric must be "loss" or one of the run\'s metrics'):
+        build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
+                      "early_stopping_patience": 2, "early_stopping_metric": "auroc"})
+
+
+def test_a_model_that_fails_under_the_runs_clipping_engine_is_refused_before_reserving(tmp_path, capsys, toy_budget):
+    # Plain autograd runs .item(); torch.func's vmap, which the vmap engine batches examples with, cannot.
+    module = LINEAR_MODEL.format(features=FEATURES, classes=CLASSES).replace(
+        "return self.layer(x.flatten(1))", "return self.layer(x.flatten(1)) * (1.0 if x.sum().item() else 1.0)")
+    config = newcomer_job(tmp_path, module, "engine_model")
+    text = open(config).read().replace("run_dir =", 'engine = "vmap"\nrun_dir =')
+    open(config, "w").write(text)
+    assert_refused_before_reserving(config, capsys, "one clipped sum by the vmap clipping engine (precision fp32)",
+                                    f"{tmp_path / 'engine_model.py'}:", "No budget was reserved")
+
+
+def test_bf16_trains_with_the_vmap_engine_and_is_refused_with_the_fast_one(tmp_path, capsys, toy_budget):
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "bf16_model")
+    text = open(config).read().replace("run_dir =", 'engine = "vmap"\nprecision = "bf16"\nrun_dir =')
+    open(config, "w").write(text)
+    assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary["steps"] == 2 and 0 <= summary["test_accuracy"] <= 1
+    with pytest.raises(UsageError, match='precision = "bf16" cannot be combined with engine = "fast" .*bfloat16 '
+                                         'rounding'):
+        build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
+                      "precision": "bf16"})

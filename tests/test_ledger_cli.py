@@ -287,3 +287,13 @@ def test_token_rotate_and_revoke_for_tenants_and_the_admin(capsys, server):
         "--token", admin["token"],
     )
     assert status == 2 and "is the last one; rotate it" in err
+
+
+def test_a_wrong_token_and_an_unreachable_ledger_are_each_one_paragraph(server, capsys, tmp_path):
+    status, _, err = run(capsys, "ledger", "status", "--ledger", server.address, "--token", "wrong-token")
+    assert status != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "the token is not a dpfleet ledger token; use the token printed by" in err, err
+    from servers import free_port
+
+    status, _, err = run(capsys, "ledger", "status", "--ledger", f"127.0.0.1:{free_port()}", "--token", ADMIN_TOKEN)
+    assert status != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

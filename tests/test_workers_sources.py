@@ -301,7 +301,8 @@ def test_full_check_refuses_labels_out_of_range_and_non_finite_features(tmp_path
     pq.write_table(list_table(features=features), path)
     spec = table_spec("parquet", path, features="pixels")
     assert check_source(spec, "train") == ROWS  # the basic check reads no values
-    rule = f"features must be finite (1 of rows 0..{ROWS - 1} (17) have a feature that is not; fix or drop those rows)"
+    rule = (f"features must be finite (1 of rows 0..{ROWS - 1} (17) have a feature that is not; fix or drop those rows, "
+            'or set check_data = "lenient" to drop them)')
     assert one_line_errors(spec, full=True) == (f"{path}: row 17, column 'pixels': not finite; {rule}",
                                                 f"{path}: row 17, column 'pixels': nan; {rule}")
     labels = LABELS.copy()
@@ -309,9 +310,11 @@ def test_full_check_refuses_labels_out_of_range_and_non_finite_features(tmp_path
     pq.write_table(list_table(labels=labels), path)
     assert one_line_errors(spec, full=True, num_classes=3) == (
         f"{path}: row 40, column 'label': label outside 0..2 (num_classes 3; 1 of rows 0..{ROWS - 1} (40) are "
-        "outside; give the model one output per class, or set the dataset's num_classes)",
+        "outside; give the model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" "
+        "to drop those rows)",
         f"{path}: row 40, column 'label': label 3 is outside 0..2 (num_classes 3; 1 of rows 0..{ROWS - 1} (40) are "
-        "outside; give the model one output per class, or set the dataset's num_classes)")
+        "outside; give the model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" "
+        "to drop those rows)")
     assert check_source(spec, "train", full=True, num_classes=4) == ROWS
     np.save(tmp_path / "x.npy", features)
     np.save(tmp_path / "y.npy", LABELS)

@@ -22,7 +22,7 @@ import ray
 import torch
 from torch.func import functional_call
 
-from workers.clipping import functional_parameters
+from workers.clipping import check_precision, functional_parameters
 from workers.engines import ExampleSchema, check_engine, clipped_sum, engine_plan, prepare_engine
 from workers.features import FeatureCache, compute_features, feature_map
 from workers.losses import per_example_losses
@@ -120,8 +120,11 @@ class GradientWorker:
         augmentations_per_example: int = 1,
         users: UserSpec | None = None,
         planned_batches: bool = False,
+        precision: str = "fp32",
     ) -> None:
         check_engine(engine)
+        check_precision(precision)
+        self.precision = precision
         if augmentations_per_example != 1 and not train_transforms:
             raise ValueError(f"augmentations_per_example = {augmentations_per_example} needs train_transforms: "
                              "without them every view of an example is the same")
@@ -242,7 +245,7 @@ class GradientWorker:
             result = clipped_sum(
                 self.engine, self.gradient_model, flat_weights, inputs, labels,
                 clip_norm, self.max_physical_batch, self.loss_fn, return_norms=wants_norms,
-                augmentations=self.augmentations,
+                augmentations=self.augmentations, precision=self.precision,
             )
             if wants_norms:
                 summed, norms_by_parameter = result

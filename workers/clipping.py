@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from workers.models import parameter_count
+from workers.names import PRECISIONS
 
 LossFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -51,6 +52,27 @@ def ieee_float32() -> Iterator[None]:
     finally:
         for setting, value in zip(FLOAT32_PRECISION_SETTINGS, previous, strict=True):
             setting.fp32_precision = value
+
+
+def check_precision(precision: str) -> None:
+    """Raise ValueError unless ``precision`` is one of ``workers.names.PRECISIONS``: "fp32" or "bf16" (the forward
+    and backward passes in bfloat16; the norms, the clipping and the sums are float32 in both)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))} (got {precision!r})")
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The forward and backward passes' context: bfloat16 autocast on ``device`` for "bf16", nothing for "fp32".
+
+    Only the per-example gradients are computed under it; the caller casts
+    each to float32 before its norm is taken, so the clip factor and the
+    clipped gradient come from the same float32 tensor and the clipped
+    contribution has norm <= C to float32 rounding, as in "fp32".
+    """
+    check_precision(precision)
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def in_ieee_float32(function: Callable) -> Callable:

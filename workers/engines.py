@@ -910,6 +910,7 @@ def fast_clipped_sum(
     loss_fn: clipping.LossFunction = F.cross_entropy,
     return_norms: bool = False,
     augmentations: int = 1,
+    precision: str = "fp32",
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``, by book-keeping.
 
@@ -937,7 +938,14 @@ def fast_clipped_sum(
     row, cannot give the norm of the mean of K rows' gradients: the call runs
     on the vmap engine, which takes each example's K views in one
     per-example gradient.
+
+    ``precision`` must be "fp32": the layer rules take an example's norm and
+    its clipped contribution from different products, which bfloat16
+    rounding would let disagree by about 1%, past the bound (use the vmap
+    engine for "bf16").
     """
+    if precision != "fp32":
+        raise ValueError(FAST_ENGINE_PRECISION)
     clipping.check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
     device = clipping.device_of(model)
     trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
@@ -960,6 +968,14 @@ def fast_clipped_sum(
             _warn_fallback(plan.fallback)
     return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
                                    loss_fn, return_norms)
+
+
+FAST_ENGINE_PRECISION = (
+    "the fast engine computes in float32 only: its layer rules take each example's norm and its clipped "
+    "contribution from different products, which bfloat16 rounding would let disagree by about 1%, past the "
+    "sensitivity bound; use engine = \"vmap\" with precision = \"bf16\" (it casts each example's whole gradient "
+    "to float32 before the norm and the clip), or precision = \"fp32\""
+)
 
 
 def fallback_physical_batch(max_physical_batch: int, trainable_elements: int) -> int:
@@ -1059,8 +1075,9 @@ def clipped_sum(
     loss_fn: clipping.LossFunction = F.cross_entropy,
     return_norms: bool = False,
     augmentations: int = 1,
+    precision: str = "fp32",
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     """``per_example_clipped_sum`` computed by the named engine (see ``ENGINES``); same arguments and result."""
     check_engine(engine)
     return ENGINES[engine](model, flat_weights, inputs, labels, clip_norm, max_physical_batch, loss_fn, return_norms,
-                           augmentations)
+                           augmentations, precision=precision)

@@ -26,6 +26,9 @@ MODEL_NAMES: tuple[str, ...] = (
 ENGINE_NAMES: tuple[str, ...] = ("fast", "vmap")
 """Clipping engines (``workers.engines.ENGINES``): "fast" (book-keeping, the default) and "vmap" (the reference)."""
 
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+"""What a clipping engine's forward and backward passes compute in (``workers.clipping.autocast_for``)."""
+
 LOSS_NAMES: tuple[str, ...] = ("cross_entropy", "mse", "bce_with_logits", "token_cross_entropy")
 """Built-in per-example losses (``workers.tasks.LOSSES``); a job may also name a ``package.module:function``."""
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import json
 import os
 import re
 import struct
@@ -36,6 +37,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import IO, Any, Protocol
 
 import fsspec
@@ -56,6 +58,8 @@ SPLITS = data.SPLITS
 BUILTINS = tuple(data.DATASETS)
 FORMATS = ("parquet", "csv", "npy", "npz", "imagefolder")
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+# The formats whose invalid rows check_data = "lenient" can drop (``drop_invalid_rows`` in their spec).
+LENIENT_FORMATS = ("parquet", "csv", "npy", "npz")
 _FORMAT_KEYS = {
     "parquet": {"features", "exclude_columns", "label", "shape"},
     "csv": {"features", "exclude_columns", "label", "shape"},
@@ -114,6 +118,8 @@ def parse_spec(value: Any) -> str | dict:
     if file_format not in FORMATS:
         raise ValueError(f"dataset.format must be one of {', '.join(FORMATS)} (got {file_format!r})")
     allowed = _FORMAT_KEYS[file_format] | {"format", "train", "test", "num_classes", "name"}
+    if file_format in LENIENT_FORMATS:
+        allowed = allowed | {"drop_invalid_rows"}  # set by the config from check_data = "lenient", never by hand
     if file_format == "parquet":
         allowed = allowed | {"blocks", "train_parts"}
     unknown = set(spec) - allowed
@@ -351,6 +357,9 @@ def open_source(spec: str | Mapping, split: str, data_root: str | None = None) -
         ])
     opener = {"parquet": ParquetSource, "csv": CsvSource, "npy": NumpySource, "npz": NumpySource,
               "imagefolder": ImageFolderSource}[spec["format"]]
+    if spec.get("drop_invalid_rows"):
+        source = opener(spec, split)
+        return SelectedRowsSource([(source, _valid_rows(spec, split, source).kept)])
     return opener(spec, split)
 
 
@@ -360,7 +369,8 @@ def source_size(spec: str | Mapping, split: str) -> int:
         if spec in BUILTINS:
             return data.dataset_size(spec, split)
         return len(_datasets_of(spec)[SPLITS.index(split)])
-    if spec["format"] == "csv" and not (split == "train" and spec.get("train_parts")):
+    if spec["format"] == "csv" and not (split == "train" and spec.get("train_parts")) \
+            and not spec.get("drop_invalid_rows"):
         return _csv_rows(spec, split)
     return len(open_source(spec, split))
 
@@ -391,6 +401,92 @@ def read_column(spec: str | Mapping, split: str, column: str) -> np.ndarray:
                 raise DataError(f"{path}: no column {column!r} (columns: {', '.join(batch.schema.names)})")
             parts.append(batch.column(column).to_numpy(zero_copy_only=False))
     return np.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class DroppedRows:
+    """What a table's ``drop_invalid_rows`` (check_data = "lenient") leaves out of a split, in counts of rows.
+
+    ``not_finite`` rows have a NaN or infinite feature (or floating label);
+    ``label_outside`` rows have an integer label outside 0..num_classes-1.
+    ``kept`` holds the positions of the other rows, in order.
+    """
+
+    rows: int
+    not_finite: int
+    label_outside: int
+    kept: np.ndarray = dataclass_field(repr=False, compare=False)
+
+    @property
+    def dropped(self) -> int:
+        """How many rows are left out."""
+        return self.rows - len(self.kept)
+
+
+def dropped_rows(spec: Mapping, split: str) -> DroppedRows:
+    """Which rows of a table's ``split`` check_data = "lenient" drops, and why, deciding each row by its own values
+    alone (so one example's presence changes no other row's fate)."""
+    source = open_source({**spec, "drop_invalid_rows": False}, split)
+    return _valid_rows(spec, split, source)
+
+
+# The rows each split keeps, per process: a worker opens its split more than once. Keyed by the spec as JSON.
+_KEPT_ROWS: dict[tuple[str, str], DroppedRows] = {}
+
+
+def _valid_rows(spec: Mapping, split: str, source: ExampleSource) -> DroppedRows:
+    """The rows of ``source`` (``split`` of ``spec``) whose features and labels are finite and whose integer labels
+    lie in 0..num_classes-1 (when the spec's num_classes is given), found by one scan in chunks."""
+    key = (json.dumps(spec, sort_keys=True, default=str), split)
+    if key not in _KEPT_ROWS:
+        num_classes = spec.get("num_classes")
+        finite, inside = [], []
+        for start in range(0, len(source), _SCAN_ROWS):
+            inputs, labels = source.read(np.arange(start, min(start + _SCAN_ROWS, len(source))))
+            rows_finite = torch.ones(len(labels), dtype=torch.bool)
+            if inputs.is_floating_point():
+                rows_finite &= torch.isfinite(inputs.reshape(len(inputs), -1)).all(dim=1)
+            if labels.is_floating_point():
+                rows_finite &= torch.isfinite(labels.reshape(len(labels), -1)).all(dim=1)
+            rows_inside = torch.ones(len(labels), dtype=torch.bool)
+            if num_classes is not None and not labels.is_floating_point():
+                rows_inside = (labels >= 0) & (labels < num_classes)
+            finite.append(rows_finite.numpy())
+            inside.append(rows_inside.numpy())
+        finite, inside = np.concatenate(finite), np.concatenate(inside)
+        _KEPT_ROWS[key] = DroppedRows(len(finite), int((~finite).sum()), int((finite & ~inside).sum()),
+                                      np.flatnonzero(finite & inside).astype(np.int64))
+    return _KEPT_ROWS[key]
+
+
+def read_features(spec: Mapping, location: str) -> torch.Tensor:
+    """Every row's features in the file(s) at ``location``, read as the table ``spec`` reads its splits.
+
+    The spec's format, ``features`` or ``exclude_columns`` and ``shape``
+    apply; a label column may be there or not (it is never a feature). An
+    npy location is the features array alone; an npz one holds the spec's
+    ``features`` array. The inputs a model predicts on, in row order.
+    """
+    file_format = spec["format"]
+    if file_format in ("npy", "npz"):
+        array = _npy_array(location) if file_format == "npy" else _npz_array(location, spec.get("features", "features"))
+        return _feature_tensor(array.rows(np.arange(len(array))).reshape(len(array), -1), spec.get("shape"))
+    if file_format not in ("parquet", "csv"):
+        raise DataError(f"{location}: predictions read Parquet, CSV, npy or npz files (the dataset is {file_format})")
+    filesystem, paths = _files_at(location, PARQUET_SUFFIXES if file_format == "parquet" else (".csv",))
+    parts = []
+    for path in paths:
+        if file_format == "parquet":
+            tables = [_parquet_file(filesystem, path).read(use_threads=False)]
+        else:
+            tables = [pa.Table.from_batches([batch]) for _, batch in _csv_batches(path, filesystem)]
+        for table in tables:
+            columns = _feature_columns(spec, table.schema, path, label_required=False)
+            _check_feature_types(table.schema, columns, path)
+            parts.append(_table_to_numpy(table, columns, None)[0])
+    if not parts or not sum(len(part) for part in parts):
+        raise DataError(f"{location}: no rows to predict on")
+    return _feature_tensor(np.concatenate(parts), spec.get("shape"))
 
 
 def read_first(spec: str | Mapping, split: str, count: int | None = None,
@@ -608,17 +704,20 @@ def _files_at(location: str | list[str], suffixes: tuple[str, ...]) -> tuple[pa_
 # --- Parquet ----------------------------------------------------------------------
 
 
-def _feature_columns(spec: Mapping, schema: pa.Schema, file_name: str) -> list[str]:
-    """The feature column names: ``features`` as given, else every column but the label and ``exclude_columns``."""
+def _feature_columns(spec: Mapping, schema: pa.Schema, file_name: str, label_required: bool = True) -> list[str]:
+    """The feature column names: ``features`` as given, else every column but the label and ``exclude_columns``.
+
+    Without ``label_required`` (inputs to predict on), a table may lack the label column.
+    """
     label = spec.get("label", "label")
-    if label not in schema.names:
+    if label not in schema.names and label_required:
         raise DataError(f"{file_name}: no label column {label!r} (columns: {', '.join(schema.names)}); "
                         "set the dataset's label key")
     features = spec.get("features")
     if features is None:
         excluded = spec.get("exclude_columns", [])
         missing = [name for name in excluded if name not in schema.names]
-        if missing:
+        if missing and label_required:
             raise DataError(f"{file_name}: no column {', '.join(map(repr, missing))} to exclude (columns: "
                             f"{', '.join(schema.names)}); fix the dataset's exclude_columns")
         return [name for name in schema.names if name != label and name not in excluded]
@@ -638,17 +737,22 @@ def _check_schema(spec: Mapping, schema: pa.Schema, file_name: str) -> tuple[lis
     if not (pa.types.is_integer(label_type) or pa.types.is_floating(label_type)):
         raise DataError(f"{file_name}: column {label!r} has type {label_type}; labels must be integers "
                         "(classes) or floating point (targets)")
+    return columns, _check_feature_types(schema, columns, file_name)
+
+
+def _check_feature_types(schema: pa.Schema, columns: list[str], file_name: str) -> int | None:
+    """Refuses non-numeric feature columns; returns the feature length (None for a variable-length list column)."""
     if len(columns) == 1 and _is_list(schema.field(columns[0]).type):
         list_type = schema.field(columns[0]).type
         if not _is_numeric(list_type.value_type):
             raise DataError(f"{file_name}: column {columns[0]!r} has type {list_type}; features must be lists "
                             "of numbers")
-        return columns, list_type.list_size if pa.types.is_fixed_size_list(list_type) else None
+        return list_type.list_size if pa.types.is_fixed_size_list(list_type) else None
     for name in columns:
         if not _is_numeric(schema.field(name).type):
             raise DataError(f"{file_name}: column {name!r} has type {schema.field(name).type}; features must be "
                             "numeric columns or one list column of numbers")
-    return columns, len(columns)
+    return len(columns)
 
 
 def _is_list(data_type: pa.DataType) -> bool:
@@ -659,15 +763,15 @@ def _is_numeric(data_type: pa.DataType) -> bool:
     return pa.types.is_integer(data_type) or pa.types.is_floating(data_type) or pa.types.is_boolean(data_type)
 
 
-def _table_to_numpy(table: pa.Table, columns: list[str], label: str) -> tuple[np.ndarray, np.ndarray]:
-    """(features [rows, length], labels [rows]) of a decoded table."""
+def _table_to_numpy(table: pa.Table, columns: list[str], label: str | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(features [rows, length], labels [rows]) of a decoded table; labels None when ``label`` is None."""
     if len(columns) == 1 and _is_list(table.schema.field(columns[0]).type):
         values = table.column(columns[0]).combine_chunks()
         flat = values.flatten().to_numpy(zero_copy_only=False)
         features = flat.reshape(len(values), -1) if len(values) else flat.reshape(0, 0)
     else:
         features = np.stack([table.column(name).to_numpy() for name in columns], axis=1)
-    return features, table.column(label).to_numpy()
+    return features, None if label is None else table.column(label).to_numpy()
 
 
 class ParquetSource:
@@ -1199,7 +1303,9 @@ def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list
         for name in [*columns, label]:
             nulls = np.flatnonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False))
             if len(nulls):
-                raise DataError(f"{path}: row {first_row + int(nulls[0])}, column {name!r}: null; fill or drop it")
+                raise DataError(f"{path}: row {first_row + int(nulls[0])}, column {name!r}: null (a missing value, "
+                                f"or NaN in a CSV; {_row_count(first_row, nulls, batch.num_rows)} of the column are "
+                                "null); fill or drop those rows, or set check_data = \"lenient\" to drop them")
         features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
         _check_values(path, path, first_row, features, names, labels, num_classes, label)
     return expected_length
@@ -1215,7 +1321,8 @@ def _check_values(feature_file: str, label_file: str, first_row: int, features: 
             row, column = (int(v) for v in bad[0])
             rows = _row_count(first_row, np.unique(bad[:, 0]), len(features))
             where = f"{feature_file}: row {first_row + row}, column {names[column]!r}"
-            rule = f"features must be finite ({rows} have a feature that is not; fix or drop those rows)"
+            rule = (f"features must be finite ({rows} have a feature that is not; fix or drop those rows, or set "
+                    "check_data = \"lenient\" to drop them)")
             raise DataError(f"{where}: not finite; {rule}", f"{where}: {features[row, column]}; {rule}")
     if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
@@ -1223,7 +1330,8 @@ def _check_values(feature_file: str, label_file: str, first_row: int, features: 
             row = int(bad[0])
             where = f"{label_file}: row {first_row + row}, column {label_name!r}"
             rule = (f"(num_classes {num_classes}; {_row_count(first_row, bad, len(labels))} are outside; give the "
-                    "model one output per class, or set the dataset's num_classes)")
+                    "model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" to "
+                    "drop those rows)")
             raise DataError(f"{where}: label outside 0..{num_classes - 1} {rule}",
                             f"{where}: label {labels[row]} is outside 0..{num_classes - 1} {rule}")
 

@@ -17,6 +17,7 @@ from torch.func import functional_call, grad, vmap
 from workers.clipping import (
     ClipNorm,
     LossFunction,
+    autocast_for,
     check_arguments,
     clip_factors,
     clip_factors_by_parameter,
@@ -172,6 +173,7 @@ def per_example_clipped_sum(
     loss_fn: LossFunction = F.cross_entropy,
     return_norms: bool = False,
     augmentations: int = 1,
+    precision: str = "fp32",
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Sum over examples of each example's gradient clipped to L2 norm ``clip_norm``: the vmap engine.
 
@@ -196,9 +198,15 @@ def per_example_clipped_sum(
     also returns, per trainable parameter name, the [n] per-example L2 norms of
     that parameter's gradient before clipping (an example's total norm is the
     root of the sum of their squares).
+
+    With ``precision`` "bf16" the forward and backward passes run under
+    bfloat16 autocast (``workers.clipping.autocast_for``); each per-example
+    gradient is cast to float32 before its norm, its clip factor and the sum,
+    so every clipped contribution still has norm <= ``clip_norm``.
     """
     check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
     device = device_of(model)
+    autocast = autocast_for(precision, device)
     trainable, params, fixed = functional_parameters(model, flat_weights, device)
     if not trainable:
         empty = torch.zeros(0, dtype=torch.float32, device=device)
@@ -213,7 +221,7 @@ def per_example_clipped_sum(
     for start in range(0, inputs.shape[0], max_physical_batch):
         # torch.func can batch recurrent layers unrolled step by step, not their fused kernels.
         chunk, chunk_labels = inputs[start : start + max_physical_batch], labels[start : start + max_physical_batch]
-        with unrolled_recurrences(model):
+        with unrolled_recurrences(model), autocast:
             grads = gradients(chunk, chunk_labels)
         squared = {name: g.to(torch.float32).flatten(1).pow(2).sum(dim=1) for name, g in grads.items()}
         finite = torch.stack(list(squared.values())).sum(0).isfinite()

@@ -55,6 +55,8 @@ COMMANDS = {
                     "orchestrator.cli.data_parser:add_data_arguments"),
     "export": Command("write a finished run's model as safetensors, with a model card, to share",
                       "orchestrator.cli.export:add_export_arguments"),
+    "predict": Command("write a released model's predictions on a file of examples",
+                       "orchestrator.cli.predict:add_predict_arguments"),
 }
 
 

@@ -191,7 +191,7 @@ def run_train(args: argparse.Namespace) -> int:
         [f"epsilon ({summary['accountant']}{'' if summary['epsilon_rigorous'] else ', approximate'})",
          summary["epsilon"]],
         ["delta", summary["delta"]],
-        ["steps", summary["steps"]],
+        steps_row(summary),
         noise_row(config, summary),
         ["wall seconds", summary["wall_seconds"]],
         ["samples/s", summary["samples_per_second"]],
@@ -208,6 +208,14 @@ def run_train(args: argparse.Namespace) -> int:
         rows.append(["membership inference TPR at 1% FPR (NOT private)", attack["tpr_at_1pct_fpr"]])
     print(format_table(["summary", "value"], rows))
     return 0
+
+
+def steps_row(summary: dict) -> list:
+    """The summary's steps row; a run that early stopping ended says so, with the steps it planned."""
+    if summary.get("stopped_early"):
+        return ["steps (stopped early; the rest released, not charged)", f"{summary['steps']} of "
+                f"{summary['planned_steps']}"]
+    return ["steps", summary["steps"]]
 
 
 def noise_row(config, summary: dict) -> list:

@@ -191,6 +191,49 @@ def _people_not_features(config: TrainConfig) -> None:
     _settle(config, dataset={**spec, "exclude_columns": [*spec.get("exclude_columns", []), config.user_id]})
 
 
+def _lenient_rows(config: TrainConfig) -> None:
+    """check_data = "lenient" marks the table's spec so that every reader of it drops the same invalid rows."""
+    spec, lenient = config.dataset, config.check_data == "lenient"
+    if isinstance(spec, dict) and (lenient or "drop_invalid_rows" in spec):
+        _settle(config, dataset={**{key: value for key, value in spec.items() if key != "drop_invalid_rows"},
+                                 **({"drop_invalid_rows": True} if lenient else {})})
+    if not lenient:
+        return
+    refused = [reason for reason, present in (
+        ("a dataset other than a csv, parquet, npy or npz table",
+         not isinstance(spec, dict) or spec.get("format") not in sources.LENIENT_FORMATS),
+        ("shards", config.shards), ("blocks", config.blocks), ("plan_ahead_steps", config.plan_ahead_steps),
+        ("people's rows (privacy_unit = \"user\", user_id, synthetic_users, max_examples_per_user)",
+         config.privacy_unit == "user" or config.user_id is not None or config.synthetic_users is not None
+         or config.max_examples_per_user is not None)) if present]
+    if refused:
+        raise UsageError(f'check_data = "lenient" drops invalid rows of one table as the driver and every worker read '
+                         f'it; it cannot be combined with {", ".join(refused)}: use check_data = "strict" and fix or '
+                         "drop the rows it names")
+
+
+def _early_stopping(config: TrainConfig) -> None:
+    if config.early_stopping_metric != "loss" and config.early_stopping_metric not in config.metrics:
+        raise UsageError(f"early_stopping_metric must be \"loss\" or one of the run's metrics "
+                         f"({', '.join(config.metrics)}) (got {config.early_stopping_metric!r}); add it to metrics "
+                         "or choose one of them")
+
+
+def _precision(config: TrainConfig) -> None:
+    if config.precision == "fp32":
+        return
+    refused = [reason for reason, present in (
+        ('engine = "fast" (its layer rules take an example\'s norm and its clipped contribution from different '
+         "products, which bfloat16 rounding would let disagree by about 1%, past the sensitivity bound; set engine = "
+         '"vmap")', config.engine == "fast"),
+        ("microbatch_size", config.microbatch_size), ("shards", config.shards),
+        ('privacy_unit = "user"', config.privacy_unit == "user"),
+        ('aggregation = "collective"', config.aggregation == "collective")) if present]
+    if refused:
+        raise UsageError(f'precision = "{config.precision}" cannot be combined with {"; ".join(refused)}: change '
+                         'those, or set precision = "fp32"')
+
+
 def _augmentations(config: TrainConfig) -> None:
     if config.augmentations_per_example == 1:
         return
@@ -303,7 +346,8 @@ def _mechanism(config: TrainConfig) -> None:
 
 
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
-    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _augmentations,
+    _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _lenient_rows,
+    _early_stopping, _precision, _augmentations,
     _layer_clipping, _aggregation, _planned_batches, _secure_aggregation, _mechanism,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""

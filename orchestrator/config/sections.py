@@ -49,7 +49,7 @@ sources = LazyModule("workers.sources")
 tasks = LazyModule("workers.tasks")
 
 ACCOUNTANT_NAMES = tuple(ACCOUNTANTS)
-CHECK_DATA_LEVELS = ("strict", "basic", "full")
+CHECK_DATA_LEVELS = ("strict", "lenient", "basic", "full")
 PRIVACY_UNITS = ("example", "user")
 TARGET_EPSILON_BASES = ("accountant", "filter")
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -198,7 +198,10 @@ class DataSection(Section):
         "and a scan (missing files or columns, wrong types, empty files, examples of the wrong size) and every "
         "value: NaN or infinite features, nulls, and integer labels outside 0..num_classes-1 (num_classes from "
         "the dataset, else the model's output width) are refused, with how many rows and the first ones. "
-        "`basic`: the metadata and the scan only. `full`: the same as `strict` (its former name).",
+        "`lenient`: the metadata and the scan, then rows with a NaN or infinite value or a label outside the "
+        "classes are dropped from both splits (each row by its own values), and the run's log says how many; a "
+        "csv, parquet, npy or npz table at example level only. `basic`: the metadata and the scan only. `full`: "
+        "the same as `strict` (its former name).",
     )
 
     plan_ahead_steps: int | Literal["auto"] | None = key(
@@ -603,6 +606,23 @@ class RunSection(Section):
         None, "Also evaluate within epochs; the workers evaluate the test split in parts and return only sums.",
         kind="table", valid=f"one key of {table_text(EvaluateEvery)}", shown_default="every epoch",
     )
+    early_stopping_patience: int | None = key(
+        None,
+        "Stop the run once this many evaluations in a row (at the evaluation points `evaluate_every` sets) have not "
+        "improved `early_stopping_metric` on the test split; the steps not run are released to the ledger, never "
+        "charged, and the summary says the run stopped early. The test split must be public or held out from the "
+        "private training data: the decision reads it (docs/training.md).",
+        shown_default="off", ge=1,
+    )
+    early_stopping_metric: str = key(
+        "loss",
+        "The test metric early stopping watches: `loss` or one of `metrics`. Loss, mse and mae improve "
+        "downwards, the others upwards.",
+        valid="`\"loss\"` or a name in `metrics`",
+    )
+    early_stopping_min_delta: float = key(
+        0.0, "How much `early_stopping_metric` must beat its best so far to count as an improvement.", ge=0,
+    )
     workers: int = key(2, "Gradient worker actors. With `shards`, the sum of the shards' `workers`.", ge=1)
     aggregation: Literal[AGGREGATIONS] = key(
         "auto",
@@ -626,6 +646,15 @@ class RunSection(Section):
         "fast",
         "The per-example clipping engine: `fast` (per-layer rules: ghost norms and book-keeping, checked "
         "against autograd on each model) or `vmap` (the torch.func reference).",
+    )
+    precision: Literal[names.PRECISIONS] = key(
+        "fp32",
+        "What the workers' forward and backward passes compute in: `fp32`, or `bf16` (bfloat16 autocast). Under "
+        "`bf16` each example's gradient is cast to float32 before its norm and its clipping, and the sums, the "
+        "noise and the optimizer stay float32, so one example still moves the sum by at most C. Needs engine = "
+        "\"vmap\" (the fast engine's layer rules take a norm and a contribution from different products, which "
+        "bfloat16 rounding would let disagree), without microbatch_size, shards, privacy_unit = \"user\" or "
+        "aggregation = \"collective\".",
     )
     run_dir: str = key(
         "runs/latest", "Where config.json, metrics.jsonl, summary.json, curves.png and the checkpoints go.",

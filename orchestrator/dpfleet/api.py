@@ -9,7 +9,6 @@ command line does; `load` rebuilds a model from `dpfleet export`'s file.
 from __future__ import annotations
 
 import io
-import json
 from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,18 +95,14 @@ def Ledger(address: str | None = None, token: str | None = None):  # noqa: N802 
     return open_ledger(address, token)
 
 
-def load(export_file: str | Path):
-    """The model `dpfleet export` (or ``train(..., export=True)``) wrote, rebuilt from its card and weights, in eval mode.
+def load(run_or_export: str | Path):
+    """The model a finished run released, in eval mode, for inference: from the file `dpfleet export` (or
+    ``train(..., export=True)``) wrote, or from the run's directory.
 
-    Its card (beside the file) names the model's spec; a model from your own
-    module needs that module on the import path.
+    An export's card (beside the file) names the model's spec; a model from
+    your own module needs that module on the import path. `dpfleet predict`
+    loads models the same way.
     """
-    from safetensors.torch import load_file
+    from orchestrator.export import load_released
 
-    from orchestrator.export import card_path
-    from workers.models import build_model
-
-    card = json.loads(card_path(export_file).read_text())
-    model = build_model(card["model"]["spec"])
-    model.load_state_dict(load_file(str(export_file)))
-    return model.eval()
+    return load_released(run_or_export).model

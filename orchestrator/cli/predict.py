@@ -1,0 +1,33 @@
+"""`dpfleet predict`: a released model's predictions on a file of examples, as CSV."""
+
+from __future__ import annotations
+
+import argparse
+
+from orchestrator.predict import write_predictions
+
+
+def add_predict_arguments(predict: argparse.ArgumentParser) -> None:
+    """Add `predict`'s description and arguments to its parser."""
+    predict.description = (
+        "Load the model a finished run released (from its run directory, or from the file `dpfleet export` "
+        "wrote, as dpfleet.load does), run it on every row of FILE, and write one CSV row per input row: the "
+        "prediction (the class with the largest output, 1 where a binary model's logit is above 0, or a "
+        "regression's value) and the model's raw outputs output_0, output_1, ..."
+    )
+    predict.epilog = (
+        "FILE is Parquet, CSV, npy or npz with the feature columns the model trained on; a label column may be "
+        "there and is ignored. Predictions read only the released model and FILE."
+    )
+    predict.add_argument("model", metavar="RUN_OR_EXPORT",
+                         help="the run_dir of a finished `dpfleet train` run, or NAME.safetensors from `dpfleet export`")
+    predict.add_argument("--data", required=True, metavar="FILE", help="the examples to predict on")
+    predict.add_argument("--out", required=True, metavar="FILE", help="where to write the predictions (.csv)")
+    predict.set_defaults(handler=f"{__name__}:run_predict_command")
+
+
+def run_predict_command(args: argparse.Namespace) -> int:
+    """Write the predictions and say how many rows went where."""
+    rows = write_predictions(args.model, args.data, args.out)
+    print(f"wrote {rows} predictions to {args.out}")
+    return 0
