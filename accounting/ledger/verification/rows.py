@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from accounting.events import Composition
 from accounting.ledger.admission import AdmissionRule, RdpTally
 
 
-@dataclass(frozen=True)
-class StoredEntry:
-    """A history entry as the store holds it, with `details_json` the stored text, for `verify`."""
+class StoredEntry(NamedTuple):
+    """A history entry as the store holds it, with `details_json` the stored text, for `verify`.
+
+    A tuple in the order of the history's columns, so a stored row is one as it is.
+    """
 
     entry_id: int
     at: str
