@@ -17,8 +17,11 @@ history in place:
   that forgot every figure and distribution (the composed state is read back
   from the file; the steps committed since it was kept are composed onto it);
 - `history_seconds`: the dataset's last 50 history entries (median of 20);
-- `verify_seconds`: `verify` after 1,000 more commits; `verify_full_seconds`:
-  `verify` replaying everything (the same call: verify is not yet incremental);
+- `verify_first_seconds`: the first `verify` of the history, which replays every
+  entry and keeps its state; `verify_seconds`: `verify` after 1,000 more
+  commits (every hash checked, the entries since replayed from the kept
+  state: `verify_replayed_entries` of `verify_entries`); `verify_full_seconds`:
+  `verify --full`, replaying every entry;
 - `database_bytes`: the file and its WAL.
 
 Goals (on 2 cores): at 100k commits and 1,000 mechanisms commit
@@ -130,15 +133,17 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         jobs.run(1, mechanism_index=mechanisms + commits)  # a σ of no earlier job, of this point or another
         status_new_mechanism = timed(lambda: ledger.get_budget(DATASET))
         history_seconds = [timed(lambda: ledger.history(DATASET, 50)) for _ in range(20)]
+        verifications = []
+
+        def verify(full: bool = False) -> None:
+            verifications.append(ledger.verify(full=full))
+            assert not verifications[-1].findings, verifications[-1].findings[:5]
+
+        verify_first_seconds = timed(verify)  # no state kept yet: replays everything, and keeps its state
         jobs.run(1000)
-        verification = None
-
-        def verify() -> None:
-            nonlocal verification
-            verification = ledger.verify()
-
         verify_seconds = timed(verify)
-        assert not verification.findings, verification.findings
+        verify_full_seconds = timed(lambda: verify(full=True))
+        replayed = [verification.replayed for verification in verifications]
     forget_pld_figures()
     with Ledger(path, caller=ADMIN, history_key_file=key) as reopened:
         status_after_restart = timed(lambda: reopened.get_budget(DATASET))
@@ -158,9 +163,11 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         "status_first_seconds": status_first,
         "status_after_restart_seconds": status_after_restart,
         "history_seconds": statistics.median(history_seconds),
+        "verify_first_seconds": verify_first_seconds,
         "verify_seconds": verify_seconds,
-        "verify_full_seconds": verify_seconds,
-        "verify_is_incremental": False,
+        "verify_full_seconds": verify_full_seconds,
+        "verify_entries": verifications[-1].entries,
+        "verify_replayed_entries": replayed[1],
         "database_bytes": database_bytes,
     }
 
@@ -173,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the points to measure (default {DEFAULT_POINTS[0]}; the issue's are {' '.join(DEFAULT_POINTS)})",
     )
     parser.add_argument("--json", action="store_true", help="also write the results as JSON (see --output)")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)"
+    )
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     command = "python -m bench.ledger_growth " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -23,7 +23,7 @@ class JobReplay:
 
     def __init__(self) -> None:
         self.replayed: dict[str, dict] = {}
-        self.replayed_commits: set[StoredCommit] = set()
+        self.replayed_commits: set[tuple[str, int, int, int]] = set()
         # The first entry that could not be replayed: the jobs are compared no further.
         self.failure: Finding | None = None
 
@@ -39,20 +39,20 @@ class JobReplay:
 
     def _apply(self, entry: StoredEntry, details: dict) -> None:
         if entry.action == "reserve":
+            # Planned events and blocks as the reservations table writes them (see StoredReservation).
             self.replayed[details["reservation_id"]] = {
                 "dataset_id": entry.dataset_id, "tenant": entry.tenant, "job_id": details["job_id"],
-                "planned": Composition.from_dict(details["planned_events"]), "committed_steps": 0, "state": ACTIVE,
-                "lease_seconds": details.get("lease_seconds"), "lease_expired": False,
-                "blocks": tuple(details.get("blocks") or ()),
+                "planned_json": Composition.from_dict(details["planned_events"]).to_json(), "committed_steps": 0,
+                "state": ACTIVE, "lease_seconds": details.get("lease_seconds"), "lease_expired": False,
+                "blocks_json": json.dumps(list(details.get("blocks") or ())),
             }
         elif details["reservation_id"] in self.replayed:
             job = self.replayed[details["reservation_id"]]
             if entry.action == "commit":
                 steps = Composition.from_dict(details["events"]).steps
                 job["committed_steps"] += steps
-                self.replayed_commits.add(
-                    StoredCommit(details["reservation_id"], details["sequence"], steps, job["committed_steps"])
-                )
+                # A plain tuple, equal to its StoredCommit row: the kept state pickles it cheaply.
+                self.replayed_commits.add((details["reservation_id"], details["sequence"], steps, job["committed_steps"]))
             else:
                 job["state"], job["lease_expired"] = RELEASED, entry.action == "expire"
 
@@ -67,13 +67,12 @@ class JobReplay:
             if row is None or job is None:
                 findings.append(_unpaired(reservation_id, job is None, "reservation"))
                 continue
-            differing = [name for name, value in job.items() if getattr(row, name) != value]
+            differing = [name.removesuffix("_json") for name, value in job.items() if getattr(row, name) != value]
             if differing:
                 findings.append(Finding(None, None, f"{reservation_id}: its row differs from what its history replays "
                                                     f"to in {', '.join(differing)}", row="reservation"))
         stored_commits = set(commits)
-        for commit in sorted(stored_commits ^ self.replayed_commits,
-                             key=lambda c: (c.reservation_id, c.sequence, c.steps)):
+        for commit in map(StoredCommit._make, sorted(stored_commits ^ self.replayed_commits, key=lambda c: c[:3])):
             where = "has a row but no history entry" if commit in stored_commits else "is in the history but has no row"
             findings.append(Finding(None, None, f"sequence {commit.sequence} of {commit.reservation_id} "
                                                 f"({commit.steps} steps) {where}", row="commit"))
