@@ -17,13 +17,19 @@ history in place:
   that forgot every figure and distribution (the composed state is read back
   from the file; the steps committed since it was kept are composed onto it);
 - `history_seconds`: the dataset's last 50 history entries (median of 20);
-- `verify_seconds`: `verify` after 1,000 more commits; `verify_full_seconds`:
-  `verify` replaying everything (the same call: verify is not yet incremental);
+- `verify_first_seconds`: the first `verify` of the history, which replays every
+  entry and keeps its state; `verify_seconds`: `verify` after 1,000 more
+  commits (every hash checked, the entries since replayed from the kept
+  state: `verify_replayed_entries` of `verify_entries`); `verify_full_seconds`:
+  `verify --full`, replaying every entry (each also in CPU seconds of the process,
+  `verify_cpu_seconds` and `verify_full_cpu_seconds`: on a shared machine the wall time
+  mostly measures the other work);
 - `database_bytes`: the file and its WAL.
 
 Goals (on 2 cores): at 100k commits and 1,000 mechanisms commit
 ≤ 5 ms, status with PLD ≤ 0.5 s, history ≤ 5 ms; incremental verify of
 1,000 new commits ≤ 2 s. `--json` writes bench/results/ledger-growth.json (or `--output`).
+`--chain-entries N` only times verify's chain check over N entries built in memory.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from accounting.events import SampledGaussian
+from accounting.events import Composition, SampledGaussian
 from accounting.ledger.caches import forget_pld_figures
 from accounting.ledger.callers import ADMIN
 from accounting.ledger.store import Ledger
+from accounting.ledger.verification import StoredEntry, chain_findings, history_hash
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ledger-growth.json"
 DEFAULT_POINTS = ("1000x10", "10000x10", "100000x10", "1000x1000", "10000x1000", "100000x1000")
@@ -130,15 +137,21 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         jobs.run(1, mechanism_index=mechanisms + commits)  # a σ of no earlier job, of this point or another
         status_new_mechanism = timed(lambda: ledger.get_budget(DATASET))
         history_seconds = [timed(lambda: ledger.history(DATASET, 50)) for _ in range(20)]
+        verifications = []
+
+        def verify(full: bool = False) -> None:
+            verifications.append(ledger.verify(full=full))
+            assert not verifications[-1].findings, verifications[-1].findings[:5]
+
+        verify_first_seconds = timed(verify)  # no state kept yet: replays everything, and keeps its state
         jobs.run(1000)
-        verification = None
-
-        def verify() -> None:
-            nonlocal verification
-            verification = ledger.verify()
-
+        # CPU seconds too: on a shared machine the wall time mostly measures the other work.
+        cpu_started = time.process_time()
         verify_seconds = timed(verify)
-        assert not verification.findings, verification.findings
+        verify_cpu_seconds, cpu_started = time.process_time() - cpu_started, time.process_time()
+        verify_full_seconds = timed(lambda: verify(full=True))
+        verify_full_cpu_seconds = time.process_time() - cpu_started
+        replayed = [verification.replayed for verification in verifications]
     forget_pld_figures()
     with Ledger(path, caller=ADMIN, history_key_file=key) as reopened:
         status_after_restart = timed(lambda: reopened.get_budget(DATASET))
@@ -158,11 +171,32 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         "status_first_seconds": status_first,
         "status_after_restart_seconds": status_after_restart,
         "history_seconds": statistics.median(history_seconds),
+        "verify_first_seconds": verify_first_seconds,
         "verify_seconds": verify_seconds,
-        "verify_full_seconds": verify_seconds,
-        "verify_is_incremental": False,
+        "verify_full_seconds": verify_full_seconds,
+        "verify_cpu_seconds": verify_cpu_seconds,
+        "verify_full_cpu_seconds": verify_full_cpu_seconds,
+        "verify_entries": verifications[-1].entries,
+        "verify_replayed_entries": replayed[1],
         "database_bytes": database_bytes,
     }
+
+
+def measure_chain(entries: int) -> dict:
+    """The seconds (wall and CPU) `verify`'s chain check takes over a history of `entries` commit entries (built in memory, each
+    with the details a commit records), the part of every verify that reads the whole history."""
+    key = os.urandom(32)
+    details = json.dumps({"reservation_id": "r-0123456789abcdef", "job_id": "job-12345", "sequence": 7,
+                          "events": Composition((mechanism(7),)).to_dict()}, sort_keys=True)
+    history, previous = [], ""
+    for entry_id in range(1, entries + 1):
+        fields = (entry_id, "2026-11-26T09:00:00.000+00:00", "root (embedded)", "commit", "acme", 1, details)
+        previous = history_hash(previous, *fields, key)
+        history.append(StoredEntry(*fields, history[-1].entry_hash if history else "", previous))
+    # CPU seconds too: on a shared machine the wall time mostly measures the other work.
+    cpu_started = time.process_time()
+    seconds = timed(lambda: chain_findings(history, {}, key))
+    return {"chain_entries": entries, "chain_seconds": seconds, "chain_cpu_seconds": time.process_time() - cpu_started}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,9 +206,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="COMMITSxMECHANISMS",
         help=f"the points to measure (default {DEFAULT_POINTS[0]}; the issue's are {' '.join(DEFAULT_POINTS)})",
     )
+    parser.add_argument(
+        "--chain-entries", type=int, metavar="N",
+        help="only time verify's chain check over N history entries built in memory (printed, not written)",
+    )
     parser.add_argument("--json", action="store_true", help="also write the results as JSON (see --output)")
-    parser.add_argument("--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)"
+    )
     args = parser.parse_args(argv)
+    if args.chain_entries is not None:
+        print(json.dumps({**measure_chain(args.chain_entries), "load_average": os.getloadavg()}))
+        return 0
     load_before = os.getloadavg()
     command = "python -m bench.ledger_growth " + " ".join(argv if argv is not None else sys.argv[1:])
     results = []

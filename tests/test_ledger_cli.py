@@ -158,11 +158,18 @@ def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(cap
         reservation = ledger.reserve("mnist", "job-1", SampledGaussian(0.004, 1.1, 500))
         ledger.commit(reservation.reservation_id, 200, 0)
     status, out, _ = run(capsys, "ledger", "verify")
-    assert status == 0 and out.startswith("no findings in 4 history entries and 1 datasets of ")
+    assert status == 0 and out.startswith("no findings in 4 history entries (every hash checked, all replayed) and 1 "
+                                          "datasets of ")
+    with open_embedded_ledger(embedded) as ledger:
+        ledger.commit(reservation.reservation_id, 100, 1)
+    status, out, _ = run(capsys, "ledger", "verify")
+    assert status == 0 and "(every hash checked, 1 replayed after the last verified entry)" in out
+    status, out, _ = run(capsys, "ledger", "verify", "--full")
+    assert status == 0 and "(every hash checked, all replayed)" in out
     with sqlite3.connect(embedded) as connection:
         connection.execute("DROP TRIGGER history_is_append_only_update")
-        connection.execute("UPDATE history SET actor = 'someone else' WHERE action = 'commit'")
-        (entry_id,) = connection.execute("SELECT id FROM history WHERE action = 'commit'").fetchone()
+        (entry_id,) = connection.execute("SELECT MIN(id) FROM history WHERE action = 'commit'").fetchone()
+        connection.execute("UPDATE history SET actor = 'someone else' WHERE id = ?", (entry_id,))
     edited = "its fields do not match its hash (the row was edited)"
     status, out, _ = run(capsys, "ledger", "verify", "--db", str(embedded))
     assert status == 1 and out.splitlines()[0] == f"entry {entry_id} of dataset local/mnist: {edited}"
@@ -195,6 +202,7 @@ def test_head_is_signed_and_verify_head_finds_the_tail_cut_since(capsys, embedde
     status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
     assert status == 1 and out.splitlines() == [
         f"signed head: the history has 1 entries; at {signed.at} it had 2: entries were cut from its tail",
+        "verified state: the history has 1 entries; the last verify checked 2: entries were cut from its tail",
         out.splitlines()[-1],
     ]
 

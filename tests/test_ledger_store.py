@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pickle
 import random
 import sqlite3
 import threading
@@ -474,7 +475,11 @@ def test_verify_reports_a_hand_edited_history_row_with_its_dataset_and_entry(led
         f"commit: sequence 0 of {reservation.reservation_id} (60 steps) has a row but no history entry",
     ]
     edit_history(ledger.path, commit.entry_id, smaller, rechain=True)  # hashes made whole again: the replay still tells
-    assert findings(ledger)[0].startswith(release)
+    anchor, replayed, *_ = findings(ledger)
+    # The last clean verify kept the hash of its last entry, the release: rewritten, so the replays start over.
+    assert anchor == f"entry {commit.entry_id + 1}: its hash is not the one the last verify checked there: the " \
+        "history was rewritten"
+    assert replayed.startswith(release)
 
 
 def test_verify_replays_each_admission_against_the_rule(ledger):
@@ -544,6 +549,9 @@ def test_a_user_level_dataset_refuses_jobs_of_mixed_units_and_charges_a_row_boun
     # A history that claims a smaller person than the charge was made for is caught by the replay.
     edit_history(ledger.path, reserve.entry_id, dict(reserve.details, rows_per_person=2), rechain=True)
     assert findings(ledger) == [
+        # The last verify's state was kept at the commit after it, whose hash the rewrite changed.
+        f"entry {reserve.entry_id + 1}: its hash is not the one the last verify checked there: the history was "
+        "rewritten",
         f"entry {reserve.entry_id} of dataset local/people: charges events that are not the group-privacy bound "
         "of its job's events for 2 rows per person"]
 
@@ -658,6 +666,79 @@ def test_verify_finds_an_edited_reservation_and_a_swapped_token(ledger):
         "committed_steps, state",
         "tenant: acme: its token is not the one its history records (a token was swapped in the table)",
     ]
+
+
+def verified_twice(ledger):
+    """A verified history (its state kept at the first commit) and two entries recorded after: the running job's
+    commit of 40 steps and its release."""
+    running = spent_some(ledger)
+    first = ledger.verify()
+    assert first.findings == () and first.replayed == first.entries
+    ledger.commit(running.reservation_id, 20, 1)
+    ledger.release(running.reservation_id)
+    return running, first.entries
+
+
+def test_verify_replays_only_the_entries_after_the_last_verified_one_and_full_replays_all(ledger):
+    _, verified = verified_twice(ledger)
+    incremental = ledger.verify()
+    assert incremental.findings == () and (incremental.entries, incremental.replayed) == (verified + 2, 2)
+    assert ledger.verify().replayed == 0  # the state moved on to the last entry
+    full = ledger.verify(full=True)
+    assert full.findings == () and full.replayed == full.entries == verified + 2
+
+
+def both_verifies(ledger):
+    """The findings of an incremental and of a full verify, as text; neither keeps a state when it finds anything."""
+    return [str(finding) for finding in ledger.verify().findings], \
+        [str(finding) for finding in ledger.verify(full=True).findings]
+
+
+def entry_of(ledger, action, nth=0):
+    return [entry for entry in ledger.history() if entry.action == action][nth]
+
+
+@pytest.mark.parametrize("rechain", [False, True], ids=["edited", "edited-and-rechained-with-the-key"])
+@pytest.mark.parametrize("which", ["old", "new"])
+def test_an_edited_entry_before_or_after_the_verified_one_is_found_by_verify_and_by_verify_full(
+    ledger, which, rechain
+):
+    running, verified = verified_twice(ledger)
+    # The running job's first commit (40 steps) was verified; its second (20) was not yet.
+    commit = entry_of(ledger, "commit", 1 if which == "old" else 2)
+    assert (commit.entry_id <= verified) == (which == "old")
+    smaller = dict(commit.details, events=Composition((FIRST.with_steps(4),)).to_dict())
+    edit_history(ledger.path, commit.entry_id, smaller, rechain=rechain)
+    incremental, full = both_verifies(ledger)
+    edited = f"entry {commit.entry_id} of dataset local/mnist: its fields do not match its hash (the row was edited)"
+    row = "dataset row of dataset local/mnist: the row's set of committed events is not what its history replays to"
+    assert (edited in full) == (not rechain) and row in full
+    rewritten = f"entry {verified}: its hash is not the one the last verify checked there: the history was rewritten"
+    # Both check the kept state's anchor, and the incremental one replays from the start once it does not hold.
+    assert incremental == full
+    assert (rewritten in full) == (rechain and which == "old")
+
+
+def test_a_forged_verified_state_is_found_and_the_replays_start_from_the_first_entry(ledger):
+    running, _ = verified_twice(ledger)
+    # Whoever holds the file lowers the dataset's committed steps in its row and in the kept state alike, so that
+    # a replay from that state would agree with the row; without the history key the state's HMAC cannot follow.
+    with sqlite3.connect(ledger.path) as connection:
+        (blob,) = connection.execute("SELECT state FROM verified_state").fetchone()
+        tag, body = blob[:32], blob[32:]
+        prefix = body[:body.index(b"\n") + 1]
+        state = pickle.loads(body[len(prefix):])
+        (budget,) = state.replay.budgets.values()
+        budget.committed_steps_by_mechanism = {mechanism: 1 for mechanism in budget.committed_steps_by_mechanism}
+        connection.execute("UPDATE verified_state SET state = ?", (tag + prefix + pickle.dumps(state),))
+    incremental, full = both_verifies(ledger)
+    forged = ("verified state: its HMAC does not match the history key: it was edited, or written with another key; "
+              "the replays started from the first entry")
+    assert forged in incremental and forged in full
+    assert incremental == full and len(incremental) == 1  # replayed from the start, the history matches the rows
+    with sqlite3.connect(ledger.path) as connection:
+        connection.execute("DELETE FROM verified_state")
+    assert ledger.verify().findings == () and ledger.verify().replayed == 0  # a clean verify keeps a new state
 
 
 def test_a_version_8_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):

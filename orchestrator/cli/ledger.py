@@ -493,7 +493,7 @@ def run_verify(args: argparse.Namespace) -> int:
             raise UsageError(f"--head {args.head}: not the JSON dpfleet ledger head prints ({error})") from None
     path = args.db or default_ledger_path()
     with _open_store(args) as ledger:
-        verification = ledger.verify(head)
+        verification = ledger.verify(head, full=args.full)
     if args.json:
         print_json(verification.to_dict())
     else:
@@ -501,8 +501,11 @@ def run_verify(args: argparse.Namespace) -> int:
             print(finding)
         outcome = f"{len(verification.findings)} finding(s)" if verification.findings else "no findings"
         extends = "" if head is None else f"; checked against the head of {head.entries} entries signed at {head.at}"
+        replayed = "all replayed" if verification.replayed == verification.entries else (
+            f"{verification.replayed} replayed after the last verified entry")
         print(
-            f"{outcome} in {verification.entries} history entries and {verification.datasets} datasets of "
+            f"{outcome} in {verification.entries} history entries (every hash checked, {replayed}) and "
+            f"{verification.datasets} datasets of "
             f"{shown_location(str(path))}{extends}; "
             f"head hash {verification.head_hash} (keep dpfleet ledger head's signed head elsewhere to notice a "
             "history cut or rewritten)"

@@ -291,13 +291,18 @@ def _add_audit_commands(commands: argparse._SubParsersAction) -> None:
         help="check the history's hash chain and replay every dataset's admissions, tally and commits",
         description="Check that each history entry carries the hash of the one before it, and replay every "
         "dataset's history from its events: each admission and commit against the dataset's rule, and the "
-        "replayed RDP tally and committed events against the dataset's row. Prints each finding with its "
-        "dataset and entry; exits 1 when there is any.",
+        "replayed RDP tally and committed events against the dataset's row. Every hash is checked each time; the "
+        "replays start from the state the last verify that found nothing kept (HMAC-checked, at an entry whose "
+        "hash it recorded), so they cost what was recorded since; --full replays from the first entry. Prints "
+        "each finding with its dataset and entry; exits 1 when there is any.",
     )
     _add_store_flag(verify)
     verify.add_argument(
         "--head", help="a head file dpfleet ledger head printed earlier: also check that the history still extends "
         "it (no entry cut from the tail, none rewritten)"
+    )
+    verify.add_argument(
+        "--full", action="store_true", help="replay every entry from the first, not from the last verified one"
     )
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
     _add_history_key_flag(verify)

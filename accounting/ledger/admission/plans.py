@@ -116,13 +116,34 @@ def _mechanism_of_record(record: dict) -> tuple[float, float, float]:
     return record["sampling_rate"], record["noise_multiplier"], record.get("sensitivity_factor", 1.0)
 
 
+def _record_prefix(event: SampledGaussian) -> str:
+    """How a canonical stored composition writes `event`'s record (Composition.to_json) up to its step count."""
+    record = json.dumps(event.with_steps(1).to_dict(), sort_keys=True)
+    return record[:record.rindex('"steps": ') + len('"steps": ')]
+
+
 def committed_json_with(stored: str, block: Composition) -> str:
     """A budget's committed events as stored (canonical JSON) with `block` added, as stored.
 
     Equal to `canonical(Composition.from_json(stored).then(block)).to_json()`
-    (a test holds them equal), without building a record per mechanism: a
-    commit's cost stays small however many mechanisms a budget has seen.
+    (a test holds them equal), without parsing or writing a record per
+    mechanism when each of the block's mechanisms has one: its step count is
+    rewritten in place in the text, found by the record's exact text before
+    it (once in the canonical text the store writes). So a commit's cost does
+    not grow with the mechanisms a budget has seen; a new mechanism's first
+    commit rebuilds the text once.
     """
+    spliced = stored
+    for event in block.events:
+        prefix = _record_prefix(event)
+        start = spliced.find(prefix)
+        if start < 0 or spliced.find(prefix, start + 1) >= 0:  # a new mechanism, or a list never written so
+            break
+        digits = start + len(prefix)
+        end = spliced.index("}", digits)
+        spliced = f"{spliced[:digits]}{int(spliced[digits:end]) + event.steps}{spliced[end:]}"
+    else:
+        return spliced
     data = json.loads(stored)
     records = data.get("events", [])
     by_mechanism = {_mechanism_of_record(record): record for record in records}

@@ -14,6 +14,7 @@ not O(history).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ _FILTER_ORDER_FACTORS = (0.5, 1.0, 2.0)
 _LOWEST_CONVERTIBLE_ORDER = 1.01
 
 
+@functools.lru_cache(maxsize=None)  # a rule's few orders, each looked up for every tally it converts
 def _order_index(order: float) -> int:
     matches = np.flatnonzero(RDP_ORDERS == order)
     if len(matches) != 1 or order <= _LOWEST_CONVERTIBLE_ORDER:
@@ -110,9 +112,8 @@ class AdmissionRule:
 
     def order_epsilons(self, tally: RdpTally) -> tuple[float, ...]:
         """Per order of the rule, the epsilon at delta / K of the tally's divergence there."""
-        divergences = tally.divergences()
         return tuple(
-            order_epsilon(order, float(divergences[_order_index(order)]), self.delta_per_order)
+            order_epsilon(order, tally.divergence(_order_index(order)), self.delta_per_order)
             for order in self.orders
         )
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import itertools
 import math
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,21 +49,21 @@ class RdpTally:
     @classmethod
     def of(cls, events: EventsLike) -> "RdpTally":
         """The tally of a composition (one dp-accounting call per distinct mechanism, cached)."""
-        units = [0] * len(RDP_ORDERS)
-        unbounded = [0] * len(RDP_ORDERS)
+        units = (0,) * len(RDP_ORDERS)
+        unbounded = (0,) * len(RDP_ORDERS)
         for event in as_composition(events).events:
             units_of_step, unbounded_in_step = step_units(
                 event.sampling_rate, event.noise_multiplier, event.sensitivity_factor
             )
-            for order, (unit, infinite) in enumerate(zip(units_of_step, unbounded_in_step)):
-                units[order] += event.steps * unit
-                unbounded[order] += event.steps if infinite else 0
-        return cls(tuple(units), tuple(unbounded))
+            steps = itertools.repeat(event.steps)
+            units = tuple(map(operator.add, units, map(operator.mul, units_of_step, steps)))
+            unbounded = tuple(map(operator.add, unbounded, map(operator.mul, unbounded_in_step, steps)))
+        return cls(units, unbounded)
 
     def __add__(self, other: "RdpTally") -> "RdpTally":
         return RdpTally(
-            tuple(a + b for a, b in zip(self.units, other.units)),
-            tuple(a + b for a, b in zip(self.unbounded_steps, other.unbounded_steps)),
+            tuple(map(operator.add, self.units, other.units)),
+            tuple(map(operator.add, self.unbounded_steps, other.unbounded_steps)),
         )
 
     def __sub__(self, other: "RdpTally") -> "RdpTally":
@@ -70,6 +72,13 @@ class RdpTally:
         if min(units) < 0 or min(unbounded) < 0:
             raise ValueError("cannot take from an RDP tally more than was added to it; the ledger file is inconsistent")
         return RdpTally(units, unbounded)
+
+    def divergence(self, order_index: int) -> float:
+        """The Renyi divergence at the `order_index`-th order of RDP_ORDERS in nats, rounded up to the next float."""
+        if self.unbounded_steps[order_index]:
+            return math.inf
+        units = self.units[order_index]
+        return math.nextafter(units / UNITS_PER_NAT, math.inf) if units else 0.0
 
     def divergences(self) -> np.ndarray:
         """The per-order Renyi divergences in nats, each rounded up to the next float."""

@@ -57,7 +57,7 @@ from accounting.ledger.store.status import StatusRows, budget_ids, dataset_statu
 from accounting.ledger.store.tables import Tables
 from accounting.ledger.store.transactions import Transactions, curves_outside_lock
 from accounting.ledger.store.uses import Quota
-from accounting.ledger.store.verification import read_stored, verify_stored
+from accounting.ledger.store.verification import keep_verified_state, read_stored, verify_stored
 from accounting.ledger.tokens import admin_key_id, new_token, token_digest
 from accounting.ledger.validation import (
     ACTIVE,
@@ -783,15 +783,30 @@ class Ledger:
             entries, last_hash = self._history.head(connection)
         return sign_head(self._history.key, entries, last_hash, now())
 
-    def verify(self, head: SignedHead | None = None, *, caller: Caller | None = None) -> Verification:
+    def verify(
+        self, head: SignedHead | None = None, full: bool = False, *, caller: Caller | None = None
+    ) -> Verification:
         """Check the history's keyed hash chain, replay every dataset's, block's, tenant use's, reservation's,
         commit's and tenant's history against its row, and with `head` check that the history extends it
-        (admin only)."""
+        (admin only).
+
+        Every entry's hash is checked each time. The replays start from the
+        state the last verify that found nothing kept (its HMAC and anchor
+        checked: see verification.verified), so they cost what was recorded
+        since; `full` replays from the first entry. A verify that finds
+        nothing keeps its state for the next.
+        """
         caller = self._caller(caller)
         require_admin(caller, "verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
         with self._transactions.read() as connection:
             stored = read_stored(self._tables, connection)
-        return verify_stored(stored, self._history.key, head)
+        verification, state = verify_stored(stored, self._history.key, head, full)
+        if state is not None:
+            # A read-only or unreachable database keeps the state it had: the next verify replays more.
+            with contextlib.suppress(LedgerUnavailable):
+                with self._transactions.change() as connection:
+                    keep_verified_state(connection, state, self._history.key)
+        return verification
 
     def history(
         self, dataset: str | None = None, limit: int = 1000, *, caller: Caller | None = None

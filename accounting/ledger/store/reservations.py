@@ -180,8 +180,8 @@ class Reservations:
         """Every reservation, by id, as `verify` replays it against its history."""
         return [
             StoredReservation(
-                reservation_id, dataset_id, tenant, job_id, Composition.from_json(planned), committed_steps,
-                state, lease_seconds, bool(lease_expired), tuple(json.loads(blocks)),
+                reservation_id, dataset_id, tenant, job_id, planned, committed_steps, state, lease_seconds,
+                bool(lease_expired), blocks,
             )
             for (reservation_id, dataset_id, tenant, job_id, planned, committed_steps, state, lease_seconds,
                  lease_expired, blocks) in connection.execute(
@@ -194,7 +194,7 @@ class Reservations:
     def every_commit(connection: Connection) -> list[StoredCommit]:
         """Every commit, by reservation and sequence, as `verify` replays it against its history."""
         return [
-            StoredCommit(*row) for row in connection.execute(
+            StoredCommit._make(row) for row in connection.execute(
                 "SELECT reservation_id, sequence, steps, committed_steps FROM commits ORDER BY reservation_id, "
                 "sequence"
             ).fetchall()

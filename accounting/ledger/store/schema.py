@@ -20,7 +20,7 @@ from accounting.ledger.store.local import local_user
 from accounting.ledger.store.transactions import Transactions
 from accounting.ledger.verification import ANCHOR_ACTION, chain_findings, history_hash
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # The indexes each listing reads in order (schema version 10), so that its time follows what it lists, not the
 # whole history: a dataset's last history entries, as the admin or one tenant sees them; a dataset's jobs, of
@@ -37,6 +37,14 @@ _LISTING_INDEXES = (
 # Each budget's composed PLD as last kept (schema version 10; see store/composed.py): a cache of a report.
 _COMPOSED_PLD = """CREATE TABLE IF NOT EXISTS composed_pld (
         budget_id {integer} PRIMARY KEY REFERENCES datasets(id),
+        state {bytes} NOT NULL,
+        at TEXT NOT NULL
+    )"""
+
+# The replays' state at the last entry a verify found nothing wrong up to (schema version 11; see
+# verification/verified.py): one row, carrying an HMAC under the history key.
+_VERIFIED_STATE = """CREATE TABLE IF NOT EXISTS verified_state (
+        id {integer} PRIMARY KEY CHECK (id = 1),
         state {bytes} NOT NULL,
         at TEXT NOT NULL
     )"""
@@ -171,6 +179,7 @@ _TABLES = (
     *_TOKEN_TABLES,
     *_LISTING_INDEXES,
     _COMPOSED_PLD,
+    _VERIFIED_STATE,
 )
 
 
@@ -365,6 +374,14 @@ def _index_listings_and_keep_composed_plds(
         connection.execute(formatted(statement, database))
 
 
+def _keep_the_verified_state(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 11: the replays' state at the last verified entry (`_VERIFIED_STATE`, empty until a verify
+    finds nothing), so the next verify replays only the entries after it."""
+    connection.execute(formatted(_VERIFIED_STATE, database))
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it; the steps
 # that append to the history append to `history` (the one that re-chains it under the key uses the key).
 _MIGRATIONS = {
@@ -377,6 +394,7 @@ _MIGRATIONS = {
     8: _add_fast_tokens_and_revocation,
     9: _key_the_history,
     10: _index_listings_and_keep_composed_plds,
+    11: _keep_the_verified_state,
 }
 
 

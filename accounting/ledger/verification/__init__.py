@@ -14,13 +14,12 @@ from accounting.ledger.verification.findings import (
     Verification,
 )
 from accounting.ledger.verification.history import (
+    HistoryReplay,
     verify_history,
 )
 from accounting.ledger.verification.replay import (
     BurnDownPoint,
     burn_down,
-    replay_findings,
-    use_findings,
 )
 from accounting.ledger.verification.rows import (
     StoredCommit,
@@ -31,13 +30,8 @@ from accounting.ledger.verification.rows import (
     StoredTenantUse,
     stored_token_digest,
 )
-from accounting.ledger.verification.tables import (
-    job_findings,
-    queue_findings,
-    tenant_findings,
-)
-from accounting.ledger.verification.units import (
-    unit_findings,
+from accounting.ledger.verification.verified import (
+    VerifiedState,
 )
 
 __all__ = [
@@ -45,6 +39,7 @@ __all__ = [
     "BurnDownPoint",
     "Finding",
     "HEAD_SCHEMA",
+    "HistoryReplay",
     "SignedHead",
     "StoredCommit",
     "StoredDataset",
@@ -53,17 +48,12 @@ __all__ = [
     "StoredTenant",
     "StoredTenantUse",
     "Verification",
+    "VerifiedState",
     "burn_down",
     "chain_findings",
     "head_findings",
     "history_hash",
-    "job_findings",
-    "queue_findings",
-    "replay_findings",
     "sign_head",
     "stored_token_digest",
-    "tenant_findings",
-    "unit_findings",
-    "use_findings",
     "verify_history",
 ]

@@ -6,10 +6,16 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
+from typing import Iterable
 
 from accounting.ledger.errors import InvalidArgument
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.rows import StoredEntry
+
+
+# One encoder for every entry (json.dumps would build one per call), writing what json.dumps(ensure_ascii=True,
+# separators=(",", ":")) writes.
+_HASHED_FIELDS = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
 
 def history_hash(
@@ -32,50 +38,51 @@ def history_hash(
     SHA-256 of files from before schema version 9, which only the migration
     that keys them reads.
     """
-    payload = json.dumps(
-        [previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json],
-        ensure_ascii=True,
-        separators=(",", ":"),
+    payload = _HASHED_FIELDS.encode(
+        [previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json]
     ).encode()
     if key is None:
         return hashlib.sha256(payload).hexdigest()
-    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+    return hmac.digest(key, payload, "sha256").hex()
 
 
 ANCHOR_ACTION = "anchor_history"
 
 
 def chain_findings(
-    entries: list[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None
+    entries: Iterable[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None
 ) -> list[Finding]:
     """Every entry whose previous hash or own hash does not match the chain under the history `key`, oldest first.
 
     An edited entry shows as a wrong hash at that entry; a removed one as a
     wrong previous hash at the entry after it. What the migration that keyed
     an older file found wrong in its unkeyed chain (recorded in its
-    `anchor_history` entry) is reported again at that entry.
+    `anchor_history` entry) is reported again at that entry. `verify`
+    re-hashes the whole history each time, so this loop builds nothing per
+    entry that it does not need.
     """
     findings = []
     previous = ""
-    for entry in entries:
-        if entry.action == ANCHOR_ACTION:
-            unkeyed = json.loads(entry.details_json).get("unkeyed_chain_findings") or []
+    encode = _HASHED_FIELDS.encode
+    digest = hmac.digest
+    for entry_id, at, actor, action, tenant, dataset_id, details_json, previous_hash, entry_hash in entries:
+        if action == ANCHOR_ACTION:
+            unkeyed = json.loads(details_json).get("unkeyed_chain_findings") or []
             findings += [
-                Finding(entry.entry_id, None, f"before the history was keyed, its unkeyed chain had: {problem}")
+                Finding(entry_id, None, f"before the history was keyed, its unkeyed chain had: {problem}")
                 for problem in unkeyed
             ]
-        dataset = dataset_names.get(entry.dataset_id) if entry.dataset_id is not None else None
-        if entry.previous_hash != previous:
-            findings.append(
-                Finding(entry.entry_id, dataset, "its previous hash is not the hash of the entry before it")
-            )
-        expected = history_hash(
-            entry.previous_hash, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant,
-            entry.dataset_id, entry.details_json, key,
-        )
-        if entry.entry_hash != expected:
-            findings.append(Finding(entry.entry_id, dataset, "its fields do not match its hash (the row was edited)"))
-        previous = entry.entry_hash
+        payload = encode([previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json]).encode()
+        expected = hashlib.sha256(payload).hexdigest() if key is None else digest(key, payload, "sha256").hex()
+        if previous_hash != previous or entry_hash != expected:
+            dataset = dataset_names.get(dataset_id) if dataset_id is not None else None
+            if previous_hash != previous:
+                findings.append(
+                    Finding(entry_id, dataset, "its previous hash is not the hash of the entry before it")
+                )
+            if entry_hash != expected:
+                findings.append(Finding(entry_id, dataset, "its fields do not match its hash (the row was edited)"))
+        previous = entry_hash
     return findings
 
 

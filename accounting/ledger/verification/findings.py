@@ -26,12 +26,17 @@ class Finding:
 
 @dataclass(frozen=True)
 class Verification:
-    """What `verify` checked and found: keep `head_hash` elsewhere to notice a history rewritten from the start."""
+    """What `verify` checked and found: keep `head_hash` elsewhere to notice a history rewritten from the start.
+
+    Every entry's hash is checked; `replayed` entries were replayed (all of
+    them, or those after the last verified entry: see verify_history).
+    """
 
     entries: int
     datasets: int
     head_hash: str
     findings: tuple[Finding, ...]
+    replayed: int
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the `dpfleet ledger verify --json` shape)."""
@@ -39,5 +44,6 @@ class Verification:
             "entries": self.entries,
             "datasets": self.datasets,
             "head_hash": self.head_hash,
+            "replayed": self.replayed,
             "findings": [finding.to_dict() for finding in self.findings],
         }

@@ -1,13 +1,14 @@
-"""`verify`: the whole history checked, its chain and head, each budget's replay and every table."""
+"""`verify`: the whole history's chain re-hashed, its head checked, and every replay extended from the last
+verified entry (or from the start) and compared with the tables."""
 
 from __future__ import annotations
 
 import json
+from typing import Sequence
 
-from accounting.events import EventError
 from accounting.ledger.verification.chain import SignedHead, chain_findings, head_findings
 from accounting.ledger.verification.findings import Finding, Verification
-from accounting.ledger.verification.replay import JOB_ACTIONS, replay_findings, use_findings
+from accounting.ledger.verification.replay import JOB_ACTIONS, BudgetReplay
 from accounting.ledger.verification.rows import (
     StoredCommit,
     StoredDataset,
@@ -16,8 +17,9 @@ from accounting.ledger.verification.rows import (
     StoredTenant,
     StoredTenantUse,
 )
-from accounting.ledger.verification.tables import job_findings, queue_findings, tenant_findings
-from accounting.ledger.verification.units import unit_findings
+from accounting.ledger.verification.tables import JobReplay, QueueReplay, TenantReplay
+from accounting.ledger.verification.units import UnitReplay
+from accounting.ledger.verification.verified import VerifiedState, verified_state_findings
 
 
 def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> list[int]:
@@ -29,17 +31,103 @@ def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> li
     return [entry.dataset_id] if entry.dataset_id is not None else []
 
 
+class HistoryReplay:
+    """Every replay `verify` runs, as state: each budget's, each tenant use's, the queues', the privacy units',
+    the jobs' and the tenants'.
+
+    `extend` applies history entries in order; `findings` compares the
+    result with the tables. Extending by the entries after a verified one
+    gives the state that replaying every entry from the start gives, so
+    `verify` keeps it (VerifiedState) and replays only what is new.
+    """
+
+    def __init__(self) -> None:
+        self.budgets: dict[int, BudgetReplay] = {}
+        self.uses: dict[tuple[str, int], BudgetReplay] = {}
+        # Each budget an entry was about, and the first such entry: a budget without a row is a finding.
+        self.first_entry: dict[int, int] = {}
+        self.queues = QueueReplay()
+        self.units = UnitReplay()
+        self.jobs = JobReplay()
+        self.tenants = TenantReplay()
+
+    def extend(self, entries: Sequence[StoredEntry], datasets: list[StoredDataset]) -> None:
+        """Apply `entries`, oldest first, after those applied before."""
+        rows = {row.dataset_id: row for row in datasets}
+        names = {row.dataset_id: row.name for row in datasets}
+        block_ids = {(row.block_of, row.block): row.dataset_id for row in datasets if row.block_of is not None}
+        blocks_of: dict[int, list[int]] = {}
+        for row in datasets:
+            if row.block_of is not None:
+                blocks_of.setdefault(row.block_of, []).append(row.dataset_id)
+        for entry in entries:
+            budget_ids = _budgets_of(entry, block_ids)
+            for budget_id in budget_ids:
+                self.first_entry.setdefault(budget_id, entry.entry_id)
+                if budget_id in rows and entry.action != "set_quota":
+                    if budget_id not in self.budgets:
+                        self.budgets[budget_id] = BudgetReplay.of_budget(rows[budget_id])
+                    self.budgets[budget_id].replay(entry)
+            if entry.tenant is not None and (entry.action in JOB_ACTIONS or entry.action == "set_quota"):
+                for budget_id in budget_ids:
+                    self._use(entry.tenant, budget_id, names).replay(entry)
+                if entry.action == "set_quota":
+                    # A tenant's quota on a dataset is the quota of each of its blocks that has none of its own.
+                    for block_id in blocks_of.get(entry.dataset_id, ()):
+                        self._use(entry.tenant, block_id, names).replay(entry, from_dataset=True)
+            self.queues.apply(entry, names)
+            self.units.apply(entry, rows, block_ids)
+            self.jobs.apply(entry)
+            self.tenants.apply(entry)
+
+    def _use(self, tenant: str, budget_id: int, names: dict[int, str]) -> BudgetReplay:
+        use = self.uses.get((tenant, budget_id))
+        if use is None:
+            use = self.uses[(tenant, budget_id)] = BudgetReplay.of_use(names.get(budget_id, str(budget_id)), tenant)
+        return use
+
+    def findings(
+        self,
+        datasets: list[StoredDataset],
+        uses: Sequence[StoredTenantUse],
+        reservations: Sequence[StoredReservation],
+        commits: Sequence[StoredCommit],
+        tenants: Sequence[StoredTenant],
+    ) -> list[Finding]:
+        """What the replays noted, and where the tables' rows differ from what they replay to."""
+        names = {dataset.dataset_id: dataset.name for dataset in datasets}
+        findings = []
+        for dataset in datasets:
+            replay = self.budgets.get(dataset.dataset_id) or BudgetReplay.of_budget(dataset)
+            findings += replay.budget_findings(dataset)
+        for budget_id in sorted(set(self.first_entry) - set(names)):
+            findings.append(Finding(self.first_entry[budget_id], None, "it is about a dataset or block that has no "
+                                                                       "row (the row was removed)"))
+        findings += self.queues.findings
+        findings += self.units.findings(datasets)
+        for use in uses:
+            replay = self.uses.get((use.tenant, use.budget_id)) or BudgetReplay.of_use(
+                names.get(use.budget_id, str(use.budget_id)), use.tenant
+            )
+            findings += replay.use_findings(use)
+        findings += self.jobs.findings(list(reservations), list(commits))
+        findings += self.tenants.findings(list(tenants))
+        return findings
+
+
 def verify_history(
-    entries: list[StoredEntry],
+    entries: Sequence[StoredEntry],
     datasets: list[StoredDataset],
-    uses: list[StoredTenantUse] = (),
+    uses: Sequence[StoredTenantUse] = (),
     *,
-    key: bytes | None = None,
-    reservations: list[StoredReservation] = (),
-    commits: list[StoredCommit] = (),
-    tenants: list[StoredTenant] = (),
+    key: bytes,
+    reservations: Sequence[StoredReservation] = (),
+    commits: Sequence[StoredCommit] = (),
+    tenants: Sequence[StoredTenant] = (),
     head: SignedHead | None = None,
-) -> Verification:
+    verified: bytes | None = None,
+    full: bool = False,
+) -> tuple[Verification, VerifiedState | None]:
     """Check the hash chain of every entry under the history `key`, then replay each dataset's, block's and
     tenant use's history, and every reservation, commit and tenant, against the tables' rows.
 
@@ -48,32 +136,34 @@ def verify_history(
     With `head` (a head signed earlier), also check that the history still
     extends it: the one check that sees a tail cut together with the rows
     it changed.
+
+    `verified` is the state kept by the last verify that found nothing
+    (VerifiedState.to_bytes). Unless `full`, the replays start from it and
+    apply only the entries after its entry, when its HMAC matches, the
+    entry it names still carries the hash it recorded and no entry up to
+    there fails the chain; otherwise they start from the first entry. Every
+    entry's hash is checked either way, and a state whose HMAC or anchor
+    does not match is a finding. Returns what was found, and the state to
+    keep when nothing was (None otherwise).
     """
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
     findings = chain_findings(entries, names, key)
     if head is not None:
         findings += head_findings(key, head, entries)
-    block_ids = {(row.block_of, row.block): row.dataset_id for row in datasets if row.block_of is not None}
-    by_budget: dict[int, list[StoredEntry]] = {}
-    for entry in entries:
-        for budget_id in _budgets_of(entry, block_ids):
-            by_budget.setdefault(budget_id, []).append(entry)
-    for dataset in datasets:
-        findings += replay_findings(dataset, [entry for entry in by_budget.get(dataset.dataset_id, ())
-                                              if entry.action != "set_quota"])
-    for budget_id in sorted(set(by_budget) - set(names)):
-        findings.append(Finding(by_budget[budget_id][0].entry_id, None, "it is about a dataset or block that has no "
-                                                                        "row (the row was removed)"))
-    findings += queue_findings(entries, names)
-    findings += unit_findings(entries, datasets)
-    parent = {row.dataset_id: row.block_of for row in datasets}
-    for use in uses:
-        findings += use_findings(use, names.get(use.budget_id, str(use.budget_id)), by_budget.get(use.budget_id, []),
-                                 by_budget.get(parent.get(use.budget_id), []))
-    try:
-        findings += job_findings(entries, reservations, commits)
-    except (KeyError, TypeError, ValueError, EventError) as error:
-        findings.append(Finding(None, None, f"the history's jobs cannot be replayed ({type(error).__name__}: {error})",
-                                row="reservations"))
-    findings += tenant_findings(entries, tenants)
-    return Verification(len(entries), len(datasets), entries[-1].entry_hash if entries else "", tuple(findings))
+    start = None
+    if verified is not None:
+        start, problems = verified_state_findings(key, verified, entries)
+        findings += problems
+    if start is not None and not full and not any(
+        finding.entry_id is not None and finding.entry_id <= start.last_entry_id for finding in findings
+    ):
+        replay, replayed = start.replay, entries[start.entries:]
+    else:
+        replay, replayed = HistoryReplay(), entries
+    replay.extend(replayed, datasets)
+    findings += replay.findings(datasets, uses, reservations, commits, tenants)
+    head_hash = entries[-1].entry_hash if entries else ""
+    verification = Verification(len(entries), len(datasets), head_hash, tuple(findings), len(replayed))
+    if findings or not entries:
+        return verification, None
+    return verification, VerifiedState(len(entries), entries[-1].entry_id, head_hash, replay)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Callable
@@ -16,19 +17,33 @@ from accounting.ledger.verification.rows import StoredDataset, StoredEntry, Stor
 JOB_ACTIONS = ("reserve", "commit", "release", "expire")
 
 
-class _Replay:
+def _nothing_recorded(details: dict) -> None:
+    return None
+
+
+def _recorded_for_dataset(details: dict) -> float | None:
+    return details.get("held_epsilon_filter", details.get("held_epsilon_rdp"))
+
+
+def _recorded_for_block(block: str, details: dict) -> float | None:
+    return details.get("held_epsilon_filter_by_block", {}).get(block)
+
+
+class BudgetReplay:
     """A budget's state rebuilt from its history, entry by entry, noting each departure from the rules.
 
     The budget is a dataset's or a block's (`recorded_held` finds the
     filter epsilon the reserve entry recorded for it), or a tenant's use of
     one (`quota`: its quota, set on the budget itself or on the dataset the
-    block belongs to; nothing is checked while none is set).
+    block belongs to; nothing is checked while none is set). Plain data
+    (`recorded_held` a module function or a partial of one), so `verify`
+    keeps it, pickled, as the state at its last verified entry.
     """
 
     def __init__(self, dataset: str, recorded_held: Callable[[dict], float | None] | None = None,
                  quota: bool = False) -> None:
         self.dataset = dataset
-        self.recorded_held = recorded_held or (lambda details: None)
+        self.recorded_held = recorded_held or _nothing_recorded
         self.quota = quota
         self.findings: list[Finding] = []
         self.budget_epsilon: float | None = None
@@ -43,6 +58,53 @@ class _Replay:
         self.committed_tally = RdpTally.zero()
         self.plans: dict[str, Composition] = {}
         self.committed_steps: dict[str, int] = {}
+
+    @classmethod
+    def of_budget(cls, dataset: StoredDataset) -> "BudgetReplay":
+        """The replay of a dataset's or a block's own budget, from nothing."""
+        if dataset.block is None:
+            return cls(dataset.name, _recorded_for_dataset)
+        return cls(dataset.name, functools.partial(_recorded_for_block, dataset.block))
+
+    @classmethod
+    def of_use(cls, budget_name: str, tenant: str) -> "BudgetReplay":
+        """The replay of a tenant's use of a budget (its quota there), from nothing."""
+        return cls(f"{budget_name} (tenant {tenant})", quota=True)
+
+    def replay(self, entry: StoredEntry, from_dataset: bool = False) -> None:
+        """Apply one entry; one it cannot apply is a finding."""
+        try:
+            self.apply(entry, from_dataset)
+        except (KeyError, TypeError, ValueError, EventError) as error:
+            self.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
+
+    def budget_findings(self, dataset: StoredDataset) -> list[Finding]:
+        """What the replay found, and where its budget, rule, tally and committed events differ from the row's."""
+        findings = list(self.findings)
+        for what, replayed, stored in (
+            ("budget ε", self.budget_epsilon, dataset.budget_epsilon),
+            ("admission rule", self.admission, dataset.admission),
+            ("RDP tally of committed and reserved steps", self.held, dataset.held),
+            ("set of committed events", canonical(self.committed), dataset.committed_events),
+        ):
+            if replayed != stored:
+                findings.append(Finding(None, dataset.name, f"the row's {what} is not what its history replays to"))
+        return findings
+
+    def use_findings(self, use: StoredTenantUse) -> list[Finding]:
+        """What the replay of a tenant's use found, and where its quota, tally and committed events differ from the
+        use's row (not compared while no quota was ever set: the budget's replay checks the jobs)."""
+        findings = list(self.findings)
+        if use.quota_epsilon is None and self.budget_epsilon is None and self.dataset_quota is None:
+            return findings
+        for what, replayed, stored in (
+            ("quota ε", self.budget_epsilon, use.quota_epsilon),
+            ("RDP tally of committed and reserved steps", self.held, use.held),
+            ("set of committed events", canonical(self.committed), use.committed_events),
+        ):
+            if replayed != stored:
+                findings.append(Finding(None, self.dataset, f"the tenant's {what} is not what its history replays to"))
+        return findings
 
     def note(self, entry: StoredEntry, problem: str) -> None:
         self.findings.append(Finding(entry.entry_id, self.dataset, problem))
@@ -162,72 +224,6 @@ class _Replay:
         self.held = self.held - RdpTally.of(split_steps(plan, committed_steps)[1])
 
 
-def use_findings(
-    use: StoredTenantUse, budget_name: str, entries: list[StoredEntry], dataset_entries: list[StoredEntry]
-) -> list[Finding]:
-    """Replay a tenant's use of one budget: its jobs' admissions and commits against its quota, and its tally.
-
-    `entries` are the budget's history; `dataset_entries` that of the
-    dataset a block belongs to (a quota set there applies to the block).
-    """
-    replay = _Replay(f"{budget_name} (tenant {use.tenant})", quota=True)
-    quota_on_dataset = {entry.entry_id for entry in dataset_entries if entry.action == "set_quota"}
-    mine = sorted(
-        (entry for entry in [*entries, *(e for e in dataset_entries if e.entry_id in quota_on_dataset)]
-         if entry.tenant == use.tenant and (entry.action in JOB_ACTIONS or entry.action == "set_quota")),
-        key=lambda entry: entry.entry_id,
-    )
-    for entry in mine:
-        try:
-            replay.apply(entry, from_dataset=entry.entry_id in quota_on_dataset)
-        except (KeyError, TypeError, ValueError, EventError) as error:
-            replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
-    findings = replay.findings
-    if use.quota_epsilon is None and replay.budget_epsilon is None and replay.dataset_quota is None:
-        return findings  # no quota: the tally limits nothing, and the budget's replay checks the jobs
-    for what, replayed, stored in (
-        ("quota ε", replay.budget_epsilon, use.quota_epsilon),
-        ("RDP tally of committed and reserved steps", replay.held, use.held),
-        ("set of committed events", canonical(replay.committed), use.committed_events),
-    ):
-        if replayed != stored:
-            findings.append(Finding(None, replay.dataset, f"the tenant's {what} is not what its history replays to"))
-    return findings
-
-
-def replay_findings(dataset: StoredDataset, entries: list[StoredEntry]) -> list[Finding]:
-    """Replay one dataset's history from its events and check every admission, commit and release.
-
-    Each reservation must have fitted the rule in force when it was made,
-    each commit must charge the next planned steps and keep the committed
-    steps within the filter, each release must free what was unrun; at the
-    end the replayed RDP tally, committed events, budget and rule must be
-    what the dataset's row holds.
-    """
-    if dataset.block is None:
-        def recorded(details: dict) -> float | None:
-            return details.get("held_epsilon_filter", details.get("held_epsilon_rdp"))
-    else:
-        def recorded(details: dict) -> float | None:
-            return details.get("held_epsilon_filter_by_block", {}).get(dataset.block)
-    replay = _Replay(dataset.name, recorded)
-    for entry in entries:
-        try:
-            replay.apply(entry)
-        except (KeyError, TypeError, ValueError, EventError) as error:
-            replay.note(entry, f"its details cannot be replayed ({type(error).__name__}: {error})")
-    findings = replay.findings
-    for what, replayed, stored in (
-        ("budget ε", replay.budget_epsilon, dataset.budget_epsilon),
-        ("admission rule", replay.admission, dataset.admission),
-        ("RDP tally of committed and reserved steps", replay.held, dataset.held),
-        ("set of committed events", canonical(replay.committed), dataset.committed_events),
-    ):
-        if replayed != stored:
-            findings.append(Finding(None, dataset.name, f"the row's {what} is not what its history replays to"))
-    return findings
-
-
 @dataclass(frozen=True)
 class BurnDownPoint:
     """A dataset's figures (ε at its δ, see `budget_figures`) just after one change to it, at `at` (UTC)."""
@@ -261,7 +257,7 @@ def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
     """
     if not entries or entries[0].action != "create_dataset":
         raise ValueError("a burn-down replays a dataset's history from its creation; the first entry is not it")
-    replay = _Replay(entries[0].dataset or "")
+    replay = BudgetReplay(entries[0].dataset or "")
     points = []
     for entry in entries:
         if entry.action in ("add_block", "set_quota") or entry.details.get("blocks"):

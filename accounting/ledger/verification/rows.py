@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from accounting.events import Composition
 from accounting.ledger.admission import AdmissionRule, RdpTally
 
 
-@dataclass(frozen=True)
-class StoredEntry:
-    """A history entry as the store holds it, with `details_json` the stored text, for `verify`."""
+class StoredEntry(NamedTuple):
+    """A history entry as the store holds it, with `details_json` the stored text, for `verify`.
+
+    A tuple in the order of the history's columns, so a stored row is one as it is.
+    """
 
     entry_id: int
     at: str
@@ -54,22 +57,25 @@ class StoredTenantUse:
 
 @dataclass(frozen=True)
 class StoredReservation:
-    """A row of the reservations table, for `verify` to compare with the replay of its history."""
+    """A row of the reservations table, for `verify` to compare with the replay of its history.
+
+    Its planned events and blocks are the stored JSON text (Composition.to_json, a JSON list): compared as text,
+    so that `verify` parses no row of a table that grows with every job.
+    """
 
     reservation_id: str
     dataset_id: int
     tenant: str
     job_id: str
-    planned: Composition
+    planned_json: str
     committed_steps: int
     state: str
     lease_seconds: float | None
     lease_expired: bool
-    blocks: tuple[str, ...]
+    blocks_json: str
 
 
-@dataclass(frozen=True)
-class StoredCommit:
+class StoredCommit(NamedTuple):
     """A row of the commits table: a reservation's commit of `steps` under `sequence`, reaching `committed_steps`."""
 
     reservation_id: str

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 
-from accounting.events import Composition, EventError
+from accounting.events import Composition, EventError, SampledGaussian
 from accounting.ledger.admission import RdpTally, block_data_overlap, canonical, fits_budget
 from accounting.ledger.validation import EXAMPLE, USER
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.rows import StoredDataset, StoredEntry
 
 
-def unit_findings(entries: list[StoredEntry], datasets: list[StoredDataset]) -> list[Finding]:
-    """Replay, per privacy unit (a row, or a person), what every committed step that could touch it spent.
+class UnitReplay:
+    """Per privacy unit (a row, or a person), what every committed step that could touch it spent.
 
     A unit of block b could be touched by the dataset's own jobs (they read
     every row), by b's jobs, and by the jobs of every block whose declaration
@@ -21,60 +21,79 @@ def unit_findings(entries: list[StoredEntry], datasets: list[StoredDataset]) -> 
     least, over the filters that watched any of them (the dataset's and those
     blocks'), of the filter's ε; it must fit the dataset's budget. Also finds
     a block row whose declaration is not the one its history records.
+    Extended entry by entry (`apply`), compared with the rows at the end
+    (`findings`).
     """
-    rows = {row.dataset_id: row for row in datasets}
-    block_ids = {(row.block_of, row.block): row.dataset_id for row in datasets if row.block_of is not None}
-    unit: dict[int, str] = {}
-    budget: dict[int, float] = {}
-    declared: dict[int, dict | None] = {}
-    committed: dict[int, Composition] = {}
-    findings = []
-    for entry in entries:
+
+    def __init__(self) -> None:
+        self.unit: dict[int, str] = {}
+        self.budget: dict[int, float] = {}
+        self.declared: dict[int, dict | None] = {}
+        # Per budget, the committed steps per mechanism (sampling rate, noise multiplier, sensitivity factor).
+        self.committed: dict[int, dict[tuple[float, float, float], int]] = {}
+        self.entry_findings: list[Finding] = []
+
+    def apply(self, entry: StoredEntry, rows: dict[int, StoredDataset], block_ids: dict[tuple[int, str], int]) -> None:
+        """Extend the replay by one history entry; one it cannot apply is a finding."""
         if entry.action not in ("create_dataset", "raise_budget", "add_block", "commit"):
-            continue
+            return
         try:
             details = json.loads(entry.details_json)
             if entry.action == "create_dataset":
-                unit[entry.dataset_id] = details.get("privacy_unit", EXAMPLE)
-                budget[entry.dataset_id] = float(details["epsilon"])
+                self.unit[entry.dataset_id] = details.get("privacy_unit", EXAMPLE)
+                self.budget[entry.dataset_id] = float(details["epsilon"])
             elif entry.action == "raise_budget":
-                budget[entry.dataset_id] = float(details["to"])
+                self.budget[entry.dataset_id] = float(details["to"])
             elif entry.action == "add_block":
-                declared[entry.dataset_id] = details.get("data")
+                self.declared[entry.dataset_id] = details.get("data")
             else:
                 events = Composition.from_dict(details["events"])
                 charged = [block_ids.get((entry.dataset_id, block), -1) for block in details.get("blocks") or ()]
                 for budget_id in charged or [entry.dataset_id]:
-                    committed[budget_id] = canonical(committed.get(budget_id, Composition()).then(events))
+                    steps = self.committed.setdefault(budget_id, {})
+                    for event in events.events:
+                        mechanism = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+                        steps[mechanism] = steps.get(mechanism, 0) + event.steps
         except (KeyError, TypeError, ValueError, EventError) as error:
             name = rows[entry.dataset_id].name if entry.dataset_id in rows else None
-            findings.append(Finding(entry.entry_id, name, f"its details cannot be replayed ({type(error).__name__}: "
-                                                          f"{error})"))
-    for dataset in datasets:
-        if dataset.block_of is not None or dataset.dataset_id not in budget:
-            continue
-        privacy_unit = unit.get(dataset.dataset_id, EXAMPLE)
-        blocks = [row for row in datasets if row.block_of == dataset.dataset_id]
-        for block in blocks:
-            if block.data != declared.get(block.dataset_id):
-                findings.append(Finding(None, block.name, "the row's block data is not what its history declares"))
-            sharing = [
-                other for other in blocks if other is not block and block_data_overlap(
-                    declared.get(block.dataset_id), declared.get(other.dataset_id), privacy_unit) is not None
-            ]
-            spent = committed.get(dataset.dataset_id, Composition())
-            for row in [block, *sharing]:
-                spent = spent.then(committed.get(row.dataset_id, Composition()))
-            if spent.steps == 0:
+            self.entry_findings.append(Finding(entry.entry_id, name, f"its details cannot be replayed "
+                                                                     f"({type(error).__name__}: {error})"))
+
+    def _spent(self, budget_ids: list[int]) -> Composition:
+        return canonical(Composition(tuple(
+            SampledGaussian(rate, sigma, steps, factor)
+            for budget_id in budget_ids
+            for (rate, sigma, factor), steps in self.committed.get(budget_id, {}).items()
+        )))
+
+    def findings(self, datasets: list[StoredDataset]) -> list[Finding]:
+        """What the replay found, and each block whose units could have spent over the dataset's budget."""
+        findings = list(self.entry_findings)
+        for dataset in datasets:
+            if dataset.block_of is not None or dataset.dataset_id not in self.budget:
                 continue
-            tally = RdpTally.of(canonical(spent))
-            epsilon = min(rule.epsilon(tally) for rule in [dataset.admission, block.admission,
-                                                           *(row.admission for row in sharing)])
-            if not fits_budget(epsilon, budget[dataset.dataset_id]):
-                also = f" and in {', '.join(repr(row.block) for row in sharing)}" if sharing else ""
-                findings.append(Finding(
-                    None, dataset.name,
-                    f"one {'person' if privacy_unit == USER else 'row'} in block {block.block!r}{also} could have "
-                    f"spent ε {epsilon:.6g}, over the dataset's budget ε {budget[dataset.dataset_id]:g}",
-                ))
-    return findings
+            privacy_unit = self.unit.get(dataset.dataset_id, EXAMPLE)
+            budget = self.budget[dataset.dataset_id]
+            blocks = [row for row in datasets if row.block_of == dataset.dataset_id]
+            for block in blocks:
+                if block.data != self.declared.get(block.dataset_id):
+                    findings.append(Finding(None, block.name, "the row's block data is not what its history declares"))
+                sharing = [
+                    other for other in blocks if other is not block and block_data_overlap(
+                        self.declared.get(block.dataset_id), self.declared.get(other.dataset_id), privacy_unit
+                    ) is not None
+                ]
+                spent = self._spent([dataset.dataset_id, block.dataset_id, *(row.dataset_id for row in sharing)])
+                if spent.steps == 0:
+                    continue
+                tally = RdpTally.of(spent)
+                epsilon = min(rule.epsilon(tally) for rule in [dataset.admission, block.admission,
+                                                               *(row.admission for row in sharing)])
+                if not fits_budget(epsilon, budget):
+                    also = f" and in {', '.join(repr(row.block) for row in sharing)}" if sharing else ""
+                    findings.append(Finding(
+                        None, dataset.name,
+                        f"one {'person' if privacy_unit == USER else 'row'} in block {block.block!r}{also} could "
+                        f"have spent ε {epsilon:.6g}, over the dataset's budget ε {budget:g}",
+                    ))
+        return findings

@@ -1,0 +1,72 @@
+"""The state `verify` keeps at the last entry it verified, so the next one replays only the entries after it.
+
+`VerifiedState.to_bytes` carries an HMAC under the history key over the
+state, so the database's administrator, who can write the row, cannot
+forge a state that hides a change: a state whose HMAC does not match is a
+finding, and the replays start from the first entry. The state names the
+entry it was taken at and that entry's hash (its anchor): a history
+rewritten there, even with the key, is a finding too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from accounting.ledger.verification.findings import Finding
+from accounting.ledger.verification.rows import StoredEntry
+
+if TYPE_CHECKING:
+    from accounting.ledger.verification.history import HistoryReplay
+
+# Written before the pickled state, under the HMAC: a state of another format (another dpfleet's replays) is not
+# read, and the replays start from the first entry.
+_FORMAT = b"dpfleet.verified_state.1\n"
+_TAG_BYTES = 32
+
+
+@dataclass
+class VerifiedState:
+    """The replays' state after the first `entries` history entries, the last of them `last_entry_id` with hash
+    `head_hash`, as a verify that found nothing left it."""
+
+    entries: int
+    last_entry_id: int
+    head_hash: str
+    replay: "HistoryReplay"
+
+    def to_bytes(self, key: bytes) -> bytes:
+        """The state as stored: an HMAC-SHA-256 under the history `key`, then the state."""
+        body = _FORMAT + pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+        return hmac.digest(key, body, hashlib.sha256) + body
+
+
+def verified_state_findings(
+    key: bytes, data: bytes, entries: Sequence[StoredEntry]
+) -> tuple[VerifiedState | None, list[Finding]]:
+    """The state kept in `data` when its HMAC under `key` matches and the history still holds its anchor, and
+    what is wrong with it otherwise.
+
+    The state is unpickled only once its HMAC matched: only a holder of the
+    history key could have written it. A state of another format is
+    skipped without a finding.
+    """
+    tag, body = data[:_TAG_BYTES], data[_TAG_BYTES:]
+    if not hmac.compare_digest(tag, hmac.digest(key, body, hashlib.sha256)):
+        return None, [Finding(None, None, "its HMAC does not match the history key: it was edited, or written with "
+                                          "another key; the replays started from the first entry",
+                              row="verified state")]
+    if not body.startswith(_FORMAT):
+        return None, []
+    state = pickle.loads(body[len(_FORMAT):])
+    if len(entries) < state.entries:
+        return None, [Finding(None, None, f"the history has {len(entries)} entries; the last verify checked "
+                                          f"{state.entries}: entries were cut from its tail", row="verified state")]
+    anchor = entries[state.entries - 1]
+    if (anchor.entry_id, anchor.entry_hash) != (state.last_entry_id, state.head_hash):
+        return None, [Finding(anchor.entry_id, None, "its hash is not the one the last verify checked there: the "
+                                                     "history was rewritten")]
+    return state, []
