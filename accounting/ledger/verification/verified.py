@@ -14,13 +14,11 @@ import hashlib
 import hmac
 import pickle
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.rows import StoredEntry
 
-if TYPE_CHECKING:
-    from accounting.ledger.verification.history import HistoryReplay
 
 # Written before the pickled state, under the HMAC: a state of another format (another dpfleet's replays) is not
 # read, and the replays start from the first entry.
@@ -31,12 +29,13 @@ _TAG_BYTES = 32
 @dataclass
 class VerifiedState:
     """The replays' state after the first `entries` history entries, the last of them `last_entry_id` with hash
-    `head_hash`, as a verify that found nothing left it."""
+    `head_hash`, as a verify that found nothing left it. `replay` is the `history.HistoryReplay` at that entry
+    (not imported here: `history` imports this module)."""
 
     entries: int
     last_entry_id: int
     head_hash: str
-    replay: "HistoryReplay"
+    replay: object
 
     def to_bytes(self, key: bytes) -> bytes:
         """The state as stored: an HMAC-SHA-256 under the history `key`, then the state."""
