@@ -25,7 +25,6 @@ import pytest
 import ray
 import torch
 
-import orchestrator.shard_fleet as shard_fleet_module
 import orchestrator.trainer as trainer_module
 from attacker import Truth, attack, harvest, rows_found
 from orchestrator.checkpoint import save_checkpoint
@@ -147,7 +146,7 @@ def test_local_sampling_in_silos_leaves_nothing_that_recomputes_a_workers_sample
     truth_dir = tmp_path / "truth"
     truth_dir.mkdir()
     (tmp_path / "logs").mkdir()
-    monkeypatch.setattr(shard_fleet_module, "ShardWorkerActor", recording_shard_worker(truth_dir))
+    monkeypatch.setattr(trainer_module, "ShardWorkerActor", recording_shard_worker(truth_dir))
     config = attack_config(tmp_path, "silos", train_subset=None, workers=None, batch_size=30,
                            shards=[{"part": 0, "parts": 100}, {"part": 1, "parts": 100}])
     truth = Truth(30 / 1200, secure=False)
