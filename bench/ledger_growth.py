@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--points", nargs="+", type=parse_point, default=[parse_point(point) for point in DEFAULT_POINTS[:1]],
         metavar="COMMITSxMECHANISMS",
-        help=f"the points to measure (default {DEFAULT_POINTS[0]}; the issue's are {' '.join(DEFAULT_POINTS)})",
+        help=f"the points to measure (default {DEFAULT_POINTS[0]}; the full set is {' '.join(DEFAULT_POINTS)})",
     )
     parser.add_argument(
         "--chain-entries", type=int, metavar="N",
