@@ -29,15 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.secure_aggregation import (
-    SiloParty,
-    decode,
-    dropped_masks,
-    fixed_point_scale,
-    new_context,
-    recover_private_key,
-    ring_sum,
-)
+from workers.secure_aggregation import SiloParty, decode, fixed_point_scale, new_context, ring_sum, unmasked_total
 
 RESULTS = Path(__file__).resolve().parent / "results" / "secure_aggregation.json"
 SIZES = (1_000_000, 10_000_000)
@@ -87,11 +79,9 @@ def measure(size: int, repeats: int) -> dict:
     error = float(np.abs(decode(ring_sum(masked), scale) - plain_driver()).max())
 
     revealed = [silos[party].reveal_shares([2])[2] for party in (0, 1)]
-    survivors = {party: public_keys[party] for party in (0, 1)}
 
     def recovery():
-        private_key = recover_private_key(revealed, public_keys[2], 2)
-        return decode(ring_sum(masked[:2]) - dropped_masks(private_key, 2, survivors, context, 0, size), scale)
+        return unmasked_total(masked[:2], {2: revealed}, public_keys, 2, context, 0, scale)
     recovery_seconds = median_seconds(recovery, repeats)
     secure_seconds = keying_seconds + silo_seconds + driver_seconds
     return {

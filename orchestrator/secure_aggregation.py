@@ -19,15 +19,7 @@ import numpy as np
 import ray
 
 from orchestrator.errors import ShardTimeoutError
-from workers.secure_aggregation import (
-    check_round,
-    decode,
-    dropped_masks,
-    fixed_point_scale,
-    new_context,
-    recover_private_key,
-    ring_sum,
-)
+from workers.secure_aggregation import check_round, fixed_point_scale, new_context, unmasked_total
 
 Slot = tuple[int, int]
 
@@ -85,17 +77,13 @@ class SecureAggregation:
         silos' keys (`revealed_shares`); fewer than the threshold of shares
         stops the run (ShardTimeoutError), and the next step keys afresh.
         """
-        total = ring_sum(masked_parts)
-        if dropped:
-            revealed = self.revealed_shares(dropped, step)
-            survivor_keys = {shard: self.public_keys[shard] for shard, _ in self.keyed if (shard, _) not in dropped}
-            for party in [shard for shard, _ in dropped]:
-                private_key = recover_private_key([shares[party] for shares in revealed], self.public_keys[party],
-                                                  self.threshold)
-                total -= dropped_masks(private_key, party, survivor_keys, self.context, step, size)
+        revealed = self.revealed_shares(dropped, step) if dropped else []
+        dropped_shares = {shard: [shares[shard] for shares in revealed] for shard, _ in dropped}
+        total = unmasked_total(masked_parts, dropped_shares, self.public_keys, self.threshold, self.context, step,
+                               self.scale)
         # One round per step: a key rebuilt later must not unmask this step's parts (see the module's docstring).
         self.keyed = {}
-        return decode(total, self.scale)
+        return total
 
     def revealed_shares(self, dropped: list[Slot], step: int) -> list[dict[int, bytes]]:
         """Each survivor's shares of the `dropped` silos' keys; a survivor lost meanwhile gives none."""

@@ -15,6 +15,7 @@ from workers.secure_aggregation.protocol import (
     dropped_masks,
     new_context,
     recover_private_key,
+    unmasked_total,
 )
 from workers.secure_aggregation.shamir import Share, combine_shares, split_secret
 
@@ -35,4 +36,5 @@ __all__ = [
     "recover_private_key",
     "ring_sum",
     "split_secret",
+    "unmasked_total",
 ]

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from workers.secure_aggregation.fixed_point import RING_DTYPE, encode
+from workers.secure_aggregation.fixed_point import RING_DTYPE, decode, encode, ring_sum
 from workers.secure_aggregation.masks import apply_masks, expand_mask, mask_sign, pair_secrets
 from workers.secure_aggregation.shamir import Share, combine_shares, split_secret
 
@@ -177,3 +177,21 @@ def dropped_masks(private_key: X25519PrivateKey, dropped: int, survivors: Mappin
         else:
             total -= mask
     return total
+
+
+def unmasked_total(masked_parts: Sequence[np.ndarray], dropped_shares: Mapping[int, Sequence[bytes]],
+                   public_keys: Mapping[int, bytes], threshold: int, context: bytes, step: int,
+                   scale: float) -> np.ndarray:
+    """The float64 total of step `step`'s masked parts, with the dropped parties' masks taken out.
+
+    `dropped_shares` maps each dropped party to the shares of its key that
+    the survivors revealed; `public_keys` holds every party of the round, so
+    the survivors are the parties not dropped. Without dropped parties the
+    masks cancel in the ring sum.
+    """
+    total = ring_sum(masked_parts)
+    survivors = {party: key for party, key in public_keys.items() if party not in dropped_shares}
+    for party, shares in dropped_shares.items():
+        private_key = recover_private_key(shares, public_keys[party], threshold)
+        total -= dropped_masks(private_key, party, survivors, context, step, total.size)
+    return decode(total, scale)
