@@ -21,8 +21,9 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from accounting.events import Composition, EventsLike, as_composition
+from accounting.events import Composition, EventsLike, SampledSkellam, as_composition
 from accounting.lazy import LazyModule
+from accounting.skellam import sampled_skellam_rdp
 
 # dp-accounting and scipy load when an epsilon is first computed: a ledger client, which shows the figures its
 # server computed, and the command line's help never load them (dp-accounting's import is half of torch's).
@@ -138,6 +139,9 @@ def composed_pld(
         value_discretization_interval=value_interval
     )
     for event in as_composition(events).events:
+        if isinstance(event, SampledSkellam):
+            raise AccountingError("Skellam noise added by silos has no PLD here: account it by RDP "
+                                  "(rdp_fallback_epsilon reports it)")
         step = _one_step_pld(event.sampling_rate, event.effective_noise_multiplier, value_interval)
         total = total.compose(step.self_compose(event.steps))
     return total
@@ -149,10 +153,18 @@ _PLD_SMALLEST_CHECKED_SIGMA = 0.3
 _PLD_LARGEST_EPSILON = 100.0
 
 
+def has_skellam(events: EventsLike) -> bool:
+    """True when some record of `events` is Skellam noise added by silos, which only RDP accounts."""
+    return any(isinstance(event, SampledSkellam) for event in as_composition(events).events)
+
+
 def rdp_fallback_epsilon(events: EventsLike, delta: float) -> float | None:
-    """The rigorous RDP ε at `delta` to report instead of PLD, with a PldFallbackWarning, where PLD's grid is
-    impractical (ε beyond 100 with a noise multiplier below 0.3); None where PLD is practical."""
+    """The rigorous RDP ε at `delta` to report instead of PLD: for events with Skellam noise (no PLD here), and,
+    with a PldFallbackWarning, where PLD's grid is impractical (ε beyond 100 with a noise multiplier below 0.3);
+    None where PLD is practical."""
     composition = as_composition(events)
+    if has_skellam(composition):
+        return epsilon_from_rdp(rdp_vector(composition), delta, warn=False)
     if not composition.events or (
         min(event.effective_noise_multiplier for event in composition.events) >= _PLD_SMALLEST_CHECKED_SIGMA
     ):
@@ -200,6 +212,8 @@ class PldAccountant:
         composition = as_composition(events)
         if composition.steps == 0:
             return 0.0
+        if has_skellam(composition):
+            return ACCOUNTANTS["rdp"].delta(composition, epsilon)
         return float(_pld_of(composition, self.value_interval).get_delta_for_epsilon(epsilon))
 
 
@@ -210,10 +224,23 @@ def rdp_vector(events: EventsLike) -> np.ndarray:
     dataset and add each job's vector to it.
     """
     composition = as_composition(events)
+    gaussian = Composition(tuple(event for event in composition.events if not isinstance(event, SampledSkellam)))
     accountant = rdp.RdpAccountant(orders=RDP_ORDERS)
-    if composition.steps:
-        accountant.compose(composition.to_dp_event())
-    return np.array(accountant.rdp, dtype=np.float64)
+    if gaussian.steps:
+        accountant.compose(gaussian.to_dp_event())
+    total = np.array(accountant.rdp, dtype=np.float64)
+    for event in composition.events:
+        if isinstance(event, SampledSkellam) and event.steps:
+            total += event.steps * _skellam_step_rdp(event.mechanism)
+    return total
+
+
+@functools.lru_cache(maxsize=64)
+def _skellam_step_rdp(mechanism: tuple[float, float, float, float]) -> np.ndarray:
+    # Read-only: callers add it to their own vectors.
+    curve = sampled_skellam_rdp(RDP_ORDERS, *mechanism)
+    curve.setflags(write=False)
+    return curve
 
 
 def compute_epsilon(orders: Sequence[float], rdp_values: Sequence[float], delta: float) -> tuple[float, float]:
@@ -331,6 +358,7 @@ def label(accountant: Accountant) -> str:
 
 
 PLD_FALLBACK_LABEL = "rdp bound; pld impractical past epsilon 100"
+SKELLAM_LABEL = "rdp bound of the silos' skellam noise"
 
 
 def labelled_epsilon(accountant: Accountant, events: EventsLike, delta: float) -> tuple[float, str]:
@@ -338,7 +366,8 @@ def labelled_epsilon(accountant: Accountant, events: EventsLike, delta: float) -
 
     The PLD accountant answers with the RDP bound where its grid is
     impractical; the label then says so, in place of its PldFallbackWarning
-    (a training run asks every step). Other warnings are passed on.
+    (a training run asks every step). Other warnings are passed on. Events
+    with Skellam noise from silos have only an RDP bound: SKELLAM_LABEL.
     """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -349,4 +378,6 @@ def labelled_epsilon(accountant: Accountant, events: EventsLike, delta: float) -
             fell_back = True
         else:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if accountant.rigorous and has_skellam(events):
+        return value, SKELLAM_LABEL
     return value, PLD_FALLBACK_LABEL if fell_back else label(accountant)

@@ -13,7 +13,7 @@ import json
 import math
 import numbers
 from fractions import Fraction
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence, Union
 
 from accounting.lazy import LazyModule
@@ -79,6 +79,11 @@ class SampledGaussian:
     def effective_noise_multiplier(self) -> float:
         """Noise standard deviation in units of one example's largest effect on the sum."""
         return self.noise_multiplier / self.sensitivity_factor
+
+    @property
+    def mechanism(self) -> tuple[float, ...]:
+        """The per-step mechanism, as the ledger keys it: (sampling rate, noise multiplier, sensitivity factor)."""
+        return (self.sampling_rate, self.noise_multiplier, self.sensitivity_factor)
 
     def with_steps(self, steps: int) -> "SampledGaussian":
         """The same mechanism run for a different number of steps."""
@@ -206,7 +211,107 @@ class CorrelatedGaussian(SampledGaussian):
             raise EventError(f"event is missing the field {missing}") from None
 
 
-EVENT_KINDS = {"sampled_gaussian": SampledGaussian, "correlated_gaussian": CorrelatedGaussian}
+NOISE_PLACEMENTS = ("driver", "silos")
+
+
+@dataclass(frozen=True)
+class SampledSkellam(SampledGaussian):
+    """`steps` steps of an integer sum of a Poisson-sampled batch with Skellam noise added in shares by silos.
+
+    Each silo scales its clipped sum by s, rounds it to integers and adds its
+    share of Skellam noise on the ring before secure aggregation masks it
+    (``noise_placement = "silos"``); the driver only ever sees the noisy
+    total. `noise_multiplier` is σ, the std of the noise that the silos
+    guarantee (whatever silos drop out or collude within the tolerance) over
+    s·C; `rounding_ratio` r bounds √d / (s·C) for d coordinates, so one
+    example moves the rounded sum by at most (k + r)·s·C. Its RDP is
+    ``accounting.skellam.sampled_skellam_rdp``; it has no PLD here, so every
+    rigorous accountant reports its RDP bound.
+    """
+
+    rounding_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ratio = _check_finite("rounding_ratio", self.rounding_ratio)
+        if not 0.0 <= ratio <= 1.0:
+            raise EventError(f"rounding_ratio must be in [0, 1] (got {ratio!r})")
+        object.__setattr__(self, "rounding_ratio", ratio)
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """Noise std over one example's largest effect on the rounded sum, (k + r)·s·C."""
+        return self.noise_multiplier / (self.sensitivity_factor + self.rounding_ratio)
+
+    @property
+    def noise_placement(self) -> str:
+        """Where the noise is added: by the silos, in shares."""
+        return "silos"
+
+    @property
+    def mechanism(self) -> tuple[float, ...]:
+        """The per-step mechanism: (sampling rate, noise multiplier, sensitivity factor, rounding ratio)."""
+        return (self.sampling_rate, self.noise_multiplier, self.sensitivity_factor, self.rounding_ratio)
+
+    def with_steps(self, steps: int) -> "SampledSkellam":
+        """The same mechanism run for a different number of steps."""
+        return replace(self, steps=steps)
+
+    def with_sensitivity(self, sensitivity_factor: float) -> "SampledSkellam":
+        """The same mechanism with a different sensitivity factor."""
+        return replace(self, sensitivity_factor=sensitivity_factor)
+
+    def same_mechanism(self, other: SampledGaussian) -> bool:
+        """True when both records describe the same per-step mechanism."""
+        return type(self) is type(other) and self.mechanism == other.mechanism
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict; floats keep their exact value through json. It names the noise placement."""
+        return {**super().to_dict(), "kind": "sampled_skellam", "rounding_ratio": self.rounding_ratio,
+                "noise_placement": self.noise_placement}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SampledSkellam":
+        """Inverse of `to_dict`; refuses unknown kinds and missing fields."""
+        if data.get("kind") != "sampled_skellam":
+            raise EventError(f"unknown event kind {data.get('kind')!r}; expected 'sampled_skellam'")
+        try:
+            return cls(data["sampling_rate"], data["noise_multiplier"], data["steps"],
+                       data.get("sensitivity_factor", 1.0), data["rounding_ratio"])
+        except KeyError as missing:
+            raise EventError(f"event is missing the field {missing}") from None
+
+    def to_dp_event(self):
+        """Refused: dp-accounting knows no Skellam mechanism (``accounting.skellam`` accounts it)."""
+        raise EventError("dp-accounting has no Skellam mechanism; its RDP is accounting.skellam's")
+
+
+EVENT_KINDS = {"sampled_gaussian": SampledGaussian, "correlated_gaussian": CorrelatedGaussian,
+               "sampled_skellam": SampledSkellam}
+
+
+def event_of(mechanism: tuple[float, ...], steps: int) -> SampledGaussian:
+    """The record of `steps` steps of `mechanism` (an event's `mechanism` tuple): Skellam when it has 4 fields."""
+    if len(mechanism) == 4:
+        return SampledSkellam(mechanism[0], mechanism[1], steps, mechanism[2], mechanism[3])
+    rate, sigma, factor = mechanism
+    return SampledGaussian(rate, sigma, steps, factor)
+
+
+def skellam_events(events: "EventsLike", rounding_ratio: float) -> "Composition":
+    """The same steps with their noise added in shares by silos: each record as a `SampledSkellam`."""
+    return Composition(tuple(
+        SampledSkellam(event.sampling_rate, event.noise_multiplier, event.steps, event.sensitivity_factor,
+                       rounding_ratio)
+        for event in as_composition(events).events
+    ))
+
+
+def noise_placement(events: "EventsLike") -> str:
+    """Where the noise of `events` is added: "silos" when every record is a `SampledSkellam`, else "driver"."""
+    composition = as_composition(events)
+    silos = [isinstance(event, SampledSkellam) for event in composition.events]
+    return "silos" if silos and all(silos) else "driver"
 
 
 def event_from_dict(data: dict) -> SampledGaussian:
@@ -334,9 +439,10 @@ def group_events(events: "EventsLike", rows_per_person: int) -> "Composition":
     composition = as_composition(events)
     if rows_per_person == 1:
         return composition
+    # A Skellam step's bound grows with k just as a Gaussian's (its L2 sensitivity is (k + r)·s·C): its kind stays.
     return Composition(tuple(
-        SampledGaussian(group_sampling_rate(event.sampling_rate, rows_per_person), event.noise_multiplier,
-                        event.steps, event.sensitivity_factor * rows_per_person)
+        event_of((group_sampling_rate(event.sampling_rate, rows_per_person), event.noise_multiplier,
+                  event.sensitivity_factor * rows_per_person, *event.mechanism[3:]), event.steps)
         for event in composition.events
     ))
 

@@ -6,9 +6,10 @@ import sqlite3
 import pytest
 
 from accounting.accountants import get_accountant
-from accounting.events import SampledGaussian
+from accounting.events import Composition, SampledGaussian, SampledSkellam
 from accounting.ledger.admission import AdmissionRule, RdpTally
 from accounting.ledger.callers import ADMIN
+from accounting.ledger.client import RemoteLedger
 from accounting.ledger.service import start_server
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
@@ -305,3 +306,33 @@ def test_a_wrong_token_and_an_unreachable_ledger_are_each_one_paragraph(server, 
 
     status, _, err = run(capsys, "ledger", "status", "--ledger", f"127.0.0.1:{free_port()}", "--token", ADMIN_TOKEN)
     assert status != 0 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_the_ledger_records_and_shows_who_adds_each_jobs_noise(capsys, server, monkeypatch):
+    """A job with the silos' Skellam noise is admitted by the filter at its RDP, and its listing and history say
+    "silos" beside a driver-noise job's "driver", through the server and the client."""
+    monkeypatch.setenv("DPFLEET_LEDGER", server.address)
+    monkeypatch.setenv("DPFLEET_TOKEN", ADMIN_TOKEN)
+    run_json(capsys, "ledger", "tenant", "create", "acme")
+    run_json(capsys, "ledger", "dataset", "create", "acme/mnist", "--epsilon", "3", "--delta", "1e-5")
+    silos = Composition((SampledSkellam(0.004, 1.1, 500, 1.0, 2.0**-12),))
+    with RemoteLedger(server.address, ADMIN_TOKEN) as ledger:
+        in_silos = ledger.reserve("acme/mnist", "in-silos", silos)
+        at_driver = ledger.reserve("acme/mnist", "at-driver", SampledGaussian(0.004, 1.1, 500))
+        ledger.commit(in_silos.reservation_id, 100, 0)
+    assert in_silos.noise_placement == "silos" and at_driver.noise_placement == "driver"
+    jobs = {job["job_id"]: job for job in run_json(capsys, "ledger", "jobs")["jobs"]}
+    assert (jobs["in-silos"]["noise_placement"], jobs["at-driver"]["noise_placement"]) == ("silos", "driver")
+    assert Composition.from_dict(jobs["in-silos"]["planned_events"]) == silos
+    status, table, _ = run(capsys, "ledger", "jobs")
+    header, _, *rows = table.splitlines()
+    assert status == 0 and "noise" in header.split()
+    placements = {row.split()[2]: row.split() for row in rows}
+    assert "silos" in placements["in-silos"] and "driver" in placements["at-driver"]
+    status, history, _ = run(capsys, "ledger", "history")
+    assert [line for line in history.splitlines() if "in-silos" in line and "noise=silos" in line]
+    # The filter holds the Skellam job at its RDP: more than the same steps with the driver's Gaussian noise.
+    (dataset,) = run_json(capsys, "ledger", "status")["datasets"]
+    rule = AdmissionRule.from_dict(dataset["admission"])
+    assert dataset["spent_epsilon_filter"] == pytest.approx(rule.epsilon(RdpTally.of(silos.split(100)[0])))
+    assert dataset["spent_epsilon"] == get_accountant("rdp").epsilon(silos.split(100)[0], DELTA)

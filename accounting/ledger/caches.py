@@ -24,7 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Hashable, Iterator
 
 from accounting.accountants import forget_plds, get_accountant, rdp_fallback_epsilon, rdp_vector
-from accounting.events import Composition, SampledGaussian
+from accounting.events import Composition, event_of
 from accounting.ledger.composed import COMPOSED
 
 # Renyi divergences are tallied in integer units of 2**-60 nats: exact under
@@ -40,7 +40,7 @@ class CurveNotCached(Exception):
     again.
     """
 
-    def __init__(self, mechanism: tuple[float, float, float]) -> None:
+    def __init__(self, mechanism: tuple[float, ...]) -> None:
         self.mechanism = mechanism
         super().__init__(f"the RDP curve of mechanism {mechanism} is not cached")
 
@@ -64,33 +64,30 @@ def rdp_curves_cached_only() -> Iterator[None]:
         _CURVE_MODE.cached_only = previous
 
 
-def is_curve_cached(mechanism: tuple[float, float, float]) -> bool:
-    """True when the RDP curve of `mechanism` (sampling rate, noise multiplier, sensitivity factor) is cached."""
+def is_curve_cached(mechanism: tuple[float, ...]) -> bool:
+    """True when the RDP curve of `mechanism` (an event's `mechanism`: sampling rate, noise multiplier,
+    sensitivity factor[, rounding ratio]) is cached."""
     return _step_curve.peek(*mechanism) is not None
 
 
-def compute_curve(mechanism: tuple[float, float, float]) -> None:
+def compute_curve(mechanism: tuple[float, ...]) -> None:
     """Compute and cache one mechanism's RDP curve (outside any lock; concurrent askers share one computation)."""
     _step_curve(*mechanism)
 
 
-def step_units(
-    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
-) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """`_computed_step_units`, cached; see `rdp_curves_cached_only`."""
+def step_units(*mechanism: float) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """`_computed_step_units` of `mechanism` (an event's `mechanism` fields), cached; see `rdp_curves_cached_only`."""
     if getattr(_CURVE_MODE, "cached_only", False):
-        curve = _step_curve.peek(sampling_rate, noise_multiplier, sensitivity_factor)
+        curve = _step_curve.peek(*mechanism)
         if curve is None:
-            raise CurveNotCached((sampling_rate, noise_multiplier, sensitivity_factor))
+            raise CurveNotCached(mechanism)
         return curve
-    return _step_curve(sampling_rate, noise_multiplier, sensitivity_factor)
+    return _step_curve(*mechanism)
 
 
-def _computed_step_units(
-    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
-) -> tuple[tuple[int, ...], tuple[bool, ...]]:
-    """Per-order RDP of one step in units, rounded up, and which orders are unbounded."""
-    divergences = rdp_vector(SampledGaussian(sampling_rate, noise_multiplier, 1, sensitivity_factor))
+def _computed_step_units(*mechanism: float) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Per-order RDP of one step of `mechanism` in units, rounded up, and which orders are unbounded."""
+    divergences = rdp_vector(event_of(mechanism, 1))
     units = []
     unbounded = []
     for divergence in divergences:
@@ -237,18 +234,14 @@ def _curve_process_ready() -> bool:
     return True
 
 
-def _curve_anywhere(
-    sampling_rate: float, noise_multiplier: float, sensitivity_factor: float
-) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+def _curve_anywhere(*mechanism: float) -> tuple[tuple[int, ...], tuple[bool, ...]]:
     """`_computed_step_units` in the curve processes when there are some, else in this thread."""
     if _CURVE_PROCESSES:
         try:
-            return _CURVE_PROCESSES[0].submit(
-                _computed_step_units, sampling_rate, noise_multiplier, sensitivity_factor
-            ).result()
+            return _CURVE_PROCESSES[0].submit(_computed_step_units, *mechanism).result()
         except BrokenProcessPool:
             pass  # a worker died (killed, out of memory): the answer is the same computed here
-    return _computed_step_units(sampling_rate, noise_multiplier, sensitivity_factor)
+    return _computed_step_units(*mechanism)
 
 
 # 80-400 ms of dp-accounting per mechanism; threads asking for the same one at once share the computation.

@@ -30,20 +30,19 @@ from typing import Hashable
 import numpy as np
 
 from accounting.accountants import composed_pld, privacy_loss_distribution
-from accounting.events import Composition, SampledGaussian
+from accounting.events import Composition, event_of
 
 # Budgets whose composed distribution is kept in memory (each up to a few MB); one a status has not asked for
 # lately is read back from the database, or composed again, when next asked.
 COMPOSED_STATES = 64
 
-_Mechanism = tuple[float, float, float]
+_Mechanism = tuple[float, ...]
 
 
 def _steps_by_mechanism(events: Composition) -> dict[_Mechanism, int]:
     steps: dict[_Mechanism, int] = {}
     for event in events.events:
-        key = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
-        steps[key] = steps.get(key, 0) + event.steps
+        steps[event.mechanism] = steps.get(event.mechanism, 0) + event.steps
     return steps
 
 
@@ -54,9 +53,9 @@ def new_steps(held: Composition, committed: Composition) -> Composition | None:
     if any(steps > committed_steps.get(mechanism, 0) for mechanism, steps in held_steps.items()):
         return None
     return Composition(tuple(
-        SampledGaussian(rate, sigma, steps - held_steps.get((rate, sigma, factor), 0), factor)
-        for (rate, sigma, factor), steps in sorted(committed_steps.items())
-        if steps > held_steps.get((rate, sigma, factor), 0)
+        event_of(mechanism, steps - held_steps.get(mechanism, 0))
+        for mechanism, steps in sorted(committed_steps.items())
+        if steps > held_steps.get(mechanism, 0)
     ))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from accounting.events import Composition
+from accounting.events import Composition, noise_placement
 from accounting.ledger.admission import AdmissionRule, RdpTally, rdp_figures
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.validation import ACTIVE, EXAMPLE
@@ -52,6 +52,11 @@ class Reservation:
         return self.planned.steps
 
     @property
+    def noise_placement(self) -> str:
+        """Who adds the job's noise, as its planned events record it: "driver", or "silos" (Skellam shares)."""
+        return noise_placement(self.planned)
+
+    @property
     def unrun_steps(self) -> int:
         """Planned steps still held: not committed, and the reservation not released."""
         return self.planned.steps - self.committed_steps if self.state == ACTIVE else 0
@@ -67,6 +72,7 @@ class Reservation:
             "committed_steps": self.committed_steps,
             "unrun_steps": self.unrun_steps,
             "planned_events": self.planned.to_dict(),
+            "noise_placement": self.noise_placement,
             "created_at": self.created_at,
             "released_at": self.released_at,
             "lease_seconds": self.lease_seconds,

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from accounting.events import Composition, noise_placement
 from accounting.lazy import LazyModule
 from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
@@ -172,13 +173,14 @@ def _queued_table(jobs: list) -> str:
 
 def _jobs_table(jobs: list) -> str:
     headers = [
-        "reservation", "dataset", "blocks", "job", "state", "committed steps", "planned steps", "created", "lease ends",
+        "reservation", "dataset", "blocks", "job", "state", "committed steps", "planned steps", "noise", "created",
+        "lease ends",
     ]
     rows = [
         [
             job.reservation_id, job.dataset, " ".join(job.blocks), job.job_id,
             "lease expired" if job.lease_expired else job.state, job.committed_steps, job.planned_steps,
-            job.created_at, job.expires_at or "",
+            job.noise_placement, job.created_at, job.expires_at or "",
         ]
         for job in jobs
     ]
@@ -380,7 +382,12 @@ def run_history(args: argparse.Namespace) -> int:
 
 
 def _details(details: dict) -> str:
-    return ", ".join(f"{key}={value}" for key, value in sorted(details.items()) if not isinstance(value, dict))
+    shown = {key: value for key, value in details.items() if not isinstance(value, dict)}
+    events = details.get("planned_events", details.get("events"))
+    if isinstance(events, dict):
+        # A reserve's or a commit's events say who adds the noise: the driver, or the silos in Skellam shares.
+        shown["noise"] = noise_placement(Composition.from_dict(events))
+    return ", ".join(f"{key}={value}" for key, value in sorted(shown.items()))
 
 
 @ledger_command

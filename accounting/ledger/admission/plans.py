@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from accounting.events import Composition, EventError, EventsLike, SampledGaussian, as_composition, group_events
+from accounting.events import (
+    Composition, EventError, EventsLike, SampledGaussian, as_composition, event_of, group_events,
+)
 from accounting.ledger.caches import is_curve_cached
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument
 from accounting.ledger.validation import MAX_PLAN_MECHANISMS, MAX_PLAN_RECORDS, MAX_STEPS, NOISE_MULTIPLIER_RANGE, USER
@@ -100,20 +102,18 @@ def canonical(composition: EventsLike) -> Composition:
     dataset's committed events can be kept in this bounded form however many
     jobs interleave on it.
     """
-    steps_by_mechanism: dict[tuple[float, float, float], int] = {}
+    steps_by_mechanism: dict[tuple[float, ...], int] = {}
     for event in as_composition(composition).events:
-        key = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
-        steps_by_mechanism[key] = steps_by_mechanism.get(key, 0) + event.steps
+        steps_by_mechanism[event.mechanism] = steps_by_mechanism.get(event.mechanism, 0) + event.steps
     return Composition(
-        tuple(
-            SampledGaussian(rate, sigma, steps, factor)
-            for (rate, sigma, factor), steps in sorted(steps_by_mechanism.items())
-        )
+        tuple(event_of(mechanism, steps) for mechanism, steps in sorted(steps_by_mechanism.items()))
     )
 
 
-def _mechanism_of_record(record: dict) -> tuple[float, float, float]:
-    return record["sampling_rate"], record["noise_multiplier"], record.get("sensitivity_factor", 1.0)
+def _mechanism_of_record(record: dict) -> tuple[float, ...]:
+    # As the record's event's `mechanism`: a Skellam record adds its rounding ratio.
+    extra = (record["rounding_ratio"],) if record.get("kind") == "sampled_skellam" else ()
+    return (record["sampling_rate"], record["noise_multiplier"], record.get("sensitivity_factor", 1.0), *extra)
 
 
 def _record_prefix(event: SampledGaussian) -> str:
@@ -150,7 +150,7 @@ def committed_json_with(stored: str, block: Composition) -> str:
     if len(by_mechanism) != len(records):  # not canonical (never written so): the general way
         return canonical(Composition.from_json(stored).then(block)).to_json()
     for event in block.events:
-        record = by_mechanism.get((event.sampling_rate, event.noise_multiplier, event.sensitivity_factor))
+        record = by_mechanism.get(event.mechanism)
         if record is None:
             records.append(event.to_dict())
             by_mechanism[_mechanism_of_record(records[-1])] = records[-1]
@@ -160,12 +160,10 @@ def committed_json_with(stored: str, block: Composition) -> str:
     return json.dumps(data, sort_keys=True)
 
 
-def mechanisms_of(events: EventsLike) -> set[tuple[float, float, float]]:
-    """The distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) of a composition."""
-    return {
-        (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
-        for event in as_composition(events).events
-    }
+def mechanisms_of(events: EventsLike) -> set[tuple[float, ...]]:
+    """The distinct mechanisms (sampling rate, noise multiplier, sensitivity factor[, rounding ratio]) of a
+    composition (each event's `mechanism`)."""
+    return {event.mechanism for event in as_composition(events).events}
 
 
 def uncached_mechanisms(events: EventsLike) -> int:

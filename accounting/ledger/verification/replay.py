@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from accounting.events import Composition, EventError, SampledGaussian, group_events
+from accounting.events import Composition, EventError, event_of, group_events
 from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, fits_budget, split_steps
 from accounting.ledger.records import HistoryEntry
 from accounting.ledger.verification.findings import Finding
@@ -176,8 +176,7 @@ class BudgetReplay:
     def committed(self) -> Composition:
         """The committed events, canonical (one record per mechanism)."""
         return Composition(tuple(
-            SampledGaussian(rate, sigma, steps, factor)
-            for (rate, sigma, factor), steps in sorted(self.committed_steps_by_mechanism.items())
+            event_of(mechanism, steps) for mechanism, steps in sorted(self.committed_steps_by_mechanism.items())
         ))
 
     @property
@@ -203,7 +202,7 @@ class BudgetReplay:
                 self.note(entry, f"commits to filter ε {epsilon:.6g}, over the {self.kind} ε {limit[0]:g}")
         steps_by_mechanism = self.committed_steps_by_mechanism
         for event in block.events:
-            mechanism = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+            mechanism = event.mechanism
             steps_by_mechanism[mechanism] = steps_by_mechanism.get(mechanism, 0) + event.steps
         self.committed_tally = self.committed_tally + block_tally
         self.committed_steps[reservation_id] += block.steps

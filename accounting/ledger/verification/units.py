@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from accounting.events import Composition, EventError, SampledGaussian
+from accounting.events import Composition, EventError, event_of
 from accounting.ledger.admission import RdpTally, block_data_overlap, canonical, fits_budget
 from accounting.ledger.validation import EXAMPLE, USER
 from accounting.ledger.verification.findings import Finding
@@ -52,7 +52,7 @@ class UnitReplay:
                 for budget_id in charged or [entry.dataset_id]:
                     steps = self.committed.setdefault(budget_id, {})
                     for event in events.events:
-                        mechanism = (event.sampling_rate, event.noise_multiplier, event.sensitivity_factor)
+                        mechanism = event.mechanism
                         steps[mechanism] = steps.get(mechanism, 0) + event.steps
         except (KeyError, TypeError, ValueError, EventError) as error:
             name = rows[entry.dataset_id].name if entry.dataset_id in rows else None
@@ -61,9 +61,9 @@ class UnitReplay:
 
     def _spent(self, budget_ids: list[int]) -> Composition:
         return canonical(Composition(tuple(
-            SampledGaussian(rate, sigma, steps, factor)
+            event_of(mechanism, steps)
             for budget_id in budget_ids
-            for (rate, sigma, factor), steps in self.committed.get(budget_id, {}).items()
+            for mechanism, steps in self.committed.get(budget_id, {}).items()
         )))
 
     def findings(self, datasets: list[StoredDataset]) -> list[Finding]:
