@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from accounting.calibration import scale_for_epsilon, scale_for_target
-from accounting.events import Composition
+from accounting.events import Composition, skellam_events
+from accounting.skellam import SILO_NOISE_ROUNDING_RATIO
 from accounting.matrix_mechanisms import CorrelatedNoisePlan, StrategyError
 from orchestrator import checks
 from orchestrator.adaptive_clipping import effective_noise_multiplier
@@ -50,6 +51,8 @@ class RunPlan:
     rows_per_person: int | None = None
     correlation: CorrelatedNoisePlan | None = None
     batch_size: int | None = None
+    # With noise_placement = "silos": r, the bound on sqrt(d) / (s·C) of the silos' Skellam noise (None: the driver).
+    rounding_ratio: float | None = None
 
     @property
     def sampler(self) -> str:
@@ -74,8 +77,9 @@ class RunPlan:
         """
         if self.correlation is not None:
             return self.correlation.events(self.noise_multiplier)
-        return schedule_events(accounted_blocks(self.noise_blocks, self.count_noise_multiplier), self.sampling_rate,
-                               self.sensitivity_factor)
+        events = schedule_events(accounted_blocks(self.noise_blocks, self.count_noise_multiplier), self.sampling_rate,
+                                 self.sensitivity_factor)
+        return events if self.rounding_ratio is None else skellam_events(events, self.rounding_ratio)
 
     def events_between(self, start: int, end: int) -> Composition:
         """The events of steps start..end-1 (0-based) of the plan (a correlated mechanism's participations that
@@ -207,6 +211,7 @@ def plan_run(
     else:
         charge_ends = epoch_ends
 
+    rounding_ratio = SILO_NOISE_ROUNDING_RATIO if config.noise_placement == "silos" else None
     correlation = correlated_noise_plan(config, dataset_size, steps)
     if correlation is not None:
         # A correlated run's events are its participations, one at the start of each period: every charged block
@@ -220,13 +225,14 @@ def plan_run(
             tuple(blocks_at(noise_multiplier)), tuple(epoch_ends),
             evaluation_steps(config.evaluate_every, steps, steps_per_epoch, epoch_ends), tuple(charge_ends),
             microbatches, count_noise_multiplier, config.privacy_unit, rows_per_person(config), correlation,
-            config.batch_size,
+            config.batch_size, rounding_ratio,
         )
 
     def events_at(sigma: float) -> Composition:
         if correlation is not None:
             return correlation.events(sigma)
-        return schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate, sensitivity_factor)
+        events = schedule_events(accounted_blocks(blocks_at(sigma), count_noise_multiplier), rate, sensitivity_factor)
+        return events if rounding_ratio is None else skellam_events(events, rounding_ratio)
 
     noise_multiplier = config.noise_multiplier
     if noise_multiplier is None and config.target_epsilon_basis == "filter":

@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 from accounting.accountants import get_accountant, label, labelled_epsilon  # noqa: E402
 from accounting.calibration import scale_for_target  # noqa: E402
-from accounting.events import Composition, SampledGaussian, group_events  # noqa: E402
+from accounting.events import Composition, SampledGaussian, event_of, group_events  # noqa: E402
 from accounting.matrix_mechanisms import banded_prefix_rmse  # noqa: E402
 from orchestrator.config import TrainConfig  # noqa: E402
 from orchestrator.planning import RunPlan  # noqa: E402
@@ -132,10 +132,26 @@ class RunReport:
         if config.shards:
             summary["shards"] = len(config.shards)
             summary["shard_outages"] = record.shard_outages
+        if config.secure_aggregation:
+            summary |= self._noise_placement_figures(events)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
         plot_curves(record.metrics, self.run_dir / "curves.png",
                     f"{self.epsilon_label} epsilon at delta={config.delta:g}", config.metrics[0])
         return summary
+
+    def _noise_placement_figures(self, events: Composition) -> dict:
+        """Where the noise was added; with the silos' Skellam shares, also their tolerance and the ε that Gaussian
+        noise of the same σ added by the driver would give the same steps (what the noise in shares costs): by the
+        config's accountant, and by RDP, the Skellam bound's own kind."""
+        config = self.config
+        figures: dict = {"noise_placement": config.noise_placement}
+        if config.noise_placement == "silos":
+            driver_events = Composition(tuple(event_of(event.mechanism[:3], event.steps) for event in events.events))
+            figures["noise_share_tolerance"] = config.noise_share_tolerance
+            figures["driver_noise_epsilon"], figures["driver_noise_epsilon_label"] = labelled_epsilon(
+                self.accountant, driver_events, config.delta)
+            figures["driver_noise_epsilon_rdp"] = get_accountant("rdp").epsilon(driver_events, config.delta)
+        return figures
 
     def _mechanism_figures(self, epsilon: float, steps: int) -> dict:
         """A correlated mechanism's figures: its settings, and the RMSE of its prefix sums beside DP-SGD's at the

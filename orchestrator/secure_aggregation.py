@@ -9,6 +9,10 @@ silo's sum counts as zero for that step. Every step has a keying round of its
 own: were a round's keys kept for several steps, a key rebuilt after a loss
 would also unmask that silo's parts of the round's earlier steps. The pure
 protocol is ``workers.secure_aggregation``; docs/silos.md has the threat model.
+
+With the noise in the silos (`place_noise_in_silos`), the scale is the
+Skellam scale and each silo adds its share of integer noise before masking:
+the total the driver unmasks is already noisy, and the driver adds none.
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ import numpy as np
 import ray
 
 from orchestrator.errors import ShardTimeoutError
-from workers.secure_aggregation import check_round, fixed_point_scale, new_context, unmasked_total
+from workers.secure_aggregation import (
+    MAX_SKELLAM_VARIANCE,
+    check_no_wrap,
+    check_round,
+    fixed_point_scale,
+    new_context,
+    noise_tail_bound,
+    skellam_scale,
+    unmasked_total,
+)
 
 Slot = tuple[int, int]
 
@@ -36,12 +49,40 @@ class SecureAggregation:
     """
 
     def __init__(self, silos: int, threshold: int, clip_bound: float, dataset_size: int):
-        self.threshold, self.clip_bound = threshold, clip_bound
+        self.silos, self.threshold, self.clip_bound = silos, threshold, clip_bound
         self.value_bound = clip_bound * dataset_size
         self.scale = fixed_point_scale(self.value_bound, silos)
         self.keyed: dict[Slot, ray.actor.ActorHandle] = {}
         self.context = b""
         self.public_keys: dict[int, bytes] = {}
+        # With the noise in the silos: how many silos' shares may be missing or known (None: the driver adds it).
+        self.noise_share_tolerance: int | None = None
+
+    def place_noise_in_silos(self, coordinates: int, largest_noise_multiplier: float, tolerance: int,
+                             rounding_ratio: float) -> None:
+        """Have each silo add a share of Skellam noise: the scale becomes the Skellam scale (√d ≤ r·s·C), checked
+        at start not to wrap the ring with the noise of every silo (`largest_noise_multiplier` the run's largest σ)
+        included.
+
+        Each silo's share has variance (σ·s·C)² / (silos − `tolerance`), so
+        the shares of any silos − tolerance silos add up to the target.
+        """
+        if not 0 <= tolerance < self.silos:
+            raise ValueError(f"the noise share tolerance must lie in 0..{self.silos - 1} (got {tolerance})")
+        self.scale = skellam_scale(self.clip_bound, coordinates, rounding_ratio)
+        self.noise_share_tolerance = tolerance
+        share = self.noise_share_variance(largest_noise_multiplier)
+        if share >= MAX_SKELLAM_VARIANCE:
+            raise ValueError(f"each silo's Skellam share would have variance {share:.3g}, beyond what the sampler "
+                             f"draws ({MAX_SKELLAM_VARIANCE:.3g}); lower noise_multiplier or the model's size")
+        check_no_wrap(self.scale, self.value_bound, self.silos, noise_tail_bound(self.silos * share, coordinates))
+
+    def noise_share_variance(self, noise_multiplier: float) -> float:
+        """The per-coordinate variance (ring units) of each silo's noise share at `noise_multiplier`; 0 when the
+        driver adds the noise."""
+        if self.noise_share_tolerance is None:
+            return 0.0
+        return (noise_multiplier * self.scale * self.clip_bound) ** 2 / (self.silos - self.noise_share_tolerance)
 
     def decoding_error(self, silos: int) -> float:
         """The most that fixed-point rounding moves one coordinate of a total over `silos` silos."""

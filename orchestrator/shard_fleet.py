@@ -206,9 +206,12 @@ class ShardFleet:
         self._wait_or_stop(step)
 
     def clipped_sums(
-        self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms
+        self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms, noise_multiplier: float = 0.0
     ) -> tuple[Gathered, list[Slot]]:
         """The present workers' clipped sums for step `step` (0-based), one per node, and the slots that had none.
+
+        With the noise in the silos, `noise_multiplier` is the step's σ, of
+        which each silo adds its share before masking.
 
         Every sum is followed by its raw count of examples left out for a
         non-finite gradient. A node whose sum failed has each of its workers
@@ -228,7 +231,7 @@ class ShardFleet:
         if self.aggregation is None:
             self.aggregation = NodeAggregation()
         if self.secure is not None:
-            return self._secure_sum(weights, step, clip_norm), sorted(self.probes)
+            return self._secure_sum(weights, step, clip_norm, noise_multiplier), sorted(self.probes)
         gathered = Gathered()
         pending, one_by_one = self.present(), False
         while pending:
@@ -249,7 +252,8 @@ class ShardFleet:
                 pending = sorted(result.failed)
         return gathered, sorted(self.probes)
 
-    def _secure_sum(self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms) -> Gathered:
+    def _secure_sum(self, weights: ray.ObjectRef, step: int, clip_norm: float | LayerClipNorms,
+                    noise_multiplier: float) -> Gathered:
         """The unmasked float64 sum of the silos that answered step `step`, as the one part of a Gathered.
 
         The silos that are up run the step's keying round first. A silo lost
@@ -263,8 +267,10 @@ class ShardFleet:
             except ray.exceptions.RayActorError:
                 lost = self._find_lost(list(present), step)
                 present = {slot: actor for slot, actor in present.items() if slot not in lost}
+        share = self.secure.noise_share_variance(noise_multiplier)
         result = self.aggregation.gather(self.aggregation.run(present, self.nodes, "masked_clipped_grad_sum",
-                                                              weights, {slot: (step, clip_norm) for slot in present},
+                                                              weights,
+                                                              {slot: (step, clip_norm, share) for slot in present},
                                                               {}, direct=True))
         dropped = sorted(result.failed)
         lost = self._find_lost(dropped, step)

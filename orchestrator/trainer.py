@@ -44,6 +44,7 @@ import numpy as np
 import ray
 import torch
 
+from accounting.accountants import get_accountant, labelled_epsilon
 from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
@@ -192,6 +193,8 @@ class Trainer:
         self.plan = self._plan_run(dataset_size, charge_epsilon)
         if self.shards is not None:
             self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps)
+        if config.noise_placement == "silos":
+            self._place_noise_in_silos()
         self.report = RunReport(config, self.plan, self.say, show_progress)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -238,6 +241,22 @@ class Trainer:
         shards = ShardFleet(config, self.say,
                             ShardCollectiveRankActor if self.aggregation == "collective" else ShardWorkerActor)
         return started_ray, shards, shards.start()
+
+    def _place_noise_in_silos(self) -> None:
+        """Have the silos add the noise in Skellam shares (docs/silos.md), and say what ε that noise gives."""
+        plan, config, secure = self.plan, self.config, self.shards.secure
+        largest = max(sigma for sigma, _ in plan.noise_blocks)
+        try:
+            secure.place_noise_in_silos(parameter_count(self.model), largest, config.noise_share_tolerance,
+                                        plan.rounding_ratio)
+        except ValueError as error:
+            raise UsageError(f'noise_placement = "silos": {error}') from None
+        epsilon, accountant = labelled_epsilon(get_accountant(config.accountant), plan.planned_events, config.delta)
+        self.say(f"noise in the silos: each of {secure.silos} silos adds Skellam noise of variance 1/"
+                 f"{secure.silos - secure.noise_share_tolerance} of (σ·C·s)² on the ring (scale s = 2^"
+                 f"{int(np.log2(secure.scale))}); any {config.noise_share_tolerance} silos may drop out or collude "
+                 f"and the others' noise still has std σ·C; the driver adds none. ε {epsilon:.4g} at δ = "
+                 f"{config.delta:g} ({accountant})")
 
     def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
         """The run's plan (N, q, sigma, steps, events) for a dataset of `dataset_size` units (None: the config's)."""
@@ -586,9 +605,11 @@ class Trainer:
         """
         step, clip_norm = self.step, self.record.clip_norm
         weights = self._weights()
+        silos_noise = self.config.noise_placement == "silos"
         try:
             self.gathered, missing = self.shards.clipped_sums(weights, step, self.config.layer_clip_norms
-                                                              or clip_norm)
+                                                              or clip_norm, self.plan.sigma_at(step) if silos_noise
+                                                              else 0.0)
         except ShardTimeoutError as error:
             self._stop_at_checkpoint(error)
         # The count is the raw number of zeroed examples: un-noised, so it is dropped unread (rule 3); under
@@ -596,7 +617,8 @@ class Trainer:
         partial_sums, counts = split_counts(self.gathered.parts, self.flat_weights.numel(),
                                             0 if self.config.secure_aggregation else 1)
         extend_outages(self.record.shard_outages, step, missing, self.config.shards)
-        self._noise_and_step(partial_sums, self._noise_std(step, clip_norm))
+        # With the noise in the silos the unmasked total already carries it: the driver adds none.
+        self._noise_and_step(partial_sums, 0.0 if silos_noise else self._noise_std(step, clip_norm))
 
     def _partial_sums(
         self, workers: list, weights, shards: list[np.ndarray], group_shards: list[np.ndarray] | None,

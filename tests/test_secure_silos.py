@@ -18,6 +18,8 @@ from orchestrator.config import build_config
 from orchestrator.shard_fleet import ShardFleet
 from orchestrator.trainer import Trainer
 from workers.models import build_model, flat_parameters
+from accounting.accountants import SKELLAM_LABEL
+from accounting.skellam import SILO_NOISE_ROUNDING_RATIO
 from workers.secure_aggregation import decode, dropped_masks, recover_private_key, ring_sum
 
 SILOS = ("silo-a", "silo-b", "silo-c")
@@ -82,7 +84,13 @@ def fleet_steps(config, weights, steps, before_step=lambda fleet, step: None):
 
 
 @pytest.fixture(scope="module")
-def observed(cluster, tmp_path_factory):
+def model_weights():
+    """gdp_cnn's initial weights: one draw, shared by every fleet of the module so that their sums compare."""
+    return flat_parameters(build_model("gdp_cnn")).numpy()
+
+
+@pytest.fixture(scope="module")
+def observed(cluster, model_weights, tmp_path_factory):
     """The plain and the secure fleet's sums of two steps; in the secure one, silo-c's actor dies in step 2.
 
     Returns the plain per-silo sums (float64) by step, the secure totals by
@@ -90,7 +98,7 @@ def observed(cluster, tmp_path_factory):
     secure shell (its public keys and context) and the log.
     """
     root = tmp_path_factory.mktemp("secure")
-    weights_array = flat_parameters(build_model("gdp_cnn")).numpy()
+    weights_array = model_weights
     size = weights_array.size
     weights = ray.put(weights_array)
     plain, _, _ = fleet_steps(silo_config(root, "plain", secure_aggregation=False), weights, 2)
@@ -117,6 +125,76 @@ def observed(cluster, tmp_path_factory):
 
     secure_sums, log, secure = fleet_steps(silo_config(root, "secure"), weights, 2, record_what_reaches_the_driver)
     return plain, [parts[0] for parts in secure_sums], received, secure, log
+
+
+NOISE_MULTIPLIER = 0.5
+
+
+@pytest.fixture(scope="module")
+def noised(cluster, observed, model_weights, tmp_path_factory):
+    """The secure fleet's totals of the same two steps with the noise in the silos' shares, silo-c lost in step 2;
+    and the masked parts of step 1 as they reached the driver, and the secure shell."""
+    root = tmp_path_factory.mktemp("noised")
+    weights_array = model_weights
+    weights = ray.put(weights_array)
+    config = silo_config(root, "noised", noise_placement="silos", noise_multiplier=NOISE_MULTIPLIER)
+    received = []
+    log = []
+    fleet = ShardFleet(config, log.append)
+    try:
+        fleet.start()
+        fleet.set_sampling_rate(SAMPLING_RATE, 2)
+        fleet.secure.place_noise_in_silos(weights_array.size, NOISE_MULTIPLIER, config.noise_share_tolerance,
+                                          SILO_NOISE_ROUNDING_RATIO)
+        total = fleet.secure.total
+
+        def recording_total(masked_parts, dropped, at_step, part_size):
+            received.append([part.copy() for part in masked_parts])
+            return total(masked_parts, dropped, at_step, part_size)
+        fleet.secure.total = recording_total
+        totals = []
+        for step in range(2):
+            if step == 1:
+                kill_silo_c_after_keying(fleet)
+            gathered, _ = fleet.clipped_sums(weights, step, config.clip_norm, NOISE_MULTIPLIER)
+            totals.append(np.asarray(gathered.parts[0]))
+        return totals, received, fleet.secure, config
+    finally:
+        fleet.close()
+
+
+def test_the_total_with_the_silos_noise_has_the_variance_that_the_remaining_silos_guarantee(observed, noised):
+    plain, _, _, _, _ = observed
+    totals, _, secure, config = noised
+    assert config.noise_share_tolerance == 1  # 3 silos, threshold 2: one may drop out (or collude)
+    target = (NOISE_MULTIPLIER * config.clip_norm) ** 2
+    # Step 1, all three silos: each added 1/(3 - 1) of the target variance, so the total carries 3/2 of it.
+    # Step 2, silo-c lost: its share is missing, and the two others' still carry the whole target.
+    for total, sums, expected in ((totals[0], plain[0], 1.5 * target), (totals[1], plain[1][:2], target)):
+        noise = total - np.sum(sums, axis=0)
+        # gdp_cnn's 26k coordinates: the sample variance is within ±3% (its relative std is √(2/n) ≈ 0.9%), and the
+        # mean within 5 standard errors of 0.
+        assert noise.size > 20_000
+        assert abs(noise.var() / expected - 1) < 0.03
+        assert abs(noise.mean()) < 5 * np.sqrt(expected / noise.size)
+    assert np.log2(secure.scale) == np.ceil(np.log2(np.sqrt(totals[0].size) / (SILO_NOISE_ROUNDING_RATIO
+                                                                               * config.clip_norm)))
+
+
+def test_with_the_silos_noise_nothing_reaching_the_driver_is_an_un_noised_sum(observed, noised):
+    plain, _, _, _, _ = observed
+    _, received, secure, _ = noised
+    first = received[0]
+    # Every proper subset of step 1's masked parts looks uniform on the ring; the full set decodes to the total,
+    # which differs from the silos' un-noised total by the noise (std √1.5·σ·C), far beyond the rounding error.
+    for count in (1, 2):
+        for chosen in combinations(range(3), count):
+            decoded = decode(ring_sum([first[index] for index in chosen]), secure.scale)
+            assert looks_uniform_on_the_ring(decoded - np.sum([plain[0][index] for index in chosen], axis=0),
+                                             secure.scale)
+    offset = decode(ring_sum(first), secure.scale) - np.sum(plain[0], axis=0)
+    assert np.abs(offset).max() < 100 * NOISE_MULTIPLIER
+    assert offset.std() > 1e5 * secure.decoding_error(3)
 
 
 def test_the_driver_side_total_is_the_plain_sum_within_the_fixed_point_error(observed):
@@ -177,9 +255,11 @@ class KillSiloBefore(Trainer):
         super()._step(workers)
 
 
-def test_a_run_that_loses_a_silo_mid_round_finishes_with_epsilon_as_planned(cluster, tmp_path):
+@pytest.mark.parametrize("noise_placement", ["driver", "silos"])
+def test_a_run_that_loses_a_silo_mid_round_finishes_with_epsilon_as_planned(cluster, tmp_path, noise_placement):
     out = io.StringIO()
-    trainer = KillSiloBefore(silo_config(tmp_path, "killed", on_shard_loss="wait"), show_progress=False, out=out)
+    trainer = KillSiloBefore(silo_config(tmp_path, "killed", on_shard_loss="wait", noise_placement=noise_placement),
+                             show_progress=False, out=out)
     summary = trainer.run()
     log = out.getvalue()
     assert "step 3: unmasking the sum without shard 2 ({'silo-c': 1.0})" in log
@@ -191,3 +271,13 @@ def test_a_run_that_loses_a_silo_mid_round_finishes_with_epsilon_as_planned(clus
     assert summary["epsilon"] == trainer.report.epsilon(planned)
     assert [(outage["shard"], outage["first_step"], outage["last_step"]) for outage in summary["shard_outages"]] == \
         [(2, 3, 3)]
+    assert summary["noise_placement"] == noise_placement
+    if noise_placement == "silos":
+        # The silos' Skellam events, accounted by their RDP bound (the tolerance covers the lost silo's share).
+        assert {event["kind"] for event in summary["events"]["events"]} == {"sampled_skellam"}
+        assert summary["epsilon_label"] == SKELLAM_LABEL
+        # Against the driver's Gaussian noise at the same σ: a few percent more by RDP; PLD, which the Gaussian
+        # has and Skellam noise here has not, is far tighter over 4 steps.
+        assert summary["driver_noise_epsilon_rdp"] < summary["epsilon"] < 1.1 * summary["driver_noise_epsilon_rdp"]
+        assert summary["driver_noise_epsilon"] < summary["driver_noise_epsilon_rdp"]
+        assert "the driver adds none" in log

@@ -6,7 +6,8 @@ their clipped gradients and the raw count of examples left out for a
 non-finite gradient. Neither an example, an index nor a realised batch size
 leaves the worker. Under secure aggregation the worker is its silo's party:
 it answers with its sum in fixed point plus pairwise masks (``SiloParty``),
-and its keys and shares stay in its memory. A shard of Parquet files is read
+and its keys and shares stay in its memory; with the noise in the silos it
+adds its share of Skellam noise first, drawn from its own key. A shard of Parquet files is read
 in batches planned ahead: the worker plans its own windows of samples and
 gathers them with Ray Data on its own node
 (`workers.planned_batches.PlannedWindows`).
@@ -24,7 +25,8 @@ from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
 from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, file_row_counts
 from workers.sampling import local_poisson_sample, local_sampling_key
-from workers.secure_aggregation import SiloParty
+from workers.keys import SILO_NOISE
+from workers.secure_aggregation import SiloParty, skellam_share
 from workers.shards import ShardSpec, load_shard_examples, worker_bounds
 from workers.sources import InMemorySource
 
@@ -161,15 +163,22 @@ class ShardWorker(GradientWorker):
         self._secure_party().receive_shares(sealed)
 
     def masked_clipped_grad_sum(
-        self, weights: np.ndarray, step: int, clip_norm: float | LayerClipNorms
+        self, weights: np.ndarray, step: int, clip_norm: float | LayerClipNorms, noise_variance: float = 0.0
     ) -> np.ndarray:
-        """This silo's clipped sum of step ``step`` in fixed point plus its pairwise masks (uint64).
+        """This silo's clipped sum of step ``step`` in fixed point, plus its share of Skellam noise of
+        `noise_variance` (ring units, per coordinate) when that is > 0, plus its pairwise masks (uint64).
 
-        The raw count of examples left out for a non-finite gradient stays
-        here: it would go out un-noised and unmasked.
+        The noise share derives from this worker's own key (PRF of it, the
+        purpose and the step), which no other process holds. The raw count
+        of examples left out for a non-finite gradient stays here: it would
+        go out un-noised and unmasked.
         """
         party = self._secure_party()
-        return party.masked(self.sampled_clipped_grad_sum(weights, step, clip_norm)[:-1], step)
+        clipped = self.sampled_clipped_grad_sum(weights, step, clip_norm)[:-1]
+        noise = None
+        if noise_variance > 0:
+            noise = skellam_share(self._sampling_key.numpy_generator(SILO_NOISE, step), noise_variance, clipped.size)
+        return party.masked(clipped, step, noise)
 
     def secure_reveal_shares(self, dropped: Sequence[int]) -> dict[int, bytes]:
         """This silo's shares of the dropped silos' keys (`SiloParty.reveal_shares`); it masks no more this round."""

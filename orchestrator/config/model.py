@@ -323,6 +323,35 @@ def _secure_aggregation(config: TrainConfig) -> None:
                          f"got {threshold}")
 
 
+def _noise_placement(config: TrainConfig) -> None:
+    """Noise in the silos' shares needs secure aggregation, one fixed clip norm, and a tolerance every step meets."""
+    if config.noise_placement == "driver":
+        if config.noise_share_tolerance is not None:
+            raise UsageError('noise_share_tolerance applies only with noise_placement = "silos"; set '
+                             'noise_placement = "silos" or remove noise_share_tolerance')
+        return
+    if not config.secure_aggregation:
+        raise UsageError('noise_placement = "silos" adds the noise in shares that only secure aggregation keeps '
+                         'apart: set secure_aggregation = true, or noise_placement = "driver"')
+    refused = [name for name, present in (
+        ("adaptive_clipping (the ring's scale is fixed by C at start)", config.adaptive_clipping is not None),
+        ("microbatch_size", config.microbatch_size is not None),
+        ("local_steps", config.local_steps is not None),
+        ('privacy_unit = "user"', config.privacy_unit == "user"),
+        (f'mechanism = "{config.mechanism}"', config.mechanism != "dp-sgd")) if present]
+    if refused:
+        raise UsageError('noise_placement = "silos" adds Skellam noise to each silo\'s rounded clipped sum of a '
+                         f"Poisson sample; it cannot be combined with {', '.join(refused)}")
+    silos, threshold = len(config.shards), config.mask_share_threshold
+    tolerance = config.noise_share_tolerance
+    if tolerance is None:
+        _settle(config, noise_share_tolerance=silos - threshold)
+    elif not silos - threshold <= tolerance <= silos - 1:
+        raise UsageError(f"noise_share_tolerance must lie in {silos - threshold}..{silos - 1}: at least the "
+                         f"{silos - threshold} silos a step may lose (shards − mask_share_threshold), and fewer than "
+                         f"the {silos} silos (got {tolerance})")
+
+
 def _mechanism(config: TrainConfig) -> None:
     """The sampler matches the mechanism's accounting; correlated noise runs only what its driver path supports."""
     refusal = sampler_refusal(config.mechanism, config.sampler)
@@ -348,7 +377,7 @@ def _mechanism(config: TrainConfig) -> None:
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _lenient_rows,
     _early_stopping, _precision, _augmentations,
-    _layer_clipping, _aggregation, _planned_batches, _secure_aggregation, _mechanism,
+    _layer_clipping, _aggregation, _planned_batches, _secure_aggregation, _noise_placement, _mechanism,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""
 

@@ -1,12 +1,16 @@
 """Secure aggregation of silo sums: fixed point on Z_2^64, X25519 pairwise masks, Shamir-shared keys for dropouts."""
 
 from workers.secure_aggregation.fixed_point import (
+    MAX_SKELLAM_VARIANCE,
     RING_BITS,
     check_no_wrap,
     decode,
     encode,
     fixed_point_scale,
+    noise_tail_bound,
     ring_sum,
+    skellam_scale,
+    skellam_share,
 )
 from workers.secure_aggregation.masks import expand_mask, pair_secrets
 from workers.secure_aggregation.protocol import (
@@ -20,6 +24,7 @@ from workers.secure_aggregation.protocol import (
 from workers.secure_aggregation.shamir import Share, combine_shares, split_secret
 
 __all__ = [
+    "MAX_SKELLAM_VARIANCE",
     "RING_BITS",
     "Share",
     "SiloParty",
@@ -32,9 +37,12 @@ __all__ = [
     "expand_mask",
     "fixed_point_scale",
     "new_context",
+    "noise_tail_bound",
     "pair_secrets",
     "recover_private_key",
     "ring_sum",
+    "skellam_scale",
+    "skellam_share",
     "split_secret",
     "unmasked_total",
 ]

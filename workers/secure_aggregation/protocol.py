@@ -116,14 +116,23 @@ class SiloParty:
                 raise ValueError(f"the share from party {sender} does not open under the pair's key: it was altered "
                                  "or sealed for another round") from None
 
-    def masked(self, values: np.ndarray, step: int) -> np.ndarray:
-        """`values` (this silo's float sum) in fixed point, plus this party's pairwise masks for step `step`."""
+    def masked(self, values: np.ndarray, step: int, noise: np.ndarray | None = None) -> np.ndarray:
+        """`values` (this silo's float sum) in fixed point, plus `noise` (this silo's integer noise share, ring
+        units) when given, plus this party's pairwise masks for step `step`.
+
+        The noise goes in before the masks: no one but this silo ever holds
+        its rounded sum without it.
+        """
         if self.revealed:
             raise RuntimeError("this party revealed shares in this round: its masks are no longer secret; "
                                "start a new keying round")
         if len(self._held_shares) != len(self.parties) - 1:
             raise RuntimeError("the round's shares have not all been received: finish the keying round first")
-        return apply_masks(encode(values, self.scale, self.value_bound), self.party, self._mask_seeds, step)
+        encoded = encode(values, self.scale, self.value_bound)
+        if noise is not None:
+            # Two's complement: adding the int64 noise as uint64 is the ring's addition.
+            encoded += np.asarray(noise, dtype=np.int64).view(RING_DTYPE)
+        return apply_masks(encoded, self.party, self._mask_seeds, step)
 
     def reveal_shares(self, dropped: Sequence[int]) -> dict[int, bytes]:
         """This party's shares of the dropped parties' private keys, for the driver to rebuild their masks.
