@@ -24,7 +24,9 @@ from workers.secure_aggregation import (
     new_context,
     recover_private_key,
     ring_sum,
+    noise_tail_bound,
     split_secret,
+    unmasked_total,
 )
 from workers.secure_aggregation.fixed_point import HALF_RING
 
@@ -175,6 +177,14 @@ SHARDS = [{"dataset": "mnist", "part": part, "parts": 3, "resources": {f"silo-{p
      r"shards \[0\] have more: give each shard workers = 1"),
     (dict(secure_aggregation=True, shards=SHARDS, mask_share_threshold=4), r"must lie in 2..3 .* got 4"),
     (dict(shards=SHARDS, mask_share_threshold=2), "applies only with secure_aggregation = true"),
+    (dict(shards=SHARDS, noise_placement="silos"), "set secure_aggregation = true"),
+    (dict(secure_aggregation=True, shards=SHARDS, noise_share_tolerance=1), 'only with noise_placement = "silos"'),
+    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", noise_share_tolerance=0),
+     r"must lie in 1..2: at least the 1 silos a step may lose .*got 0"),
+    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", noise_share_tolerance=3),
+     r"must lie in 1..2"),
+    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", microbatch_size=4),
+     "cannot be combined with microbatch_size"),
 ])
 def test_secure_aggregation_outside_silo_mode_or_with_a_bad_threshold_is_refused_with_the_reason(values, message):
     from orchestrator.config import build_config
@@ -188,3 +198,37 @@ def test_the_threshold_defaults_to_a_majority_of_the_silos():
     config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
                            "secure_aggregation": True})
     assert config.mask_share_threshold == 2
+
+
+def test_the_noise_share_tolerance_defaults_to_the_dropouts_a_step_survives():
+    from orchestrator.config import build_config
+    config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
+                           "secure_aggregation": True, "noise_placement": "silos"})
+    assert (config.mask_share_threshold, config.noise_share_tolerance) == (2, 1)
+    assert build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
+                         "secure_aggregation": True}).noise_placement == "driver"
+
+
+def test_skellam_noise_shares_go_in_before_the_masks_and_come_out_in_the_total():
+    context, parties = new_context(), [0, 1, 2]
+    silos = [SiloParty(party, parties, 2, context, 2.0**10, 100.0) for party in parties]
+    keys = {silo.party: silo.public_key() for silo in silos}
+    sealed = {silo.party: silo.sealed_shares(keys) for silo in silos}
+    for silo in silos:
+        silo.receive_shares({sender: boxes[silo.party] for sender, boxes in sealed.items() if sender != silo.party})
+    values = [np.full(4, float(party)) for party in parties]
+    noise = [np.array([-3, 0, 5, 2**40], dtype=np.int64) * (party + 1) for party in parties]
+    parts = [silo.masked(value, 7, share) for silo, value, share in zip(silos, values, noise)]
+    total = unmasked_total(parts, {}, keys, 2, context, 7, 2.0**10)
+    assert np.array_equal(total, 3.0 + np.sum(noise, axis=0) / 2.0**10)
+
+
+def test_the_ring_bound_counts_the_noise():
+    scale, value_bound = 2.0**20, 2.0**40
+    check_no_wrap(scale, value_bound, 3)
+    with pytest.raises(ValueError, match="noise up to .* wraps the ring"):
+        check_no_wrap(scale, value_bound, 3, noise_tail_bound(2.0**122, 10**6))
+    # Bernstein's bound: √(2Lv) + 2L/3 with L = ln(2·d / 2^-40), far beyond the noise's std.
+    level = np.log(2 * 10**6 * 2.0**40)
+    assert noise_tail_bound(4.0, 10**6) == pytest.approx(np.sqrt(8 * level) + 2 * level / 3)
+
