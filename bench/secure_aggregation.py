@@ -10,6 +10,9 @@ silo encoding its sum in fixed point and adding its two pairwise masks
 decoding; and the driver's part of a step in which one silo dropped (two
 shares rebuild its key, and its two pairs' masks are taken out). Silos work
 in parallel, so a step costs the keying, one silo's time and the driver's.
+With the noise in the silos (`noise_placement = "silos"`), a silo also draws
+its Skellam share (σ = 1, tolerance 1: variance (σ·s·C)² / 2 at the Skellam
+scale) and adds it before its masks: that silo's time is reported beside.
 The bytes each silo sends are reported (uint64 against float32); Ray's
 transport (three round trips more for the keying) and the gradients
 themselves are the same in both paths and are not timed. `--json` writes
@@ -29,7 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.secure_aggregation import SiloParty, decode, fixed_point_scale, new_context, ring_sum, unmasked_total
+from accounting.skellam import SILO_NOISE_ROUNDING_RATIO
+from workers.secure_aggregation import (
+    SiloParty,
+    decode,
+    fixed_point_scale,
+    new_context,
+    ring_sum,
+    skellam_scale,
+    skellam_share,
+    unmasked_total,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "secure_aggregation.json"
 SIZES = (1_000_000, 10_000_000)
@@ -84,6 +97,16 @@ def measure(size: int, repeats: int) -> dict:
         return unmasked_total(masked[:2], {2: revealed}, public_keys, 2, context, 0, scale)
     recovery_seconds = median_seconds(recovery, repeats)
     secure_seconds = keying_seconds + silo_seconds + driver_seconds
+
+    noise_scale = skellam_scale(CLIP_NORM, size, SILO_NOISE_ROUNDING_RATIO)
+    noised_silos, _, _ = keyed_silos(noise_scale)
+    share_variance = (noise_scale * CLIP_NORM) ** 2 / (SILOS - 1)
+
+    def noised_silo():
+        noise = skellam_share(generator, share_variance, size)
+        return noised_silos[0].masked(sums[0], 2, noise)
+    noised_silo_seconds = median_seconds(noised_silo, repeats)
+    noised_seconds = keying_seconds + noised_silo_seconds + driver_seconds
     return {
         "parameters": size,
         "plain_step_s": plain_seconds,
@@ -92,6 +115,9 @@ def measure(size: int, repeats: int) -> dict:
         "secure_step_s": secure_seconds,
         "overhead_s": secure_seconds - plain_seconds,
         "secure_over_plain": secure_seconds / plain_seconds,
+        "silo_noise_silo_s": noised_silo_seconds,
+        "silo_noise_step_s": noised_seconds,
+        "silo_noise_over_plain": noised_seconds / plain_seconds,
         "dropout_driver_s": recovery_seconds,
         "keying_round_s": keying_seconds,
         "bytes_per_silo_plain": 4 * size,
@@ -108,11 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     rows = [measure(size, arguments.repeats) for size in SIZES]
     print(f"{'parameters':>11} {'plain s':>9} {'silo s':>9} {'driver s':>9} {'secure s':>9} {'ratio':>7} "
-          f"{'dropout s':>10} {'keying s':>9}")
+          f"{'dropout s':>10} {'keying s':>9} {'noised silo s':>14} {'noised s':>9} {'ratio':>7}")
     for row in rows:
         print(f"{row['parameters']:>11,} {row['plain_step_s']:>9.4f} {row['secure_silo_s']:>9.4f} "
               f"{row['secure_driver_s']:>9.4f} {row['secure_step_s']:>9.4f} {row['secure_over_plain']:>7.1f} "
-              f"{row['dropout_driver_s']:>10.4f} {row['keying_round_s']:>9.4f}")
+              f"{row['dropout_driver_s']:>10.4f} {row['keying_round_s']:>9.4f} {row['silo_noise_silo_s']:>14.4f} "
+              f"{row['silo_noise_step_s']:>9.4f} {row['silo_noise_over_plain']:>7.1f}")
     if arguments.json:
         RESULTS.write_text(json.dumps({
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -188,8 +188,11 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     rows = [
         *[[f"test {name.replace('_', ' ')}", summary[f"test_{name}"]] for name in (*config.metrics, "loss")],
-        [f"epsilon ({summary['accountant']}{'' if summary['epsilon_rigorous'] else ', approximate'})",
-         summary["epsilon"]],
+        # The label says how the figure was obtained where the accountant answered otherwise than by its own
+        # method (the RDP bound of the silos' Skellam noise, or past PLD's practical range).
+        [f"epsilon ({summary['accountant']}{'' if summary['epsilon_rigorous'] else ', approximate'})"
+         if summary["epsilon_label"] in (summary["accountant"], f"{summary['accountant']} (approximate)")
+         else f"epsilon ({summary['epsilon_label']})", summary["epsilon"]],
         ["delta", summary["delta"]],
         steps_row(summary),
         noise_row(config, summary),
