@@ -254,9 +254,9 @@ class Trainer:
         epsilon, accountant = labelled_epsilon(get_accountant(config.accountant), plan.planned_events, config.delta)
         self.say(f"noise in the silos: each of {secure.silos} silos adds Skellam noise of variance 1/"
                  f"{secure.silos - secure.noise_share_tolerance} of (σ·C·s)² on the ring, whose scale becomes s = 2^"
-                 f"{int(np.log2(secure.scale))} (√d ≤ s·C / 2^{int(-np.log2(plan.rounding_ratio))}); any {config.noise_share_tolerance} silos may drop out or collude "
-                 f"and the others' noise still has std σ·C; the driver adds none. ε {epsilon:.4g} at δ = "
-                 f"{config.delta:g} ({accountant})")
+                 f"{int(np.log2(secure.scale))} (√d ≤ s·C / 2^{int(-np.log2(plan.rounding_ratio))}); any "
+                 f"{config.noise_share_tolerance} silos may drop out or collude and the others' noise still has std "
+                 f"σ·C; the driver adds none. ε {epsilon:.4g} at δ = {config.delta:g} ({accountant})")
 
     def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
         """The run's plan (N, q, sigma, steps, events) for a dataset of `dataset_size` units (None: the config's)."""
