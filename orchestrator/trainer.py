@@ -190,13 +190,18 @@ class Trainer:
         self.optimizer_slices: list[dict] | None = None
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
+        # The driver's secret: every step's sample and noise derive from it. In memory only, never saved.
+        self.run_key = process_key(config.seed)
         if self.shards is not None:
-            self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps)
+            correlation = self.plan.correlation
+            fixed_order = correlation is not None and correlation.sampler == "fixed-order"
+            # Under fixed order each silo worker's order derives from the run key, so a replacement keeps it.
+            self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps,
+                                          self.run_key if fixed_order else None,
+                                          correlation.steps_per_epoch if fixed_order else None)
         self.report = RunReport(config, self.plan, self.say, show_progress)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # The driver's secret: every step's sample and noise derive from it. In memory only, never saved.
-        self.run_key = process_key(config.seed)
         self.noise = self._run_noise() if noise is None else noise
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -42,6 +41,7 @@ from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
 from orchestrator.noise import GaussianNoise
+from servers import PooledWorkers
 from workers.keys import SecretKey
 
 DELTA = 1e-5
@@ -326,29 +326,11 @@ def pooled_workers(local_ray):
     PooledCanaryTrainer.pool.clear()
 
 
-class PooledCanaryTrainer(CanaryTrainer):
-    """The audit's trainer, reusing the module's gradient workers from run to run (actor start-up is slow).
-
-    The workers are the real GradientWorkerActor with the same arguments;
-    their calls are pure functions of (weights, indices, clip norm). The
-    pool holds workers of one privacy unit (user-level workers hold the
-    users): a run of the other unit ends them first, freeing their CPUs.
-    """
+class PooledCanaryTrainer(PooledWorkers, CanaryTrainer):
+    """The audit's trainer, reusing the module's gradient workers from run to run (`PooledWorkers`)."""
 
     pool: list = []
-    pool_unit = ["example"]
-
-    def _new_worker(self):
-        if self.config.privacy_unit != self.pool_unit[0]:
-            for worker in self.pool:
-                ray.kill(worker)
-            self.pool.clear()
-            self.pool_unit[0] = self.config.privacy_unit
-        handed = getattr(self, "_handed", 0)
-        self._handed = handed + 1
-        if handed >= len(self.pool):
-            self.pool.append(super()._new_worker())
-        return self.pool[handed]
+    pool_arguments: list = [None]
 
 
 class ScaledDownNoise(GaussianNoise):
