@@ -171,7 +171,7 @@ def test_correlated_mechanisms_train_on_local_ray_and_account_their_participatio
     # RDP: PLD's calibration of DP-SGD's σ for the summary's comparison takes most of a run (the accountants'
     # ε of these events is tested in test_matrix_mechanisms).
     config = config_of(tmp_path, mechanism=mechanism, sampler=sampler, band_width=band_width, steps=12,
-                       commit_every=3, accountant="rdp")
+                       commit_every=3, accountant="rdp", workers=1)
     trainer = PooledTrainer(config, show_progress=False)
     summary = trainer.run()
     events = trainer.record.events
@@ -194,3 +194,17 @@ def test_every_charged_block_of_a_correlated_run_holds_a_participation(tmp_path,
     assert plan.charge_ends[-1] == 30
     for start, end in zip(starts, plan.charge_ends):
         assert plan.events_between(start, end).steps >= 1
+
+
+def test_a_correlated_run_refuses_to_resume_and_says_why_and_what_to_do(tmp_path):
+    trainer = Trainer(config_of(tmp_path, mechanism="band-mf", sampler="fixed-order", band_width=2, steps=12),
+                      show_progress=False)
+    state = trainer.state()
+    state["step"] = 5
+    with pytest.raises(UsageError) as refused:
+        trainer.load_state(state)
+    message = str(refused.value)
+    assert 'mechanism = "band-mf" run cannot resume' in message
+    assert "key held in memory only and never written" in message
+    assert "The 5 of 12 steps that ran stay charged" in message and "another run_dir" in message
+    assert trainer.step == 0  # nothing of the checkpoint was loaded

@@ -25,6 +25,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
                  "shuffled_order", "silo_fixed_order_batch", "step_generator"],
     "shard_worker": ["ShardWorkerActor"],
     "shard_spec": ["ShardSpec"],
+    "shards": ["worker_bounds"],
     "sources": ["BUILTINS", "DataError", "DroppedRows", "LENIENT_FORMATS", "PARQUET_SUFFIXES", "SPLITS",
                 "SplitSchema", "check_source", "dropped_rows", "parse_spec", "read_features", "read_first",
                 "select_blocks", "source_size", "spec_name", "split_schema", "training_table", "write_parquet_shards"],
