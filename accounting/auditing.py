@@ -175,6 +175,36 @@ def dirac_canary_scores(
     return scores
 
 
+def pattern_canary_scores(
+    observations: np.ndarray, patterns: np.ndarray, noise_multipliers: np.ndarray, clip_norm: float
+) -> np.ndarray:
+    """One score per gradient canary whose contribution at each step, when included, is known: its log-likelihood
+    ratio of "included" against "absent".
+
+    `observations` is [steps, canaries] as for `dirac_canary_scores`;
+    `patterns` (same shape) is what an included canary adds to its
+    coordinate at each step, in clip norms, and must not depend on which
+    canaries are included (then any score gives a valid bound). Under
+    fixed-order participation it is the mechanism's own schedule, which
+    claims no amplification, so the auditor may know it. With independent
+    noise N(0, (sigma_t * C)^2) the ratio is exp(sum_t s_t (x_t / C - s_t / 2)
+    / sigma_t^2), the most powerful statistic for one canary (Neyman-Pearson);
+    a canary that never takes part scores 0.
+    """
+    observations = np.asarray(observations, dtype=np.float64)
+    patterns = np.asarray(patterns, dtype=np.float64)
+    noise_multipliers = np.asarray(noise_multipliers, dtype=np.float64)
+    if observations.ndim != 2 or patterns.shape != observations.shape \
+            or noise_multipliers.shape != (observations.shape[0],):
+        raise AuditError(
+            f"observations and patterns must both be [steps, canaries] with one noise multiplier per step "
+            f"(got {observations.shape}, {patterns.shape} and {noise_multipliers.shape})"
+        )
+    if not (clip_norm > 0 and np.all(noise_multipliers > 0)):
+        raise AuditError("clip_norm and every noise multiplier must be > 0")
+    return (patterns * (observations / clip_norm - patterns / 2) / noise_multipliers[:, None] ** 2).sum(axis=0)
+
+
 def count_correct(scores: np.ndarray, included: np.ndarray, guesses_in: int, guesses_out: int) -> tuple[int, int]:
     """(guesses, correct): "in" for the `guesses_in` highest scores, "out" for the `guesses_out` lowest.
 

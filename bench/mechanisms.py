@@ -7,8 +7,10 @@ to the embedded ledger as tuning is), and the best trial is reported with the
 ε of the choice (all trials composed). BandMF runs amplified (cyclic Poisson)
 with the band width of least prefix-sum RMSE at the target ε, chosen before
 any data is read; DP-FTRL runs fixed-order epochs with a tree per epoch and
-tree completion. `--json` writes bench/results/mechanisms.json after every
-tuning, with the date, the machine and the command.
+tree completion. A config with shards (`--configs silos_band_mf`) runs BandMF
+in fixed order, with bands up to an epoch wide among the candidates. `--json`
+writes bench/results/mechanisms.json after every tuning, with the date, the
+machine and the command.
 """
 
 from __future__ import annotations
@@ -27,31 +29,54 @@ from orchestrator.cli import main as dpfleet
 from orchestrator.cli.display import format_table
 from orchestrator.config import load_config
 from orchestrator.planning import plan_run
+from workers.data import dataset_size
+from workers.shards import worker_bounds
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "mechanisms.json"
 CONFIGS = ("mnist_scatternet_eps1", "fashion_mnist_scatternet_eps1", "mnist_scatternet_eps3",
            "fashion_mnist_scatternet_eps3")
 MECHANISMS = {
-    "dp-sgd": {"mechanism": "dp-sgd"},
+    "dp-sgd": {"mechanism": "dp-sgd", "sampler": "poisson", "band_width": 1},
     "band-mf": {"mechanism": "band-mf", "sampler": "cyclic-poisson"},
-    "dp-ftrl": {"mechanism": "dp-ftrl", "sampler": "fixed-order", "tree_completion": True},
+    "dp-ftrl": {"mechanism": "dp-ftrl", "sampler": "fixed-order", "band_width": 1, "tree_completion": True},
 }
+# With shards the silos take part in a fixed order (cyclic Poisson is refused there).
+SILO_MECHANISMS = {**MECHANISMS, "band-mf": {"mechanism": "band-mf", "sampler": "fixed-order"}}
 BAND_WIDTHS = (1, 2, 4, 8)
+# Under fixed order every band up to an epoch has the same sensitivity: the wider ones are candidates too.
+FIXED_ORDER_BAND_WIDTHS = (*BAND_WIDTHS, 16, 32)
+
+
+def planned(path: Path, overrides: dict):
+    """The plan of the config with `overrides`; with shards, for the N their workers will report (from metadata)."""
+    config = load_config(str(path), overrides)
+    if not config.shards:
+        return plan_run(config)
+    return plan_run(config, sum(stop - start for shard in config.shards for worker in range(shard.workers)
+                                for start, stop in [worker_bounds(dataset_size(shard.dataset), shard, worker)]))
 
 
 def prefix_rmse(path: Path, overrides: dict) -> tuple[float, float, int]:
     """(σ, the per-coordinate RMSE of the prefix sums in clip norms, steps) of the config with `overrides`."""
-    plan = plan_run(load_config(str(path), overrides))
+    plan = planned(path, overrides)
     if plan.correlation is None:
         return plan.noise_multiplier, banded_prefix_rmse([1.0], plan.steps, 1.0, plan.noise_multiplier), plan.steps
     return plan.noise_multiplier, plan.correlation.prefix_rmse(plan.noise_multiplier), plan.steps
 
 
+def band_widths(path: Path, overrides: dict) -> list[int]:
+    """The band widths to choose among: BAND_WIDTHS, and under fixed order the wider ones up to an epoch."""
+    if overrides["sampler"] != "fixed-order":
+        return list(BAND_WIDTHS)
+    steps_per_epoch = planned(path, {**overrides, "band_width": 1}).correlation.steps_per_epoch
+    return sorted({width for width in FIXED_ORDER_BAND_WIDTHS if width <= steps_per_epoch} | {steps_per_epoch})
+
+
 def best_band_width(path: Path, overrides: dict) -> tuple[int, list[dict]]:
     """The band width of least prefix RMSE at the config's ε (data-independent: it reads no example)."""
     tried = []
-    for band_width in BAND_WIDTHS:
+    for band_width in band_widths(path, overrides):
         sigma, rmse, _ = prefix_rmse(path, {**overrides, "band_width": band_width})
         tried.append({"band_width": band_width, "noise_multiplier": sigma, "prefix_rmse": rmse})
     return min(tried, key=lambda row: row["prefix_rmse"])["band_width"], tried
@@ -101,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         base = load_config(str(path), {})
         learning_rates = [base.learning_rate * factor for factor in args.learning_rate_factors]
         for mechanism in args.mechanisms:
-            overrides = dict(MECHANISMS[mechanism])
+            overrides = dict((SILO_MECHANISMS if base.shards else MECHANISMS)[mechanism])
             if args.epochs is not None:
                 overrides["epochs"] = args.epochs
             if args.model is not None:

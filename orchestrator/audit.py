@@ -17,7 +17,12 @@ the partial-sum stage, before the driver's one noise draw.
   touch least at initialisation, since real gradients there only blur the
   scores. The auditor sees every noisy sum the driver computes and scores
   each canary by the log-likelihood ratio of its coordinate across the steps
-  (``accounting.auditing.dirac_canary_scores``).
+  (``accounting.auditing.dirac_canary_scores``). Under fixed-order
+  participation (a correlated mechanism without amplification) the schedule
+  is the mechanism's and independent of the inclusions, so the score uses
+  each canary's own steps (``pattern_canary_scores``): summed over every
+  step, a canary's one or two participations would drown in the others'
+  noise, and a wrong strategy inverse would go unseen.
 - canary users (white-box, ``rows_per_canary`` m > 1): canary k is a person
   owning m rows whose gradients all lie on its coordinate. Under
   privacy_unit = "user" the person is one sampled unit (one of the sampler's
@@ -54,7 +59,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
 from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_epsilon  # noqa: E402
-from accounting.auditing import audit_scores, dirac_canary_scores  # noqa: E402
+from accounting.auditing import audit_scores, dirac_canary_scores, pattern_canary_scores  # noqa: E402
 from accounting.events import Composition, group_events  # noqa: E402
 from accounting.matrix_mechanisms import decorrelated_observations  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
@@ -114,15 +119,14 @@ class DiracCanaries:
         self.grouped = grouped
         self.units = self.count if grouped else self.count * rows_per_canary
 
-    def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
-        """Sum of the clipped gradients of the sampled canary units that are in the dataset (float64).
-
-        A sampled unit is a canary (grouped) or one of its rows: unit u of
-        canary u // rows_per_canary.
-        """
+    def owners(self, sampled: np.ndarray) -> np.ndarray:
+        """The canary of each sampled unit: the unit itself (grouped) or, for one of its rows, u // rows_per_canary."""
         owners = np.asarray(sampled, dtype=np.int64)
-        if not self.grouped:
-            owners = owners // self.rows_per_canary
+        return owners if self.grouped else owners // self.rows_per_canary
+
+    def clipped_sum(self, sampled: np.ndarray, model: torch.nn.Module, clip_norm: float) -> np.ndarray:
+        """Sum of the clipped gradients of the sampled canary units that are in the dataset (float64)."""
+        owners = self.owners(sampled)
         owners = owners[self.included[owners]]
         # A unit's gradient (one row's, or the mean of a canary's identical rows) has this norm before clipping.
         norm = torch.tensor(ROW_GRADIENT_NORM_FACTOR * clip_norm, dtype=torch.float64)
@@ -176,6 +180,10 @@ class CanaryTrainer(Trainer):
         self.watch = watch
         self.observations: list[np.ndarray] = []
         self.noise_multipliers: list[float] = []
+        # Under fixed-order participation, each step's sampled units per canary (included or not): the schedule
+        # is the mechanism's, which claims no amplification, so the scorer may know it (`pattern_canary_scores`).
+        self.participations: list[np.ndarray] = []
+        self._step_participation: np.ndarray | None = None
         super().__init__(config, **options)
 
     def _plan_run(self, dataset_size, charge_epsilon) -> RunPlan:
@@ -199,6 +207,9 @@ class CanaryTrainer(Trainer):
             upcoming = partition(next_indices[next_indices < self.real_dataset_size], len(workers))
         sums = super()._partial_sums(workers, weights, partition(real, len(workers)), None, upcoming)
         sampled_canaries = indices[indices >= self.real_dataset_size] - self.real_dataset_size
+        if self.watch is not None and self.plan.sampler == "fixed-order":
+            self._step_participation = np.bincount(self.canaries.owners(sampled_canaries),
+                                                   minlength=self.canaries.count)
         canary_sum = self.canaries.clipped_sum(sampled_canaries, self.model, self.config.clip_norm)
         # The workers' sums end with their raw counts; the canaries add nothing to those.
         return sums + [np.concatenate([canary_sum, np.zeros(sums[0].size - canary_sum.size)])]
@@ -207,6 +218,8 @@ class CanaryTrainer(Trainer):
         if self.watch is not None:
             self.observations.append(noisy_sum_at(partial_sums, unit_noise, noise_std, self.watch))
             self.noise_multipliers.append(self.plan.sigma_at(self.step))
+            if self._step_participation is not None:
+                self.participations.append(self._step_participation)
         super()._apply_noise(partial_sums, unit_noise, noise_std)
 
 
@@ -465,9 +478,17 @@ def _canary_scores(trainer: CanaryTrainer, mode: str, canary_set: Canaries,
         return (-example_losses(trainer.model, canary_set.images, canary_set.labels),
                 "minus the final model's loss on the mislabelled canary")
     observations, noise_multipliers = np.array(trainer.observations), np.array(trainer.noise_multipliers)
-    if trainer.plan.correlation is not None:
-        observations, noise_multipliers = decorrelated_observations(trainer.plan.correlation, observations,
+    correlation = trainer.plan.correlation
+    if correlation is not None:
+        observations, noise_multipliers = decorrelated_observations(correlation, observations,
                                                                     trainer.plan.noise_multiplier)
+    if trainer.participations:
+        # The decorrelation is linear: an included canary's decorrelated contribution is its schedule's image.
+        patterns, _ = decorrelated_observations(correlation, np.array(trainer.participations, dtype=np.float64),
+                                                trainer.plan.noise_multiplier)
+        return (pattern_canary_scores(observations, patterns, noise_multipliers, trainer.config.clip_norm),
+                "sum over steps of s (x / C - s / 2) / sigma^2 on the canary's coordinate, s its decorrelated "
+                "fixed-order schedule")
     scores = dirac_canary_scores(observations, trainer.plan.sampling_rate, noise_multipliers,
                                  trainer.config.clip_norm, sampled_rows)
     if sampled_rows == 1:

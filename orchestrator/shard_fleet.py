@@ -25,6 +25,8 @@ from orchestrator.aggregation import Gathered, NodeAggregation
 from orchestrator.errors import ShardTimeoutError
 from orchestrator.secure_aggregation import SecureAggregation
 from workers.clipping import LayerClipNorms
+from workers.keys import ORDER, SecretKey
+from workers.sampling import SiloFixedOrder
 from workers.shard_worker import ShardWorkerActor
 
 Slot = tuple[int, int]  # (shard index, worker index within the shard)
@@ -52,6 +54,9 @@ class ShardFleet:
         self.example_counts: dict[Slot, int] = {}
         self.sampling_rate: float | None = None
         self.total_steps: int | None = None
+        # Under fixed-order participation: the driver's key each slot's order derives from, and s.
+        self.order_key: SecretKey | None = None
+        self.steps_per_epoch: int | None = None
         # The node each present slot's actor runs on, and the per-node reducers of the step's calls.
         self.nodes: dict[Slot, str] = {}
         self.aggregation: NodeAggregation | None = None
@@ -88,13 +93,29 @@ class ShardFleet:
                      f"{int(np.log2(self.secure.scale))} (sums up to {self.secure.value_bound:g} per coordinate)")
         return dataset_size
 
-    def set_sampling_rate(self, sampling_rate: float, total_steps: int) -> None:
+    def set_sampling_rate(self, sampling_rate: float, total_steps: int, order_key: SecretKey | None = None,
+                          steps_per_epoch: int | None = None) -> None:
         """Tell every worker, and every later replacement, the common rate q and the run's steps.
 
-        A worker of a Parquet shard starts gathering its first window then.
+        With `order_key` (a correlated mechanism's fixed-order participation)
+        each worker takes its examples in a fixed order instead, one slice of
+        its `steps_per_epoch` a step (`workers.sampling.SiloFixedOrder`): the
+        order derives from PRF(order_key, "order", shard, worker), so a
+        replacement takes the same examples at the same steps and no example
+        takes part twice in an epoch. A worker of a Parquet shard starts
+        gathering its first window then.
         """
         self.sampling_rate, self.total_steps = sampling_rate, total_steps
-        ray.get([self.actors[slot].set_sampling_rate.remote(sampling_rate, total_steps) for slot in self.present()])
+        self.order_key, self.steps_per_epoch = order_key, steps_per_epoch
+        ray.get([self._set_sampling(slot) for slot in self.present()])
+
+    def _set_sampling(self, slot: Slot) -> ray.ObjectRef:
+        """Send `slot`'s actor the run's sampling: q, the steps and, under fixed order, its own order."""
+        actor = self.actors[slot]
+        if self.order_key is None:
+            return actor.set_sampling_rate.remote(self.sampling_rate, self.total_steps)
+        fixed_order = SiloFixedOrder(self.order_key.derive(ORDER, *slot), self.steps_per_epoch)
+        return actor.set_sampling_rate.remote(self.sampling_rate, self.total_steps, fixed_order)
 
     def _place(self, slot: Slot) -> None:
         """Start a (new) actor for `slot` on its shard's resources; it is lost until its probe answers."""
@@ -111,10 +132,10 @@ class ShardFleet:
             train_transforms=config.train_transforms, augmentations_per_example=config.augmentations_per_example,
             plan_ahead_steps=config.plan_ahead_steps,
         )
+        self.actors[slot] = actor
         if self.sampling_rate is not None:
             # Calls from one caller run in order on an actor: this lands before the step that follows.
-            actor.set_sampling_rate.remote(self.sampling_rate, self.total_steps)
-        self.actors[slot] = actor
+            self._set_sampling(slot)
         self.probes[slot] = actor.example_count.remote()
 
     def _wait_for_placement(self) -> set[Slot]:

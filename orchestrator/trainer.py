@@ -191,15 +191,20 @@ class Trainer:
         self.optimizer_slices: list[dict] | None = None
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
+        # The driver's secret: every step's sample and noise derive from it. In memory only, never saved.
+        self.run_key = process_key(config.seed)
         if self.shards is not None:
-            self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps)
+            correlation = self.plan.correlation
+            fixed_order = correlation is not None and correlation.sampler == "fixed-order"
+            # Under fixed order each silo worker's order derives from the run key, so a replacement keeps it.
+            self.shards.set_sampling_rate(self.plan.sampling_rate, self.plan.steps,
+                                          self.run_key if fixed_order else None,
+                                          correlation.steps_per_epoch if fixed_order else None)
         if config.noise_placement == "silos":
             self._place_noise_in_silos()
         self.report = RunReport(config, self.plan, self.say, show_progress)
         # The driver's GPU, when it has one, draws the noise and runs the optimizer.
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # The driver's secret: every step's sample and noise derive from it. In memory only, never saved.
-        self.run_key = process_key(config.seed)
         self.noise = self._run_noise() if noise is None else noise
         # The next step's (indices, microbatch ids), drawn a step early so the workers can read its examples ahead.
         # In memory only: a resumed run draws its samples afresh.
@@ -320,10 +325,7 @@ class Trainer:
         """Continue from a checkpoint's state (see `state`), refused unless it is this run's (`binding`)."""
         check_same_run(state, self.binding(), Path(self.config.run_dir))
         if self.plan.correlation is not None:
-            # A new key reshuffles the fixed order: an example could take part twice within b steps of the
-            # resumption, which the charged participations do not cover.
-            raise UsageError(f'a mechanism = "{self.config.mechanism}" run cannot resume: its sampling order and '
-                             "noise derive from a key that lives in memory only; start the run again")
+            raise UsageError(correlated_resume_refusal(self.config.mechanism, state["step"], self.plan.steps))
         self.record = RunRecord.from_state(state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -737,6 +739,25 @@ class Trainer:
     def _finish(self) -> dict:
         """The run's summary (`RunReport.finish`)."""
         return self.report.finish(self.record, None if self.ledger is None else self.ledger.reservation_id)
+
+
+def correlated_resume_refusal(mechanism: str, steps_run: int, steps: int) -> str:
+    """Why a correlated run stopped after `steps_run` of its `steps` is not resumed, and what to do instead.
+
+    Its noise at every step depends on the vectors before it (BandMF's last
+    b - 1, DP-FTRL's tree), and they and its order or groups derive from a
+    key that lives in memory only and is never written (threat model, rule
+    10). A resumed run would have to start a fresh strategy and order for the
+    steps that remain: a second mechanism whose participations (one more
+    when the stop fell inside an epoch or a group's cycle) the job's
+    reservation does not hold.
+    """
+    return (f'a mechanism = "{mechanism}" run cannot resume: its noise at each step is correlated with the noise '
+            "of the steps before, which derives from a key held in memory only and never written, so the "
+            "strategy cannot be continued, and a fresh one would need participations this job did not reserve. "
+            f"The {steps_run} of {steps} steps that ran stay charged to the ledger. Start the run again in "
+            "another run_dir (a job of its own on the ledger), or choose mechanism = \"dp-sgd\", whose runs "
+            "resume")
 
 
 def resume_trainer(run_dir: str, **options) -> Trainer:

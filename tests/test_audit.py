@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -33,6 +32,7 @@ from accounting.auditing import (
     epsilon_lower_bound,
     guess_splits,
     p_value,
+    pattern_canary_scores,
     perfect_guess_bound,
     randomized_response_accuracy,
 )
@@ -41,7 +41,9 @@ from orchestrator.audit import CanaryTrainer, DiracCanaries, mislabelled, run_au
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
-from orchestrator.noise import GaussianNoise
+import orchestrator.noise as noise_module
+from orchestrator.noise import CorrelatedNoise, GaussianNoise
+from servers import PooledWorkers
 from workers.keys import SecretKey
 
 DELTA = 1e-5
@@ -202,6 +204,21 @@ def test_scores_of_many_row_canaries_mix_over_how_many_rows_were_sampled():
         dirac_canary_scores(observations, q, sigmas, clip_norm, 0)
 
 
+def test_pattern_scores_are_the_gaussian_likelihood_ratio_of_a_known_schedule():
+    observations = np.array([[0.0, 4.0, -1.0], [2.5, 1.0, 3.0]])
+    patterns = np.array([[1.0, 0.0, 0.0], [0.6, 2.0, 0.0]])
+    sigmas, clip_norm = np.array([1.5, 2.0]), 2.0
+    # Included: the coordinate is N(s_t C, (sigma_t C)^2) at each step; absent: N(0, (sigma_t C)^2).
+    by_hand = [sum(stats.norm.logpdf(observations[t, k], patterns[t, k] * clip_norm, sigmas[t] * clip_norm)
+                   - stats.norm.logpdf(observations[t, k], 0.0, sigmas[t] * clip_norm) for t in range(2))
+               for k in range(3)]
+    scores = pattern_canary_scores(observations, patterns, sigmas, clip_norm)
+    np.testing.assert_allclose(scores, by_hand, rtol=1e-12)
+    assert scores[2] == 0.0  # a canary that never takes part says nothing
+    with pytest.raises(AuditError, match="must both be"):
+        pattern_canary_scores(observations, patterns[:, :2], sigmas, clip_norm)
+
+
 def test_white_box_statistic_reaches_its_expected_power():
     # Idealised canaries (nothing else on their coordinates) at the test pipeline's epsilon-8 setting:
     # what the audit could reach without real-gradient interference. Seeds 0-4 give 2.8 to 3.1.
@@ -326,29 +343,11 @@ def pooled_workers(local_ray):
     PooledCanaryTrainer.pool.clear()
 
 
-class PooledCanaryTrainer(CanaryTrainer):
-    """The audit's trainer, reusing the module's gradient workers from run to run (actor start-up is slow).
-
-    The workers are the real GradientWorkerActor with the same arguments;
-    their calls are pure functions of (weights, indices, clip norm). The
-    pool holds workers of one privacy unit (user-level workers hold the
-    users): a run of the other unit ends them first, freeing their CPUs.
-    """
+class PooledCanaryTrainer(PooledWorkers, CanaryTrainer):
+    """The audit's trainer, reusing the module's gradient workers from run to run (`PooledWorkers`)."""
 
     pool: list = []
-    pool_unit = ["example"]
-
-    def _new_worker(self):
-        if self.config.privacy_unit != self.pool_unit[0]:
-            for worker in self.pool:
-                ray.kill(worker)
-            self.pool.clear()
-            self.pool_unit[0] = self.config.privacy_unit
-        handed = getattr(self, "_handed", 0)
-        self._handed = handed + 1
-        if handed >= len(self.pool):
-            self.pool.append(super()._new_worker())
-        return self.pool[handed]
+    pool_arguments: list = [None]
 
 
 class ScaledDownNoise(GaussianNoise):
@@ -510,3 +509,33 @@ def test_white_box_audit_of_band_mf_noise_stays_below_the_accountant(pooled_work
     assert result["epsilon_upper"] > 0
     assert result["epsilon_lower"] <= result["epsilon_upper"]
     assert result["verdict"].startswith("consistent")
+
+
+class InverseOfAnUnnormalisedStrategy(CorrelatedNoise):
+    """The bug: the driver inverts the strategy before its scaling to unit column norm (here 4 times as large), so
+    its correlated noise is a quarter of what the accountant's strategy says."""
+
+    def __init__(self, plan, noise, size):
+        super().__init__(plan, noise, size)
+        self.coefficients = tuple(4.0 * value for value in plan.coefficients)
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["correct", "inverse-4x"])
+def test_white_box_audit_of_fixed_order_band_mf_catches_a_wrong_strategy_inverse(
+        pooled_workers, tmp_path, monkeypatch, broken):
+    # 5,200 units in batches of 100: an epoch is 52 steps, so in 30 steps a canary takes part once or not at all,
+    # and each step is one Gaussian of σ = 3.73 (ε about 1 for one participation).
+    config = audit_config(tmp_path, 1, mechanism="band-mf", sampler="fixed-order", band_width=2,
+                          noise_multiplier=3.73)
+    if broken:
+        monkeypatch.setattr(noise_module, "CorrelatedNoise", InverseOfAnUnnormalisedStrategy)
+    result = run_audit(config, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    # Seed 3 gives 0.30 (correct) and 1.73 (broken) against 1.00; scored over every step as under Poisson
+    # sampling, the broken run's lower bound would be about 0.07 (its canaries' one step drowns in the others).
+    assert result["epsilon_upper"] == pytest.approx(1.0, abs=0.01)
+    if broken:
+        assert result["epsilon_lower"] > result["epsilon_upper"]
+        assert result["verdict"].startswith("VIOLATION")
+    else:
+        assert result["epsilon_lower"] <= result["epsilon_upper"]
+        assert result["verdict"].startswith("consistent")

@@ -14,8 +14,11 @@ from orchestrator.noise import GRADIENT_NOISE, TREE_NOISE, CentralNoise, Gaussia
 from orchestrator.planning import plan_run
 from orchestrator.sampling import correlated_step_sample, shuffled_order
 from orchestrator.trainer import Trainer
-from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster  # noqa: F401
-from workers.keys import SecretKey
+from servers import PooledWorkers
+from workers.keys import ORDER, SecretKey
+from workers.sampling import SiloFixedOrder, silo_fixed_order_batch
+from workers.shard_spec import ShardSpec
+from workers.shard_worker import ShardWorker
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +34,8 @@ def config_of(tmp_path, **overrides):
         max_physical_batch=64,
     )
     values.update(overrides)
-    return build_config(values)
+    # An override of None leaves the key out (shards take the place of train_subset and workers).
+    return build_config({name: value for name, value in values.items() if value is not None})
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -72,6 +76,34 @@ def test_fixed_order_takes_each_example_once_per_epoch_and_cyclic_poisson_one_gr
     # Binomial(25, 0.4) batches: mean 10, variance 6; over 400 steps the mean is within 4 standard errors of 10.
     assert abs(np.mean(sizes) - 10) < 4 * np.sqrt(6 / 400)
     assert np.var(sizes) > 3
+
+
+def test_a_silo_worker_takes_each_of_its_examples_once_an_epoch_in_an_order_its_replacement_shares():
+    key = SecretKey.from_seed(3)
+    fixed = SiloFixedOrder(key.derive(ORDER, 1, 0), 7)
+    # No seed: the worker's own sampling key is fresh, as a replacement's is; the order is the driver's.
+    worker = ShardWorker(ShardSpec("mnist", 1, 500), 1, 0, None, "gdp_cnn", 16)
+    worker.set_sampling_rate(60 / 360, 14, fixed)
+    order = fixed.order(120)
+    epochs = [[worker._local_sample(step) for step in range(epoch * 7, (epoch + 1) * 7)] for epoch in range(2)]
+    assert np.array_equal(np.sort(np.concatenate(epochs[0])), np.arange(120))
+    assert [len(batch) for batch in epochs[0]] == [17, 17, 17, 17, 17, 17, 18]
+    for step, batch in enumerate(epochs[0]):
+        assert np.array_equal(batch, epochs[1][step])
+        assert np.array_equal(batch, silo_fixed_order_batch(order, step, 7))
+    # Another slot's key gives another order; the key stays out of the record's repr.
+    assert not np.array_equal(SiloFixedOrder(key.derive(ORDER, 2, 0), 7).order(120), order)
+    assert repr(fixed) == "SiloFixedOrder(steps_per_epoch=7)"
+
+
+def test_with_shards_correlated_noise_needs_fixed_order_participation(tmp_path):
+    shards = [{"dataset": "mnist", "part": part, "parts": 2, "resources": {f"silo-{part}": 1}} for part in range(2)]
+    with pytest.raises(UsageError, match='with shards, mechanism = "band-mf" runs fixed-order participation'):
+        config_of(tmp_path, train_subset=None, workers=None, shards=shards, mechanism="band-mf",
+                  sampler="cyclic-poisson")
+    config = config_of(tmp_path, train_subset=None, workers=None, shards=shards, mechanism="dp-ftrl",
+                       sampler="fixed-order")
+    assert config.mechanism == "dp-ftrl" and len(config.shards) == 2
 
 
 def test_band_mf_noise_is_row_t_of_the_inverse_applied_to_dp_sgds_vectors():
@@ -118,20 +150,36 @@ def test_dp_ftrl_noise_adds_up_to_each_prefixs_tree_nodes(restart, complete):
         assert np.allclose(sum(released[tree * leaves:step + 1]), expected, atol=1e-12)
 
 
+class PooledTrainer(PooledWorkers, Trainer):
+    """The trainer, reusing the module's gradient workers from run to run."""
+
+    pool: list = []
+    pool_arguments: list = [None]
+
+
+@pytest.fixture(scope="module")
+def pooled_workers(local_ray):
+    """The module's shared Ray; its pooled gradient workers are let go after the module."""
+    yield
+    PooledTrainer.pool.clear()
+
+
 @pytest.mark.parametrize("mechanism,sampler,band_width", [
     ("band-mf", "cyclic-poisson", 2), ("band-mf", "fixed-order", 3), ("dp-ftrl", "fixed-order", 1)])
 def test_correlated_mechanisms_train_on_local_ray_and_account_their_participations(
-        local_ray, tmp_path, mechanism, sampler, band_width):
+        pooled_workers, tmp_path, mechanism, sampler, band_width):
+    # RDP: PLD's calibration of DP-SGD's σ for the summary's comparison takes most of a run (the accountants'
+    # ε of these events is tested in test_matrix_mechanisms).
     config = config_of(tmp_path, mechanism=mechanism, sampler=sampler, band_width=band_width, steps=12,
-                       commit_every=3)
-    trainer = Trainer(config, show_progress=False)
+                       commit_every=3, accountant="rdp", workers=1)
+    trainer = PooledTrainer(config, show_progress=False)
     summary = trainer.run()
     events = trainer.record.events
     assert all(isinstance(event, CorrelatedGaussian) and event.mechanism == mechanism for event in events.events)
     assert events == trainer.plan.planned_events
     period = band_width if sampler == "cyclic-poisson" else 10
     assert events.steps == -(-12 // period)
-    assert summary["epsilon"] == pytest.approx(get_accountant("pld").epsilon(events, config.delta))
+    assert summary["epsilon"] == pytest.approx(get_accountant("rdp").epsilon(events, config.delta))
     assert np.isfinite(summary["test_accuracy"])
     assert summary["mechanism"] == mechanism and summary["steps"] == 12
     assert summary["prefix_rmse"] == pytest.approx(trainer.plan.correlation.prefix_rmse(config.noise_multiplier))
@@ -146,3 +194,17 @@ def test_every_charged_block_of_a_correlated_run_holds_a_participation(tmp_path,
     assert plan.charge_ends[-1] == 30
     for start, end in zip(starts, plan.charge_ends):
         assert plan.events_between(start, end).steps >= 1
+
+
+def test_a_correlated_run_refuses_to_resume_and_says_why_and_what_to_do(tmp_path):
+    trainer = Trainer(config_of(tmp_path, mechanism="band-mf", sampler="fixed-order", band_width=2, steps=12),
+                      show_progress=False)
+    state = trainer.state()
+    state["step"] = 5
+    with pytest.raises(UsageError) as refused:
+        trainer.load_state(state)
+    message = str(refused.value)
+    assert 'mechanism = "band-mf" run cannot resume' in message
+    assert "key held in memory only and never written" in message
+    assert "The 5 of 12 steps that ran stay charged" in message and "another run_dir" in message
+    assert trainer.step == 0  # nothing of the checkpoint was loaded

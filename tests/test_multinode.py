@@ -13,8 +13,10 @@ import pytest
 import ray
 from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster
 
+from accounting.accountants import get_accountant
 from orchestrator.config import build_config
 from orchestrator.errors import ShardTimeoutError
+from orchestrator.planning import plan_run
 from orchestrator.cli.train import job_ledger
 from orchestrator.trainer import Trainer, resume_trainer
 from workers.models import flat_parameters
@@ -208,13 +210,53 @@ def test_band_mf_with_fixed_order_trains_across_the_nodes_and_the_ledger_charges
     config = build_config(dict(
         model="gdp_cnn", steps=8, batch_size=30, train_subset=120, test_subset=100, noise_multiplier=1.0, workers=3,
         seed=5, run_dir=str(tmp_path / "band-mf"), commit_every=2, dataset_name="band-mf", mechanism="band-mf",
-        sampler="fixed-order", band_width=2, max_physical_batch=32,
+        sampler="fixed-order", band_width=2, max_physical_batch=32, accountant="rdp",
     ))
     trainer = RecordWorkerNodes(config, show_progress=False, out=io.StringIO())
     summary, job, spent = run_charged(trainer)
     # 120 examples in batches of 30: an epoch is 4 steps, so 8 steps are two participations of every example.
     assert trainer.plan.correlation.period == 4
     assert job.committed_steps == 2 and summary["steps"] == 8
-    assert spent == pytest.approx(summary["epsilon"], rel=1e-9)
+    # The ledger's ε is PLD's; the run's is RDP's (PLD's calibration for the summary's comparison is slow).
+    assert spent == pytest.approx(get_accountant("pld").epsilon(trainer.record.events, config.delta), rel=1e-9)
     assert summary["epsilon"] == pytest.approx(trainer.epsilon())
     assert len(trainer.worker_nodes) == 3
+
+
+class RecordSiloSums(Trainer):
+    """A trainer that asks each silo worker, at step 1, for its clipped sums of steps 0, 1 and one epoch later."""
+
+    def _step(self, workers):
+        if self.step == 1:
+            weights, later = self._weights(), self.plan.correlation.steps_per_epoch
+            self.silo_sums = [ray.get([actor.sampled_clipped_grad_sum.remote(weights, step, 1.0)
+                                       for step in (0, 1, later)]) for actor in self.shards.present_actors()]
+        super()._step(workers)
+
+
+def test_a_silo_run_with_fixed_order_participation_takes_each_example_once_an_epoch_and_is_charged_its_epochs(
+        cluster, tmp_path):
+    # Three silos of 120 examples (parts 0..2 of 500), batches of 60: an epoch is N // 60 = 6 steps. The noise is
+    # the driver's, as without shards; DP-FTRL samples as BandMF does here. RDP: PLD's calibration of DP-SGD's σ
+    # for the summary's comparison would take most of the run.
+    silos = [{"dataset": "mnist", "part": part, "parts": 500, "resources": {silo: 1}}
+             for part, silo in enumerate(SILOS)]
+    mechanism, extra = "band-mf", {"band_width": 3}
+    config = sharded_config(tmp_path, mechanism, steps=12, batch_size=60, shards=silos, mechanism=mechanism,
+                            sampler="fixed-order", accountant="rdp", **extra)
+    trainer = RecordSiloSums(config, show_progress=False, out=io.StringIO())
+    summary, job, spent = run_charged(trainer)
+    # Each silo took the same examples one epoch later (the sums at the same weights are equal), and others
+    # at the next step: its own slice of a fixed order, not a Poisson sample.
+    for first, following, next_epoch in trainer.silo_sums:
+        np.testing.assert_array_equal(first, next_epoch)
+        assert not np.array_equal(first, following)
+    # The accounting is the driver path's fixed-order plan for the same N: two participations, charged.
+    single = plan_run(build_config(dict(model="gdp_cnn", steps=12, batch_size=60, train_subset=360,
+                                        noise_multiplier=1.0, mechanism=mechanism, sampler="fixed-order",
+                                        accountant="rdp", **extra)))
+    assert trainer.plan.correlation == single.correlation and trainer.plan.correlation.period == 6
+    assert summary["events"] == single.planned_events.to_dict()
+    assert job.committed_steps == 2 and summary["steps"] == 12
+    assert summary["epsilon"] == pytest.approx(get_accountant("rdp").epsilon(single.planned_events, config.delta))
+    assert spent == pytest.approx(get_accountant("pld").epsilon(single.planned_events, config.delta), rel=1e-9)

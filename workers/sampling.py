@@ -3,6 +3,8 @@ and cyclic Poisson samplers of the correlated-noise mechanisms (pure functions).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from workers.keys import LOCAL_SAMPLE, ORDER, SAMPLE, SecretKey, process_key
@@ -58,6 +60,42 @@ def fixed_order_batch(order: np.ndarray, step: int, batch_size: int) -> np.ndarr
     """
     position = step % (len(order) // batch_size)
     return np.sort(order[position * batch_size:(position + 1) * batch_size])
+
+
+@dataclass(frozen=True)
+class SiloFixedOrder:
+    """Fixed-order participation in one silo worker: its examples shuffled once, one slice a step, every epoch.
+
+    `order_key` is the 32-byte PRF output the driver derives for this
+    (shard, worker) from its run key, so that a replacement worker takes the
+    same examples at the same steps; the accounting (no amplification) does
+    not rest on it being secret, but it is kept out of every `repr` and log.
+    `steps_per_epoch` is the run's s = N // batch_size over all silos.
+    """
+
+    order_key: bytes = field(repr=False)
+    steps_per_epoch: int
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be >= 1 (got {self.steps_per_epoch})")
+
+    def order(self, example_count: int) -> np.ndarray:
+        """This worker's one shuffle of its `example_count` examples."""
+        return shuffled_order(SecretKey(self.order_key), example_count)
+
+
+def silo_fixed_order_batch(order: np.ndarray, step: int, steps_per_epoch: int) -> np.ndarray:
+    """Step `step`'s batch among a silo worker's examples in fixed order: slice step mod s of its `order`.
+
+    The s slices (`part_bounds`) tile the worker's examples, so each takes
+    part exactly once an epoch, always at the same step of it: its
+    participations are s steps apart, the separation the driver's
+    fixed-order accounting assumes for all N examples. Every silo's slices
+    add up to about N / s ≥ batch_size examples a step.
+    """
+    start, stop = part_bounds(len(order), step % steps_per_epoch, steps_per_epoch)
+    return np.sort(order[start:stop])
 
 
 def cyclic_poisson_batch(key: SecretKey, order: np.ndarray, step: int, groups: int, rate: float) -> np.ndarray:

@@ -1,7 +1,9 @@
 """The Ray shell of a shard's gradient worker: it holds its own examples and samples them itself.
 
 The driver sends the weights and the step number; the worker draws its own
-Poisson sample of its examples at the common rate q and answers with the sum of
+Poisson sample of its examples at the common rate q (or, under a correlated
+mechanism's fixed-order participation, takes its next slice of a fixed
+shuffle of them) and answers with the sum of
 their clipped gradients and the raw count of examples left out for a
 non-finite gradient. Neither an example, an index nor a realised batch size
 leaves the worker. Under secure aggregation the worker is its silo's party:
@@ -24,8 +26,8 @@ import ray
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
 from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, file_row_counts
-from workers.sampling import local_poisson_sample, local_sampling_key
 from workers.keys import SILO_NOISE
+from workers.sampling import SiloFixedOrder, local_poisson_sample, local_sampling_key, silo_fixed_order_batch
 from workers.secure_aggregation import SiloParty, skellam_share
 from workers.shards import ShardSpec, load_shard_examples, worker_bounds
 from workers.sources import InMemorySource
@@ -66,6 +68,8 @@ class ShardWorker(GradientWorker):
         self.shard, self.shard_index, self.worker_index = shard, shard_index, worker_index
         self._sampling_key = local_sampling_key(seed, shard_index, worker_index)
         self.sampling_rate: float | None = None
+        # Under a correlated mechanism's fixed-order participation: its shuffle of this worker's examples.
+        self._fixed_order: tuple[SiloFixedOrder, np.ndarray] | None = None
         self._secure: SiloParty | None = None
         self.plan_ahead_steps, self.windows = plan_ahead_steps, None
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
@@ -88,15 +92,20 @@ class ShardWorker(GradientWorker):
         """How many training examples this worker holds (public: the driver adds them up to N)."""
         return self.train_size
 
-    def set_sampling_rate(self, sampling_rate: float, total_steps: int | None = None) -> None:
+    def set_sampling_rate(self, sampling_rate: float, total_steps: int | None = None,
+                          fixed_order: SiloFixedOrder | None = None) -> None:
         """Set q, the probability with which each example joins a step's sample (the same on every worker).
 
-        A Parquet shard also needs the run's `total_steps`: its first window
-        starts gathering here.
+        With `fixed_order` (a correlated mechanism's fixed-order
+        participation) each step takes this worker's next slice in that order
+        instead (`silo_fixed_order_batch`), and q is only the expected batch's
+        share. A Parquet shard also needs the run's `total_steps`: its first
+        window starts gathering here.
         """
         if not 0.0 < sampling_rate <= 1.0:
             raise ValueError(f"sampling_rate must be in (0, 1] (got {sampling_rate})")
         self.sampling_rate = sampling_rate
+        self._fixed_order = None if fixed_order is None else (fixed_order, fixed_order.order(self.train_size))
         if self.planned_batches:
             if total_steps is None:
                 raise ValueError("a Parquet shard's worker plans its windows up to the run's end: give total_steps")
@@ -190,9 +199,13 @@ class ShardWorker(GradientWorker):
         return self._secure
 
     def _local_sample(self, step: int) -> np.ndarray:
-        """Positions of this worker's examples in step ``step``'s Poisson sample (they never leave the worker)."""
+        """Positions of this worker's examples in step ``step``'s Poisson sample, or its fixed-order slice (they
+        never leave the worker)."""
         if self.sampling_rate is None:
             raise RuntimeError("set_sampling_rate must be called before the first step")
+        if self._fixed_order is not None:
+            fixed_order, order = self._fixed_order
+            return silo_fixed_order_batch(order, step, fixed_order.steps_per_epoch)
         return local_poisson_sample(self._sampling_key, step, self.train_size, self.sampling_rate)
 
 

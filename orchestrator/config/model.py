@@ -362,13 +362,17 @@ def _mechanism(config: TrainConfig) -> None:
                          "leave band_width out")
     if config.mechanism == "dp-sgd":
         return
+    if config.shards and config.sampler != "fixed-order":
+        raise UsageError(f'with shards, mechanism = "{config.mechanism}" runs fixed-order participation: each silo '
+                         "takes its own examples in a fixed order, one slice a step, which no silo needs to sample "
+                         f'fairly against the others (got sampler = "{config.sampler}"); set sampler = "fixed-order"')
     refused = [reason for reason, present in (
-        ("shards", config.shards), ("microbatch_size", config.microbatch_size),
+        ("microbatch_size", config.microbatch_size),
         ("adaptive_clipping", config.adaptive_clipping), ('privacy_unit = "user"', config.privacy_unit == "user"),
         ("max_examples_per_user", config.max_examples_per_user is not None),
         ("a noise_schedule other than constant", config.noise_schedule.kind != "constant"),
         ('aggregation = "collective"', config.aggregation == "collective"),
-        ("plan_ahead_steps", config.plan_ahead_steps is not None)) if present]
+        ("plan_ahead_steps without shards", config.plan_ahead_steps is not None and not config.shards)) if present]
     if refused:
         raise UsageError(f'mechanism = "{config.mechanism}" correlates one noise vector per step at the driver, '
                          f"with one σ over the run; it cannot be combined with {', '.join(refused)}")

@@ -342,7 +342,8 @@ class SamplingSection(Section):
         "poisson",
         "How each step's batch is drawn: `poisson` (each example independently with probability q; DP-SGD), "
         "`fixed-order` (the data shuffled once with the run's key, then `batch_size` examples a step in that "
-        "order every epoch; no amplification: for `dp-ftrl` and `band-mf`, and data that cannot be sampled) or "
+        "order every epoch, or with shards each silo's own examples a slice a step; no amplification: for "
+        "`dp-ftrl` and `band-mf`, and data that cannot be sampled) or "
         "`cyclic-poisson` (`band-mf` only: the data split into `band_width` groups, step t Poisson-samples group "
         "t mod b at rate b·batch_size/N). A sampler the `mechanism` is not accounted for is refused.",
     )
@@ -462,8 +463,9 @@ class PrivacySection(Section):
         "How the noise is made: `dp-sgd` (independent each step), `band-mf` (banded matrix factorization: "
         "noise correlated over `band_width` steps, the strategy optimised for the run's steps) or `dp-ftrl` "
         "(tree aggregation). See docs/mechanisms.md. Correlated noise needs `sampler` = `fixed-order` or "
-        "(`band-mf`) `cyclic-poisson`, a constant `noise_schedule` and the driver's aggregation; not with shards, "
-        "microbatches, adaptive clipping or privacy_unit = \"user\".",
+        "(`band-mf`) `cyclic-poisson` (with shards, `fixed-order`: each silo takes its own examples in a fixed "
+        "order), a constant `noise_schedule` and the driver's aggregation; not with microbatches, adaptive "
+        "clipping or privacy_unit = \"user\".",
     )
     band_width: int = key(
         1, "`band-mf`: b, the steps over which noise is correlated (the driver keeps b noise vectors). 1 is "
