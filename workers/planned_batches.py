@@ -29,7 +29,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import stat
 import tempfile
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -138,34 +137,20 @@ def remove_window_folder(folder: str) -> None:
 def remove_stale_window_folders(parent: str | None = None) -> list[str]:
     """Delete the window folders in `parent` (the temporary folder by default) whose owning process is gone.
 
-    A folder is stale when nobody holds its lock (a non-blocking flock
-    succeeds: its owner was killed before it could clean up) or when it has
-    no lock file at all; a live run's folder, whose lock its owner holds, is
-    never touched. Only this user's folders can be entered, so only they
-    are removed. Returns the folders removed.
+    A folder is stale when nobody holds its lock: a non-blocking flock
+    succeeds, so its owner was killed before it could clean up. A live
+    run's folder, whose lock its owner holds, is never touched, nor is a
+    folder without a lock file (one that no owner of this kind made). Only
+    this user's lock files can be opened, so only their folders are
+    removed. Returns the folders removed.
     """
-    parent = parent or tempfile.gettempdir()
     removed = []
-    for entry in os.scandir(parent):
-        if not entry.name.startswith(WINDOW_PREFIX):
-            continue
-        if entry.name.endswith(_LOCK_SUFFIX):
+    for entry in os.scandir(parent or tempfile.gettempdir()):
+        if entry.name.startswith(WINDOW_PREFIX) and entry.name.endswith(_LOCK_SUFFIX):
             folder = entry.path[:-len(_LOCK_SUFFIX)]
             if _take_stale_lock(entry.path, folder):
                 removed.append(folder)
-        elif entry.path not in removed and _lockless_folder_of_mine(entry.path):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
     return removed
-
-
-def _lockless_folder_of_mine(path: str) -> bool:
-    """Whether `path` is a folder of this user's with no lock file beside it (one already removed is not)."""
-    try:
-        status = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    return stat.S_ISDIR(status.st_mode) and status.st_uid == os.getuid() and not os.path.exists(path + _LOCK_SUFFIX)
 
 
 def _take_stale_lock(lock_path: str, folder: str) -> bool:
