@@ -21,7 +21,7 @@ first waits for the first window's gather, which starts with the workers,
 and is reported apart as ``first_step_seconds``); evaluation is excluded.
 ``--json`` writes every figure, with the date, machine, command and the
 load averages before and after, to bench/results/out_of_core-MODELS.json (MODELS: the
-``--model`` names joined by -).
+``--model`` names joined by -), or to ``--output``.
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--plan-ahead", type=_plan_ahead, default=None,
                         help="train the Parquet side with plan_ahead_steps = this, a number or auto (default: off)")
     parser.add_argument("--json", action="store_true", help="write bench/results/out_of_core-MODELS.json")
+    parser.add_argument("--output", help="with --json, write this file instead (a sweep's layouts kept apart)")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     comparisons = []
@@ -248,7 +249,8 @@ def _save(argv: list[str], args, load_before: tuple, comparisons: list[dict]) ->
         "comparisons": comparisons,
     }
     RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / f"out_of_core-{'-'.join(args.model)}.json").write_text(json.dumps(results, indent=2) + "\n")
+    output = Path(args.output) if args.output else RESULTS_DIR / f"out_of_core-{'-'.join(args.model)}.json"
+    output.write_text(json.dumps(results, indent=2) + "\n")
 
 
 def _print(comparison: dict, plan_ahead) -> None:

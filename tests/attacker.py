@@ -14,8 +14,10 @@ really drew (`Truth`, recorded in the test's memory):
 - as numpy seed material: the root entropy of a ``SeedSequence`` spawned per
   (kind, step, chunk) as noise once was, and ``default_rng`` seeds and streams
   sampled one step after another;
-- as a numpy bit generator state, run forwards and rewound (PCG64's
-  ``advance(-n)``) by whole steps;
+- as a numpy bit generator state, run forwards step by step with the
+  sampler and with version 1's (`version_one_poisson_sample`), and rewound
+  (PCG64's ``advance(-n)``) by whole steps of version 1's, which moved the
+  generator by one double per example;
 - and it looks for a sample's indices or a noise vector's values stored as such.
 
 A finding names the file and the field. The tests assert there is none.
@@ -251,13 +253,13 @@ def _through_numpy_seeds(value: int, where: str, truth: Truth) -> list[str]:
     return findings
 
 
-def _sequential_samples(generator: np.random.Generator, truth: Truth) -> list[str]:
-    """Which recorded samples a generator reproduces when it draws one step after another."""
+def _sequential_samples(generator: np.random.Generator, truth: Truth, sample=poisson_sample) -> list[str]:
+    """Which recorded samples a generator reproduces when it draws one step after another with `sample`."""
     findings = []
     for sampler, steps in truth.samples.items():
         population = truth.population[sampler]
         state = generator.bit_generator.state
-        drawn = [poisson_sample(generator, population, truth.sampling_rate) for _ in range(max(steps) + 1)]
+        drawn = [sample(generator, population, truth.sampling_rate) for _ in range(max(steps) + 2)]
         generator.bit_generator.state = state
         findings += [f"reproduces the sample of {sampler} at step {step}" for step, indices in steps.items()
                      if any(np.array_equal(candidate, indices) for candidate in drawn)]
@@ -276,6 +278,12 @@ def _generator_at(state: dict) -> np.random.Generator | None:
     return np.random.Generator(bit_generator)
 
 
+def version_one_poisson_sample(generator: np.random.Generator, population: int, rate: float) -> np.ndarray:
+    """The Poisson sampler of checkpoint version 1: one uniform double per example, so a step moved the generator
+    by exactly `population` draws."""
+    return np.flatnonzero(generator.random(population) < rate)
+
+
 def _through_generator_state(state: dict, where: str, truth: Truth) -> list[str]:
     findings = []
     if _generator_at(state) is None:
@@ -283,16 +291,18 @@ def _through_generator_state(state: dict, where: str, truth: Truth) -> list[str]
     for step in truth.noise:
         if _noise_matches(_generator_at(state), step, truth):
             findings.append(f"{where}: the generator state reproduces the noise of step {step}")
+    findings += [f"{where}: the generator state, drawing on, {finding}"
+                 for sample in (poisson_sample, version_one_poisson_sample)
+                 for finding in _sequential_samples(_generator_at(state), truth, sample)]
     for sampler, steps in truth.samples.items():
         population = truth.population[sampler]
-        for rewind in range(-(max(steps) + 2), max(steps) + 2):
+        for rewind in range(-(max(steps) + 2), 0):
             candidate = _generator_at(state)
-            if rewind and not hasattr(candidate.bit_generator, "advance"):
+            if not hasattr(candidate.bit_generator, "advance"):
                 continue
-            if rewind:
-                # One double per example per step: moving by whole steps lands on another step's draw.
-                candidate.bit_generator.advance(rewind * population)
-            drawn = poisson_sample(candidate, population, truth.sampling_rate)
+            # Version 1 drew one double per example per step: moving by whole steps lands on another step's draw.
+            candidate.bit_generator.advance(rewind * population)
+            drawn = version_one_poisson_sample(candidate, population, truth.sampling_rate)
             findings += [f"{where}: the generator state moved by {rewind} steps reproduces the sample of {sampler} "
                          f"at step {step}" for step, indices in steps.items() if np.array_equal(drawn, indices)]
     return findings

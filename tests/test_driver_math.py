@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from scipy import stats
+
+import workers.sampling as sampling_module
 
 from orchestrator.aggregation import group_by_node, split_counts
 from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, GaussianNoise, noisy_mean_gradient, noisy_sum_at
-from orchestrator.sampling import make_generator, partition, poisson_sample
+from orchestrator.sampling import make_generator, partition, poisson_sample, step_generator
 from workers.keys import SecretKey
 
 
@@ -40,6 +43,53 @@ def test_poisson_batches_can_be_empty():
     sizes = [len(poisson_sample(generator, 20, 0.02)) for _ in range(500)]
     # P(empty) = 0.98^20 = 0.667
     assert sizes.count(0) / 500 == pytest.approx(0.98**20, abs=0.07)
+
+
+@pytest.mark.parametrize("chunk", [None, 1], ids=["one chunk", "a chunk per gap"])
+def test_poisson_sample_draws_every_inclusion_pattern_with_its_product_probability(monkeypatch, chunk):
+    """The geometric gaps give exactly independent Bernoulli(q) inclusion: on 5 examples, each of the 32 patterns
+    of who joins turns up as often as q^k (1-q)^(5-k) says (chi-square), drawn under the run key's PRF; also when
+    every gap is a chunk of its own (the path of a batch past the first chunk)."""
+    if chunk is not None:
+        monkeypatch.setattr(sampling_module, "_gap_chunk", lambda *_: chunk)
+    key, dataset_size, rate, steps = SecretKey.from_seed(13), 5, 0.3, 20_000
+    patterns = np.zeros(2**dataset_size)
+    for step in range(steps):
+        patterns[(1 << poisson_sample(step_generator(key, step), dataset_size, rate)).sum()] += 1
+    joined = np.array([bin(pattern).count("1") for pattern in range(2**dataset_size)])
+    expected = steps * rate**joined * (1 - rate) ** (dataset_size - joined)
+    assert stats.chisquare(patterns, expected).pvalue > 1e-3
+
+
+def test_poisson_batch_sizes_follow_the_binomial_and_samples_are_sorted_and_distinct():
+    """Batch sizes over 4,000 steps of N = 20,000 at q = 0.01 against Binomial(N, q) (chi-square on its central
+    bins), and every sample a sorted set inside 0..N-1."""
+    key, dataset_size, rate, steps = SecretKey.from_seed(17), 20_000, 0.01, 4000
+    samples = [poisson_sample(step_generator(key, step), dataset_size, rate) for step in range(steps)]
+    assert all(np.all(np.diff(sample) > 0) and (not len(sample) or 0 <= sample[0] <= sample[-1] < dataset_size)
+               for sample in samples)
+    sizes = np.array([len(sample) for sample in samples])
+    edges = np.arange(160, 241, 8)
+    observed = np.bincount(np.searchsorted(edges, sizes, side="right"), minlength=len(edges) + 1)
+    binomial = stats.binom(dataset_size, rate)
+    cells = np.diff([0.0, *binomial.cdf(edges - 1), 1.0])
+    assert stats.chisquare(observed, steps * cells).pvalue > 1e-3
+
+
+def test_a_step_sample_is_a_pure_function_of_the_key_and_the_step():
+    key = SecretKey.from_seed(19)
+    first = poisson_sample(step_generator(key, 4), 20_000_000, 250 / 20_000_000)
+    assert np.array_equal(first, poisson_sample(step_generator(key, 4), 20_000_000, 250 / 20_000_000))
+    assert not np.array_equal(first, poisson_sample(step_generator(key, 5), 20_000_000, 250 / 20_000_000))
+    assert not np.array_equal(first, poisson_sample(step_generator(SecretKey.from_seed(20), 4), 20_000_000,
+                                                    250 / 20_000_000))
+
+
+def test_poisson_sample_at_rates_zero_and_one():
+    generator = make_generator(5, 0)
+    assert len(poisson_sample(generator, 100, 0.0)) == 0
+    assert np.array_equal(poisson_sample(generator, 100, 1.0), np.arange(100))
+    assert len(poisson_sample(generator, 0, 0.5)) == 0
 
 
 @given(st.lists(st.integers(0, 10**6), unique=True, max_size=200), st.integers(1, 9))

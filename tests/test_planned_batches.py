@@ -1,6 +1,8 @@
 """Batches planned ahead: the window's plan, its one-pass gather by Ray Data, and training from them."""
 
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,8 +19,9 @@ from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
 from workers.data import load_split
 from workers.models import flat_parameters
-from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, PlannedBatch, PlannedWindows, \
-    auto_window_steps, gather_window, private_window_folder, read_planned_batch, remove_window_folder, window_plan
+from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, WINDOW_PREFIX, PlannedBatch, PlannedWindows, \
+    auto_window_steps, gather_window, private_window_folder, read_planned_batch, remove_stale_window_folders, \
+    remove_window_folder, window_plan
 
 TRAIN_ROWS, TEST_ROWS = 600, 200
 
@@ -76,6 +79,39 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
             inputs, gathered_labels = read_planned_batch(PlannedBatch(folder, step, worker), spec)
             np.testing.assert_array_equal(inputs.numpy(), features[share])
             np.testing.assert_array_equal(gathered_labels.numpy(), labels[share])
+
+
+HOLD_A_WINDOW_FOLDER = """
+import sys, time
+from workers.planned_batches import private_window_folder
+print(private_window_folder(sys.argv[1]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_processs_window_folder_is_removed_and_a_live_ones_never(tmp_path, request):
+    """A process that holds a window folder is killed (SIGKILL: nothing of its own runs): the next sweep removes
+    its folder and lock, and leaves the folders of a live process and of this one, and a folder with no lock."""
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    holders = [subprocess.Popen([sys.executable, "-c", HOLD_A_WINDOW_FOLDER, str(tmp_path)], stdout=subprocess.PIPE,
+                                text=True, env=environment) for _ in range(2)]
+    for holder in holders:
+        request.addfinalizer(holder.kill)
+    killed, alive = (Path(holder.stdout.readline().strip()) for holder in holders)
+    (killed / "step-000000000-worker-00000.arrow").write_bytes(b"sampled rows")
+    mine = private_window_folder(str(tmp_path))
+    request.addfinalizer(lambda: remove_window_folder(mine))
+    lockless = Path(tempfile.mkdtemp(prefix=WINDOW_PREFIX, dir=tmp_path))
+    assert remove_stale_window_folders(str(tmp_path)) == []
+    assert killed.is_dir() and alive.is_dir()
+    holders[0].kill()
+    holders[0].wait()
+    assert remove_stale_window_folders(str(tmp_path)) == [str(killed)]
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [alive.name, alive.name + ".lock", Path(mine).name, Path(mine).name + ".lock", lockless.name])
+    assert os.stat(mine).st_mode & 0o777 == 0o700
+    remove_window_folder(mine)
+    assert not os.path.exists(mine) and not os.path.exists(mine + ".lock")
 
 
 def test_the_next_window_gathers_while_one_trains_and_each_folder_goes_once_its_steps_ran(local_ray, tmp_path):

@@ -26,7 +26,7 @@ import ray
 import torch
 
 import orchestrator.trainer as trainer_module
-from attacker import Truth, attack, harvest, rows_found
+from attacker import Truth, attack, harvest, rows_found, version_one_poisson_sample
 from orchestrator.checkpoint import save_checkpoint
 from orchestrator.config import build_config
 from orchestrator.noise import CHUNK_VALUES, GRADIENT_NOISE, GaussianNoise, fill_unit_normal
@@ -170,13 +170,13 @@ def old_run(steps=4, dataset_size=600, rate=0.1, size=1000):
     sampler = np.random.default_rng()
     entropy = np.random.SeedSequence().entropy
     for step in range(steps):
-        truth.add_sample("driver", step, poisson_sample(sampler, dataset_size, rate), dataset_size)
+        truth.add_sample("driver", step, version_one_poisson_sample(sampler, dataset_size, rate), dataset_size)
         values = np.empty(min(size, CHUNK_VALUES))
         generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy,
                                                                               spawn_key=(GRADIENT_NOISE, step, 0))))
         fill_unit_normal(generator, values, 4)
         truth.noise[step] = values
-    drawn_ahead = poisson_sample(sampler, dataset_size, rate)
+    drawn_ahead = version_one_poisson_sample(sampler, dataset_size, rate)
     truth.add_sample("driver", steps, drawn_ahead, dataset_size)
     return truth, sampler.bit_generator.state, entropy, drawn_ahead
 

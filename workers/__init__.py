@@ -19,7 +19,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "optimizers": ["torch_optimizer"],
     "planned_batches": ["MAX_WINDOW_STEPS", "WINDOW_BYTES", "PlannedBatch", "PlannedWindows", "auto_window_steps",
                         "first_row", "gather_window", "private_window_folder", "read_planned_batch",
-                        "remove_window_folder", "window_plan"],
+                        "remove_stale_window_folders", "remove_window_folder", "window_plan"],
     "reducer": ["NodeReducerActor"],
     "sampling": ["SiloFixedOrder", "cyclic_poisson_batch", "fixed_order_batch", "make_generator", "poisson_sample",
                  "shuffled_order", "silo_fixed_order_batch", "step_generator"],

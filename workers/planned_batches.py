@@ -18,16 +18,22 @@ and the one read ahead.
 
 Who is in which step is as secret as the noise: the plan lives in memory and
 in the Ray object store, the folder is 0700 and is removed as soon as its
-window has run (and when the run ends), and nothing about it is logged.
+window has run (and when the run ends), and nothing about it is logged. A
+folder whose owner was killed is removed by the next run's windows on that
+node (`remove_stale_window_folders`): each folder's owner holds a flock on
+its lock file, which the kernel drops with the process.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,14 +84,96 @@ def window_plan(shares: Mapping[int, Sequence[np.ndarray]]) -> WindowPlan:
                       np.concatenate(positions)[order])
 
 
-def private_window_folder() -> str:
-    """A new folder that only this user can enter (mode 0700), for a window's gathered batches."""
-    return tempfile.mkdtemp(prefix="dpfleet-window-")
+WINDOW_PREFIX = "dpfleet-window-"
+_LOCK_SUFFIX = ".lock"
+# The open lock file of each window folder this process owns: its flock says the folder is in use.
+_held_locks: dict[str, int] = {}
+_held_locks_guard = threading.Lock()
+
+
+def private_window_folder(parent: str | None = None) -> str:
+    """A new folder that only this user can enter (mode 0700), for a window's gathered batches, owned by this process.
+
+    Beside it (in `parent`, the temporary folder by default) lies its lock
+    file, the folder's name + ".lock", on which this process holds an
+    exclusive flock until `remove_window_folder`. The kernel drops the lock
+    when the process dies, however it dies, which is how
+    `remove_stale_window_folders` tells a killed run's folder from a live
+    one. The lock is taken before the folder exists and dropped after it is
+    gone, so a folder without a held lock is never in use.
+    """
+    while True:
+        descriptor, lock_path = tempfile.mkstemp(prefix=WINDOW_PREFIX, suffix=_LOCK_SUFFIX, dir=parent)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a sweep holds the new lock: it unlinks it, and we draw another name
+            os.close(descriptor)
+            continue
+        # A sweep may have taken the new lock first and unlinked it (it saw a lock file nobody held): draw anew.
+        if os.fstat(descriptor).st_nlink:
+            folder = lock_path[:-len(_LOCK_SUFFIX)]
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:  # a stale folder of that name, without a lock
+                os.unlink(lock_path)
+            else:
+                with _held_locks_guard:
+                    _held_locks[folder] = descriptor
+                return folder
+        os.close(descriptor)
 
 
 def remove_window_folder(folder: str) -> None:
-    """Delete a window's folder and every batch in it (nothing to do when it is already gone)."""
+    """Delete a window's folder and every batch in it, then its lock (nothing to do when it is already gone)."""
     shutil.rmtree(folder, ignore_errors=True)
+    with _held_locks_guard:
+        descriptor = _held_locks.pop(folder, None)
+    if descriptor is not None:
+        with suppress(FileNotFoundError):
+            os.unlink(folder + _LOCK_SUFFIX)
+        os.close(descriptor)
+
+
+def remove_stale_window_folders(parent: str | None = None) -> list[str]:
+    """Delete the window folders in `parent` (the temporary folder by default) whose owning process is gone.
+
+    A folder is stale when nobody holds its lock: a non-blocking flock
+    succeeds, so its owner was killed before it could clean up. A live
+    run's folder, whose lock its owner holds, is never touched, nor is a
+    folder without a lock file (one that no owner of this kind made). Only
+    this user's lock files can be opened, so only their folders are
+    removed. Returns the folders removed.
+    """
+    removed = []
+    for entry in os.scandir(parent or tempfile.gettempdir()):
+        if entry.name.startswith(WINDOW_PREFIX) and entry.name.endswith(_LOCK_SUFFIX):
+            folder = entry.path[:-len(_LOCK_SUFFIX)]
+            if _take_stale_lock(entry.path, folder):
+                removed.append(folder)
+    return removed
+
+
+def _take_stale_lock(lock_path: str, folder: str) -> bool:
+    """Remove `folder` and its lock file when nobody holds the lock; whether it did."""
+    try:
+        descriptor = os.open(lock_path, os.O_RDONLY)
+    except OSError:  # gone meanwhile, or another user's
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # its owner lives
+        os.close(descriptor)
+        return False
+    try:
+        # Unlinked meanwhile by another sweep (which removed the folder): nothing left to do.
+        if not os.fstat(descriptor).st_nlink:
+            return False
+        shutil.rmtree(folder, ignore_errors=True)
+        with suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        return True
+    finally:
+        os.close(descriptor)
 
 
 def _batch_path(folder: str, step: int, worker: int) -> str:
@@ -296,6 +384,8 @@ class PlannedWindows:
         self.spec, self.window_steps, self.total_steps, self.shares_of = spec, window_steps, total_steps, shares_of
         self.first_step, self.remote_args = first_step, remote_args
         self.windows: dict[int, tuple[str, Future]] = {}
+        # Folders that killed runs left on this node hold sampled rows: they go before this run makes its own.
+        remove_stale_window_folders()
         self._gatherer = ThreadPoolExecutor(1, thread_name_prefix="window-gather")
 
     def start(self) -> None:
