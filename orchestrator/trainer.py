@@ -724,8 +724,9 @@ class Trainer:
         return self.report.finish(self.record, None if self.ledger is None else self.ledger.reservation_id)
 
 
-def resume_trainer(run_dir: str, **options) -> Trainer:
-    """A Trainer for the run in `run_dir`, at its newest intact checkpoint."""
+def resume_trainer(run_dir: str, trainer_class: type[Trainer] = Trainer, **options) -> Trainer:
+    """A Trainer for the run in `run_dir`, at its newest intact checkpoint (`trainer_class`: a subclass that watches
+    or changes a stage of the steps; `options` are its arguments)."""
     from orchestrator.config import build_config
 
     config_path = Path(run_dir) / "config.json"
@@ -743,7 +744,7 @@ def resume_trainer(run_dir: str, **options) -> Trainer:
     # The checkpoint fixes sigma: recalibrating from target_epsilon could drift by a rounding step.
     values["noise_multiplier"], values["target_epsilon"] = state["noise_multiplier"], None
     values.pop("target_epsilon_basis", None)
-    trainer = Trainer(build_config(values), **options)
+    trainer = trainer_class(build_config(values), **options)
     trainer.bound_config = written
     trainer.load_state(state)
     return trainer

@@ -207,40 +207,33 @@ def test_each_coordinate_gets_noise_of_std_sigma_c_once(quiet_user_step, tmp_pat
     assert abs(np.corrcoef(first[:second.size], second)[0, 1]) < 0.06
 
 
-# Seeded, so that a resumed or a disturbed run draws the same samples and noise as the whole run. Adaptive
+# Seeded, so that a resumed and disturbed run draws the same samples and noise as the whole run. Adaptive
 # clipping's noisy count runs on the driver, and moves the clip norm that the steps are sent. The ranks' slices
 # of the moving average are restored with their optimizer slices.
-WHOLE_RUN = dict(aggregation="collective", steps=4, checkpoint_every=2,
+WHOLE_RUN = dict(aggregation="collective", steps=6, checkpoint_every=2,
                  adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0}, **AVERAGED)
+
+
+class LeavesAStoppedCopy(Trainer):
+    """A trainer that copies its run folder, as its checkpoint of step 2 leaves it, to `run_dir` + "-stopped":
+    the folder of a run stopped there."""
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()
+        if self.step == 2:
+            shutil.copytree(self.config.run_dir, self.config.run_dir + "-stopped")
 
 
 @pytest.fixture(scope="module")
 def whole_run(cluster, tmp_path_factory):
-    """The seeded WHOLE_RUN, undisturbed: its trainer and summary."""
-    return run(Trainer, tiny_config(tmp_path_factory.mktemp("whole"), "whole", **WHOLE_RUN))
-
-
-def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, whole_run, tmp_path):
-    # It only ends where the whole run does when each rank gets its Adam state back. The whole run's folder as a
-    # run stopped after its checkpoint of step 2 left it: without the checkpoint of step 4.
-    whole, whole_summary = whole_run
-    split = tmp_path / "split"
-    shutil.copytree(whole.config.run_dir, split)
-    (latest,) = split.glob("checkpoint-*-000000004.pt")
-    latest.unlink()
-    resumed = resume_trainer(str(split), show_progress=False, out=io.StringIO())
-    assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
-    summary = resumed.run()
-    assert summary["epsilon"] == whole_summary["epsilon"] and resumed.record.clip_norm == whole.record.clip_norm
-    assert whole.record.clip_norm != 1.0
-    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(resumed.ema_weights, whole.ema_weights, atol=1e-6, rtol=0)
+    """The seeded WHOLE_RUN, undisturbed: its trainer and summary (and the copy it leaves of step 2)."""
+    return run(LeavesAStoppedCopy, tiny_config(tmp_path_factory.mktemp("whole"), "whole", **WHOLE_RUN))
 
 
 class RemoveRankNodeMidStep(Trainer):
     """A trainer that removes, without grace, the node of rank `victim` just as step `at_step` is sent out."""
 
-    at_step, victim, cluster = 3, 0, None
+    at_step, victim, cluster = 5, 0, None
 
     def _collective_step(self, workers):
         if self.step == self.at_step and not getattr(self, "removed", False):
@@ -258,22 +251,25 @@ class RemoveRankNodeMidStep(Trainer):
         super()._collective_step(workers)
 
 
-def test_a_rank_whose_node_dies_mid_step_is_replaced_and_the_run_ends_as_an_undisturbed_one(
-        cluster, whole_run, tmp_path):
+def test_a_resumed_run_restores_each_ranks_slices_and_one_whose_rank_dies_mid_step_ends_as_the_whole_run(
+        cluster, whole_run):
     # Last in the module: it leaves the cluster with a node of its own in place of the removed one.
     whole, whole_summary = whole_run
     add_loopback_node(cluster, num_cpus=1)  # where the replacement rank goes
-    disturbed = RemoveRankNodeMidStep(tiny_config(tmp_path, "disturbed", **WHOLE_RUN), show_progress=False,
-                                      out=io.StringIO())
-    disturbed.cluster = cluster
-    summary = disturbed.run()
-    log = disturbed.out.getvalue()
-    assert disturbed.removed and disturbed.fleet.replacements == 1
-    # Lost in step 3: the group restarts from the checkpoint of step 2 and runs step 2 again, then step 3.
-    assert "step 3: collective rank(s) [0] lost" in log and "the 1 step(s) since the restore point at step 2" in log
+    # Resumed from step 2, it checkpoints step 4 and loses a rank's node in step 5. It only ends where the whole
+    # run does when each rank got its Adam state and average back, at the resumption and again after the loss.
+    resumed = resume_trainer(whole.config.run_dir + "-stopped", RemoveRankNodeMidStep, show_progress=False,
+                             out=io.StringIO())
+    assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
+    resumed.cluster = cluster
+    summary = resumed.run()
+    log = resumed.out.getvalue()
+    assert resumed.removed and resumed.fleet.replacements == 1
+    # Lost in step 5: the group restarts from the checkpoint of step 4 and runs step 4 again, then step 5.
+    assert "step 5: collective rank(s) [0] lost" in log and "the 1 step(s) since the restore point at step 4" in log
     assert log.count("collective path: 2 ranks over gloo") == 2
     # The replayed step was sent the clip norm it had, not the one adaptive clipping had moved to since.
-    assert summary["steps"] == whole_summary["steps"] == 4 and summary["epsilon"] == whole_summary["epsilon"]
-    assert disturbed.record.clip_norm == whole.record.clip_norm
-    np.testing.assert_allclose(flat_parameters(disturbed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
-    np.testing.assert_allclose(disturbed.ema_weights, whole.ema_weights, atol=1e-6, rtol=0)
+    assert summary["steps"] == whole_summary["steps"] == 6 and summary["epsilon"] == whole_summary["epsilon"]
+    assert resumed.record.clip_norm == whole.record.clip_norm != 1.0
+    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(resumed.ema_weights, whole.ema_weights, atol=1e-6, rtol=0)
