@@ -7,8 +7,9 @@ the coordinates and they all-gather the new weights. The driver sends each
 rank, per step, its share of the step's Poisson sample, the slice key of its
 noise and a few scalars, and gets back scalars: no vector of P values passes
 through it on a training step. It still samples, charges the ledger,
-accounts, evaluates and checkpoints (asking the ranks for the weights and
-their optimizer slices when it does).
+accounts, evaluates and checkpoints (asking the ranks for the weights,
+their optimizer slices and, with ``ema_decay``, their slices of the weights'
+moving average when it does).
 """
 
 from __future__ import annotations
@@ -89,12 +90,15 @@ class RestorePoint:
     """What every rank restarts from when the group is re-formed: the weights and optimizer slices after `step`.
 
     `weights` is in the driver's object store; `slices` is None before the
-    optimizers have state of record (a new run's start: fresh optimizers).
+    optimizers have state of record (a new run's start: fresh optimizers);
+    `averaged` is the weights' moving average with ema_decay (else None),
+    in the object store too.
     """
 
     step: int
     weights: ray.ObjectRef
     slices: list[dict] | None
+    averaged: ray.ObjectRef | None = None
 
 
 class CollectiveFleet:
@@ -103,8 +107,9 @@ class CollectiveFleet:
     Ray places the actors; rank 0 names the group's address and a free port
     and every rank joins with its rank number, as Ray Train does for torch.
     `slices` are the ranks' optimizer slices from a checkpoint (None: fresh
-    optimizers); `noise` is the run's generator, whose slice keys the ranks
-    get step by step.
+    optimizers); `averaged_weights` the weights' moving average to continue
+    with `config.ema_decay` (None without); `noise` is the run's generator,
+    whose slice keys the ranks get step by step.
 
     With shards (silo mode), `ranks` are the shards' workers, already
     placed on their silos, and each samples its own examples.
@@ -129,7 +134,7 @@ class CollectiveFleet:
 
     def __init__(self, config: TrainConfig, weights: np.ndarray, slices: list[dict] | None, step: int,
                  noise: GaussianNoise, learning_rate: float, say: Callable[[str], None],
-                 ranks: list[ray.actor.ActorHandle] | None = None):
+                 ranks: list[ray.actor.ActorHandle] | None = None, averaged_weights: np.ndarray | None = None):
         self.config, self.noise, self.say = config, noise, say
         if slices is not None and len(slices) != config.workers:
             raise ValueError(f"the checkpoint holds the optimizer slices of {len(slices)} ranks, this run has "
@@ -139,7 +144,9 @@ class CollectiveFleet:
         # NCCL takes one GPU per rank; ranks that share a GPU (gpus_per_worker < 1) reduce over gloo on the host.
         self.backend = "nccl" if config.gpus_per_worker >= 1 else "gloo"
         self.learning_rate = learning_rate
-        self.restore_point = RestorePoint(step, ray.put(np.asarray(weights, dtype=np.float32)), slices)
+        self.restore_point = RestorePoint(step, ray.put(np.asarray(weights, dtype=np.float32)), slices,
+                                          None if averaged_weights is None
+                                          else ray.put(np.asarray(averaged_weights, dtype=np.float32)))
         self.replay: list[tuple[int, list[tuple]]] = []
         self.replacements = 0
         self._form_group()
@@ -154,7 +161,8 @@ class CollectiveFleet:
         address, port = self._on_ranks(lambda rank, worker: worker.rendezvous.remote(), ranks=[0])[0]
         self._on_ranks(lambda rank, worker: worker.join_group.remote(
             rank, len(self.workers), address, port, self.backend, restore.weights, config.optimizer.name,
-            dict(config.optimizer.parameters), self.learning_rate, config.secure_noise))
+            dict(config.optimizer.parameters), self.learning_rate, config.secure_noise, config.ema_decay,
+            restore.averaged))
         if restore.slices is not None:
             self._on_ranks(lambda rank, worker: worker.load_optimizer_slice.remote(restore.slices[rank]))
         self.say(f"collective path: {len(self.workers)} ranks over {self.backend} at {address}:{port}")
@@ -256,19 +264,27 @@ class CollectiveFleet:
         self.replacements += len(lost)
         self._form_group()
 
-    def checkpoint(self, step: int) -> tuple[np.ndarray, list[dict]]:
-        """The group's weights and each rank's optimizer slice after `step`, which become the restore point."""
+    def checkpoint(self, step: int) -> tuple[np.ndarray, list[dict], np.ndarray | None]:
+        """The group's weights, each rank's optimizer slice and the moving average (None without ema_decay) after
+        `step`, which become the restore point."""
         slices = self._despite_losses(
             step, lambda: self._on_ranks(lambda rank, worker: worker.optimizer_slice.remote()))
         weights = self.weights(step)
-        self.restore_point = RestorePoint(step, ray.put(weights), slices)
+        averaged = None if self.config.ema_decay is None else self.averaged_weights(step)
+        self.restore_point = RestorePoint(step, ray.put(weights), slices,
+                                          None if averaged is None else ray.put(averaged))
         self.replay.clear()
-        return weights, slices
+        return weights, slices, averaged
 
     def weights(self, step: int) -> np.ndarray:
         """The group's flat float32 weights after `step` (rank 0's: every rank holds the same)."""
         return self._despite_losses(step, lambda: self._on_ranks(
             lambda rank, worker: worker.current_weights.remote(), ranks=[0])[0])
+
+    def averaged_weights(self, step: int) -> np.ndarray:
+        """The weights' flat float32 moving average after `step`: each rank's slice of it, in rank order."""
+        return np.concatenate(self._despite_losses(step, lambda: self._on_ranks(
+            lambda rank, worker: worker.averaged_slice.remote())))
 
     def close(self) -> None:
         """Leave the group and let go of the ranks (a shard's ranks stay with the shards' fleet, which stops them)."""

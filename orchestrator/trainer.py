@@ -61,7 +61,7 @@ from orchestrator.config import TrainConfig, test_set_size
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merge_evaluation, start_evaluation
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
-from orchestrator.optimizers import build_lr_scheduler, build_optimizer, update_ema
+from orchestrator.optimizers import build_lr_scheduler, build_optimizer
 from orchestrator.planning import RunPlan, plan_run
 from orchestrator.early_stopping import stops_early
 from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run, lenient_drops
@@ -75,6 +75,7 @@ from workers.collective import ShardCollectiveRankActor
 from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, parameter_count
+from workers.optimizers import update_ema
 from workers.shard_worker import ShardWorkerActor
 
 _TRAIN_LOSS_EXAMPLES = 10_000
@@ -346,8 +347,10 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         if self.aggregation == "collective":
             # The ranks' state at a checkpoint is also where the group restarts from after losing a rank.
-            weights, self.optimizer_slices = self.fleet.checkpoint(self.step)
+            weights, self.optimizer_slices, averaged = self.fleet.checkpoint(self.step)
             self.flat_weights.copy_(torch.tensor(weights))
+            if averaged is not None:
+                self.ema_weights.copy_(torch.tensor(averaged))
         self.record.lap_clock()
         save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step, self.state())
 
@@ -410,7 +413,8 @@ class Trainer:
             self.fleet = running.enter_context(closing(CollectiveFleet(
                 self.config, self.flat_weights.cpu().numpy(), self.optimizer_slices, self.step, self.noise,
                 self.optimizer.param_groups[0]["lr"], self.say,
-                ranks=None if self.shards is None else self.shards.present_actors())))
+                ranks=None if self.shards is None else self.shards.present_actors(),
+                averaged_weights=None if self.ema_weights is None else self.ema_weights.cpu().numpy())))
         elif self.shards is None:
             self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
         workers = self.fleet.workers if self.aggregation == "collective" or self.shards is None else []
@@ -594,9 +598,12 @@ class Trainer:
         return self.plan.sigma_at(step) * clip_norm
 
     def _collect_weights(self) -> None:
-        """On the collective path, copy the ranks' weights into the driver's model (to evaluate or checkpoint)."""
+        """On the collective path, copy the ranks' weights into the driver's model (to evaluate or checkpoint), and
+        with ema_decay their slices of the moving average into `ema_weights`."""
         if self.aggregation == "collective":
             self.flat_weights.copy_(torch.tensor(self.fleet.weights(self.step)))
+            if self.ema_weights is not None:
+                self.ema_weights.copy_(torch.tensor(self.fleet.averaged_weights(self.step)))
 
     def _shard_step(self) -> None:
         """One DP-SGD step with shards: each worker samples its own examples; sum, noise once, average, step.
@@ -760,8 +767,9 @@ def correlated_resume_refusal(mechanism: str, steps_run: int, steps: int) -> str
             "resume")
 
 
-def resume_trainer(run_dir: str, **options) -> Trainer:
-    """A Trainer for the run in `run_dir`, at its newest intact checkpoint."""
+def resume_trainer(run_dir: str, trainer_class: type[Trainer] = Trainer, **options) -> Trainer:
+    """A Trainer for the run in `run_dir`, at its newest intact checkpoint (`trainer_class`: a subclass that watches
+    or changes a stage of the steps; `options` are its arguments)."""
     from orchestrator.config import build_config
 
     config_path = Path(run_dir) / "config.json"
@@ -779,7 +787,7 @@ def resume_trainer(run_dir: str, **options) -> Trainer:
     # The checkpoint fixes sigma: recalibrating from target_epsilon could drift by a rounding step.
     values["noise_multiplier"], values["target_epsilon"] = state["noise_multiplier"], None
     values.pop("target_epsilon_basis", None)
-    trainer = Trainer(build_config(values), **options)
+    trainer = trainer_class(build_config(values), **options)
     trainer.bound_config = written
     trainer.load_state(state)
     return trainer

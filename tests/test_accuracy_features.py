@@ -8,12 +8,12 @@ from kymatio.scattering2d.frontend.torch_frontend import ScatteringTorch2D
 
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.optimizers import ema_decay_at, update_ema
 from reference import per_example_gradients_by_loop
 from workers.actor import GradientWorker
 from workers.engines import ENGINES, clipped_sum
 from workers.features import Scattering2d
 from workers.models import build_model, flat_parameters
+from workers.optimizers import ema_decay_at, update_ema
 from workers.sources import open_source
 from workers.tasks import augmented_views, build_transform
 

@@ -1,11 +1,14 @@
 """The collective path on a real Ray cluster of two nodes on loopback: one rank on each, over gloo.
 
 The head has no CPUs, so each rank runs on a node of its own and the
-reduce-scatter and all-gather cross between them.
+reduce-scatter and all-gather cross between them. Every test shares the
+module's cluster, and runs that set up the same thing are made once, in
+module fixtures, and asserted on by each test that needs them.
 """
 
 import io
 import os
+import shutil
 import signal
 import threading
 
@@ -62,9 +65,18 @@ class RanksAgree(NoiseOff):
 
 
 def run(trainer_class, config):
+    """`trainer_class`'s run of `config`: the trainer (with its `initial_weights`, before any step) and summary."""
     trainer = trainer_class(config, show_progress=False, out=io.StringIO())
+    trainer.initial_weights = flat_parameters(trainer.model).clone()
     summary = trainer.run()
     return trainer, summary
+
+
+def assert_same_weights(first, second):
+    np.testing.assert_allclose(flat_parameters(first.model).numpy(), flat_parameters(second.model).numpy(),
+                               rtol=1e-5, atol=1e-6)
+    # The runs trained: the agreement is not that of two untouched models.
+    assert (flat_parameters(first.model) - first.initial_weights).abs().max() > 1e-3
 
 
 @given(st.integers(0, 10_000), st.integers(1, 64))
@@ -82,9 +94,16 @@ def test_slices_cover_every_coordinate_exactly_once(size, world_size):
 SILOS = [{"dataset": "mnist", "part": part, "parts": 20} for part in range(NODES)]
 
 
+# DP-FedAvg: user-level, with a model delta per user; the collective path runs user level without it.
+FEDAVG = dict(privacy_unit="user", synthetic_users=40, batch_size=8, local_steps=2, local_learning_rate=0.1)
+
+
 def test_collective_refuses_what_it_does_not_run(tmp_path):
-    with pytest.raises(UsageError, match="ema_decay"):
-        tiny_config(tmp_path, "refused", aggregation="collective", ema_decay=0.9)
+    with pytest.raises(UsageError, match="local_steps"):
+        tiny_config(tmp_path, "refused", aggregation="collective", **FEDAVG)
+    # Parameter averaging and user-level privacy run on it.
+    tiny_config(tmp_path, "ema", aggregation="collective", ema_decay=0.9)
+    tiny_config(tmp_path, "users", aggregation="collective", privacy_unit="user", synthetic_users=40, batch_size=8)
     with pytest.raises(UsageError, match='on_shard_loss = "skip"'):
         tiny_config(tmp_path, "skip", aggregation="collective", shards=SILOS, train_subset=None,
                     on_shard_loss="skip")
@@ -98,7 +117,7 @@ def test_auto_picks_the_collective_path_from_the_measured_crossover(tmp_path):
     # One worker has no sum to share: the driver path, however large the model.
     assert resolved_aggregation(tiny_config(tmp_path, "one", workers=1), 10 ** 9) == "driver"
     # A config the collective path does not run stays on the driver path.
-    assert resolved_aggregation(tiny_config(tmp_path, "ema", ema_decay=0.9), 10 ** 9) == "driver"
+    assert resolved_aggregation(tiny_config(tmp_path, "fedavg", **FEDAVG), 10 ** 9) == "driver"
     assert resolved_aggregation(tiny_config(tmp_path, "named", aggregation="driver"), 10 ** 9) == "driver"
 
 
@@ -107,45 +126,74 @@ def test_silo_mode_on_the_collective_path_gives_the_driver_paths_weights(cluster
     options = dict(shards=SILOS, train_subset=None, steps=3)
     driver, driver_summary = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver", **options))
     collective, summary = run(NoiseOff, tiny_config(tmp_path, "collective", aggregation="collective", **options))
-    np.testing.assert_allclose(flat_parameters(collective.model).numpy(), flat_parameters(driver.model).numpy(),
-                               rtol=1e-5, atol=1e-6)
-    untrained = Trainer(tiny_config(tmp_path, "untrained"), show_progress=False, out=io.StringIO())
-    assert (flat_parameters(collective.model) - flat_parameters(untrained.model)).abs().max() > 1e-3
+    assert_same_weights(collective, driver)
     assert summary["epsilon"] == driver_summary["epsilon"] and summary["dataset_size"] == 6_000
     # No index leaves a silo on either path; on this one no vector of P values passes the driver either.
     assert summary["driver_bytes_per_step"] < 64 * 1024 < driver_summary["driver_bytes_per_step"]
 
 
-def test_collective_gives_the_driver_paths_weights_and_ranks_agree_each_step(cluster, tmp_path):
-    driver, driver_summary = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver"))
-    collective, summary = run(RanksAgree, tiny_config(tmp_path, "collective", aggregation="collective"))
+# With parameter averaging: each rank keeps the average of its slice, the driver path that of the whole.
+AVERAGED = dict(ema_decay=0.9)
+
+
+@pytest.fixture(scope="module")
+def both_paths(cluster, tmp_path_factory):
+    """Noiseless seeded AVERAGED runs of the tiny model on the driver path and on the collective path."""
+    folder = tmp_path_factory.mktemp("paths")
+    return (run(NoiseOff, tiny_config(folder, "driver", aggregation="driver", **AVERAGED)),
+            run(RanksAgree, tiny_config(folder, "collective", aggregation="collective", **AVERAGED)))
+
+
+def test_collective_gives_the_driver_paths_weights_and_average_and_ranks_agree_each_step(both_paths):
+    (driver, driver_summary), (collective, summary) = both_paths
     # Adam's state is held a slice per rank (ZeRO-1); the weights still match the whole-vector optimizer's.
-    np.testing.assert_allclose(flat_parameters(collective.model).numpy(), flat_parameters(driver.model).numpy(),
-                               rtol=1e-5, atol=1e-6)
-    untrained = Trainer(tiny_config(tmp_path, "untrained"), show_progress=False, out=io.StringIO())
-    assert (flat_parameters(collective.model) - flat_parameters(untrained.model)).abs().max() > 1e-3
+    assert_same_weights(collective, driver)
     assert collective.identical == [True] * 3
+    # The moving average, kept slice by slice on the ranks, is the driver path's, and is what was evaluated.
+    np.testing.assert_allclose(collective.ema_weights.numpy(), driver.ema_weights.numpy(), rtol=1e-5, atol=1e-6)
+    assert (collective.ema_weights - flat_parameters(collective.model)).abs().max() > 1e-3
+    assert collective.record.metrics[-1]["test_loss"] == pytest.approx(driver.record.metrics[-1]["test_loss"],
+                                                                       rel=1e-5)
     assert summary["epsilon"] == driver_summary["epsilon"]
     assert summary["driver_bytes_per_step"] < 64 * 1024
     # The driver path moves the weights and the sums through the driver; the collective path does not.
     assert driver_summary["driver_bytes_per_step"] > 3 * 4 * collective.flat_weights.numel()
 
 
-def test_driver_bytes_per_step_do_not_grow_with_the_model(cluster, tmp_path):
-    tiny = run(NoiseOff, tiny_config(tmp_path, "tiny", aggregation="collective", steps=2))[1]
-    small = run(NoiseOff, tiny_config(tmp_path, "small", aggregation="collective", steps=2,
-                                      model="bench.mlp:mlp_small"))[1]
+def test_driver_bytes_per_step_do_not_grow_with_the_model(both_paths, tmp_path):
+    tiny = both_paths[1][1]
+    small = run(NoiseOff, tiny_config(tmp_path, "small", aggregation="collective", model="bench.mlp:mlp_small",
+                                      **AVERAGED))[1]
     # Eight times the parameters, the same sample and scalars: the same bytes.
     assert small["driver_bytes_per_step"] == tiny["driver_bytes_per_step"]
 
 
-def test_each_coordinate_gets_noise_of_std_sigma_c_once(cluster, tmp_path):
-    # One SGD step, with and without noise, from the same seed (same sample, same start): the difference of
-    # the weights is lr * noise / (q N), coordinate by coordinate.
-    options = dict(aggregation="collective", steps=1, optimizer="sgd", learning_rate=1.0, noise_multiplier=2.0,
-                   clip_norm=0.5)
-    noisy, _ = run(Trainer, tiny_config(tmp_path, "noisy", **options))
-    quiet, _ = run(NoiseOff, tiny_config(tmp_path, "quiet", **options))
+# User level, one SGD step: the driver samples users and each rank clips each of its users' rows whole
+# (GradientWorker.user_clipped_sum). After one step from the same seed, a noisy run's weights differ from a quiet
+# run's by lr * noise / (q N), coordinate by coordinate.
+ONE_USER_STEP = dict(privacy_unit="user", synthetic_users=40, batch_size=8, steps=1, optimizer="sgd",
+                     learning_rate=1.0, noise_multiplier=2.0, clip_norm=0.5)
+
+
+@pytest.fixture(scope="module")
+def quiet_user_step(cluster, tmp_path_factory):
+    """ONE_USER_STEP without noise on the collective path: its trainer and summary."""
+    return run(NoiseOff, tiny_config(tmp_path_factory.mktemp("quiet"), "quiet", aggregation="collective",
+                                     **ONE_USER_STEP))
+
+
+def test_user_level_on_the_collective_path_gives_the_driver_paths_weights(quiet_user_step, tmp_path):
+    collective, summary = quiet_user_step
+    driver, driver_summary = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver", **ONE_USER_STEP))
+    assert_same_weights(collective, driver)
+    assert summary["privacy_unit"] == "user" and summary["users"] == driver_summary["users"] == 40
+    assert summary["epsilon"] == driver_summary["epsilon"]
+    assert summary["driver_bytes_per_step"] < 64 * 1024
+
+
+def test_each_coordinate_gets_noise_of_std_sigma_c_once(quiet_user_step, tmp_path):
+    quiet, _ = quiet_user_step
+    noisy, _ = run(Trainer, tiny_config(tmp_path, "noisy", aggregation="collective", **ONE_USER_STEP))
     noise = ((flat_parameters(quiet.model) - flat_parameters(noisy.model)).double().numpy()
              * noisy.plan.contributions_per_step)
     std = 2.0 * 0.5
@@ -159,44 +207,33 @@ def test_each_coordinate_gets_noise_of_std_sigma_c_once(cluster, tmp_path):
     assert abs(np.corrcoef(first[:second.size], second)[0, 1]) < 0.06
 
 
-class StopAfterCheckpoint(Trainer):
-    """A driver that dies right after writing the checkpoint of step 2."""
+# Seeded, so that a resumed and disturbed run draws the same samples and noise as the whole run. Adaptive
+# clipping's noisy count runs on the driver, and moves the clip norm that the steps are sent. The ranks' slices
+# of the moving average are restored with their optimizer slices.
+WHOLE_RUN = dict(aggregation="collective", steps=6, checkpoint_every=2,
+                 adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0}, **AVERAGED)
+
+
+class LeavesAStoppedCopy(Trainer):
+    """A trainer that copies its run folder, as its checkpoint of step 2 leaves it, to `run_dir` + "-stopped":
+    the folder of a run stopped there."""
 
     def _save_checkpoint(self):
         super()._save_checkpoint()
         if self.step == 2:
-            raise KeyboardInterrupt
-
-
-# Seeded, so that a resumed or a disturbed run draws the same samples and noise as the whole run. Adaptive
-# clipping's noisy count runs on the driver, and moves the clip norm that the steps are sent.
-WHOLE_RUN = dict(aggregation="collective", steps=4, checkpoint_every=2,
-                 adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
+            shutil.copytree(self.config.run_dir, self.config.run_dir + "-stopped")
 
 
 @pytest.fixture(scope="module")
 def whole_run(cluster, tmp_path_factory):
-    """The seeded WHOLE_RUN, undisturbed: its trainer and summary."""
-    return run(Trainer, tiny_config(tmp_path_factory.mktemp("whole"), "whole", **WHOLE_RUN))
-
-
-def test_a_resumed_collective_run_restores_each_ranks_optimizer_slice(cluster, whole_run, tmp_path):
-    # It only ends where the whole run does when each rank gets its Adam state back.
-    whole, whole_summary = whole_run
-    with pytest.raises(KeyboardInterrupt):
-        run(StopAfterCheckpoint, tiny_config(tmp_path, "split", **WHOLE_RUN))
-    resumed = resume_trainer(str(tmp_path / "split"), show_progress=False, out=io.StringIO())
-    assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
-    summary = resumed.run()
-    assert summary["epsilon"] == whole_summary["epsilon"] and resumed.record.clip_norm == whole.record.clip_norm
-    assert whole.record.clip_norm != 1.0
-    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+    """The seeded WHOLE_RUN, undisturbed: its trainer and summary (and the copy it leaves of step 2)."""
+    return run(LeavesAStoppedCopy, tiny_config(tmp_path_factory.mktemp("whole"), "whole", **WHOLE_RUN))
 
 
 class RemoveRankNodeMidStep(Trainer):
     """A trainer that removes, without grace, the node of rank `victim` just as step `at_step` is sent out."""
 
-    at_step, victim, cluster = 3, 0, None
+    at_step, victim, cluster = 5, 0, None
 
     def _collective_step(self, workers):
         if self.step == self.at_step and not getattr(self, "removed", False):
@@ -214,21 +251,25 @@ class RemoveRankNodeMidStep(Trainer):
         super()._collective_step(workers)
 
 
-def test_a_rank_whose_node_dies_mid_step_is_replaced_and_the_run_ends_as_an_undisturbed_one(
-        cluster, whole_run, tmp_path):
+def test_a_resumed_run_restores_each_ranks_slices_and_one_whose_rank_dies_mid_step_ends_as_the_whole_run(
+        cluster, whole_run):
     # Last in the module: it leaves the cluster with a node of its own in place of the removed one.
     whole, whole_summary = whole_run
     add_loopback_node(cluster, num_cpus=1)  # where the replacement rank goes
-    disturbed = RemoveRankNodeMidStep(tiny_config(tmp_path, "disturbed", **WHOLE_RUN), show_progress=False,
-                                      out=io.StringIO())
-    disturbed.cluster = cluster
-    summary = disturbed.run()
-    log = disturbed.out.getvalue()
-    assert disturbed.removed and disturbed.fleet.replacements == 1
-    # Lost in step 3: the group restarts from the checkpoint of step 2 and runs step 2 again, then step 3.
-    assert "step 3: collective rank(s) [0] lost" in log and "the 1 step(s) since the restore point at step 2" in log
+    # Resumed from step 2, it checkpoints step 4 and loses a rank's node in step 5. It only ends where the whole
+    # run does when each rank got its Adam state and average back, at the resumption and again after the loss.
+    resumed = resume_trainer(whole.config.run_dir + "-stopped", RemoveRankNodeMidStep, show_progress=False,
+                             out=io.StringIO())
+    assert resumed.step == 2 and len(resumed.optimizer_slices) == NODES
+    resumed.cluster = cluster
+    summary = resumed.run()
+    log = resumed.out.getvalue()
+    assert resumed.removed and resumed.fleet.replacements == 1
+    # Lost in step 5: the group restarts from the checkpoint of step 4 and runs step 4 again, then step 5.
+    assert "step 5: collective rank(s) [0] lost" in log and "the 1 step(s) since the restore point at step 4" in log
     assert log.count("collective path: 2 ranks over gloo") == 2
     # The replayed step was sent the clip norm it had, not the one adaptive clipping had moved to since.
-    assert summary["steps"] == whole_summary["steps"] == 4 and summary["epsilon"] == whole_summary["epsilon"]
-    assert disturbed.record.clip_norm == whole.record.clip_norm
-    np.testing.assert_allclose(flat_parameters(disturbed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+    assert summary["steps"] == whole_summary["steps"] == 6 and summary["epsilon"] == whole_summary["epsilon"]
+    assert resumed.record.clip_norm == whole.record.clip_norm != 1.0
+    np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(resumed.ema_weights, whole.ema_weights, atol=1e-6, rtol=0)

@@ -16,7 +16,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "noise": ["CHUNK_VALUES", "COUNT_NOISE", "GRADIENT_NOISE", "SECURE_DRAWS", "TREE_NOISE", "GaussianNoise",
               "chunk_bounds", "driver_threads", "fill_unit_normal"],
     "names": ["ENGINE_NAMES", "LOSS_NAMES", "MODEL_NAMES", "PRECISIONS", "check_metrics", "task_of"],
-    "optimizers": ["torch_optimizer"],
+    "optimizers": ["ema_decay_at", "torch_optimizer", "update_ema"],
     "planned_batches": ["MAX_WINDOW_STEPS", "WINDOW_BYTES", "PlannedBatch", "PlannedWindows", "auto_window_steps",
                         "first_row", "gather_window", "private_window_folder", "read_planned_batch",
                         "remove_stale_window_folders", "remove_window_folder", "window_plan"],

@@ -13,9 +13,16 @@ slice's noise; nothing of size P. The ranks then:
    once, with std σ·C, by the same secure generator as the driver's;
 4. divide by q·N and step the optimizer on slice r, which holds that
    slice's optimizer state alone (ZeRO-1: every optimizer offered updates a
-   coordinate from its own gradient and state);
+   coordinate from its own gradient and state), and with ``ema_decay`` move
+   the slice's moving average of the weights (post-processing of the noisy
+   update, coordinate by coordinate, as the driver path does for the whole);
 5. all-gather the new weights, so every rank ends the step with the same
    weights.
+
+Under ``privacy_unit = "user"`` a rank's share holds user numbers and step 1
+is ``GradientWorker.user_clipped_sum``: each sampled user's rows are read and
+clipped whole, so one user moves the total by at most C, and the rest is the
+same.
 
 The ranks see the un-noised totals of their slices: the path assumes that
 the workers trust each other (docs/scaling.md). The noise keys live in the
@@ -36,7 +43,7 @@ import torch.distributed as dist
 from workers.actor import GradientWorker
 from workers.keys import SecretKey
 from workers.noise import GRADIENT_NOISE, GaussianNoise
-from workers.optimizers import torch_optimizer
+from workers.optimizers import torch_optimizer, update_ema
 from workers.shard_worker import ShardWorker
 
 # How long a rank waits in a collective for the others (a rank lost mid-step leaves the rest waiting this long).
@@ -76,16 +83,23 @@ class CollectiveRank(GradientWorker):
     def join_group(
         self, rank: int, world_size: int, address: str, port: int, backend: str, weights: np.ndarray,
         optimizer: str, optimizer_options: dict, learning_rate: float, secure_noise: bool,
+        ema_decay: float | None = None, averaged_weights: np.ndarray | None = None,
     ) -> None:
         """Join the group as `rank` of `world_size` (gloo on CPUs, nccl on GPUs) and hold the run's weights.
 
         `weights` are the flat float32 weights to start from, the same for
         every rank; the rank's optimizer (`optimizer`, `optimizer_options`)
         covers its slice of them only, with a fresh state (`load_optimizer_slice`
-        restores one). A rank that was in a group before leaves it first:
-        the driver re-forms the group this way after losing a rank, with
-        every rank's weights and state back at one earlier step.
+        restores one). With `ema_decay` the rank also keeps the moving
+        average of its slice, starting from its slice of `averaged_weights`
+        (the whole flat average, as a checkpoint holds it). A rank that was
+        in a group before leaves it first: the driver re-forms the group this
+        way after losing a rank, with every rank's weights and state back at
+        one earlier step.
         """
+        if (ema_decay is None) != (averaged_weights is None):
+            raise ValueError("ema_decay and averaged_weights go together: give both (the moving average to "
+                             "continue from) or neither")
         self.leave_group()
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world_size,
                                 timeout=GROUP_TIMEOUT)
@@ -99,6 +113,10 @@ class CollectiveRank(GradientWorker):
         self.weights[:self.size] = torch.as_tensor(np.asarray(weights, dtype=np.float32))
         self.slice_weights = torch.nn.Parameter(self.weights[self.slice_start:self.slice_stop].clone())
         self.optimizer = torch_optimizer(optimizer, learning_rate, [self.slice_weights], optimizer_options)
+        self.ema_decay = ema_decay
+        self.slice_average = None if ema_decay is None else torch.as_tensor(
+            np.asarray(averaged_weights, dtype=np.float32)[self.slice_start:self.slice_stop].copy(),
+            device=self.collective_device)
 
     def train_step(
         self, step: int, indices: np.ndarray, clip_norm, group_ids: np.ndarray | None, noise_key: bytes,
@@ -106,6 +124,8 @@ class CollectiveRank(GradientWorker):
     ) -> dict:
         """One DP-SGD step of the group (see the module); only scalars come back.
 
+        `indices` are this rank's share of the step's sample: example
+        positions, or under privacy_unit = "user" user numbers.
         `noise_key` is this rank's slice key for `step` (32 bytes, in memory
         only; `seeded` when it derives from a test seed); `noise_std` is σ·C;
         `contributions` the expected batch size q·N that the noisy sum is
@@ -115,8 +135,11 @@ class CollectiveRank(GradientWorker):
         """
         started = time.perf_counter()
         flat_weights = self.weights[:self.size].cpu().numpy()
-        part = self.clipped_grad_sum(flat_weights, indices, clip_norm, group_ids, count_unclipped,
-                                     count_zeroed=True)
+        if self.users is None:
+            part = self.clipped_grad_sum(flat_weights, indices, clip_norm, group_ids, count_unclipped,
+                                         count_zeroed=True)
+        else:  # the same sum and trailing raw count as the driver path's, user by user
+            part = self.user_clipped_sum(flat_weights, indices, clip_norm, step)
         worker_seconds = time.perf_counter() - started
         sums = torch.zeros(self.slice_length * self.world_size, dtype=torch.float64, device=self.collective_device)
         sums[:self.size] = torch.as_tensor(part[:self.size])
@@ -130,6 +153,8 @@ class CollectiveRank(GradientWorker):
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         self.optimizer.step()
+        if self.slice_average is not None:
+            update_ema(self.slice_average, self.slice_weights.detach(), self.ema_decay, step)
         self._gather_weights()
         return {"worker_seconds": worker_seconds, "step_seconds": time.perf_counter() - started,
                 "unclipped": float(part[self.size]) if count_unclipped else None}
@@ -152,6 +177,12 @@ class CollectiveRank(GradientWorker):
     def current_weights(self) -> np.ndarray:
         """The flat float32 weights this rank holds (every rank holds the same after each step)."""
         return self.weights[:self.size].cpu().numpy().copy()
+
+    def averaged_slice(self) -> np.ndarray:
+        """This rank's slice of the weights' moving average (float32; `ema_decay` must be set)."""
+        if self.slice_average is None:
+            raise RuntimeError("averaged_slice needs a group joined with ema_decay")
+        return self.slice_average.cpu().numpy().copy()
 
     def optimizer_slice(self) -> dict:
         """This rank's slice bounds and its optimizer's state, for the driver's checkpoint."""

@@ -1,4 +1,5 @@
-"""The torch optimizers that step on the noisy mean gradient, built by name for the driver or a collective rank."""
+"""The torch optimizers that step on the noisy mean gradient, built by name for the driver or a collective rank,
+and the moving average of the weights they step."""
 
 from __future__ import annotations
 
@@ -26,3 +27,21 @@ def torch_optimizer(
     if name == "adamw":
         return torch.optim.AdamW(parameters, lr=learning_rate, **options)
     raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_NAMES)} (got {name!r})")
+
+
+EMA_WARMUP = 10.0
+
+
+def ema_decay_at(decay: float, step: int) -> float:
+    """The decay of the weights' moving average at update ``step`` (0-based): min(decay, (1 + t) / (10 + t)).
+
+    The warm-up (TensorFlow's ExponentialMovingAverage with num_updates)
+    keeps the first updates from being dominated by the initial weights.
+    """
+    return min(decay, (1.0 + step) / (EMA_WARMUP + step))
+
+
+def update_ema(average: torch.Tensor, weights: torch.Tensor, decay: float, step: int) -> None:
+    """Move ``average`` toward ``weights`` in place: average = d * average + (1 - d) * weights, d = ema_decay_at."""
+    rate = ema_decay_at(decay, step)
+    average.mul_(rate).add_(weights, alpha=1.0 - rate)

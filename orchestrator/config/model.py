@@ -257,9 +257,6 @@ def _layer_clipping(config: TrainConfig) -> None:
 def collective_refusals(config: TrainConfig) -> list[str]:
     """What in `config` the collective path cannot run, each with its reason (empty: it runs the config)."""
     return [reason for reason, present in (
-        ('privacy_unit = "user" (a rank clips examples, not all the rows of a user)', config.privacy_unit == "user"),
-        ("ema_decay (the average is of the whole weights each step, which the driver does not hold on this path)",
-         config.ema_decay is not None),
         ("plan_ahead_steps (the planned batches are the driver path's)", config.plan_ahead_steps is not None),
         ("local_steps (DP-FedAvg's noisy mean is a model delta for the driver's server optimizer)",
          config.local_steps is not None),

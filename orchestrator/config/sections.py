@@ -576,8 +576,9 @@ class OptimisationSection(Section):
     ema_decay: float | None = key(
         None,
         "Parameter averaging: the driver keeps an exponential moving average of the weights (decay warmed up "
-        "as min(decay, (1 + t) / (10 + t)) at step t), evaluates it instead of the weights, and saves it with "
-        "the checkpoints (post-processing: no privacy cost).",
+        "as min(decay, (1 + t) / (10 + t)) at step t; on the collective path each rank keeps that of its slice), "
+        "evaluates it instead of the weights, and saves it with the checkpoints (post-processing: no privacy "
+        "cost).",
         shown_default="off", gt=0, lt=1,
     )
     lr_schedule: LearningRateSchedule = key(
