@@ -19,12 +19,13 @@ def isolated_dpfleet_home(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def local_ray(request):
-    """A local Ray of 2 CPUs for this module's runs, which then do not start their own.
+    """A local Ray of 2 CPUs for this module's runs, which then do not start their own; returns its GCS address.
 
     Starting Ray takes seconds, so one module hands it on to the next module
     that asks for it; the first test of a module that does not ask finds no
     Ray running (`no_ray_left_from_another_module`). Each module's actors are
-    gone with its fixtures, and the trainer kills its own.
+    gone with its fixtures, and the trainer kills its own. A `dpfleet train`
+    process joins it when given the address as RAY_ADDRESS.
     """
     from orchestrator.trainer import init_local_ray  # torch and the trainer, only for modules that train
 
@@ -34,19 +35,20 @@ def local_ray(request):
         init_local_ray(2, log_to_driver=False)
         _shared_ray["address"] = ray.get_runtime_context().gcs_address
     _shared_ray["module"] = request.module.__name__
+    return _shared_ray["address"]
 
 
 @pytest.fixture(autouse=True)
 def no_ray_left_from_another_module(request):
     """Stop the shared Ray before a test of another module than the one using it, unless the test asks for it.
 
-    A test that does not ask for `pooled_workers` finds no pooled worker holding the Ray's CPUs.
+    A test that asks for the shared Ray but not for `worker_pool` finds no pooled worker holding its CPUs.
     """
     if "local_ray" not in request.fixturenames and _shared_ray["module"] != request.module.__name__:
         if _is_shared_ray_up():
             ray.shutdown()
         _shared_ray.update(address=None, module=None)
-    if "pooled_workers" not in request.fixturenames:
+    if "local_ray" in request.fixturenames and "worker_pool" not in request.fixturenames:
         WORKER_POOL.clear()
 
 
@@ -87,8 +89,8 @@ class WorkerPool:
         if arguments != self.arguments or ray.get_runtime_context().gcs_address != self.gcs_address:
             self.clear()
             self.arguments, self.gcs_address = arguments, ray.get_runtime_context().gcs_address
-        handed = trainer.__dict__.get("pooled_workers_handed", 0)
-        trainer.pooled_workers_handed = handed + 1
+        handed = trainer.__dict__.get("worker_pool_handed", 0)
+        trainer.worker_pool_handed = handed + 1
         if handed == len(self.workers):
             self.workers.append(gradient_worker(trainer.config))
         return self.workers[handed]
@@ -105,7 +107,7 @@ WORKER_POOL = WorkerPool()
 
 
 @pytest.fixture
-def pooled_workers(monkeypatch):
+def worker_pool(monkeypatch):
     """The pool (`WorkerPool`) from which this test's runs take their gradient workers, on the Ray the test asks for.
 
     A worker that a run loses for good (killed with no restart left) stays

@@ -30,10 +30,10 @@ def cluster():
     stop_loopback_cluster(cluster)
 
 
-def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster, pooled_workers, tmp_path):
+def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster, worker_pool, tmp_path):
     # The workers the training runs below are then handed: one CPU each, so two on each node.
     run = SimpleNamespace(config=config(tmp_path, "sums"))
-    workers = {index: pooled_workers.worker_for(run) for index in range(len(NODES) * WORKERS_PER_NODE)}
+    workers = {index: worker_pool.worker_for(run) for index in range(len(NODES) * WORKERS_PER_NODE)}
     nodes = dict(zip(workers, ray.get([worker.node_id.remote() for worker in workers.values()])))
     assert len(set(nodes.values())) == len(NODES)
     aggregation = NodeAggregation()
@@ -86,7 +86,7 @@ class LoseWorkerBeforeStep(CountingTrainer):
         return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
 
 
-def test_training_receives_one_buffer_per_node_and_a_lost_worker_changes_no_weight(cluster, pooled_workers, tmp_path):
+def test_training_receives_one_buffer_per_node_and_a_lost_worker_changes_no_weight(cluster, worker_pool, tmp_path):
     # The reduced sums equal the flat float64 sums (the test above); here the trainer receives them node by node.
     reduced = CountingTrainer(config(tmp_path, "reduced"), show_progress=False, out=io.StringIO())
     reduced.run()
