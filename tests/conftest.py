@@ -24,11 +24,13 @@ def local_ray(request):
     Starting Ray takes seconds, so one module hands it on to the next module
     that asks for it; the first test of a module that does not ask finds no
     Ray running (`no_ray_left_from_another_module`). Each module's actors are
-    gone with its fixtures, and the trainer kills its own. A `dpfleet train`
-    process joins it when given the address as RAY_ADDRESS.
+    gone with its fixtures, and the trainer kills its own; the workers another
+    module pooled are ended before this module's fixtures start actors. A
+    `dpfleet train` process joins it when given the address as RAY_ADDRESS.
     """
     from orchestrator.trainer import init_local_ray  # torch and the trainer, only for modules that train
 
+    WORKER_POOL.clear()
     if not _is_shared_ray_up():
         if ray.is_initialized():
             ray.shutdown()
@@ -112,6 +114,8 @@ def worker_pool(monkeypatch):
 
     A worker that a run loses for good (killed with no restart left) stays
     in the pool: only the last test of a module to use the pool may do that.
+    A module fixture that starts actors on the shared Ray is set up before
+    this fixture can end the pool: such a module asks for it in no test.
     """
     from orchestrator.trainer import Trainer
 
