@@ -5,6 +5,7 @@ and each node's two sums are added by its reducer before they reach the driver.
 """
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,6 @@ from servers import start_loopback_cluster, stop_loopback_cluster
 from orchestrator.aggregation import NodeAggregation
 from orchestrator.config import build_config
 from orchestrator.trainer import Trainer
-from workers.actor import GradientWorkerActor
 from workers.models import build_model, flat_parameters
 
 NODES = ("node-a", "node-b")
@@ -30,9 +30,10 @@ def cluster():
     stop_loopback_cluster(cluster)
 
 
-def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster):
-    workers = {index: GradientWorkerActor.options(num_cpus=1, resources={node: 1}).remote("gdp_cnn", "mnist", 300, 16)
-               for index, node in enumerate(name for name in NODES for _ in range(WORKERS_PER_NODE))}
+def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster, worker_pool, tmp_path):
+    # The workers the training runs below are then handed: one CPU each, so two on each node.
+    run = SimpleNamespace(config=config(tmp_path, "sums"))
+    workers = {index: worker_pool.worker_for(run) for index in range(len(NODES) * WORKERS_PER_NODE)}
     nodes = dict(zip(workers, ray.get([worker.node_id.remote() for worker in workers.values()])))
     assert len(set(nodes.values())) == len(NODES)
     aggregation = NodeAggregation()
@@ -57,8 +58,6 @@ def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster)
     holders = ray.experimental.get_object_locations([weights])[weights]["node_ids"]
     assert set(nodes.values()) <= set(holders)
     aggregation.close()
-    for worker in workers.values():
-        ray.kill(worker)
 
 
 def config(tmp_path, name):
@@ -87,7 +86,7 @@ class LoseWorkerBeforeStep(CountingTrainer):
         return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
 
 
-def test_training_receives_one_buffer_per_node_and_a_lost_worker_changes_no_weight(cluster, tmp_path):
+def test_training_receives_one_buffer_per_node_and_a_lost_worker_changes_no_weight(cluster, worker_pool, tmp_path):
     # The reduced sums equal the flat float64 sums (the test above); here the trainer receives them node by node.
     reduced = CountingTrainer(config(tmp_path, "reduced"), show_progress=False, out=io.StringIO())
     reduced.run()

@@ -112,7 +112,7 @@ def test_a_piped_training_prints_one_line_per_epoch_and_no_carriage_returns(tmp_
     """`make train 2>&1 | cat`: without a terminal, no progress bar redraws; each epoch is one line."""
     config = tmp_path / "tiny.toml"
     config.write_text(
-        'dataset = "mnist"\nmodel = "gdp_cnn"\nworkers = 1\nepochs = 3\nbatch_size = 20\ntrain_subset = 400\n'
+        'dataset = "mnist"\nmodel = "gdp_cnn"\nworkers = 1\nepochs = 3\nbatch_size = 20\ntrain_subset = 100\n'
         f'test_subset = 100\nnoise_multiplier = 2.0\nseed = 3\nrun_dir = "{tmp_path / "run"}"\n'
     )
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "DPFLEET_HOME": str(tmp_path / "home")}

@@ -17,7 +17,7 @@ from orchestrator.cli.train import job_ledger
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator import trainer as trainer_module
-from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, init_local_ray, resume_trainer, start_ray
+from orchestrator.trainer import LOCAL_RAY_START_ATTEMPTS, Trainer, resume_trainer, start_ray
 from workers.data import load_split
 from workers.models import flat_parameters
 from workers.sources import write_parquet_shards
@@ -94,7 +94,7 @@ class KillFirstWorkerDuring(Trainer):
         return super()._partial_sums(workers, weights, shards, group_shards, next_shards)
 
 
-def test_a_killed_worker_changes_neither_weights_nor_epsilon(local_ray, tmp_path):
+def test_a_killed_worker_changes_neither_weights_nor_epsilon(local_ray, worker_pool, tmp_path):
     calm = Trainer(fault_config(tmp_path, "calm"), show_progress=False)
     calm_summary = calm.run()
     disturbed = KillFirstWorkerDuring(fault_config(tmp_path, "disturbed"), show_progress=False)
@@ -120,7 +120,7 @@ class CrashAfterCheckpoint(Trainer):
             raise DriverCrash
 
 
-def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run(local_ray, tmp_path):
+def test_resuming_from_a_checkpoint_reproduces_the_uninterrupted_run(local_ray, worker_pool, tmp_path):
     whole = Trainer(fault_config(tmp_path, "whole", checkpoint_every=5), show_progress=False)
     whole_summary = whole.run()
     with pytest.raises(DriverCrash):

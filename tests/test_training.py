@@ -20,7 +20,7 @@ from orchestrator.noise import GRADIENT_NOISE, GaussianNoise
 from orchestrator.checkpoint import latest_checkpoint
 from orchestrator.sampling import assign_microbatches, poisson_sample, step_generator, worker_shares
 from orchestrator.run_record import BREAKDOWN
-from orchestrator.trainer import Trainer, init_local_ray, resume_trainer
+from orchestrator.trainer import Trainer, resume_trainer
 from accounting.ledger.store import open_embedded_ledger
 from servers import TINY_JOB
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
@@ -85,7 +85,7 @@ def small_config(tmp_path, **overrides):
     return build_config(values)
 
 
-def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, tmp_path):
+def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, worker_pool, tmp_path):
     config = small_config(tmp_path, steps=5)
     noise = RecordingNoise(seed=1)
     trainer = NoiseRecordingTrainer(config, noise=noise, show_progress=False)
@@ -98,7 +98,7 @@ def test_noise_is_drawn_once_per_step_not_per_worker(local_ray, tmp_path):
     assert coordinates.std() == pytest.approx(config.noise_multiplier * config.clip_norm, rel=0.03)
 
 
-def test_an_empty_batch_still_adds_noise_and_steps(local_ray, tmp_path, monkeypatch):
+def test_an_empty_batch_still_adds_noise_and_steps(local_ray, worker_pool, tmp_path, monkeypatch):
     monkeypatch.setattr(sampling_module, "poisson_sample", lambda *args: np.array([], dtype=np.int64))
     config = small_config(tmp_path, steps=1, optimizer="sgd")
     log = io.StringIO()
@@ -113,33 +113,6 @@ def test_an_empty_batch_still_adds_noise_and_steps(local_ray, tmp_path, monkeypa
     assert "clipping engine, per layer: 0 (Conv2d): fast (per-example)" in log.getvalue()
 
 
-def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, tmp_path):
-    config = small_config(
-        tmp_path, steps=None, epochs=1, batch_size=100, train_subset=6000, test_subset=None,
-        noise_multiplier=0.4, clip_norm=1.0, learning_rate=3.0, max_physical_batch=128,
-    )
-    summary = Trainer(config, show_progress=False).run()
-    assert summary["test_accuracy"] >= 0.85
-    # 88% to 91% over four seeds in an in-process sweep of these settings.
-    assert summary["steps"] == 60
-    expected = get_accountant("pld").epsilon(SampledGaussian(100 / 6000, 0.4, 60), 1e-5)
-    assert summary["epsilon"] == expected
-    run_dir = tmp_path / "run"
-    saved = json.loads((run_dir / "summary.json").read_text())
-    for key in ("test_accuracy", "epsilon", "delta", "accountant", "steps", "noise_multiplier", "sampling_rate",
-                "clip_norm", "batch_size", "epochs", "workers", "wall_seconds", "samples_per_second"):
-        assert key in saved
-    assert saved["epsilon"] == expected and saved["workers"] == 2
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["epoch"] for row in rows] == [0, 1]
-    # A step's time tracks its realised batch size: timings are the run's, in the summary, never a row's.
-    assert all(not {*BREAKDOWN, "wall_seconds"} & set(row) for row in rows)
-    driver, worker, wait = (saved[key] for key in BREAKDOWN)
-    assert 0 < worker <= wait + 0.005 and driver > 0
-    assert 60 * (driver + wait) <= saved["wall_seconds"]
-    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
 class WeightRecordingTrainer(Trainer):
     """A trainer that keeps the training weights after each step."""
 
@@ -148,7 +121,8 @@ class WeightRecordingTrainer(Trainer):
         self.trained = getattr(self, "trained", []) + [self.flat_weights.clone()]
 
 
-def test_parameter_averaging_is_what_is_evaluated_and_saved_while_training_steps_the_weights(local_ray, tmp_path):
+def test_parameter_averaging_is_what_is_evaluated_and_saved_while_training_steps_the_weights(local_ray, worker_pool,
+                                                                                             tmp_path):
     config = small_config(tmp_path, steps=4, ema_decay=0.2, test_subset=300, workers=1)
     trainer = WeightRecordingTrainer(config, show_progress=False)
     average = trainer.flat_weights.clone()
@@ -185,8 +159,8 @@ class SampleRecordingTrainer(Trainer):
 
 
 @pytest.mark.parametrize("microbatch_size", [None, 6])
-def test_each_step_sends_the_next_steps_sample_each_drawn_from_the_run_key_and_the_step(local_ray, tmp_path,
-                                                                                        microbatch_size):
+def test_each_step_sends_the_next_steps_sample_each_drawn_from_the_run_key_and_the_step(local_ray, worker_pool,
+                                                                                        tmp_path, microbatch_size):
     config = small_config(tmp_path, steps=4, microbatch_size=microbatch_size)
     trainer = SampleRecordingTrainer(config, show_progress=False)
     trainer.run()
@@ -209,7 +183,7 @@ def test_each_step_sends_the_next_steps_sample_each_drawn_from_the_run_key_and_t
             assert next_shards is None
 
 
-def test_microbatched_training_runs_on_workers_and_accounts_factor_2(local_ray, tmp_path):
+def test_microbatched_training_runs_on_workers_and_accounts_factor_2(local_ray, worker_pool, tmp_path):
     config = small_config(tmp_path, steps=3, microbatch_size=6)
     summary = Trainer(config, show_progress=False).run()
     expected = get_accountant("pld").epsilon(SampledGaussian(60 / 600, 1.1, 3, sensitivity_factor=2.0), 1e-5)
@@ -217,7 +191,7 @@ def test_microbatched_training_runs_on_workers_and_accounts_factor_2(local_ray, 
     assert all(event["sensitivity_factor"] == 2.0 for event in summary["events"]["events"])
 
 
-def test_adaptive_clipping_moves_the_clip_norm_and_accounts_the_pair(local_ray, tmp_path):
+def test_adaptive_clipping_moves_the_clip_norm_and_accounts_the_pair(local_ray, worker_pool, tmp_path):
     config = small_config(tmp_path, steps=6, clip_norm=50.0,
                           adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 3.0})
     summary = Trainer(config, show_progress=False).run()
@@ -227,7 +201,8 @@ def test_adaptive_clipping_moves_the_clip_norm_and_accounts_the_pair(local_ray, 
     assert summary["epsilon"] == get_accountant("pld").epsilon(SampledGaussian(60 / 600, sigma, 6), 1e-5)
 
 
-def test_adaptive_clipping_with_microbatches_counts_microbatches_and_accounts_factor_2(local_ray, tmp_path):
+def test_adaptive_clipping_with_microbatches_counts_microbatches_and_accounts_factor_2(local_ray, worker_pool,
+                                                                                      tmp_path):
     # A tiny learning rate keeps the model (and so every microbatch's norm) near its start despite noise 1.1 * 50.
     config = small_config(tmp_path, steps=4, clip_norm=50.0, microbatch_size=6, learning_rate=1e-4,
                           adaptive_clipping={"target_quantile": 0.5, "count_noise_multiplier": 1.0})
@@ -238,19 +213,47 @@ def test_adaptive_clipping_with_microbatches_counts_microbatches_and_accounts_fa
     assert summary["epsilon"] == get_accountant("pld").epsilon(expected, 1e-5)
 
 
-def test_per_layer_clipping_runs_on_workers_with_noise_at_the_total_norm(local_ray, tmp_path):
+def test_per_layer_clipping_runs_on_workers_with_noise_at_the_total_norm(local_ray, worker_pool, tmp_path):
     config = small_config(tmp_path, steps=4, layer_clip_norms={"0": 0.5, "3": 0.5, "7": 0.5, "9": 0.5})
     trainer = NoiseRecordingTrainer(config, show_progress=False)
     trainer.run()
     assert np.concatenate(trainer.added).std() == pytest.approx(1.1 * 1.0, rel=0.03)
 
 
-def test_target_epsilon_sets_sigma_that_meets_it(local_ray, tmp_path):
+def test_target_epsilon_sets_sigma_that_meets_it(local_ray, worker_pool, tmp_path):
     config = small_config(tmp_path, noise_multiplier=None, target_epsilon=2.0, steps=3)
     summary = Trainer(config, show_progress=False).run()
     assert summary["epsilon"] <= 2.0
     planned = get_accountant("pld").epsilon(SampledGaussian(60 / 600, summary["noise_multiplier"], 3), 1e-5)
     assert planned == summary["epsilon"]
+
+
+# After the runs above, which share their workers: this run's workers hold 6,000 examples.
+def test_one_epoch_on_6k_examples_learns_and_reports_its_epsilon(local_ray, worker_pool, tmp_path):
+    config = small_config(
+        tmp_path, steps=None, epochs=1, batch_size=100, train_subset=6000, test_subset=None,
+        noise_multiplier=0.4, clip_norm=1.0, learning_rate=3.0, max_physical_batch=128,
+    )
+    summary = Trainer(config, show_progress=False).run()
+    assert summary["test_accuracy"] >= 0.85
+    # 88% to 91% over four seeds in an in-process sweep of these settings.
+    assert summary["steps"] == 60
+    expected = get_accountant("pld").epsilon(SampledGaussian(100 / 6000, 0.4, 60), 1e-5)
+    assert summary["epsilon"] == expected
+    run_dir = tmp_path / "run"
+    saved = json.loads((run_dir / "summary.json").read_text())
+    for key in ("test_accuracy", "epsilon", "delta", "accountant", "steps", "noise_multiplier", "sampling_rate",
+                "clip_norm", "batch_size", "epochs", "workers", "wall_seconds", "samples_per_second"):
+        assert key in saved
+    assert saved["epsilon"] == expected and saved["workers"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == [0, 1]
+    # A step's time tracks its realised batch size: timings are the run's, in the summary, never a row's.
+    assert all(not {*BREAKDOWN, "wall_seconds"} & set(row) for row in rows)
+    driver, worker, wait = (saved[key] for key in BREAKDOWN)
+    assert 0 < worker <= wait + 0.005 and driver > 0
+    assert 60 * (driver + wait) <= saved["wall_seconds"]
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def write_config(tmp_path, text):
@@ -304,7 +307,8 @@ def test_missing_and_broken_config_files_exit_2(tmp_path, capsys):
     assert "workers must be an integer >= 1" in capsys.readouterr().err
 
 
-def test_tune_runs_each_trial_as_a_charged_job_and_prices_the_choice_at_all_of_them(local_ray, tmp_path, capsys):
+def test_tune_runs_each_trial_as_a_charged_job_and_prices_the_choice_at_all_of_them(local_ray, worker_pool, tmp_path,
+                                                                                    capsys):
     base, grid = tmp_path / "base.toml", tmp_path / "grid.toml"
     base.write_text(TINY_JOB.replace("workers = 2", "workers = 1") + "steps = 3\nseed = 2\n")
     grid.write_text("learning_rate = [0.05, 0.5]\n")

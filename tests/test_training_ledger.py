@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import signal
 import subprocess
 import threading
@@ -32,7 +33,7 @@ def write_config(tmp_path, extra, name="job.toml"):
     return str(path)
 
 
-def test_embedded_ledger_charges_exactly_what_dpfleet_eps_reports(local_ray, tmp_path, capsys):
+def test_embedded_ledger_charges_exactly_what_dpfleet_eps_reports(local_ray, worker_pool, tmp_path, capsys):
     config = write_config(tmp_path, f'steps = 25\nrun_dir = "{tmp_path / "run"}"\nseed = 1\n')
     assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -56,7 +57,7 @@ def test_a_job_that_does_not_fit_is_refused_before_it_trains(tmp_path, capsys):
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(local_ray, tmp_path, capsys):
+def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(local_ray, worker_pool, tmp_path, capsys):
     for name in ("first", "second"):
         config = write_config(tmp_path, f'steps = 20\nrun_dir = "{tmp_path / name}"\n', f"{name}.toml")
         assert main(["train", "--config", config, "--no-progress"]) == 0
@@ -85,14 +86,16 @@ def ledger_server(tmp_path):
     server["process"].wait(timeout=30)
 
 
-def start_training(tmp_path, extra, *flags, log=None):
+def start_training(tmp_path, ray_address, extra, *flags, log=None):
     """`dpfleet train` in a process of its own; its output goes to a pipe, or to the open file `log`.
 
-    A pipe nobody reads fills up and stalls the run: tests that do not read the output pass a log file.
+    It joins the Ray at `ray_address` (the module's) rather than start one. A pipe nobody reads fills up and stalls
+    the run: tests that do not read the output pass a log file.
     """
     return subprocess.Popen(
         [*DPFLEET, "train", "--config", write_config(tmp_path, extra), "--no-progress", *flags],
         cwd=REPOSITORY, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "RAY_ADDRESS": ray_address},
     )
 
 
@@ -109,10 +112,10 @@ def wait_for_line(process, fragment, timeout=180):
     pytest.fail(f"never saw {fragment!r}; output: {''.join(seen)[-3000:]}")
 
 
-def test_a_ledger_outage_pauses_training_which_then_completes(tmp_path, ledger_server):
+def test_a_ledger_outage_pauses_training_which_then_completes(local_ray, tmp_path, ledger_server):
     run_dir = tmp_path / "outage"
     training = start_training(
-        tmp_path, f'steps = 100\ncommit_every = 5\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
+        tmp_path, local_ray, f'steps = 100\ncommit_every = 5\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
         f'ledger = "{ledger_server["address"]}"\nledger_timeout = 120\n', "--token", ledger_server["token"],
     )
     # 20 steps an epoch: after epoch 1, 80 steps and 16 charges remain to fall into the outage.
@@ -131,13 +134,13 @@ def test_a_ledger_outage_pauses_training_which_then_completes(tmp_path, ledger_s
         assert acme.get_budget("digits").spent_epsilon == pytest.approx(tiny_job_epsilon(100), rel=1e-9)
 
 
-def test_kill_9_of_the_driver_then_resume_charges_every_step_once(tmp_path, ledger_server):
+def test_kill_9_of_the_driver_then_resume_charges_every_step_once(local_ray, tmp_path, ledger_server):
     run_dir = tmp_path / "crash"
     extra = (f'steps = 80\ncommit_every = 10\ncheckpoint_every = 10\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
              f'ledger = "{ledger_server["address"]}"\nseed = 3\n')
     log_path = tmp_path / "crash.log"
     with open(log_path, "w") as log:
-        training = start_training(tmp_path, extra, "--token", ledger_server["token"], log=log)
+        training = start_training(tmp_path, local_ray, extra, "--token", ledger_server["token"], log=log)
         deadline = time.monotonic() + 300
         while not any(checkpoint_step(path) >= 30 for path in checkpoint_files(run_dir)):
             assert training.poll() is None and time.monotonic() < deadline, (
@@ -152,7 +155,7 @@ def test_kill_9_of_the_driver_then_resume_charges_every_step_once(tmp_path, ledg
     assert last_checkpoint_step <= job.committed_steps, (job, checkpoint_files(run_dir), log_path.read_text()[-3000:])
     resumed = subprocess.run(
         [*DPFLEET, "train", "--resume", str(run_dir), "--no-progress", "--json", "--token", ledger_server["token"]],
-        cwd=REPOSITORY, capture_output=True, text=True, timeout=600,
+        cwd=REPOSITORY, capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": local_ray},
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
@@ -212,7 +215,7 @@ class CommitTimes:
         self.charges.append((sequence, time.monotonic()))
 
 
-def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, tmp_path):
+def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, worker_pool, tmp_path):
     # Charged when the steps reach each block, the gaps between commits are the steps' times: rho 0.84 here.
     config = build_config({"dataset": "mnist", "model": "gdp_cnn", "workers": 1, "batch_size": 30,
                            "train_subset": 600, "test_subset": 100, "steps": 30, "noise_multiplier": 1.0,
@@ -230,7 +233,8 @@ def test_commit_times_do_not_follow_the_realised_batch_sizes(local_ray, tmp_path
     assert abs(spearmanr(gaps, sizes).statistic) < 0.6, (gaps, sizes)
 
 
-def test_train_with_non_private_mia_reports_the_membership_attack_labelled_not_private(local_ray, tmp_path, capsys):
+def test_train_with_non_private_mia_reports_the_membership_attack_labelled_not_private(local_ray, worker_pool, tmp_path,
+                                                                                     capsys):
     config = write_config(tmp_path, f'steps = 10\nrun_dir = "{tmp_path / "mia"}"\ndelta = 0.01\n')
     assert main(["train", "--config", config, "--no-progress", "--non-private-mia", "--json"]) == 0
     out, err = capsys.readouterr()
@@ -253,7 +257,7 @@ def test_the_old_names_of_non_private_outputs_are_refused_with_the_name_that_say
     assert not (tmp_path / "old").exists()
 
 
-def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(local_ray, tmp_path, monkeypatch):
+def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(local_ray, worker_pool, tmp_path, monkeypatch):
     step = SampledGaussian(30 / 600, 1.0, 1)  # TINY_JOB's step
     rule = AdmissionRule.for_budget(10.0, 1e-5)
     # The longest holder that leaves no room for 20 steps of the job, found by bisection over its steps.
