@@ -15,7 +15,6 @@ from ray.cluster_utils import Cluster
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
-from orchestrator.config import user_spec
 from orchestrator.trainer import ray_start_timed_out
 
 REPOSITORY = Path(__file__).resolve().parents[1]
@@ -144,37 +143,3 @@ def stop_loopback_cluster(cluster: Cluster) -> None:
     ray.shutdown()
     cluster.shutdown()
 
-
-class PooledWorkers:
-    """A Trainer mixin that hands each run the gradient workers of the runs before it (actor start-up is slow).
-
-    The workers are the real GradientWorkerActor with the run's arguments;
-    their calls are pure functions of (weights, indices, clip norm). A run
-    whose workers would start with other arguments (`worker_arguments`: its
-    model, data, engine or users) ends the pool's workers first, freeing
-    their CPUs. A class that mixes it in holds its own `pool` and
-    `pool_arguments`; a module fixture clears the pool after the module.
-    """
-
-    pool: list
-    pool_arguments: list
-
-    def worker_arguments(self) -> tuple:
-        """What a gradient worker of this run starts with (orchestrator.fleet.gradient_worker's arguments)."""
-        config = self.config
-        return (config.model, config.dataset, config.train_subset, config.max_physical_batch, config.cpus_per_worker,
-                config.data_root, config.engine, config.loss, config.train_transforms,
-                config.augmentations_per_example, repr(user_spec(config)))
-
-    def _new_worker(self):
-        arguments = self.worker_arguments()
-        if arguments != self.pool_arguments[0]:
-            for worker in self.pool:
-                ray.kill(worker)
-            self.pool.clear()
-            self.pool_arguments[0] = arguments
-        handed = getattr(self, "_handed", 0)
-        self._handed = handed + 1
-        if handed >= len(self.pool):
-            self.pool.append(super()._new_worker())
-        return self.pool[handed]

@@ -43,7 +43,6 @@ from orchestrator.config import build_config
 from orchestrator.membership import loss_attack_figures, membership_report
 import orchestrator.noise as noise_module
 from orchestrator.noise import CorrelatedNoise, GaussianNoise
-from servers import PooledWorkers
 from workers.keys import SecretKey
 
 DELTA = 1e-5
@@ -336,18 +335,10 @@ def test_membership_report_uses_each_examples_loss():
 # --- audits of real runs -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pooled_workers(local_ray):
-    """The module's shared Ray; its pooled gradient workers are let go after the module."""
-    yield
-    PooledCanaryTrainer.pool.clear()
-
-
-class PooledCanaryTrainer(PooledWorkers, CanaryTrainer):
-    """The audit's trainer, reusing the module's gradient workers from run to run (`PooledWorkers`)."""
-
-    pool: list = []
-    pool_arguments: list = [None]
+@pytest.fixture
+def pooled_workers(local_ray, worker_pool):
+    """The module's shared Ray, whose runs take their gradient workers from the pool (`worker_pool`)."""
+    return worker_pool
 
 
 class ScaledDownNoise(GaussianNoise):
@@ -369,7 +360,7 @@ class PerWorkerDraws(GaussianNoise):
         return sum(draws) / self.fleet
 
 
-class NoisePerWorkerTrainer(PooledCanaryTrainer):
+class NoisePerWorkerTrainer(CanaryTrainer):
     """The bug: each of a fleet of 16 workers draws N(0, (sigma C)^2) and the driver divides the sum by 16.
 
     The released noise then has std sigma C / 4. The fleet size is simulated
@@ -397,7 +388,7 @@ def audit_config(tmp_path, epsilon, seed=3, **overrides):
 
 @pytest.mark.parametrize("epsilon", [1, 4, 8])
 def test_white_box_audit_of_correct_noise_stays_below_the_accountant(pooled_workers, tmp_path, epsilon):
-    result = run_audit(audit_config(tmp_path, epsilon), trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    result = run_audit(audit_config(tmp_path, epsilon), trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     assert result["epsilon_upper"] == pytest.approx(epsilon, rel=0.01)
     assert result["epsilon_lower"] <= result["epsilon_upper"]
     assert result["verdict"].startswith("consistent")
@@ -411,7 +402,7 @@ def test_white_box_audit_of_correct_noise_stays_below_the_accountant(pooled_work
 
 
 def test_white_box_audit_catches_noise_scaled_down_4x(pooled_workers, tmp_path):
-    result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(SecretKey.from_seed(3)), trainer_class=PooledCanaryTrainer,
+    result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(SecretKey.from_seed(3)), trainer_class=CanaryTrainer,
                        out=open("/dev/null", "w"))
     # Seed 3 gives about 2.1 against 1.0.
     assert result["epsilon_lower"] > result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)
@@ -426,7 +417,7 @@ def test_white_box_audit_catches_noise_drawn_per_worker(pooled_workers, tmp_path
 
 def test_black_box_audit_scores_mislabelled_canaries_by_loss(pooled_workers, tmp_path):
     result = run_audit(audit_config(tmp_path, 8), canaries=200, mode="black-box",
-                       trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+                       trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     assert result["mode"] == "black-box" and result["canaries"] == 200
     assert result["epsilon_lower"] <= result["epsilon_upper"]
     # Included mislabelled canaries end with lower losses: seed 3 gives a canary AUC of 0.59.
@@ -437,7 +428,7 @@ def test_black_box_audit_scores_mislabelled_canaries_by_loss(pooled_workers, tmp
 def test_canary_users_sampled_as_users_stay_below_the_user_level_epsilon(pooled_workers, tmp_path):
     # 40 synthetic users, 20 expected a step: q = 0.5 over users, 30 steps, sigma for user-level epsilon 8.
     config = audit_config(tmp_path, 8, privacy_unit="user", synthetic_users=40, batch_size=20)
-    result = run_audit(config, rows_per_canary=50, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    result = run_audit(config, rows_per_canary=50, trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     assert result["privacy_unit"] == "user" and result["rows_per_canary"] == 50
     assert result["epsilon_upper"] == pytest.approx(8, rel=0.01)
     assert result["epsilon_lower"] <= result["epsilon_upper"]
@@ -449,7 +440,7 @@ def test_canary_users_sampled_as_users_stay_below_the_user_level_epsilon(pooled_
 def test_canary_users_sampled_row_by_row_leak_more_than_the_example_level_epsilon(pooled_workers, tmp_path):
     # Example-level epsilon 1; each of 1000 canary users owns 20 rows, sampled and clipped one by one.
     result = run_audit(audit_config(tmp_path, 1), canaries=1000, rows_per_canary=20,
-                       trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+                       trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     assert result["privacy_unit"] == "example" and result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)
     # Seed 3 gives 4.21, every one of the 400 guesses right: the most 400 guesses certify here.
     assert result["epsilon_lower"] > 3 * result["epsilon_upper"]
@@ -469,7 +460,7 @@ def test_audit_command_prints_the_verdict_and_json(pooled_workers, tmp_path, mon
     )
 
     def pooled_audit(*args, **kwargs):
-        return run_audit(*args, trainer_class=PooledCanaryTrainer, **kwargs)
+        return run_audit(*args, trainer_class=CanaryTrainer, **kwargs)
 
     monkeypatch.setattr(audit_cli, "run_audit", pooled_audit)
     argv = ["audit", "--config", str(config), "--canaries", "300", "--run-dir", str(tmp_path / "run"),
@@ -505,7 +496,7 @@ def test_audit_command_refuses_bad_flags(tmp_path, capsys, flags, message):
 
 def test_white_box_audit_of_band_mf_noise_stays_below_the_accountant(pooled_workers, tmp_path):
     config = audit_config(tmp_path, 8, mechanism="band-mf", sampler="cyclic-poisson", band_width=2)
-    result = run_audit(config, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    result = run_audit(config, trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     assert result["epsilon_upper"] > 0
     assert result["epsilon_lower"] <= result["epsilon_upper"]
     assert result["verdict"].startswith("consistent")
@@ -529,7 +520,7 @@ def test_white_box_audit_of_fixed_order_band_mf_catches_a_wrong_strategy_inverse
                           noise_multiplier=3.73)
     if broken:
         monkeypatch.setattr(noise_module, "CorrelatedNoise", InverseOfAnUnnormalisedStrategy)
-    result = run_audit(config, trainer_class=PooledCanaryTrainer, out=open("/dev/null", "w"))
+    result = run_audit(config, trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     # Seed 3 gives 0.30 (correct) and 1.73 (broken) against 1.00; scored over every step as under Poisson
     # sampling, the broken run's lower bound would be about 0.07 (its canaries' one step drowns in the others).
     assert result["epsilon_upper"] == pytest.approx(1.0, abs=0.01)

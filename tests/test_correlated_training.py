@@ -14,7 +14,6 @@ from orchestrator.noise import GRADIENT_NOISE, TREE_NOISE, CentralNoise, Gaussia
 from orchestrator.planning import plan_run
 from orchestrator.sampling import correlated_step_sample, shuffled_order
 from orchestrator.trainer import Trainer
-from servers import PooledWorkers
 from workers.keys import ORDER, SecretKey
 from workers.sampling import SiloFixedOrder, silo_fixed_order_batch
 from workers.shard_spec import ShardSpec
@@ -150,18 +149,10 @@ def test_dp_ftrl_noise_adds_up_to_each_prefixs_tree_nodes(restart, complete):
         assert np.allclose(sum(released[tree * leaves:step + 1]), expected, atol=1e-12)
 
 
-class PooledTrainer(PooledWorkers, Trainer):
-    """The trainer, reusing the module's gradient workers from run to run."""
-
-    pool: list = []
-    pool_arguments: list = [None]
-
-
-@pytest.fixture(scope="module")
-def pooled_workers(local_ray):
-    """The module's shared Ray; its pooled gradient workers are let go after the module."""
-    yield
-    PooledTrainer.pool.clear()
+@pytest.fixture
+def pooled_workers(local_ray, worker_pool):
+    """The module's shared Ray, whose runs take their gradient workers from the pool (`worker_pool`)."""
+    return worker_pool
 
 
 @pytest.mark.parametrize("mechanism,sampler,band_width", [
@@ -172,7 +163,7 @@ def test_correlated_mechanisms_train_on_local_ray_and_account_their_participatio
     # ε of these events is tested in test_matrix_mechanisms).
     config = config_of(tmp_path, mechanism=mechanism, sampler=sampler, band_width=band_width, steps=12,
                        commit_every=3, accountant="rdp", workers=1)
-    trainer = PooledTrainer(config, show_progress=False)
+    trainer = Trainer(config, show_progress=False)
     summary = trainer.run()
     events = trainer.record.events
     assert all(isinstance(event, CorrelatedGaussian) and event.mechanism == mechanism for event in events.events)
