@@ -190,7 +190,10 @@ def composed_pld(
     `onto` (a PLD of other events on the same grid) when given.
 
     What dp-accounting's PLDAccountant composes for these events, from
-    cached one-step distributions. Pessimistic distributions compose
+    cached one-step distributions; a record of one step is composed as it is
+    (dp-accounting self-composes it once, a convolution that adds only its
+    rounding and 1e-15 of truncated tail, and half the cost of a ledger's
+    commit of a new mechanism). Pessimistic distributions compose
     pessimistically (truncated tails go to the infinite loss), so a
     distribution built by composing onto an earlier one is an upper bound
     too, and equals the one built at once up to that truncation.
@@ -201,7 +204,7 @@ def composed_pld(
     )
     for event in as_composition(events).events:
         step = _one_step_pld(event.sampling_rate, event.effective_noise_multiplier, value_interval)
-        total = total.compose(step.self_compose(event.steps))
+        total = total.compose(step.self_compose(event.steps) if event.steps > 1 else step)
     return total
 
 
