@@ -11,11 +11,15 @@ history in place:
   (median of 5; the dataset's composed PLD extended by that commit);
 - `status_new_mechanism_seconds`: the same after the first commit of a σ never
   seen before (its one-step PLD is built: dp-accounting's Python loop);
-- `status_first_seconds`: the first status of the point, which composes the
-  whole history (as a ledger with no kept state would);
+- `reserve_new_mechanism_seconds`: a reserve of a σ never seen before (its RDP
+  curve is computed);
+- `status_first_seconds`: the first status of the point, just after its history
+  was committed: it waits for the composition the commits started in the
+  background (store.composed) and composes what that has not reached;
 - `status_after_restart_seconds`: a status of a ledger reopened in a process
-  that forgot every figure and distribution (the composed state is read back
-  from the file; the steps committed since it was kept are composed onto it);
+  that forgot every figure and distribution (the composed state the closing
+  ledger kept is read back from the file; steps committed since it was
+  composed, if any, are composed onto it);
 - `history_seconds`: the dataset's last 50 history entries (median of 20);
 - `verify_first_seconds`: the first `verify` of the history, which replays every
   entry and keeps its state; `verify_seconds`: `verify` after 1,000 more
@@ -136,6 +140,11 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
             status_seconds.append(timed(lambda: ledger.get_budget(DATASET)))
         jobs.run(1, mechanism_index=mechanisms + commits)  # a σ of no earlier job, of this point or another
         status_new_mechanism = timed(lambda: ledger.get_budget(DATASET))
+        reservations = []
+        reserve_new_mechanism = timed(lambda: reservations.append(ledger.reserve(
+            DATASET, f"job-{jobs.started}", mechanism(mechanisms + commits + 1).with_steps(1))))
+        jobs.started += 1
+        ledger.release(reservations[0].reservation_id)
         history_seconds = [timed(lambda: ledger.history(DATASET, 50)) for _ in range(20)]
         verifications = []
 
@@ -168,6 +177,7 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         "status_seconds": statistics.median(status_seconds),
         "status_seconds_max": max(status_seconds),
         "status_new_mechanism_seconds": status_new_mechanism,
+        "reserve_new_mechanism_seconds": reserve_new_mechanism,
         "status_first_seconds": status_first,
         "status_after_restart_seconds": status_after_restart,
         "history_seconds": statistics.median(history_seconds),
