@@ -33,7 +33,8 @@ history in place:
 Goals (on 2 cores): at 100k commits and 1,000 mechanisms commit
 ≤ 5 ms, status with PLD ≤ 0.5 s, history ≤ 5 ms; incremental verify of
 1,000 new commits ≤ 2 s. `--json` writes bench/results/ledger-growth.json (or `--output`).
-`--chain-entries N` only times verify's chain check over N entries built in memory.
+`--chain-entries N` only times verify's chain check over N entries built in memory; `--curves N` only
+times N new mechanisms' RDP curves and one-step PLDs in CPU seconds, each beside dp-accounting's own.
 """
 
 from __future__ import annotations
@@ -209,6 +210,33 @@ def measure_chain(entries: int) -> dict:
     return {"chain_entries": entries, "chain_seconds": seconds, "chain_cpu_seconds": time.process_time() - cpu_started}
 
 
+def measure_curves(count: int) -> dict:
+    """CPU seconds of `count` new mechanisms' RDP curves and one-step PLDs (the bench's σ), each beside dp-accounting's
+    own computation of the same, in one process."""
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from accounting.accountants import RDP_ORDERS, _one_step_pld, sampled_gaussian_rdp
+
+    seconds = {"curve": 0.0, "curve_dp_accounting": 0.0, "one_step_pld": 0.0, "one_step_pld_dp_accounting": 0.0}
+    for index in range(count):
+        sigma = mechanism(10**6 + index).noise_multiplier  # a σ of no earlier point: nothing cached
+        for name, compute in (
+            ("curve", lambda: sampled_gaussian_rdp(SAMPLING_RATE, sigma)),
+            ("curve_dp_accounting", lambda: dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS).compose(
+                dp_accounting.PoissonSampledDpEvent(SAMPLING_RATE, dp_accounting.GaussianDpEvent(sigma)))),
+            ("one_step_pld", lambda: _one_step_pld(SAMPLING_RATE, sigma, 1e-4)),
+            ("one_step_pld_dp_accounting", lambda: privacy_loss_distribution.from_gaussian_mechanism(
+                standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=SAMPLING_RATE)),
+        ):
+            started = time.process_time()
+            compute()
+            seconds[name] += time.process_time() - started
+    return {"mechanisms": count, **{f"{name}_cpu_seconds": total / count for name, total in seconds.items()},
+            "curve_ratio": seconds["curve_dp_accounting"] / seconds["curve"],
+            "one_step_pld_ratio": seconds["one_step_pld_dp_accounting"] / seconds["one_step_pld"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ledger_growth", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -220,11 +248,18 @@ def main(argv: list[str] | None = None) -> int:
         "--chain-entries", type=int, metavar="N",
         help="only time verify's chain check over N history entries built in memory (printed, not written)",
     )
+    parser.add_argument(
+        "--curves", type=int, metavar="N",
+        help="only time N new mechanisms' RDP curves and one-step PLDs beside dp-accounting's (printed, not written)",
+    )
     parser.add_argument("--json", action="store_true", help="also write the results as JSON (see --output)")
     parser.add_argument(
         "--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)"
     )
     args = parser.parse_args(argv)
+    if args.curves is not None:
+        print(json.dumps({**measure_curves(args.curves), "load_average": os.getloadavg()}))
+        return 0
     if args.chain_entries is not None:
         print(json.dumps({**measure_chain(args.chain_entries), "load_average": os.getloadavg()}))
         return 0
