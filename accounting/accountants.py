@@ -91,7 +91,7 @@ def _check_epsilon(epsilon: float) -> float:
 _PLD_VALUE_INTERVAL = 1e-4
 
 
-# A one-step distribution is about 0.5 MB and 5-30 ms to build (`_one_step_pld`). A ledger composes each dataset's
+# A one-step distribution is about 0.5 MB and 5-30 ms to build (`one_step_pld`). A ledger composes each dataset's
 # distribution incrementally (accounting.ledger.composed), so it needs a mechanism's only while the jobs that use it
 # commit: this many distinct mechanisms in flight at once (about 150 MB at most); one evicted is rebuilt in
 # milliseconds, so thousands of mechanisms need no more room than this.
@@ -157,7 +157,7 @@ def _gaussian_pld_pmf(
 
 
 @functools.lru_cache(maxsize=ONE_STEP_PLD_CACHE_SIZE)
-def _one_step_pld(
+def one_step_pld(
     sampling_rate: float, noise_multiplier: float, value_interval: float
 ) -> privacy_loss_distribution.PrivacyLossDistribution:
     """What privacy_loss_distribution.from_gaussian_mechanism(noise_multiplier, value_discretization_interval=
@@ -172,7 +172,7 @@ def _one_step_pld(
 
 def forget_plds() -> None:
     """Forget every cached one-step and composed PLD, as a new process starts without them."""
-    _one_step_pld.cache_clear()
+    one_step_pld.cache_clear()
     _pld_of.cache_clear()
 
 
@@ -203,7 +203,7 @@ def composed_pld(
         value_discretization_interval=value_interval
     )
     for event in as_composition(events).events:
-        step = _one_step_pld(event.sampling_rate, event.effective_noise_multiplier, value_interval)
+        step = one_step_pld(event.sampling_rate, event.effective_noise_multiplier, value_interval)
         total = total.compose(step.self_compose(event.steps) if event.steps > 1 else step)
     return total
 

@@ -216,7 +216,7 @@ def measure_curves(count: int) -> dict:
     import dp_accounting
     from dp_accounting.pld import privacy_loss_distribution
 
-    from accounting.accountants import RDP_ORDERS, _one_step_pld, sampled_gaussian_rdp
+    from accounting.accountants import RDP_ORDERS, one_step_pld, sampled_gaussian_rdp
 
     seconds = {"curve": 0.0, "curve_dp_accounting": 0.0, "one_step_pld": 0.0, "one_step_pld_dp_accounting": 0.0}
     for index in range(count):
@@ -225,7 +225,7 @@ def measure_curves(count: int) -> dict:
             ("curve", lambda: sampled_gaussian_rdp(SAMPLING_RATE, sigma)),
             ("curve_dp_accounting", lambda: dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS).compose(
                 dp_accounting.PoissonSampledDpEvent(SAMPLING_RATE, dp_accounting.GaussianDpEvent(sigma)))),
-            ("one_step_pld", lambda: _one_step_pld(SAMPLING_RATE, sigma, 1e-4)),
+            ("one_step_pld", lambda: one_step_pld(SAMPLING_RATE, sigma, 1e-4)),
             ("one_step_pld_dp_accounting", lambda: privacy_loss_distribution.from_gaussian_mechanism(
                 standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=SAMPLING_RATE)),
         ):

@@ -18,10 +18,10 @@ from accounting.accountants import (
     epsilon_from_rdp,
     get_accountant,
     labelled_epsilon,
+    one_step_pld,
     rdp_vector,
     sampled_gaussian_rdp,
 )
-from accounting.accountants import _one_step_pld
 from accounting.calibration import max_steps_for, noise_multiplier_for
 from accounting.events import Composition, EventError, SampledGaussian, steps_for_epochs
 
@@ -80,7 +80,7 @@ def test_pld_equals_dp_accountings_own_accountant():
 def test_the_vectorised_one_step_pld_is_dp_accountings(rate, sigma):
     # Built with the hockey-stick deltas over the whole grid at once (dp-accounting takes them one by one): the same
     # distribution, to the last bit.
-    ours = _one_step_pld(rate, sigma, 1e-4)
+    ours = one_step_pld(rate, sigma, 1e-4)
     reference = dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism(
         standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=rate
     )
