@@ -3,8 +3,8 @@
 from accounting.lazy import public_face
 
 __getattr__, __dir__, __all__ = public_face(__name__, {
-    "accountants": ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "PLD_FALLBACK_LABEL", "SKELLAM_LABEL", "get_accountant",
-                    "label", "labelled_epsilon"],
+    "accountants": ["ACCOUNTANTS", "DEFAULT_ACCOUNTANT", "PLD_FALLBACK_LABEL", "RDP_ORDERS", "SKELLAM_LABEL",
+                    "get_accountant", "label", "labelled_epsilon", "one_step_pld", "sampled_gaussian_rdp"],
     "auditing": ["audit_scores", "dirac_canary_scores", "pattern_canary_scores"],
     "calibration": ["UnreachableTargetError", "noise_multiplier_for", "scale_for_epsilon", "scale_for_target"],
     "events": ["Composition", "CorrelatedGaussian", "NOISE_PLACEMENTS", "SampledGaussian", "SampledSkellam",

@@ -11,11 +11,15 @@ history in place:
   (median of 5; the dataset's composed PLD extended by that commit);
 - `status_new_mechanism_seconds`: the same after the first commit of a σ never
   seen before (its one-step PLD is built: dp-accounting's Python loop);
-- `status_first_seconds`: the first status of the point, which composes the
-  whole history (as a ledger with no kept state would);
+- `reserve_new_mechanism_seconds`: a reserve of a σ never seen before (its RDP
+  curve is computed);
+- `status_first_seconds`: the first status of the point, just after its history
+  was committed: it waits for the composition the commits started in the
+  background (store.composed) and composes what that has not reached;
 - `status_after_restart_seconds`: a status of a ledger reopened in a process
-  that forgot every figure and distribution (the composed state is read back
-  from the file; the steps committed since it was kept are composed onto it);
+  that forgot every figure and distribution (the composed state the closing
+  ledger kept is read back from the file; steps committed since it was
+  composed, if any, are composed onto it);
 - `history_seconds`: the dataset's last 50 history entries (median of 20);
 - `verify_first_seconds`: the first `verify` of the history, which replays every
   entry and keeps its state; `verify_seconds`: `verify` after 1,000 more
@@ -29,7 +33,8 @@ history in place:
 Goals (on 2 cores): at 100k commits and 1,000 mechanisms commit
 ≤ 5 ms, status with PLD ≤ 0.5 s, history ≤ 5 ms; incremental verify of
 1,000 new commits ≤ 2 s. `--json` writes bench/results/ledger-growth.json (or `--output`).
-`--chain-entries N` only times verify's chain check over N entries built in memory.
+`--chain-entries N` only times verify's chain check over N entries built in memory; `--curves N` only
+times N new mechanisms' RDP curves and one-step PLDs in CPU seconds, each beside dp-accounting's own.
 """
 
 from __future__ import annotations
@@ -136,6 +141,11 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
             status_seconds.append(timed(lambda: ledger.get_budget(DATASET)))
         jobs.run(1, mechanism_index=mechanisms + commits)  # a σ of no earlier job, of this point or another
         status_new_mechanism = timed(lambda: ledger.get_budget(DATASET))
+        reservations = []
+        reserve_new_mechanism = timed(lambda: reservations.append(ledger.reserve(
+            DATASET, f"job-{jobs.started}", mechanism(mechanisms + commits + 1).with_steps(1))))
+        jobs.started += 1
+        ledger.release(reservations[0].reservation_id)
         history_seconds = [timed(lambda: ledger.history(DATASET, 50)) for _ in range(20)]
         verifications = []
 
@@ -168,6 +178,7 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         "status_seconds": statistics.median(status_seconds),
         "status_seconds_max": max(status_seconds),
         "status_new_mechanism_seconds": status_new_mechanism,
+        "reserve_new_mechanism_seconds": reserve_new_mechanism,
         "status_first_seconds": status_first,
         "status_after_restart_seconds": status_after_restart,
         "history_seconds": statistics.median(history_seconds),
@@ -199,6 +210,33 @@ def measure_chain(entries: int) -> dict:
     return {"chain_entries": entries, "chain_seconds": seconds, "chain_cpu_seconds": time.process_time() - cpu_started}
 
 
+def measure_curves(count: int) -> dict:
+    """CPU seconds of `count` new mechanisms' RDP curves and one-step PLDs (the bench's σ), each beside dp-accounting's
+    own computation of the same, in one process."""
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from accounting.accountants import RDP_ORDERS, one_step_pld, sampled_gaussian_rdp
+
+    seconds = {"curve": 0.0, "curve_dp_accounting": 0.0, "one_step_pld": 0.0, "one_step_pld_dp_accounting": 0.0}
+    for index in range(count):
+        sigma = mechanism(10**6 + index).noise_multiplier  # a σ of no earlier point: nothing cached
+        for name, compute in (
+            ("curve", lambda: sampled_gaussian_rdp(SAMPLING_RATE, sigma)),
+            ("curve_dp_accounting", lambda: dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS).compose(
+                dp_accounting.PoissonSampledDpEvent(SAMPLING_RATE, dp_accounting.GaussianDpEvent(sigma)))),
+            ("one_step_pld", lambda: one_step_pld(SAMPLING_RATE, sigma, 1e-4)),
+            ("one_step_pld_dp_accounting", lambda: privacy_loss_distribution.from_gaussian_mechanism(
+                standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=SAMPLING_RATE)),
+        ):
+            started = time.process_time()
+            compute()
+            seconds[name] += time.process_time() - started
+    return {"mechanisms": count, **{f"{name}_cpu_seconds": total / count for name, total in seconds.items()},
+            "curve_ratio": seconds["curve_dp_accounting"] / seconds["curve"],
+            "one_step_pld_ratio": seconds["one_step_pld_dp_accounting"] / seconds["one_step_pld"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ledger_growth", description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -210,11 +248,18 @@ def main(argv: list[str] | None = None) -> int:
         "--chain-entries", type=int, metavar="N",
         help="only time verify's chain check over N history entries built in memory (printed, not written)",
     )
+    parser.add_argument(
+        "--curves", type=int, metavar="N",
+        help="only time N new mechanisms' RDP curves and one-step PLDs beside dp-accounting's (printed, not written)",
+    )
     parser.add_argument("--json", action="store_true", help="also write the results as JSON (see --output)")
     parser.add_argument(
         "--output", type=Path, default=RESULTS, help="where --json writes (default bench/results/ledger-growth.json)"
     )
     args = parser.parse_args(argv)
+    if args.curves is not None:
+        print(json.dumps({**measure_curves(args.curves), "load_average": os.getloadavg()}))
+        return 0
     if args.chain_entries is not None:
         print(json.dumps({**measure_chain(args.chain_entries), "load_average": os.getloadavg()}))
         return 0

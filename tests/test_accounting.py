@@ -18,7 +18,9 @@ from accounting.accountants import (
     epsilon_from_rdp,
     get_accountant,
     labelled_epsilon,
+    one_step_pld,
     rdp_vector,
+    sampled_gaussian_rdp,
 )
 from accounting.calibration import max_steps_for, noise_multiplier_for
 from accounting.events import Composition, EventError, SampledGaussian, steps_for_epochs
@@ -72,6 +74,31 @@ def test_pld_equals_dp_accountings_own_accountant():
     reference.compose(events.to_dp_event())
     assert get_accountant("pld").epsilon(events, 1e-5) == reference.get_epsilon(1e-5)
     assert get_accountant("pld").delta(events, 1.0) == reference.get_delta(1.0)
+
+
+@pytest.mark.parametrize("rate, sigma", [(0.004, 0.9), (0.02, 1.4), (0.3, 0.7), (1.0, 1.1)])
+def test_the_vectorised_one_step_pld_is_dp_accountings(rate, sigma):
+    # Built with the hockey-stick deltas over the whole grid at once (dp-accounting takes them one by one): the same
+    # distribution, to the last bit.
+    ours = one_step_pld(rate, sigma, 1e-4)
+    reference = dp_accounting.pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=sigma, value_discretization_interval=1e-4, sampling_prob=rate
+    )
+    pairs = [(ours._pmf_remove, reference._pmf_remove)] + ([] if rate == 1.0 else [(ours._pmf_add, reference._pmf_add)])
+    for mine, theirs in pairs:
+        mine, theirs = mine.to_dense_pmf(), theirs.to_dense_pmf()
+        assert (mine._lower_loss, mine.size, mine._infinity_mass) == (theirs._lower_loss, theirs.size, theirs._infinity_mass)
+        np.testing.assert_array_equal(mine._probs, theirs._probs)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.floats(1e-4, 0.5), st.floats(0.5, 8.0), st.integers(1, 1000))
+def test_the_closed_form_rdp_is_dp_accountings_to_the_last_bit(rate, sigma, steps):
+    # The ledger adds and subtracts these curves in exact units and verify compares them with what was stored.
+    reference = dp_accounting.rdp.RdpAccountant(orders=RDP_ORDERS)
+    reference.compose(SampledGaussian(rate, sigma, steps).to_dp_event())
+    np.testing.assert_array_equal(rdp_vector(SampledGaussian(rate, sigma, steps)), np.array(reference._rdp))
+    assert not sampled_gaussian_rdp(rate, sigma).flags.writeable
 
 
 def test_pld_is_tighter_than_rdp_and_gdp_is_flagged_approximate():

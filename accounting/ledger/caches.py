@@ -1,8 +1,8 @@
 """The ledger's costly accountant figures, each computed once and shared: one step's RDP curve, and the PLD ε
 of a dataset's committed events.
 
-The one part of the budget arithmetic that is not pure. A curve costs 80-400 ms of dp-accounting per mechanism
-and a PLD figure 0.1-1 s, so callers asking for the same one at once share one computation (`shared_cache`);
+The one part of the budget arithmetic that is not pure. A curve costs milliseconds per mechanism (tens under a
+heavy load; accountants.sampled_gaussian_rdp) and a PLD figure up to a second, so callers asking for the same one at once share one computation (`shared_cache`);
 a server may compute curves in processes of its own (`compute_curves_in_processes`), a caller that will not
 wait gets a PLD figure started on a background thread (`spent_pld_epsilon`), and the store computes a missing
 curve outside its write lock (`rdp_curves_cached_only`). The pure arithmetic (accounting.ledger.admission)
@@ -53,7 +53,7 @@ def rdp_curves_cached_only() -> Iterator[None]:
     """Within this block, on this thread, a mechanism whose RDP curve is not cached raises CurveNotCached.
 
     The store wraps the body of its write transactions in it, so that no
-    80-400 ms curve computation ever holds the lock that every other
+    curve computation ever holds the lock that every other
     tenant's commit waits for.
     """
     previous = getattr(_CURVE_MODE, "cached_only", False)
@@ -201,7 +201,7 @@ def compute_curves_in_processes(workers: int) -> None:
     """From now on compute RDP curves in `workers` processes of their own (once per process; later calls keep
     the first pool).
 
-    A curve is 80-400 ms of Python that holds the GIL; computed in a request
+    A curve is milliseconds of Python and numpy that holds the GIL; computed in a request
     thread it slows every other request of the server, however short. In a
     process of its own it costs the server only the wait for its result.
     """
@@ -244,7 +244,7 @@ def _curve_anywhere(*mechanism: float) -> tuple[tuple[int, ...], tuple[bool, ...
     return _computed_step_units(*mechanism)
 
 
-# 80-400 ms of dp-accounting per mechanism; threads asking for the same one at once share the computation.
+# Milliseconds per mechanism; threads asking for the same one at once share the computation.
 _step_curve = shared_cache(maxsize=4096)(_curve_anywhere)
 
 

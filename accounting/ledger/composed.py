@@ -145,6 +145,7 @@ class ComposedStates:
         self._size = size
         self._states: OrderedDict[Hashable, ComposedPld] = OrderedDict()
         self._lock = threading.Lock()
+        self._extending: dict[Hashable, threading.Lock] = {}  # one per budget asked about, as states are
 
     def get(self, lineage: Hashable) -> ComposedPld | None:
         """The state kept for `lineage`, or None."""
@@ -176,9 +177,17 @@ class ComposedStates:
             self._states.clear()
 
     def extended(self, lineage: Hashable, committed: Composition) -> ComposedPld:
-        """`lineage`'s state extended to `committed` (kept for next time)."""
-        state = (self.get(lineage) or ComposedPld.empty()).extended_to(committed)
-        self.keep(lineage, state)
+        """`lineage`'s state extended to `committed` (kept for next time).
+
+        One extension of a lineage at a time: a status asking while the
+        background composition (store.composed) extends it waits, then
+        composes only what was committed since, not the same steps again.
+        """
+        with self._lock:
+            extending = self._extending.setdefault(lineage, threading.Lock())
+        with extending:
+            state = (self.get(lineage) or ComposedPld.empty()).extended_to(committed)
+            self.keep(lineage, state)
         return state
 
 

@@ -18,8 +18,8 @@ from accounting.ledger.errors import RateLimited
 from accounting.ledger.validation import MAX_PLAN_MECHANISMS
 
 # A tenant's costly requests (Ledger._charge_curves): one unit is one RDP curve computed for a mechanism the
-# server has not seen (80-400 ms of CPU), one more for a Fits. A full bucket holds a Fits of MAX_PLAN_MECHANISMS
-# new mechanisms; then 2 a second, about 16% of one core per tenant at 80 ms a curve.
+# server has not seen (milliseconds of CPU, up to some 0.2 s at a small noise multiplier), one more for a Fits. A full
+# bucket holds a Fits of MAX_PLAN_MECHANISMS new mechanisms; then 2 a second, a few percent of one core per tenant.
 CURVE_RATE_PER_SECOND = 2.0
 CURVE_BURST = float(MAX_PLAN_MECHANISMS + 1)
 # Failed authentications per peer address: 20 at once, then one a second.

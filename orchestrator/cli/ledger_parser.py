@@ -110,13 +110,13 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
     serve_parser.add_argument(
         "--curve-processes", default="1",
-        help="processes that compute RDP curves (80-400 ms each) beside the server, so that no request waits for "
-        "another tenant's curve on the GIL; 0 computes them in the request threads (default 1)",
+        help="processes that compute RDP curves (milliseconds to 0.2 s each) beside the server, so that no request "
+        "waits for another tenant's curve on the GIL; 0 computes them in the request threads (default 1)",
     )
     _add_token_bucket_flags(
         serve_parser, ("--curves-per-second", "--curve-burst"), "each tenant's costly requests",
         CURVE_RATE_PER_SECOND, CURVE_BURST,
-        "each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (80-400 ms "
+        "each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (milliseconds to 0.2 s "
         "of CPU each), and one more per fits; refilled at this rate",
         ", a plan of the most distinct mechanisms a plan may have",
     )

@@ -1,23 +1,37 @@
-"""The `composed_pld` table: each budget's composed PLD as last kept, so a restart extends it rather than replay.
+"""The `composed_pld` table: each budget's composed PLD as last kept, so a restart extends it rather than replay;
+and the background composition that extends a dataset's PLD shortly after its commits.
 
 A row is a cache of a report, never read by admission: `ComposedPld`
 carries an HMAC under the history key, and a row that does not match it
 is ignored (the distribution is composed again from the committed events).
-A state is written at most every KEEP_EVERY_SECONDS per budget, so a
-restart composes at most that much of the latest commits again.
+A state is written at most every KEEP_EVERY_SECONDS per budget while the
+ledger is open, and once more when it closes, so a restart composes at most
+that much of the latest commits again.
+
+A commit does not compose: it hands its dataset to `BackgroundComposition`,
+whose thread, SETTLE_SECONDS later, does what a status of the dataset does
+(each budget's distribution extended by the steps committed since, in one
+composition per mechanism that gained steps). A burst of commits costs one
+composition, a commit's own time does not grow with the mechanisms, and a
+status or a restart finds the distribution composed.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 from accounting.ledger.composed import COMPOSED, ComposedPld
 from accounting.ledger.databases import Connection
 from accounting.ledger.store.clock import now
 
 KEEP_EVERY_SECONDS = 10.0
+# How long after a commit its dataset's distribution is composed: the commits of a burst are composed at once.
+SETTLE_SECONDS = 1.0
+
+_LOG = logging.getLogger(__name__)
 
 
 class ComposedDistributions:
@@ -29,6 +43,7 @@ class ComposedDistributions:
         self._key = key
         # Per budget: the events of the state last written, and when (time.monotonic).
         self._written: dict[int, tuple[object, float]] = {}
+        self._asked: set[int] = set()  # the budgets whose states were looked at: those a close keeps
         self._lock = threading.Lock()
 
     def lineage(self, budget_id: int) -> Hashable:
@@ -49,19 +64,25 @@ class ComposedDistributions:
                 with self._lock:
                     self._written.setdefault(budget_id, (state.events, time.monotonic()))
 
-    def due(self, budget_ids: Iterable[int]) -> list[tuple[int, ComposedPld]]:
-        """The budgets whose state in memory is newer than the one kept, last kept over KEEP_EVERY_SECONDS ago."""
+    def due(
+        self, budget_ids: Iterable[int] | None = None, every: float = KEEP_EVERY_SECONDS
+    ) -> list[tuple[int, ComposedPld]]:
+        """The budgets (default every one looked at) whose state in memory is newer than the one kept, last kept
+        over `every` seconds ago."""
         if self._key is None:
             return []
         due = []
         with self._lock:
+            if budget_ids is None:
+                budget_ids = sorted(self._asked)
             for budget_id in budget_ids:
+                self._asked.add(budget_id)
                 state = COMPOSED.get(self.lineage(budget_id))
                 written = self._written.get(budget_id)
                 if state is None or not state.events.events:
                     continue
                 if written is None or (
-                    written[0] != state.events and time.monotonic() - written[1] >= KEEP_EVERY_SECONDS
+                    written[0] != state.events and time.monotonic() - written[1] >= every
                 ):
                     due.append((budget_id, state))
         return due
@@ -75,3 +96,49 @@ class ComposedDistributions:
         )
         with self._lock:
             self._written[budget_id] = (state.events, time.monotonic())
+
+
+class BackgroundComposition:
+    """A thread that, SETTLE_SECONDS after a commit, calls `compose` with the ids of the datasets committed to
+    since its last call (what a status of them does: see the module's doc); started by the first commit."""
+
+    def __init__(self, compose: Callable[[set[int]], None]) -> None:
+        self._compose = compose
+        self._pending: set[int] = set()
+        self._condition = threading.Condition()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def committed(self, dataset_id: int) -> None:
+        """Compose `dataset_id`'s distribution soon (with the others committed to meanwhile)."""
+        with self._condition:
+            if self._closed:
+                return
+            self._pending.add(dataset_id)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dpfleet-composition", daemon=True)
+                self._thread.start()
+            self._condition.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                self._condition.wait_for(lambda: self._pending or self._closed)
+                self._condition.wait_for(lambda: self._closed, timeout=SETTLE_SECONDS)
+                if self._closed:
+                    return
+                pending, self._pending = self._pending, set()
+            try:
+                self._compose(pending)
+            except Exception:  # a cache of a report: the next status composes what this one did not
+                _LOG.warning("composing the PLD of datasets %s in the background failed", sorted(pending),
+                             exc_info=True)
+
+    def close(self) -> None:
+        """Stop: a composition under way finishes first (so its state can be kept), one not begun is dropped."""
+        with self._condition:
+            self._closed = True
+            self._condition.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()

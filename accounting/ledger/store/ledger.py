@@ -24,7 +24,7 @@ from accounting.ledger.admission import (
     fits_budget,
     uncached_mechanisms,
 )
-from accounting.ledger.callers import LOCAL_TENANT, Caller, resolve_dataset
+from accounting.ledger.callers import ADMIN, LOCAL_TENANT, Caller, resolve_dataset
 from accounting.ledger.databases import open_database
 from accounting.ledger.errors import (
     AlreadyExists,
@@ -49,6 +49,7 @@ from accounting.ledger.store.authorisation import (
     visible_reservation,
 )
 from accounting.ledger.store.clock import now
+from accounting.ledger.store.composed import BackgroundComposition
 from accounting.ledger.store.history import HistoryChain
 from accounting.ledger.store.leases import expire_leases
 from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key, local_user
@@ -114,6 +115,7 @@ class Ledger:
         self._default_caller = caller
         self._transactions = Transactions(self._database)
         self._tables = Tables.of(self._database, self._history)
+        self._composition = BackgroundComposition(self._compose_committed)
         self._authenticator = Authenticator(self._transactions, self._tables.tenants)
         # Set by a server: the buckets of tenants' costly requests (see `_charge_curves`); None charges nothing.
         self.curve_limits: TokenBuckets | None = None
@@ -130,7 +132,14 @@ class Ledger:
         self.close()
 
     def close(self) -> None:
-        """Close the store; a read in progress finishes first on its own connection, which closes after it."""
+        """Close the store; a read in progress finishes first on its own connection, which closes after it.
+
+        A background composition under way finishes first, and the composed
+        states not yet kept are written, so that a restart extends them.
+        """
+        self._composition.close()
+        with contextlib.suppress(LedgerUnavailable, FailedPrecondition):
+            self._keep_composed(self._tables.composed.due(every=0.0))
         self._transactions.close()
 
     def _caller(self, caller: Caller | None) -> Caller:
@@ -140,14 +149,28 @@ class Ledger:
         """A dataset's status from its rows, each budget's PLD extended from its composed state; the states
         due to be kept are written (see store.composed)."""
         status = dataset_status(caller, rows, pld_may_be_pending, self._tables.composed.lineage)
-        due = self._tables.composed.due(budget_ids(rows))
-        if due:
-            # A cache of a report: a database that does not answer now fails the next change, not this status.
-            with contextlib.suppress(LedgerUnavailable):
-                with self._transactions.change() as connection:
-                    for budget_id, state in due:
-                        self._tables.composed.keep(connection, budget_id, state)
+        # A cache of a report: a database that does not answer now fails the next change, not this status.
+        with contextlib.suppress(LedgerUnavailable):
+            self._keep_composed(self._tables.composed.due(budget_ids(rows)))
         return status
+
+    def _keep_composed(self, due: list) -> None:
+        """Write the composed states `due` (ComposedDistributions.due) in one change."""
+        if due:
+            with self._transactions.change() as connection:
+                for budget_id, state in due:
+                    self._tables.composed.keep(connection, budget_id, state)
+
+    def _compose_committed(self, dataset_ids: set[int]) -> None:
+        """What a status of each of the datasets does (each budget's PLD extended by the steps committed since,
+        the states due kept), for the background composition after commits (store.composed)."""
+        with self._transactions.read() as connection:
+            all_rows = [
+                read_status(self._tables, connection, ADMIN, self._tables.datasets.by_id(connection, dataset_id))
+                for dataset_id in sorted(dataset_ids)
+            ]
+        for rows in all_rows:
+            self._status(ADMIN, rows)
 
     def _ensure_tokenless_tenant(self, tenant: str, caller: Caller) -> None:
         with self._transactions.change() as connection:
@@ -630,6 +653,7 @@ class Ledger:
                     f"{reservation.planned_steps} (got {steps}); commit at most that, or reserve a new plan"
                 )
             committed_steps = admission.charge(self._tables, connection, caller, row, sequence, steps)
+        self._composition.committed(row.dataset_id)
         return CommitResult(reservation_id, sequence, steps, committed_steps, reservation.planned_steps)
 
     @curves_outside_lock
