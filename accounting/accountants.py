@@ -340,7 +340,7 @@ def rdp_vector(events: EventsLike) -> np.ndarray:
     total = np.zeros_like(RDP_ORDERS)
     for event in as_composition(events).events:
         if isinstance(event, SampledSkellam):
-            step = _skellam_step_rdp(event.mechanism)
+            step = _skellam_step_rdp(event.mechanism_key)
         else:
             step = sampled_gaussian_rdp(event.sampling_rate, event.effective_noise_multiplier)
         total = total + event.steps * step

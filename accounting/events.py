@@ -81,7 +81,7 @@ class SampledGaussian:
         return self.noise_multiplier / self.sensitivity_factor
 
     @property
-    def mechanism(self) -> tuple[float, ...]:
+    def mechanism_key(self) -> tuple[float, ...]:
         """The per-step mechanism, as the ledger keys it: (sampling rate, noise multiplier, sensitivity factor)."""
         return (self.sampling_rate, self.noise_multiplier, self.sensitivity_factor)
 
@@ -249,8 +249,8 @@ class SampledSkellam(SampledGaussian):
         return "silos"
 
     @property
-    def mechanism(self) -> tuple[float, ...]:
-        """The per-step mechanism: (sampling rate, noise multiplier, sensitivity factor, rounding ratio)."""
+    def mechanism_key(self) -> tuple[float, ...]:
+        """The per-step mechanism as the ledger keys it: (rate, sigma, sensitivity factor, rounding ratio)."""
         return (self.sampling_rate, self.noise_multiplier, self.sensitivity_factor, self.rounding_ratio)
 
     def with_steps(self, steps: int) -> "SampledSkellam":
@@ -263,7 +263,7 @@ class SampledSkellam(SampledGaussian):
 
     def same_mechanism(self, other: SampledGaussian) -> bool:
         """True when both records describe the same per-step mechanism."""
-        return type(self) is type(other) and self.mechanism == other.mechanism
+        return type(self) is type(other) and self.mechanism_key == other.mechanism_key
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; floats keep their exact value through json. It names the noise placement."""
@@ -291,7 +291,7 @@ EVENT_KINDS = {"sampled_gaussian": SampledGaussian, "correlated_gaussian": Corre
 
 
 def event_of(mechanism: tuple[float, ...], steps: int) -> SampledGaussian:
-    """The record of `steps` steps of `mechanism` (an event's `mechanism` tuple): Skellam when it has 4 fields."""
+    """The record of `steps` steps of `mechanism` (an event's `mechanism_key`): Skellam when it has 4 fields."""
     if len(mechanism) == 4:
         return SampledSkellam(mechanism[0], mechanism[1], steps, mechanism[2], mechanism[3])
     rate, sigma, factor = mechanism
@@ -442,7 +442,7 @@ def group_events(events: "EventsLike", rows_per_person: int) -> "Composition":
     # A Skellam step's bound grows with k just as a Gaussian's (its L2 sensitivity is (k + r)·s·C): its kind stays.
     return Composition(tuple(
         event_of((group_sampling_rate(event.sampling_rate, rows_per_person), event.noise_multiplier,
-                  event.sensitivity_factor * rows_per_person, *event.mechanism[3:]), event.steps)
+                  event.sensitivity_factor * rows_per_person, *event.mechanism_key[3:]), event.steps)
         for event in composition.events
     ))
 

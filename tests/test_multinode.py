@@ -91,7 +91,8 @@ def test_each_shard_runs_on_its_silo_and_charges_what_a_single_node_run_does(clu
     assert summary["events"] == single_summary["events"]
     assert summary["epsilon"] == single_summary["epsilon"]
     assert job.committed_steps == single_job.committed_steps == 8
-    assert spent == single_spent
+    # The ledger composes commits as they arrive, in batches that depend on timing: the last bits may differ.
+    assert spent == pytest.approx(single_spent, rel=1e-9)
 
 
 class RemoveNodeBefore(Trainer):
@@ -132,7 +133,7 @@ def test_skip_runs_without_a_lost_silo_records_its_steps_and_takes_it_back(clust
     assert "step 4: shard 2 ({'silo-c': 1.0}) is lost" in log and "on_shard_loss = 'skip'" in log
     assert "step 6: shard 2 ({'silo-c': 1.0}) is up again" in log
     # Each remaining example kept its inclusion probability q: the accounting is the undisturbed run's.
-    assert summary["events"] == undisturbed[1]["events"] and spent == undisturbed[3]
+    assert summary["events"] == undisturbed[1]["events"] and spent == pytest.approx(undisturbed[3], rel=1e-9)
     assert job.committed_steps == 8
     assert not np.allclose(flat_parameters(trainer.model), flat_parameters(undisturbed[0].model))
 
@@ -164,7 +165,7 @@ def test_wait_holds_the_step_until_a_replacement_silo_joins(cluster, undisturbed
     np.testing.assert_allclose(flat_parameters(trainer.model), flat_parameters(undisturbed[0].model), atol=1e-6,
                                rtol=0)
     assert summary["shard_outages"] == [] and summary["events"] == undisturbed[1]["events"]
-    assert job.committed_steps == 8 and spent == undisturbed[3]
+    assert job.committed_steps == 8 and spent == pytest.approx(undisturbed[3], rel=1e-9)
 
 
 def test_wait_stops_at_a_checkpoint_after_shard_timeout_and_resume_finishes_the_run(cluster, undisturbed, tmp_path):
@@ -191,7 +192,7 @@ def test_wait_stops_at_a_checkpoint_after_shard_timeout_and_resume_finishes_the_
     resumed = resume_trainer(config.run_dir, show_progress=False, out=io.StringIO())
     assert resumed.step == 4
     summary, job, spent = run_charged(resumed)
-    assert job.committed_steps == 8 and spent == undisturbed[3]
+    assert job.committed_steps == 8 and spent == pytest.approx(undisturbed[3], rel=1e-9)
     assert summary["events"] == undisturbed[1]["events"]
     np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(undisturbed[0].model), atol=1e-6,
                                rtol=0)

@@ -107,7 +107,7 @@ def test_skellam_records_round_trip_name_their_placement_and_keep_their_kind():
     composition = Composition((step, SampledGaussian(0.01, 1.2, 3)))
     assert Composition.from_json(composition.to_json()) == composition
     assert noise_placement(Composition((step,))) == "silos" and noise_placement(composition) == "driver"
-    assert event_of(step.mechanism, 2) == step.with_steps(2)
+    assert event_of(step.mechanism_key, 2) == step.with_steps(2)
     (grouped,) = group_events(step, 3).events
     assert isinstance(grouped, SampledSkellam) and grouped.sensitivity_factor == 3.0
     # A Skellam step and a Gaussian one of the same (q, σ, k) are different mechanisms: never merged.

@@ -97,16 +97,10 @@ def run_recorded(config, truth, log, crash_at=None):
         with pytest.raises(DriverCrash):
             first.run()
         RecordingTrainer.crash_at = None
-        resumed = resume_trainer(config.run_dir, show_progress=False, out=out)
+        resumed = resume_trainer(config.run_dir, RecordingTrainer, show_progress=False, out=out)
         assert resumed.step == crash_at
         resumed.run()
         return first, resumed
-
-
-@pytest.fixture
-def recording_trainers(monkeypatch):
-    """--resume builds a RecordingTrainer, as the crashed run was."""
-    monkeypatch.setattr(trainer_module, "Trainer", RecordingTrainer)
 
 
 def left_behind(tmp_path):
@@ -115,7 +109,7 @@ def left_behind(tmp_path):
 
 
 def test_driver_sampling_finished_and_resumed_runs_leave_nothing_that_recomputes_noise_or_samples(
-        local_ray, tmp_path, recording_trainers):
+        local_ray, tmp_path):
     (tmp_path / "logs").mkdir()
     finished_truth, resumed_truth = Truth(0.1, secure=False), Truth(0.1, secure=False)
     run_recorded(attack_config(tmp_path, "finished"), finished_truth, tmp_path / "logs" / "finished.log")
@@ -142,7 +136,7 @@ def test_driver_sampling_finished_and_resumed_runs_leave_nothing_that_recomputes
 
 
 def test_local_sampling_in_silos_leaves_nothing_that_recomputes_a_workers_samples(
-        local_ray, tmp_path, recording_trainers, monkeypatch):
+        local_ray, tmp_path, monkeypatch):
     truth_dir = tmp_path / "truth"
     truth_dir.mkdir()
     (tmp_path / "logs").mkdir()
@@ -238,7 +232,7 @@ def test_the_attacker_finds_a_training_row_written_anywhere(tmp_path):
 
 
 def test_batches_planned_ahead_leave_no_membership_and_a_resumed_run_plans_afresh(
-        local_ray, tmp_path, recording_trainers, monkeypatch):
+        local_ray, tmp_path, monkeypatch):
     """A planned run from pyarrow-default Parquet, crashed and resumed: its windows' folders (which say who is in
     which step) are gone each time the run stops, and nothing it left recomputes a sample or holds a row."""
     images, labels = open_source("mnist", "train").read(np.arange(600))

@@ -42,7 +42,7 @@ _Mechanism = tuple[float, ...]
 def _steps_by_mechanism(events: Composition) -> dict[_Mechanism, int]:
     steps: dict[_Mechanism, int] = {}
     for event in events.events:
-        steps[event.mechanism] = steps.get(event.mechanism, 0) + event.steps
+        steps[event.mechanism_key] = steps.get(event.mechanism_key, 0) + event.steps
     return steps
 
 

@@ -104,7 +104,7 @@ def canonical(composition: EventsLike) -> Composition:
     """
     steps_by_mechanism: dict[tuple[float, ...], int] = {}
     for event in as_composition(composition).events:
-        steps_by_mechanism[event.mechanism] = steps_by_mechanism.get(event.mechanism, 0) + event.steps
+        steps_by_mechanism[event.mechanism_key] = steps_by_mechanism.get(event.mechanism_key, 0) + event.steps
     return Composition(
         tuple(event_of(mechanism, steps) for mechanism, steps in sorted(steps_by_mechanism.items()))
     )
@@ -150,7 +150,7 @@ def committed_json_with(stored: str, block: Composition) -> str:
     if len(by_mechanism) != len(records):  # not canonical (never written so): the general way
         return canonical(Composition.from_json(stored).then(block)).to_json()
     for event in block.events:
-        record = by_mechanism.get(event.mechanism)
+        record = by_mechanism.get(event.mechanism_key)
         if record is None:
             records.append(event.to_dict())
             by_mechanism[_mechanism_of_record(records[-1])] = records[-1]
@@ -163,7 +163,7 @@ def committed_json_with(stored: str, block: Composition) -> str:
 def mechanisms_of(events: EventsLike) -> set[tuple[float, ...]]:
     """The distinct mechanisms (sampling rate, noise multiplier, sensitivity factor[, rounding ratio]) of a
     composition (each event's `mechanism`)."""
-    return {event.mechanism for event in as_composition(events).events}
+    return {event.mechanism_key for event in as_composition(events).events}
 
 
 def uncached_mechanisms(events: EventsLike) -> int:

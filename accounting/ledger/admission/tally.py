@@ -52,7 +52,7 @@ class RdpTally:
         units = (0,) * len(RDP_ORDERS)
         unbounded = (0,) * len(RDP_ORDERS)
         for event in as_composition(events).events:
-            units_of_step, unbounded_in_step = step_units(*event.mechanism)
+            units_of_step, unbounded_in_step = step_units(*event.mechanism_key)
             steps = itertools.repeat(event.steps)
             units = tuple(map(operator.add, units, map(operator.mul, units_of_step, steps)))
             unbounded = tuple(map(operator.add, unbounded, map(operator.mul, unbounded_in_step, steps)))

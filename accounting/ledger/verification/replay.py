@@ -202,7 +202,7 @@ class BudgetReplay:
                 self.note(entry, f"commits to filter ε {epsilon:.6g}, over the {self.kind} ε {limit[0]:g}")
         steps_by_mechanism = self.committed_steps_by_mechanism
         for event in block.events:
-            mechanism = event.mechanism
+            mechanism = event.mechanism_key
             steps_by_mechanism[mechanism] = steps_by_mechanism.get(mechanism, 0) + event.steps
         self.committed_tally = self.committed_tally + block_tally
         self.committed_steps[reservation_id] += block.steps

@@ -52,7 +52,7 @@ class UnitReplay:
                 for budget_id in charged or [entry.dataset_id]:
                     steps = self.committed.setdefault(budget_id, {})
                     for event in events.events:
-                        mechanism = event.mechanism
+                        mechanism = event.mechanism_key
                         steps[mechanism] = steps.get(mechanism, 0) + event.steps
         except (KeyError, TypeError, ValueError, EventError) as error:
             name = rows[entry.dataset_id].name if entry.dataset_id in rows else None
