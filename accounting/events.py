@@ -14,7 +14,7 @@ import math
 import numbers
 from fractions import Fraction
 from dataclasses import dataclass, replace
-from typing import Iterable, Sequence, Union
+from typing import ClassVar, Iterable, Sequence, Union
 
 from accounting.lazy import LazyModule
 
@@ -50,6 +50,10 @@ class SampledGaussian:
     example 2 with microbatches), which accountants treat as a noise
     multiplier of `noise_multiplier / k`.
     """
+
+    # The record's kind in its dict, and the fields its dict adds after the four above, in constructor order.
+    KIND: ClassVar[str] = "sampled_gaussian"
+    EXTRA_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     sampling_rate: float
     noise_multiplier: float
@@ -105,7 +109,7 @@ class SampledGaussian:
     def to_dict(self) -> dict:
         """A JSON-ready dict; floats keep their exact value through json."""
         return {
-            "kind": "sampled_gaussian",
+            "kind": self.KIND,
             "sampling_rate": self.sampling_rate,
             "noise_multiplier": self.noise_multiplier,
             "steps": self.steps,
@@ -114,16 +118,12 @@ class SampledGaussian:
 
     @classmethod
     def from_dict(cls, data: dict) -> "SampledGaussian":
-        """Inverse of `to_dict`; refuses unknown kinds and missing fields."""
-        if data.get("kind") != "sampled_gaussian":
-            raise EventError(f"unknown event kind {data.get('kind')!r}; expected 'sampled_gaussian'")
+        """Inverse of `to_dict`; refuses unknown kinds and missing fields (`KIND` and `EXTRA_FIELDS` say which)."""
+        if data.get("kind") != cls.KIND:
+            raise EventError(f"unknown event kind {data.get('kind')!r}; expected {cls.KIND!r}")
         try:
-            return cls(
-                sampling_rate=data["sampling_rate"],
-                noise_multiplier=data["noise_multiplier"],
-                steps=data["steps"],
-                sensitivity_factor=data.get("sensitivity_factor", 1.0),
-            )
+            return cls(data["sampling_rate"], data["noise_multiplier"], data["steps"],
+                       data.get("sensitivity_factor", 1.0), *(data[field] for field in cls.EXTRA_FIELDS))
         except KeyError as missing:
             raise EventError(f"event is missing the field {missing}") from None
 
@@ -164,6 +164,9 @@ class CorrelatedGaussian(SampledGaussian):
     the leaves of each tree (dp-ftrl).
     """
 
+    KIND: ClassVar[str] = "correlated_gaussian"
+    EXTRA_FIELDS: ClassVar[tuple[str, ...]] = ("mechanism", "band_width", "period")
+
     mechanism: str = "band-mf"
     band_width: int = 1
     period: int = 1
@@ -196,19 +199,8 @@ class CorrelatedGaussian(SampledGaussian):
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; floats keep their exact value through json."""
-        return {**super().to_dict(), "kind": "correlated_gaussian", "mechanism": self.mechanism,
+        return {**super().to_dict(), "kind": self.KIND, "mechanism": self.mechanism,
                 "band_width": self.band_width, "period": self.period}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "CorrelatedGaussian":
-        """Inverse of `to_dict`; refuses unknown kinds and missing fields."""
-        if data.get("kind") != "correlated_gaussian":
-            raise EventError(f"unknown event kind {data.get('kind')!r}; expected 'correlated_gaussian'")
-        try:
-            return cls(data["sampling_rate"], data["noise_multiplier"], data["steps"],
-                       data.get("sensitivity_factor", 1.0), data["mechanism"], data["band_width"], data["period"])
-        except KeyError as missing:
-            raise EventError(f"event is missing the field {missing}") from None
 
 
 NOISE_PLACEMENTS = ("driver", "silos")
@@ -228,6 +220,9 @@ class SampledSkellam(SampledGaussian):
     ``accounting.skellam.sampled_skellam_rdp``; it has no PLD here, so every
     rigorous accountant reports its RDP bound.
     """
+
+    KIND: ClassVar[str] = "sampled_skellam"
+    EXTRA_FIELDS: ClassVar[tuple[str, ...]] = ("rounding_ratio",)
 
     rounding_ratio: float = 0.0
 
@@ -267,19 +262,8 @@ class SampledSkellam(SampledGaussian):
 
     def to_dict(self) -> dict:
         """A JSON-ready dict; floats keep their exact value through json. It names the noise placement."""
-        return {**super().to_dict(), "kind": "sampled_skellam", "rounding_ratio": self.rounding_ratio,
+        return {**super().to_dict(), "kind": self.KIND, "rounding_ratio": self.rounding_ratio,
                 "noise_placement": self.noise_placement}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SampledSkellam":
-        """Inverse of `to_dict`; refuses unknown kinds and missing fields."""
-        if data.get("kind") != "sampled_skellam":
-            raise EventError(f"unknown event kind {data.get('kind')!r}; expected 'sampled_skellam'")
-        try:
-            return cls(data["sampling_rate"], data["noise_multiplier"], data["steps"],
-                       data.get("sensitivity_factor", 1.0), data["rounding_ratio"])
-        except KeyError as missing:
-            raise EventError(f"event is missing the field {missing}") from None
 
     def to_dp_event(self):
         """Refused: dp-accounting knows no Skellam mechanism (``accounting.skellam`` accounts it)."""
