@@ -15,17 +15,20 @@ import ray
 from orchestrator.aggregation import Gathered, NodeAggregation
 from orchestrator.config import TrainConfig, user_spec
 from workers.actor import GradientWorkerActor
+from workers.planned_batches import PlannedDataset
 
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
 
 
-def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: int = WORKER_RESTARTS
-                    ) -> ray.actor.ActorHandle:
+def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: int = WORKER_RESTARTS,
+                    planned_dataset: PlannedDataset | None = None) -> ray.actor.ActorHandle:
     """A new gradient worker actor for `config`'s model, data and engine, sized by its per-worker CPUs and GPUs.
 
     `actor` is the worker's Ray class (a collective rank's, on that path);
-    `restarts` how often Ray restarts it and retries its call when it dies.
+    `restarts` how often Ray restarts it and retries its call when it dies;
+    `planned_dataset` the Parquet training files, as the driver read their
+    footers, of a run with plan_ahead_steps.
     """
     # A killed worker is restarted by Ray, which re-runs its interrupted call: the call is a
     # pure function of (weights, indices, clip norm), so the retry returns the same sum.
@@ -46,7 +49,7 @@ def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: in
         train_transforms=config.train_transforms,
         augmentations_per_example=config.augmentations_per_example,
         users=user_spec(config),
-        planned_batches=config.plan_ahead_steps is not None,
+        planned_dataset=planned_dataset,
         precision=config.precision,
     )
 

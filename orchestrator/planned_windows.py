@@ -8,29 +8,27 @@ window k + 1 while window k trains and delete each folder once its steps ran.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from workers.planned_batches import PlannedWindows, auto_window_steps, first_row
+from workers.planned_batches import PlannedDataset, PlannedWindows, auto_window_steps
 
 
-def window_steps(plan_ahead_steps: int | str, spec: Mapping, expected_batch_size: float, total_steps: int) -> int:
+def window_steps(plan_ahead_steps: int | str, dataset: PlannedDataset, expected_batch_size: float,
+                 total_steps: int) -> int:
     """The window's length: `plan_ahead_steps`, or for "auto" about 256 MiB of rows (`auto_window_steps`)."""
     if plan_ahead_steps != "auto":
         return int(plan_ahead_steps)
-    inputs, labels = first_row(spec)
-    return auto_window_steps(expected_batch_size, inputs.nbytes + labels.nbytes, total_steps)
+    return auto_window_steps(expected_batch_size, dataset.row_bytes, total_steps)
 
 
-def driver_windows(plan_ahead_steps: int | str, spec: Mapping, expected_batch_size: float, total_steps: int,
-                   first_step: int, shares_of: Callable[[int], list[np.ndarray]]) -> PlannedWindows:
+def driver_windows(plan_ahead_steps: int | str, dataset: PlannedDataset, expected_batch_size: float,
+                   total_steps: int, first_step: int, shares_of: Callable[[int], list[np.ndarray]]) -> PlannedWindows:
     """The run's planned windows from `first_step` on, gathered on the driver's node (where the workers read them).
 
     `shares_of(step)` is the step's sample split across the workers, as the step will send it.
     """
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return PlannedWindows(spec, window_steps(plan_ahead_steps, spec, expected_batch_size, total_steps), total_steps,
-                          shares_of, first_step, {"scheduling_strategy": here})
+    return PlannedWindows(dataset, window_steps(plan_ahead_steps, dataset, expected_batch_size, total_steps),
+                          total_steps, shares_of, first_step, ray.get_runtime_context().get_node_id())

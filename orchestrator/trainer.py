@@ -76,6 +76,7 @@ from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, parameter_count
 from workers.optimizers import update_ema
+from workers.planned_batches import read_planned_dataset
 from workers.shard_worker import ShardWorkerActor
 
 _TRAIN_LOSS_EXAMPLES = 10_000
@@ -383,13 +384,15 @@ class Trainer:
                 running.callback(self.shards.close)
             self.central_noise = running.enter_context(closing(
                 CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation)))
-            self.planned_windows = None
+            self.planned_windows = self.planned_dataset = None
             # With shards, each silo's workers plan and gather their own windows (workers.shard_worker).
             if self.config.plan_ahead_steps is not None and self.shards is None:
+                # Read here once, so that no gradient worker parses a footer.
+                self.planned_dataset = read_planned_dataset(self.config.dataset)
                 # The fleet always holds config.workers workers (a lost one is replaced), so the shares are known
                 # before it starts: the first window gathers while the workers start.
                 self.planned_windows = driver_windows(
-                    self.config.plan_ahead_steps, self.config.dataset, self.plan.expected_batch_size,
+                    self.config.plan_ahead_steps, self.planned_dataset, self.plan.expected_batch_size,
                     self.plan.steps, self.step,
                     lambda step: worker_shares(*self._draw_sample(step), self.config.workers)[0])
                 running.callback(self.planned_windows.close)
@@ -426,7 +429,7 @@ class Trainer:
 
     def _new_worker(self) -> ray.actor.ActorHandle:
         """A new gradient worker for this run (the fleet's factory: at its start and for each replacement)."""
-        return gradient_worker(self.config)
+        return gradient_worker(self.config, planned_dataset=self.planned_dataset)
 
     def _workers_now(self, workers: list) -> list:
         """The workers to evaluate on and ask for reports: `workers`, or the shards' workers that are up."""

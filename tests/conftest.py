@@ -87,14 +87,14 @@ class WorkerPool:
         """The next worker for `trainer`'s run (the trainer's `_new_worker`, which the fixture replaces)."""
         from orchestrator.fleet import gradient_worker
 
-        arguments = gradient_worker(trainer.config, _WorkerArguments)
+        arguments = gradient_worker(trainer.config, _WorkerArguments, planned_dataset=trainer.planned_dataset)
         if arguments != self.arguments or ray.get_runtime_context().gcs_address != self.gcs_address:
             self.clear()
             self.arguments, self.gcs_address = arguments, ray.get_runtime_context().gcs_address
         handed = trainer.__dict__.get("worker_pool_handed", 0)
         trainer.worker_pool_handed = handed + 1
         if handed == len(self.workers):
-            self.workers.append(gradient_worker(trainer.config))
+            self.workers.append(gradient_worker(trainer.config, planned_dataset=trainer.planned_dataset))
         return self.workers[handed]
 
     def clear(self) -> None:

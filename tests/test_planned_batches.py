@@ -19,9 +19,9 @@ from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
 from workers.data import load_split
 from workers.models import flat_parameters
-from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, WINDOW_PREFIX, PlannedBatch, PlannedWindows, \
-    auto_window_steps, gather_window, private_window_folder, read_planned_batch, remove_stale_window_folders, \
-    remove_window_folder, window_plan
+from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, WINDOW_PREFIX, PlannedBatch, PlannedRunSource, \
+    PlannedWindows, auto_window_steps, gather_window, private_window_folder, read_planned_batch, \
+    read_planned_dataset, remove_stale_window_folders, remove_window_folder, window_plan
 
 TRAIN_ROWS, TEST_ROWS = 600, 200
 
@@ -65,7 +65,8 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
     shares = {step: np.array_split(np.flatnonzero(generator.random(1000) < 0.05), 2) for step in range(8)}
     folder = private_window_folder()
     request.addfinalizer(lambda: remove_window_folder(folder))
-    read = gather_window(spec, shares, folder)
+    dataset = read_planned_dataset(spec)
+    read = gather_window(dataset, shares, folder)
     assert len(read) == len(set(read))
     sampled = np.unique(np.concatenate([np.concatenate(parts) for parts in shares.values()]))
     file_starts = np.array([0, 334, 667])
@@ -76,9 +77,27 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
     assert os.stat(folder).st_mode & 0o777 == 0o700
     for step, parts in shares.items():
         for worker, share in enumerate(parts):
-            inputs, gathered_labels = read_planned_batch(PlannedBatch(folder, step, worker), spec)
+            inputs, gathered_labels = read_planned_batch(PlannedBatch(folder, step, worker), dataset)
             np.testing.assert_array_equal(inputs.numpy(), features[share])
             np.testing.assert_array_equal(gathered_labels.numpy(), labels[share])
+
+
+def test_a_planned_source_knows_its_rows_and_example_shape_from_the_footers_read_once(tmp_path):
+    """The footers are read once (`read_planned_dataset`): a worker's source, given what they said, opens no file."""
+    features = np.arange(1000 * 12, dtype=np.float64).reshape(1000, 3, 4)
+    spec = write_default_parquet(tmp_path / "data", features.astype(np.float32), np.arange(1000) % 7, files=3,
+                                 row_group_size=70)
+    dataset = read_planned_dataset(spec)
+    assert dataset.row_counts == (334, 333, 333) and dataset.size == 1000
+    assert dataset.columns == ("features",) and dataset.label == "label" and dataset.shape == (3, 4)
+    assert dataset.row_bytes == 12 * 4 + 8
+    for path in dataset.paths:
+        os.remove(path)
+    source = PlannedRunSource(spec, dataset, 100, 400)
+    inputs, labels = source.read(np.zeros(0, dtype=np.int64))
+    assert len(source) == 300
+    assert inputs.shape == (0, 3, 4) and inputs.dtype == torch.float32 and labels.shape == (0,)
+    assert labels.dtype == torch.int64
 
 
 HOLD_A_WINDOW_FOLDER = """
@@ -121,20 +140,21 @@ def test_the_next_window_gathers_while_one_trains_and_each_folder_goes_once_its_
     spec = write_default_parquet(tmp_path / "data", features, labels, files=2)
     samples = {step: np.flatnonzero(np.random.default_rng(step).random(300) < 0.1) for step in range(7)}
     # A resumed run from step 1: windows of three steps, 1-3, 4-6, 7.
-    windows = PlannedWindows(spec, 3, 8, lambda step: np.array_split(samples.get(step, np.zeros(0, int)), 2),
+    dataset = read_planned_dataset(spec)
+    windows = PlannedWindows(dataset, 3, 8, lambda step: np.array_split(samples.get(step, np.zeros(0, int)), 2),
                              first_step=1)
     try:
         windows.start()
         batch = windows.batch(2, 1)
         assert sorted(windows.windows) == [0, 1]
-        inputs, _ = read_planned_batch(batch, spec)
+        inputs, _ = read_planned_batch(batch, dataset)
         np.testing.assert_array_equal(inputs.numpy(), features[np.array_split(samples[2], 2)[1]])
         first_folder = windows.windows[0][0]
         windows.done_with(3)
         assert not os.path.exists(first_folder) and sorted(windows.windows) == [1]
         assert windows.batch(8, 0) is None
         # Step 7 holds no sample: its shares have no file and read as empty.
-        assert read_planned_batch(windows.batch(7, 0), spec) is None
+        assert read_planned_batch(windows.batch(7, 0), dataset) is None
         folders = [folder for folder, _ in windows.windows.values()]
     finally:
         windows.close()

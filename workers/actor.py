@@ -29,7 +29,7 @@ from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.models import build_model, parameter_count
 from workers.names import task_of
-from workers.planned_batches import PlannedBatch, PlannedBatchReader, PlannedRunSource
+from workers.planned_batches import PlannedBatch, PlannedBatchReader, PlannedDataset, PlannedRunSource
 from workers.sampling import make_generator
 from workers.sources import ExampleSource, InMemorySource, PrefetchingSource, open_source, spec_name
 from workers.tasks import (
@@ -101,9 +101,10 @@ class GradientWorker:
     first time it is sampled and kept (``FeatureCache``); with transforms,
     each view's features are computed afresh.
     ``users`` (user-level privacy) says who owns which rows, for
-    ``user_clipped_sum``. With ``planned_batches`` (a Parquet dataset
-    trained with ``plan_ahead_steps``), steps read the batches a window's
-    gather wrote and the worker holds no index of the files.
+    ``user_clipped_sum``. With ``planned_dataset`` (a Parquet dataset
+    trained with ``plan_ahead_steps``, as its footers describe it), steps
+    read the batches a window's gather wrote, and the worker neither parses
+    a footer nor holds an index of the files.
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class GradientWorker:
         train_transforms: Sequence[Mapping[str, Any]] = (),
         augmentations_per_example: int = 1,
         users: UserSpec | None = None,
-        planned_batches: bool = False,
+        planned_dataset: PlannedDataset | None = None,
         precision: str = "fp32",
     ) -> None:
         check_engine(engine)
@@ -151,7 +152,7 @@ class GradientWorker:
         self.model.to(self.device).train()
         # The engines and evaluation run the model that takes the feature map's output: the whole model without one.
         self.feature_map, self.gradient_model = feature_map(self.model)
-        self.planned_batches = planned_batches
+        self.planned_dataset = planned_dataset
         self.source, self.train_size = self._training_source(dataset, train_subset, data_root)
         self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
                               if self.feature_map is not None and self.transform is None else None)
@@ -184,7 +185,8 @@ class GradientWorker:
     ) -> tuple[ExampleSource, int]:
         """The source this worker trains on and how many of its examples it uses (the first ``train_subset``)."""
         # A planned run's steps read planned batches: the worker holds no index of the files' row groups.
-        source = PlannedRunSource(dataset) if self.planned_batches else open_source(dataset, "train", data_root)
+        source = (open_source(dataset, "train", data_root) if self.planned_dataset is None
+                  else PlannedRunSource(dataset, self.planned_dataset))
         if not isinstance(source, (InMemorySource, PlannedRunSource)):
             source = PrefetchingSource(source)
         full_size = len(source)
@@ -266,14 +268,14 @@ class GradientWorker:
             inputs, labels = (self.feature_cache or self.source).read(indices)
         else:
             if self.planned_reader is None:
-                self.planned_reader = PlannedBatchReader(self.dataset)
+                self.planned_reader = PlannedBatchReader(self.planned_dataset)
             inputs, labels = self.planned_reader.read(planned)
             if len(labels) != len(indices):
                 raise RuntimeError(f"the planned batch of step {planned.step} holds {len(labels)} rows where the "
                                    f"step sampled {len(indices)}; its window's folder was changed or removed")
         if next_planned is not None and self.feature_cache is None:
             if self.planned_reader is None:
-                self.planned_reader = PlannedBatchReader(self.dataset)
+                self.planned_reader = PlannedBatchReader(self.planned_dataset)
             self.planned_reader.prefetch(next_planned)
         elif next_indices is not None and isinstance(self.source, PrefetchingSource):
             self.source.prefetch(self._checked_indices(next_indices))

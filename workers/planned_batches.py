@@ -14,7 +14,12 @@ worker memory-maps its batch of a step from there (`PlannedBatchReader`),
 reading the next step's ahead. `PlannedWindows` gathers window k + 1 on a
 background thread while window k trains. The driver never holds the rows;
 the gather holds one window's gathered rows, and a worker only its batch
-and the one read ahead.
+and the one read ahead. Nor does a gradient worker parse a footer: the
+files, their row counts and columns (`PlannedDataset`) are read once, by the
+driver or by a task beside a silo's workers, since a footer's parsed
+metadata grows with the number of row groups (about 2 kB a group: 0.3 GB
+for a file of 2.5 million rows in `dpfleet data export`'s 16-row groups) and
+the allocator keeps that memory in the process that parsed it.
 
 Who is in which step is as secret as the noise: the plan lives in memory and
 in the Ray object store, the folder is 0700 and is removed as soon as its
@@ -42,13 +47,92 @@ import pyarrow.ipc as pa_ipc
 import pyarrow.parquet as pq
 
 from workers.lazy import LazyModule
-from workers.sources import PARQUET_SUFFIXES, ParquetSource, _check_schema, _files_at, _feature_tensor, \
-    _label_tensor, _table_to_numpy
+from workers.sources import PARQUET_SUFFIXES, ParquetSource, _check_schema, _feature_array, _feature_tensor, \
+    _files_at, _label_array, _label_tensor, _table_to_numpy
 
 torch = LazyModule("torch")
 
 # Rows per record batch that the gather decodes at a time: its memory is bounded by this, not by the row group.
 READ_ROWS = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class PlannedDataset:
+    """A Parquet training split as a planned run's workers and gathers know it, read from the footers once.
+
+    ``paths`` are its files in order and ``row_counts`` their rows;
+    ``columns`` and ``label`` name the feature and label columns, ``shape``
+    each example's (the spec's, or None); ``no_rows`` are (features,
+    labels) of no rows in the dtypes and widths that reads give, so that a
+    worker knows an example's shape without reading one.
+    """
+
+    paths: tuple[str, ...]
+    row_counts: tuple[int, ...]
+    columns: tuple[str, ...]
+    label: str
+    shape: tuple[int, ...] | None
+    no_rows: tuple[np.ndarray, np.ndarray]
+
+    @property
+    def size(self) -> int:
+        """How many rows the split holds."""
+        return sum(self.row_counts)
+
+    @property
+    def row_bytes(self) -> int:
+        """One example's bytes as a worker reads it (features and label)."""
+        features, labels = self.no_rows
+        return features.itemsize * int(np.prod(features.shape[1:])) + labels.itemsize
+
+    def no_rows_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``no_rows`` as the tensors a read of no rows gives: features [0, *shape], labels [0]."""
+        return _feature_tensor(self.no_rows[0], self.shape), _label_tensor(self.no_rows[1])
+
+
+def read_planned_dataset(spec: Mapping) -> PlannedDataset:
+    """The training split of a Parquet `spec` as `PlannedDataset`, from its files' footers, read here.
+
+    The columns are checked on the first file; its first example is
+    streamed (its row group never held whole) for the widths and dtypes of
+    ``no_rows``, whose values are dropped. Each footer is dropped once
+    counted, but the memory its parsed metadata took stays with this
+    process: a gradient worker asks `read_planned_dataset_beside` instead.
+    """
+    _, paths = _files_at(spec["train"], PARQUET_SUFFIXES)
+    label = spec.get("label", "label")
+    first = pq.ParquetFile(paths[0], pre_buffer=False, buffer_size=1 << 20)
+    columns, _ = _check_schema(spec, first.schema_arrow, paths[0])
+    batch = next(first.iter_batches(batch_size=1, columns=[*columns, label], use_threads=False))
+    features, labels = _table_to_numpy(pa.Table.from_batches([batch]).slice(0, 1), columns, label)
+    counts = [first.metadata.num_rows]
+    del first
+    counts += [pq.ParquetFile(path).metadata.num_rows for path in paths[1:]]
+    shape = spec.get("shape")
+    return PlannedDataset(tuple(paths), tuple(int(count) for count in counts), tuple(columns), label,
+                          None if shape is None else tuple(shape),
+                          (_feature_array(features)[:0].copy(), _label_array(labels)[:0].copy()))
+
+
+def read_planned_dataset_beside(spec: Mapping) -> PlannedDataset:
+    """`read_planned_dataset` in a Ray task on this node: the parsed footers weigh on that task's process alone.
+
+    For a silo's gradient worker, whose files only its node can read; it
+    asks for no CPU, since the workers may hold every one.
+    """
+    import ray
+
+    here = on_node(ray.get_runtime_context().get_node_id())
+    return ray.get(ray.remote(read_planned_dataset).options(num_cpus=0, label_selector=here).remote(spec))
+
+
+# The label every Ray node carries with its id: a task that selects it runs on that node and no other.
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def on_node(node_id: str) -> dict[str, str]:
+    """The Ray label selector of the node `node_id` (a task's or a Ray Data map's ``label_selector``)."""
+    return {NODE_ID_LABEL: node_id}
 
 
 @dataclass(frozen=True)
@@ -180,12 +264,6 @@ def _batch_path(folder: str, step: int, worker: int) -> str:
     return os.path.join(folder, f"step-{step:09d}-worker-{worker:05d}.arrow")
 
 
-def file_row_counts(spec: Mapping, split: str) -> tuple[list[str], np.ndarray]:
-    """The split's Parquet paths and each file's row count, from the footers (each dropped once counted)."""
-    _, paths = _files_at(spec[split], PARQUET_SUFFIXES)
-    return paths, np.asarray([pq.ParquetFile(path).metadata.num_rows for path in paths], dtype=np.int64)
-
-
 def gather_file(path: str, file_start: int, rows: np.ndarray, columns: list[str], label: str) \
         -> tuple[list[pa.RecordBatch], list[int]]:
     """The planned rows of one file, in the order of `rows` (sorted, global), and the row groups read.
@@ -247,25 +325,23 @@ def _gather_files(items: dict[str, np.ndarray], columns: list[str], label: str, 
     return {"file": np.asarray(read_files, dtype=np.int64), "group": np.asarray(read_groups, dtype=np.int64)}
 
 
-def gather_window(spec: Mapping, shares: Mapping[int, Sequence[np.ndarray]], folder: str,
-                  remote_args: Mapping | None = None) -> list[tuple[int, int]]:
-    """Gather the window's batches (`shares`, as for `window_plan`) into `folder` with one Ray Data pass.
+def gather_window(dataset: PlannedDataset, shares: Mapping[int, Sequence[np.ndarray]], folder: str,
+                  node_id: str | None = None) -> list[tuple[int, int]]:
+    """Gather the window's batches (`shares`, as for `window_plan`) of `dataset` into `folder` in one Ray Data pass.
 
     One Ray Data task, asking for no CPU, passes over the files in order
     and writes one file per (step, worker) with planned rows; a share with
-    none has no file. `remote_args` are further Ray options for that task (a
-    scheduling strategy that keeps it on the node that holds the folder).
+    none has no file. With `node_id`, the task runs on that node (the one
+    whose disk holds the folder).
     Returns the (file, row group) pairs read, each once; the rows
     themselves never come back.
     """
     import ray.data  # only a planned run needs Ray Data (and pandas)
 
-    paths, counts = file_row_counts(spec, "train")
-    columns, _ = _check_schema(spec, pq.ParquetFile(paths[0]).schema_arrow, paths[0])
     plan = window_plan(shares)
     if not len(plan.rows):
         return []
-    item = {"paths": np.asarray(paths), "starts": np.concatenate([[0], np.cumsum(counts)]),
+    item = {"paths": np.asarray(dataset.paths), "starts": np.concatenate([[0], np.cumsum(dataset.row_counts)]),
             "rows": plan.rows, "steps": plan.steps, "workers": plan.workers, "positions": plan.positions}
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
@@ -273,8 +349,8 @@ def gather_window(spec: Mapping, shares: Mapping[int, Sequence[np.ndarray]], fol
     read = ray.data.from_items([item], override_num_blocks=1).map_batches(
         _gather_files, batch_size=1, batch_format="numpy",
         # No CPU of its own: the gradient workers may hold every CPU while the next window is gathered.
-        fn_kwargs={"columns": columns, "label": spec.get("label", "label"), "folder": folder}, num_cpus=0,
-        **dict(remote_args or {}),
+        fn_kwargs={"columns": list(dataset.columns), "label": dataset.label, "folder": folder}, num_cpus=0,
+        label_selector=None if node_id is None else on_node(node_id),
     ).take_all()
     return [(int(row["file"]), int(row["group"])) for row in read]
 
@@ -288,47 +364,34 @@ class PlannedBatch:
     worker: int
 
 
-def read_planned_batch(batch: PlannedBatch, spec: Mapping) -> tuple[torch.Tensor, torch.Tensor] | None:
+def read_planned_batch(batch: PlannedBatch, dataset: PlannedDataset) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(inputs, labels) of a worker's share of a step, in the order of its share; None for an empty share."""
-    columns, _ = _check_schema(spec, _first_schema(spec), "the dataset")
-    return _read_step_batch(batch, columns, spec.get("label", "label"), spec.get("shape"))
-
-
-def _read_step_batch(batch: PlannedBatch, columns: list[str], label: str, shape: list[int] | None) \
-        -> tuple[torch.Tensor, torch.Tensor] | None:
     try:
         source = pa.memory_map(_batch_path(batch.folder, batch.step, batch.worker))
     except FileNotFoundError:
         return None
     with source:
         # Memory-mapped: the table's buffers are the file's pages, copied once into the tensors.
-        features, labels = _table_to_numpy(pa_ipc.open_file(source).read_all(), columns, label)
-        return _feature_tensor(features.copy(), shape), _label_tensor(labels.copy())
-
-
-def _first_schema(spec: Mapping) -> pa.Schema:
-    _, paths = _files_at(spec["train"], PARQUET_SUFFIXES)
-    return pq.read_schema(paths[0])
+        features, labels = _table_to_numpy(pa_ipc.open_file(source).read_all(), list(dataset.columns), dataset.label)
+        return _feature_tensor(features.copy(), dataset.shape), _label_tensor(labels.copy())
 
 
 class PlannedBatchReader:
-    """A worker's reader of its planned batches, with the next one read on a background thread (read-ahead 1).
+    """A worker's reader of its planned batches of `dataset`, with the next one read on a background thread.
 
-    It holds at most two batches: the step's and the next one's. The
-    dataset's columns are checked once, when the reader is made.
+    It holds at most two batches: the step's and the next one's (read-ahead 1).
     """
 
-    def __init__(self, spec: Mapping) -> None:
+    def __init__(self, dataset: PlannedDataset) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.columns, _ = _check_schema(spec, _first_schema(spec), "the dataset")
-        self.label, self.shape = spec.get("label", "label"), spec.get("shape")
+        self.dataset = dataset
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="planned-batch")
         self._ahead = None
 
     def prefetch(self, batch: PlannedBatch) -> None:
         """Start reading `batch` (replacing any read ahead not yet taken)."""
-        self._ahead = (batch, self._reader.submit(self._read, batch))
+        self._ahead = (batch, self._reader.submit(read_planned_batch, batch, self.dataset))
 
     def read(self, batch: PlannedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`batch`'s rows: those read ahead when it is the batch read ahead, else read now."""
@@ -336,10 +399,7 @@ class PlannedBatchReader:
             _, reading = self._ahead
             self._ahead = None
             return reading.result()
-        return self._read(batch)
-
-    def _read(self, batch: PlannedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return _read_step_batch(batch, self.columns, self.label, self.shape)
+        return read_planned_batch(batch, self.dataset)
 
 
 # A window's gathered rows on disk are held to about this many bytes when its length is chosen ("auto").
@@ -361,28 +421,29 @@ def auto_window_steps(expected_batch_size: float, row_bytes: int, total_steps: i
 
 
 class PlannedWindows:
-    """Windows of `window_steps` steps of `spec`'s Parquet training rows, each gathered while the one before trains.
+    """Windows of `window_steps` steps of `dataset`'s rows, each gathered while the one before trains.
 
     `shares_of(step)` is the step's sample split across the workers, as the
     step will send it; it is called on the gathering thread, so it must be a
     pure function of the step (the run key's PRF). Windows count from
-    `first_step` (a resumed run's first step). `remote_args` are Ray options
-    for the gather's task (keep it on the node whose disk holds the
-    folders). One background thread gathers the windows in order: when a
+    `first_step` (a resumed run's first step). The gathers run on the
+    node `node_id` (the one whose disk holds the folders; give it on a
+    cluster of several nodes). One background thread gathers the windows in order: when a
     window is first asked for, the next one is started, so at most three
     folders exist (the one whose last step may still be retried, the one
     training, the one gathering), and each is deleted once its steps ran.
     """
 
-    def __init__(self, spec: Mapping, window_steps: int, total_steps: int,
+    def __init__(self, dataset: PlannedDataset, window_steps: int, total_steps: int,
                  shares_of: Callable[[int], Sequence[np.ndarray]], first_step: int = 0,
-                 remote_args: Mapping | None = None) -> None:
+                 node_id: str | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         if window_steps < 1:
             raise ValueError(f"plan_ahead_steps must be >= 1 (got {window_steps})")
-        self.spec, self.window_steps, self.total_steps, self.shares_of = spec, window_steps, total_steps, shares_of
-        self.first_step, self.remote_args = first_step, remote_args
+        self.dataset, self.window_steps, self.total_steps = dataset, window_steps, total_steps
+        self.shares_of = shares_of
+        self.first_step, self.node_id = first_step, node_id
         self.windows: dict[int, tuple[str, Future]] = {}
         # Folders that killed runs left on this node hold sampled rows: they go before this run makes its own.
         remove_stale_window_folders()
@@ -431,45 +492,31 @@ class PlannedWindows:
 
     def _gather(self, steps: range, folder: str) -> None:
         # Which row groups were read says which held a sampled row: it is dropped, never kept or logged.
-        gather_window(self.spec, {step: self.shares_of(step) for step in steps}, folder, self.remote_args)
-
-
-def first_row(spec: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split's first example, streamed: decoding it never holds its whole row group."""
-    _, paths = _files_at(spec["train"], PARQUET_SUFFIXES)
-    parquet = pq.ParquetFile(paths[0], pre_buffer=False, buffer_size=1 << 20)
-    columns, _ = _check_schema(spec, parquet.schema_arrow, paths[0])
-    label = spec.get("label", "label")
-    batch = next(parquet.iter_batches(batch_size=1, columns=[*columns, label], use_threads=False))
-    features, labels = _table_to_numpy(pa.Table.from_batches([batch]).slice(0, 1), columns, label)
-    return _feature_tensor(features.copy(), spec.get("shape")), _label_tensor(labels.copy())
+        gather_window(self.dataset, {step: self.shares_of(step) for step in steps}, folder, self.node_id)
 
 
 class PlannedRunSource:
-    """A planned run's training rows [start, stop) on a worker (all by default), no row-group index held.
+    """A planned run's training rows [start, stop) of `dataset` on a worker (all by default), no footer parsed.
 
     Steps read from planned batches, so the worker keeps no per-row-group
     metadata (which grows with N). A read of no rows (the example's shape)
-    streams the first example alone; any other read (a feature cache, the
-    non-private train loss) opens a `ParquetSource` then and keeps it.
+    comes from `dataset`; any other read (a feature cache, the non-private
+    train loss) opens a `ParquetSource` over `spec` then and keeps it.
     Indices count from `start` (a silo worker's range of its shard).
     """
 
-    def __init__(self, spec: Mapping, start: int = 0, stop: int | None = None) -> None:
-        self.spec, self.start = spec, start
-        self.size = (int(file_row_counts(spec, "train")[1].sum()) if stop is None else stop) - start
+    def __init__(self, spec: Mapping, dataset: PlannedDataset, start: int = 0, stop: int | None = None) -> None:
+        self.spec, self.dataset, self.start = spec, dataset, start
+        self.size = (dataset.size if stop is None else stop) - start
         self.source: ParquetSource | None = None
-        self.no_rows = None
 
     def __len__(self) -> int:
         return self.size
 
     def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows at ``indices`` through a Parquet source (opened for the first read of none alone)."""
+        """The rows at ``indices`` through a Parquet source (opened for the first read of any)."""
         if not len(indices) and self.source is None:
-            if self.no_rows is None:
-                self.no_rows = first_row(self.spec)
-            return self.no_rows[0][:0], self.no_rows[1][:0]
+            return self.dataset.no_rows_tensors()
         if self.source is None:
             self.source = ParquetSource(self.spec, "train")
         return self.source.read(np.asarray(indices) + self.start)

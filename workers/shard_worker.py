@@ -25,7 +25,7 @@ import ray
 
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
-from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, file_row_counts
+from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, read_planned_dataset_beside
 from workers.keys import SILO_NOISE
 from workers.sampling import SiloFixedOrder, local_poisson_sample, local_sampling_key, silo_fixed_order_batch
 from workers.secure_aggregation import SiloParty, skellam_share
@@ -75,15 +75,15 @@ class ShardWorker(GradientWorker):
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
                          engine=engine, loss=loss, train_transforms=train_transforms,
                          augmentations_per_example=augmentations_per_example,
-                         planned_batches=isinstance(shard.dataset, Mapping))
+                         planned_dataset=(read_planned_dataset_beside(shard.dataset)
+                                          if isinstance(shard.dataset, Mapping) else None))
 
     def _training_source(
         self, dataset: str | dict, train_subset: int | None, data_root: str | None
     ) -> tuple[InMemorySource | PlannedRunSource, int]:
-        if self.planned_batches:
-            self.row_offset, stop = worker_bounds(int(file_row_counts(dataset, "train")[1].sum()), self.shard,
-                                             self.worker_index)
-            source = PlannedRunSource(dataset, self.row_offset, stop)
+        if self.planned_dataset is not None:
+            self.row_offset, stop = worker_bounds(self.planned_dataset.size, self.shard, self.worker_index)
+            source = PlannedRunSource(dataset, self.planned_dataset, self.row_offset, stop)
         else:
             source = InMemorySource(*load_shard_examples(self.shard, self.worker_index, data_root))
         return source, len(source)
@@ -106,26 +106,22 @@ class ShardWorker(GradientWorker):
             raise ValueError(f"sampling_rate must be in (0, 1] (got {sampling_rate})")
         self.sampling_rate = sampling_rate
         self._fixed_order = None if fixed_order is None else (fixed_order, fixed_order.order(self.train_size))
-        if self.planned_batches:
+        if self.planned_dataset is not None:
             if total_steps is None:
                 raise ValueError("a Parquet shard's worker plans its windows up to the run's end: give total_steps")
             self._plan_windows(total_steps)
 
     def _plan_windows(self, total_steps: int) -> None:
         """Windows of this worker's own samples, gathered on this node's disk by Ray Data tasks kept on it."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         if self.windows is not None:
             self.windows.close()
         window_steps = self.plan_ahead_steps
         if window_steps == "auto":
-            inputs, labels = self.source.read(np.zeros(0, dtype=np.int64))
-            row_bytes = inputs.element_size() * int(np.prod(inputs.shape[1:])) + labels.element_size()
-            window_steps = auto_window_steps(self.sampling_rate * self.train_size, row_bytes, total_steps)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.windows = PlannedWindows(self.dataset, int(window_steps), total_steps,
+            window_steps = auto_window_steps(self.sampling_rate * self.train_size, self.planned_dataset.row_bytes,
+                                             total_steps)
+        self.windows = PlannedWindows(self.planned_dataset, int(window_steps), total_steps,
                                       lambda step: [self.row_offset + self._local_sample(step)],
-                                      remote_args={"scheduling_strategy": here})
+                                      node_id=ray.get_runtime_context().get_node_id())
         self.windows.start()
 
     def release(self) -> None:
