@@ -145,7 +145,7 @@ def noisy_mean_gradient(
 ):
     """(sum of partial_sums + noise_std * unit_noise) / contributions in float64, written as float32 into `out`.
 
-    The partial sums of clipped gradients are added up first, and the noise
+    `unit_noise` None adds none (the sum already carries its noise). The partial sums of clipped gradients are added up first, and the noise
     once to their sum; dividing by the expected batch size q*N (or the
     microbatch count), never the realised one, keeps the realised count (a
     raw, un-noised statistic) out of what is released. On the CPU this runs
@@ -157,10 +157,12 @@ def noisy_mean_gradient(
         noisy = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
         for part in partial_sums:
             noisy += torch.as_tensor(part).to(out.device)
-        out.copy_(noisy.add_(unit_noise, alpha=noise_std).div_(contributions))
+        if unit_noise is not None:
+            noisy.add_(unit_noise, alpha=noise_std)
+        out.copy_(noisy.div_(contributions))
         return out
     array = np.asarray(out)
-    unit_noise = np.asarray(unit_noise)
+    unit_noise = None if unit_noise is None else np.asarray(unit_noise)
 
     def combine(bounds: tuple[int, int]) -> None:
         start, stop = bounds
@@ -168,7 +170,8 @@ def noisy_mean_gradient(
         noisy.fill(0.0)
         for part in partial_sums:
             noisy += part[start:stop]
-        noisy += np.multiply(unit_noise[start:stop], noise_std, out=scaled_noise)
+        if unit_noise is not None:
+            noisy += np.multiply(unit_noise[start:stop], noise_std, out=scaled_noise)
         np.divide(noisy, contributions, out=array[start:stop])
 
     bounds = chunk_bounds(array.size)
@@ -251,10 +254,13 @@ class CentralNoise:
     `noise` is the run's generator, keyed by the run key; `size` the
     number of parameters. The threads that add it take every core the
     driver has: the workers are idle while it runs. `close` stops both.
+    With `at_driver` False (the noise is in the silos' sums) nothing is
+    drawn: each step's `take` only marks it taken, and gives None.
     """
 
-    def __init__(self, noise: GaussianNoise, size: int, steps: int, correlation: CorrelatedNoisePlan | None = None):
-        self.steps = steps
+    def __init__(self, noise: GaussianNoise, size: int, steps: int, correlation: CorrelatedNoisePlan | None = None,
+                 at_driver: bool = True):
+        self.steps, self.at_driver = steps, at_driver
         self.feed = NoiseFeed(noise, size)
         self.arithmetic = ThreadPoolExecutor(driver_threads(), thread_name_prefix="driver")
         self.correlated = None if correlation is None else CorrelatedNoise(correlation, noise, size)
@@ -263,7 +269,7 @@ class CentralNoise:
 
     def request(self, step: int) -> None:
         """Start drawing step `step`'s noise and the next step's, while the workers compute."""
-        if not self._uses_feed:
+        if not self._uses_feed or not self.at_driver:
             return
         self.feed.request(step)
         if step + 1 < self.steps:
@@ -271,7 +277,10 @@ class CentralNoise:
 
     def take(self, step: int):
         """Step `step`'s unit noise vector, handed out once (`NoiseFeed.take`); correlated across steps with a
-        correlated mechanism (`CorrelatedNoise`)."""
+        correlated mechanism (`CorrelatedNoise`); None when the noise is not the driver's."""
+        if not self.at_driver:
+            self.feed.take_once(step)
+            return None
         if self.correlated is None:
             return self.feed.take(step)
         if not self._uses_feed:

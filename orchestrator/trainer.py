@@ -383,7 +383,8 @@ class Trainer:
             if self.shards is not None:
                 running.callback(self.shards.close)
             self.central_noise = running.enter_context(closing(
-                CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation)))
+                CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation,
+                             at_driver=self.config.noise_placement != "silos")))
             self.planned_windows = self.planned_dataset = None
             # With shards, each silo's workers plan and gather their own windows (workers.shard_worker).
             if self.config.plan_ahead_steps is not None and self.shards is None:

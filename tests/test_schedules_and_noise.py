@@ -17,6 +17,7 @@ from orchestrator.errors import UsageError
 from orchestrator.noise import (
     CHUNK_VALUES,
     COUNT_NOISE,
+    CentralNoise,
     GRADIENT_NOISE,
     GaussianNoise,
     NoiseFeed,
@@ -212,6 +213,23 @@ def test_the_feed_draws_ahead_in_the_background_and_hands_each_step_out_once():
     np.testing.assert_array_equal(step_1, GaussianNoise(SecretKey.from_seed(3)).draw(size, 1.0, (GRADIENT_NOISE, 1)))
     assert not np.shares_memory(step_2, step_1)
     feed.close()
+
+
+def test_noise_the_silos_add_is_never_drawn_at_the_driver_and_each_step_is_still_taken_once():
+    noise = ThreadRecordingNoise(3)
+    central = CentralNoise(noise, CHUNK_VALUES + 1, 4, at_driver=False)
+    try:
+        central.request(0)
+        assert central.take(0) is None
+        with pytest.raises(RuntimeError, match="already taken"):
+            central.take(0)
+        parts = [np.arange(5.0), np.ones(5)]
+        out = np.empty(5, dtype=np.float32)
+        central.mean_gradient(parts, central.take(1), 0.0, 4.0, out)
+        np.testing.assert_array_equal(out, (np.arange(5.0) + 1) / 4)
+        assert noise.drawn_on == {}
+    finally:
+        central.close()
 
 
 def test_secure_noise_is_not_a_single_draw():
