@@ -97,7 +97,9 @@ def read_planned_dataset(spec: Mapping) -> PlannedDataset:
     streamed (its row group never held whole) for the widths and dtypes of
     ``no_rows``, whose values are dropped. Each footer is dropped once
     counted, but the memory its parsed metadata took stays with this
-    process: a gradient worker asks `read_planned_dataset_beside` instead.
+    process: a gradient worker never calls it. The driver does, and hands
+    the result to its workers; a silo's worker calls
+    `read_planned_dataset_beside`.
     """
     _, paths = _files_at(spec["train"], PARQUET_SUFFIXES)
     label = spec.get("label", "label")
