@@ -32,7 +32,7 @@ def cluster():
 
 def test_each_nodes_sums_are_added_there_and_equal_the_flat_float64_sum(cluster, worker_pool, tmp_path):
     # The workers the training runs below are then handed: one CPU each, so two on each node.
-    run = SimpleNamespace(config=config(tmp_path, "sums"))
+    run = SimpleNamespace(config=config(tmp_path, "sums"), planned_dataset=None)
     workers = {index: worker_pool.worker_for(run) for index in range(len(NODES) * WORKERS_PER_NODE)}
     nodes = dict(zip(workers, ray.get([worker.node_id.remote() for worker in workers.values()])))
     assert len(set(nodes.values())) == len(NODES)
