@@ -94,16 +94,11 @@ def test_slices_cover_every_coordinate_exactly_once(size, world_size):
 SILOS = [{"dataset": "mnist", "part": part, "parts": 20} for part in range(NODES)]
 
 
-# DP-FedAvg: user-level, with a model delta per user; the collective path runs user level without it.
-FEDAVG = dict(privacy_unit="user", synthetic_users=40, batch_size=8, local_steps=2, local_learning_rate=0.1)
-
-
 def test_collective_refuses_what_it_does_not_run(tmp_path):
-    with pytest.raises(UsageError, match="local_steps"):
-        tiny_config(tmp_path, "refused", aggregation="collective", **FEDAVG)
-    # Parameter averaging and user-level privacy run on it.
+    # Parameter averaging, user-level privacy and DP-FedAvg run on it.
     tiny_config(tmp_path, "ema", aggregation="collective", ema_decay=0.9)
     tiny_config(tmp_path, "users", aggregation="collective", privacy_unit="user", synthetic_users=40, batch_size=8)
+    tiny_config(tmp_path, "fedavg", aggregation="collective", **ONE_USER_STEP, **FEDAVG)
     with pytest.raises(UsageError, match='on_shard_loss = "skip"'):
         tiny_config(tmp_path, "skip", aggregation="collective", shards=SILOS, train_subset=None,
                     on_shard_loss="skip")
@@ -117,7 +112,8 @@ def test_auto_picks_the_collective_path_from_the_measured_crossover(tmp_path):
     # One worker has no sum to share: the driver path, however large the model.
     assert resolved_aggregation(tiny_config(tmp_path, "one", workers=1), 10 ** 9) == "driver"
     # A config the collective path does not run stays on the driver path.
-    assert resolved_aggregation(tiny_config(tmp_path, "fedavg", **FEDAVG), 10 ** 9) == "driver"
+    skip = tiny_config(tmp_path, "skip", shards=SILOS, train_subset=None, on_shard_loss="skip")
+    assert resolved_aggregation(skip, 10 ** 9) == "driver"
     assert resolved_aggregation(tiny_config(tmp_path, "named", aggregation="driver"), 10 ** 9) == "driver"
 
 
@@ -173,6 +169,8 @@ def test_driver_bytes_per_step_do_not_grow_with_the_model(both_paths, tmp_path):
 # run's by lr * noise / (q N), coordinate by coordinate.
 ONE_USER_STEP = dict(privacy_unit="user", synthetic_users=40, batch_size=8, steps=1, optimizer="sgd",
                      learning_rate=1.0, noise_multiplier=2.0, clip_norm=0.5)
+# DP-FedAvg: each user's clipped model delta after local SGD, which the server optimizer applies.
+FEDAVG = dict(local_steps=2, local_learning_rate=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +187,13 @@ def test_user_level_on_the_collective_path_gives_the_driver_paths_weights(quiet_
     assert summary["privacy_unit"] == "user" and summary["users"] == driver_summary["users"] == 40
     assert summary["epsilon"] == driver_summary["epsilon"]
     assert summary["driver_bytes_per_step"] < 64 * 1024
+
+
+def test_dp_fedavg_on_the_collective_path_gives_the_driver_paths_weights(cluster, tmp_path):
+    steps = dict(ONE_USER_STEP, steps=2, **FEDAVG)
+    collective, _ = run(NoiseOff, tiny_config(tmp_path, "collective", aggregation="collective", **steps))
+    driver, _ = run(NoiseOff, tiny_config(tmp_path, "driver", aggregation="driver", **steps))
+    assert_same_weights(collective, driver)
 
 
 def test_each_coordinate_gets_noise_of_std_sigma_c_once(quiet_user_step, tmp_path):

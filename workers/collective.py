@@ -22,7 +22,9 @@ slice's noise; nothing of size P. The ranks then:
 Under ``privacy_unit = "user"`` a rank's share holds user numbers and step 1
 is ``GradientWorker.user_clipped_sum``: each sampled user's rows are read and
 clipped whole, so one user moves the total by at most C, and the rest is the
-same.
+same. With DP-FedAvg's ``local_steps`` each user's contribution is its
+clipped model delta, and step 4 hands the optimizer minus the noisy mean
+delta as its gradient, as the driver path does.
 
 The ranks see the un-noised totals of their slices: the path assumes that
 the workers trust each other (docs/scaling.md). The noise keys live in the
@@ -149,6 +151,9 @@ class CollectiveRank(GradientWorker):
         noisy = total[:owned].cpu().numpy()
         noisy += self._slice_noise(noise_key, seeded, step, owned, noise_std)
         noisy /= contributions
+        if self.users is not None and self.users.local_steps is not None:
+            # DP-FedAvg's noisy mean is a model delta: the server optimizer takes it as minus a gradient.
+            np.negative(noisy, out=noisy)
         self.slice_weights.grad = torch.as_tensor(noisy.astype(np.float32), device=self.collective_device)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate

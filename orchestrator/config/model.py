@@ -258,8 +258,6 @@ def collective_refusals(config: TrainConfig) -> list[str]:
     """What in `config` the collective path cannot run, each with its reason (empty: it runs the config)."""
     return [reason for reason, present in (
         ("plan_ahead_steps (the planned batches are the driver path's)", config.plan_ahead_steps is not None),
-        ("local_steps (DP-FedAvg's noisy mean is a model delta for the driver's server optimizer)",
-         config.local_steps is not None),
         ('on_shard_loss = "skip" (the group has a rank per shard worker; a run stops when one is lost and is '
          'resumed from its checkpoint)', bool(config.shards) and config.on_shard_loss == "skip"),
         ("secure_aggregation (the ranks reduce-scatter plain sums; masked silo sums go through the driver path)",
