@@ -90,30 +90,27 @@ class SampledGaussian:
         return (self.sampling_rate, self.noise_multiplier, self.sensitivity_factor)
 
     def with_steps(self, steps: int) -> "SampledGaussian":
-        """The same mechanism run for a different number of steps."""
-        return SampledGaussian(self.sampling_rate, self.noise_multiplier, steps, self.sensitivity_factor)
+        """The same mechanism run for a different number of steps (a record of the same kind)."""
+        return replace(self, steps=steps)
 
     def with_sensitivity(self, sensitivity_factor: float) -> "SampledGaussian":
-        """The same mechanism with a different sensitivity factor."""
-        return SampledGaussian(self.sampling_rate, self.noise_multiplier, self.steps, sensitivity_factor)
+        """The same mechanism with a different sensitivity factor (a record of the same kind)."""
+        return replace(self, sensitivity_factor=sensitivity_factor)
 
     def same_mechanism(self, other: "SampledGaussian") -> bool:
-        """True when both records describe the same per-step mechanism."""
-        return (
-            type(self) is type(other)
-            and self.sampling_rate == other.sampling_rate
-            and self.noise_multiplier == other.noise_multiplier
-            and self.sensitivity_factor == other.sensitivity_factor
-        )
+        """True when both records describe the same per-step mechanism: same kind, key and `EXTRA_FIELDS`."""
+        return (type(self) is type(other) and self.mechanism_key == other.mechanism_key
+                and all(getattr(self, field) == getattr(other, field) for field in self.EXTRA_FIELDS))
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict; floats keep their exact value through json."""
+        """A JSON-ready dict, `EXTRA_FIELDS` after the four common ones; floats keep their exact value through json."""
         return {
             "kind": self.KIND,
             "sampling_rate": self.sampling_rate,
             "noise_multiplier": self.noise_multiplier,
             "steps": self.steps,
             "sensitivity_factor": self.sensitivity_factor,
+            **{field: getattr(self, field) for field in self.EXTRA_FIELDS},
         }
 
     @classmethod
@@ -181,27 +178,6 @@ class CorrelatedGaussian(SampledGaussian):
                 raise EventError(f"{name} must be an integer >= 1 (got {value!r})")
             object.__setattr__(self, name, int(value))
 
-    def with_steps(self, steps: int) -> "CorrelatedGaussian":
-        """The same mechanism for a different number of participations."""
-        return CorrelatedGaussian(self.sampling_rate, self.noise_multiplier, steps, self.sensitivity_factor,
-                                  self.mechanism, self.band_width, self.period)
-
-    def with_sensitivity(self, sensitivity_factor: float) -> "CorrelatedGaussian":
-        """The same mechanism with a different sensitivity factor."""
-        return CorrelatedGaussian(self.sampling_rate, self.noise_multiplier, self.steps, sensitivity_factor,
-                                  self.mechanism, self.band_width, self.period)
-
-    def same_mechanism(self, other: SampledGaussian) -> bool:
-        """True when both records describe the same correlated mechanism's participations."""
-        return (super().same_mechanism(other)
-                and (self.mechanism, self.band_width, self.period) == (other.mechanism, other.band_width,
-                                                                       other.period))
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict; floats keep their exact value through json."""
-        return {**super().to_dict(), "kind": self.KIND, "mechanism": self.mechanism,
-                "band_width": self.band_width, "period": self.period}
-
 
 NOISE_PLACEMENTS = ("driver", "silos")
 
@@ -248,22 +224,9 @@ class SampledSkellam(SampledGaussian):
         """The per-step mechanism as the ledger keys it: (rate, sigma, sensitivity factor, rounding ratio)."""
         return (self.sampling_rate, self.noise_multiplier, self.sensitivity_factor, self.rounding_ratio)
 
-    def with_steps(self, steps: int) -> "SampledSkellam":
-        """The same mechanism run for a different number of steps."""
-        return replace(self, steps=steps)
-
-    def with_sensitivity(self, sensitivity_factor: float) -> "SampledSkellam":
-        """The same mechanism with a different sensitivity factor."""
-        return replace(self, sensitivity_factor=sensitivity_factor)
-
-    def same_mechanism(self, other: SampledGaussian) -> bool:
-        """True when both records describe the same per-step mechanism."""
-        return type(self) is type(other) and self.mechanism_key == other.mechanism_key
-
     def to_dict(self) -> dict:
         """A JSON-ready dict; floats keep their exact value through json. It names the noise placement."""
-        return {**super().to_dict(), "kind": self.KIND, "rounding_ratio": self.rounding_ratio,
-                "noise_placement": self.noise_placement}
+        return {**super().to_dict(), "noise_placement": self.noise_placement}
 
     def to_dp_event(self):
         """Refused: dp-accounting knows no Skellam mechanism (``accounting.skellam`` accounts it)."""
