@@ -157,7 +157,7 @@ class GradientWorker:
         self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
                               if self.feature_map is not None and self.transform is None else None)
         self.users = users
-        self.planned_reader: PlannedBatchReader | None = None
+        self.planned_reader = None if planned_dataset is None else PlannedBatchReader(planned_dataset)
         self.user_index = None if users is None else user_index(users, dataset, self.train_size)
         if self.augmentations == 1:
             # Settled on synthetic examples before any step: no private example decides the engine or its report.
@@ -267,15 +267,11 @@ class GradientWorker:
         if planned is None or not len(indices) or self.feature_cache is not None:
             inputs, labels = (self.feature_cache or self.source).read(indices)
         else:
-            if self.planned_reader is None:
-                self.planned_reader = PlannedBatchReader(self.planned_dataset)
             inputs, labels = self.planned_reader.read(planned)
             if len(labels) != len(indices):
                 raise RuntimeError(f"the planned batch of step {planned.step} holds {len(labels)} rows where the "
                                    f"step sampled {len(indices)}; its window's folder was changed or removed")
         if next_planned is not None and self.feature_cache is None:
-            if self.planned_reader is None:
-                self.planned_reader = PlannedBatchReader(self.planned_dataset)
             self.planned_reader.prefetch(next_planned)
         elif next_indices is not None and isinstance(self.source, PrefetchingSource):
             self.source.prefetch(self._checked_indices(next_indices))

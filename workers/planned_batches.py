@@ -56,6 +56,15 @@ torch = LazyModule("torch")
 READ_ROWS = 4096
 
 
+# The label every Ray node carries with its id: a task that selects it runs on that node and no other.
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def on_node(node_id: str) -> dict[str, str]:
+    """The Ray label selector of the node `node_id` (a task's or a Ray Data map's ``label_selector``)."""
+    return {NODE_ID_LABEL: node_id}
+
+
 @dataclass(frozen=True, eq=False)
 class PlannedDataset:
     """A Parquet training split as a planned run's workers and gathers know it, read from the footers once.
@@ -126,15 +135,6 @@ def read_planned_dataset_beside(spec: Mapping) -> PlannedDataset:
 
     here = on_node(ray.get_runtime_context().get_node_id())
     return ray.get(ray.remote(read_planned_dataset).options(num_cpus=0, label_selector=here).remote(spec))
-
-
-# The label every Ray node carries with its id: a task that selects it runs on that node and no other.
-NODE_ID_LABEL = "ray.io/node-id"
-
-
-def on_node(node_id: str) -> dict[str, str]:
-    """The Ray label selector of the node `node_id` (a task's or a Ray Data map's ``label_selector``)."""
-    return {NODE_ID_LABEL: node_id}
 
 
 @dataclass(frozen=True)
