@@ -100,6 +100,13 @@ class RestorePoint:
     slices: list[dict] | None
     averaged: ray.ObjectRef | None = None
 
+    @classmethod
+    def put(cls, step: int, weights: np.ndarray, slices: list[dict] | None,
+            averaged: np.ndarray | None) -> "RestorePoint":
+        """The restore point of these flat weights and moving average (None without), put as float32 in the store."""
+        return cls(step, ray.put(np.asarray(weights, dtype=np.float32)), slices,
+                   None if averaged is None else ray.put(np.asarray(averaged, dtype=np.float32)))
+
 
 class CollectiveFleet:
     """`config.workers` collective ranks in one process group, started at `step` with `weights` and `slices`.
@@ -144,9 +151,7 @@ class CollectiveFleet:
         # NCCL takes one GPU per rank; ranks that share a GPU (gpus_per_worker < 1) reduce over gloo on the host.
         self.backend = "nccl" if config.gpus_per_worker >= 1 else "gloo"
         self.learning_rate = learning_rate
-        self.restore_point = RestorePoint(step, ray.put(np.asarray(weights, dtype=np.float32)), slices,
-                                          None if averaged_weights is None
-                                          else ray.put(np.asarray(averaged_weights, dtype=np.float32)))
+        self.restore_point = RestorePoint.put(step, weights, slices, averaged_weights)
         self.replay: list[tuple[int, list[tuple]]] = []
         self.replacements = 0
         self._form_group()
@@ -271,8 +276,7 @@ class CollectiveFleet:
             step, lambda: self._on_ranks(lambda rank, worker: worker.optimizer_slice.remote()))
         weights = self.weights(step)
         averaged = None if self.config.ema_decay is None else self.averaged_weights(step)
-        self.restore_point = RestorePoint(step, ray.put(weights), slices,
-                                          None if averaged is None else ray.put(averaged))
+        self.restore_point = RestorePoint.put(step, weights, slices, averaged)
         self.replay.clear()
         return weights, slices, averaged
 
