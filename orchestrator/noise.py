@@ -145,7 +145,8 @@ def noisy_mean_gradient(
 ):
     """(sum of partial_sums + noise_std * unit_noise) / contributions in float64, written as float32 into `out`.
 
-    `unit_noise` None adds none (the sum already carries its noise). The partial sums of clipped gradients are added up first, and the noise
+    `unit_noise` None adds none (the sum already carries its noise). The
+    partial sums of clipped gradients are added up first, and the noise
     once to their sum; dividing by the expected batch size q*N (or the
     microbatch count), never the realised one, keeps the realised count (a
     raw, un-noised statistic) out of what is released. On the CPU this runs

@@ -146,7 +146,8 @@ class RunReport:
         config = self.config
         figures: dict = {"noise_placement": config.noise_placement}
         if config.noise_placement == "silos":
-            driver_events = Composition(tuple(event_of(event.mechanism_key[:3], event.steps) for event in events.events))
+            driver_events = Composition(tuple(event_of(event.mechanism_key[:3], event.steps)
+                                              for event in events.events))
             figures["noise_share_tolerance"] = config.noise_share_tolerance
             figures["driver_noise_epsilon"], figures["driver_noise_epsilon_label"] = labelled_epsilon(
                 self.accountant, driver_events, config.delta)

@@ -87,7 +87,8 @@ def test_the_vectorised_one_step_pld_is_dp_accountings(rate, sigma):
     pairs = [(ours._pmf_remove, reference._pmf_remove)] + ([] if rate == 1.0 else [(ours._pmf_add, reference._pmf_add)])
     for mine, theirs in pairs:
         mine, theirs = mine.to_dense_pmf(), theirs.to_dense_pmf()
-        assert (mine._lower_loss, mine.size, mine._infinity_mass) == (theirs._lower_loss, theirs.size, theirs._infinity_mass)
+        assert (mine._lower_loss, mine.size, mine._infinity_mass) == (theirs._lower_loss, theirs.size,
+                                                                     theirs._infinity_mass)
         np.testing.assert_array_equal(mine._probs, theirs._probs)
 
 

@@ -402,8 +402,8 @@ def test_white_box_audit_of_correct_noise_stays_below_the_accountant(pooled_work
 
 
 def test_white_box_audit_catches_noise_scaled_down_4x(pooled_workers, tmp_path):
-    result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(SecretKey.from_seed(3)), trainer_class=CanaryTrainer,
-                       out=open("/dev/null", "w"))
+    result = run_audit(audit_config(tmp_path, 1), noise=ScaledDownNoise(SecretKey.from_seed(3)),
+                       trainer_class=CanaryTrainer, out=open("/dev/null", "w"))
     # Seed 3 gives about 2.1 against 1.0.
     assert result["epsilon_lower"] > result["epsilon_upper"] == pytest.approx(1.0, rel=0.01)
     assert result["verdict"].startswith("VIOLATION")

@@ -2,7 +2,8 @@
 of a dataset's committed events.
 
 The one part of the budget arithmetic that is not pure. A curve costs milliseconds per mechanism (tens under a
-heavy load; accountants.sampled_gaussian_rdp) and a PLD figure up to a second, so callers asking for the same one at once share one computation (`shared_cache`);
+heavy load; accountants.sampled_gaussian_rdp) and a PLD figure up to a second, so callers asking for the same
+one at once share one computation (`shared_cache`);
 a server may compute curves in processes of its own (`compute_curves_in_processes`), a caller that will not
 wait gets a PLD figure started on a background thread (`spent_pld_epsilon`), and the store computes a missing
 curve outside its write lock (`rdp_curves_cached_only`). The pure arithmetic (accounting.ledger.admission)

@@ -15,8 +15,8 @@ NAME_LENGTH = (1, 128)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 MAX_PLAN_RECORDS = 1000
 # Distinct mechanisms (sampling rate, noise multiplier, sensitivity factor) in one plan. Each new one costs an
-# RDP curve (milliseconds of CPU, up to some 0.2 s at a small noise multiplier), so the cap bounds what one request can make a server compute; a noise schedule
-# changing sigma every epoch for 100 epochs fits.
+# RDP curve (milliseconds of CPU, up to some 0.2 s at a small noise multiplier), so the cap bounds what one
+# request can make a server compute; a noise schedule changing sigma every epoch for 100 epochs fits.
 MAX_PLAN_MECHANISMS = 100
 MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1

@@ -116,8 +116,8 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     _add_token_bucket_flags(
         serve_parser, ("--curves-per-second", "--curve-burst"), "each tenant's costly requests",
         CURVE_RATE_PER_SECOND, CURVE_BURST,
-        "each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (milliseconds to 0.2 s "
-        "of CPU each), and one more per fits; refilled at this rate",
+        "each tenant's costly requests: one per RDP curve of a mechanism the server has not seen (milliseconds to "
+        "0.2 s of CPU each), and one more per fits; refilled at this rate",
         ", a plan of the most distinct mechanisms a plan may have",
     )
     _add_token_bucket_flags(
