@@ -184,17 +184,19 @@ NOISE_PLACEMENTS = ("driver", "silos")
 
 @dataclass(frozen=True)
 class SampledSkellam(SampledGaussian):
-    """`steps` steps of an integer sum of a Poisson-sampled batch with Skellam noise added in shares by silos.
+    """`steps` steps of an integer sum of a Poisson-sampled batch with integer noise added in shares by silos.
 
     Each silo scales its clipped sum by s, rounds it to integers and adds its
-    share of Skellam noise on the ring before secure aggregation masks it
-    (``noise_placement = "silos"``); the driver only ever sees the noisy
-    total. `noise_multiplier` is σ, the std of the noise that the silos
-    guarantee (whatever silos drop out or collude within the tolerance) over
-    s·C; `rounding_ratio` r bounds √d / (s·C) for d coordinates, so one
-    example moves the rounded sum by at most (k + r)·s·C. Its RDP is
+    share of discrete Gaussian noise on the ring before secure aggregation
+    masks it (``noise_placement = "silos"``); the driver only ever sees the
+    noisy total. `noise_multiplier` is σ, the std over s·C of one honest
+    silo's share, which is what the noise unknown to the driver and the
+    silos colluding with it keeps whatever silos drop out (within the
+    protocol's bounds); `rounding_ratio` r bounds √d / (s·C) for d
+    coordinates, so one example moves the rounded sum by at most (k + r)·s·C.
+    Its RDP is bounded by the Skellam mechanism's,
     ``accounting.skellam.sampled_skellam_rdp``; it has no PLD here, so every
-    rigorous accountant reports its RDP bound.
+    rigorous accountant reports that RDP bound.
     """
 
     KIND: ClassVar[str] = "sampled_skellam"

@@ -1,30 +1,38 @@
-"""The Skellam mechanism's Rényi DP, alone and Poisson-subsampled: the accountant of noise that silos add in shares.
+"""The Skellam mechanism's Rényi DP, alone and Poisson-subsampled: the accountant of the noise that silos add.
 
-Integer noise on the ring: each silo adds a symmetric Skellam share, and
-Skellam noise is closed under summation, so the total carries Sk of the
-shares' summed variance. Agarwal, Kairouz and Liu ("The Skellam Mechanism for
-Differentially Private Federated Learning", NeurIPS 2021, arXiv 2110.04995,
-Theorem 3.5, with μ the per-coordinate variance) bound its Rényi divergence
-at integer orders α > 1, for an integer query of L2 sensitivity Δ2 and L1
-sensitivity Δ1:
+Each silo adds to its rounded sum a share of exact discrete Gaussian noise
+N_Z(0, v) with v ≥ (σ·s·C)² (``workers.secure_aggregation.noise``), so that
+one honest silo's share carries the target alone. Canonne, Kamath and
+Steinke (NeurIPS 2020, arXiv 2004.00010) show that N_Z(0, μ) on an integer
+query of L2 sensitivity Δ2 has Rényi divergence at most α Δ2² / (2μ), the
+continuous Gaussian's; the other silos' shares are independent noise added
+on top, which only post-processes it. That is the leading term of the bound
+that Agarwal, Kairouz and Liu ("The Skellam Mechanism for Differentially
+Private Federated Learning", NeurIPS 2021, arXiv 2110.04995, Theorem 3.5,
+with μ the per-coordinate variance) prove for Skellam noise, at integer
+orders α > 1, for an integer query of L2 sensitivity Δ2 and L1 sensitivity Δ1:
 
     ε(α) ≤ α Δ2² / (2μ) + min(((2α − 1) Δ2² + 6 Δ1) / (4μ²), 3 Δ1 / (2μ))
 
-(`skellam_rdp`). Poisson subsampling at rate q is bounded by the general
+so this bound, whose second term is ≥ 0, bounds the silos' noise too, a
+little above its own RDP; the ledger's records of such steps keep their kind
+(``sampled_skellam``) and this accountant (`skellam_rdp`).
+
+Poisson subsampling at rate q is bounded by the general
 upper bound of Zhu and Wang ("Poisson Subsampled Rényi Differential
 Privacy", ICML 2019, Theorem 6), which needs only the base mechanism's RDP
 at the integer orders 2..α (`poisson_subsampled_rdp`). Rényi divergence does
 not decrease with the order, so a fractional order is bounded by the integer
 order above it, and orders below 2 by order 2.
 
-A training step in these units (`sampled_skellam_rdp`): each silo scales its
-clipped sum by s, rounds it to integers and adds its share. One example
+A training step in these units (`sampled_skellam_rdp`): each silo scales
+its clipped sum by s, rounds it to integers and adds its share. One example
 moves the scaled sum by at most k·s·C in L2 (k the sensitivity factor), and
 rounding each coordinate moves it by at most 1/2, so rounded sums of
 neighbouring datasets differ by Δ2 ≤ k·s·C + √d in L2 (d coordinates) and
 Δ1 ≤ √d·Δ2 in L1. The run picks s so that √d ≤ r·s·C for its rounding
 ratio r; in units of s·C then Δ2 ≤ k + r, Δ1 ≤ r·(k + r)·s·C and μ = σ²(s·C)²,
-where σ is the noise multiplier the remaining silos guarantee. The terms
+where σ is the noise multiplier one honest silo's share guarantees. The terms
 with μ² only shrink as s·C grows, and s·C ≥ √d / r ≥ 1, so evaluating them at
 s·C = 1 bounds them: the step's RDP depends on (q, σ, k, r) alone, not on d.
 """

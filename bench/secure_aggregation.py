@@ -4,19 +4,22 @@
 
 Side by side in one process, on the same random clipped sums: the plain path
 (each silo sends its float32 sum; the driver adds them in float64) and the
-secure path's arithmetic: the step's keying round (every step has one), each
-silo encoding its sum in fixed point and adding its two pairwise masks
-(ChaCha20 keystreams), the driver adding the uint64 parts on the ring and
-decoding; and the driver's part of a step in which one silo dropped (two
-shares rebuild its key, and its two pairs' masks are taken out). Silos work
-in parallel, so a step costs the keying, one silo's time and the driver's.
+secure path's arithmetic: the step's round (two key pairs a silo, signed
+with its Ed25519 identity, checked by every other silo, and the sealed
+shares of its masking key and self-mask seed), each silo encoding its sum in
+fixed point and adding its self-mask and its two pairwise masks (ChaCha20
+keystreams), the driver adding the uint64 inputs on the ring, rebuilding the
+three self-masks from the answers and taking them out, and decoding; and the
+driver's part of a step in which one silo dropped (its masking key rebuilt
+from the survivors' shares, and its two pairs' masks taken out). Silos work
+in parallel, so a step costs the round, one silo's time and the driver's.
 With the noise in the silos (`noise_placement = "silos"`), a silo also draws
-its Skellam share (σ = 1, tolerance 1: variance (σ·s·C)² / 2 at the Skellam
-scale) and adds it before its masks: that silo's time is reported beside.
-The bytes each silo sends are reported (uint64 against float32); Ray's
-transport (three round trips more for the keying) and the gradients
-themselves are the same in both paths and are not timed. `--json` writes
-bench/results/secure_aggregation.json.
+its exact discrete Gaussian share (σ = 1: variance (σ·s·C)² at the silo
+noise's scale) and adds it before its masks: that silo's time is reported
+beside. The bytes each silo sends are reported (uint64 against float32);
+Ray's transport (three round trips more for the keys and one for the
+answers) and the gradients themselves are the same in both paths and are
+not timed. `--json` writes bench/results/secure_aggregation.json.
 """
 
 from __future__ import annotations
@@ -31,16 +34,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from accounting.skellam import SILO_NOISE_ROUNDING_RATIO
 from workers.secure_aggregation import (
+    RandomWords,
+    RoundHistory,
     SiloParty,
-    decode,
     fixed_point_scale,
-    new_context,
-    ring_sum,
-    skellam_scale,
-    skellam_share,
+    new_round,
+    noise_share,
+    public_identity,
+    silo_noise_scale,
+    unmask_request,
     unmasked_total,
 )
 
@@ -60,15 +66,19 @@ def median_seconds(action, repeats: int) -> float:
     return float(np.median(times))
 
 
-def keyed_silos(scale: float) -> tuple[dict[int, SiloParty], dict[int, bytes], bytes]:
-    """The three silos after a keying round (the driver's relay played here), their public keys and context."""
-    context = new_context()
-    silos = {party: SiloParty(party, range(SILOS), 2, context, scale, CLIP_NORM * EXAMPLES) for party in range(SILOS)}
-    public_keys = {party: silo.public_key() for party, silo in silos.items()}
-    sealed = {party: silo.sealed_shares(public_keys) for party, silo in silos.items()}
+def keyed_silos(scale: float, step: int) -> tuple[dict[int, SiloParty], object, dict]:
+    """The three silos after the round's keys and shares (the driver's relay played here), the round and the keys
+    the silos advertised."""
+    identities = {party: Ed25519PrivateKey.generate() for party in range(SILOS)}
+    registry = [public_identity(identities[party]) for party in range(SILOS)]
+    round_ = new_round(step, range(SILOS), 2)
+    silos = {party: SiloParty(party, round_, scale, CLIP_NORM * EXAMPLES, RoundHistory(), identities[party],
+                              registry) for party in range(SILOS)}
+    advertised = {party: silo.advertise() for party, silo in silos.items()}
+    sealed = {party: silo.share_keys(advertised) for party, silo in silos.items()}
     for receiver, silo in silos.items():
         silo.receive_shares({sender: boxes[receiver] for sender, boxes in sealed.items() if sender != receiver})
-    return silos, public_keys, context
+    return silos, round_, advertised
 
 
 def measure(size: int, repeats: int) -> dict:
@@ -76,8 +86,7 @@ def measure(size: int, repeats: int) -> dict:
     generator = np.random.default_rng(0)
     sums = [generator.standard_normal(size, dtype=np.float32) for _ in range(SILOS)]
     scale = fixed_point_scale(CLIP_NORM * EXAMPLES, SILOS)
-    keying_seconds = median_seconds(lambda: keyed_silos(scale), repeats)
-    silos, public_keys, context = keyed_silos(scale)
+    keying_seconds = median_seconds(lambda: keyed_silos(scale, 0), repeats)
 
     def plain_driver():
         total = np.zeros(size)
@@ -85,27 +94,36 @@ def measure(size: int, repeats: int) -> dict:
             total += part
         return total
 
-    masked = [silos[party].masked(sums[party], 0) for party in range(SILOS)]
-    silo_seconds = median_seconds(lambda: silos[0].masked(sums[0], 1), repeats)
-    driver_seconds = median_seconds(lambda: decode(ring_sum(masked), scale), repeats)
+    def masked_inputs(dropped=()):
+        silos, round_, advertised = keyed_silos(scale, 0)
+        inputs = [silos[party].masked(sums[party]) for party in range(SILOS) if party not in dropped]
+        request = unmask_request(round_, inputs)
+        return round_, advertised, inputs, [silos[party].reveal(request) for party in request.survivors]
+
+    def one_silo():
+        silos, _, _ = keyed_silos(scale, 0)
+        started = time.perf_counter()
+        silos[0].masked(sums[0])
+        return time.perf_counter() - started
+
+    silo_seconds = float(np.median([one_silo() for _ in range(repeats)]))
+    everyone = masked_inputs()
+    driver_seconds = median_seconds(lambda: unmasked_total(*everyone, scale), repeats)
     plain_seconds = median_seconds(plain_driver, repeats)
-    error = float(np.abs(decode(ring_sum(masked), scale) - plain_driver()).max())
-
-    revealed = [silos[party].reveal_shares([2])[2] for party in (0, 1)]
-
-    def recovery():
-        return unmasked_total(masked[:2], {2: revealed}, public_keys, 2, context, 0, scale)
-    recovery_seconds = median_seconds(recovery, repeats)
+    error = float(np.abs(unmasked_total(*everyone, scale) - plain_driver()).max())
+    one_dropped = masked_inputs(dropped=(2,))
+    recovery_seconds = median_seconds(lambda: unmasked_total(*one_dropped, scale), repeats)
     secure_seconds = keying_seconds + silo_seconds + driver_seconds
 
-    noise_scale = skellam_scale(CLIP_NORM, size, SILO_NOISE_ROUNDING_RATIO)
-    noised_silos, _, _ = keyed_silos(noise_scale)
-    share_variance = (noise_scale * CLIP_NORM) ** 2 / (SILOS - 1)
+    noise_scale = silo_noise_scale(CLIP_NORM, size, SILO_NOISE_ROUNDING_RATIO)
+    share_variance = (noise_scale * CLIP_NORM) ** 2
 
     def noised_silo():
-        noise = skellam_share(generator, share_variance, size)
-        return noised_silos[0].masked(sums[0], 2, noise)
-    noised_silo_seconds = median_seconds(noised_silo, repeats)
+        silos, _, _ = keyed_silos(noise_scale, 0)
+        started = time.perf_counter()
+        silos[0].masked(sums[0], noise_share(RandomWords(), share_variance, size))
+        return time.perf_counter() - started
+    noised_silo_seconds = float(np.median([noised_silo() for _ in range(repeats)]))
     noised_seconds = keying_seconds + noised_silo_seconds + driver_seconds
     return {
         "parameters": size,

@@ -140,7 +140,7 @@ class RunReport:
         return summary
 
     def _noise_placement_figures(self, events: Composition) -> dict:
-        """Where the noise was added; with the silos' Skellam shares, also their tolerance and the ε that Gaussian
+        """Where the noise was added; with the silos' noise shares, also the ε that Gaussian
         noise of the same σ added by the driver would give the same steps (what the noise in shares costs): by the
         config's accountant, and by RDP, the Skellam bound's own kind."""
         config = self.config
@@ -148,7 +148,6 @@ class RunReport:
         if config.noise_placement == "silos":
             driver_events = Composition(tuple(event_of(event.mechanism_key[:3], event.steps)
                                               for event in events.events))
-            figures["noise_share_tolerance"] = config.noise_share_tolerance
             figures["driver_noise_epsilon"], figures["driver_noise_epsilon_label"] = labelled_epsilon(
                 self.accountant, driver_events, config.delta)
             figures["driver_noise_epsilon_rdp"] = get_accountant("rdp").epsilon(driver_events, config.delta)

@@ -1,36 +1,42 @@
-"""The driver's side of secure aggregation in silo mode: relay the keys, add the masked sums, unmask past dropouts.
+"""The driver's side of secure aggregation in silo mode: relay each round's messages, unmask the survivors' total.
 
-The driver learns the silos' public keys, their sealed shares (which it
-cannot open), and each step the masked fixed-point sums, whose ring total is
-the only thing that decodes to anything: the sum of the silos that answered.
-When a silo is lost during a step, the survivors reveal their shares of its
-key, and its pairs' masks are taken out of the survivors' total; the lost
-silo's sum counts as zero for that step. Every step has a keying round of its
-own: were a round's keys kept for several steps, a key rebuilt after a loss
-would also unmask that silo's parts of the round's earlier steps. The pure
-protocol is ``workers.secure_aggregation``; docs/silos.md has the threat model.
+Every step has a round of its own (``workers.secure_aggregation.protocol``):
+the driver relays the silos' signed public keys and their sealed boxes of
+shares (which it cannot open), adds the masked inputs that arrive, and sends
+the one unmasking request of the round; from the survivors' answers it takes
+out their self-masks and the masks of their pairs with the silos that
+dropped. What it learns is the survivors' total; docs/silos.md has what each
+party sees and the collusion bounds.
 
-With the noise in the silos (`place_noise_in_silos`), the scale is the
-Skellam scale and each silo adds its share of integer noise before masking:
-the total the driver unmasks is already noisy, and the driver adds none.
+With the noise in the silos (`place_noise_in_silos`), the scale is the silo
+noise's scale and each silo adds a discrete Gaussian share of the whole
+target variance before masking: a step may lose all but t silos and t − 1
+of those may collude with the driver, so one honest silo's share must carry
+the target alone. The total the driver unmasks is already noisy; it adds
+none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import ray
 
 from orchestrator.errors import ShardTimeoutError
 from workers.secure_aggregation import (
-    MAX_SKELLAM_VARIANCE,
+    MAX_DISCRETE_GAUSSIAN_VARIANCE,
+    MaskedInput,
+    Revealed,
+    UnmaskRequest,
     check_no_wrap,
     check_round,
     fixed_point_scale,
-    new_context,
+    new_round,
+    noise_scale_for,
     noise_tail_bound,
-    skellam_scale,
+    silo_noise_scale,
+    unmask_request,
     unmasked_total,
 )
 
@@ -38,106 +44,108 @@ Slot = tuple[int, int]
 
 
 class SecureAggregation:
-    """The keying rounds and the unmasking of one run's secure aggregation over `silos` silos.
+    """The rounds and the unmasking of one run's secure aggregation over `silos` silos.
 
     `clip_bound` bounds one example's contribution to a coordinate (the
     clip norm, or the total of the per-layer norms) and `dataset_size` is N,
     the examples of all silos together: no step's total can exceed
     clip_bound * N in a coordinate, which sets the fixed-point scale
-    (checked not to wrap the ring at start). `threshold` is how many shares
-    rebuild a lost silo's key.
+    (checked not to wrap the ring at start). `threshold` t (a majority) is
+    how many shares rebuild a secret. `registry` holds every silo's
+    Ed25519 public identity, by silo number, or is None (the driver is then
+    trusted to relay the keys as the silos made them).
     """
 
-    def __init__(self, silos: int, threshold: int, clip_bound: float, dataset_size: int):
+    def __init__(self, silos: int, threshold: int, clip_bound: float, dataset_size: int,
+                 registry: Sequence[bytes] | None = None):
+        check_round(range(silos), threshold)
         self.silos, self.threshold, self.clip_bound = silos, threshold, clip_bound
+        self.registry = None if registry is None else tuple(registry)
         self.value_bound = clip_bound * dataset_size
         self.scale = fixed_point_scale(self.value_bound, silos)
         self.keyed: dict[Slot, ray.actor.ActorHandle] = {}
-        self.context = b""
-        self.public_keys: dict[int, bytes] = {}
-        # With the noise in the silos: how many silos' shares may be missing or known (None: the driver adds it).
-        self.noise_share_tolerance: int | None = None
+        self.round = None
+        # What the driver relayed in the current round: the advertised keys and the sealed boxes (sender → receiver).
+        self.advertised: dict = {}
+        self.boxes: dict = {}
+        self.noise_in_silos = False
 
-    def place_noise_in_silos(self, coordinates: int, largest_noise_multiplier: float, tolerance: int,
-                             rounding_ratio: float) -> None:
-        """Have each silo add a share of Skellam noise: the scale becomes the Skellam scale (√d ≤ r·s·C), checked
-        at start not to wrap the ring with the noise of every silo (`largest_noise_multiplier` the run's largest σ)
-        included.
-
-        Each silo's share has variance (σ·s·C)² / (silos − `tolerance`), so
-        the shares of any silos − tolerance silos add up to the target.
-        """
-        if not 0 <= tolerance < self.silos:
-            raise ValueError(f"the noise share tolerance must lie in 0..{self.silos - 1} (got {tolerance})")
-        self.scale = skellam_scale(self.clip_bound, coordinates, rounding_ratio)
-        self.noise_share_tolerance = tolerance
+    def place_noise_in_silos(self, coordinates: int, largest_noise_multiplier: float, rounding_ratio: float) -> None:
+        """Have each silo add a discrete Gaussian share of std σ·s·C: the scale becomes the silo noise's scale
+        (√d ≤ r·s·C), checked at start not to wrap the ring with every silo's noise at the run's largest σ."""
+        self.scale = silo_noise_scale(self.clip_bound, coordinates, rounding_ratio)
+        self.noise_in_silos = True
         share = self.noise_share_variance(largest_noise_multiplier)
-        if share >= MAX_SKELLAM_VARIANCE:
-            raise ValueError(f"each silo's Skellam share would have variance {share:.3g}, beyond what the sampler "
-                             f"draws ({MAX_SKELLAM_VARIANCE:.3g}); lower noise_multiplier or the model's size")
-        check_no_wrap(self.scale, self.value_bound, self.silos, noise_tail_bound(self.silos * share, coordinates))
+        if share > MAX_DISCRETE_GAUSSIAN_VARIANCE:
+            raise ValueError(f"each silo's noise share would have variance {share:.3g}, beyond what the exact "
+                             f"sampler draws ({MAX_DISCRETE_GAUSSIAN_VARIANCE:.3g}); lower noise_multiplier or the "
+                             "model's size")
+        check_no_wrap(self.scale, self.value_bound, self.silos,
+                      noise_tail_bound(self.silos * noise_scale_for(share) ** 2, coordinates))
 
     def noise_share_variance(self, noise_multiplier: float) -> float:
-        """The per-coordinate variance (ring units) of each silo's noise share at `noise_multiplier`; 0 when the
-        driver adds the noise."""
-        if self.noise_share_tolerance is None:
+        """The per-coordinate variance (ring units) each silo's share must have at `noise_multiplier`: the whole
+        (σ·s·C)²; 0 when the driver adds the noise."""
+        if not self.noise_in_silos:
             return 0.0
-        return (noise_multiplier * self.scale * self.clip_bound) ** 2 / (self.silos - self.noise_share_tolerance)
+        return (noise_multiplier * self.scale * self.clip_bound) ** 2
 
     def decoding_error(self, silos: int) -> float:
         """The most that fixed-point rounding moves one coordinate of a total over `silos` silos."""
         return silos / (2 * self.scale)
 
-    def key(self, actors: Mapping[Slot, ray.actor.ActorHandle]) -> None:
-        """Run a keying round among `actors` (one per silo): relay their public keys, then their sealed shares.
+    def key(self, actors: Mapping[Slot, ray.actor.ActorHandle], step: int) -> None:
+        """Run step `step`'s keying among `actors` (one per silo): relay the advertised keys, then the boxes.
 
-        A silo lost during the round raises ``ray.exceptions.RayActorError``;
-        the caller handles the loss and keys the silos that are left.
+        A silo lost during the keying raises ``ray.exceptions.RayActorError``;
+        the caller handles the loss and keys the silos that are left. Fewer
+        silos than the threshold stop the run (ShardTimeoutError).
         """
         parties = sorted(shard for shard, _ in actors)
         if len(parties) < self.threshold:
             raise ShardTimeoutError(f"only {len(parties)} silos are up; secure aggregation needs "
-                                    f"mask_share_threshold = {self.threshold} to run a step")
-        check_round(parties, self.threshold)
-        self.keyed, self.context = {}, new_context()
+                                    f"mask_share_threshold = {self.threshold} of them to run a step")
+        self.keyed, self.round = {}, new_round(step, parties, self.threshold)
         by_party = {shard: actor for (shard, _), actor in actors.items()}
-        keys = ray.get([actor.secure_start.remote(self.context, parties, self.threshold, self.scale,
-                                                  self.clip_bound) for actor in by_party.values()])
-        self.public_keys = dict(zip(by_party, keys))
-        sealed = dict(zip(by_party, ray.get([actor.secure_sealed_shares.remote(self.public_keys)
-                                             for actor in by_party.values()])))
-        ray.get([actor.secure_receive_shares.remote({sender: boxes[receiver] for sender, boxes in sealed.items()
+        advertised = ray.get([actor.secure_start.remote(self.round, self.scale, self.clip_bound, self.registry)
+                              for actor in by_party.values()])
+        self.advertised = dict(zip(by_party, advertised))
+        self.boxes = dict(zip(by_party, ray.get([actor.secure_share_keys.remote(self.advertised)
+                                                 for actor in by_party.values()])))
+        ray.get([actor.secure_receive_shares.remote({sender: boxes[receiver] for sender, boxes in self.boxes.items()
                                                      if sender != receiver})
                  for receiver, actor in by_party.items()])
         self.keyed = dict(actors)
 
-    def total(self, masked_parts: list[np.ndarray], dropped: list[Slot], step: int, size: int) -> np.ndarray:
-        """The float64 sum of the silos that answered step `step`: the masked parts added, dropped masks removed.
+    def total(self, inputs: list[MaskedInput], step: int) -> np.ndarray:
+        """The float64 sum of the silos whose inputs arrived for step `step`, from the survivors' answers to the
+        round's one request.
 
-        With silos dropped, the survivors reveal their shares of the dropped
-        silos' keys (`revealed_shares`); fewer than the threshold of shares
-        stops the run (ShardTimeoutError), and the next step keys afresh.
+        Fewer than the threshold of survivors, or of answers, abort the step
+        (ShardTimeoutError): nothing of it is released, and the next step
+        keys afresh.
         """
-        revealed = self.revealed_shares(dropped, step) if dropped else []
-        dropped_shares = {shard: [shares[shard] for shares in revealed] for shard, _ in dropped}
-        total = unmasked_total(masked_parts, dropped_shares, self.public_keys, self.threshold, self.context, step,
-                               self.scale)
-        # One round per step: a key rebuilt later must not unmask this step's parts (see the module's docstring).
-        self.keyed = {}
-        return total
+        request = unmask_request(self.round, inputs)
+        if len(request.survivors) < self.threshold:
+            raise ShardTimeoutError(
+                f"step {step + 1}: {len(request.survivors)} silos sent their input, fewer than mask_share_threshold "
+                f"= {self.threshold}: the step is aborted, its sum is not unmasked")
+        answers = self.answers(request)
+        if len(answers) < self.threshold:
+            raise ShardTimeoutError(
+                f"step {step + 1}: {len(answers)} silos answered the unmasking request, fewer than "
+                f"mask_share_threshold = {self.threshold}: the step is aborted, its sum is not unmasked")
+        return unmasked_total(self.round, self.advertised, inputs, answers, self.scale, self.registry)
 
-    def revealed_shares(self, dropped: list[Slot], step: int) -> list[dict[int, bytes]]:
-        """Each survivor's shares of the `dropped` silos' keys; a survivor lost meanwhile gives none."""
-        survivors = [actor for slot, actor in self.keyed.items() if slot not in dropped]
-        dropped_parties = [shard for shard, _ in dropped]
-        revealed = []
-        for answer in [actor.secure_reveal_shares.remote(dropped_parties) for actor in survivors]:
+    def answers(self, request: UnmaskRequest) -> list[Revealed]:
+        """Each surviving silo's answer to the round's one `request`; a silo lost meanwhile gives none. Nothing
+        of the round is used afterwards."""
+        survivors = [actor for (shard, _), actor in self.keyed.items() if shard in request.survivors]
+        answers = []
+        for answer in [actor.secure_reveal.remote(request) for actor in survivors]:
             try:
-                revealed.append(ray.get(answer))
+                answers.append(ray.get(answer))
             except ray.exceptions.RayActorError:
                 continue
-        if len(revealed) < self.threshold:
-            raise ShardTimeoutError(
-                f"step {step + 1}: {len(revealed)} silos revealed shares of the lost silos' keys, fewer than "
-                f"mask_share_threshold = {self.threshold}: the survivors' sum cannot be unmasked")
-        return revealed
+        self.keyed = {}
+        return answers

@@ -27,6 +27,7 @@ from orchestrator.secure_aggregation import SecureAggregation
 from workers.clipping import LayerClipNorms
 from workers.keys import ORDER, SecretKey
 from workers.sampling import SiloFixedOrder
+from workers.secure_aggregation import parse_identity, registry_digest
 from workers.shard_worker import ShardWorkerActor
 
 Slot = tuple[int, int]  # (shard index, worker index within the shard)
@@ -86,11 +87,19 @@ class ShardFleet:
         dataset_size, config = sum(self.example_counts.values()), self.config
         if config.secure_aggregation:
             clip_bound = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm
+            registry = silo_registry(config.shards)
             self.secure = SecureAggregation(len(config.shards), config.mask_share_threshold, clip_bound,
-                                            dataset_size)
-            self.say(f"secure aggregation: {len(config.shards)} silos, threshold "
-                     f"{config.mask_share_threshold}, fixed point on Z_2^64 at scale 2^"
-                     f"{int(np.log2(self.secure.scale))} (sums up to {self.secure.value_bound:g} per coordinate)")
+                                            dataset_size, registry)
+            silos, threshold = len(config.shards), config.mask_share_threshold
+            self.say(f"secure aggregation: {silos} silos, threshold {threshold}: a step survives up to "
+                     f"{silos - threshold} dropouts, and no silo's sum is revealed to the driver colluding with up "
+                     f"to {threshold - 1} silos (a driver that deviates from the protocol: up to "
+                     f"{2 * threshold - silos}); fixed point on Z_2^64 at scale 2^{int(np.log2(self.secure.scale))} "
+                     f"(sums up to {self.secure.value_bound:g} per coordinate)")
+            self.say(f"secure aggregation: round keys signed by the silos' registered identities (registry sha256 "
+                     f"{registry_digest(registry)})" if registry is not None else
+                     "secure aggregation: no silo identities registered: the silos trust the driver to relay their "
+                     "round keys unchanged (give each shard `identity` and `identity_key_file`, docs/silos.md)")
         return dataset_size
 
     def set_sampling_rate(self, sampling_rate: float, total_steps: int, order_key: SecretKey | None = None,
@@ -284,7 +293,7 @@ class ShardFleet:
         present = {slot: self.actors[slot] for slot in self.present()}
         while set(present) != set(self.secure.keyed):
             try:
-                self.secure.key(present)
+                self.secure.key(present, step)
             except ray.exceptions.RayActorError:
                 lost = self._find_lost(list(present), step)
                 present = {slot: actor for slot, actor in present.items() if slot not in lost}
@@ -300,9 +309,8 @@ class ShardFleet:
                                "its masked sum is missing; see the worker's log")
         if dropped:
             self.say(f"step {step + 1}: unmasking the sum without {self._describe(set(dropped))}, from the other "
-                     "silos' shares of its key; its sum counts as zero for this step")
-        size = result.values_in // len(result.parts) if result.parts else 0
-        total = self.secure.total(result.parts, dropped, step, size)
+                     "silos' shares of its masking key; its sum counts as zero for this step")
+        total = self.secure.total(result.parts, step)
         return Gathered([total], [], result.slowest_worker_seconds, result.wait_seconds, result.values_in,
                         result.bytes_in)
 
@@ -369,3 +377,9 @@ def extend_outages(outages: list[dict], step: int, missing: list[Slot], shards) 
             spec = shards[shard]
             outages.append({"shard": shard, "worker": worker, "workers": spec.workers,
                             "resources": dict(spec.resources), "first_step": step + 1, "last_step": step + 1})
+
+
+def silo_registry(shards) -> tuple[bytes, ...] | None:
+    """The silos' Ed25519 public identities in shard order (`ShardSpec.identity`), or None when none has one."""
+    identities = [shard.identity for shard in shards]
+    return None if identities[0] is None else tuple(parse_identity(identity) for identity in identities)

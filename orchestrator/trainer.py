@@ -254,16 +254,16 @@ class Trainer:
         plan, config, secure = self.plan, self.config, self.shards.secure
         largest = max(sigma for sigma, _ in plan.noise_blocks)
         try:
-            secure.place_noise_in_silos(parameter_count(self.model), largest, config.noise_share_tolerance,
-                                        plan.rounding_ratio)
+            secure.place_noise_in_silos(parameter_count(self.model), largest, plan.rounding_ratio)
         except ValueError as error:
             raise UsageError(f'noise_placement = "silos": {error}') from None
         epsilon, accountant = labelled_epsilon(get_accountant(config.accountant), plan.planned_events, config.delta)
-        self.say(f"noise in the silos: each of {secure.silos} silos adds Skellam noise of variance 1/"
-                 f"{secure.silos - secure.noise_share_tolerance} of (σ·C·s)² on the ring, whose scale becomes s = 2^"
-                 f"{int(np.log2(secure.scale))} (√d ≤ s·C / 2^{int(-np.log2(plan.rounding_ratio))}); any "
-                 f"{config.noise_share_tolerance} silos may drop out or collude and the others' noise still has std "
-                 f"σ·C; the driver adds none. ε {epsilon:.4g} at δ = {config.delta:g} ({accountant})")
+        self.say(f"noise in the silos: each of {secure.silos} silos adds an exact discrete Gaussian share of std "
+                 f"σ·C·s on the ring, whose scale becomes s = 2^{int(np.log2(secure.scale))} (√d ≤ s·C / "
+                 f"2^{int(-np.log2(plan.rounding_ratio))}); one honest silo's share carries the target alone, so "
+                 f"up to {secure.silos - secure.threshold} dropouts and {secure.threshold - 1} silos colluding with "
+                 f"the driver leave std σ·C unknown to them; the driver adds none. ε {epsilon:.4g} at δ = "
+                 f"{config.delta:g} ({accountant})")
 
     def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
         """The run's plan (N, q, sigma, steps, events) for a dataset of `dataset_size` units (None: the config's)."""

@@ -1,7 +1,8 @@
-"""The secure aggregation core: fixed point on the ring, masks that cancel, Shamir shares and dropout recovery.
+"""The secure aggregation core: fixed point on the ring, masks that cancel, Shamir shares, the round's rules.
 
-Pure functions and the party state machine, without Ray: the loopback
-cluster tests are in tests/test_secure_silos.py.
+Pure functions and the party state machines, without Ray: the attacks are in
+tests/test_secure_attacks.py and the loopback cluster in
+tests/test_secure_silos.py.
 """
 
 import pickle
@@ -11,26 +12,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from secagg_attacker import identities, keyed_round
 
 from workers.secure_aggregation import (
+    RoundHistory,
     SiloParty,
     check_no_wrap,
+    check_round,
     combine_shares,
     decode,
-    dropped_masks,
     encode,
     expand_mask,
     fixed_point_scale,
-    new_context,
-    recover_private_key,
-    ring_sum,
+    new_round,
     noise_tail_bound,
+    parse_identity,
+    ring_sum,
     split_secret,
+    unmask_request,
     unmasked_total,
 )
 from workers.secure_aggregation.fixed_point import HALF_RING
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False)
+SCALE, BOUND = 2.0**30, 1e3
+
 
 
 @given(parts=st.lists(arrays(np.float64, 7, elements=finite), min_size=1, max_size=6),
@@ -69,31 +75,34 @@ def test_a_value_beyond_the_bound_or_not_finite_is_refused_before_it_can_wrap():
         encode(np.array([np.nan]), 2.0**20, 10.0)
 
 
-def keyed_round(parties=(0, 1, 2), threshold=2, scale=2.0**30, value_bound=1e3):
-    """The parties of one finished keying round, the driver's relay played by this function."""
-    context = new_context()
-    silos = {party: SiloParty(party, parties, threshold, context, scale, value_bound) for party in parties}
-    public_keys = {party: silo.public_key() for party, silo in silos.items()}
-    sealed = {party: silo.sealed_shares(public_keys) for party, silo in silos.items()}
-    for receiver, silo in silos.items():
-        silo.receive_shares({sender: boxes[receiver] for sender, boxes in sealed.items() if sender != receiver})
-    return silos, public_keys, context
 
 
-@settings(max_examples=20, deadline=None)
+def play(parties=(0, 1, 2), threshold=2, step=7, sums=None, dropped=(), signed=False, histories=None):
+    """One round to its end: keyed, the inputs of all but `dropped`, every survivor's answer; what the driver
+    gets."""
+    histories = histories or {party: RoundHistory() for party in parties}
+    round_ = new_round(step, parties, threshold)
+    silos, seen = keyed_round(round_, histories, SCALE, BOUND, signed=signed)
+    sums = sums or {party: np.arange(5.0) * (party + 1) for party in parties}
+    seen.inputs = [silos[party].masked(sums[party]) for party in parties if party not in dropped]
+    request = unmask_request(round_, seen.inputs)
+    seen.answers = [silos[party].reveal(request) for party in request.survivors]
+    return silos, seen, sums
+
+
+@settings(max_examples=15, deadline=None)
 @given(parties=st.integers(2, 5), step=st.integers(0, 2**40), size=st.integers(1, 50), data=st.data())
-def test_the_pairwise_masks_cancel_in_the_sum_and_each_masked_part_looks_nothing_like_its_sum(parties, step, size,
-                                                                                                data):
-    silos, _, _ = keyed_round(tuple(range(parties)), threshold=2)
-    sums = [data.draw(arrays(np.float64, size, elements=st.floats(-100, 100))) for _ in range(parties)]
-    masked = [silos[party].masked(sums[party], step) for party in range(parties)]
-    assert np.abs(decode(ring_sum(masked), 2.0**30) - np.sum(sums, axis=0)).max() <= parties / 2**31
-    for party, part in enumerate(masked):
-        # The masked part decodes to values spread over the whole ring, not near the silo's sum (|x| ≤ 100).
-        assert not np.allclose(decode(part, 2.0**30), sums[party], atol=1e3)
+def test_the_masks_cancel_in_the_total_and_each_input_looks_nothing_like_its_sum(parties, step, size, data):
+    sums = {party: data.draw(arrays(np.float64, size, elements=st.floats(-100, 100))) for party in range(parties)}
+    silos, seen, _ = play(tuple(range(parties)), parties // 2 + 1, step, sums)
+    total = unmasked_total(seen.round, seen.relayed[0], seen.inputs, seen.answers, SCALE)
+    assert np.abs(total - np.sum(list(sums.values()), axis=0)).max() <= parties / 2**31
+    for message in seen.inputs:
+        # The input decodes to values spread over the whole ring, not near the silo's sum (|x| ≤ 100).
+        assert not np.allclose(decode(message.values, SCALE), sums[message.party], atol=1e3)
 
 
-def test_masks_differ_by_step_and_pair_and_are_uniform_on_the_ring():
+def test_masks_differ_by_stream_and_seed_and_are_uniform_on_the_ring():
     a, b = expand_mask(bytes(32), 0, 100_000), expand_mask(bytes(32), 1, 100_000)
     assert not np.array_equal(a, b)
     assert not np.array_equal(a, expand_mask(b"\1" + bytes(31), 0, 100_000))
@@ -127,100 +136,92 @@ def test_t_minus_one_shares_fit_every_secret_alike():
         assert 0.3 < np.mean(ys) / PRIME < 0.7 and max(ys) > 2**500
 
 
-def test_a_dropped_partys_masks_are_rebuilt_from_t_shares_and_the_survivors_sum_unmasks():
-    silos, public_keys, context = keyed_round((0, 1, 2, 3), threshold=2)
-    sums = {party: np.arange(5.0) * (party + 1) for party in silos}
-    survivors = {0: silos[0], 1: silos[1], 3: silos[3]}  # party 2 dropped after the keys were agreed
-    masked = [silo.masked(sums[party], 7) for party, silo in survivors.items()]
-    revealed = [silo.reveal_shares([2])[2] for silo in survivors.values()]
-    private_key = recover_private_key(revealed[:2], public_keys[2], threshold=2)
-    total = ring_sum(masked) - dropped_masks(private_key, 2, {party: public_keys[party] for party in survivors},
-                                             context, 7, 5)
-    assert np.allclose(decode(total, 2.0**30), sums[0] + sums[1] + sums[3], atol=1e-8)
-    with pytest.raises(ValueError, match="needs 2 shares"):
-        recover_private_key(revealed[:1], public_keys[2], threshold=2)
-    # Without the recovery the survivors' sum is noise on the ring.
-    assert not np.allclose(decode(ring_sum(masked), 2.0**30), sums[0] + sums[1] + sums[3], atol=1e3)
+def test_a_dropped_silos_masks_and_the_survivors_self_masks_come_out_of_the_survivors_total():
+    silos, seen, sums = play((0, 1, 2, 3), threshold=3, dropped=(2,))
+    total = unmasked_total(seen.round, seen.relayed[0], seen.inputs, seen.answers, SCALE)
+    assert np.allclose(total, sums[0] + sums[1] + sums[3], atol=1e-8)
+    assert seen.answers[0].request.dropped == (2,) and set(seen.answers[0].masking_shares) == {2}
+    assert set(seen.answers[0].self_shares) == {0, 1, 3}
+    with pytest.raises(ValueError, match="fewer than the threshold 3"):
+        unmasked_total(seen.round, seen.relayed[0], seen.inputs, seen.answers[:2], SCALE)
+    # Without the answers the survivors' ring sum is noise on the ring.
+    assert not np.allclose(decode(ring_sum([message.values for message in seen.inputs]), SCALE),
+                           sums[0] + sums[1] + sums[3], atol=1e3)
 
 
-def test_a_tampered_share_or_sealed_box_is_refused():
-    silos, public_keys, context = keyed_round()
-    revealed = [silos[1].reveal_shares([0])[0], silos[2].reveal_shares([0])[0]]
-    altered = revealed[0][:-1] + bytes([revealed[0][-1] ^ 1])
-    with pytest.raises(ValueError, match="do not rebuild"):
-        recover_private_key([altered, revealed[1]], public_keys[0], threshold=2)
-    fresh, keys, _ = keyed_round()
-    other = SiloParty(0, (0, 1, 2), 2, context, 2.0**30, 1e3)
-    with pytest.raises(ValueError, match="as it made it"):
-        other.sealed_shares(keys)
+@pytest.mark.parametrize("parties, threshold", [(3, 1), (4, 2), (5, 2), (2, 1), (3, 4)])
+def test_a_threshold_that_is_not_a_majority_is_refused_with_the_range(parties, threshold):
+    with pytest.raises(ValueError, match=rf"must lie in {parties // 2 + 1}..{parties} for {parties} parties"):
+        check_round(range(parties), threshold)
 
 
-def test_a_party_that_revealed_shares_masks_no_more_and_never_reveals_itself_or_leaves_memory():
-    silos, _, _ = keyed_round()
-    with pytest.raises(ValueError, match="reveals shares of its peers only"):
-        silos[0].reveal_shares([0])
-    silos[0].reveal_shares([1])
-    with pytest.raises(RuntimeError, match="start a new keying round"):
-        silos[0].masked(np.zeros(3), 0)
+def test_a_silo_answers_one_request_per_round_and_never_names_a_silo_both_ways():
+    histories = {party: RoundHistory() for party in range(4)}
+    round_ = new_round(3, range(4), 3)
+    silos, seen = keyed_round(round_, histories, SCALE, BOUND, signed=False)
+    inputs = [silos[party].masked(np.ones(3)) for party in range(4)]
+    honest = unmask_request(round_, inputs)
+    both = type(honest)(honest.binding, (0, 1, 2, 3), (2,))
+    with pytest.raises(ValueError, match=r"parties \[2\] are named both survivor and dropped"):
+        silos[0].reveal(both)
+    with pytest.raises(ValueError, match="fewer than the threshold 3"):
+        silos[0].reveal(type(honest)(honest.binding, (0, 1), (2, 3)))
+    with pytest.raises(ValueError, match="bound to another round"):
+        silos[0].reveal(type(honest)(new_round(3, range(4), 3).binding(), honest.survivors, honest.dropped))
+    with pytest.raises(ValueError, match="reveals only as a survivor"):
+        silos[3].reveal(type(honest)(honest.binding, (0, 1, 2), (3,)))
+    silos[0].reveal(honest)
+    with pytest.raises(ValueError, match="already answered this round's request"):
+        silos[0].reveal(type(honest)(honest.binding, (0, 1, 3), (2,)))
+    with pytest.raises(RuntimeError, match="takes no more inputs"):
+        silos[0].masked(np.ones(3))
+
+
+def test_a_silo_sends_one_input_per_step_and_refuses_a_replayed_or_earlier_round():
+    histories = {party: RoundHistory() for party in range(3)}
+    round_ = new_round(5, range(3), 2)
+    silos, _ = keyed_round(round_, histories, SCALE, BOUND, signed=False)
+    silos[0].masked(np.ones(3))
+    with pytest.raises(ValueError, match="already sent its input for step 5"):
+        silos[0].masked(np.ones(3))
+    with pytest.raises(ValueError, match="step 5 is not after step 5"):
+        SiloParty(0, new_round(5, range(3), 2), SCALE, BOUND, histories[0])
+    with pytest.raises(ValueError, match="context was keyed before"):
+        SiloParty(1, round_, SCALE, BOUND, histories[1])
+    SiloParty(0, new_round(6, range(3), 2), SCALE, BOUND, histories[0])
+
+
+def test_a_tampered_box_or_keys_swapped_on_the_way_to_their_maker_are_refused():
+    histories = {party: RoundHistory() for party in range(3)}
+    round_ = new_round(0, range(3), 2)
+    silos = {party: SiloParty(party, round_, SCALE, BOUND, histories[party]) for party in range(3)}
+    advertised = {party: silo.advertise() for party, silo in silos.items()}
+    boxes = {party: silo.share_keys(advertised) for party, silo in silos.items()}
+    altered = boxes[1][0][:-1] + bytes([boxes[1][0][-1] ^ 1])
+    with pytest.raises(ValueError, match="from party 1 does not open"):
+        silos[0].receive_shares({1: altered, 2: boxes[2][0]})
+    other = SiloParty(0, new_round(0, range(3), 2), SCALE, BOUND, RoundHistory())
+    with pytest.raises(ValueError, match="not the ones it made"):
+        other.share_keys(advertised)
+
+
+def test_the_silos_noise_goes_in_before_the_masks_and_comes_out_in_the_total():
+    histories = {party: RoundHistory() for party in range(3)}
+    round_ = new_round(7, range(3), 2)
+    silos, seen = keyed_round(round_, histories, 2.0**10, 100.0, signed=False)
+    noise = {party: np.array([-3, 0, 5, 2**40], dtype=np.int64) * (party + 1) for party in range(3)}
+    seen.inputs = [silos[party].masked(np.full(4, float(party)), noise[party]) for party in range(3)]
+    request = unmask_request(round_, seen.inputs)
+    answers = [silos[party].reveal(request) for party in range(3)]
+    total = unmasked_total(round_, seen.relayed[0], seen.inputs, answers, 2.0**10)
+    assert np.array_equal(total, 3.0 + np.sum(list(noise.values()), axis=0) / 2.0**10)
+
+
+def test_a_silo_party_and_a_share_keep_their_secrets_out_of_reprs_and_pickles():
+    silos, _, _ = play()
     with pytest.raises(TypeError, match="never pickled"):
         pickle.dumps(silos[1])
     assert "hidden" in repr(silos[1]) and "y=<hidden>" in repr(split_secret(bytes(32), 2, 2)[0])
-
-
-SHARDS = [{"dataset": "mnist", "part": part, "parts": 3, "resources": {f"silo-{part}": 1}} for part in range(3)]
-
-
-@pytest.mark.parametrize("values, message", [
-    (dict(secure_aggregation=True), "runs only in silo mode with two or more shards"),
-    (dict(secure_aggregation=True, shards=SHARDS[:1]), r"two or more shards \(got 1\)"),
-    (dict(secure_aggregation=True, shards=[{**SHARDS[0], "workers": 2}, *SHARDS[1:]]),
-     r"shards \[0\] have more: give each shard workers = 1"),
-    (dict(secure_aggregation=True, shards=SHARDS, mask_share_threshold=4), r"must lie in 2..3 .* got 4"),
-    (dict(shards=SHARDS, mask_share_threshold=2), "applies only with secure_aggregation = true"),
-    (dict(shards=SHARDS, noise_placement="silos"), "set secure_aggregation = true"),
-    (dict(secure_aggregation=True, shards=SHARDS, noise_share_tolerance=1), 'only with noise_placement = "silos"'),
-    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", noise_share_tolerance=0),
-     r"must lie in 1..2: at least the 1 silos a step may lose .*got 0"),
-    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", noise_share_tolerance=3),
-     r"must lie in 1..2"),
-    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", microbatch_size=4),
-     "cannot be combined with microbatch_size"),
-])
-def test_secure_aggregation_outside_silo_mode_or_with_a_bad_threshold_is_refused_with_the_reason(values, message):
-    from orchestrator.config import build_config
-    from orchestrator.errors import UsageError
-    with pytest.raises(UsageError, match=message):
-        build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, **values})
-
-
-def test_the_threshold_defaults_to_a_majority_of_the_silos():
-    from orchestrator.config import build_config
-    config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
-                           "secure_aggregation": True})
-    assert config.mask_share_threshold == 2
-
-
-def test_the_noise_share_tolerance_defaults_to_the_dropouts_a_step_survives():
-    from orchestrator.config import build_config
-    config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
-                           "secure_aggregation": True, "noise_placement": "silos"})
-    assert (config.mask_share_threshold, config.noise_share_tolerance) == (2, 1)
-    assert build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": SHARDS,
-                         "secure_aggregation": True}).noise_placement == "driver"
-
-
-def test_skellam_noise_shares_go_in_before_the_masks_and_come_out_in_the_total():
-    context, parties = new_context(), [0, 1, 2]
-    silos = [SiloParty(party, parties, 2, context, 2.0**10, 100.0) for party in parties]
-    keys = {silo.party: silo.public_key() for silo in silos}
-    sealed = {silo.party: silo.sealed_shares(keys) for silo in silos}
-    for silo in silos:
-        silo.receive_shares({sender: boxes[silo.party] for sender, boxes in sealed.items() if sender != silo.party})
-    values = [np.full(4, float(party)) for party in parties]
-    noise = [np.array([-3, 0, 5, 2**40], dtype=np.int64) * (party + 1) for party in parties]
-    parts = [silo.masked(value, 7, share) for silo, value, share in zip(silos, values, noise)]
-    total = unmasked_total(parts, {}, keys, 2, context, 7, 2.0**10)
-    assert np.array_equal(total, 3.0 + np.sum(noise, axis=0) / 2.0**10)
 
 
 def test_the_ring_bound_counts_the_noise():
@@ -228,7 +229,57 @@ def test_the_ring_bound_counts_the_noise():
     check_no_wrap(scale, value_bound, 3)
     with pytest.raises(ValueError, match="noise up to .* wraps the ring"):
         check_no_wrap(scale, value_bound, 3, noise_tail_bound(2.0**122, 10**6))
-    # Bernstein's bound: √(2Lv) + 2L/3 with L = ln(2·d / 2^-40), far beyond the noise's std.
-    level = np.log(2 * 10**6 * 2.0**40)
-    assert noise_tail_bound(4.0, 10**6) == pytest.approx(np.sqrt(8 * level) + 2 * level / 3)
+    # The subgaussian tail: √(2v·ln(2d / 2^-40)), far beyond the noise's std.
+    assert noise_tail_bound(4.0, 10**6) == pytest.approx(np.sqrt(8 * np.log(2 * 10**6 * 2.0**40)))
 
+
+SHARDS = [{"dataset": "mnist", "part": part, "parts": 3, "resources": {f"silo-{part}": 1}} for part in range(3)]
+FOUR = [{"dataset": "mnist", "part": part, "parts": 4, "resources": {f"silo-{part}": 1}} for part in range(4)]
+KEY = "ab" * 32
+
+
+@pytest.mark.parametrize("values, message", [
+    (dict(secure_aggregation=True), "runs only in silo mode with two or more shards"),
+    (dict(secure_aggregation=True, shards=SHARDS[:1]), r"two or more shards \(got 1\)"),
+    (dict(secure_aggregation=True, shards=[{**SHARDS[0], "workers": 2}, *SHARDS[1:]]),
+     r"shards \[0\] have more: give each shard workers = 1"),
+    (dict(secure_aggregation=True, shards=SHARDS, mask_share_threshold=4),
+     r"must be a majority of the 3 silos, in 2..3 \(got 4\)"),
+    (dict(secure_aggregation=True, shards=FOUR, mask_share_threshold=2),
+     r"must be a majority of the 4 silos, in 3..4 \(got 2\).*set it to 3 or more"),
+    (dict(shards=SHARDS, mask_share_threshold=2), "applies only with secure_aggregation = true"),
+    (dict(shards=SHARDS, noise_placement="silos"), "set secure_aggregation = true"),
+    (dict(secure_aggregation=True, shards=SHARDS, noise_placement="silos", microbatch_size=4),
+     "cannot be combined with microbatch_size"),
+    (dict(secure_aggregation=True, shards=[{**SHARDS[0], "identity": KEY, "identity_key_file": "/k"}, *SHARDS[1:]]),
+     r"shards \[1, 2\] have no `identity` while the others have one"),
+    (dict(secure_aggregation=True, shards=[{**shard, "identity": KEY} for shard in SHARDS]),
+     r"shards \[0, 1, 2\] give only one of `identity` and `identity_key_file`"),
+    (dict(secure_aggregation=True, shards=[{**shard, "identity": "nope", "identity_key_file": "/k"}
+                                           for shard in SHARDS]),
+     r"shard 0: a silo identity is its Ed25519 public key as 64 hex digits"),
+    (dict(shards=[{**shard, "identity": KEY, "identity_key_file": "/k"} for shard in SHARDS]),
+     "sign secure aggregation's round keys; set secure_aggregation = true or remove them"),
+])
+def test_secure_aggregation_outside_silo_mode_or_with_a_bad_threshold_or_identity_is_refused_with_the_reason(
+        values, message):
+    from orchestrator.config import build_config
+    from orchestrator.errors import UsageError
+    with pytest.raises(UsageError, match=message):
+        build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, **values})
+
+
+def test_the_threshold_defaults_to_a_majority_of_the_silos_and_identities_may_be_files(tmp_path):
+    from orchestrator.config import build_config
+    config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "shards": FOUR,
+                           "secure_aggregation": True})
+    assert config.mask_share_threshold == 3 and config.noise_placement == "driver"
+    keys, registry = identities(range(3))
+    files = []
+    for party, public in enumerate(registry):
+        (tmp_path / f"{party}.pub").write_text(public.hex() + "\n")
+        files.append(str(tmp_path / f"{party}.pub"))
+    config = build_config({"model": "gdp_cnn", "noise_multiplier": 1.0, "steps": 2, "secure_aggregation": True,
+                           "shards": [{**shard, "identity": path, "identity_key_file": "/on/the/silo"}
+                                      for shard, path in zip(SHARDS, files)]})
+    assert [parse_identity(shard.identity) for shard in config.shards] == registry

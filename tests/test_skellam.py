@@ -1,5 +1,6 @@
-"""The Skellam accountant: its RDP at hand-computed values, the subsampled bound against dp-accounting's sampled
-Gaussian, its event records through every accountant and the ledger's filter, and the silos' integer noise."""
+"""The silos' noise accountant (the Skellam RDP bound): its RDP at hand-computed values, the subsampled bound
+against dp-accounting's sampled Gaussian, its event records through every accountant and the ledger's filter;
+and the silos' integer noise, the exact discrete Gaussian, against its distribution."""
 
 import math
 
@@ -19,7 +20,15 @@ from accounting.events import (
 )
 from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, committed_json_with
 from accounting.skellam import poisson_subsampled_rdp, sampled_skellam_rdp, skellam_rdp
-from workers.secure_aggregation import noise_tail_bound, skellam_scale, skellam_share
+from workers.secure_aggregation import (
+    RandomWords,
+    discrete_gaussian,
+    noise_scale_for,
+    noise_share,
+    noise_tail_bound,
+    silo_noise_scale,
+)
+from workers.secure_aggregation.noise import bernoulli_exp
 
 ORDERS = np.array([2, 3, 4, 8, 16, 32, 64])
 
@@ -128,19 +137,70 @@ def test_the_ledgers_filter_tallies_and_admits_skellam_steps_at_their_rdp():
     assert committed_json_with(stored, steps.split(5)[0]) == canonical(steps.then(steps.split(5)[0])).to_json()
 
 
-def test_skellam_shares_sum_to_the_target_variance():
-    generator = np.random.default_rng(11)  # a fixed seed: the test's tolerance is stated below
-    variance, size = 4.0e6, 200_000
-    shares = [skellam_share(generator, variance / 3, size) for _ in range(3)]
-    total = np.sum(shares, axis=0)
-    assert total.dtype == np.int64
-    # The sample variance of 200k draws is within ±1% of the true one (its relative std is √(2/n) ≈ 0.3%).
-    assert abs(total.var() / variance - 1) < 0.01
-    assert abs(total.mean()) < 5 * math.sqrt(variance / size)
-    assert np.abs(total).max() < noise_tail_bound(variance, size)
+def chi_square_p_value(counts, expected):
+    """The chi-square goodness-of-fit p-value of observed `counts` against `expected` counts."""
+    from scipy import stats
+    counts, expected = np.asarray(counts, dtype=float), np.asarray(expected, dtype=float)
+    return stats.chi2.sf(((counts - expected) ** 2 / expected).sum(), len(counts) - 1)
 
 
-def test_the_skellam_scale_keeps_rounding_a_small_fraction_of_one_examples_effect():
-    scale = skellam_scale(1.5, 10**6, 2.0**-12)
+def test_the_exact_bernoulli_exp_trial_succeeds_at_rate_exp_minus_n_over_d():
+    words = RandomWords(bytes(range(32)))  # a fixed key, tests only: the tolerance is stated below
+    size = 200_000
+    for numerator, denominator in ((5, 3), (1, 7), (0, 4), (9, 2)):
+        rate = bernoulli_exp(words, np.full(size, numerator), np.full(size, denominator)).mean()
+        assert abs(rate - math.exp(-numerator / denominator)) < 5 * math.sqrt(0.25 / size)
+
+
+def test_the_discrete_gaussian_at_a_small_scale_fits_its_exact_distribution():
+    words = RandomWords(bytes(32))  # a fixed key, tests only
+    scale, size = 3, 200_000
+    draws = discrete_gaussian(words, scale, size)
+    assert draws.dtype == np.int64
+    support = np.arange(-60, 61)
+    weights = np.exp(-support.astype(float) ** 2 / (2 * scale**2))
+    probabilities = weights / weights.sum()
+    inner = np.abs(support) <= 9
+    counts = [np.count_nonzero(draws == value) for value in support[inner]]
+    counts.append(np.count_nonzero(np.abs(draws) > 9))
+    expected = list(size * probabilities[inner]) + [size * probabilities[~inner].sum()]
+    # A p-value below 0.001 would reject the exact law; a fixed key makes the test repeatable.
+    assert chi_square_p_value(counts, expected) > 1e-3
+    assert abs(draws.mean()) < 5 * scale / math.sqrt(size)
+    assert abs(draws.var() / (probabilities * support**2).sum() - 1) < 0.02
+
+
+def test_the_discrete_gaussian_at_a_large_scale_fits_the_gaussian_it_equals_to_within_float_precision():
+    """At t ≈ 5.1e5 (variance 2.6e11, a silo share's size) N_Z(0, t²)'s CDF differs from N(0, t²)'s at the
+    half-integers by far less than a double's precision, so twenty equiprobable bins of the normal are exact."""
+    from scipy import stats
+    words = RandomWords(b"\x07" * 32)  # a fixed key, tests only
+    scale, size = noise_scale_for(2.6e11), 200_000
+    draws = discrete_gaussian(words, scale, size)
+    edges = np.floor(stats.norm.ppf(np.arange(1, 20) / 20, scale=scale)) + 0.5
+    counts = np.bincount(np.searchsorted(edges, draws), minlength=20)
+    expected = [size * probability for probability in np.diff(stats.norm.cdf(np.r_[-np.inf, edges, np.inf],
+                                                                             scale=scale))]
+    assert chi_square_p_value(counts, expected) > 1e-3
+    assert abs(draws.mean()) < 5 * scale / math.sqrt(size)
+    # The sample variance's relative std is √(2/n) ≈ 0.3%.
+    assert abs(draws.var() / scale**2 - 1) < 0.015
+    assert np.abs(draws).max() < noise_tail_bound(float(scale) ** 2, size)
+
+
+def test_a_share_has_at_least_the_variance_asked_and_fresh_streams_differ():
+    for variance in (1.0, 2.0, 2.6e11, 1e16):
+        scale = noise_scale_for(variance)
+        assert scale**2 >= variance > (scale - 1) ** 2
+    with pytest.raises(ValueError, match="lower noise_multiplier"):
+        noise_scale_for(1e18)
+    assert not np.array_equal(noise_share(RandomWords(), 100.0, 50), noise_share(RandomWords(), 100.0, 50))
+    with pytest.raises(TypeError, match="never pickled"):
+        import pickle
+        pickle.dumps(RandomWords())
+
+
+def test_the_silo_noise_scale_keeps_rounding_a_small_fraction_of_one_examples_effect():
+    scale = silo_noise_scale(1.5, 10**6, 2.0**-12)
     assert math.sqrt(10**6) <= 2.0**-12 * scale * 1.5 < 2 * math.sqrt(10**6)
     assert math.log2(scale).is_integer()

@@ -34,7 +34,6 @@ LOCAL_SAMPLE = "local sample"
 SLICE_NOISE = "slice noise"
 DRIVER = "driver"
 ORDER = "order"
-SILO_NOISE = "silo noise"
 
 
 def _encode(purpose: str, numbers: tuple[int, ...]) -> bytes:

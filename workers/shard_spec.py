@@ -35,3 +35,7 @@ class ShardSpec:
     resources: Mapping[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="The Ray custom resources its workers need, e.g. `{ \"silo-a\" = 1 }`.")
     workers: int = Field(1, ge=1, description="How many gradient workers split the shard between them.")
+    identity: str | None = Field(None, description="With secure_aggregation: the silo's long-term Ed25519 public "
+                                 "key, 64 hex digits or a file holding them (every shard has one, or none does).")
+    identity_key_file: str | None = Field(None, description="The path, on the silo's node, of its Ed25519 private "
+                                          "key (PEM or raw 32 bytes); only the silo's worker reads it.")

@@ -7,9 +7,9 @@ shuffle of them) and answers with the sum of
 their clipped gradients and the raw count of examples left out for a
 non-finite gradient. Neither an example, an index nor a realised batch size
 leaves the worker. Under secure aggregation the worker is its silo's party:
-it answers with its sum in fixed point plus pairwise masks (``SiloParty``),
-and its keys and shares stay in its memory; with the noise in the silos it
-adds its share of Skellam noise first, drawn from its own key. A shard of Parquet files is read
+it answers with its sum in fixed point plus its self-mask and pairwise masks
+(``SiloParty``), and its keys and shares stay in its memory; with the noise
+in the silos it adds its discrete Gaussian share first. A shard of Parquet files is read
 in batches planned ahead: the worker plans its own windows of samples and
 gathers them with Ray Data on its own node
 (`workers.planned_batches.PlannedWindows`).
@@ -26,9 +26,20 @@ import ray
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
 from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, read_planned_dataset_beside
-from workers.keys import SILO_NOISE
 from workers.sampling import SiloFixedOrder, local_poisson_sample, local_sampling_key, silo_fixed_order_batch
-from workers.secure_aggregation import SiloParty, skellam_share
+from workers.secure_aggregation import (
+    AdvertisedKeys,
+    MaskedInput,
+    RandomWords,
+    Revealed,
+    Round,
+    RoundHistory,
+    SiloParty,
+    UnmaskRequest,
+    check_registry,
+    load_identity_key,
+    noise_share,
+)
 from workers.shards import ShardSpec, load_shard_examples, worker_bounds
 from workers.sources import InMemorySource
 
@@ -71,6 +82,8 @@ class ShardWorker(GradientWorker):
         # Under a correlated mechanism's fixed-order participation: its shuffle of this worker's examples.
         self._fixed_order: tuple[SiloFixedOrder, np.ndarray] | None = None
         self._secure: SiloParty | None = None
+        # What this silo remembers across rounds: a replayed round or a second input for a step is refused.
+        self._rounds = RoundHistory()
         self.plan_ahead_steps, self.windows = plan_ahead_steps, None
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
                          engine=engine, loss=loss, train_transforms=train_transforms,
@@ -147,51 +160,61 @@ class ShardWorker(GradientWorker):
         return self.clipped_grad_sum(weights, self._local_sample(step), clip_norm, count_zeroed=True,
                                      planned=self.windows.batch(step, 0), next_planned=self.windows.batch(step + 1, 0))
 
-    def secure_start(self, context: bytes, parties: Sequence[int], threshold: int, scale: float,
-                     clip_bound: float) -> bytes:
-        """Start a keying round as party ``shard_index`` of `parties`: a new X25519 key; return its public key.
+    def secure_start(self, round_: Round, scale: float, clip_bound: float,
+                     registry: Sequence[bytes] | None) -> AdvertisedKeys:
+        """Start `round_` as party ``shard_index``: two new X25519 key pairs; return their public keys, signed
+        with this silo's identity when the silos have registered ones (`registry`).
 
-        Each coordinate of this silo's sum is bounded by `clip_bound` (the
-        bound on one example's contribution) times the examples it holds, a
-        Poisson batch's largest size; a sum beyond it is refused before it
-        can wrap the ring.
+        The identity's private key is read from the shard's
+        ``identity_key_file`` on this node; the registry must hold its public
+        key at this silo's number, and match this node's pin when it has one.
+        Each coordinate of this silo's sum is bounded by `clip_bound` times
+        the examples it holds, a Poisson batch's largest size.
         """
-        self._secure = SiloParty(self.shard_index, parties, threshold, context, scale, clip_bound * self.train_size)
-        return self._secure.public_key()
+        identity = None
+        if registry is not None:
+            if self.shard.identity_key_file is None:
+                raise ValueError(f"the silos have registered identities but shard {self.shard_index} names no "
+                                 "identity_key_file on its node")
+            identity = load_identity_key(self.shard.identity_key_file)
+            check_registry(registry, self.shard_index, identity)
+        self._secure = SiloParty(self.shard_index, round_, scale, clip_bound * self.train_size, self._rounds,
+                                 identity, registry)
+        return self._secure.advertise()
 
-    def secure_sealed_shares(self, public_keys: Mapping[int, bytes]) -> dict[int, bytes]:
-        """The round's pair secrets from every party's public key; each peer's sealed share of this silo's key."""
-        return self._secure_party().sealed_shares(public_keys)
+    def secure_share_keys(self, advertised: Mapping[int, AdvertisedKeys]) -> dict[int, bytes]:
+        """Check the relayed keys; each peer's sealed box of this silo's shares (`SiloParty.share_keys`)."""
+        return self._secure_party().share_keys(advertised)
 
     def secure_receive_shares(self, sealed: Mapping[int, bytes]) -> None:
-        """Keep the shares of the peers' keys sealed for this silo (`SiloParty.receive_shares`)."""
+        """Keep the shares the peers sealed for this silo (`SiloParty.receive_shares`)."""
         self._secure_party().receive_shares(sealed)
 
     def masked_clipped_grad_sum(
         self, weights: np.ndarray, step: int, clip_norm: float | LayerClipNorms, noise_variance: float = 0.0
-    ) -> np.ndarray:
-        """This silo's clipped sum of step ``step`` in fixed point, plus its share of Skellam noise of
-        `noise_variance` (ring units, per coordinate) when that is > 0, plus its pairwise masks (uint64).
+    ) -> MaskedInput:
+        """This silo's input for step ``step``: its clipped sum in fixed point, plus a discrete Gaussian share
+        of variance at least `noise_variance` (ring units, per coordinate) when that is > 0, plus its masks.
 
-        The noise share derives from this worker's own key (PRF of it, the
-        purpose and the step), which no other process holds. The raw count
-        of examples left out for a non-finite gradient stays here: it would
-        go out un-noised and unmasked.
+        The noise is drawn from ChaCha20 under a fresh key from OS entropy,
+        which no other process holds. The raw count of examples left out for
+        a non-finite gradient stays here: it would go out un-noised and
+        unmasked.
         """
         party = self._secure_party()
+        if party.round.step != step:
+            raise ValueError(f"the round was keyed for step {party.round.step}, not step {step}")
         clipped = self.sampled_clipped_grad_sum(weights, step, clip_norm)[:-1]
-        noise = None
-        if noise_variance > 0:
-            noise = skellam_share(self._sampling_key.numpy_generator(SILO_NOISE, step), noise_variance, clipped.size)
-        return party.masked(clipped, step, noise)
+        noise = noise_share(RandomWords(), noise_variance, clipped.size) if noise_variance > 0 else None
+        return party.masked(clipped, noise)
 
-    def secure_reveal_shares(self, dropped: Sequence[int]) -> dict[int, bytes]:
-        """This silo's shares of the dropped silos' keys (`SiloParty.reveal_shares`); it masks no more this round."""
-        return self._secure_party().reveal_shares(dropped)
+    def secure_reveal(self, request: UnmaskRequest) -> Revealed:
+        """This silo's answer to the round's one unmasking request (`SiloParty.reveal`)."""
+        return self._secure_party().reveal(request)
 
     def _secure_party(self) -> SiloParty:
         if self._secure is None:
-            raise RuntimeError("secure_start must begin a keying round before shares or masked sums")
+            raise RuntimeError("secure_start must begin a round before shares or masked sums")
         return self._secure
 
     def _local_sample(self, step: int) -> np.ndarray:

@@ -31,6 +31,7 @@ from orchestrator.errors import UsageError
 from orchestrator.shard_config import check_shard_mode
 
 sources = LazyModule("workers.sources")
+silo_identity = LazyModule("workers.secure_aggregation.identity")
 
 
 # pydantic lists an heir's fields from its last base to its first: the sections go in reverse, so that the
@@ -301,6 +302,9 @@ def _secure_aggregation(config: TrainConfig) -> None:
         if config.mask_share_threshold is not None:
             raise UsageError("mask_share_threshold applies only with secure_aggregation = true; "
                              "set secure_aggregation = true or remove mask_share_threshold")
+        if any(shard.identity or shard.identity_key_file for shard in config.shards):
+            raise UsageError("a shard's `identity` and `identity_key_file` sign secure aggregation's round keys; "
+                             "set secure_aggregation = true or remove them")
         return
     if len(config.shards) < 2:
         raise UsageError("secure_aggregation hides each silo's sum among the others' and so runs only in silo mode "
@@ -310,20 +314,35 @@ def _secure_aggregation(config: TrainConfig) -> None:
     if several:
         raise UsageError(f"with secure_aggregation each shard's one worker is its silo's party in the protocol; "
                          f"shards {several} have more: give each shard workers = 1")
-    threshold = config.mask_share_threshold
+    silos, threshold = len(config.shards), config.mask_share_threshold
     if threshold is None:
-        _settle(config, mask_share_threshold=len(config.shards) // 2 + 1)
-    elif threshold > len(config.shards):
-        raise UsageError(f"mask_share_threshold must lie in 2..{len(config.shards)} (the number of shards); "
-                         f"got {threshold}")
+        _settle(config, mask_share_threshold=silos // 2 + 1)
+    elif not silos < 2 * threshold <= 2 * silos:
+        raise UsageError(f"mask_share_threshold must be a majority of the {silos} silos, in {silos // 2 + 1}.."
+                         f"{silos} (got {threshold}): with fewer, the driver could rebuild both a silo's masking key "
+                         f"and its self-mask from two sets of answers; set it to {silos // 2 + 1} or more (a step "
+                         "then survives silos − threshold dropouts)")
+    registered = [shard.identity is not None for shard in config.shards]
+    if any(registered) and not all(registered):
+        raise UsageError(f"shards {[index for index, known in enumerate(registered) if not known]} have no "
+                         "`identity` while the others have one: give every shard its silo's Ed25519 public key, "
+                         "or none")
+    keyless = [index for index, shard in enumerate(config.shards)
+               if (shard.identity is None) != (shard.identity_key_file is None)]
+    if keyless:
+        raise UsageError(f"shards {keyless} give only one of `identity` and `identity_key_file`: a silo signs with "
+                         "the private key on its node and the others check the public one; give both or neither")
+    for index, shard in enumerate(config.shards):
+        if shard.identity is not None:
+            try:
+                silo_identity.parse_identity(shard.identity)
+            except ValueError as error:
+                raise UsageError(f"shard {index}: {error}") from None
 
 
 def _noise_placement(config: TrainConfig) -> None:
-    """Noise in the silos' shares needs secure aggregation, one fixed clip norm, and a tolerance every step meets."""
+    """Noise in the silos' shares needs secure aggregation and one fixed clip norm."""
     if config.noise_placement == "driver":
-        if config.noise_share_tolerance is not None:
-            raise UsageError('noise_share_tolerance applies only with noise_placement = "silos"; set '
-                             'noise_placement = "silos" or remove noise_share_tolerance')
         return
     if not config.secure_aggregation:
         raise UsageError('noise_placement = "silos" adds the noise in shares that only secure aggregation keeps '
@@ -337,15 +356,6 @@ def _noise_placement(config: TrainConfig) -> None:
     if refused:
         raise UsageError('noise_placement = "silos" adds Skellam noise to each silo\'s rounded clipped sum of a '
                          f"Poisson sample; it cannot be combined with {', '.join(refused)}")
-    silos, threshold = len(config.shards), config.mask_share_threshold
-    tolerance = config.noise_share_tolerance
-    if tolerance is None:
-        _settle(config, noise_share_tolerance=silos - threshold)
-    elif not silos - threshold <= tolerance <= silos - 1:
-        raise UsageError(f"noise_share_tolerance must lie in {silos - threshold}..{silos - 1}: at least the "
-                         f"{silos - threshold} silos a step may lose (shards − mask_share_threshold), and fewer than "
-                         f"the {silos} silos (got {tolerance})")
-
 
 def _mechanism(config: TrainConfig) -> None:
     """The sampler matches the mechanism's accounting; correlated noise runs only what its driver path supports."""

@@ -371,23 +371,18 @@ class SamplingSection(Section):
     )
     mask_share_threshold: int | None = key(
         None,
-        "With secure_aggregation, how many silos' shares rebuild a lost silo's masks: up to (silos - threshold) "
-        "silos may drop out of a step, and a coalition of threshold silos could rebuild another's masks.",
-        valid="2 ≤ threshold ≤ the number of shards", shown_default="a majority: ⌊shards / 2⌋ + 1", ge=2,
+        "With secure_aggregation, how many silos' shares rebuild a dropped silo's masking key or a survivor's "
+        "self-mask: a step survives up to (silos − threshold) dropouts, and no silo's sum reaches a driver that "
+        "colludes with up to threshold − 1 silos (docs/silos.md).",
+        valid="a majority: ⌊shards / 2⌋ + 1 ≤ threshold ≤ the number of shards",
+        shown_default="⌊shards / 2⌋ + 1", ge=2,
     )
     noise_placement: Literal["driver", "silos"] = key(
         "driver",
         "With secure_aggregation, who adds the noise: `\"driver\"` adds Gaussian noise of std σ·C to the "
         "unmasked total (the driver sees the silos' un-noised total and is trusted for the noise); `\"silos\"`: "
-        "each silo adds its share of integer Skellam noise before masking, so the total the driver unmasks is "
-        "already noisy, and ε is the Skellam mechanism's RDP bound (see docs/silos.md).",
-    )
-    noise_share_tolerance: int | None = key(
-        None,
-        "With `noise_placement = \"silos\"`, how many silos may drop out of a step or collude (together) while "
-        "the noise of the others alone still has std σ·C: each silo adds variance 1 / (silos − tolerance) of it.",
-        valid="silos − mask_share_threshold ≤ tolerance ≤ silos − 1",
-        shown_default="silos − mask_share_threshold (the dropouts a step survives)", ge=0,
+        "each silo adds a discrete Gaussian share of std σ·C before masking, so the total the driver unmasks is "
+        "already noisy and one honest silo's share carries the target alone (see docs/silos.md).",
     )
     privacy_unit: Literal[PRIVACY_UNITS] = key(
         "example",

@@ -1,7 +1,7 @@
-"""Secure aggregation of silo sums: fixed point on Z_2^64, X25519 pairwise masks, Shamir-shared keys for dropouts."""
+"""Secure aggregation of silo sums: fixed point on Z_2^64, self-masks and pairwise masks, Shamir-shared secrets
+for dropouts, signed round keys, and the silos' exact discrete Gaussian noise."""
 
 from workers.secure_aggregation.fixed_point import (
-    MAX_SKELLAM_VARIANCE,
     RING_BITS,
     check_no_wrap,
     decode,
@@ -9,40 +9,79 @@ from workers.secure_aggregation.fixed_point import (
     fixed_point_scale,
     noise_tail_bound,
     ring_sum,
-    skellam_scale,
-    skellam_share,
+    silo_noise_scale,
 )
-from workers.secure_aggregation.masks import expand_mask, pair_secrets
+from workers.secure_aggregation.identity import (
+    REGISTRY_PIN_VARIABLE,
+    check_registry,
+    load_identity_key,
+    parse_identity,
+    public_identity,
+    registry_digest,
+)
+from workers.secure_aggregation.masks import expand_mask, pair_key
+from workers.secure_aggregation.noise import (
+    MAX_DISCRETE_GAUSSIAN_VARIANCE,
+    RandomWords,
+    discrete_gaussian,
+    noise_scale_for,
+    noise_share,
+)
 from workers.secure_aggregation.protocol import (
+    AdvertisedKeys,
+    MaskedInput,
+    Revealed,
+    Round,
+    RoundHistory,
     SiloParty,
+    UnmaskRequest,
     check_round,
+    combine,
     dropped_masks,
-    new_context,
-    recover_private_key,
+    new_round,
+    recover_masking_key,
+    unmask_request,
     unmasked_total,
 )
 from workers.secure_aggregation.shamir import Share, combine_shares, split_secret
 
 __all__ = [
-    "MAX_SKELLAM_VARIANCE",
+    "MAX_DISCRETE_GAUSSIAN_VARIANCE",
+    "REGISTRY_PIN_VARIABLE",
     "RING_BITS",
+    "AdvertisedKeys",
+    "MaskedInput",
+    "RandomWords",
+    "Revealed",
+    "Round",
+    "RoundHistory",
     "Share",
     "SiloParty",
+    "UnmaskRequest",
     "check_no_wrap",
+    "check_registry",
     "check_round",
+    "combine",
     "combine_shares",
     "decode",
+    "discrete_gaussian",
     "dropped_masks",
     "encode",
     "expand_mask",
     "fixed_point_scale",
-    "new_context",
+    "load_identity_key",
+    "new_round",
+    "noise_scale_for",
+    "noise_share",
     "noise_tail_bound",
-    "pair_secrets",
-    "recover_private_key",
+    "pair_key",
+    "parse_identity",
+    "public_identity",
+    "recover_masking_key",
+    "registry_digest",
     "ring_sum",
-    "skellam_scale",
-    "skellam_share",
+    "silo_noise_scale",
     "split_secret",
+    "unmask_request",
     "unmasked_total",
 ]

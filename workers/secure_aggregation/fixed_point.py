@@ -8,7 +8,7 @@ their stated bound, and `check_no_wrap` refuses a scale for which it may not.
 The encoding of each value is off by at most 1 / (2 * scale), so the decoded
 sum of P parties is off by at most P / (2 * scale) in each coordinate.
 
-With the noise added by the silos (`skellam_scale`, `skellam_share`), the
+With the noise added by the silos (`silo_noise_scale`, ``noise.noise_share``), the
 scale is the smallest power of two at which rounding moves one example's
 effect by a small fraction r (√d ≤ r·s·C), and the bound on the sum adds
 the noise's tail (`noise_tail_bound`), which a coordinate passes with a
@@ -26,8 +26,6 @@ RING_BITS = 64
 RING_DTYPE = np.uint64
 # The sum's magnitude must stay below half the ring: the top bit is the sign.
 HALF_RING = 2 ** (RING_BITS - 1)
-# numpy's Poisson sampler refuses means near 2^63; each Skellam share's two Poisson means are half its variance.
-MAX_SKELLAM_VARIANCE = 2e18
 
 
 def largest_sum(value_bound: float, parties: int, scale: float, noise_bound: float = 0.0) -> float:
@@ -42,46 +40,29 @@ def largest_sum(value_bound: float, parties: int, scale: float, noise_bound: flo
 
 
 def noise_tail_bound(variance: float, coordinates: int, failure: float = 2.0 ** -40) -> float:
-    """A bound that every one of `coordinates` coordinates of symmetric Skellam noise of per-coordinate
-    `variance` stays within, but with probability below `failure`.
+    """A bound that every one of `coordinates` coordinates of a sum of discrete Gaussian shares of summed
+    per-coordinate `variance` stays within, but with probability below `failure`.
 
-    For X = Poisson(v/2) − Poisson(v/2), log E e^(θX) = v(cosh θ − 1) ≤
-    vθ² / (2(1 − θ/3)) for 0 < θ < 3, so by Bernstein's inequality
-    P(|X| ≥ t) ≤ 2 exp(−t² / (2(v + t/3))); t = √(2Lv) + 2L/3 with
-    L = ln(2·coordinates / failure) makes the union over the coordinates
-    smaller than `failure`.
+    N_Z(0, σ²) is σ-subgaussian (Canonne, Kamath and Steinke 2020 prove
+    E e^(θX) ≤ e^(θ²σ²/2)), and so is a sum of independent shares with their summed
+    variance: P(|X| ≥ x) ≤ 2 exp(−x² / (2v)), so x = √(2v·ln(2·coordinates /
+    failure)) makes the union over the coordinates smaller than `failure`.
     """
     if variance == 0:
         return 0.0
-    level = math.log(2 * coordinates / failure)
-    return math.sqrt(2 * level * variance) + 2 * level / 3
+    return math.sqrt(2 * variance * math.log(2 * coordinates / failure))
 
 
-def skellam_scale(clip_bound: float, coordinates: int, rounding_ratio: float) -> float:
+def silo_noise_scale(clip_bound: float, coordinates: int, rounding_ratio: float) -> float:
     """The smallest power of two s with √`coordinates` ≤ `rounding_ratio`·s·`clip_bound`.
 
     Rounding each coordinate of s times a clipped sum then moves one
     example's effect (at most s·C in L2) by at most r·s·C more.
     """
     if not (clip_bound > 0 and coordinates >= 1 and 0 < rounding_ratio <= 1):
-        raise ValueError(f"the Skellam scale needs a clip bound > 0, coordinates >= 1 and a rounding ratio in (0, 1] "
-                         f"(got {clip_bound}, {coordinates}, {rounding_ratio})")
+        raise ValueError(f"the silo noise's scale needs a clip bound > 0, coordinates >= 1 and a rounding ratio in "
+                         f"(0, 1] (got {clip_bound}, {coordinates}, {rounding_ratio})")
     return 2.0 ** math.ceil(math.log2(math.sqrt(coordinates) / (rounding_ratio * clip_bound)))
-
-
-def skellam_share(generator: np.random.Generator, variance: float, size: int) -> np.ndarray:
-    """`size` values of symmetric Skellam noise of per-coordinate `variance`: Poisson(v/2) − Poisson(v/2), int64.
-
-    Shares add up to Skellam noise of the summed variance (a sum of
-    independent Poisson variables is Poisson), which is what the accountant
-    (``accounting.skellam``) assumes of the total.
-    """
-    if not 0 <= variance < MAX_SKELLAM_VARIANCE:
-        raise ValueError(f"a Skellam share's variance must lie in [0, {MAX_SKELLAM_VARIANCE:.3g}) (got {variance}); "
-                         "numpy's Poisson sampler takes means below 1e18")
-    half = variance / 2
-    return generator.poisson(half, size) - generator.poisson(half, size)
-
 
 
 def check_no_wrap(scale: float, value_bound: float, parties: int, noise_bound: float = 0.0) -> None:
