@@ -148,7 +148,7 @@ def test_the_exact_bernoulli_exp_trial_succeeds_at_rate_exp_minus_n_over_d():
     words = RandomWords(bytes(range(32)))  # a fixed key, tests only: the tolerance is stated below
     size = 200_000
     for numerator, denominator in ((5, 3), (1, 7), (0, 4), (9, 2)):
-        rate = bernoulli_exp(words, np.full(size, numerator), np.full(size, denominator)).mean()
+        rate = bernoulli_exp(words, np.full(size, numerator), denominator).mean()
         assert abs(rate - math.exp(-numerator / denominator)) < 5 * math.sqrt(0.25 / size)
 
 

@@ -49,9 +49,22 @@ class RandomWords:
         self._draws += 1
         return expand_mask(self._key, self._draws, size)
 
-    def below(self, bounds: np.ndarray) -> np.ndarray:
-        """One uniform integer in 0..bound − 1 for each of `bounds` (int64, each in 1..2^62), exactly: a word
-        masked to the bound's bit length is kept when it is below the bound, else drawn again."""
+    def below(self, bounds: np.ndarray | int, size: int | None = None) -> np.ndarray:
+        """One uniform integer in 0..bound − 1 for each of `bounds` (int64, each in 1..2^62; or one int bound for
+        `size` draws), exactly: a word masked to the bound's bit length is kept when it is below the bound, else
+        drawn again."""
+        if size is not None:
+            if not 1 <= bounds <= 2**62:
+                raise ValueError(f"uniform integers need a bound in 1..2^62 (got {bounds})")
+            # One bound: its mask is one word, and no per-draw bound is gathered.
+            mask, bound = np.uint64((1 << (int(bounds) - 1).bit_length()) - 1), np.int64(bounds)
+            values = (self.words(size) & mask).astype(np.int64)
+            redraw = np.flatnonzero(values >= bound)
+            while redraw.size:
+                drawn = (self.words(redraw.size) & mask).astype(np.int64)
+                values[redraw] = drawn
+                redraw = redraw[drawn >= bound]
+            return values
         bounds = np.asarray(bounds, dtype=np.int64)
         if bounds.size and not (bounds.min() >= 1 and bounds.max() <= 2**62):
             raise ValueError(f"uniform integers need bounds in 1..2^62 (got {bounds.min()}..{bounds.max()})")
@@ -59,13 +72,12 @@ class RandomWords:
         masks = (bounds - 1).astype(np.uint64)
         for shift in (1, 2, 4, 8, 16, 32):
             masks |= masks >> np.uint64(shift)
-        values = np.empty(bounds.size, dtype=np.int64)
-        pending = np.arange(bounds.size)
-        while pending.size:
-            drawn = (self.words(pending.size) & masks[pending]).astype(np.int64)
-            kept = drawn < bounds[pending]
-            values[pending[kept]] = drawn[kept]
-            pending = pending[~kept]
+        values = (self.words(bounds.size) & masks).astype(np.int64)
+        redraw = np.flatnonzero(values >= bounds)
+        while redraw.size:
+            drawn = (self.words(redraw.size) & masks[redraw]).astype(np.int64)
+            values[redraw] = drawn
+            redraw = redraw[drawn >= bounds[redraw]]
         return values
 
     def __repr__(self) -> str:
@@ -75,38 +87,40 @@ class RandomWords:
         raise TypeError("a RandomWords holds a noise key: it lives in memory only, never pickled or sent")
 
 
-def bernoulli_exp(words: RandomWords, numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
-    """One Bernoulli(exp(−n/d)) trial per pair of `numerators` n ≥ 0 and `denominators` d ≥ 1 (int64), exactly.
+def bernoulli_exp(words: RandomWords, numerators: np.ndarray, denominator: int) -> np.ndarray:
+    """One Bernoulli(exp(−n/d)) trial for each of `numerators` n ≥ 0 (int64) over the one `denominator` d ≥ 1,
+    exactly.
 
     exp(−n/d) = exp(−1)^⌊n/d⌋ · exp(−(n mod d)/d), each factor by Algorithm 1
     of Canonne et al.: for γ in [0, 1], count K while Bernoulli(γ/K) succeeds;
     K is odd with probability exp(−γ).
     """
-    numerators = np.asarray(numerators, dtype=np.int64)
-    denominators = np.asarray(denominators, dtype=np.int64)
-    whole, remainder = np.divmod(numerators, denominators)
-    result = _exp_fraction(words, remainder, denominators)
-    ones = np.ones(numerators.size, dtype=np.int64)
+    whole, remainder = np.divmod(np.asarray(numerators, dtype=np.int64), denominator)
+    result = _exp_fraction(words, remainder, denominator)
     pending = np.flatnonzero(result & (whole > 0))
     while pending.size:
-        kept = _exp_fraction(words, ones[pending], ones[pending])
+        kept = _exp_fraction(words, np.ones(pending.size, dtype=np.int64), 1)
         result[pending[~kept]] = False
         whole[pending] -= 1
         pending = pending[kept & (whole[pending] > 0)]
     return result
 
 
-def _exp_fraction(words: RandomWords, numerators: np.ndarray, denominators: np.ndarray) -> np.ndarray:
-    """Bernoulli(exp(−n/d)) for n ≤ d (Algorithm 1 of Canonne et al.)."""
-    trials = np.ones(numerators.size, dtype=np.int64)
-    pending = np.arange(numerators.size)
+def _exp_fraction(words: RandomWords, numerators: np.ndarray, denominator: int) -> np.ndarray:
+    """Bernoulli(exp(−n/d)) for each n ≤ d (Algorithm 1 of Canonne et al.).
+
+    Every trial still pending at a round has succeeded the same number of
+    times, so one K serves them all.
+    """
+    result = np.empty(numerators.size, dtype=bool)
+    pending, trial = np.arange(numerators.size), 1
     while pending.size:
-        if trials[pending].max() >= _LARGEST_TRIAL:
+        if trial >= _LARGEST_TRIAL:
             raise RuntimeError("a Bernoulli(exp(-γ)) trial ran past its bound; the random stream is broken")
-        succeeded = words.below(denominators[pending] * trials[pending]) < numerators[pending]
-        trials[pending[succeeded]] += 1
-        pending = pending[succeeded]
-    return trials % 2 == 1
+        succeeded = words.below(denominator * trial, pending.size) < numerators
+        result[pending[~succeeded]] = trial % 2 == 1
+        pending, numerators, trial = pending[succeeded], numerators[succeeded], trial + 1
+    return result
 
 
 def discrete_laplace(words: RandomWords, scale: int, size: int) -> np.ndarray:
@@ -116,18 +130,17 @@ def discrete_laplace(words: RandomWords, scale: int, size: int) -> np.ndarray:
     pending = np.arange(size)
     while pending.size:
         count = pending.size
-        remainders = words.below(np.full(count, scale, dtype=np.int64))
-        kept = bernoulli_exp(words, remainders, np.full(count, scale, dtype=np.int64))
+        remainders = words.below(scale, count)
+        kept = bernoulli_exp(words, remainders, scale)
         # The multiples of t: a geometric count of Bernoulli(exp(−1)) successes.
         multiples = np.zeros(count, dtype=np.int64)
         counting = np.flatnonzero(kept)
-        ones = np.ones(count, dtype=np.int64)
         while counting.size:
-            succeeded = bernoulli_exp(words, ones[counting], ones[counting])
+            succeeded = _exp_fraction(words, np.ones(counting.size, dtype=np.int64), 1)
             multiples[counting[succeeded]] += 1
             counting = counting[succeeded]
         magnitudes = remainders + scale * multiples
-        negative = words.below(np.full(count, 2, dtype=np.int64)) == 1
+        negative = words.below(2, count) == 1
         # −0 would count zero twice.
         kept &= ~(negative & (magnitudes == 0))
         signed = np.where(negative, -magnitudes, magnitudes)
@@ -153,11 +166,10 @@ def discrete_gaussian(words: RandomWords, scale: int, size: int) -> np.ndarray:
         count = pending.size
         drawn = discrete_laplace(words, scale, count)
         whole, part = np.divmod(np.abs(np.abs(drawn) - scale), scale)
-        kept = bernoulli_exp(words, whole * whole, np.full(count, 2, dtype=np.int64))
+        kept = bernoulli_exp(words, whole * whole, 2)
         for numerators, denominator in ((whole * part, scale), (part * part, 2 * scale * scale)):
             trying = np.flatnonzero(kept)
-            kept[trying] = bernoulli_exp(words, numerators[trying], np.full(trying.size, denominator,
-                                                                            dtype=np.int64))
+            kept[trying] = bernoulli_exp(words, numerators[trying], denominator)
         values[pending[kept]] = drawn[kept]
         pending = pending[~kept]
     return values
