@@ -3,8 +3,9 @@
 A checkpoint records the run's binding: the config keys that change what is
 sampled, trained or accounted (data, model and task, run length, privacy,
 optimizer, shards, privacy unit, and the ledger keys that decide what is
-charged), the training data's identity (``workers.fingerprints``) with N,
-and the ledger reservation charged. A resume recomputes it and is refused,
+charged), the training data's identity (``workers.fingerprints``; with
+shards, each silo's, taken on the silo's node) with N, and the ledger
+reservation charged. A resume recomputes it and is refused,
 naming every difference, when it is not the same. Keys that only say where
 or how fast the run goes (workers, engine, the ledger's address, timeouts,
 the run directory) may change between a run and its resume.
@@ -45,15 +46,24 @@ def _shown(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
+def _differences(what: str, before: dict, now: dict) -> list[str]:
+    """One phrase per key whose value differs; a table under a key in both (a silo's identity) is compared key by
+    key, so that the phrase names the silo and what of its data changed."""
+    differences = []
+    for key in sorted(set(before) | set(now)):
+        old, new = before.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            differences.extend(_differences(f"{what} {key}", old, new))
+        elif old != new:
+            differences.append(f"{what} {key}: {_shown(old)} in the checkpoint, {_shown(new)} now")
+    return differences
+
+
 def binding_differences(recorded: dict, current: dict) -> list[str]:
     """Each difference between a checkpoint's binding and the run's now, one phrase each (empty when none)."""
     differences = []
     for part, what in (("config", "config key"), ("dataset", "dataset")):
-        before, now = recorded.get(part, {}), current.get(part, {})
-        for key in sorted(set(before) | set(now)):
-            if before.get(key) != now.get(key):
-                differences.append(f"{what} {key}: {_shown(before.get(key))} in the checkpoint, "
-                                   f"{_shown(now.get(key))} now")
+        differences.extend(_differences(what, recorded.get(part, {}), current.get(part, {})))
     before, now = recorded.get("reservation"), current.get("reservation")
     if before is not None and now is not None and before != now:
         differences.append(f"ledger reservation: {_shown(before)} in the checkpoint, {_shown(now)} now")

@@ -62,6 +62,8 @@ class ShardFleet:
         self.nodes: dict[Slot, str] = {}
         self.aggregation: NodeAggregation | None = None
         self.secure: SecureAggregation | None = None
+        # The shards' data identity, each silo's taken on its own node when the fleet starts (a run's binding).
+        self.dataset_identity: dict | None = None
 
     # --- placement -----------------------------------------------------------
 
@@ -84,6 +86,11 @@ class ShardFleet:
             held = sum(self.example_counts[(shard, worker)] for worker in range(spec.workers))
             self.say(f"shard {shard}: {spec.dataset} part {spec.part} of {spec.parts} on {dict(spec.resources)}, "
                      f"{spec.workers} worker(s), {held} examples")
+        # Each silo reads its own files; the driver receives only their digests.
+        identities = ray.get([self.actors[(shard, 0)].fingerprint.remote()
+                              for shard in range(len(self.config.shards))])
+        self.dataset_identity = {"source": [spec.dataset for spec in self.config.shards],
+                                 **{f"shard {shard}": identity for shard, identity in enumerate(identities)}}
         dataset_size, config = sum(self.example_counts.values()), self.config
         if config.secure_aggregation:
             clip_bound = config.layer_clip_norms.total_norm if config.layer_clip_norms else config.clip_norm

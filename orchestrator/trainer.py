@@ -214,8 +214,7 @@ class Trainer:
         # The fixed-order and cyclic Poisson samplers' shuffle of the data, from the run key; in memory only.
         self.sample_order: np.ndarray | None = None
         self.bound_config = bound_config(config)
-        self.dataset_identity = ({"source": [shard.dataset for shard in config.shards]} if config.shards
-                                 else dataset_identity(config.dataset))
+        self.dataset_identity = self.shards.dataset_identity if config.shards else dataset_identity(config.dataset)
         # Parameters and gradients are views into two flat buffers: no copy in or out of the model per step.
         self.model.to(self.device)
         self.flat_weights, self.flat_gradient = bind_flat_views(self.model)

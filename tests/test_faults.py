@@ -215,7 +215,7 @@ def test_a_resume_on_changed_data_is_refused(tmp_path):
     changed = labels[:200].numpy().copy()
     changed[150] = (changed[150] + 1) % 10
     write_parquet_shards(str(data / "train"), [(images[:200].numpy(), changed)], 200, 2)
-    with pytest.raises(UsageError, match=r"dataset content: \"[0-9a-f]{32}\" in the checkpoint, \"[0-9a-f]{32}\" now"):
+    with pytest.raises(UsageError, match=r"dataset content: \"[0-9a-f]{64}\" in the checkpoint, \"[0-9a-f]{64}\" now"):
         resume_trainer(str(tmp_path / "run"), show_progress=False)
 
 

@@ -25,6 +25,7 @@ import ray
 
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
+from workers.fingerprints import dataset_identity
 from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, read_planned_dataset_beside
 from workers.sampling import SiloFixedOrder, local_poisson_sample, local_sampling_key, silo_fixed_order_batch
 from workers.secure_aggregation import (
@@ -104,6 +105,10 @@ class ShardWorker(GradientWorker):
     def example_count(self) -> int:
         """How many training examples this worker holds (public: the driver adds them up to N)."""
         return self.train_size
+
+    def fingerprint(self) -> dict:
+        """The identity of this shard's training files, read here on the silo's node (``dataset_identity``)."""
+        return dataset_identity(self.shard.dataset)
 
     def set_sampling_rate(self, sampling_rate: float, total_steps: int | None = None,
                           fixed_order: SiloFixedOrder | None = None) -> None:
