@@ -21,7 +21,8 @@ from workers.features import compute_features, feature_map
 from workers.models import build_model, flat_parameters
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.names import task_of
-from workers.sources import SPLITS, DataError, SplitSchema, check_source, dropped_rows, read_first, split_schema
+from workers.sources import (SPLITS, DataError, DroppedRows, SplitSchema, check_source, dropped_rows, read_first,
+                             split_schema)
 from workers.tasks import build_loss
 from workers.validation import check_model, unchanged_buffers
 
@@ -41,9 +42,7 @@ def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = 
     """Check both splits' files of the config's dataset (UsageError on a bad file); return the config to train on.
 
     With check_data = "strict" (or its former name "full"), every value is
-    scanned too: integer labels must lie below the dataset's num_classes,
-    else below ``num_classes`` (the model's output width from the dry run),
-    else below `model`'s output width on a test example.
+    scanned too: integer labels must lie below ``label_classes``.
     With "lenient", the returned config's table carries that num_classes, so
     that the driver and every worker drop the same rows (see lenient_drops).
     The built-ins are verified by digest, and a ``module:function``
@@ -54,13 +53,8 @@ def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = 
     full = config.check_data in ("strict", "full")
     lenient = config.check_data == "lenient"
     try:
-        if (full or lenient) and num_classes is None and config.dataset.get("num_classes") is None \
-                and task_of(config.loss) == "multiclass":
-            check_source(config.dataset, "test")
-            first_test_input, _ = read_first({**config.dataset, "drop_invalid_rows": False}, "test", 1)
-            # The saved model's buffers are the ones it was built with: this forward may not write them.
-            with torch.no_grad(), unchanged_buffers(model):
-                num_classes = model(first_test_input).shape[-1]
+        if full or lenient:
+            num_classes = label_classes(config.dataset, config.loss, model, num_classes)
         for split in SPLITS:
             check_source(config.dataset, split, full, num_classes)
     except DataError as error:
@@ -70,25 +64,59 @@ def check_data(config: TrainConfig, model: nn.Module, num_classes: int | None = 
     return config
 
 
-def lenient_drops(config: TrainConfig) -> str:
-    """The line check_data = "lenient" prints for the data's owner: how many rows of each split it dropped, and why.
+def label_classes(spec: dict, loss: str, model: nn.Module, num_classes: int | None = None) -> int | None:
+    """How many classes a table's integer labels must lie below: the dataset's num_classes, else ``num_classes``
+    (the model's output width from the dry run), else `model`'s output width on the first test example; None
+    where the loss is not a multiclass one."""
+    if spec.get("num_classes") is not None:
+        return spec["num_classes"]
+    if num_classes is not None or task_of(loss) != "multiclass":
+        return num_classes
+    check_source(spec, "test")
+    first_test_input, _ = read_first({**spec, "drop_invalid_rows": False}, "test", 1)
+    # The saved model's buffers are the ones it was built with: this forward may not write them.
+    with torch.no_grad(), unchanged_buffers(model):
+        return model(first_test_input).shape[-1]
 
-    For the run's log on the driver only: the counts come from private
-    values, so they go into no summary, metric, checkpoint or export.
+
+def lenient_rows(config: TrainConfig) -> DroppedRows | None:
+    """Under check_data = "lenient", which training rows the rule keeps (the driver's, for its samples), else None."""
+    if config.check_data != "lenient":
+        return None
+    try:
+        return dropped_rows(config.dataset, "train")
+    except DataError as error:
+        raise UsageError(str(error), error.with_values) from None
+
+
+def lenient_drops(config: TrainConfig, show_values: bool = False) -> str:
+    """The line check_data = "lenient" prints: which rows it drops, and how many only with ``show_values``.
+
+    How many rows a rule drops is an exact count over private values, and
+    whoever runs the job chooses the rule (the classes, by the model's output
+    width): by default the line gives no number, and N counts every row of
+    the files so that none shows through it. With ``show_values``, for the
+    data's owner, it says how many of each split, and why.
     """
+    classes = config.dataset.get("num_classes")
+    rules = "finite values" + (f", labels in 0..{classes - 1}" if classes is not None else "")
+    if not show_values:
+        return ('check_data = "lenient" drops rows that fail '
+                f"its rules ({rules}): they take no part in training or evaluation. How many is not printed (a count "
+                "of private values; N counts every row of the files): the data's owner counts them with `dpfleet "
+                "data check --config FILE`, or dpfleet train --show-values")
     parts = []
     for split in SPLITS:
         try:
             dropped = dropped_rows(config.dataset, split)
         except DataError as error:
             raise UsageError(str(error), error.with_values) from None
-        classes = config.dataset.get("num_classes")
         why = f"{dropped.not_finite} with a NaN or infinite value"
         if classes is not None:
             why += f", {dropped.label_outside} with a label outside 0..{classes - 1}"
         parts.append(f"{dropped.dropped} of {dropped.rows} {split} rows ({why})")
-    return (f'check_data = "lenient" dropped {"; ".join(parts)}. This count is for you, the data\'s owner: it is '
-            "printed here only, never released")
+    return (f'check_data = "lenient" dropped {"; ".join(parts)}. This count is for the data\'s owner '
+            "(--show-values): it is NOT private, and written nowhere else")
 
 
 # --- the dry run: the model on made-up examples of the data's schema, before anything is reserved ------------

@@ -64,7 +64,8 @@ from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGa
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer
 from orchestrator.planning import RunPlan, plan_run
 from orchestrator.early_stopping import stops_early
-from orchestrator.preflight import build_checked_model, check_data, check_trainable, dry_run, lenient_drops
+from orchestrator.preflight import (build_checked_model, check_data, check_trainable, dry_run, lenient_drops,
+                                   lenient_rows)
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.planned_windows import driver_windows
@@ -159,6 +160,8 @@ class Trainer:
     `charge_epsilon` is what target_epsilon_basis = "filter" calibrates σ by
     (see plan_run). With `non_private_train_loss`, each metrics row also
     holds the loss on the first training examples, labelled not private.
+    With `show_values` (for the data's owner), check_data = "lenient" says
+    how many rows it drops.
     With shards, constructing the Trainer starts Ray (unless it is up) and
     the shards' workers, because N is the sum of the example counts they
     report.
@@ -173,6 +176,7 @@ class Trainer:
         ledger: LedgerSession | None = None,
         out=None,
         charge_epsilon: Callable[[RunPlan], float] | None = None,
+        show_values: bool = False,
     ):
         # sys.stdout as it is when the run is made, not when this module was imported (`out` None).
         self.config, self.out, self.ledger = config, out or sys.stdout, ledger
@@ -182,10 +186,12 @@ class Trainer:
         self.model = build_checked_model(config)
         check_trainable(config, self.model)
         # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
-        # Under check_data = "lenient" the config's table then names its classes, and N counts the rows kept.
+        # Under check_data = "lenient" the config's table then names its classes; N counts every row of the files,
+        # and a sampled row that the rule drops takes no part (`kept_rows`), so that no count of them is released.
         self.config = config = check_data(config, self.model, dry_run(config, self.model))
-        if config.check_data == "lenient":
-            self.say(lenient_drops(config))
+        self.kept_rows = lenient_rows(config)
+        if self.kept_rows is not None:
+            self.say(lenient_drops(config, show_values))
         # "driver" or "collective" (orchestrator.collective), by the model's size under "auto"; on the collective
         # path the ranks hold the weights and each its slice of the optimizer's state, which checkpoints carry as
         # `optimizer_slices`.
@@ -541,14 +547,22 @@ class Trainer:
 
     def _draw_sample(self, step: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Step `step`'s Poisson sample and, with microbatches, each sampled example's microbatch (`step_sample`);
-        a correlated mechanism's sampler's batch (`correlated_step_sample`)."""
+        a correlated mechanism's sampler's batch (`correlated_step_sample`). Both are drawn over all N rows; under
+        check_data = "lenient" the drawn rows that the rule drops are left out, the others named as the workers'
+        sources number them (their positions among the rows kept)."""
         plan = self.plan
         if plan.correlation is not None:
             if self.sample_order is None:
                 self.sample_order = shuffled_order(self.run_key, plan.dataset_size)
-            return correlated_step_sample(self.run_key, self.sample_order, step, plan.correlation,
-                                          plan.batch_size), None
-        return step_sample(self.run_key, step, plan.dataset_size, plan.sampling_rate, plan.microbatches)
+            indices, group_ids = correlated_step_sample(self.run_key, self.sample_order, step, plan.correlation,
+                                                        plan.batch_size), None
+        else:
+            indices, group_ids = step_sample(self.run_key, step, plan.dataset_size, plan.sampling_rate,
+                                             plan.microbatches)
+        if self.kept_rows is None:
+            return indices, group_ids
+        kept, positions = self.kept_rows.among_kept(indices)
+        return positions, None if group_ids is None else group_ids[kept]
 
     def _sampled_step(self, workers: list) -> None:
         """A step of driver-sampled examples, split across `workers`; the next step's sample is drawn here too."""

@@ -18,7 +18,7 @@ from orchestrator.trainer import Trainer
 from workers.actor import GradientWorkerActor
 from workers.data import load_split
 from workers.models import flat_parameters
-from workers.sources import write_parquet_shards
+from workers.sources import FIND_ROWS, write_parquet_shards
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 TRAIN_ROWS, TEST_ROWS = 600, 200
@@ -115,8 +115,9 @@ def test_a_bad_file_is_one_line_and_exit_status_2_before_any_worker(tmp_path, ca
                                     f'test = "{tmp_path / "test.parquet"}"\nshape = [1, 28, 28]\n')
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"dpfleet train: error: {tmp_path / 'train.parquet'}: row 23, column 'features': not 784 values; "
-                   "every example needs the same number of features")
+    assert err == (f"dpfleet train: error: {tmp_path / 'train.parquet'}: column 'features': every example needs 784 "
+                   "values (null or another length); write every example with the same number of features; "
+                   f"{FIND_ROWS}")
 
 
 def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
@@ -128,17 +129,14 @@ def test_full_check_takes_num_classes_from_the_model(tmp_path, capsys):
     files = f'{{ features = "{tmp_path / "x.npy"}", label = "{tmp_path / "y.npy"}" }}'
     config = write_config(tmp_path, f'[dataset]\nformat = "npy"\ntrain = {files}\ntest = {files}\n'
                                     'shape = [1, 28, 28]\n')
+    rule = (f"dpfleet train: error: {tmp_path / 'y.npy'}: column 'label': labels must lie in 0..9 (num_classes 10); "
+            "give the model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" to "
+            "drop those rows")
     assert main(["train", "--config", str(config), "--no-progress"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label outside 0..9 (num_classes 10; "
-        "1 of rows 0..29 (12) are outside; give the model one output per class, set the dataset's num_classes, or set "
-        'check_data = "lenient" to drop those rows)')
-    # The data's owner may ask for the value.
+    assert capsys.readouterr().err.strip() == f"{rule}; {FIND_ROWS}"
+    # The data's owner may ask for the rows and values.
     assert main(["train", "--config", str(config), "--no-progress", "--show-values"]) == 2
-    assert capsys.readouterr().err.strip() == (
-        f"dpfleet train: error: {tmp_path / 'y.npy'}: row 12, column 'label': label 10 is outside 0..9 "
-        "(num_classes 10; 1 of rows 0..29 (12) are outside; give the model one output per class, set the "
-        'dataset\'s num_classes, or set check_data = "lenient" to drop those rows)')
+    assert capsys.readouterr().err.strip() == f"{rule}; 1 of rows 0..29 break it: row 12 (label 10)"
 
 
 def test_export_writes_shards_that_train(tmp_path, capsys):

@@ -2,8 +2,10 @@
 reserved, and each mistake is one short paragraph with exit status ≠ 0 and the ledger as it was."""
 
 import csv
+import io
 import json
 import os
+import re
 import sys
 import textwrap
 
@@ -117,11 +119,17 @@ def test_a_model_for_another_channel_count_is_refused_before_reserving(tmp_path,
                                     "set the dataset's shape key")
 
 
-def test_a_label_outside_the_classes_is_refused_with_its_count_and_rows(tmp_path, capsys, toy_budget):
+def test_a_label_outside_the_classes_is_refused_naming_the_rule_and_no_row(tmp_path, capsys, toy_budget):
+    # The analyst chooses the classes (the model's output width): a row number or a count in the refusal would
+    # answer "which rows have a label >= 3, and how many" at no cost in ε. Only the owner's flag shows them.
     config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "label_model",
-                          label_of=lambda row: 3 if row in (5, 9, 30) else row % CLASSES)
-    assert_refused_before_reserving(config, capsys, "row 5, column 'label': label outside 0..2",
-                                    "3 of rows 0..39 (5, 9, 30) are outside")
+                          label_of=lambda row: 3 if row in (5, 9, 30, 38) else row % CLASSES)
+    err = assert_refused_before_reserving(config, capsys, f"{tmp_path / 'train.csv'}: column 'label': labels must "
+                                          "lie in 0..2 (num_classes 3)", "dpfleet data check --config FILE")
+    assert not planted(err, 4, 5, 9, 30, 38), err
+    assert main(["train", "--config", config, "--no-progress", "--show-values"]) == 2
+    owner = capsys.readouterr().err
+    assert "4 of rows 0..39 break it: row 5 (label 3), row 9 (label 3), row 30 (label 3), ..." in owner
 
 
 def test_train_and_test_with_different_columns_are_refused_before_reserving(tmp_path, capsys, toy_budget):
@@ -224,39 +232,92 @@ def with_bad_rows(tmp_path, config_text):
     return config_text
 
 
-def test_strict_refuses_nan_rows_with_their_count_and_first_rows(tmp_path, capsys, toy_budget):
+def planted(text, *numbers):
+    """The planted numbers that appear in `text` as numbers of their own (not inside 0.12, 2e-12 or an id)."""
+    return [number for number in numbers if re.search(rf"(?<![\w.+-]){number}(?![\w.])", text)]
+
+
+def test_strict_refuses_nan_rows_naming_the_rule_and_no_row(tmp_path, capsys, toy_budget):
     config = with_bad_rows(tmp_path, newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES),
                                                   "strict_model"))
     # A CSV's "nan" reads as a missing value; "inf" as infinity.
-    assert_refused_before_reserving(config, capsys, "row 7, column 'x2': null",
-                                    "1 of rows 0..39 (7) of the column are null", 'check_data = "lenient"')
+    err = assert_refused_before_reserving(config, capsys, "column 'x2': no value may be null", 'check_data = "lenient"')
+    assert not planted(err, 7), err
     text = (tmp_path / "train.csv").read_text().replace(",nan,", ",0.5,")
     (tmp_path / "train.csv").write_text(text)
-    assert_refused_before_reserving(config, capsys, "row 33, column 'x2': not finite",
-                                    "1 of rows 0..39 (33) have a feature that is not")
+    err = assert_refused_before_reserving(config, capsys, "column 'x2': features must be finite")
+    assert not planted(err, 33), err
+    assert main(["train", "--config", config, "--no-progress", "--show-values"]) == 2
+    assert "1 of rows 0..39 break it: row 33 (inf)" in capsys.readouterr().err
 
 
-def test_lenient_drops_nan_rows_and_outside_labels_says_how_many_and_releases_no_count(tmp_path, capsys,
-                                                                                       toy_budget):
+def lenient_job(tmp_path):
+    """A lenient job whose training CSV has 14 of its 40 rows dropped: rows 7 and 33 not finite, and the other 12 of
+    rows 1, 4, .., 37 with label 5, outside 0..2; the test split's 20 rows are all kept."""
     config = with_bad_rows(tmp_path, newcomer_job(
         tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "lenient_model",
-        label_of=nan_and_label_rows))
+        label_of=lambda row: 5 if row % 3 == 1 else row % CLASSES))
     text = open(config).read().replace("run_dir =", 'check_data = "lenient"\nrun_dir =')
     open(config, "w").write(text)
+    return config
+
+
+def test_lenient_prints_no_count_of_what_it_drops_and_n_counts_every_row(tmp_path, capsys, toy_budget):
+    config = lenient_job(tmp_path)
     assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
-    out = capsys.readouterr().out
-    assert ('check_data = "lenient" dropped 4 of 40 train rows (2 with a NaN or infinite value, 2 with a label '
-            "outside 0..2); 0 of 20 test rows") in out
+    out, err = capsys.readouterr()
+    assert ('check_data = "lenient" drops rows that fail its rules (finite values, labels in 0..2): they take no '
+            "part in training or evaluation. How many is not printed") in out
+    # 14 dropped, 2 of them not finite, 12 labels outside, 26 kept: none of these counts is printed, and N is
+    # every row of the file (q = 10/40), not the 26 rows kept.
+    assert not planted(out + err, 14, 12, 26), out + err
     summary = json.loads(out.splitlines()[-1])
-    # N is the 36 rows kept; the dropped count itself is in no released file.
-    assert summary["sampling_rate"] == pytest.approx(10 / 36)
+    assert summary["sampling_rate"] == pytest.approx(10 / 40)
     run_dir = tmp_path / "run"
     for path in run_dir.rglob("*"):
         if path.is_file() and path.suffix in (".json", ".jsonl", ".csv", ".txt"):
-            assert "dropped" not in path.read_text(), path
+            assert "dropped" not in path.read_text() and not planted(path.read_text(), 14, 26), path
     with open_embedded_ledger() as ledger:
         (job,) = ledger.list_jobs()
     assert job.state == "released" and job.committed_steps == 2
+    # The data's owner asks for the count (run_job hands --show-values to the trainer as show_values).
+    from orchestrator.config import load_config
+    from orchestrator.trainer import Trainer
+
+    log = io.StringIO()
+    Trainer(load_config(config, {}), show_progress=False, show_values=True, out=log)
+    assert ('check_data = "lenient" dropped 14 of 40 train rows (2 with a NaN or infinite value, 12 with a label '
+            "outside 0..2); 0 of 20 test rows") in log.getvalue()
+
+
+def test_a_lenient_sample_is_drawn_over_every_row_and_the_dropped_rows_leave_it():
+    import numpy as np
+
+    from workers.sources import DroppedRows
+
+    kept = np.array([0, 2, 3, 7], dtype=np.int64)
+    dropped = DroppedRows(9, 3, 2, kept)
+    mask, positions = dropped.among_kept(np.array([0, 1, 3, 7, 8]))
+    assert mask.tolist() == [True, False, True, True, False] and positions.tolist() == [0, 2, 3]
+
+
+def test_data_check_lists_the_rows_their_count_and_values_and_reserves_nothing(tmp_path, capsys, toy_budget):
+    config = lenient_job(tmp_path)
+    assert main(["data", "check", "--config", config, "--rows", "3"]) == 1
+    out = capsys.readouterr().out
+    train = tmp_path / "train.csv"
+    assert "NOT private" in out and "dataset train: 14 of 40 rows break a rule" in out
+    assert (f"{train}: column 'label': labels must lie in 0..2 (num_classes 3): 12 row(s): row 1 (label 5), "
+            "row 4 (label 5), row 10 (label 5), ...") in out
+    assert (f"{train}: column 'x2': no value may be null (a missing value, or NaN in a CSV): 1 row(s): row 7 "
+            "(null)") in out
+    assert f"{train}: column 'x2': features must be finite: 1 row(s): row 33 (inf)" in out
+    assert "dataset test: 0 of 20 rows break a rule" in out
+    with open_embedded_ledger() as ledger:
+        assert ledger.list_jobs() == []
+    assert main(["data", "check", "--config", config, "--split", "test"]) == 0
+    assert main(["data", "check", "--config", config, "--shard", "0"]) == 2
+    assert "the config has none" in capsys.readouterr().err
 
 
 def test_lenient_is_refused_where_the_rows_it_drops_would_differ_between_readers():

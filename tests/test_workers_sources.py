@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from workers import sources
-from workers.sources import DataError, check_source, open_source, parse_spec, source_size
+from workers.sources import FIND_ROWS, DataError, check_source, open_source, parse_spec, source_size
 
 ROWS, WIDTH = 50, 6
 RNG = np.random.default_rng(7)
@@ -248,24 +248,29 @@ def test_check_names_the_row_and_column_of_a_ragged_row(tmp_path):
     rows[31] = rows[31][:-1]
     pq.write_table(pa.table({"pixels": rows, "label": LABELS}), tmp_path / "t.parquet")
     message, with_values = one_line_errors(table_spec("parquet", tmp_path / "t.parquet", features="pixels"))
-    where = f"{tmp_path / 't.parquet'}: row 31, column 'pixels'"
-    assert message == f"{where}: not 6 values; every example needs the same number of features"
-    assert with_values == f"{where}: 5 values, expected 6; every example needs the same number of features"
+    rule = (f"{tmp_path / 't.parquet'}: column 'pixels': every example needs 6 values (null or another length); "
+            "write every example with the same number of features")
+    # The row's number is the data's: only the owner's line quotes it, with its length.
+    assert message == f"{rule}; {FIND_ROWS}" and "31" not in message
+    assert with_values == f"{rule}; 1 of rows 0..{ROWS - 1} break it: row 31 (5 values)"
     with open(tmp_path / "t.csv", "w") as handle:
         handle.write("a,b,label\n1,2,0\n3,4,1\n5,7777\n")
     message, with_values = one_line_errors(table_spec("csv", tmp_path / "t.csv"))
     # pyarrow quotes the row's text; only the owner's line keeps it.
-    assert message == f"{tmp_path / 't.csv'}: not readable as CSV (CSV parse error: Row #4: Expected 3 columns, got 2)"
-    assert with_values == message[:-1] + ": 5,7777)"
+    assert message == (f"{tmp_path / 't.csv'}: not readable as CSV (CSV parse error: Expected 3 columns, got 2); "
+                       f"{FIND_ROWS}")
+    assert with_values == (f"{tmp_path / 't.csv'}: not readable as CSV (CSV parse error: Row #4: Expected 3 columns, "
+                           "got 2: 5,7777)")
 
 
 def test_a_csv_value_of_the_wrong_type_is_named_by_row_and_column_not_quoted(tmp_path):
     # pyarrow infers a column's type from the first block (1 MB) and refuses a later value that does not parse.
     (tmp_path / "t.csv").write_text("a,label\n" + "1,0\n" * 300_000 + "x9secret,1\n")
     message, with_values = one_line_errors(table_spec("csv", tmp_path / "t.csv"))
-    assert message == (f"{tmp_path / 't.csv'}: not readable as CSV (In CSV column #0: Row #300002: CSV conversion "
-                       "error to int64: invalid value)")
-    assert "x9secret" not in message and with_values.endswith("invalid value 'x9secret')")
+    assert message == (f"{tmp_path / 't.csv'}: not readable as CSV (In CSV column #0: CSV conversion error to int64: "
+                       f"invalid value); {FIND_ROWS}")
+    assert "x9secret" not in message and with_values.endswith("Row #300002: CSV conversion error to int64: invalid "
+                                                              "value 'x9secret')")
 
 
 def test_check_refuses_a_fixed_length_that_disagrees_with_the_shape_or_other_files(tmp_path):
@@ -301,26 +306,24 @@ def test_full_check_refuses_labels_out_of_range_and_non_finite_features(tmp_path
     pq.write_table(list_table(features=features), path)
     spec = table_spec("parquet", path, features="pixels")
     assert check_source(spec, "train") == ROWS  # the basic check reads no values
-    rule = (f"features must be finite (1 of rows 0..{ROWS - 1} (17) have a feature that is not; fix or drop those rows, "
-            'or set check_data = "lenient" to drop them)')
-    assert one_line_errors(spec, full=True) == (f"{path}: row 17, column 'pixels': not finite; {rule}",
-                                                f"{path}: row 17, column 'pixels': nan; {rule}")
+    rule = 'features must be finite; fix or drop those rows, or set check_data = "lenient" to drop them'
+    assert one_line_errors(spec, full=True) == (f"{path}: column 'pixels': {rule}; {FIND_ROWS}",
+                                                f"{path}: column 'pixels': {rule}; 1 of rows 0..{ROWS - 1} break it: "
+                                                "row 17 (nan)")
     labels = LABELS.copy()
     labels[40] = 3
     pq.write_table(list_table(labels=labels), path)
+    labels_rule = ("labels must lie in 0..2 (num_classes 3); give the model one output per class, set the dataset's "
+                   'num_classes, or set check_data = "lenient" to drop those rows')
     assert one_line_errors(spec, full=True, num_classes=3) == (
-        f"{path}: row 40, column 'label': label outside 0..2 (num_classes 3; 1 of rows 0..{ROWS - 1} (40) are "
-        "outside; give the model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" "
-        "to drop those rows)",
-        f"{path}: row 40, column 'label': label 3 is outside 0..2 (num_classes 3; 1 of rows 0..{ROWS - 1} (40) are "
-        "outside; give the model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" "
-        "to drop those rows)")
+        f"{path}: column 'label': {labels_rule}; {FIND_ROWS}",
+        f"{path}: column 'label': {labels_rule}; 1 of rows 0..{ROWS - 1} break it: row 40 (label 3)")
     assert check_source(spec, "train", full=True, num_classes=4) == ROWS
     np.save(tmp_path / "x.npy", features)
     np.save(tmp_path / "y.npy", LABELS)
     files = {"features": str(tmp_path / "x.npy"), "label": str(tmp_path / "y.npy")}
     assert one_line_error(parse_spec({"format": "npy", "train": files, "test": files}), full=True) == (
-        f"{tmp_path / 'x.npy'}: row 17, column 'features[4]': not finite; {rule}")
+        f"{tmp_path / 'x.npy'}: column 'features[4]': {rule}; {FIND_ROWS}")
 
 
 def test_check_refuses_images_of_another_size(tmp_path):

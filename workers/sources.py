@@ -422,6 +422,15 @@ class DroppedRows:
         """How many rows are left out."""
         return self.rows - len(self.kept)
 
+    def among_kept(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Of ``rows`` (row numbers in the split's files): which are kept (a mask), and the kept ones' positions
+        among the kept rows, the indices of the split as ``drop_invalid_rows`` reads it."""
+        rows = np.asarray(rows, dtype=np.int64)
+        positions = np.searchsorted(self.kept, rows)
+        kept = positions < len(self.kept)
+        kept[kept] = self.kept[positions[kept]] == rows[kept]
+        return kept, positions[kept]
+
 
 def dropped_rows(spec: Mapping, split: str) -> DroppedRows:
     """Which rows of a table's ``split`` check_data = "lenient" drops, and why, deciding each row by its own values
@@ -855,17 +864,19 @@ def private_scratch_file() -> IO[bytes]:
 
 
 
-# The parts of pyarrow's CSV errors that quote the file's contents: the text of a row, a field's value.
-_CSV_QUOTED_CONTENT = (re.compile(r"(Expected \d+ columns, got \d+): .*"), re.compile(r"(invalid value) '.*'"))
+# The parts of pyarrow's CSV errors that come from the file's contents: the text of a row, a field's value, and
+# the number of the row that breaks the format.
+_CSV_QUOTED_CONTENT = (re.compile(r"(Expected \d+ columns, got \d+): .*"), re.compile(r"(invalid value) '.*'"),
+                       re.compile(r"()Row #\d+: "))
 
 
 def _csv_error(path: str, error: pa.ArrowInvalid) -> DataError:
-    """Unreadable CSV, as pyarrow words it (it names the row), without the row's text or a field's value."""
+    """Unreadable CSV, as pyarrow words it, without the row's number, its text or a field's value."""
     problem = str(error).splitlines()[0]
     unquoted = problem
     for pattern in _CSV_QUOTED_CONTENT:
         unquoted = pattern.sub(r"\1", unquoted)
-    return DataError(f"{path}: not readable as CSV ({unquoted})", f"{path}: not readable as CSV ({problem})")
+    return DataError(f"{path}: not readable as CSV ({unquoted}); {FIND_ROWS}", f"{path}: not readable as CSV ({problem})")
 
 
 def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
@@ -1168,7 +1179,47 @@ def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
 # --- checks -----------------------------------------------------------------------------
 
 
-def check_source(spec: str | Mapping, split: str, full: bool = False, num_classes: int | None = None) -> int:
+# How the data's owner finds the rows a refusal names no number of: row numbers and counts come from private values.
+FIND_ROWS = "its owner lists the rows with `dpfleet data check --config FILE` (or dpfleet train --show-values)"
+
+
+@dataclass(frozen=True)
+class RuleBreach:
+    """The rows of one scanned chunk of a file that break one rule of ``check_source``.
+
+    ``rows`` are row numbers in the file, ``values`` the offending value of
+    each (a feature, a label, a length; None for a null). The rows, their
+    count and the values come from private data: only the data's owner may
+    read them (``error`` keeps them to its ``with_values``).
+    """
+
+    path: str
+    column: str
+    rule: str
+    fix: str
+    first_row: int
+    scanned: int
+    rows: np.ndarray
+    values: np.ndarray | None
+
+    def value(self, position: int) -> str:
+        """The offending value of the ``position``-th row, as text."""
+        return "null" if self.values is None else str(self.values[position])
+
+    def listing(self, most: int = 3) -> str:
+        """'2 of rows 0..39: row 4 (label 7), row 11 (label 3)': how many of the chunk's rows, and the first ones."""
+        shown = ", ".join(f"row {row} ({self.value(position)})" for position, row in enumerate(self.rows[:most]))
+        return (f"{len(self.rows)} of rows {self.first_row}..{self.first_row + self.scanned - 1} break it: {shown}"
+                f"{', ...' if len(self.rows) > most else ''}")
+
+    def error(self) -> DataError:
+        """The refusal: the file, column, rule and fix, and how the owner finds the rows; with values, the rows."""
+        message = f"{self.path}: column {self.column!r}: {self.rule}; {self.fix}"
+        return DataError(f"{message}; {FIND_ROWS}", f"{message}; {self.listing()}")
+
+
+def check_source(spec: str | Mapping, split: str, full: bool = False, num_classes: int | None = None,
+                 found: Callable[[RuleBreach], None] | None = None) -> int:
     """Check a split's files before training; return its number of examples.
 
     Always: files exist and are readable, are not empty, have the feature and
@@ -1176,19 +1227,26 @@ def check_source(spec: str | Mapping, split: str, full: bool = False, num_classe
     feature values (the spec's ``shape`` when given). With ``full``, every
     value is also scanned: a NaN or infinite feature, a null, or an integer
     label outside 0..num_classes-1 (when ``num_classes`` is known) is refused.
-    Raises DataError naming the file, and the row and column where it applies.
-    A ``module:function`` dataset is only sized: checking its values would
-    read its examples here.
+    Raises DataError naming the file, column and rule, and the rows only in
+    its ``with_values``. With ``found``, rows that break a rule are handed to
+    it (one ``RuleBreach`` per file chunk, column and rule) and the scan goes
+    on, for the data's owner (``dpfleet data check``). A ``module:function``
+    dataset is only sized: checking its values would read its examples here.
     """
     if isinstance(spec, str):
         return source_size(spec, split)
     num_classes = spec.get("num_classes", num_classes)
     checker = {"parquet": _check_parquet, "csv": _check_csv, "npy": _check_numpy, "npz": _check_numpy,
                "imagefolder": _check_images}[spec["format"]]
-    return checker(spec, split, full, num_classes)
+    return checker(spec, split, full, num_classes, found or _refuse)
 
 
-def _check_parquet(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+def _refuse(breach: RuleBreach) -> None:
+    raise breach.error()
+
+
+def _check_parquet(spec: Mapping, split: str, full: bool, num_classes: int | None,
+                   found: Callable[[RuleBreach], None]) -> int:
     filesystem, paths = _files_at(spec[split], PARQUET_SUFFIXES)
     label = spec.get("label", "label")
     expected_length = _shape_size(spec)
@@ -1204,13 +1262,14 @@ def _check_parquet(spec: Mapping, split: str, full: bool, num_classes: int | Non
             first_row = 0
             for batch in parquet.iter_batches(batch_size=_SCAN_ROWS, columns=[*columns, label], use_threads=False):
                 expected_length = _check_batch(path, first_row, batch, columns, label, expected_length, full,
-                                               num_classes)
+                                               num_classes, found)
                 first_row += batch.num_rows
         rows += parquet.metadata.num_rows
     return rows
 
 
-def _check_csv(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+def _check_csv(spec: Mapping, split: str, full: bool, num_classes: int | None,
+               found: Callable[[RuleBreach], None]) -> int:
     filesystem, paths = _files_at(spec[split], (".csv",))
     label = spec.get("label", "label")
     expected_length = _shape_size(spec)
@@ -1221,7 +1280,7 @@ def _check_csv(spec: Mapping, split: str, full: bool, num_classes: int | None) -
             columns, length = _check_schema(spec, batch.schema, path)
             expected_length = _agreed_length(path, columns, length, expected_length)
             if full:
-                _check_batch(path, first_row, batch, columns, label, expected_length, full, num_classes)
+                _check_batch(path, first_row, batch, columns, label, expected_length, full, num_classes, found)
             file_rows += batch.num_rows
         if file_rows == 0:
             raise DataError(f"{path}: empty file (no rows under the header); remove it or write examples into it")
@@ -1229,7 +1288,8 @@ def _check_csv(spec: Mapping, split: str, full: bool, num_classes: int | None) -
     return rows
 
 
-def _check_numpy(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+def _check_numpy(spec: Mapping, split: str, full: bool, num_classes: int | None,
+                 found: Callable[[RuleBreach], None]) -> int:
     features, labels = _numpy_arrays(spec, split)
     length = int(np.prod(features.shape[1:], dtype=np.int64))
     if "shape" in spec and _shape_size(spec) != length:
@@ -1240,12 +1300,13 @@ def _check_numpy(spec: Mapping, split: str, full: bool, num_classes: int | None)
         value_names = [f"{array_name}[{position}]" for position in range(length)]
         for start in range(0, len(labels), _SCAN_ROWS):
             rows = np.arange(start, min(start + _SCAN_ROWS, len(labels)))
-            _check_values(features.name, labels.name, start, features.rows(rows).reshape(len(rows), -1),
-                          value_names, labels.rows(rows), num_classes)
+            _check_values(features.name, labels.name, rows, features.rows(rows).reshape(len(rows), -1),
+                          value_names, labels.rows(rows), num_classes, found)
     return len(labels)
 
 
-def _check_images(spec: Mapping, split: str, full: bool, num_classes: int | None) -> int:
+def _check_images(spec: Mapping, split: str, full: bool, num_classes: int | None,
+                  found: Callable[[RuleBreach], None]) -> int:
     from PIL import Image, UnidentifiedImageError
 
     filesystem, classes, examples = _image_files(spec[split])
@@ -1281,66 +1342,73 @@ def _agreed_length(path: str, columns: list[str], length: int | None, expected: 
 
 
 def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list[str], label: str,
-                 expected_length: int | None, full: bool, num_classes: int | None) -> int | None:
-    """Checks one batch of a table's rows; returns the feature length (the first row's, if none was set)."""
+                 expected_length: int | None, full: bool, num_classes: int | None,
+                 found: Callable[[RuleBreach], None]) -> int | None:
+    """Checks one batch of a table's rows; returns the feature length (the first row's, if none was set).
+
+    Rows that break a rule go to ``found``; the rows after them are checked
+    for the other rules (when ``found`` lets the scan go on).
+    """
+    rows = np.arange(first_row, first_row + batch.num_rows)
+    breach = functools.partial(RuleBreach, path, first_row=first_row, scanned=batch.num_rows)
+    good = np.ones(batch.num_rows, dtype=bool)
     if len(columns) == 1 and _is_list(batch.schema.field(columns[0]).type):
         lengths = pc.fill_null(pc.list_value_length(batch.column(columns[0])), -1).to_numpy()
         if expected_length is None and len(lengths):
             expected_length = int(lengths[0])
         wrong = np.flatnonzero(lengths != expected_length)
         if len(wrong):
-            row = int(wrong[0])
-            where = f"{path}: row {first_row + row}, column {columns[0]!r}"
-            rule = "every example needs the same number of features"
-            if lengths[row] < 0:
-                raise DataError(f"{where}: null, expected {expected_length} values; {rule}")
-            raise DataError(f"{where}: not {expected_length} values; {rule}",
-                            f"{where}: {lengths[row]} values, expected {expected_length}; {rule}")
+            found(breach(columns[0], f"every example needs {expected_length} values (null or another length)",
+                         "write every example with the same number of features", rows=rows[wrong],
+                         values=np.array([f"{length} values" if length >= 0 else "null" for length in lengths[wrong]])))
+            good[wrong] = False
         names = columns * (expected_length or 0)
     else:
         names = columns
     if full:
         for name in [*columns, label]:
-            nulls = np.flatnonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False))
+            nulls = np.flatnonzero(batch.column(name).is_null().to_numpy(zero_copy_only=False) & good)
             if len(nulls):
-                raise DataError(f"{path}: row {first_row + int(nulls[0])}, column {name!r}: null (a missing value, "
-                                f"or NaN in a CSV; {_row_count(first_row, nulls, batch.num_rows)} of the column are "
-                                "null); fill or drop those rows, or set check_data = \"lenient\" to drop them")
-        features, labels = _table_to_numpy(pa.Table.from_batches([batch]), columns, label)
-        _check_values(path, path, first_row, features, names, labels, num_classes, label)
+                found(breach(name, "no value may be null (a missing value, or NaN in a CSV)",
+                             'fill or drop those rows, or set check_data = "lenient" to drop them',
+                             rows=rows[nulls], values=None))
+                good[nulls] = False
+        kept = pa.Table.from_batches([batch])
+        if not good.all():
+            kept = kept.filter(pa.array(good))
+        if kept.num_rows:
+            features, labels = _table_to_numpy(kept, columns, label)
+            _check_values(path, path, rows[good], features, names, labels, num_classes, found, label,
+                          (first_row, batch.num_rows))
     return expected_length
 
 
-def _check_values(feature_file: str, label_file: str, first_row: int, features: np.ndarray, names: list[str],
-                  labels: np.ndarray, num_classes: int | None, label_name: str = "label") -> None:
-    """Refuses NaN or infinite features, and integer labels outside 0..num_classes-1: how many rows of the batch
-    scanned, and the first rows' numbers."""
+def _check_values(feature_file: str, label_file: str, rows: np.ndarray, features: np.ndarray, names: list[str],
+                  labels: np.ndarray, num_classes: int | None, found: Callable[[RuleBreach], None],
+                  label_name: str = "label", chunk: tuple[int, int] | None = None) -> None:
+    """Hands ``found`` the rows (numbers ``rows``) with a NaN or infinite feature, one breach per feature column,
+    and those with an integer label outside 0..num_classes-1; ``chunk`` is (first row, rows) of the scan."""
+    first_row, scanned = chunk or (int(rows[0]), len(rows))
     if np.issubdtype(features.dtype, np.floating):
-        bad = np.argwhere(~np.isfinite(features))
-        if len(bad):
-            row, column = (int(v) for v in bad[0])
-            rows = _row_count(first_row, np.unique(bad[:, 0]), len(features))
-            where = f"{feature_file}: row {first_row + row}, column {names[column]!r}"
-            rule = (f"features must be finite ({rows} have a feature that is not; fix or drop those rows, or set "
-                    "check_data = \"lenient\" to drop them)")
-            raise DataError(f"{where}: not finite; {rule}", f"{where}: {features[row, column]}; {rule}")
+        bad = ~np.isfinite(features)
+        if bad.any():
+            # The row's first bad value names its column; rows are grouped by that column.
+            bad_rows = np.flatnonzero(bad.any(axis=1))
+            first_bad = bad[bad_rows].argmax(axis=1)
+            columns = np.array(names, dtype=object)[first_bad]
+            for column in dict.fromkeys(columns):
+                chosen = columns == column
+                found(RuleBreach(feature_file, column, "features must be finite",
+                                 'fix or drop those rows, or set check_data = "lenient" to drop them', first_row,
+                                 scanned, rows[bad_rows[chosen]],
+                                 features[bad_rows[chosen], first_bad[chosen]]))
     if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
         bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
         if len(bad):
-            row = int(bad[0])
-            where = f"{label_file}: row {first_row + row}, column {label_name!r}"
-            rule = (f"(num_classes {num_classes}; {_row_count(first_row, bad, len(labels))} are outside; give the "
-                    "model one output per class, set the dataset's num_classes, or set check_data = \"lenient\" to "
-                    "drop those rows)")
-            raise DataError(f"{where}: label outside 0..{num_classes - 1} {rule}",
-                            f"{where}: label {labels[row]} is outside 0..{num_classes - 1} {rule}")
-
-
-def _row_count(first_row: int, bad_rows: np.ndarray, scanned: int) -> str:
-    """'3 of rows 0..99 (4, 9, 17)': how many of a scanned batch's rows break a rule, and the first ones."""
-    shown = ", ".join(str(first_row + int(row)) for row in bad_rows[:3])
-    more = ", ..." if len(bad_rows) > 3 else ""
-    return f"{len(bad_rows)} of rows {first_row}..{first_row + scanned - 1} ({shown}{more})"
+            found(RuleBreach(label_file, label_name, f"labels must lie in 0..{num_classes - 1} (num_classes "
+                             f"{num_classes})", "give the model one output per class, set the dataset's "
+                             'num_classes, or set check_data = "lenient" to drop those rows', first_row, scanned,
+                             rows[bad], np.array([f"label {label}" for label in labels[bad]])))
 
 
 # --- writing ----------------------------------------------------------------------------

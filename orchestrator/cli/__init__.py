@@ -51,7 +51,7 @@ COMMANDS = {
                      "orchestrator.cli.audit:add_audit_arguments"),
     "submit": Command("run `dpfleet train` as a job on a running Ray cluster",
                       "orchestrator.cli.submit:add_submit_arguments"),
-    "data": Command("write datasets into the file formats training reads",
+    "data": Command("write datasets into the file formats training reads, and check a config's data by its rules",
                     "orchestrator.cli.data_parser:add_data_arguments"),
     "export": Command("write a finished run's model as safetensors, with a model card, to share",
                       "orchestrator.cli.export:add_export_arguments"),

@@ -1,4 +1,4 @@
-"""`dpfleet data`: write datasets into the file formats training reads.
+"""`dpfleet data`: write datasets into the file formats training reads, and check a config's data by its rules.
 
 This is the parser only: it loads none of the data modules (torch,
 torchvision), which `orchestrator.cli.data` loads when a command runs.
@@ -31,3 +31,20 @@ def add_data_arguments(data: argparse.ArgumentParser) -> None:
                         help="Parquet codec: none reads fastest, zstd is about 10x smaller for MNIST (default none)")
     export.add_argument("--data-root", help="the built-in datasets' cache (default: DPFLEET_DATA or ~/.cache/dpfleet)")
     export.set_defaults(handler="orchestrator.cli.data:run_export")
+    check = commands.add_parser(
+        "check",
+        help="list the rows of a config's data that break the rules a run checks (for the data's owner: NOT private)",
+        description="Reads every row of the config's training and test data (with shards, each shard's table) on "
+                    "this machine and checks the rules dpfleet train checks before a run: the files' schema, "
+                    "examples of one size, no null, finite features, integer labels in 0..num_classes-1 (the "
+                    "dataset's num_classes, else the model's output width). For each file, column and rule it "
+                    "prints how many rows break it and the first ones with their values. It reads private rows "
+                    "and prints them: run it as the data's owner, on the data's machine; it reserves no budget "
+                    "and trains nothing. Exit status 0 when every row keeps the rules, 1 when some row breaks one "
+                    "(or a file cannot be read), 2 on a bad config or flag.",
+    )
+    check.add_argument("--config", required=True, help="TOML file of the run whose data to check")
+    check.add_argument("--split", choices=("train", "test"), help="check this split only (default: both)")
+    check.add_argument("--shard", help="with shards: check this shard's table only (its index in the config)")
+    check.add_argument("--rows", default=20, help="rows listed per file, column and rule (default 20)")
+    check.set_defaults(handler="orchestrator.cli.data:run_check")

@@ -56,8 +56,10 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     for old, new in (("--show-train-loss", "--non-private-train-loss"), ("--mia", "--non-private-mia")):
         train.add_argument(old, nargs=0, action=RenamedFlag, new_flag=new, help=f"refused: it is now {new}")
     train.add_argument("--show-values", action="store_true",
-                       help="quote the offending value from the data in errors about the data (by default they name "
-                            "the file, row, column and rule only); for the data's owners (docs/training.md)")
+                       help="quote the rows that break a rule, how many, and their values in errors about the data, "
+                            "and how many rows check_data = \"lenient\" drops (by default they name the file, column "
+                            "and rule only); it reads private rows and is NOT private: for the data's owners "
+                            "(docs/training.md)")
     train.add_argument("--no-progress", action="store_true",
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
@@ -138,7 +140,7 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
     """
     check_queue_flags(args)
     options = {"show_progress": show_progress(args.no_progress, sys.stderr),
-               "non_private_train_loss": args.non_private_train_loss}
+               "non_private_train_loss": args.non_private_train_loss, "show_values": args.show_values}
     try:
         if args.resume:
             trainer = resume_trainer(args.resume, **options)

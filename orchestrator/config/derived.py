@@ -19,12 +19,16 @@ def training_set_size(config: TrainConfig) -> int:
     """N: the number of training examples the run samples from, from file metadata (no example is read).
 
     Unsharded configs only: a sharded config's N is the sum its workers report.
+    Under check_data = "lenient" N counts every row of the files, those it
+    drops too (they take no part in any sample): how many it drops comes from
+    private values, and N is public (docs/privacy.md).
     """
     if config.shards:
         raise UsageError("a sharded config's N is the sum of its shards' sizes, which only their workers report; "
                          "pass the reported N as dataset_size")
+    spec = config.dataset
     try:
-        full = sources.source_size(config.dataset, "train")
+        full = sources.source_size({**spec, "drop_invalid_rows": False} if isinstance(spec, dict) else spec, "train")
     except ValueError as error:
         raise UsageError(str(error), getattr(error, "with_values", None)) from None
     if config.train_subset is not None and config.train_subset > full:
