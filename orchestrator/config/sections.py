@@ -197,11 +197,12 @@ class DataSection(Section):
         "Before any budget is reserved or worker started, check the data files. `strict`: the files' metadata "
         "and a scan (missing files or columns, wrong types, empty files, examples of the wrong size) and every "
         "value: NaN or infinite features, nulls, and integer labels outside 0..num_classes-1 (num_classes from "
-        "the dataset, else the model's output width) are refused, with how many rows and the first ones. "
-        "`lenient`: the metadata and the scan, then rows with a NaN or infinite value or a label outside the "
-        "classes are dropped from both splits (each row by its own values), and the run's log says how many; a "
-        "csv, parquet, npy or npz table at example level only. `basic`: the metadata and the scan only. `full`: "
-        "the same as `strict` (its former name).",
+        "the dataset, else the model's output width) are refused, naming the file, column and rule but no row "
+        "(`dpfleet data check` lists the rows for the data's owner). `lenient`: the metadata and the scan, then "
+        "rows with a NaN or infinite value or a label outside the classes take no part in training or evaluation "
+        "(each row by its own values; N counts every row of the files, and how many are dropped is printed only "
+        "with --show-values); a csv, parquet, npy or npz table at example level only. `basic`: the metadata and "
+        "the scan only. `full`: the same as `strict` (its former name).",
     )
 
     plan_ahead_steps: int | Literal["auto"] | None = key(
