@@ -77,7 +77,7 @@ from workers.fingerprints import dataset_identity
 from workers.keys import process_key
 from workers.models import bind_flat_views, parameter_count
 from workers.optimizers import update_ema
-from workers.planned_batches import read_planned_dataset
+from workers.planned_batches import read_planned_dataset, remove_stale_window_folders_on
 from workers.shard_worker import ShardWorkerActor
 
 _TRAIN_LOSS_EXAMPLES = 10_000
@@ -400,10 +400,13 @@ class Trainer:
                 self.planned_windows = driver_windows(
                     self.config.plan_ahead_steps, self.planned_dataset, self.plan.expected_batch_size,
                     self.plan.steps, self.step,
-                    lambda step: worker_shares(*self._draw_sample(step), self.config.workers)[0])
+                    lambda step: worker_shares(*self._draw_sample(step), self.config.workers)[0],
+                    self.config.workers, self.plan.microbatches)
                 running.callback(self.planned_windows.close)
                 self.planned_windows.start()
             workers = self._start_workers(running)
+            # Killed runs' windows on these nodes (sealed, but sampled rows) go as any run starts.
+            remove_stale_window_folders_on(ray.get([worker.node_id.remote() for worker in workers]))
             self.charge_clock = None
             if self.ledger is not None:
                 self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, self.record.charged_blocks),
@@ -743,9 +746,7 @@ class Trainer:
         self._collect_weights()
         test = self._start_evaluation(workers, "test", test_set_size(self.config))
         if self.non_private_train_loss:
-            # Under check_data = "lenient" the workers' training split is the rows kept, fewer than N.
-            held = self.plan.dataset_size if self.kept_rows is None else len(self.kept_rows.kept)
-            train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, held))
+            train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size))
         # The accountant runs while the workers evaluate.
         epsilon = self.epsilon()
         row = {

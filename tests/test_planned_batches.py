@@ -21,7 +21,8 @@ from workers.data import load_split
 from workers.models import flat_parameters
 from workers.planned_batches import MAX_WINDOW_STEPS, WINDOW_BYTES, WINDOW_PREFIX, PlannedBatch, PlannedRunSource, \
     PlannedWindows, auto_window_steps, gather_window, private_window_folder, read_planned_batch, \
-    read_planned_dataset, remove_stale_window_folders, remove_window_folder, window_plan
+    read_planned_dataset, remove_stale_window_folders, remove_window_folder, share_capacity, window_plan
+from workers.window_keys import WindowKey
 
 TRAIN_ROWS, TEST_ROWS = 600, 200
 
@@ -66,7 +67,8 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
     folder = private_window_folder()
     request.addfinalizer(lambda: remove_window_folder(folder))
     dataset = read_planned_dataset(spec)
-    read = gather_window(dataset, shares, folder)
+    key = WindowKey()
+    read, ephemeral = gather_window(dataset, shares, folder, key.run, share_capacity(25))
     assert len(read) == len(set(read))
     sampled = np.unique(np.concatenate([np.concatenate(parts) for parts in shares.values()]))
     file_starts = np.array([0, 334, 667])
@@ -77,7 +79,8 @@ def test_a_window_is_gathered_reading_each_row_group_at_most_once_and_gives_each
     assert os.stat(folder).st_mode & 0o777 == 0o700
     for step, parts in shares.items():
         for worker, share in enumerate(parts):
-            inputs, gathered_labels = read_planned_batch(PlannedBatch(folder, step, worker), dataset)
+            inputs, gathered_labels = read_planned_batch(
+                PlannedBatch(folder, step, worker, key.run, key.file_key(ephemeral, step, worker)), dataset)
             np.testing.assert_array_equal(inputs.numpy(), features[share])
             np.testing.assert_array_equal(gathered_labels.numpy(), labels[share])
 
@@ -142,7 +145,7 @@ def test_the_next_window_gathers_while_one_trains_and_each_folder_goes_once_its_
     # A resumed run from step 1: windows of three steps, 1-3, 4-6, 7.
     dataset = read_planned_dataset(spec)
     windows = PlannedWindows(dataset, 3, 8, lambda step: np.array_split(samples.get(step, np.zeros(0, int)), 2),
-                             first_step=1)
+                             expected_share=15, first_step=1)
     try:
         windows.start()
         batch = windows.batch(2, 1)
@@ -153,7 +156,7 @@ def test_the_next_window_gathers_while_one_trains_and_each_folder_goes_once_its_
         windows.done_with(3)
         assert not os.path.exists(first_folder) and sorted(windows.windows) == [1]
         assert windows.batch(8, 0) is None
-        # Step 7 holds no sample: its shares have no file and read as empty.
+        # Step 7 holds no sample: its shares' files hold no row and read as empty.
         assert read_planned_batch(windows.batch(7, 0), dataset) is None
         folders = [folder for folder, _ in windows.windows.values()]
     finally:

@@ -20,7 +20,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "planned_batches": ["MAX_WINDOW_STEPS", "WINDOW_BYTES", "PlannedBatch", "PlannedDataset", "PlannedWindows",
                         "auto_window_steps", "gather_window", "private_window_folder", "read_planned_batch",
                         "read_planned_dataset", "read_planned_dataset_beside", "remove_stale_window_folders",
-                        "remove_window_folder", "window_plan"],
+                        "remove_stale_window_folders_on", "remove_window_folder", "share_capacity", "window_plan"],
     "reducer": ["NodeReducerActor"],
     "sampling": ["SiloFixedOrder", "cyclic_poisson_batch", "fixed_order_batch", "make_generator", "poisson_sample",
                  "shuffled_order", "silo_fixed_order_batch", "step_generator"],
@@ -33,5 +33,6 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "tasks": ["build_loss", "build_transform"],
     "users": ["UserSpec", "user_index"],
     "validation": ["check_model", "unchanged_buffers"],
+    "window_keys": ["WindowKey", "WindowSeal", "open_file"],
     "vmap_engine": ["microbatch_clipped_sum", "per_example_clipped_sum"],
 })

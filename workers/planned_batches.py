@@ -8,9 +8,9 @@ secret key, the next K steps can be drawn before any is run. The window's
 one Ray Data pass (`gather_window`) streams the files once, in order,
 decoding only the row groups that hold a planned row, each once per window
 and in record batches of ``READ_ROWS`` rows, so no task holds a whole row
-group. It writes each (step, worker) batch as one Arrow IPC file into a
+group. It writes each (step, worker) batch as one sealed file into a
 folder that only the run's user can enter (`private_window_folder`); the
-worker memory-maps its batch of a step from there (`PlannedBatchReader`),
+worker reads and opens its batch of a step from there (`PlannedBatchReader`),
 reading the next step's ahead. `PlannedWindows` gathers window k + 1 on a
 background thread while window k trains. The driver never holds the rows;
 the gather holds one window's gathered rows, and a worker only its batch
@@ -21,34 +21,43 @@ metadata grows with the number of row groups (about 2 kB a group: 0.3 GB
 for a file of 2.5 million rows in `dpfleet data export`'s 16-row groups) and
 the allocator keeps that memory in the process that parsed it.
 
-Who is in which step is as secret as the noise: the plan lives in memory and
-in the Ray object store, the folder is 0700 and is removed as soon as its
-window has run (and when the run ends), and nothing about it is logged. A
-folder whose owner was killed is removed by the next run's windows on that
-node (`remove_stale_window_folders`): each folder's owner holds a flock on
+Who is in which step is as secret as the noise. The plan lives in memory
+and in the Ray object store; the folder is 0700 and is removed as soon as
+its window has run (and when the run ends, however it ends short of a
+kill). Mode 0700 keeps out other users only, not another Ray job of the
+same user, nor anyone who finds a killed run's folder: so every file is
+sealed under the run's key, which lives in memory only
+(`workers.window_keys`), and every file of a run has the same size
+(`share_capacity`), as has each window's plan in Ray Data; Ray Data logs
+nothing of a window (`quiet_ray_data`). What a kill leaves is ciphertext of
+a size set by public figures. A folder whose owner was killed is removed
+when the next run starts on that node, planned or not
+(`remove_stale_window_folders_on`): each folder's owner holds a flock on
 its lock file, which the kernel drops with the process.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from contextlib import suppress
-from dataclasses import dataclass
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as pa_ipc
 import pyarrow.parquet as pq
 
 from workers.lazy import LazyModule
 from workers.sources import PARQUET_SUFFIXES, ParquetSource, _check_schema, _feature_array, _feature_tensor, \
     _files_at, _label_array, _label_tensor, _table_to_numpy
+from workers.window_keys import WindowKey, WindowSeal, open_file
 
 torch = LazyModule("torch")
 
@@ -177,9 +186,10 @@ _held_locks: dict[str, int] = {}
 _held_locks_guard = threading.Lock()
 
 
-def private_window_folder(parent: str | None = None) -> str:
+def private_window_folder(parent: str | None = None, owner: str = "") -> str:
     """A new folder that only this user can enter (mode 0700), for a window's gathered batches, owned by this process.
 
+    Its name starts with WINDOW_PREFIX and `owner` (`remove_owned_window_folders`).
     Beside it (in `parent`, the temporary folder by default) lies its lock
     file, the folder's name + ".lock", on which this process holds an
     exclusive flock until `remove_window_folder`. The kernel drops the lock
@@ -189,7 +199,7 @@ def private_window_folder(parent: str | None = None) -> str:
     gone, so a folder without a held lock is never in use.
     """
     while True:
-        descriptor, lock_path = tempfile.mkstemp(prefix=WINDOW_PREFIX, suffix=_LOCK_SUFFIX, dir=parent)
+        descriptor, lock_path = tempfile.mkstemp(prefix=WINDOW_PREFIX + owner, suffix=_LOCK_SUFFIX, dir=parent)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a sweep holds the new lock: it unlinks it, and we draw another name
@@ -220,6 +230,18 @@ def remove_window_folder(folder: str) -> None:
         os.close(descriptor)
 
 
+def remove_owned_window_folders(owner: str, parent: str | None = None) -> None:
+    """Delete every window folder of `owner` in `parent` (the temporary folder by default), and its lock.
+
+    By name, not by a record of them: an interrupt (Ctrl-C, SIGTERM) that
+    lands between a folder's making and its recording leaves no folder.
+    Only this process's own owners are named, so every folder is one it made.
+    """
+    for entry in os.scandir(parent or tempfile.gettempdir()):
+        if entry.name.startswith(WINDOW_PREFIX + owner) and entry.name.endswith(_LOCK_SUFFIX):
+            remove_window_folder(entry.path[:-len(_LOCK_SUFFIX)])
+
+
 def remove_stale_window_folders(parent: str | None = None) -> list[str]:
     """Delete the window folders in `parent` (the temporary folder by default) whose owning process is gone.
 
@@ -237,6 +259,22 @@ def remove_stale_window_folders(parent: str | None = None) -> list[str]:
             if _take_stale_lock(entry.path, folder):
                 removed.append(folder)
     return removed
+
+
+def remove_stale_window_folders_on(node_ids: Iterable[str]) -> None:
+    """`remove_stale_window_folders` here and on each node of `node_ids`, by a task there that asks for no CPU.
+
+    Every run calls it as it starts, planned or not, for the nodes its
+    workers use: a killed run's sealed windows go at the next run on any of
+    its nodes, not only at the next planned one. The task sweeps the
+    temporary folder of that node's Ray workers, where their windows lie.
+    """
+    import ray
+
+    remove_stale_window_folders()
+    here = ray.get_runtime_context().get_node_id()
+    sweep = ray.remote(remove_stale_window_folders)
+    ray.get([sweep.options(num_cpus=0, label_selector=on_node(node)).remote() for node in set(node_ids) - {here}])
 
 
 def _take_stale_lock(lock_path: str, folder: str) -> bool:
@@ -263,7 +301,30 @@ def _take_stale_lock(lock_path: str, folder: str) -> bool:
 
 
 def _batch_path(folder: str, step: int, worker: int) -> str:
-    return os.path.join(folder, f"step-{step:09d}-worker-{worker:05d}.arrow")
+    return os.path.join(folder, f"step-{step:09d}-worker-{worker:05d}.sealed")
+
+
+# Standard deviations of a share's size above its mean that a window file holds without growing.
+CAPACITY_SIGMAS = 8
+
+
+def share_capacity(expected_share: float) -> int:
+    """The rows every window file holds, padded: a worker's expected share of a step plus 8 standard deviations.
+
+    Every file of a run is this size, so neither a file, a folder nor the
+    gather's input says how many examples a step sampled. A share of
+    Poisson size with mean μ exceeds μ + 8√μ + 8 with probability below
+    1e-14; a file that must hold more grows by whole capacities, which says
+    only that this happened.
+    """
+    if not expected_share >= 0:
+        raise ValueError(f"expected_share must be >= 0 rows (got {expected_share})")
+    return int(np.ceil(expected_share + CAPACITY_SIGMAS * np.sqrt(expected_share) + CAPACITY_SIGMAS))
+
+
+def _padded_length(rows: int, capacity: int) -> int:
+    """`rows` rounded up to whole capacities, at least one."""
+    return capacity * max(1, -(-rows // capacity))
 
 
 def gather_file(path: str, file_start: int, rows: np.ndarray, columns: list[str], label: str) \
@@ -292,90 +353,158 @@ def gather_file(path: str, file_start: int, rows: np.ndarray, columns: list[str]
     return taken, groups.tolist()
 
 
-def write_step_batches(table: pa.Table, plan: WindowPlan, folder: str) -> None:
-    """Write the gathered rows (in plan order) as one Arrow IPC file per (step, worker), each in share order.
+def write_step_batches(features: np.ndarray, labels: np.ndarray, plan: WindowPlan, folder: str, steps: range,
+                       workers: int, capacity: int, seal: WindowSeal) -> None:
+    """Write the gathered rows (`features`, `labels` as a read gives them, in plan order) as one sealed file per
+    (step, worker) of the window, each in share order.
 
-    One file per (step, worker) keeps a worker's read of its step to one
-    memory-mapped file; the files are 0600, created anew (never overwritten).
+    Every (step, worker) has its file, an empty share too, and each holds
+    its row count, features and labels padded with zeros to `capacity`
+    rows (`share_capacity`), sealed by `seal` (`workers.window_keys`). The
+    files are 0600, created anew (never overwritten).
     """
-    keys = plan.steps * (int(plan.workers.max()) + 1) + plan.workers
+    keys = plan.steps * workers + plan.workers
     order = np.lexsort((plan.positions, keys))
-    table = table.take(pa.array(order))
-    keys = keys[order]
-    bounds = np.flatnonzero(np.diff(keys)) + 1
-    for start, stop in zip([0, *bounds.tolist()], [*bounds.tolist(), len(keys)]):
-        step, worker = int(plan.steps[order[start]]), int(plan.workers[order[start]])
-        descriptor = os.open(_batch_path(folder, step, worker), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as handle, pa_ipc.new_file(handle, table.schema) as writer:
-            writer.write_table(table.slice(start, stop - start))
+    features, labels, keys = features[order], labels[order], keys[order]
+    row_features = features.itemsize * features.shape[1]
+    for step in steps:
+        for worker in range(workers):
+            start, stop = np.searchsorted(keys, [step * workers + worker, step * workers + worker + 1])
+            rows = int(stop - start)
+            slots = _padded_length(rows, capacity)
+            plaintext = b"".join([rows.to_bytes(8, "little"), features[start:stop].tobytes(),
+                                  bytes((slots - rows) * row_features), labels[start:stop].tobytes(),
+                                  bytes((slots - rows) * labels.itemsize)])
+            descriptor = os.open(_batch_path(folder, step, worker), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(seal.seal(plaintext, step, worker))
 
 
-def _gather_files(items: dict[str, np.ndarray], columns: list[str], label: str, folder: str) -> dict:
-    """Ray Data's map over the window: one pass over its files in order; answer only which row groups were read."""
+def _gather_files(items: dict[str, np.ndarray], dataset: PlannedDataset, folder: str, steps: range, workers: int,
+                  capacity: int, run: bytes) -> dict:
+    """Ray Data's map over the window: one pass over its files in order; answer the window's ephemeral public key
+    and which row groups were read, both padded to sizes that do not depend on the sample."""
+    # This task's own records of the window (a Ray worker's ray-data log) would say when and how much it read.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     read_files, read_groups, taken = [], [], []
-    plan = WindowPlan(*(np.asarray(items[name][0], dtype=np.int64) for name in ("rows", "steps", "workers",
-                                                                                   "positions")))
-    starts, cuts = items["starts"][0], np.searchsorted(plan.rows, items["starts"][0])
-    for file_index, path in enumerate(items["paths"][0]):
+    count = int(items["count"][0])
+    plan = WindowPlan(*(np.asarray(items[name][0][:count], dtype=np.int64) for name in ("rows", "steps", "workers",
+                                                                                          "positions")))
+    starts = np.concatenate([[0], np.cumsum(dataset.row_counts)])
+    cuts = np.searchsorted(plan.rows, starts)
+    for file_index, path in enumerate(dataset.paths):
         if cuts[file_index + 1] > cuts[file_index]:
-            batches, groups = gather_file(str(path), int(starts[file_index]),
-                                          plan.rows[cuts[file_index]:cuts[file_index + 1]], columns, label)
+            batches, groups = gather_file(path, int(starts[file_index]),
+                                          plan.rows[cuts[file_index]:cuts[file_index + 1]], list(dataset.columns),
+                                          dataset.label)
             taken.extend(batches)
             read_files.extend([file_index] * len(groups))
             read_groups.extend(groups)
-    write_step_batches(pa.Table.from_batches(taken), plan, folder)
-    return {"file": np.asarray(read_files, dtype=np.int64), "group": np.asarray(read_groups, dtype=np.int64)}
+    features, labels = dataset.no_rows
+    if taken:
+        features, labels = _table_to_numpy(pa.Table.from_batches(taken), list(dataset.columns), dataset.label)
+        features, labels = _feature_array(features).reshape(len(labels), -1), _label_array(labels)
+    seal = WindowSeal(run)
+    write_step_batches(features, labels, plan, folder, steps, workers, capacity, seal)
+    padded = len(items["rows"][0])
+    read = np.full((2, padded), -1, dtype=np.int64)
+    read[0, :len(read_files)], read[1, :len(read_groups)] = read_files, read_groups
+    return {"ephemeral": np.frombuffer(seal.ephemeral, dtype=np.uint8)[None], "file": read[:1], "group": read[1:]}
 
 
-def gather_window(dataset: PlannedDataset, shares: Mapping[int, Sequence[np.ndarray]], folder: str,
-                  node_id: str | None = None) -> list[tuple[int, int]]:
+def gather_window(dataset: PlannedDataset, shares: Mapping[int, Sequence[np.ndarray]], folder: str, run: bytes,
+                  capacity: int, node_id: str | None = None) -> tuple[list[tuple[int, int]], bytes]:
     """Gather the window's batches (`shares`, as for `window_plan`) of `dataset` into `folder` in one Ray Data pass.
 
     One Ray Data task, asking for no CPU, passes over the files in order
-    and writes one file per (step, worker) with planned rows; a share with
-    none has no file. With `node_id`, the task runs on that node (the one
-    whose disk holds the folder).
-    Returns the (file, row group) pairs read, each once; the rows
+    and writes one file per (step, worker), sealed to the run's public key
+    `run` and padded to `capacity` rows (`write_step_batches`). With
+    `node_id`, the task runs on that node (the one whose disk holds the
+    folder). The task's input (the plan) and output are padded to sizes
+    that do not depend on the sample, and Ray Data writes no statistics or
+    log lines of the pass (`quiet_ray_data`).
+    Returns the (file, row group) pairs read, each once, and the window's
+    ephemeral public key (`workers.window_keys.WindowSeal`); the rows
     themselves never come back.
     """
     import ray.data  # only a planned run needs Ray Data (and pandas)
 
     plan = window_plan(shares)
-    if not len(plan.rows):
-        return []
-    item = {"paths": np.asarray(dataset.paths), "starts": np.concatenate([[0], np.cumsum(dataset.row_counts)]),
-            "rows": plan.rows, "steps": plan.steps, "workers": plan.workers, "positions": plan.positions}
+    workers = len(next(iter(shares.values())))
+    padded = _padded_length(len(plan.rows), capacity * len(shares) * workers)
+    item = {"count": len(plan.rows), **{name: np.pad(getattr(plan, name), (0, padded - len(plan.rows)))
+                                        for name in ("rows", "steps", "workers", "positions")}}
+    with quiet_ray_data():
+        read = ray.data.from_items([item], override_num_blocks=1).map_batches(
+            _gather_files, batch_size=1, batch_format="numpy",
+            # No CPU of its own: the gradient workers may hold every CPU while the next window is gathered.
+            fn_kwargs={"dataset": dataset, "folder": folder, "steps": range(min(shares), max(shares) + 1),
+                       "workers": workers, "capacity": capacity, "run": run}, num_cpus=0,
+            label_selector=None if node_id is None else on_node(node_id),
+        ).take_all()
+    (answer,) = read
+    pairs = [(int(file), int(group)) for file, group in zip(answer["file"], answer["group"]) if file >= 0]
+    return pairs, bytes(answer["ephemeral"])
+
+
+@contextmanager
+def quiet_ray_data():
+    """Ray Data with no statistics, progress or log records of its own in this process, for the block's length.
+
+    Its per-dataset log (``ray-data-dataset_*.log`` among Ray's logs)
+    records each operator's bytes received, which is the size of a
+    window's plan, and its console line each pass's time; both follow the
+    sample. Warnings and errors still show. The "ray.data" logger's level is
+    put back after the block, so a program that uses Ray Data itself keeps
+    its own logs.
+    """
+    import ray.data
+
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     context.print_on_execution_start = False
-    read = ray.data.from_items([item], override_num_blocks=1).map_batches(
-        _gather_files, batch_size=1, batch_format="numpy",
-        # No CPU of its own: the gradient workers may hold every CPU while the next window is gathered.
-        fn_kwargs={"columns": list(dataset.columns), "label": dataset.label, "folder": folder}, num_cpus=0,
-        label_selector=None if node_id is None else on_node(node_id),
-    ).take_all()
-    return [(int(row["file"]), int(row["group"])) for row in read]
+    context.enable_auto_log_stats = False
+    context.verbose_stats_logs = False
+    context.enable_stats_summary_collection = False
+    logger = logging.getLogger("ray.data")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @dataclass(frozen=True)
 class PlannedBatch:
-    """Where a worker finds its share of a step: the window's folder, the step and the worker's number."""
+    """Where a worker finds its share of a step, and how it opens it.
+
+    The window's folder, the step and the worker's number; ``run``, the
+    run's window public key (the file's identity), and ``key``, the AES key
+    of this one file (`workers.window_keys`), never shown.
+    """
 
     folder: str
     step: int
     worker: int
+    run: bytes = field(repr=False)
+    key: bytes = field(repr=False)
 
 
 def read_planned_batch(batch: PlannedBatch, dataset: PlannedDataset) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(inputs, labels) of a worker's share of a step, in the order of its share; None for an empty share."""
-    try:
-        source = pa.memory_map(_batch_path(batch.folder, batch.step, batch.worker))
-    except FileNotFoundError:
+    with open(_batch_path(batch.folder, batch.step, batch.worker), "rb") as handle:
+        plaintext = open_file(handle.read(), batch.key, batch.run, batch.step, batch.worker)
+    rows = int.from_bytes(plaintext[:8], "little")
+    if not rows:
         return None
-    with source:
-        # Memory-mapped: the table's buffers are the file's pages, copied once into the tensors.
-        features, labels = _table_to_numpy(pa_ipc.open_file(source).read_all(), list(dataset.columns), dataset.label)
-        return _feature_tensor(features.copy(), dataset.shape), _label_tensor(labels.copy())
+    no_features, no_labels = dataset.no_rows
+    width = no_features.shape[1]
+    # The file's slots past its rows are padding: the labels start after every slot's features.
+    slots = (len(plaintext) - 8) // (no_features.itemsize * width + no_labels.itemsize)
+    features = np.frombuffer(plaintext, no_features.dtype, rows * width, 8).reshape(rows, width)
+    labels = np.frombuffer(plaintext, no_labels.dtype, rows, 8 + slots * width * no_features.itemsize)
+    return _feature_tensor(features.copy(), dataset.shape), _label_tensor(labels.copy())
 
 
 class PlannedBatchReader:
@@ -427,17 +556,21 @@ class PlannedWindows:
 
     `shares_of(step)` is the step's sample split across the workers, as the
     step will send it; it is called on the gathering thread, so it must be a
-    pure function of the step (the run key's PRF). Windows count from
+    pure function of the step (the run key's PRF). `expected_share` is
+    the expected rows of one worker's share of a step (public: it sets
+    every file's padded size, `share_capacity`). Windows count from
     `first_step` (a resumed run's first step). The gathers run on the
     node `node_id` (the one whose disk holds the folders; give it on a
     cluster of several nodes). One background thread gathers the windows in order: when a
     window is first asked for, the next one is started, so at most three
     folders exist (the one whose last step may still be retried, the one
     training, the one gathering), and each is deleted once its steps ran.
+    The files are sealed under the run's `WindowKey`, made here and held in
+    this object's memory only.
     """
 
     def __init__(self, dataset: PlannedDataset, window_steps: int, total_steps: int,
-                 shares_of: Callable[[int], Sequence[np.ndarray]], first_step: int = 0,
+                 shares_of: Callable[[int], Sequence[np.ndarray]], expected_share: float, first_step: int = 0,
                  node_id: str | None = None) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -446,6 +579,10 @@ class PlannedWindows:
         self.dataset, self.window_steps, self.total_steps = dataset, window_steps, total_steps
         self.shares_of = shares_of
         self.first_step, self.node_id = first_step, node_id
+        self.capacity = share_capacity(expected_share)
+        self._key = WindowKey()
+        # Every folder of these windows carries it in its name, so that `close` finds each one it made.
+        self._owner = f"{os.getpid()}-{secrets.token_hex(4)}-"
         self.windows: dict[int, tuple[str, Future]] = {}
         # Folders that killed runs left on this node hold sampled rows: they go before this run makes its own.
         remove_stale_window_folders()
@@ -464,8 +601,7 @@ class PlannedWindows:
         # The next window gathers while this one trains.
         self._submit(window + 1)
         folder, gathering = self.windows[window]
-        gathering.result()
-        return PlannedBatch(folder, step, worker)
+        return PlannedBatch(folder, step, worker, self._key.run, self._key.file_key(gathering.result(), step, worker))
 
     def done_with(self, step: int) -> None:
         """Delete the folders of the windows whose every step is at or before `step` (they ran)."""
@@ -480,21 +616,22 @@ class PlannedWindows:
         for _, gathering in self.windows.values():
             gathering.cancel()
         self._gatherer.shutdown(wait=True)
-        for folder, _ in self.windows.values():
-            remove_window_folder(folder)
         self.windows.clear()
+        remove_owned_window_folders(self._owner)
 
     def _submit(self, window: int) -> None:
         start = self.first_step + window * self.window_steps
         if window in self.windows or start >= self.total_steps:
             return
-        folder = private_window_folder()
+        folder = private_window_folder(owner=self._owner)
         self.windows[window] = (folder, self._gatherer.submit(
             self._gather, range(start, min(start + self.window_steps, self.total_steps)), folder))
 
-    def _gather(self, steps: range, folder: str) -> None:
+    def _gather(self, steps: range, folder: str) -> bytes:
         # Which row groups were read says which held a sampled row: it is dropped, never kept or logged.
-        gather_window(self.dataset, {step: self.shares_of(step) for step in steps}, folder, self.node_id)
+        _, ephemeral = gather_window(self.dataset, {step: self.shares_of(step) for step in steps}, folder,
+                                     self._key.run, self.capacity, self.node_id)
+        return ephemeral
 
 
 class PlannedRunSource:

@@ -26,7 +26,8 @@ import ray
 from workers.actor import GradientWorker
 from workers.clipping import LayerClipNorms
 from workers.fingerprints import dataset_identity
-from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, read_planned_dataset_beside
+from workers.planned_batches import PlannedRunSource, PlannedWindows, auto_window_steps, read_planned_dataset_beside, \
+    remove_stale_window_folders
 from workers.sampling import SiloFixedOrder, local_poisson_sample, local_sampling_key, silo_fixed_order_batch
 from workers.secure_aggregation import (
     AdvertisedKeys,
@@ -86,6 +87,8 @@ class ShardWorker(GradientWorker):
         # What this silo remembers across rounds: a replayed round or a second input for a step is refused.
         self._rounds = RoundHistory()
         self.plan_ahead_steps, self.windows = plan_ahead_steps, None
+        # Killed runs' windows on this node (sealed, but sampled rows) go as any run's silo worker starts here.
+        remove_stale_window_folders()
         super().__init__(model_spec, shard.dataset, None, max_physical_batch, threads=threads, data_root=data_root,
                          engine=engine, loss=loss, train_transforms=train_transforms,
                          augmentations_per_example=augmentations_per_example,
@@ -139,6 +142,7 @@ class ShardWorker(GradientWorker):
                                              total_steps)
         self.windows = PlannedWindows(self.planned_dataset, int(window_steps), total_steps,
                                       lambda step: [self.row_offset + self._local_sample(step)],
+                                      self.sampling_rate * self.train_size,
                                       node_id=ray.get_runtime_context().get_node_id())
         self.windows.start()
 
