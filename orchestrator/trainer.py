@@ -68,6 +68,7 @@ from orchestrator.preflight import (build_checked_model, check_data, check_train
                                    lenient_rows)
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
+from orchestrator.stopping import keep_stop_handlers
 from orchestrator.planned_windows import driver_windows
 from orchestrator.sampling import correlated_step_sample, shuffled_order, step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
@@ -99,6 +100,7 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True)
+        keep_stop_handlers()
         return True
     cpus = max(os.cpu_count() or 1, config.workers * config.cpus_per_worker)
     gpus = torch.cuda.device_count() if config.gpus_per_worker else 0
@@ -106,6 +108,8 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     if resources:
         say(f"local Ray: this machine stands in for every shard's resources ({resources})")
     init_local_ray(cpus, gpus, resources, log_to_driver=True, say=say)
+    # Ray's start replaced the command's SIGTERM handler with its own, which ends the run without its clean-up.
+    keep_stop_handlers()
     return True
 
 
@@ -167,7 +171,17 @@ class Trainer:
     report.
     """
 
-    def __init__(
+    def __init__(self, config: TrainConfig, *args, **options):
+        # A silo's workers hold rows in their windows from the moment the fleet starts: whatever the trainer
+        # starts is closed on every exit path, here when the construction fails, else by `run` or `close`.
+        self.closing = ExitStack()
+        try:
+            self._build(config, *args, **options)
+        except BaseException:
+            self.closing.close()
+            raise
+
+    def _build(
         self,
         config: TrainConfig,
         noise: GaussianNoise | None = None,
@@ -252,6 +266,7 @@ class Trainer:
         started_ray = start_ray(config, self.say)
         shards = ShardFleet(config, self.say,
                             ShardCollectiveRankActor if self.aggregation == "collective" else ShardWorkerActor)
+        self.closing.callback(shards.close)
         return started_ray, shards, shards.start()
 
     def _place_noise_in_silos(self) -> None:
@@ -385,8 +400,7 @@ class Trainer:
         with ExitStack() as running:
             if started_ray:
                 running.callback(ray.shutdown)
-            if self.shards is not None:
-                running.callback(self.shards.close)
+            running.enter_context(self.closing)
             self.central_noise = running.enter_context(closing(
                 CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation,
                              at_driver=self.config.noise_placement != "silos")))
@@ -414,6 +428,14 @@ class Trainer:
                 running.callback(self.charge_clock.stop)
             self._train(workers)
         return self._finish()
+
+    def close(self) -> None:
+        """Stop what constructing the trainer started (a silo's workers, which delete their windows first).
+
+        For a trainer that will not run (its job stopped before `run`);
+        `run` does the same as it ends, and a second close does nothing.
+        """
+        self.closing.close()
 
     def _start_workers(self, running: ExitStack) -> list:
         """Start the gradient workers (without shards, as `fleet`), say where they run and how they clip.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import textwrap
 from typing import Any
@@ -27,6 +28,7 @@ from orchestrator.ledger_session import (
     open_ledger,
 )
 from orchestrator.membership import membership_report
+from orchestrator.stopping import stopped_as_interrupted
 from orchestrator.trainer import Trainer, resume_trainer
 from workers.sources import read_first
 
@@ -161,6 +163,16 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
         # Errors about the data name where and which rule; only the data's owners ask to see the value too.
         quoted = getattr(error, "with_values", None) if args.show_values else None
         raise UsageError(quoted or str(error)) from None
+    try:
+        return reserve_and_run(args, trainer)
+    except BaseException:
+        # A silo's workers, and their windows of rows, start with the trainer: they stop however the job ends.
+        trainer.close()
+        raise
+
+
+def reserve_and_run(args: argparse.Namespace, trainer: Trainer) -> tuple[Trainer, dict, Any]:
+    """`run_job` once its trainer is made: reserve the budget, run, release; (the trainer, its summary, the status)."""
     config = trainer.config
     if args.non_private_mia and config.shards:
         raise UsageError("--non-private-mia scores training examples on the driver, and with shards the training "
@@ -180,8 +192,12 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report."""
-    trainer, summary, budget = run_job(args)
+    """Validate the config (or find the run to resume), reserve budget, train, release the rest, report.
+
+    SIGTERM and SIGHUP stop it as Ctrl-C does (`orchestrator.stopping`).
+    """
+    with stopped_as_interrupted(signal.SIGTERM, signal.SIGHUP):
+        trainer, summary, budget = run_job(args)
     config = trainer.config
     if args.json:
         summary = {key: value for key, value in summary.items() if key != "events"}
