@@ -283,3 +283,31 @@ def test_the_threshold_defaults_to_a_majority_of_the_silos_and_identities_may_be
                            "shards": [{**shard, "identity": path, "identity_key_file": "/on/the/silo"}
                                       for shard, path in zip(SHARDS, files)]})
     assert [parse_identity(shard.identity) for shard in config.shards] == registry
+
+
+def test_an_identity_key_file_is_made_private_and_the_registry_is_checked_against_it_and_the_nodes_pin(
+        tmp_path, capsys, monkeypatch):
+    from workers.secure_aggregation import (
+        REGISTRY_PIN_VARIABLE,
+        check_registry,
+        load_identity_key,
+        public_identity,
+        registry_digest,
+    )
+    from workers.secure_aggregation.identity import main
+    path = tmp_path / "silo-a.key"
+    assert main([str(path)]) == 0
+    key = load_identity_key(str(path))
+    assert bytes.fromhex(capsys.readouterr().out.strip()) == public_identity(key)
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(FileExistsError):
+        main([str(path)])
+    _, others = identities(range(2))
+    registry = [public_identity(key), *others]
+    check_registry(registry, 0, key)
+    with pytest.raises(ValueError, match="identity of silo 1 is not the one whose private key this node holds"):
+        check_registry(registry, 1, key)
+    monkeypatch.setenv(REGISTRY_PIN_VARIABLE, registry_digest(registry))
+    check_registry(registry, 0, key)
+    with pytest.raises(ValueError, match="not the one this node pins"):
+        check_registry([public_identity(key), *reversed(others)], 0, key)
