@@ -27,7 +27,7 @@ from orchestrator.secure_aggregation import SecureAggregation
 from workers.clipping import LayerClipNorms
 from workers.keys import ORDER, SecretKey
 from workers.sampling import SiloFixedOrder
-from workers.secure_aggregation import parse_identity, registry_digest
+from workers.secure_aggregation import deviating_coalition, parse_identity, registry_digest
 from workers.shard_worker import ShardWorkerActor
 
 Slot = tuple[int, int]  # (shard index, worker index within the shard)
@@ -99,9 +99,10 @@ class ShardFleet:
                                             dataset_size, registry)
             silos, threshold = len(config.shards), config.mask_share_threshold
             self.say(f"secure aggregation: {silos} silos, threshold {threshold}: a step survives up to "
-                     f"{silos - threshold} dropouts, and no silo's sum is revealed to the driver colluding with up "
-                     f"to {threshold - 1} silos (a driver that deviates from the protocol: up to "
-                     f"{2 * threshold - silos}); fixed point on Z_2^64 at scale 2^{int(np.log2(self.secure.scale))} "
+                     f"{silos - threshold} dropouts; a driver that follows the protocol learns only the total of "
+                     f"each step's survivors while it colludes with up to {threshold - 1} silos, one that deviates "
+                     f"from it while it colludes with up to {deviating_coalition(silos, threshold)}; fixed point "
+                     f"on Z_2^64 at scale 2^{int(np.log2(self.secure.scale))} "
                      f"(sums up to {self.secure.value_bound:g} per coordinate)")
             self.say(f"secure aggregation: round keys signed by the silos' registered identities (registry sha256 "
                      f"{registry_digest(registry)})" if registry is not None else

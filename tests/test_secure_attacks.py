@@ -219,3 +219,22 @@ def test_colluding_silos_with_an_honest_but_curious_driver_learn_only_the_honest
     honest = set(parties) - set(colluding)
     assert recovered(attack(View([seen]), SCALE), sums, honest, SCALE,
                      {party: sums[party] for party in colluding}) == found
+
+
+@pytest.mark.parametrize("colluding, found", [((4,), []), ((3, 4), [0])])
+def test_a_driver_that_withholds_honest_inputs_to_leave_one_honest_survivor_needs_t_minus_one_colluders(
+        colluding, found):
+    """P = 5, t = 3: the driver names dropped every honest silo but silo 0 and as few others as the threshold
+    allows; with t − 1 = 2 colluders among the survivors their total less the colluders' sums is silo 0's,
+    which bounds what a deviating driver tolerates by t − 2 as well as 2t − P."""
+    parties = range(5)
+    sums = sums_of(parties)
+    silos, seen = keyed_round(new_round(6, parties, 3), histories_of(parties), SCALE, BOUND)
+    seen.colluders = {party: silos[party] for party in colluding}
+    seen.inputs = [silos[party].masked(sums[party]) for party in parties]
+    kept = [0, *colluding] + [party for party in (1, 2) if party not in colluding][:3 - 1 - len(colluding)]
+    answer_all(silos, seen, unmask_request(seen.round, [message for message in seen.inputs
+                                                         if message.party in kept]))
+    honest = set(parties) - set(colluding)
+    assert recovered(attack(View([seen]), SCALE), sums, honest, SCALE,
+                     {party: sums[party] for party in colluding}) == found

@@ -288,9 +288,12 @@ def test_the_lost_silo_is_named_and_the_start_says_what_the_threshold_tolerates(
     _, _, _, _, log, _ = observed
     assert "step 2: unmasking the sum without shard 2 ({'silo-c': 1.0}), from the other silos' shares of its " \
            "masking key; its sum counts as zero for this step" in log
-    assert any(line.startswith("secure aggregation: 3 silos, threshold 2: a step survives up to 1 dropouts, and "
-                               "no silo's sum is revealed to the driver colluding with up to 1 silos") for line in log)
-    assert any(line.startswith("secure aggregation: round keys signed by the silos' registered identities") for line in log)
+    assert any(line.startswith("secure aggregation: 3 silos, threshold 2: a step survives up to 1 dropouts; a driver "
+                               "that follows the protocol learns only the total of each step's survivors while it "
+                               "colludes with up to 1 silos, one that deviates from it while it colludes with up to 0;")
+               for line in log)
+    assert any(line.startswith("secure aggregation: round keys signed by the silos' registered identities")
+               for line in log)
 
 
 class KillSiloBefore(Trainer):

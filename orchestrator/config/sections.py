@@ -373,8 +373,8 @@ class SamplingSection(Section):
     mask_share_threshold: int | None = key(
         None,
         "With secure_aggregation, how many silos' shares rebuild a dropped silo's masking key or a survivor's "
-        "self-mask: a step survives up to (silos − threshold) dropouts, and no silo's sum reaches a driver that "
-        "colludes with up to threshold − 1 silos (docs/silos.md).",
+        "self-mask: a step survives up to (silos − threshold) dropouts, and a driver that follows the protocol "
+        "learns only the survivors' total while it colludes with up to threshold − 1 silos (docs/silos.md).",
         valid="a majority: ⌊shards / 2⌋ + 1 ≤ threshold ≤ the number of shards",
         shown_default="⌊shards / 2⌋ + 1", ge=2,
     )

@@ -63,6 +63,19 @@ def check_round(parties: Sequence[int], threshold: int) -> None:
                          "masking key and its self-mask from two disjoint sets of answers")
 
 
+def deviating_coalition(parties: int, threshold: int) -> int:
+    """The most silos a driver that deviates from the protocol may collude with and still learn no silo's sum.
+
+    Naming a silo a survivor to some silos and dropped to others gets it t
+    shares of both of its secrets once its colluders c and the honest silos
+    other than the victim split into two groups of t − c: c ≥ 2t − P + 1.
+    Naming every honest silo but the victim dropped leaves the victim and
+    its colluders as the survivors, whose total less the colluders' sums is
+    the victim's: c ≥ t − 1. So min(2t − P, t − 2), and never below 0.
+    """
+    return max(0, min(2 * threshold - parties, threshold - 2))
+
+
 @dataclass(frozen=True)
 class Round:
     """A round's public description: a fresh random `context`, the `step` it serves, its `parties`, `threshold`."""
