@@ -3,16 +3,16 @@
 Each test runs `dpfleet train` three times at once, each in a process of
 its own joined to the module's Ray, on 2,000 Parquet rows that each start
 with a marker of seven floats and hold their row id as feature 7:
-driver-sampled, planned ahead one step a window (so a window's size is a
-step's), and in two silos that plan their own windows. It stops each run
-at a random step, then plays the attacker of docs/threat-model.md
-("Temporary data") on what is left: the drivers' temporary folders, Ray's
-own folder (its logs, spilled objects and its workers' temporary files)
-and /dev/shm. It looks for the marker's bytes (float32 and float64), for
-every file that opens as Arrow IPC and holds a marked row, for runs of row
-ids (a sample's indices), for Ray Data's per-dataset byte counts and pass
-times, and for window files of different sizes (a step's sample size).
-SIGTERM must take Ctrl-C's path: status 130, and no window left.
+driver-sampled, planned ahead four steps a window, and in two silos that
+plan their own windows. It stops each run at a random step, then plays the
+attacker of docs/threat-model.md ("Temporary data") on what is left: the
+drivers' temporary folders, Ray's own folder (its logs, spilled objects
+and its workers' temporary files) and /dev/shm. It looks for the marker's
+bytes (float32 and float64), for every file that opens as Arrow IPC and
+holds a marked row, for runs of row ids (a sample's indices), for Ray
+Data's per-dataset byte counts and pass times, and for window files of
+different sizes (a step's sample size). SIGTERM must take Ctrl-C's path:
+status 130, and no window left.
 """
 
 import os
@@ -58,17 +58,17 @@ def marked_rows(tmp_path_factory):
 
 
 def job_config(folder: Path, spec: dict, mode: str) -> Path:
-    """A TOML job of many small steps over the marked rows in `mode`: driver, planned (one step a window) or silo."""
+    """A TOML job of many small steps over the marked rows in `mode`: driver, planned (4 steps a window) or silo."""
     dataset = (f'{{ format = "parquet", train = "{spec["train"]}", test = "{spec["test"]}", features = "features", '
                'shape = [1, 28, 28] }')
     lines = ['model = "bench.mlp:mlp_tiny"', "steps = 5000", "batch_size = 20", "noise_multiplier = 1.0",
              "clip_norm = 1.0", "learning_rate = 0.1", "max_physical_batch = 64", "test_subset = 100",
              f'run_dir = "{folder / "run"}"']
     if mode == "silo":
-        lines += ["plan_ahead_steps = 1", "[[shards]]", f"dataset = {dataset}", "part = 0", "parts = 2",
+        lines += ["plan_ahead_steps = 4", "[[shards]]", f"dataset = {dataset}", "part = 0", "parts = 2",
                   "[[shards]]", f"dataset = {dataset}", "part = 1", "parts = 2"]
     else:
-        lines += ["workers = 1", f"dataset = {dataset}", *(["plan_ahead_steps = 1"] if mode == "planned" else [])]
+        lines += ["workers = 1", f"dataset = {dataset}", *(["plan_ahead_steps = 4"] if mode == "planned" else [])]
     path = folder / "job.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -140,10 +140,11 @@ def attack(roots: list[Path], window_parents: list[Path], since: float) -> list[
         if "ray-data" in path.name and path.stat().st_mtime >= since:
             findings += [f"{path}: {line.strip()[:120]}" for line in data.decode(errors="replace").splitlines()
                          if SIZE_LINES.search(line)]
-    for folder in new_windows:
-        sizes = {path.stat().st_size for path in folder.iterdir()}
+    for parent in window_parents:
+        # One run's windows lie in each parent (the silos' two have the same expected share).
+        sizes = {path.stat().st_size for folder in window_folders(parent) for path in folder.iterdir()}
         if len(sizes) > 1:
-            findings.append(f"{folder}: window files of {len(sizes)} sizes ({sorted(sizes)}): each step's size")
+            findings.append(f"{parent}: window files of {len(sizes)} sizes ({sorted(sizes)}): each step's size")
     return findings
 
 
@@ -208,6 +209,9 @@ def test_runs_stopped_at_a_random_step_leave_no_row_sample_or_step_size(ray_in_a
     parents = [ray_folder, *(tmp_path / mode / "tmp" for mode in MODES)]
     if stop == signal.SIGTERM:
         assert [folder for parent in parents for folder in window_folders(parent)] == [], context
+    else:
+        # Nothing cleans up after a SIGKILL: the planned and silo runs' windows are there to attack.
+        assert window_folders(tmp_path / "planned" / "tmp") and window_folders(ray_folder), context
     # Ray's folder holds its logs, spilled objects and its workers' temporary files.
     assert attack([*parents, Path("/dev/shm")], parents, started) == [], context
     # A killed run's windows are stale once its processes are gone: the next run's sweep removes them.
