@@ -768,7 +768,9 @@ class Trainer:
         self._collect_weights()
         test = self._start_evaluation(workers, "test", test_set_size(self.config))
         if self.non_private_train_loss:
-            train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, self.plan.dataset_size))
+            # Under check_data = "lenient" the workers' training split is the rows kept, fewer than N.
+            held = self.plan.dataset_size if self.kept_rows is None else len(self.kept_rows.kept)
+            train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, held))
         # The accountant runs while the workers evaluate.
         epsilon = self.epsilon()
         row = {
