@@ -4,9 +4,10 @@
 class UsageError(ValueError):
     """Bad input from the user: a flag or config key outside its valid range, or a bad data file (exit status 2).
 
-    A message about the data names where and which rule, never a value from
-    it; ``with_values`` is the same message quoting the value, for the data's
-    owners (``dpfleet train --show-values``).
+    A message about the data names the file, column and rule, never a row,
+    a count of rows or a value from it; ``with_values`` is the same message
+    with the rows, their count and values, for the data's owners
+    (``dpfleet train --show-values``, ``dpfleet data check``).
     """
 
     exit_status = 2

@@ -19,8 +19,8 @@ file metadata, and image folders open one file per example. Reading never
 decides which examples take part: the driver's Poisson sample does.
 
 ``check_source`` inspects files from metadata and a streaming scan (nothing
-is kept) and raises ``DataError`` with one line naming the file, and the row
-and column where it applies.
+is kept) and raises ``DataError`` with one line naming the file, the column
+where it applies and the rule; the rows are named only to the data's owner.
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ _IMAGE_MODES = ("L", "RGB", "RGBA")
 
 
 class DataError(ValueError):
-    """A data file that cannot be trained on: one line naming the file (row, column) and the rule it breaks.
+    """A data file that cannot be trained on: one line naming the file (column) and the rule it breaks.
 
-    The message never quotes a value from the data: whoever runs a job may
-    not be the data's owner. ``with_values`` is the same line quoting the
-    offending value, for the data's owners (``dpfleet train --show-values``).
+    The message never names a row, counts rows or quotes a value from the
+    data: whoever runs a job may not be the data's owner, and chooses the
+    rules. ``with_values`` is the same line with the rows, their count and
+    values, for the data's owners (``dpfleet train --show-values``).
     """
 
     def __init__(self, message: str, with_values: str | None = None) -> None:
