@@ -139,7 +139,7 @@ def compare_paths(model: str, workers: int, steps: int, batch_size: int, run_roo
         ))
         rows.append({"model": model, "parameters": trainer.flat_weights.numel(), "workers": workers,
                      "aggregation": aggregation, "median_after_warmup": medians_after_warmup(trainer.rows, PATH_KEYS),
-                     "driver_bytes_per_step": trainer.summary["driver_bytes_per_step"],
+                     "driver_bytes_per_step": trainer.record.times.driver_bytes_per_step(),
                      "load_average_after": os.getloadavg(), "steps": trainer.rows})
     return rows
 

@@ -62,6 +62,7 @@ from accounting.accountants import PLD_FALLBACK_LABEL, get_accountant, labelled_
 from accounting.auditing import audit_scores, dirac_canary_scores, pattern_canary_scores  # noqa: E402
 from accounting.events import Composition, group_events  # noqa: E402
 from accounting.matrix_mechanisms import decorrelated_observations  # noqa: E402
+from orchestrator import release  # noqa: E402
 from orchestrator.config import TrainConfig, training_set_size  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.membership import example_losses, loss_attack_figures, membership_report  # noqa: E402
@@ -394,11 +395,9 @@ def run_audit(
     included = canary_set.included
     trainer = trainer_class(config, canary_set, watch=watch, noise=noise, show_progress=show_progress, out=out)
     owning = f" of {rows_per_canary} rows each" if rows_per_canary > 1 else ""
-    trainer.say(
-        f"audit: {canaries} {mode} canaries{owning} at indices {trainer.real_dataset_size}.."
-        f"{trainer.plan.dataset_size - 1} of the sampler's {trainer.plan.dataset_size}, each in the dataset with "
-        "probability 1/2"
-    )
+    trainer.say(release.line("audit_canaries", canaries=canaries, mode=mode, owning=owning,
+                             first=trainer.real_dataset_size, last=trainer.plan.dataset_size - 1,
+                             size=trainer.plan.dataset_size))
     summary = trainer.run()
 
     scores, statistic = _canary_scores(trainer, mode, canary_set, 1 if grouped else rows_per_canary)
@@ -442,7 +441,7 @@ def run_audit(
         "run_dir": str(run_dir),
         "scores_png": str(png),
     }
-    (run_dir / AUDIT_JSON).write_text(json.dumps(result, indent=2, sort_keys=True))
+    (run_dir / AUDIT_JSON).write_text(json.dumps(release.record("audit.json", result), indent=2, sort_keys=True))
     return result
 
 

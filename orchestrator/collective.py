@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import ray
 
+from orchestrator import release
 from orchestrator.config import TrainConfig, collective_refusals
 from orchestrator.fleet import gradient_worker
 from workers.collective import CollectiveRankActor
@@ -170,7 +171,8 @@ class CollectiveFleet:
             restore.averaged))
         if restore.slices is not None:
             self._on_ranks(lambda rank, worker: worker.load_optimizer_slice.remote(restore.slices[rank]))
-        self.say(f"collective path: {len(self.workers)} ranks over {self.backend} at {address}:{port}")
+        self.say(release.line("collective_start", ranks=len(self.workers), backend=self.backend,
+                              address=f"{address}:{port}"))
 
     def _on_ranks(self, call: Callable, ranks: list[int] | None = None) -> list:
         """`call(rank, worker)` for each of `ranks` (all by default), waited for; the results in rank order.
@@ -260,9 +262,8 @@ class CollectiveFleet:
 
     def _replace(self, lost: list[int], step: int) -> None:
         """Replace the `lost` ranks in place, re-form the group and put every rank back at the restore point."""
-        self.say(f"step {step}: collective rank(s) {lost} lost; replacing them, re-forming the group and running "
-                 f"the {len(self.replay)} step(s) since the restore point at step {self.restore_point.step} "
-                 "again, with the same samples and noise")
+        self.say(release.line("collective_rank_lost", step=step, lost=lost, replayed=len(self.replay),
+                              restore_step=self.restore_point.step))
         for rank in lost:
             ray.kill(self.workers[rank])
             self.workers[rank] = self._new_rank()

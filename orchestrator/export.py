@@ -24,6 +24,7 @@ from torch import nn
 
 from accounting.accountants import get_accountant, labelled_epsilon
 from accounting.events import Composition, group_events
+import orchestrator.release as release_boundary
 from orchestrator import __version__
 from orchestrator.checkpoint import latest_checkpoint
 from orchestrator.config import TrainConfig, build_config, rows_per_person, sampling_rate, total_steps
@@ -258,7 +259,8 @@ def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = Fal
     payload = safetensors_bytes(released_tensors(model), metadata={"format": "pt"})
     card = model_card(release, model, out.name, hashlib.sha256(payload).hexdigest())
     write_atomically(out, payload)
-    write_atomically(card_path(out), (json.dumps(card, indent=2, sort_keys=True) + "\n").encode())
+    write_atomically(card_path(out), (json.dumps(release_boundary.record("model card", card), indent=2,
+                                                 sort_keys=True) + "\n").encode())
     return Export(out, card_path(out), card)
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import ray
 
+from orchestrator import release
 from orchestrator.aggregation import Gathered, NodeAggregation
 from orchestrator.config import TrainConfig, user_spec
 from workers.actor import GradientWorkerActor
@@ -97,7 +98,7 @@ class WorkerFleet:
                 raise RuntimeError(f"gradient worker(s) {failed} were lost again after {WORKER_REPLACEMENTS} "
                                    "replacements within one step; check the workers' logs (ray logs)")
             for index in failed:
-                self.say(f"worker {index} is gone; replacing it and recomputing its shard")
+                self.say(release.line("worker_replaced", index=index))
                 self.workers[index] = self.new_worker()
             replacements += bool(failed)
         if gathered.failed:

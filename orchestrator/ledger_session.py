@@ -27,6 +27,7 @@ from accounting.ledger.errors import (
 from accounting.ledger.records import DatasetStatus, QueuedJob
 from accounting.ledger.store import open_embedded_ledger
 from accounting.ledger.validation import ADMITTED, QUEUED
+from orchestrator import release
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 from workers.sources import spec_name
 
@@ -75,13 +76,13 @@ def with_retries(call: Callable, timeout_seconds: float, say: Callable[[str], No
                     f"the ledger stayed unreachable for {timeout_seconds:g} s while {what}: {error}"
                 ) from None
             if not warned:
-                say(f"ledger unreachable while {what}; retrying for up to {timeout_seconds:g} s (no step runs uncharged)")
+                say(release.line("ledger_unreachable", what=what, seconds=f"{timeout_seconds:g}"))
                 warned = True
             time.sleep(backoff)
             backoff = min(2 * backoff, _LONGEST_BACKOFF_SECONDS)
             continue
         if warned:
-            say("ledger reachable again; carrying on")
+            say(release.line("ledger_reachable"))
         return result
 
 
@@ -110,6 +111,7 @@ class JobLedger:
         """
         def reserve():
             planned, privacy_unit, rows_per_person = _plan_for_dataset(ledger, dataset, plan_for_unit)
+            release.sent("ledger", "reserve")
             return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person, blocks)
 
         try:
@@ -133,6 +135,7 @@ class JobLedger:
         """
         def enqueue():
             planned, privacy_unit, rows_per_person = _plan_for_dataset(ledger, dataset, plan_for_unit)
+            release.sent("ledger", "enqueue")
             return ledger.enqueue(dataset, job_id, planned, lease_seconds, priority, max_wait_seconds, privacy_unit,
                                   rows_per_person, blocks)
 
@@ -158,11 +161,12 @@ class JobLedger:
                 f"the job left the queue of {dataset!r} without budget ({queued.state}: {queued.reason}) after "
                 f"{time.monotonic() - started:.0f} s; dpfleet ledger jobs --queued shows the queue"
             )
-        say(f"ledger: admitted after {time.monotonic() - started:.0f} s in the queue ({queued.reason})")
+        say(release.line("ledger_admitted", seconds=f"{time.monotonic() - started:.0f}", reason=queued.reason))
         return cls(ledger, dataset, queued.reservation_id, timeout_seconds, say)
 
     def charge(self, sequence: int, events: Composition) -> None:
         """Commit block `sequence` before it runs; a repeat of the same block charges nothing more."""
+        release.sent("ledger", "commit")
         with_retries(
             lambda: self.ledger.commit(self.reservation_id, events.steps, sequence),
             self.timeout_seconds,
@@ -172,6 +176,7 @@ class JobLedger:
 
     def release(self) -> None:
         """Free the planned steps that never ran."""
+        release.sent("ledger", "release")
         with_retries(lambda: self.ledger.release(self.reservation_id), self.timeout_seconds, self.say,
                      "releasing unused budget")
 
@@ -191,8 +196,9 @@ def _plan_for_dataset(
 def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
     """One line on where a waiting job stands."""
     deadline = f", gives up at {queued.deadline}" if queued.deadline else ""
-    return (f"ledger: waiting for budget on {queued.dataset!r} ({queued.queue_id}): position {queued.position}, "
-            f"{queued.reason}; {waited_seconds:.0f} s so far{deadline}")
+    return release.line("ledger_waiting", dataset=repr(queued.dataset), queue=queued.queue_id,
+                        position=queued.position, reason=queued.reason, seconds=f"{waited_seconds:.0f}",
+                        deadline=deadline)
 
 
 def ensure_embedded_dataset(
@@ -209,18 +215,16 @@ def ensure_embedded_dataset(
     except (NotFound, PermissionDenied):
         status = ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit)
         per = " per person" if privacy_unit == "user" else ""
-        say(
-            f"registered dataset {dataset!r} in the embedded ledger with budget epsilon {budget_epsilon:g}{per} "
-            f"at delta {delta:g} (first use; dpfleet ledger status shows it)"
-        )
+        say(release.line("ledger_registered", dataset=repr(dataset), epsilon=f"{budget_epsilon:g}{per}",
+                         delta=f"{delta:g}"))
     known = {block.name for block in status.blocks}
     # A block's budget is at most its dataset's.
     block_epsilon = min(budget_epsilon, status.budget_epsilon)
     for block in blocks:
         if block not in known:
             ledger.add_block(dataset, block, block_epsilon, None, (declarations or {}).get(block))
-            say(f"registered block {block!r} of {dataset!r} in the embedded ledger with budget epsilon "
-                f"{block_epsilon:g} (first use)")
+            say(release.line("ledger_registered_block", block=repr(block), dataset=repr(dataset),
+                             epsilon=f"{block_epsilon:g}"))
 
 
 def check_declared_blocks(status: DatasetStatus, blocks: tuple[str, ...], declarations: Mapping[str, dict]) -> None:

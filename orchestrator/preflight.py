@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from orchestrator import release
 from orchestrator.config import TrainConfig
 from orchestrator.errors import UsageError
 from workers.engines import ExampleSchema, clipped_sum, synthetic_examples
@@ -101,10 +102,10 @@ def lenient_drops(config: TrainConfig, show_values: bool = False) -> str:
     classes = config.dataset.get("num_classes")
     rules = "finite values" + (f", labels in 0..{classes - 1}" if classes is not None else "")
     if not show_values:
-        return ('check_data = "lenient" drops rows that fail '
-                f"its rules ({rules}): they take no part in training or evaluation. How many is not printed (a count "
-                "of private values; N counts every row of the files): the data's owner counts them with `dpfleet "
-                "data check --config FILE`, or dpfleet train --show-values")
+        return release.line("lenient_drops_hidden", detail=(
+            f"its rules ({rules}): they take no part in training or evaluation. How many is not printed (a count "
+            "of private values; N counts every row of the files): the data's owner counts them with `dpfleet data "
+            "check --config FILE`, or dpfleet train --show-values"))
     parts = []
     for split in SPLITS:
         try:
@@ -115,8 +116,9 @@ def lenient_drops(config: TrainConfig, show_values: bool = False) -> str:
         if classes is not None:
             why += f", {dropped.label_outside} with a label outside 0..{classes - 1}"
         parts.append(f"{dropped.dropped} of {dropped.rows} {split} rows ({why})")
-    return (f'check_data = "lenient" dropped {"; ".join(parts)}. This count is for the data\'s owner '
-            "(--show-values): it is NOT private, and written nowhere else")
+    return release.line("lenient_drops", shown=True, detail=(
+        f"{'; '.join(parts)}. This count is for the data's owner (--show-values): it is NOT private, and written "
+        "nowhere else"))
 
 
 # --- the dry run: the model on made-up examples of the data's schema, before anything is reserved ------------

@@ -24,6 +24,7 @@ from accounting.calibration import scale_for_target  # noqa: E402
 from accounting.events import Composition, SampledGaussian, event_of, group_events  # noqa: E402
 from accounting.matrix_mechanisms import banded_prefix_rmse  # noqa: E402
 from orchestrator.config import TrainConfig  # noqa: E402
+from orchestrator import release  # noqa: E402
 from orchestrator.planning import RunPlan  # noqa: E402
 from orchestrator.run_record import RunRecord  # noqa: E402
 from workers.sources import spec_name  # noqa: E402
@@ -51,26 +52,32 @@ class RunReport:
         """Write config.json and say what runs: the model, the data, N, q, sigma, C and where a resume starts."""
         config, plan = self.config, self.plan
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True))
+        (self.run_dir / "config.json").write_text(json.dumps(release.record("config.json", config.to_dict()),
+                                                             indent=2, sort_keys=True))
         if config.seed is not None:
-            self.say(f"seeded: not for production use (seed {config.seed})")
-        self.say(
-            f"dpfleet: {config.model} on "
-            + (f"{len(config.shards)} shards" if config.shards else spec_name(config.dataset))
-            + (f" (N={plan.dataset_size})" if plan.privacy_unit == "example" else f" ({plan.dataset_size} users)")
-            + f", {plan.steps} steps, "
-            f"q={plan.sampling_rate:.4g}, sigma={plan.noise_multiplier:.4g}, C={config.clip_norm:g}, "
-            f"{config.workers} worker(s)" + (f", resuming at step {step}" if step else "")
-        )
+            self.say(release.line("seeded", seed=config.seed))
+        self.say(release.line(
+            "run_start", model=config.model,
+            data=f"{len(config.shards)} shards" if config.shards else spec_name(config.dataset),
+            size=f"N={plan.dataset_size}" if plan.privacy_unit == "example" else f"{plan.dataset_size} users",
+            steps=plan.steps, sampling_rate=f"{plan.sampling_rate:.4g}", sigma=f"{plan.noise_multiplier:.4g}",
+            clip_norm=f"{config.clip_norm:g}", workers=config.workers,
+            resuming=f", resuming at step {step}" if step else ""))
 
     def progress_bar(self, epoch: int, steps: int) -> tqdm:
-        """The bar of epoch `epoch` (1-based), over its `steps` remaining steps."""
+        """The bar of epoch `epoch` (1-based), over its `steps` remaining steps: steps done and ε, never a time.
+
+        A rate or an estimate of the time left, redrawn every few steps,
+        would give the time of the steps between two redraws, which tracks
+        their batch sizes (docs/threat-model.md).
+        """
         return tqdm(total=steps, desc=f"epoch {epoch}/{len(self.plan.epoch_ends)}", unit="step",
-                    disable=not self.show_progress, file=sys.stderr, dynamic_ncols=True)
+                    disable=not self.show_progress, file=sys.stderr, dynamic_ncols=True,
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps{postfix}")
 
     def add_row(self, metrics: list[dict], row: dict) -> None:
         """Append `row` to `metrics`, rewrite metrics.jsonl, and log its line unless it is the row before training."""
-        metrics.append(row)
+        metrics.append(release.record("metrics.jsonl", row, shown={"train_loss_non_private"}))
         (self.run_dir / "metrics.jsonl").write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in metrics))
         if row["epoch"]:
             self.say(self.epoch_line(row))
@@ -79,13 +86,12 @@ class RunReport:
         """The log line of a metrics row: its test figures and ε."""
         figures = ", ".join(f"test {name.replace('_', ' ')} {row[f'test_{name}']:.4f}"
                             for name in (*self.config.metrics, "loss"))
-        line = (
-            f"epoch {row['epoch']:.4g}: {figures}, "
-            f"epsilon {row['epsilon']:.4f} ({self.epsilon_label}{self.unit_label()}, delta={self.config.delta:g})"
-        )
+        values = dict(epoch=f"{row['epoch']:.4g}", figures=figures, epsilon=f"{row['epsilon']:.4f}",
+                      label=self.epsilon_label + self.unit_label(), delta=f"{self.config.delta:g}")
         if "train_loss_non_private" in row:
-            line += f", train loss {row['train_loss_non_private']:.4f} (NOT private: read from training rows)"
-        return line
+            return release.line("epoch_train_loss", shown=True, train_loss=f"{row['train_loss_non_private']:.4f}",
+                                **values)
+        return release.line("epoch", **values)
 
     def unit_label(self) -> str:
         """", per user" when ε protects each user rather than each row."""
@@ -116,8 +122,8 @@ class RunReport:
             "workers": config.workers,
             "wall_seconds": wall_seconds,
             # From the expected batch size: the realised sizes are raw counts and stay inside the driver.
-            "samples_per_second": steps * plan.expected_batch_size / wall_seconds,
-            # Means over the run's steps: like wall_seconds, timings of whole steps, never of one example.
+            "samples_per_second": record.times.steps * plan.expected_batch_size / wall_seconds,
+            # Means over the steps of this start: like wall_seconds, timings of whole steps, never of one example.
             **record.times.per_step(),
             "seeded": config.seed is not None,
             "reservation_id": reservation_id,
@@ -134,6 +140,7 @@ class RunReport:
             summary["shard_outages"] = record.shard_outages
         if config.secure_aggregation:
             summary |= self._noise_placement_figures(events)
+        release.record("summary.json", summary)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
         plot_curves(record.metrics, self.run_dir / "curves.png",
                     f"{self.epsilon_label} epsilon at delta={config.delta:g}", config.metrics[0])

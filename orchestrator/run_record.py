@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from accounting.events import Composition
 
-# The breakdown of a step's wall time, per step, averaged over the whole run in the summary: a step's own time
-# tracks its realised batch size, so timings never go into the per-row metrics.
+# The breakdown of a step's wall time, per step, averaged over every step of the run's last start in the summary:
+# a step's own time tracks its realised batch size, so timings go into no metrics row and no checkpoint.
 BREAKDOWN = ("driver_seconds_per_step", "worker_seconds_per_step", "wait_seconds_per_step")
 
 
@@ -21,7 +21,9 @@ class StepTimes:
     The driver's own time is a step's wall time minus its wait for the
     workers' sums: what the workers wait for between steps. `driver_bytes`
     counts the bytes the driver sent and received for the steps (see
-    `Trainer._step`), a measure of whether it is on the data path.
+    `Trainer._step`), a measure of whether it is on the data path; it counts
+    the sample's indices, so it is run-private (orchestrator/release.py):
+    benchmarks read it from memory, and no output holds it.
     """
 
     steps: int = 0
@@ -40,22 +42,28 @@ class StepTimes:
         return StepTimes(self.steps - earlier.steps, self.driver - earlier.driver, self.worker - earlier.worker,
                          self.wait - earlier.wait, self.driver_bytes - earlier.driver_bytes)
 
+    def driver_bytes_per_step(self) -> float:
+        """The mean bytes the driver moved in a step (run-private: for benchmarks and tests, from memory)."""
+        return self.driver_bytes / self.steps
+
     def per_step(self) -> dict[str, float]:
-        """The BREAKDOWN means, in seconds per step, and `driver_bytes_per_step` (empty with no steps)."""
+        """The BREAKDOWN means, in seconds per step (empty with no steps)."""
         if not self.steps:
             return {}
-        means = dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
-        return means | {"driver_bytes_per_step": self.driver_bytes / self.steps}
+        return dict(zip(BREAKDOWN, (self.driver / self.steps, self.worker / self.steps, self.wait / self.steps)))
 
 
 @dataclass
 class RunRecord:
     """What a run has done, besides its weights: what a checkpoint carries of it, with the run's wall clock.
 
-    Nothing here is secret or raw: the events, the metrics rows (noisy), the
-    number of ledger blocks charged, the (noisily adapted) clip norm, the
-    shards' outages and whole-step timings. A new run's id names its
-    checkpoints; a resume takes the id of the run it continues.
+    What a checkpoint carries is neither secret nor raw: the events, the
+    metrics rows (noisy), the number of ledger blocks charged, the (noisily
+    adapted) clip norm and the shards' outages. The timings and the wall
+    clock stay in memory: two checkpoints' timings would give the time of the
+    steps between them, which tracks their batch sizes, so a resumed run's
+    clock and timings start again. A new run's id names its checkpoints; a
+    resume takes the id of the run it continues.
     """
 
     clip_norm: float
@@ -67,8 +75,7 @@ class RunRecord:
     charged_blocks: int = 0
     shard_outages: list[dict] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)
-    wall_seconds_before: float = 0.0
-    # perf_counter() when the clock last started: the record's creation, the start of training, or a checkpoint.
+    # perf_counter() when the clock last started: the record's creation, or the start of training.
     clock_started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -82,16 +89,12 @@ class RunRecord:
         self.steps_run += 1
 
     def wall_seconds(self) -> float:
-        """Seconds the run has trained, over every start of it."""
-        return self.wall_seconds_before + time.perf_counter() - self.clock_started
+        """Seconds this start of the run has trained."""
+        return time.perf_counter() - self.clock_started
 
     def restart_clock(self) -> None:
         """Count from now (training starts): the time since the last count is not the run's."""
         self.clock_started = time.perf_counter()
-
-    def lap_clock(self) -> None:
-        """Fold the time so far into `wall_seconds_before` (a checkpoint is written)."""
-        self.wall_seconds_before, self.clock_started = self.wall_seconds(), time.perf_counter()
 
     def to_state(self) -> dict[str, Any]:
         """The record as a checkpoint's keys."""
@@ -102,16 +105,13 @@ class RunRecord:
             "metrics": self.metrics,
             "charged_blocks": self.charged_blocks,
             "clip_norm": self.clip_norm,
-            "wall_seconds": self.wall_seconds(),
             "shard_outages": self.shard_outages,
-            "step_times": asdict(self.times),
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> RunRecord:
-        """The record a checkpoint's state carries (see `to_state`); its clock starts now."""
+        """The record a checkpoint's state carries (see `to_state`); its clock and timings start now."""
         return cls(clip_norm=state["clip_norm"], run_id=state["run_id"], events=Composition.from_dict(state["events"]),
                    steps_run=state["step"],
                    metrics=list(state["metrics"]), charged_blocks=state["charged_blocks"],
-                   shard_outages=list(state.get("shard_outages", [])), times=StepTimes(**state.get("step_times", {})),
-                   wall_seconds_before=state["wall_seconds"])
+                   shard_outages=list(state.get("shard_outages", [])))

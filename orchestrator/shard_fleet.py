@@ -21,6 +21,7 @@ from typing import Callable
 import numpy as np
 import ray
 
+from orchestrator import release
 from orchestrator.aggregation import Gathered, NodeAggregation
 from orchestrator.errors import ShardTimeoutError
 from orchestrator.secure_aggregation import SecureAggregation
@@ -84,8 +85,8 @@ class ShardFleet:
             )
         for shard, spec in enumerate(self.config.shards):
             held = sum(self.example_counts[(shard, worker)] for worker in range(spec.workers))
-            self.say(f"shard {shard}: {spec.dataset} part {spec.part} of {spec.parts} on {dict(spec.resources)}, "
-                     f"{spec.workers} worker(s), {held} examples")
+            self.say(release.line("shard_start", shard=shard, dataset=spec.dataset, part=spec.part, parts=spec.parts,
+                                  resources=dict(spec.resources), workers=spec.workers, examples=held))
         # Each silo reads its own files; the driver receives only their digests.
         identities = ray.get([self.actors[(shard, 0)].fingerprint.remote()
                               for shard in range(len(self.config.shards))])
@@ -98,16 +99,18 @@ class ShardFleet:
             self.secure = SecureAggregation(len(config.shards), config.mask_share_threshold, clip_bound,
                                             dataset_size, registry)
             silos, threshold = len(config.shards), config.mask_share_threshold
-            self.say(f"secure aggregation: {silos} silos, threshold {threshold}: a step survives up to "
-                     f"{silos - threshold} dropouts; a driver that follows the protocol learns only the total of "
-                     f"each step's survivors while it colludes with up to {threshold - 1} silos, one that deviates "
-                     f"from it while it colludes with up to {deviating_coalition(silos, threshold)}; fixed point "
-                     f"on Z_2^64 at scale 2^{int(np.log2(self.secure.scale))} "
-                     f"(sums up to {self.secure.value_bound:g} per coordinate)")
-            self.say(f"secure aggregation: round keys signed by the silos' registered identities (registry sha256 "
-                     f"{registry_digest(registry)})" if registry is not None else
-                     "secure aggregation: no silo identities registered: the silos trust the driver to relay their "
-                     "round keys unchanged (give each shard `identity` and `identity_key_file`, docs/silos.md)")
+            self.say(release.line("secure_aggregation", detail=(
+                f"{silos} silos, threshold {threshold}: a step survives up to "
+                f"{silos - threshold} dropouts; a driver that follows the protocol learns only the total of each "
+                f"step's survivors while it colludes with up to {threshold - 1} silos, one that deviates from it "
+                f"while it colludes with up to {deviating_coalition(silos, threshold)}; fixed point on Z_2^64 at "
+                f"scale 2^{int(np.log2(self.secure.scale))} "
+                f"(sums up to {self.secure.value_bound:g} per coordinate)")))
+            self.say(release.line("secure_aggregation", detail=(
+                f"round keys signed by the silos' registered identities (registry sha256 "
+                f"{registry_digest(registry)})" if registry is not None else
+                "no silo identities registered: the silos trust the driver to relay their "
+                "round keys unchanged (give each shard `identity` and `identity_key_file`, docs/silos.md)")))
         return dataset_size
 
     def set_sampling_rate(self, sampling_rate: float, total_steps: int, order_key: SecretKey | None = None,
@@ -286,7 +289,7 @@ class ShardFleet:
             pending, one_by_one = [slot for slot in result.failed if slot not in lost], True
             if lost and waiting:
                 self._wait_or_stop(step)
-                self.say(f"step {step + 1}: recomputing the part of {self._describe(lost)} on its replacement")
+                self.say(release.line("shard_recompute", step=step + 1, slots=self._describe(lost)))
                 pending = sorted(result.failed)
         return gathered, sorted(self.probes)
 
@@ -316,8 +319,7 @@ class ShardFleet:
             raise RuntimeError(f"{self._describe(set(dropped) - lost)} failed step {step + 1} but still answers: "
                                "its masked sum is missing; see the worker's log")
         if dropped:
-            self.say(f"step {step + 1}: unmasking the sum without {self._describe(set(dropped))}, from the other "
-                     "silos' shares of its masking key; its sum counts as zero for this step")
+            self.say(release.line("shard_unmasked_without", step=step + 1, slots=self._describe(set(dropped))))
         total = self.secure.total(result.parts, step)
         return Gathered([total], [], result.slowest_worker_seconds, result.wait_seconds, result.values_in,
                         result.bytes_in)
@@ -338,7 +340,8 @@ class ShardFleet:
         policy = self.config.on_shard_loss
         then = (f"waiting up to shard_timeout = {self.config.shard_timeout:g} s for a replacement" if policy == "wait"
                 else "steps run without it until a replacement is up")
-        self.say(f"step {step + 1}: {self._describe({slot})} is lost; {then} (on_shard_loss = {policy!r})")
+        self.say(release.line("shard_lost", step=step + 1, slots=self._describe({slot}), then=then,
+                              policy=repr(policy)))
         self._place(slot)
 
     def _wait_or_stop(self, step: int) -> None:
@@ -349,7 +352,7 @@ class ShardFleet:
         if missing:
             raise ShardTimeoutError(f"{self._describe(missing)} could not be placed again within shard_timeout = "
                                     f"{self.config.shard_timeout:g} s")
-        self.say(f"step {step + 1}: {self._describe(lost)} placed again")
+        self.say(release.line("shard_placed_again", step=step + 1, slots=self._describe(lost)))
 
     def _rejoin(self, step: int) -> None:
         lost = set(self.probes)
@@ -357,7 +360,7 @@ class ShardFleet:
         self._collect(ready, {})
         back = lost - set(self.probes)
         if back:
-            self.say(f"step {step + 1}: {self._describe(back)} is up again and takes part from this step")
+            self.say(release.line("shard_back", step=step + 1, slots=self._describe(back)))
 
     def _describe(self, slots: set[Slot]) -> str:
         """A log phrase naming the slots' shards, workers and resources."""

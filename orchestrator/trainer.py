@@ -45,6 +45,7 @@ import ray
 import torch
 
 from accounting.accountants import get_accountant, labelled_epsilon
+from orchestrator import release
 from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
@@ -106,7 +107,7 @@ def start_ray(config: TrainConfig, say: Callable[[str], None] = print) -> bool:
     gpus = torch.cuda.device_count() if config.gpus_per_worker else 0
     resources = local_shard_resources(config)
     if resources:
-        say(f"local Ray: this machine stands in for every shard's resources ({resources})")
+        say(release.line("local_ray_shards", resources=resources))
     init_local_ray(cpus, gpus, resources, log_to_driver=True, say=say)
     # Ray's start replaced the command's SIGTERM handler with its own, which ends the run without its clean-up.
     keep_stop_handlers()
@@ -142,7 +143,7 @@ def init_local_ray(num_cpus: int, num_gpus: int = 0, resources: dict[str, float]
             if not ray_start_timed_out(error) or attempt == LOCAL_RAY_START_ATTEMPTS:
                 raise
         ray.shutdown()
-        say(f"local Ray did not start in time (try {attempt} of {LOCAL_RAY_START_ATTEMPTS}); trying again")
+        say(release.line("local_ray_retry", attempt=attempt, attempts=LOCAL_RAY_START_ATTEMPTS))
         time.sleep(5.0 * attempt)
         attempt += 1
 
@@ -278,12 +279,13 @@ class Trainer:
         except ValueError as error:
             raise UsageError(f'noise_placement = "silos": {error}') from None
         epsilon, accountant = labelled_epsilon(get_accountant(config.accountant), plan.planned_events, config.delta)
-        self.say(f"noise in the silos: each of {secure.silos} silos adds an exact discrete Gaussian share of std "
-                 f"σ·C·s on the ring, whose scale becomes s = 2^{int(np.log2(secure.scale))} (√d ≤ s·C / "
-                 f"2^{int(-np.log2(plan.rounding_ratio))}); one honest silo's share carries the target alone, so "
-                 f"up to {secure.silos - secure.threshold} dropouts and {secure.threshold - 1} silos colluding with "
-                 f"the driver leave std σ·C unknown to them; the driver adds none. ε {epsilon:.4g} at δ = "
-                 f"{config.delta:g} ({accountant})")
+        self.say(release.line("silo_noise", detail=(
+            f"each of {secure.silos} silos adds an exact discrete Gaussian share of std "
+            f"σ·C·s on the ring, whose scale becomes s = 2^{int(np.log2(secure.scale))} (√d ≤ s·C / "
+            f"2^{int(-np.log2(plan.rounding_ratio))}); one honest silo's share carries the target alone, so "
+            f"up to {secure.silos - secure.threshold} dropouts and {secure.threshold - 1} silos colluding with "
+            f"the driver leave std σ·C unknown to them; the driver adds none. ε {epsilon:.4g} at δ = "
+            f"{config.delta:g} ({accountant})")))
 
     def _plan_run(self, dataset_size: int | None, charge_epsilon: Callable[[RunPlan], float] | None) -> RunPlan:
         """The run's plan (N, q, sigma, steps, events) for a dataset of `dataset_size` units (None: the config's)."""
@@ -372,8 +374,8 @@ class Trainer:
             self.flat_weights.copy_(torch.tensor(weights))
             if averaged is not None:
                 self.ema_weights.copy_(torch.tensor(averaged))
-        self.record.lap_clock()
-        save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step, self.state())
+        save_checkpoint(Path(self.config.run_dir), self.record.run_id, self.step,
+                        dict(release.record("checkpoint", self.state())))
 
     def _stop_at_checkpoint(self, error: ShardTimeoutError) -> None:
         """Save a checkpoint of the steps that ran and stop with a message that says how to continue."""
@@ -453,7 +455,7 @@ class Trainer:
             self.fleet = running.enter_context(closing(WorkerFleet(self.config.workers, self._new_worker, self.say)))
         workers = self.fleet.workers if self.aggregation == "collective" or self.shards is None else []
         devices = ray.get([worker.device_name.remote() for worker in self._workers_now(workers)])
-        self.say("gradient workers on " + ", ".join(devices))
+        self.say(release.line("workers_devices", devices=", ".join(devices)))
         # The workers settled their engine on synthetic examples as they started: the start says what runs where.
         self._report_engine(workers)
         return workers
@@ -471,7 +473,7 @@ class Trainer:
         lines = engine_report(self._workers_now(workers), self.plan.microbatches)
         if lines is None:  # no worker has had an example yet
             return
-        self.say("clipping engine, per layer: " + "; ".join(lines))
+        self.say(release.line("engine", layers="; ".join(lines)))
         self.engine_reported = True
 
     def _train(self, workers: list) -> None:
@@ -488,16 +490,16 @@ class Trainer:
                 self._record_epoch(epoch, workers)
             self._save_checkpoint()
             if self.stopped_early:
-                self.say(f"stopped early after step {self.step} of {plan.steps}: test "
-                         f"{self.config.early_stopping_metric} did not improve for "
-                         f"{self.config.early_stopping_patience} evaluation(s); the steps not run are not charged")
+                self.say(release.line("stopped_early", step=self.step, steps=plan.steps,
+                                      metric=self.config.early_stopping_metric,
+                                      patience=self.config.early_stopping_patience))
                 return
 
     def _train_epoch(self, epoch: int, epoch_end: int, workers: list) -> None:
         """Run the steps of epoch `epoch` (1-based) up to step `epoch_end`: its bar, rows within it, checkpoints."""
         plan, config = self.plan, self.config
         bar = self.report.progress_bar(epoch, epoch_end - self.step)
-        bar_started, bar_steps = time.perf_counter(), 0
+        bar_steps = 0
         refresh_every = max(1, (epoch_end - self.step) // 4)
         while self.step < epoch_end:
             self._charge_block_at(self.step)
@@ -507,10 +509,7 @@ class Trainer:
             bar.update(1)
             bar_steps += 1
             if bar_steps % refresh_every == 0:
-                bar.set_postfix(
-                    eps=f"{self.epsilon():.3f}",
-                    samples_s=f"{bar_steps * plan.expected_batch_size / (time.perf_counter() - bar_started):.0f}",
-                )
+                bar.set_postfix_str(release.line("progress", epsilon=f"{self.epsilon():.3f}"))
             if self.step in plan.evaluation_steps and self.step < epoch_end:
                 self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
                 if self.stopped_early:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import __version__
+from orchestrator import __version__, release
 from orchestrator.cli import main
 from orchestrator.cli.display import plain_when_asked, show_progress
 from orchestrator.cli.init import STARTER
@@ -124,6 +124,8 @@ def test_a_piped_training_prints_one_line_per_epoch_and_no_carriage_returns(tmp_
     output = finished.stdout
     assert finished.returncode == 0, output[-3000:]
     assert "\r" not in output and "\x1b[" not in output
+    # Every line, Ray's and the workers' included, is one that orchestrator/release.py declares.
+    assert release.undeclared_lines(output) == []
     lines = output.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("epoch ")] == ["epoch 1", "epoch 2", "epoch 3"]
     summary = lines.index(next(line for line in lines if line.startswith("summary ")))

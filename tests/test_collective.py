@@ -125,7 +125,9 @@ def test_silo_mode_on_the_collective_path_gives_the_driver_paths_weights(cluster
     assert_same_weights(collective, driver)
     assert summary["epsilon"] == driver_summary["epsilon"] and summary["dataset_size"] == 6_000
     # No index leaves a silo on either path; on this one no vector of P values passes the driver either.
-    assert summary["driver_bytes_per_step"] < 64 * 1024 < driver_summary["driver_bytes_per_step"]
+    assert collective.record.times.driver_bytes_per_step() < 64 * 1024 < driver.record.times.driver_bytes_per_step()
+    # The driver's traffic counts the sample's indices: it stays in memory, out of the summary (rule 3).
+    assert "driver_bytes_per_step" not in summary
 
 
 # With parameter averaging: each rank keeps the average of its slice, the driver path that of the whole.
@@ -151,17 +153,17 @@ def test_collective_gives_the_driver_paths_weights_and_average_and_ranks_agree_e
     assert collective.record.metrics[-1]["test_loss"] == pytest.approx(driver.record.metrics[-1]["test_loss"],
                                                                        rel=1e-5)
     assert summary["epsilon"] == driver_summary["epsilon"]
-    assert summary["driver_bytes_per_step"] < 64 * 1024
+    assert collective.record.times.driver_bytes_per_step() < 64 * 1024
     # The driver path moves the weights and the sums through the driver; the collective path does not.
-    assert driver_summary["driver_bytes_per_step"] > 3 * 4 * collective.flat_weights.numel()
+    assert driver.record.times.driver_bytes_per_step() > 3 * 4 * collective.flat_weights.numel()
 
 
 def test_driver_bytes_per_step_do_not_grow_with_the_model(both_paths, tmp_path):
-    tiny = both_paths[1][1]
+    tiny = both_paths[1][0]
     small = run(NoiseOff, tiny_config(tmp_path, "small", aggregation="collective", model="bench.mlp:mlp_small",
-                                      **AVERAGED))[1]
+                                      **AVERAGED))[0]
     # Eight times the parameters, the same sample and scalars: the same bytes.
-    assert small["driver_bytes_per_step"] == tiny["driver_bytes_per_step"]
+    assert small.record.times.driver_bytes_per_step() == tiny.record.times.driver_bytes_per_step()
 
 
 # User level, one SGD step: the driver samples users and each rank clips each of its users' rows whole
@@ -186,7 +188,7 @@ def test_user_level_on_the_collective_path_gives_the_driver_paths_weights(quiet_
     assert_same_weights(collective, driver)
     assert summary["privacy_unit"] == "user" and summary["users"] == driver_summary["users"] == 40
     assert summary["epsilon"] == driver_summary["epsilon"]
-    assert summary["driver_bytes_per_step"] < 64 * 1024
+    assert collective.record.times.driver_bytes_per_step() < 64 * 1024
 
 
 def test_dp_fedavg_on_the_collective_path_gives_the_driver_paths_weights(cluster, tmp_path):

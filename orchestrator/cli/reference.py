@@ -1,8 +1,9 @@
-"""Writes the references that come from the code: docs/config-reference.md and docs/cli-reference.md.
+"""Writes the references that come from the code: docs/config-reference.md, docs/cli-reference.md, docs/outputs.md.
 
 The config reference comes from the config's declaration (each section's
 ``key(...)`` fields in ``orchestrator/config/sections.py``), the
-command-line reference from the argparse parsers. Run ``python -m orchestrator.cli.reference`` after changing either;
+command-line reference from the argparse parsers, the table of a run's outputs from
+``orchestrator/release.py``. Run ``python -m orchestrator.cli.reference`` after changing either;
 ``--check`` exits 1, naming the stale files, when the committed ones differ.
 """
 
@@ -115,9 +116,32 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
     return "\n".join(lines)
 
 
+def outputs_reference() -> str:
+    """docs/outputs.md: every output a run may print, write or send, with its class (orchestrator/release.py)."""
+    from orchestrator.release import Kind, declaration_table
+
+    classes = "; ".join(f"*{kind.value}*" for kind in Kind)
+    return "\n".join([
+        _GENERATED.format(source="the declarations in orchestrator/release.py"),
+        "",
+        "# Outputs of a run, by class",
+        "",
+        "Every line a run prints, every key of every file it writes and every message it sends to the ledger",
+        "passes one module, `orchestrator/release.py`, where it is declared once with its class: " + classes + ".",
+        "An output nobody declared, or a run-private one, raises instead of leaving; an owner-only diagnostic",
+        "leaves only behind the flag that shows it. A log line of a library or a worker is declared too, so",
+        "that the test that runs every mode (`tests/test_release_boundary.py`) can match each printed line.",
+        "Who may read each class is [the threat model](threat-model.md)'s first table.",
+        "",
+        declaration_table(),
+        "",
+    ])
+
+
 def written_references() -> dict[Path, str]:
     """Each generated file's path and the content it should have."""
-    return {DOCS / "config-reference.md": config_reference(), DOCS / "cli-reference.md": cli_reference()}
+    return {DOCS / "config-reference.md": config_reference(), DOCS / "cli-reference.md": cli_reference(),
+            DOCS / "outputs.md": outputs_reference()}
 
 
 def main(argv: list[str] | None = None) -> int:

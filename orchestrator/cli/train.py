@@ -11,7 +11,7 @@ from typing import Any
 from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
 from accounting.ledger.validation import delta_warning
-from orchestrator import checks
+from orchestrator import checks, release
 from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
@@ -182,7 +182,7 @@ def reserve_and_run(args: argparse.Namespace, trainer: Trainer) -> tuple[Trainer
                          "leave --non-private-mia off")
     warning = delta_warning(config.delta, trainer.plan.dataset_size)
     if warning is not None:
-        print(f"warning: {warning}", file=sys.stderr)
+        print(release.line("delta_warning", warning=warning), file=sys.stderr)
     trainer.ledger = job_ledger(args, trainer)
     summary = run_reserved(trainer)
     budget = trainer.ledger.status()
@@ -202,7 +202,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.json:
         summary = {key: value for key, value in summary.items() if key != "events"}
         summary["dataset_remaining_epsilon"] = budget.remaining_epsilon
-        print_json(summary)
+        print_json(release.record("summary.json", summary, shown={"membership_inference_non_private"}))
         return 0
     rows = [
         *[[f"test {name.replace('_', ' ')}", summary[f"test_{name}"]] for name in (*config.metrics, "loss")],
@@ -227,7 +227,7 @@ def run_train(args: argparse.Namespace) -> int:
         attack = summary["membership_inference_non_private"]
         rows.append(["membership inference AUC (NOT private)", attack["auc"]])
         rows.append(["membership inference TPR at 1% FPR (NOT private)", attack["tpr_at_1pct_fpr"]])
-    print(format_table(["summary", "value"], rows))
+    print(release.line("summary_table", table=format_table(["summary", "value"], rows)))
     return 0
 
 
@@ -305,7 +305,7 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
                 f"{trainer.resumed_reservation_id}), not {dataset!r}; resume it with --dataset-name {charged}, or "
                 "start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
             )
-        say(f"ledger: continuing under reservation {trainer.resumed_reservation_id}")
+        say(release.line("ledger_continuing", reservation=trainer.resumed_reservation_id))
         return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
     register_embedded(ledger, dataset, config, say)
     if config.blocks:
@@ -323,8 +323,8 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
             ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease, config.blocks
         )
     on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
-    say(f"ledger: reserved {trainer.plan.steps} steps on {dataset!r}{on_blocks} (reservation {job.reservation_id}); "
-        f"{charge_line(trainer, job.status(), config.blocks)}")
+    say(release.line("ledger_reserved", steps=trainer.plan.steps, dataset=repr(dataset), blocks=on_blocks,
+                     reservation=job.reservation_id, charge=charge_line(trainer, job.status(), config.blocks)))
     return job
 
 
