@@ -29,7 +29,8 @@ from accounting.ledger.store import open_embedded_ledger
 from accounting.ledger.validation import ADMITTED, QUEUED
 from orchestrator import release
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
-from workers.sources import spec_name
+from workers.fingerprints import block_identity
+from workers.sources import DataError, spec_name
 
 _FIRST_BACKOFF_SECONDS = 0.5
 _LONGEST_BACKOFF_SECONDS = 10.0
@@ -203,12 +204,14 @@ def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
 
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
-    blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None,
+    blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None, user_id: str | None = None,
 ) -> None:
     """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget.
 
     `declarations` are where each block's rows are (the config's
-    [dataset.blocks]); the ledger stores them and refuses blocks that share data.
+    [dataset.blocks]); each goes with the identity of its files
+    (`with_identity`, people by the `user_id` column on a per-person
+    dataset), and the ledger stores them and refuses blocks that share data.
     """
     try:
         status = ledger.get_budget(dataset)
@@ -222,33 +225,82 @@ def ensure_embedded_dataset(
     block_epsilon = min(budget_epsilon, status.budget_epsilon)
     for block in blocks:
         if block not in known:
-            ledger.add_block(dataset, block, block_epsilon, None, (declarations or {}).get(block))
+            ledger.add_block(dataset, block, block_epsilon, None,
+                             with_identity(block, (declarations or {}).get(block), status, user_id))
             say(release.line("ledger_registered_block", block=repr(block), dataset=repr(dataset),
                              epsilon=f"{block_epsilon:g}"))
 
 
-def check_declared_blocks(status: DatasetStatus, blocks: tuple[str, ...], declarations: Mapping[str, dict]) -> None:
+def people_salt(status: DatasetStatus) -> str:
+    """The key people's digests in a block's identity are made under: the dataset's tenant/name, one per dataset,
+    so that a person's digest in one dataset says nothing of the same person in another."""
+    return f"{status.tenant}/{status.name.rsplit('/', 1)[-1]}"
+
+
+def with_identity(block: str, declaration: dict | None, status: DatasetStatus, user_id: str | None) -> dict | None:
+    """A block's declaration with the identity of what its files hold (`workers.fingerprints.block_identity`),
+    computed here, where the files are read; a declaration without files is as given.
+
+    On a per-person dataset the identity names the block's people by
+    `user_id` (the column naming each row's person), which must be given.
+    """
+    if not declaration or "files" not in declaration:
+        return declaration
+    per_person = status.privacy_unit == "user"
+    if per_person and user_id is None:
+        raise UsageError(
+            f"block {block!r} of the per-person dataset {status.name!r} is known by its people: name the column "
+            "of each row's person (user_id in the config, --user-id for dpfleet ledger block add)"
+        )
+    files = sorted(set(declaration["files"]))
+    try:
+        identity = block_identity(files, user_id if per_person else None, people_salt(status))
+    except DataError as error:
+        raise UsageError(f"block {block!r}: {error}") from None
+    return {**declaration, "identity": identity}
+
+
+def check_declared_blocks(
+    status: DatasetStatus, blocks: tuple[str, ...], declarations: Mapping[str, dict], user_id: str | None = None,
+) -> None:
     """Refuse a run whose config reads other rows than the ledger's blocks declare (UsageError).
 
-    `declarations` are the config's [dataset.blocks]; each chosen block's must
-    be the declaration the ledger stores for it, so that the run reads only
-    the rows its charge is bound to. A block the ledger holds no declaration
-    for is left to the ledger, which admits no new job on it.
+    `declarations` are the config's [dataset.blocks]; each chosen block's,
+    with the identity of the files it reads now (`with_identity`), must be
+    the declaration the ledger stores for it, so that the run reads only
+    the rows its charge is bound to: a link, a URL, a copy or a file whose
+    rows changed is refused here, before the job reserves. A block stored
+    before declarations carried identities is compared by its locations
+    and selector only. A block the ledger holds no declaration for is left
+    to the ledger, which admits no new job on it.
     """
     stored = {block.name: block.data for block in status.blocks}
     for block in blocks:
         if stored.get(block) is None:
             continue
         try:
-            declared = check_block_data(declarations.get(block), status.privacy_unit)
+            declared = check_block_data(with_identity(block, declarations.get(block), status, user_id),
+                                        status.privacy_unit)
         except InvalidArgument as error:
             raise UsageError(f"dataset.blocks.{block}: {error}") from None
+        if "identity" not in stored[block]:
+            declared.pop("identity", None)
         if declared != stored[block]:
             raise UsageError(
-                f"block {block!r} of dataset {status.name!r} is bound in the ledger to {stored[block]}, but the "
-                f"config reads {declared}; a run reads only the rows its blocks declare: make [dataset.blocks] "
-                f"{block} declare the same (dpfleet ledger status --json shows each block's data)"
+                f"block {block!r} of dataset {status.name!r} is bound in the ledger to {_shown(stored[block])}, but "
+                f"the config reads {_shown(declared)}; a run reads only the rows its blocks declare: make "
+                f"[dataset.blocks] {block} declare the same files, holding the same bytes (dpfleet ledger status "
+                "--json shows each block's data)"
             )
+
+
+def _shown(declaration: dict) -> dict:
+    """A declaration as an error names it: its identity's file digests, never its people's."""
+    identity = declaration.get("identity")
+    if identity is None:
+        return declaration
+    return {**declaration, "identity": {"files": identity["files"], **(
+        {"user_id": identity["user_id"], "people": len(identity["people"])} if "people" in identity else {})}}
 
 
 def filter_charges(plan, status: DatasetStatus, blocks: tuple[str, ...]) -> list[tuple[str, float]]:

@@ -1,6 +1,8 @@
 """Blocks of a dataset, tenant quotas and the dry run: pure checks, the store, a real server on loopback, training."""
 
+import hashlib
 import json
+import os
 import sqlite3
 
 import numpy as np
@@ -25,6 +27,7 @@ from accounting.ledger.verification import burn_down
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
+from orchestrator.ledger_session import check_declared_blocks, with_identity
 from workers.sources import (
     DataError,
     check_block_people,
@@ -79,18 +82,14 @@ def test_block_names_are_checked(blocks, problem):
         check_block_names(blocks)
 
 
-def parquet_blocks(directory, rows_by_block, corrupt=()):
-    """One folder of Parquet shards per block; a block in `corrupt` holds a file that is not Parquet at all."""
+def parquet_blocks(directory, rows_by_block):
+    """One folder of Parquet shards per block."""
     rng = np.random.default_rng(0)
     locations = {}
     for block, rows in rows_by_block.items():
         folder = directory / block
-        if block in corrupt:
-            folder.mkdir(parents=True)
-            (folder / "part-00000.parquet").write_bytes(b"not a parquet file")
-        else:
-            write_parquet_shards(str(folder), [(rng.random((rows, 784), dtype=np.float32), np.arange(rows) % 10)],
-                                 rows, 2)
+        write_parquet_shards(str(folder), [(rng.random((rows, 784), dtype=np.float32), np.arange(rows) % 10)],
+                             rows, 2)
         locations[block] = str(folder)
     test = directory / "test"
     write_parquet_shards(str(test), [(rng.random((100, 784), dtype=np.float32), np.arange(100) % 10)], 100, 1)
@@ -251,8 +250,7 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
 
     said = []
     monkeypatch.setattr(Trainer, "say", lambda trainer, text: said.append(text))
-    # d3's file is not Parquet at all: a run that opened it would fail.
-    locations, test = parquet_blocks(tmp_path / "data", {"d1": 240, "d2": 360, "d3": 100}, corrupt=("d3",))
+    locations, test = parquet_blocks(tmp_path / "data", {"d1": 240, "d2": 360, "d3": 100})
     dataset = parquet_dataset(locations, test)
     with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
         token = admin.create_tenant("acme").token
@@ -264,6 +262,9 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     (added,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["datasets"]
     assert [(block["name"], block["budget_epsilon"], block["delta"]) for block in added["blocks"]] == [
         ("d1", 4.0, DELTA), ("d2", 4.0, DELTA), ("d3", 4.0, DELTA)]
+    # d3's files are no longer Parquet at all: a run that opened them would fail.
+    for shard in (tmp_path / "data" / "d3").iterdir():
+        shard.write_bytes(b"not a parquet file")
     blocks_toml = "".join(f'"{name}" = "{location}"\n' for name, location in dataset["blocks"].items())
     config = tmp_path / "job.toml"
     config.write_text(
@@ -299,15 +300,41 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
 # ---------------------------------------------------------------- blocks own disjoint data
 
 
+def stand_in(text):
+    """A stand-in SHA-256 named by `text`, for the identities of files these tests only name."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def files(*locations, contents=None, people=None, user_id="user_id"):
+    """A declaration of `locations` with its identity: files holding `contents` (default: one per location, named
+    by it), and on a per-person dataset `people` (stand-in ids), named by the column `user_id`."""
+    identity = {"files": [[stand_in(content), 10] for content in contents or locations]}
+    if people is not None:
+        identity.update(user_id=user_id, people=[stand_in(str(person))[:16] for person in people])
+    return {"files": list(locations), "identity": identity}
+
+
+BUCKET_0, BUCKET_1 = {"user_hash": {"buckets": 2, "bucket": 0}}, {"user_hash": {"buckets": 2, "bucket": 1}}
+
+
 @pytest.mark.parametrize("first, second, unit, shared", [
-    ({"files": ["/d/a"]}, {"files": ["/d/b"]}, "example", False),
-    ({"files": ["/d/a"]}, {"files": ["/d/a/"]}, "example", True),
-    ({"files": ["/d/a"]}, {"files": ["/d/a/part-0.parquet"]}, "example", True),
-    ({"files": ["/d"]}, {"files": ["/d/a", "/e"]}, "example", True),
+    (files("/d/a"), files("/d/b"), "example", False),
+    (files("/d/a"), files("/d/a/"), "example", True),
+    (files("/d/a"), files("/d/a/part-0.parquet"), "example", True),
+    (files("/d"), files("/d/a", "/e"), "example", True),
+    # A link, a URL or a copy of /d/a under another name holds the same bytes: its identity gives it away.
+    (files("/d/a"), files("/d/link-to-a", contents=["/d/a"]), "example", True),
+    (files("/d/a", "/d/b"), files("/e/c", contents=["/d/b", "/e/c"]), "example", True),
     ({"rows": [0, 10]}, {"rows": [10, 20]}, "example", False),
     ({"rows": [0, 11]}, {"rows": [10, 20]}, "example", True),
-    ({"files": ["/d/a"], "rows": [0, 10]}, {"files": ["/d/b"], "rows": [0, 10]}, "example", False),
-    ({"files": ["/d/a"], "rows": [0, 10]}, {"rows": [20, 30]}, "example", True),  # other files: unknown order
+    ({**files("/d/a"), "rows": [0, 10]}, {**files("/d/b"), "rows": [0, 10]}, "example", False),
+    ({**files("/d/a"), "rows": [0, 10]}, {"rows": [20, 30]}, "example", True),  # other files: unknown order
+    # The same bytes under other names: row ranges of the same files in the same order can be apart...
+    ({**files("/d/a", "/d/b"), "rows": [0, 10]}, {**files("/e/a", "/e/b", contents=["/d/a", "/d/b"]),
+                                                  "rows": [10, 20]}, "example", False),
+    # ...but not in another order, where row 10 is another row.
+    ({**files("/d/a", "/d/b"), "rows": [0, 10]}, {**files("/e/a", "/e/b", contents=["/d/b", "/d/a"]),
+                                                  "rows": [10, 20]}, "example", True),
     ({"partition": {"column": "day", "value": 1}}, {"partition": {"column": "day", "value": "2"}}, "example", False),
     ({"partition": {"column": "day", "value": 1}}, {"partition": {"column": "day", "value": "1"}}, "example", True),
     ({"partition": {"column": "day", "value": "1"}}, {"partition": {"column": "hour", "value": "2"}}, "example", True),
@@ -315,10 +342,13 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     ({"user_hash": {"buckets": 4, "bucket": 0}}, {"user_hash": {"buckets": 4, "bucket": 1}}, "user", False),
     ({"user_hash": {"buckets": 4, "bucket": 0}}, {"user_hash": {"buckets": 8, "bucket": 1}}, "user", True),
     ({"user_range": [0, 100]}, {"user_range": [100, 200]}, "user", False),
-    ({"user_range": [0, 101]}, {"files": ["/x"], "user_range": [100, 200]}, "user", True),
+    ({"user_range": [0, 101]}, {**files("/x", people=[7]), "user_range": [100, 200]}, "user", True),
     ({"user_hash": {"buckets": 4, "bucket": 0}}, {"user_range": [0, 10]}, "user", True),
-    ({"files": ["/d/a"], "user_hash": {"buckets": 2, "bucket": 0}},
-     {"files": ["/d/a"], "user_hash": {"buckets": 2, "bucket": 1}}, "user", False),  # one file, people apart
+    ({**files("/d/a", people=[7, 8]), **BUCKET_0}, {**files("/d/b", people=[9]), **BUCKET_1}, "user", False),
+    # People are known by their digests, whatever the buckets say (7 stored as 7.0 hashed to another bucket).
+    ({**files("/d/a", people=[7, 8]), **BUCKET_0}, {**files("/d/b", people=[7, 9]), **BUCKET_1}, "user", True),
+    ({**files("/d/a", people=[7]), **BUCKET_0}, {**files("/d/b", people=[9], user_id="other"), **BUCKET_1}, "user",
+     True),
 ])
 def test_two_declarations_share_data_unless_they_provably_cannot(first, second, unit, shared):
     first, second = check_block_data(first, unit), check_block_data(second, unit)
@@ -334,32 +364,47 @@ def test_two_declarations_share_data_unless_they_provably_cannot(first, second, 
     ({"rows": [0, 5], "partition": {"column": "day", "value": "1"}}, "example", "at most one selector"),
     ({"files": []}, "example", "1 to 1000 non-empty locations"),
     ({"user_hash": {"buckets": 4, "bucket": 4}}, "user", r"bucket must be an integer in \[0, 3\]"),
-    ({"files": ["/d/a"]}, "user", "must partition people"),
+    (files("/d/a"), "user", "must partition people"),
     ({"rows": [0, 5]}, "user", "must partition people"),
     ("not json", "example", "must be a JSON object"),
+    ({"files": ["/d/a"]}, "example", "need the files' identity"),
+    ({"files": ["/d/a"], "identity": {"files": [["0" * 63, 1]]}}, "example", "64 lowercase hex digits"),
+    ({**files("/d/a"), **BUCKET_0}, "user", "a block's identity names its people"),
+    ({"rows": [0, 5], "identity": files("/d/a")["identity"]}, "example", "declare them with files"),
+    # Over raw gRPC a location is the declared text: every spelling that hides its place is refused.
+    (files("d/a"), "example", "must be absolute paths or URLs"),
+    (files("/d/./a"), "example", "without '.', '..' or '//' parts"),
+    (files("/d/b/../a"), "example", "without '.', '..' or '//' parts"),
+    (files("/d//a"), "example", "without '.', '..' or '//' parts"),
+    (files("file://host/d/a"), "example", "file:///PATH"),
 ])
 def test_a_declaration_that_cannot_bound_its_data_is_refused(data, unit, problem):
     with pytest.raises(InvalidArgument, match=problem):
         check_block_data(data, unit)
 
 
+def test_a_file_url_is_its_path_and_a_trailing_slash_is_dropped():
+    assert check_block_data(files("file:///d/a/", "s3://bucket/d/"), "example")["files"] == ["/d/a", "s3://bucket/d"]
+
+
 def test_the_owner_cannot_add_blocks_over_the_same_rows_nor_above_the_dataset_budget(tmp_path):
     """The reproduction: an owner, no admin, adds blocks over the same rows of an ε 2 dataset to train under each."""
-    files = str(tmp_path / "rows")
+    rows_at, new = str(tmp_path / "rows"), str(tmp_path / "new")
     with Ledger(tmp_path / "ledger.db") as ledger:
         ledger.create_tenant("owner", caller=ADMIN)
         owner = tenant_caller("owner")
         ledger.create_dataset("logs", 2.0, DELTA, caller=owner)
-        ledger.add_block("logs", "d1", 2.0, data={"files": [files]}, caller=owner)
-        for block, data in (("d2", {"files": [files + "/"]}), ("d3", {"files": [files + "/part-0.parquet"]}),
-                            ("d4", {"files": [str(tmp_path)]}), ("d5", {"files": [files, str(tmp_path / "new")]})):
+        ledger.add_block("logs", "d1", 2.0, data=files(rows_at), caller=owner)
+        for block, data in (("d2", files(rows_at + "/", contents=[rows_at])), ("d3", files(rows_at + "/part-0.parquet")),
+                            ("d4", files(str(tmp_path))), ("d5", files(rows_at, new)),
+                            ("d6", files(str(tmp_path / "elsewhere"), contents=[rows_at]))):
             with pytest.raises(FailedPrecondition, match="may hold data of block 'd1'"):
                 ledger.add_block("logs", block, 2.0, data=data, caller=owner)
         with pytest.raises(InvalidArgument, match="above dataset 'logs''s budget of ε 2"):
-            ledger.add_block("logs", "big", 3.0, data={"files": [str(tmp_path / "new")]}, caller=owner)
+            ledger.add_block("logs", "big", 3.0, data=files(new), caller=owner)
         with pytest.raises(InvalidArgument, match="above dataset 'logs''s budget"):
-            ledger.add_block("logs", "loose", 1.0, 1e-3, data={"files": [str(tmp_path / "new")]}, caller=owner)
-        ledger.add_block("logs", "d2", 2.0, data={"files": [str(tmp_path / "new")]}, caller=owner)
+            ledger.add_block("logs", "loose", 1.0, 1e-3, data=files(new), caller=owner)
+        ledger.add_block("logs", "d2", 2.0, data=files(new), caller=owner)
         # Each block is exhausted on its own rows; none can be charged again for the same rows.
         for block in ("d1", "d2"):
             job = ledger.reserve("logs", f"on-{block}", steps(5000), blocks=[block], caller=owner)
@@ -369,8 +414,7 @@ def test_the_owner_cannot_add_blocks_over_the_same_rows_nor_above_the_dataset_bu
         with pytest.raises(FailedPrecondition, match="its budget, the most any row or person of it may spend"):
             ledger.raise_budget("owner/logs", 1.5, caller=ADMIN)
         assert ledger.raise_budget("owner/logs", 4.0, caller=ADMIN).budget_epsilon == 4.0
-        assert [block.data for block in ledger.get_budget("logs", caller=owner).blocks] == [
-            {"files": [files]}, {"files": [str(tmp_path / "new")]}]
+        assert [block.data for block in ledger.get_budget("logs", caller=owner).blocks] == [files(rows_at), files(new)]
         assert ledger.verify(caller=ADMIN).findings == ()
 
 
@@ -398,14 +442,27 @@ def people_file(path, user_ids):
 def test_a_person_with_rows_in_three_blocks_never_exceeds_the_budget(tmp_path):
     """On a per-person dataset blocks partition people: a person is charged by one block, whatever files hold them."""
     budget = 2.0
+    # Person 7 has rows in all three days' files; in the by-person folders each person's rows are in its block's.
+    folders = [str(tmp_path / f"day-{day}") for day in range(3)]
+    for day, folder in enumerate(folders):
+        people_file(tmp_path / f"day-{day}" / "part-0.parquet", [7, 7, 8 + day])
+    for other in range(3):
+        people_file(tmp_path / "by-person" / f"b{other}" / "part-0.parquet",
+                    [int(user) for user in range(100) if user_hash_buckets(np.array([user]), 3)[0] == other])
+    apart = {f"b{other}": {"files": [str(tmp_path / "by-person" / f"b{other}")],
+                           "user_hash": {"buckets": 3, "bucket": other}} for other in range(3)}
     with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
         ledger.create_dataset("people", budget, DELTA, privacy_unit="user")
-        folders = [str(tmp_path / f"day-{day}") for day in range(3)]
         with pytest.raises(InvalidArgument, match="must partition people"):
             ledger.add_block("people", "day-0", budget, data={"files": [folders[0]]})
+        status = ledger.get_budget("people")
         for bucket in range(3):
-            ledger.add_block("people", f"b{bucket}", budget, data={"files": folders,
-                                                                    "user_hash": {"buckets": 3, "bucket": bucket}})
+            ledger.add_block("people", f"b{bucket}", budget,
+                             data=with_identity(f"b{bucket}", apart[f"b{bucket}"], status, "user_id"))
+        # The days' files hold people of those blocks: no block over them is admitted, whatever its bucket says.
+        with pytest.raises(FailedPrecondition, match="people are in both"):
+            ledger.add_block("people", "days", budget, data=with_identity(
+                "days", {"files": folders, "user_hash": {"buckets": 4, "bucket": 0}}, status, "user_id"))
         with pytest.raises(FailedPrecondition, match="may hold data of block 'b0'"):
             ledger.add_block("people", "again", budget, data={"user_hash": {"buckets": 6, "bucket": 0}})
         # Every block spends its whole budget; person 7 is in exactly one of them.
@@ -419,10 +476,8 @@ def test_a_person_with_rows_in_three_blocks_never_exceeds_the_budget(tmp_path):
                              if block.data["user_hash"]["bucket"] == bucket]
         assert len(spent_by_person_7) == 1 and spent_by_person_7[0] <= budget
         assert ledger.verify().findings == ()
-    # The training side: person 7 has rows in all three days' files. A block reads those files only when every
-    # row's person is one of its own, so person 7's rows are read under 7's block alone.
-    for day, folder in enumerate(folders):
-        people_file(tmp_path / f"day-{day}" / "part-0.parquet", [7, 7, 8 + day])
+    # The training side: a block reads the days' files only when every row's person is one of its own, so person
+    # 7's rows are read under 7's block alone.
     declared = {f"b{bucket}": {"files": folders, "user_hash": {"buckets": 3, "bucket": bucket}} for bucket in range(3)}
     ids = np.array([7, 7, 8, 7, 7, 9, 7, 7, 10])
     for other in range(3):
@@ -437,11 +492,6 @@ def test_a_person_with_rows_in_three_blocks_never_exceeds_the_budget(tmp_path):
     with pytest.raises(DataError, match="user_id, the column naming each row's person, not synthetic_users"):
         check_block_people(spec, None)
     # Each person's rows in its own block's folder: every block reads.
-    for other in range(3):
-        people_file(tmp_path / "by-person" / f"b{other}" / "part-0.parquet",
-                    [int(user) for user in range(100) if user_hash_buckets(np.array([user]), 3)[0] == other])
-    apart = {f"b{other}": {"files": [str(tmp_path / "by-person" / f"b{other}")],
-                           "user_hash": {"buckets": 3, "bucket": other}} for other in range(3)}
     for other in range(3):
         check_block_people(select_blocks({**parquet_spec(), "blocks": apart}, [f"b{other}"]), "user_id")
     # A user-level run builds its users through user_index, which makes the same check before it samples anyone.
@@ -549,4 +599,9 @@ def test_verify_finds_a_block_whose_declaration_was_edited_in_the_database(tmp_p
         connection.execute("UPDATE datasets SET block_data = ? WHERE block = 'd2'", (json.dumps(rows(0, 100)),))
     with open_embedded_ledger(path) as ledger:
         problems = [str(finding) for finding in ledger.verify().findings]
-    assert problems == ["dataset row of dataset local/logs:d2: the row's block data is not what its history declares"]
+    assert problems == [
+        "dataset row of dataset local/logs:d1: its declared data may be shared with block 'd2' (row ranges [0, 100] "
+        "and [0, 100] of the same files meet); a unit's guarantee is one block's budget only when the blocks are "
+        "disjoint",
+        "dataset row of dataset local/logs:d2: the row's block data is not what its history declares",
+    ]

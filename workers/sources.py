@@ -260,14 +260,43 @@ def select_blocks(spec: Mapping, blocks: Iterable[str]) -> dict:
     return {"train": [location for part in parts for location in part["files"]], **spec, "train_parts": parts}
 
 
-def user_hash_buckets(user_ids: np.ndarray, buckets: int) -> np.ndarray:
-    """Each user id's hash bucket of ``buckets``: the first 8 bytes of SHA-256 of the id's text, big-endian, mod B.
+def canonical_user_id(user_id: Any) -> str:
+    """One text per person, whatever type a file stores the id as: 7, 7.0, "7" and "7.0" are all "7".
 
-    The same for the same id on every machine, so that a block declared by
-    user id hash holds the same people wherever it is read.
+    An integer, a float with an integral value and a text that reads as
+    one are the integer's decimal digits; any other text is itself. A
+    fractional or non-finite number (7.5, NaN) is refused (DataError): it
+    could be a rounded integer or the text "7.5", so which person it is
+    would be a guess.
+    """
+    value = user_id.item() if isinstance(user_id, np.generic) else user_id
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "surrogateescape")
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return str(int(number)) if np.isfinite(number) and number == int(number) else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise DataError(f"a user id must be an integer or a text (got a {type(value).__name__}); store the id "
+                        "column as integers or text")
+    if isinstance(value, float) and not (np.isfinite(value) and value == int(value)):
+        raise DataError("a user id must be an integer or a text (got a fractional or non-finite number); such an "
+                        "id could be a rounded integer or a text, so store the id column as integers or text")
+    return str(int(value))
+
+
+def user_hash_buckets(user_ids: np.ndarray, buckets: int) -> np.ndarray:
+    """Each user id's hash bucket of ``buckets``: the first 8 bytes of SHA-256 of the canonical id, big-endian, mod B.
+
+    The same for the same person on every machine and in every column type
+    (``canonical_user_id``), so that a block declared by user id hash holds
+    the same people wherever and however they are stored.
     """
     return np.array(
-        [int.from_bytes(hashlib.sha256(str(user_id).encode()).digest()[:8], "big") % buckets for user_id in user_ids],
+        [int.from_bytes(hashlib.sha256(canonical_user_id(user_id).encode()).digest()[:8], "big") % buckets
+         for user_id in user_ids],
         dtype=np.int64,
     )
 

@@ -34,6 +34,8 @@ from orchestrator.errors import BudgetRefusedError, UsageError
 
 # The server (gRPC, the web page, metrics) loads only for `ledger serve`.
 service = LazyModule("accounting.ledger.service")
+# Reading a block's files (for their identity) loads the data readers only when a block is added.
+ledger_session = LazyModule("orchestrator.ledger_session")
 
 
 def ledger_command(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -299,7 +301,9 @@ def run_block_add(args: argparse.Namespace) -> int:
     delta = None if args.delta is None else _ledger_number("--delta", args.delta, check_delta)
     data = block_data(args.files, args.rows, args.partition, args.user_hash, args.user_range)
     with ledger_from_flags(args) as ledger:
-        status = ledger.add_block(args.dataset, args.name, epsilon, delta, data)
+        dataset = ledger.get_budget(args.dataset, pld_may_be_pending=True)
+        identified = ledger_session.with_identity(args.name, data, dataset, args.user_id)
+        status = ledger.add_block(args.dataset, args.name, epsilon, delta, identified)
     _print_statuses([status], args.json)
     return 0
 

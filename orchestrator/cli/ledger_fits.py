@@ -35,7 +35,7 @@ def run_fits(args: argparse.Namespace) -> int:
     args.ledger = args.ledger or config.ledger
     with ledger_from_flags(args) as ledger:
         status = ledger.get_budget(dataset, pld_may_be_pending=True)
-        check_declared_blocks(status, config.blocks, block_declarations(config))
+        check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
         plan = plan_run(config, charge_epsilon=filter_basis(ledger, dataset, config.blocks)
                         if config.target_epsilon_basis == "filter" else None)
         planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)

@@ -200,19 +200,23 @@ def _add_budget_commands(commands: argparse._SubParsersAction) -> None:
     block_add.add_argument("--delta", help="the block's budget delta, in (0, 1) (default: the dataset's)")
     block_add.add_argument(
         "--files", nargs="+", metavar="LOCATION",
-        help="where the block's rows are: files or folders (local paths are made absolute); no other block may "
-             "name one of them or a folder holding one",
+        help="where the block's rows are: Parquet files or folders (local paths are made absolute); every byte "
+             "is read here for the files' SHA-256 and row counts, and no other block may hold one of those files, "
+             "under any name",
     )
     block_add.add_argument("--rows", metavar="FIRST:STOP",
                            help="the rows FIRST to STOP-1, in the order the block's files are read")
     block_add.add_argument("--partition", metavar="COLUMN=VALUE", help="the rows whose COLUMN is VALUE")
     block_add.add_argument(
         "--user-hash", metavar="BUCKET/BUCKETS",
-        help="the rows of the people whose user id hashes to BUCKET of BUCKETS (SHA-256 of the id's text); a "
-             "per-person dataset's blocks are declared by user id",
+        help="the rows of the people whose user id hashes to BUCKET of BUCKETS (SHA-256 of the canonical id: 7, "
+             "7.0 and \"7\" are one person); a per-person dataset's blocks are declared by user id",
     )
     block_add.add_argument("--user-range", metavar="FIRST:STOP",
                            help="the rows of the people with integer user ids FIRST to STOP-1")
+    block_add.add_argument("--user-id", metavar="COLUMN",
+                           help="on a per-person dataset, the column naming each row's person: the block's files "
+                                "are read for a keyed digest of each person, and no other block may hold one")
     _add_client_flags(block_add)
     block_add.set_defaults(handler=_HANDLERS + "run_block_add")
 

@@ -310,7 +310,7 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     register_embedded(ledger, dataset, config, say)
     if config.blocks:
         check_declared_blocks(ledger.get_budget(dataset, pld_may_be_pending=True), config.blocks,
-                              block_declarations(config))
+                              block_declarations(config), config.user_id)
     job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
     if args.wait_for_budget:
         job = JobLedger.wait_for_budget(
@@ -341,4 +341,4 @@ def register_embedded(ledger, dataset: str, config, say) -> None:
     """In the embedded ledger, register the dataset and its chosen blocks on first use."""
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
-                                config.blocks, block_declarations(config))
+                                config.blocks, block_declarations(config), config.user_id)

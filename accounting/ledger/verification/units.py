@@ -75,9 +75,10 @@ class UnitReplay:
             privacy_unit = self.unit.get(dataset.dataset_id, EXAMPLE)
             budget = self.budget[dataset.dataset_id]
             blocks = [row for row in datasets if row.block_of == dataset.dataset_id]
-            for block in blocks:
+            for position, block in enumerate(blocks):
                 if block.data != self.declared.get(block.dataset_id):
                     findings.append(Finding(None, block.name, "the row's block data is not what its history declares"))
+                findings.extend(_shared_with_later(block, blocks[position + 1:], privacy_unit))
                 sharing = [
                     other for other in blocks if other is not block and block_data_overlap(
                         self.declared.get(block.dataset_id), self.declared.get(other.dataset_id), privacy_unit
@@ -97,3 +98,21 @@ class UnitReplay:
                         f"have spent ε {epsilon:.6g}, over the dataset's budget ε {budget:g}",
                     ))
         return findings
+
+
+def _shared_with_later(block: StoredDataset, later: list[StoredDataset], privacy_unit: str) -> list[Finding]:
+    """A finding for each later block whose stored declaration may share a unit with `block`'s.
+
+    Admission refuses such a pair, so one in the rows was written past it
+    (into the database, or by a ledger that did not check). Blocks that
+    declared nothing (added before declarations) are left to the replay of
+    what their units spent.
+    """
+    if block.data is None:
+        return []
+    return [
+        Finding(None, block.name, f"its declared data may be shared with block {other.block!r} ({reason}); a "
+                                  "unit's guarantee is one block's budget only when the blocks are disjoint")
+        for other in later
+        if other.data is not None and (reason := block_data_overlap(block.data, other.data, privacy_unit)) is not None
+    ]
