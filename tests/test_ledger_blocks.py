@@ -30,6 +30,7 @@ from orchestrator.errors import UsageError
 from orchestrator.ledger_session import check_declared_blocks, with_identity
 from workers.sources import (
     DataError,
+    canonical_user_id,
     check_block_people,
     open_source,
     parse_spec,
@@ -395,8 +396,9 @@ def test_the_owner_cannot_add_blocks_over_the_same_rows_nor_above_the_dataset_bu
         owner = tenant_caller("owner")
         ledger.create_dataset("logs", 2.0, DELTA, caller=owner)
         ledger.add_block("logs", "d1", 2.0, data=files(rows_at), caller=owner)
-        for block, data in (("d2", files(rows_at + "/", contents=[rows_at])), ("d3", files(rows_at + "/part-0.parquet")),
-                            ("d4", files(str(tmp_path))), ("d5", files(rows_at, new)),
+        for block, data in (("d2", files(rows_at + "/", contents=[rows_at])),
+                            ("d3", files(rows_at + "/part-0.parquet")), ("d4", files(str(tmp_path))),
+                            ("d5", files(rows_at, new)),
                             ("d6", files(str(tmp_path / "elsewhere"), contents=[rows_at]))):
             with pytest.raises(FailedPrecondition, match="may hold data of block 'd1'"):
                 ledger.add_block("logs", block, 2.0, data=data, caller=owner)
@@ -605,3 +607,116 @@ def test_verify_finds_a_block_whose_declaration_was_edited_in_the_database(tmp_p
         "disjoint",
         "dataset row of dataset local/logs:d2: the row's block data is not what its history declares",
     ]
+
+
+# ---------------------------------------------------------------- blocks are known by what they hold
+
+
+@pytest.mark.parametrize("stored, canonical", [
+    (7, "7"), (7.0, "7"), ("7", "7"), ("7.0", "7"), ("007", "7"), (np.int64(7), "7"), (np.float64(7.0), "7"),
+    (b"7", "7"), ("alice", "alice"), ("7.5", "7.5"), (-3, "-3"),
+])
+def test_a_person_is_one_id_whatever_type_a_file_stores_it_as(stored, canonical):
+    assert canonical_user_id(stored) == canonical
+    assert user_hash_buckets(np.array([stored]), 1000)[0] == user_hash_buckets(np.array([canonical]), 1000)[0]
+
+
+@pytest.mark.parametrize("stored", [7.5, float("nan"), True])
+def test_an_id_that_could_be_two_people_is_refused(stored):
+    with pytest.raises(DataError, match="a user id must be an integer or a text"):
+        canonical_user_id(stored)
+
+
+def test_no_alias_of_a_blocks_files_is_sold_again_through_the_command_line(server, tmp_path, capsys):
+    """The reproduction: a symlink, a file:// URL, a hard link and a copy of day1 each asked for a budget of their own."""
+    locations, _ = parquet_blocks(tmp_path / "d", {"day1": 20, "day2": 20})
+    day1 = tmp_path / "d" / "day1"
+    (tmp_path / "alias").symlink_to(day1)
+    part = sorted(day1.iterdir())[0]
+    (tmp_path / "linked").mkdir()
+    os.link(part, tmp_path / "linked" / "part.parquet")
+    (tmp_path / "copied").mkdir()
+    (tmp_path / "copied" / "part.parquet").write_bytes(part.read_bytes())
+    with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("acme").token
+    client = ["--ledger", server.address, "--token", token, "--json"]
+    assert main(["ledger", "dataset", "create", "logs", "--epsilon", "2", "--delta", "1e-5", *client]) == 0
+    assert main(["ledger", "block", "add", "logs", "day1", "--epsilon", "2", "--files", locations["day1"], *client]) == 0
+    capsys.readouterr()
+    for alias in (str(tmp_path / "alias"), f"file://{day1}", str(tmp_path / "linked"), str(tmp_path / "copied")):
+        assert main(["ledger", "block", "add", "logs", "again", "--epsilon", "2", "--files", alias, *client]) == 2
+        assert "may hold data of block 'day1'" in capsys.readouterr().err, alias
+    assert main(["ledger", "block", "add", "logs", "day2", "--epsilon", "2", "--files", locations["day2"], *client]) == 0
+    with RemoteLedger(server.address, token) as acme:
+        assert [block.name for block in acme.get_budget("logs").blocks] == ["day1", "day2"]
+    assert server.ledger.verify(caller=ADMIN).findings == ()
+
+
+def test_a_block_whose_identity_is_a_lie_cannot_be_trained(server, tmp_path, capsys):
+    """Over raw gRPC: spellings that hide a place are refused, and a declaration with a made-up identity is accepted
+    by the ledger (which reads no file) but refused by the run, which recomputes what it would read."""
+    locations, test = parquet_blocks(tmp_path / "d", {"day1": 60})
+    with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("acme").token
+    with RemoteLedger(server.address, token) as acme:
+        acme.create_dataset("logs", 2.0, DELTA)
+        day1 = locations["day1"]
+        for spelling in (f"{tmp_path}/./d/day1", f"{tmp_path}/d/x/../day1", f"{tmp_path}//d/day1",
+                         os.path.relpath(day1)):
+            with pytest.raises(InvalidArgument, match="absolute paths|'.', '..' or '//'"):
+                acme.add_block("logs", "again", 2.0, data=files(spelling))
+        acme.add_block("logs", "day1", 2.0, data=files(day1))
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'model = "gdp_cnn"\nworkers = 1\nbatch_size = 30\nsteps = 2\nnoise_multiplier = 1.0\nclip_norm = 1.0\n'
+        f'run_dir = "{tmp_path / "run"}"\nblocks = ["day1"]\nledger = "{server.address}"\n'
+        f'[dataset]\nformat = "parquet"\ntest = "{test}"\nshape = [1, 28, 28]\nname = "logs"\n'
+        f'[dataset.blocks]\n"day1" = "{day1}"\n'
+    )
+    assert main(["ledger", "fits", "--config", str(config), "--token", token]) == 2
+    assert "holding the same bytes" in capsys.readouterr().err
+    assert main(["train", "--config", str(config), "--token", token, "--no-progress"]) == 2
+    with RemoteLedger(server.address, token) as acme:
+        assert acme.list_jobs() == []
+
+
+def test_one_person_stored_as_int64_and_as_float64_is_in_one_block_only(server, tmp_path, capsys):
+    """The reproduction: ids 0..199 as int64 in one file and as float64 in another, one file per block by user hash.
+    Hashing the ids' text put 7 and 7.0 in different buckets; canonical ids and the people's digests do not."""
+    ids = np.arange(200)
+    as_int = people_file(tmp_path / "int" / "part.parquet", ids.astype(np.int64))
+    as_float = people_file(tmp_path / "float" / "part.parquet", ids.astype(np.float64))
+    assert (user_hash_buckets(ids.astype(np.int64), 2) == user_hash_buckets(ids.astype(np.float64), 2)).all()
+    with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
+        token = admin.create_tenant("acme").token
+    client = ["--ledger", server.address, "--token", token]
+    assert main(["ledger", "dataset", "create", "people", "--epsilon", "2", "--delta", "1e-5", "--privacy-unit",
+                 "user", *client]) == 0
+    assert main(["ledger", "block", "add", "people", "b0", "--epsilon", "2", "--files", as_int, "--user-hash", "0/2",
+                 *client]) == 2
+    assert "name the column of each row's person" in capsys.readouterr().err
+    assert main(["ledger", "block", "add", "people", "b0", "--epsilon", "2", "--files", as_int, "--user-hash", "0/2",
+                 "--user-id", "user_id", *client]) == 0
+    assert main(["ledger", "block", "add", "people", "b1", "--epsilon", "2", "--files", as_float, "--user-hash",
+                 "1/2", "--user-id", "user_id", *client]) == 2
+    assert "200 people are in both" in capsys.readouterr().err
+    with RemoteLedger(server.address, token) as acme:
+        (stored,) = acme.get_budget("people").blocks
+    assert stored.data["identity"]["user_id"] == "user_id" and len(stored.data["identity"]["people"]) == 200
+    assert not {str(person) for person in ids} & set(stored.data["identity"]["people"])  # digests, not ids
+
+
+def test_verify_finds_two_stored_blocks_that_hold_the_same_file(tmp_path):
+    path = tmp_path / "ledger.db"
+    with open_embedded_ledger(path) as ledger:
+        ledger.create_dataset("logs", 2.0, DELTA)
+        ledger.add_block("logs", "d1", 2.0, data=files("/d/day1"))
+        ledger.add_block("logs", "d2", 2.0, data=files("/d/day2"))
+        assert ledger.verify().findings == ()
+    with sqlite3.connect(path) as connection:  # d2 now holds day1's file under its own name
+        connection.execute("UPDATE datasets SET block_data = ? WHERE block = 'd2'",
+                           (json.dumps(files("/d/day2", contents=["/d/day1"]), sort_keys=True),))
+    with open_embedded_ledger(path) as ledger:
+        problems = [str(finding) for finding in ledger.verify().findings]
+    assert "its declared data may be shared with block 'd2' (both hold the same files, by their locations or by " \
+           "their contents)" in problems[0]

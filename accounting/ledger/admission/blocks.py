@@ -236,8 +236,9 @@ def block_data_overlap(first: dict | None, second: dict | None, privacy_unit: st
         if a["column"] != b["column"]:
             return f"partitions by column {a['column']!r} and by column {b['column']!r} may share rows"
         return None if a["value"] != b["value"] else f"both are the rows whose {a['column']} is {a['value']!r}"
-    return "both declare the same rows" if _without_identity(first) == _without_identity(second) else \
-        "their declarations cannot be shown disjoint"
+    if not any(selector in first or selector in second for selector in BLOCK_SELECTORS):
+        return "both hold the same files, by their locations or by their contents"
+    return "their declarations cannot be shown disjoint"
 
 
 # How two blocks' files relate: no file in both, the same files in the same order, or (any other text) some shared.
@@ -272,7 +273,3 @@ def _people_overlap(first: dict | None, second: dict | None) -> str | None:
                 "of a dataset name people by one column")
     shared = set(first["people"]) & set(second["people"])
     return f"{len(shared)} people are in both (by their keyed digests)" if shared else ""
-
-
-def _without_identity(data: dict) -> dict:
-    return {key: value for key, value in data.items() if key != BLOCK_IDENTITY}
