@@ -20,6 +20,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator import release
 from workers.reducer import NodeReducerActor
 
 Name = Hashable  # the driver's name for a worker: its index, or a shard's (shard, worker) slot
@@ -95,7 +96,7 @@ class NodeAggregation:
         for node, members in wanted.items():
             if node not in self.reducers:
                 self.reducers[node] = NodeReducerActor.options(
-                    num_cpus=0, max_restarts=0,
+                    **release.UNRECORDED_BY_RAY, num_cpus=0, max_restarts=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 ).remote()
             if self.members.get(node) != members:

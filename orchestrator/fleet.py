@@ -34,6 +34,7 @@ def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: in
     # A killed worker is restarted by Ray, which re-runs its interrupted call: the call is a
     # pure function of (weights, indices, clip norm), so the retry returns the same sum.
     return actor.options(
+        **release.UNRECORDED_BY_RAY,
         num_cpus=config.cpus_per_worker,
         num_gpus=config.gpus_per_worker,
         max_restarts=restarts,

@@ -163,7 +163,8 @@ FIELDS: tuple[Field, ...] = (
     *(Field("summary.json", key, kind, why) for key, kind, why in (
         ("test_*", _N, "the released model on test data"),
         *((key, _C, "the config") for key in (
-            "loss", "delta", "accountant", "clip_norm", "batch_size", "model", "workers", "noise_placement", "mechanism", "sampler", "band_width", "planned_steps", "seeded", "dataset")),
+            "loss", "delta", "accountant", "clip_norm", "batch_size", "model", "workers", "noise_placement",
+            "mechanism", "sampler", "band_width", "planned_steps", "seeded", "dataset")),
         *((key, _M, _PLAN) for key in (
             "epsilon", "epsilon_label", "epsilon_rigorous", "steps", "noise_multiplier", "sampling_rate", "epochs",
             "dataset_size", "events", "privacy_unit", "users", "row_epsilon", "rows_per_person", "user_epsilon",
@@ -209,6 +210,11 @@ FIELDS: tuple[Field, ...] = (
         ("release", "the job's end: the steps that did not run"),
     )),
 )
+
+# Ray records each actor call's start and end (its state API, the dashboard's timeline) for anyone with access to the
+# cluster, other jobs included; a step's calls take time that tracks their batch sizes, so the actors on a step's
+# path are started with these options, and Ray records none of their calls.
+UNRECORDED_BY_RAY = {"enable_task_events": False}
 
 _LINES = {declared.name: declared for declared in LINES}
 _observers: list[list[tuple[str, str]]] = []

@@ -144,8 +144,8 @@ class ShardFleet:
         spec = config.shards[shard]
         # No restarts by Ray: a lost actor is replaced here, where the policy decides what the step does meanwhile.
         actor = self.actor.options(
-            num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker, resources=dict(spec.resources),
-            max_restarts=0,
+            **release.UNRECORDED_BY_RAY, num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker,
+            resources=dict(spec.resources), max_restarts=0,
         ).remote(
             spec, shard, worker, config.seed, config.model, config.max_physical_batch,
             threads=config.cpus_per_worker, data_root=config.data_root, engine=config.engine, loss=config.loss,

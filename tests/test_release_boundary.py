@@ -14,6 +14,7 @@ import ast
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,7 @@ from orchestrator import release
 from orchestrator.audit import MIN_CANARIES, run_audit
 from orchestrator.checkpoint import read_checkpoint
 from orchestrator.config import build_config, documented_keys
+from orchestrator.fleet import gradient_worker
 from orchestrator.trainer import Trainer
 from workers.sources import open_source
 
@@ -122,6 +124,23 @@ def test_the_audits_outputs_are_declared(local_ray, worker_pool, tmp_path):
         run_audit(config, canaries=MIN_CANARIES, out=log)
     assert_declared(Path(config.run_dir), log.getvalue(), "audit")
     assert ("log", "audit_canaries") in seen and ("audit.json", "epsilon_upper") in seen
+
+
+def test_ray_records_no_call_of_the_actors_on_a_steps_path(tmp_path):
+    """Ray's state API and timeline would give every step's call times (which follow the batch sizes) to the
+    cluster's other jobs: the gradient workers, the silos' workers and the node reducers record none."""
+    started = {}
+
+    class Recorded:
+        @staticmethod
+        def options(**options):
+            started.update(options)
+            return SimpleNamespace(remote=lambda *arguments, **keywords: None)
+
+    gradient_worker(tiny(tmp_path, "options"), Recorded)
+    assert started["enable_task_events"] is False
+    for path in ("aggregation.py", "shard_fleet.py", "fleet.py"):
+        assert "**release.UNRECORDED_BY_RAY" in (ROOT / "orchestrator" / path).read_text(), path
 
 
 # --- the door itself ------------------------------------------------------------------------------------------
