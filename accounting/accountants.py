@@ -208,8 +208,26 @@ def composed_pld(
             raise AccountingError("Skellam noise added by silos has no PLD here: account it by RDP "
                                   "(rdp_fallback_epsilon reports it)")
         step = one_step_pld(event.sampling_rate, event.effective_noise_multiplier, value_interval)
-        total = total.compose(step.self_compose(event.steps) if event.steps > 1 else step)
+        total = total.compose(_self_composed(step, event.steps) if event.steps > 1 else step)
     return total
+
+
+# dp-accounting's sparse PMF self-composes by first computing size ** times as one integer (for a support of one
+# point, by composing it `times` times in Python): unbounded work that holds the GIL. Past this many steps it goes
+# dense anyway (2 ** 10 points exceed its sparse limit of 1000), so a dense PMF gives the same distribution.
+_SPARSE_SELF_COMPOSE_STEPS = 9
+
+
+def _self_composed(
+    step: privacy_loss_distribution.PrivacyLossDistribution, steps: int
+) -> privacy_loss_distribution.PrivacyLossDistribution:
+    """`step` composed with itself `steps` times, through dense PMFs past a few steps (see above)."""
+    if steps <= _SPARSE_SELF_COMPOSE_STEPS:
+        return step.self_compose(steps)
+    dense = privacy_loss_distribution.PrivacyLossDistribution(
+        step._pmf_remove.to_dense_pmf(), None if step._symmetric else step._pmf_add.to_dense_pmf()
+    )
+    return dense.self_compose(steps)
 
 
 # Below this effective noise multiplier, PLD's grid can grow without bound: check RDP first.

@@ -5,16 +5,24 @@ default rate limits (`accounting.ledger.limits`).
 
 - Fairness. A victim tenant commits 1 step at a time to its own long
   reservation, closed loop, for `--seconds`: first alone (unloaded), then
-  while a flooding tenant sends Fits from 4 client processes as fast as
-  replies come, each Fits at the cap: MAX_PLAN_MECHANISMS mechanisms that
-  the server has never seen (so each would cost that many RDP curves).
+  while an attacking tenant runs one attack from 4 client processes as fast
+  as replies come. Each attack is run twice, once with the attackers
+  waiting as the refusals for rate say and once sending again at once:
+  - "fits": each Fits at the cap, MAX_PLAN_MECHANISMS mechanisms the server
+    has never seen (so each would cost that many RDP curves);
+  - "long compositions": each cycle reserves a plan of 10**6 steps of a new
+    mechanism, commits it all and asks its dataset's status, so the server
+    composes 10**6 more steps into the attacker's PLD;
+  - "wrong tokens and rotation": calls with wrong tokens from the victim's
+    address, and one client rotating the attacker's own token every 20
+    calls (a rotation makes every server look at its verified tokens again).
   Printed: the victim's commit p50 and p99 unloaded and loaded, their
-  ratio (goal: loaded p99 <= 2x unloaded p99), and how many Fits were
-  answered and how many were refused for rate.
+  ratio (goal: loaded p99 <= 2x unloaded p99), and how many attack calls
+  were answered and how many were refused.
 - Bad tokens. 1,000 calls with a wrong token (a real tenant's key id with
   a wrong secret: the lookup and compare a guesser forces), and the server
   process's CPU seconds they take (goal < 1 s); once with the default
-  limit on failed authentications per peer, and once with it lifted, so
+  limit on failed authentications per key id, and once with it lifted, so
   the digest check alone shows. Beside them, what one scrypt (the hash of
   schema version 6 and before) costs on this machine, times 1,000.
 
@@ -71,30 +79,61 @@ def commit_latencies(address: str, token: str, reservation_id: str, first_sequen
     return latencies
 
 
+def fits_attack(client: RemoteLedger, address: str, client_index: int, request: int) -> RemoteLedger:
+    """One Fits at the mechanism cap, each of mechanisms never sent before."""
+    client.fits("mnist", Composition(tuple(
+        SampledGaussian(0.001, 1.0 + (client_index * 10**7 + request * 1000 + i) * 1e-9, 1)
+        for i in range(MAX_PLAN_MECHANISMS)
+    )))
+    return client
+
+
+def composition_attack(client: RemoteLedger, address: str, client_index: int, request: int) -> RemoteLedger:
+    """Reserve and commit 10**6 steps of a new mechanism, then ask the status, which composes them into the PLD."""
+    plan = Composition((SampledGaussian(0.001, 2.0 + (client_index * 10**6 + request) * 1e-9, 10**6),))
+    reservation = client.reserve("mnist", f"long-{client_index}-{request}", plan)
+    client.commit(reservation.reservation_id, plan.steps, 0)
+    client.get_budget("mnist")
+    return client
+
+
+def token_attack(client: RemoteLedger, address: str, client_index: int, request: int) -> RemoteLedger:
+    """A call with a wrong token (a fresh key id each time); client 0 rotates the attacker's token every 20 and
+    goes on with the new one (the client it returns)."""
+    if client_index == 0 and request % 20 == 0:
+        rotated = client.rotate_token("flooder").token
+        client.close()
+        return RemoteLedger(address, rotated)
+    with RemoteLedger(address, f"dpf_{client_index:08x}{request:08x}_wrongsecret") as guesser:
+        guesser.list_datasets()
+    return client
+
+
+ATTACKS = {"fits": fits_attack, "long compositions": composition_attack, "wrong tokens and rotation": token_attack}
+
+
 def flood(
-    address: str, token: str, client_index: int, honor_retry: bool, ready: object, stop: object, counts: dict
+    address: str, token: str, client_index: int, attack: str, honor_retry: bool, ready: object, stop: object,
+    counts: dict,
 ) -> None:
-    """Send Fits at the mechanism cap, each of mechanisms never sent before, until `stop`; with `honor_retry`,
-    wait as long as a refusal for rate says first. `ready` is released once this process sends."""
+    """Run `attack` (a name of ATTACKS) again and again until `stop`; with `honor_retry`, wait as long as a
+    refusal for rate says first. `ready` is released once this process sends."""
     answered = refused = 0
-    with RemoteLedger(address, token) as client:
-        request = 0
-        ready.release()
-        while not stop.is_set():
-            request += 1
-            plan = Composition(tuple(
-                SampledGaussian(0.001, 1.0 + (client_index * 10**7 + request * 1000 + i) * 1e-9, 1)
-                for i in range(MAX_PLAN_MECHANISMS)
-            ))
-            try:
-                client.fits("mnist", plan)
-                answered += 1
-            except RateLimited as error:
-                refused += 1
-                if honor_retry:
-                    stop.wait(error.retry_after_seconds)
-            except LedgerError:
-                refused += 1
+    client = RemoteLedger(address, token)
+    request = 0
+    ready.release()
+    while not stop.is_set():
+        request += 1
+        try:
+            client = ATTACKS[attack](client, address, client_index, request)
+            answered += 1
+        except RateLimited as error:
+            refused += 1
+            if honor_retry:
+                stop.wait(error.retry_after_seconds)
+        except LedgerError:
+            refused += 1
+    client.close()
     counts[client_index] = (answered, refused)
 
 
@@ -103,8 +142,8 @@ def percentiles_ms(latencies: list) -> dict:
     return {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99)), "n": len(values)}
 
 
-def fairness(folder: str, name: str, seconds: float, honor_retry: bool) -> dict:
-    """The victim's commit latencies unloaded and under the flood."""
+def fairness(folder: str, name: str, seconds: float, attack: str, honor_retry: bool) -> dict:
+    """The victim's commit latencies unloaded and under `attack` (a name of ATTACKS)."""
     with ledger_server(folder, name, {}) as (address, _):
         with RemoteLedger(address, ADMIN_TOKEN) as admin:
             victim = admin.create_tenant("victim").token
@@ -121,7 +160,7 @@ def fairness(folder: str, name: str, seconds: float, honor_retry: bool) -> dict:
         with spawn.Manager() as manager:
             counts = manager.dict()
             flooders = [
-                spawn.Process(target=flood, args=(address, flooder, index, honor_retry, ready, stop, counts))
+                spawn.Process(target=flood, args=(address, flooder, index, attack, honor_retry, ready, stop, counts))
                 for index in range(FLOOD_CLIENTS)
             ]
             for process in flooders:
@@ -138,7 +177,7 @@ def fairness(folder: str, name: str, seconds: float, honor_retry: bool) -> dict:
             answered = sum(count[0] for count in counts.values())
             refused = sum(count[1] for count in counts.values())
     row = {"unloaded": percentiles_ms(unloaded), "loaded": percentiles_ms(loaded),
-           "flood_fits_answered": answered, "flood_fits_refused": refused}
+           "attack_calls_answered": answered, "attack_calls_refused": refused}
     row["p99_ratio"] = row["loaded"]["p99_ms"] / row["unloaded"]["p99_ms"]
     row["p50_ratio"] = row["loaded"]["p50_ms"] / row["unloaded"]["p50_ms"]
     return row
@@ -186,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="dpfleet-fairness-") as folder:
         floods = {
-            "flooders wait as refusals say": fairness(folder, "polite.db", args.seconds, honor_retry=True),
-            "flooders ignore refusals": fairness(folder, "spinning.db", args.seconds, honor_retry=False),
+            f"{attack}, attackers {manner}": fairness(
+                folder, f"{index}-{honor_retry}.db", args.seconds, attack, honor_retry
+            )
+            for index, attack in enumerate(ATTACKS)
+            for honor_retry, manner in ((True, "wait as refusals say"), (False, "ignore refusals"))
         }
         limited = bad_tokens(folder, "limited.db", {})
         unlimited = bad_tokens(folder, "unlimited.db", {"auth_failure_burst": 10**9})
@@ -196,13 +238,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label}:")
         print(f"  victim commits, unloaded: p50 {fair['unloaded']['p50_ms']:.2f} ms, "
               f"p99 {fair['unloaded']['p99_ms']:.2f} ms ({fair['unloaded']['n']} commits)")
-        print(f"  victim commits, {FLOOD_CLIENTS} clients flooding Fits of {MAX_PLAN_MECHANISMS} new mechanisms: "
+        print(f"  victim commits, {FLOOD_CLIENTS} clients attacking: "
               f"p50 {fair['loaded']['p50_ms']:.2f} ms, p99 {fair['loaded']['p99_ms']:.2f} ms "
-              f"({fair['loaded']['n']} commits; flood: {fair['flood_fits_answered']} Fits answered, "
-              f"{fair['flood_fits_refused']} refused)")
+              f"({fair['loaded']['n']} commits; attack: {fair['attack_calls_answered']} calls answered, "
+              f"{fair['attack_calls_refused']} refused)")
         print(f"  loaded / unloaded: p50 {fair['p50_ratio']:.2f}x, p99 {fair['p99_ratio']:.2f}x "
               f"(goal p99 <= {TARGET_P99_RATIO:g}x)")
-    for label, row in (("default per-peer limit", limited), ("per-peer limit lifted", unlimited)):
+    for label, row in (("default per-key-id limit", limited), ("per-key-id limit lifted", unlimited)):
         print(f"{BAD_TOKEN_CALLS} bad-token calls, {label}: {row['server_cpu_seconds']:.3f} s server CPU, "
               f"{row['wall_seconds']:.2f} s wall, {row['refusals']} (goal < {TARGET_BAD_TOKEN_CPU_SECONDS:g} s)")
     print(f"for comparison, {BAD_TOKEN_CALLS} scrypt checks (schema 6 and before): {scrypt * BAD_TOKEN_CALLS:.1f} s "

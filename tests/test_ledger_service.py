@@ -330,7 +330,7 @@ def test_client_maps_refusals_back_to_the_core_exceptions(server, acme):
     alternating = [SampledGaussian(0.004 + (i % 2) * 1e-3, 1.1, 1) for i in range(1001)]
     with pytest.raises(InvalidArgument, match="at most 1000 records"):
         acme.reserve("mnist", "j", alternating)
-    with pytest.raises(InvalidArgument, match=r"steps must be an integer in \[1, 9223372036854775807\]"):
+    with pytest.raises(InvalidArgument, match=r"steps must be an integer in \[1, 10000000\]"):
         acme.commit("r-0", 2**70, 1)
     with pytest.raises(InvalidArgument, match="CreateDatasetRequest: .*types"):
         acme.create_dataset(17, 1.0, DELTA)
@@ -391,7 +391,7 @@ def test_a_server_releases_an_expired_lease_by_itself_and_refuses_its_next_commi
     assert status.admission.orders and status.spent_epsilon_filter > status.spent_epsilon
 
 
-def test_a_peer_that_keeps_failing_to_authenticate_is_refused_with_a_retry_hint_while_known_tokens_pass(tmp_path):
+def test_a_key_id_that_keeps_failing_to_authenticate_is_refused_with_a_retry_hint_while_other_tokens_pass(tmp_path):
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, auth_failure_burst=3,
                            auth_failure_rate_per_second=0.01)
     try:
@@ -402,11 +402,12 @@ def test_a_peer_that_keeps_failing_to_authenticate_is_refused_with_a_retry_hint_
                 for _ in range(3):
                     with pytest.raises(Unauthenticated):
                         guesser.list_datasets()
-                with pytest.raises(RateLimited, match="too many failed authentications from 127.0.0.1") as refused:
+                with pytest.raises(RateLimited, match="too many failed authentications with key id 0123456789abcdef") \
+                        as refused:
                     guesser.list_datasets()
             assert refused.value.retry_after_seconds > 50
-            with pytest.raises(RateLimited):
-                RemoteLedger(running.address, tenant).list_datasets()  # not yet verified: refused with the peer
+            # Not yet verified, from the same address: its own key id has failed nothing.
+            assert RemoteLedger(running.address, tenant).list_datasets() == []
             assert admin.list_datasets() == []
     finally:
         running.stop(grace_seconds=1.0)

@@ -4,7 +4,9 @@ of a dataset's committed events.
 The one part of the budget arithmetic that is not pure. A curve costs milliseconds per mechanism (tens under a
 heavy load; accountants.sampled_gaussian_rdp) and a PLD figure up to a second, so callers asking for the same
 one at once share one computation (`shared_cache`);
-a server may compute curves in processes of its own (`compute_curves_in_processes`), a caller that will not
+a server may compute curves in processes of its own (`compute_curves_in_processes`) and compose PLDs in one
+with a deadline (`compose_plds_in_process`), a budget past `pld_is_practical` gets no PLD figure (its RDP bound
+stands), a caller that will not
 wait gets a PLD figure started on a background thread (`spent_pld_epsilon`), and the store computes a missing
 curve outside its write lock (`rdp_curves_cached_only`). The pure arithmetic (accounting.ledger.admission)
 asks this module for curves and starts no thread or process itself.
@@ -24,9 +26,9 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Hashable, Iterator
 
-from accounting.accountants import forget_plds, get_accountant, rdp_fallback_epsilon, rdp_vector
+from accounting.accountants import epsilon_from_rdp, forget_plds, get_accountant, has_skellam, rdp_vector
 from accounting.events import Composition, event_of
-from accounting.ledger.composed import COMPOSED
+from accounting.ledger.composed import COMPOSED, ComposedPld
 
 # Renyi divergences are tallied in integer units of 2**-60 nats: exact under
 # addition and subtraction, and finer than any float we would compare.
@@ -249,22 +251,133 @@ def _curve_anywhere(*mechanism: float) -> tuple[tuple[int, ...], tuple[bool, ...
 _step_curve = shared_cache(maxsize=4096)(_curve_anywhere)
 
 
+# A budget's PLD is composed while it holds at most this many steps and its RDP ε is at most this: past either,
+# PLD's grid and its composition grow without a useful bound, and the RDP bound is the figure reported.
+PLD_MAX_STEPS = 10**6
+PLD_MAX_RDP_EPSILON = 100.0
+# How long one budget's PLD composition may take, counted from its request, before the RDP bound is reported.
+PLD_DEADLINE_SECONDS = 30.0
+
+
+class CompositionTimedOut(Exception):
+    """A PLD composition ran past its deadline and its process was killed; the RDP bound stands in its place."""
+
+
+class CompositionProcess:
+    """One process that extends composed PLDs (`extended`), killed and started again when one runs past
+    `deadline_seconds`, so that no composition holds the server's GIL or runs without end."""
+
+    def __init__(self, deadline_seconds: float) -> None:
+        self.deadline_seconds = deadline_seconds
+        self._lock = threading.Lock()
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._connection = None
+
+    def _started(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        context = multiprocessing.get_context("spawn")  # the server's gRPC threads do not survive a fork
+        self._connection, theirs = context.Pipe()
+        self._process = context.Process(
+            target=_compose_forever, args=(theirs, os.getpid()), name="dpfleet-composition", daemon=True
+        )
+        self._process.start()
+        theirs.close()
+
+    def _kill(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+        self._process = None
+
+    def extended(self, state: ComposedPld, committed: Composition) -> ComposedPld:
+        """`state.extended_to(committed)` in the process; raises CompositionTimedOut past the deadline, the wait
+        for another composition included."""
+        deadline = time.monotonic() + self.deadline_seconds
+        if not self._lock.acquire(timeout=self.deadline_seconds):
+            raise CompositionTimedOut(f"another composition held the process for {self.deadline_seconds:g} s")
+        try:
+            self._started()
+            self._connection.send((state, committed))
+            if not self._connection.poll(max(0.0, deadline - time.monotonic())):
+                self._kill()
+                raise CompositionTimedOut(f"composing {committed.steps} steps took over {self.deadline_seconds:g} s")
+            try:
+                failed, result = self._connection.recv()
+            except EOFError:  # the process died (out of memory, killed)
+                self._kill()
+                raise CompositionTimedOut(f"the composition process died composing {committed.steps} steps") from None
+        finally:
+            self._lock.release()
+        if failed:
+            raise result
+        return result
+
+    def close(self) -> None:
+        """Stop the process (a composition under way is lost)."""
+        with self._lock:
+            self._kill()
+
+
+def _compose_forever(connection: object, parent_pid: int) -> None:
+    """In the composition process: extend each state sent until the pipe or the server is gone."""
+    _end_with_parent(parent_pid)
+    while True:
+        try:
+            state, committed = connection.recv()
+        except EOFError:
+            return
+        try:
+            connection.send((False, state.extended_to(committed)))
+        except Exception as error:
+            connection.send((True, error))
+
+
+# The process PLDs are composed in, once a server asked for one (compose_plds_in_process).
+_COMPOSITION_PROCESS: list[CompositionProcess] = []
+
+
+def compose_plds_in_process(deadline_seconds: float = PLD_DEADLINE_SECONDS) -> CompositionProcess:
+    """From now on compose budgets' PLDs in a process of their own, each within `deadline_seconds` (once per
+    process; a later call sets the deadline of the first)."""
+    with _CURVE_PROCESSES_LOCK:
+        if not _COMPOSITION_PROCESS:
+            _COMPOSITION_PROCESS.append(CompositionProcess(deadline_seconds))
+        process = _COMPOSITION_PROCESS[0]
+        process.deadline_seconds = deadline_seconds
+        return process
+
+
+def pld_is_practical(committed_events: Composition, delta: float) -> bool:
+    """Whether a budget's PLD is composed at all: no Skellam noise, at most PLD_MAX_STEPS steps, and an RDP ε
+    of at most PLD_MAX_RDP_EPSILON (closed-form per order, from cached curves)."""
+    if has_skellam(committed_events) or committed_events.steps > PLD_MAX_STEPS:
+        return False
+    return epsilon_from_rdp(rdp_vector(committed_events), delta, warn=False) <= PLD_MAX_RDP_EPSILON
+
+
 @shared_cache(maxsize=1024)
-def _spent_pld_epsilon(committed_events: Composition, delta: float, lineage: Hashable | None) -> float:
+def _spent_pld_epsilon(committed_events: Composition, delta: float, lineage: Hashable | None) -> float | None:
     # A budget's composed distribution is extended by the steps committed since it was last asked (composed.py);
     # statuses asking at once after a commit wait for one computation.
     if lineage is None:
         return get_accountant("pld").epsilon(committed_events, delta)
-    fallback = rdp_fallback_epsilon(committed_events, delta)  # where PLD's grid is impractical: not composed
-    if fallback is not None:
-        return fallback
-    return COMPOSED.extended(lineage, committed_events).epsilon(delta)
+    if not pld_is_practical(committed_events, delta):
+        return None
+    if not _COMPOSITION_PROCESS:
+        return COMPOSED.extended(lineage, committed_events).epsilon(delta)
+    try:
+        return COMPOSED.extended(lineage, committed_events, _COMPOSITION_PROCESS[0].extended).epsilon(delta)
+    except CompositionTimedOut:
+        return None
 
 
 def spent_pld_epsilon(
     committed_events: Composition, delta: float, wait: bool = True, lineage: Hashable | None = None
 ) -> float | None:
-    """The PLD ε at `delta` of a dataset's committed events, as if every job had been fixed in advance.
+    """The PLD ε at `delta` of a dataset's committed events, as if every job had been fixed in advance; None
+    where it is not composed (see `pld_is_practical`, and a composition past its deadline): the rigorous RDP
+    bound is the figure then, labelled so.
 
     `lineage` names the budget (any hashable): its composed distribution is
     kept and extended by the steps committed since (accounting.ledger.composed);

@@ -25,7 +25,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable
+from typing import Callable, Hashable
 
 import numpy as np
 
@@ -176,17 +176,23 @@ class ComposedStates:
         with self._lock:
             self._states.clear()
 
-    def extended(self, lineage: Hashable, committed: Composition) -> ComposedPld:
-        """`lineage`'s state extended to `committed` (kept for next time).
+    def extended(
+        self,
+        lineage: Hashable,
+        committed: Composition,
+        extend: Callable[[ComposedPld, Composition], ComposedPld] = ComposedPld.extended_to,
+    ) -> ComposedPld:
+        """`lineage`'s state extended to `committed` by `extend` (kept for next time).
 
         One extension of a lineage at a time: a status asking while the
         background composition (store.composed) extends it waits, then
         composes only what was committed since, not the same steps again.
+        `extend` may compose elsewhere (caches: in a process with a deadline).
         """
         with self._lock:
             extending = self._extending.setdefault(lineage, threading.Lock())
         with extending:
-            state = (self.get(lineage) or ComposedPld.empty()).extended_to(committed)
+            state = extend(self.get(lineage) or ComposedPld.empty(), committed)
             self.keep(lineage, state)
         return state
 

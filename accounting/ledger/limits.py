@@ -1,4 +1,4 @@
-"""Token buckets that keep one tenant, or one peer, from taking a ledger server's time from the others.
+"""Token buckets that keep one tenant, or one token key id, from taking a ledger server's time from the others.
 
 Pure bookkeeping over a clock (time.monotonic by default, any callable in
 tests); the server decides what a request costs and whom it is charged to.
@@ -22,7 +22,10 @@ from accounting.ledger.validation import MAX_PLAN_MECHANISMS
 # bucket holds a Fits of MAX_PLAN_MECHANISMS new mechanisms; then 2 a second, a few percent of one core per tenant.
 CURVE_RATE_PER_SECOND = 2.0
 CURVE_BURST = float(MAX_PLAN_MECHANISMS + 1)
-# Failed authentications per peer address: 20 at once, then one a second.
+# A commit costs one unit per this many steps, which its budget's PLD composes (caches.PLD_MAX_STEPS at most): a
+# job's commits of 10**2 to 10**4 steps cost next to nothing, one of MAX_PLAN_STEPS most of a full bucket.
+COMPOSED_STEPS_PER_UNIT = 100_000
+# Failed authentications per token key id (of a tenant or of none): 20 at once, then one a second.
 AUTH_FAILURE_RATE_PER_SECOND = 1.0
 AUTH_FAILURE_BURST = 20.0
 # Buckets kept at most; the fullest (idlest) are forgotten first, which forgives nothing still owed.

@@ -253,7 +253,9 @@ class DatasetStatus:
     `blocks` are the dataset's blocks, each with its own budget; `quotas`
     the tenants' quotas on the dataset and its blocks (a tenant sees its own).
     `spent_epsilon_accountant` is "pld", or "rdp" while the PLD figure of
-    new commits is computed for a caller that chose not to wait for it.
+    new commits is computed for a caller that chose not to wait for it, and
+    where the PLD is not composed (ledger.caches.pld_is_practical, or its
+    composition ran past its deadline): the rigorous RDP bound.
     `privacy_unit` is what one unit of protection is: a row ('example') or a
     person with all its rows ('user'); every epsilon is per that unit.
     `scheduling` is how its queue is served; `queued_jobs` counts the jobs waiting.

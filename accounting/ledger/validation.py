@@ -19,9 +19,18 @@ MAX_PLAN_RECORDS = 1000
 # request can make a server compute; a noise schedule changing sigma every epoch for 100 epochs fits.
 MAX_PLAN_MECHANISMS = 100
 MAX_SEQUENCE = 2**63 - 1
-MAX_STEPS = 2**63 - 1
+MAX_STEPS = 2**63 - 1  # a row index or count: what a database integer holds
+# Steps of one plan in total, so of one reservation and one commit. A long DP-SGD job is 10**4 to 10**6 steps
+# (100 epochs of 60,000 rows at batch 256 is 23,400); the bound keeps every count, sum and reply inside int64.
+# What a budget composes in all is bounded in work, not count: past caches.PLD_MAX_STEPS its PLD is not composed.
+MAX_PLAN_STEPS = 10**7
 HISTORY_LIMIT = (1, 100_000)
+# Below a millisecond a duration is a typo or an attack on the arithmetic (5e-324 s divides to infinity).
+MIN_SECONDS = 1e-3
 MAX_LEASE_SECONDS = 30 * 24 * 3600.0
+# A DPF-T block unlocks over at most ten years; DPF-N over at most a million arriving jobs.
+UNLOCK_SECONDS_RANGE = (MIN_SECONDS, 10 * 365 * 24 * 3600.0)
+UNLOCK_JOBS_RANGE = (1, 1_000_000)
 MAX_BLOCKS_PER_JOB = 1000
 # The ranges the ledger takes, in the one place the store, the service and the command line check them.
 # Past them the arithmetic leaves floats (an ε of 1e-300 divides by zero, 1e300 overflows) and no real
@@ -115,8 +124,18 @@ def check_integer(name: str, value: object, least: int, most: int) -> int:
 
 
 def check_steps(value: object) -> int:
-    """Steps of one commit: an integer >= 1."""
-    return check_integer("steps", value, 1, MAX_STEPS)
+    """Steps of one commit: an integer in [1, MAX_PLAN_STEPS]."""
+    return check_integer("steps", value, 1, MAX_PLAN_STEPS)
+
+
+def check_plan_steps(steps: int) -> int:
+    """A plan's (and so a reservation's) steps in total: at most MAX_PLAN_STEPS."""
+    if steps > MAX_PLAN_STEPS:
+        raise InvalidArgument(
+            f"planned events may hold at most {MAX_PLAN_STEPS} steps in total (got {steps}); split the job into "
+            "several reservations"
+        )
+    return steps
 
 
 def check_sequence(value: object) -> int:
@@ -125,15 +144,15 @@ def check_sequence(value: object) -> int:
 
 
 def check_lease_seconds(value: object) -> float | None:
-    """A reservation's lease: None or 0 for none, else seconds in (0, MAX_LEASE_SECONDS]."""
+    """A reservation's lease: None or 0 for none, else seconds in [MIN_SECONDS, MAX_LEASE_SECONDS]."""
     if value is None:
         return None
     seconds = _finite("lease_seconds", value)
     if seconds == 0.0:
         return None
-    if not 0.0 < seconds <= MAX_LEASE_SECONDS:
+    if not MIN_SECONDS <= seconds <= MAX_LEASE_SECONDS:
         raise InvalidArgument(
-            f"lease_seconds must be in (0, {MAX_LEASE_SECONDS:g}] or 0 for no lease (got {seconds:g}); "
+            f"lease_seconds must be in [{MIN_SECONDS:g}, {MAX_LEASE_SECONDS:g}] or 0 for no lease (got {seconds:g}); "
             "choose more than the time between two commits of the job"
         )
     return seconds
@@ -158,10 +177,10 @@ def check_max_wait_seconds(value: object) -> float | None:
     if value is None:
         return None
     seconds = _finite("max_wait_seconds", value)
-    if not 0 < seconds <= MAX_WAIT_SECONDS:
+    if not MIN_SECONDS <= seconds <= MAX_WAIT_SECONDS:
         raise InvalidArgument(
-            f"max_wait_seconds must be in (0, {MAX_WAIT_SECONDS:g}] (got {seconds!r}); leave it out to wait until "
-            "admitted or cancelled"
+            f"max_wait_seconds must be in [{MIN_SECONDS:g}, {MAX_WAIT_SECONDS:g}] (got {seconds!r}); leave it out "
+            "to wait until admitted or cancelled"
         )
     return seconds
 
@@ -177,11 +196,22 @@ def check_queue_state(value: object) -> str | None:
 
 
 def check_scheduling(value: object) -> SchedulingPolicy:
-    """A dataset's scheduling policy, from its dict (SchedulingPolicy.to_dict) or itself."""
+    """A dataset's scheduling policy, from its dict (SchedulingPolicy.to_dict) or itself, with `unlock_seconds`
+    in UNLOCK_SECONDS_RANGE and `unlock_jobs` in UNLOCK_JOBS_RANGE when given."""
     try:
-        return value if isinstance(value, SchedulingPolicy) else SchedulingPolicy.from_dict(value)
+        policy = value if isinstance(value, SchedulingPolicy) else SchedulingPolicy.from_dict(value)
     except (KeyError, TypeError, ValueError) as error:
         raise InvalidArgument(f"scheduling: {error}") from None
+    if policy.unlock_jobs is not None:
+        check_integer("scheduling unlock_jobs", policy.unlock_jobs, *UNLOCK_JOBS_RANGE)
+    if policy.unlock_seconds is not None:
+        least, most = UNLOCK_SECONDS_RANGE
+        if not least <= _finite("scheduling unlock_seconds", policy.unlock_seconds) <= most:
+            raise InvalidArgument(
+                f"scheduling unlock_seconds must be in [{least:g}, {most:g}] (got {policy.unlock_seconds!r}); "
+                "give the time over which a block unlocks, e.g. 86400 for a day"
+            )
+    return policy
 
 
 def check_history_limit(value: object) -> int:

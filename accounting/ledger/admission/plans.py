@@ -9,7 +9,9 @@ from accounting.events import (
 )
 from accounting.ledger.caches import is_curve_cached
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument
-from accounting.ledger.validation import MAX_PLAN_MECHANISMS, MAX_PLAN_RECORDS, MAX_STEPS, NOISE_MULTIPLIER_RANGE, USER
+from accounting.ledger.validation import (
+    MAX_PLAN_MECHANISMS, MAX_PLAN_RECORDS, NOISE_MULTIPLIER_RANGE, USER, check_plan_steps,
+)
 
 
 def charged_plan(
@@ -50,8 +52,7 @@ def check_plan(planned: EventsLike) -> Composition:
         raise InvalidArgument(f"planned events: {error}") from None
     if composition.steps == 0:
         raise InvalidArgument("planned events must hold at least one step (got none)")
-    if any(event.steps > MAX_STEPS for event in composition.events):
-        raise InvalidArgument(f"planned events may hold at most {MAX_STEPS} steps per record")
+    check_plan_steps(composition.steps)
     least, most = NOISE_MULTIPLIER_RANGE
     for event in composition.events:
         # Past these the accountants' arithmetic overflows or divides by zero.

@@ -4,7 +4,7 @@
 its callers checked by `auth`); `serve` runs one until SIGTERM or SIGINT.
 Requests above `MAX_REQUEST_BYTES` are refused by gRPC itself with
 RESOURCE_EXHAUSTED before any handler runs. Each tenant's costly requests
-(new RDP curves, Fits) and each peer's failed authentications are
+(new RDP curves, Fits) and each token key id's failed authentications are
 rate-limited (`accounting.ledger.limits`).
 
 The standard health service (grpc.health.v1) answers SERVING for "" and for
@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from accounting.ledger import ledger_pb2_grpc
-from accounting.ledger.caches import compute_curves_in_processes
+from accounting.ledger.caches import compose_plds_in_process, compute_curves_in_processes
 from accounting.ledger.errors import InvalidArgument
 from accounting.ledger.limits import (
     AUTH_FAILURE_BURST,
@@ -117,7 +117,7 @@ def start_server(
     every server of one database needs the same.
     Each tenant's costly requests take from a bucket of `curve_burst` that
     refills at `curve_rate_per_second` (one per new RDP curve, and one more
-    per Fits); each peer address's failed authentications from one of
+    per Fits); each token key id's failed authentications from one of
     `auth_failure_burst` refilled at `auth_failure_rate_per_second` (see `limits`).
     """
     admin_token = check_admin_token(admin_token)
@@ -228,11 +228,13 @@ def serve(
     `announce` is called with the running server once it accepts requests.
     `http_port` and `metrics_port` serve the web page and metrics, `rate_limits` are
     the rate limits by `start_server`'s names (see there). RDP curves are computed in
-    `curve_processes` processes of their own (0: in the request threads), so that
-    one tenant's new mechanisms do not hold the GIL that every request needs.
+    `curve_processes` processes of their own, and budgets' PLDs in one more with a
+    deadline (0: both in the server's threads), so that one tenant's new mechanisms
+    or long compositions do not hold the GIL that every request needs.
     """
     if curve_processes:
         compute_curves_in_processes(curve_processes)
+        compose_plds_in_process()
     previous_switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     running = start_server(

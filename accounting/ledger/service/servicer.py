@@ -99,7 +99,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
 
     def caller(self, context: grpc.ServicerContext) -> Caller:
         """Who sent the request, from its bearer token (see `auth.Authenticator`)."""
-        return self._authenticator.caller(context.invocation_metadata(), context.peer())
+        return self._authenticator.caller(context.invocation_metadata())
 
     @_rpc
     def RotateToken(self, request: pb.RotateTokenRequest, caller: Caller) -> pb.CreateTenantReply:

@@ -8,9 +8,12 @@ hand, and nobody without the key can rewrite the chain to hide it.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
 import json
 import os
+import secrets
 from typing import NamedTuple
 
 from accounting.ledger.callers import Caller, DatasetRef, display_name
@@ -34,10 +37,11 @@ class ListedEntry(NamedTuple):
     dataset_name: str | None
     details: str
 
-    def entry(self, caller: Caller) -> HistoryEntry:
-        """The entry as `caller` sees it: its dataset named as the caller names it."""
+    def entry(self, caller: Caller, shown_id: int) -> HistoryEntry:
+        """The entry as `caller` sees it: under `shown_id` (HistoryChain.shown_id), its dataset named as the
+        caller names it."""
         return HistoryEntry(
-            entry_id=self.entry_id,
+            entry_id=shown_id,
             at=self.at,
             actor=self.actor,
             action=self.action,
@@ -62,6 +66,11 @@ class HistoryChain:
         self.key = key
         self._key_file = key_file
         self._location = location
+        # Entry ids as tenants see them are keyed by this: under the history key, stable across servers and
+        # restarts; without one, random per process, since a public key would let a tenant invert them.
+        self._id_key = hmac.new(key, b"dpfleet history entry ids", hashlib.sha256).digest() if key else (
+            secrets.token_bytes(32)
+        )
         # Whether this chain has seen that the history's last entry is chained with its key (at its first change).
         self._key_checked = False
 
@@ -88,6 +97,15 @@ class HistoryChain:
             f"INSERT INTO history ({HISTORY_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (entry_id, at, caller.actor, action, tenant, dataset_id, details_json, previous, entry_hash),
         )
+
+    def shown_id(self, caller: Caller, entry_id: int) -> int:
+        """The id of entry `entry_id` as `caller` sees it: itself for the admin; for a tenant an opaque number
+        (63 bits of an HMAC of tenant and id), since the global ids of its own entries would count the changes
+        other tenants made between them."""
+        if caller.admin:
+            return entry_id
+        tag = hmac.new(self._id_key, f"{caller.tenant}\n{entry_id}".encode(), hashlib.sha256).digest()
+        return int.from_bytes(tag[:8], "big") >> 1
 
     def _check_key(self, connection: Connection) -> None:
         """Refuse a key the history was not chained with, before a change chains an entry to it under another."""

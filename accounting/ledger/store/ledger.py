@@ -34,7 +34,7 @@ from accounting.ledger.errors import (
     NotFound,
     PermissionDenied,
 )
-from accounting.ledger.limits import TokenBuckets
+from accounting.ledger.limits import COMPOSED_STEPS_PER_UNIT, TokenBuckets
 from accounting.ledger.records import CommitResult, DatasetStatus, HistoryEntry, QueuedJob, Reservation, TenantCreated
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import admission, queueing
@@ -598,12 +598,12 @@ class Ledger:
         if self.curve_limits is not None and not caller.admin and self.curve_limits.owes(f"tenant {caller.tenant!r}"):
             self._charge_curves(caller, 1)
 
-    def _charge_curves(self, caller: Caller, cost: int) -> None:
+    def _charge_curves(self, caller: Caller, cost: float) -> None:
         """Take `cost` from the tenant's bucket of costly requests (`curve_limits`), or raise RateLimited.
 
         A request costs one per mechanism whose RDP curve it would compute,
-        and a Fits one more, taken before it does any work. Admins are not
-        charged.
+        and a Fits one more, a commit one per COMPOSED_STEPS_PER_UNIT steps,
+        taken before it does any work. Admins are not charged.
         """
         if self.curve_limits is not None and not caller.admin:
             self.curve_limits.take(f"tenant {caller.tenant!r}", cost)
@@ -622,6 +622,7 @@ class Ledger:
         caller = self._caller(caller)
         steps = check_steps(steps)
         sequence = check_sequence(sequence)
+        self._charge_curves(caller, steps / COMPOSED_STEPS_PER_UNIT)
         with self._transactions.change() as connection:
             row = visible_reservation(self._tables, connection, caller, reservation_id)
             if row.state == ACTIVE and row.expires_at is not None and row.expires_at <= now():  # its lease ran out
@@ -844,7 +845,7 @@ class Ledger:
                 if dataset is not None else None
             )
             entries = self._history.listed(connection, dataset_id, None if caller.admin else caller.tenant, limit)
-        return [entry.entry(caller) for entry in entries]
+        return [entry.entry(caller, self._history.shown_id(caller, entry.entry_id)) for entry in entries]
 
 
 def open_embedded_ledger(path: str | os.PathLike | None = None) -> Ledger:

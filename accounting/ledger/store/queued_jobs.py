@@ -77,9 +77,12 @@ class QueuedJobs:
     """The rows of `queued_jobs`; each method reads or writes on the connection it is given."""
 
     @staticmethod
-    def by_id(connection: Connection, queue_id: str) -> QueuedRow | None:
-        """The queued job of `queue_id`, or None."""
-        row = connection.execute(f"SELECT {_QUEUE_COLUMNS} {_FROM} WHERE q.id = ?", (queue_id,)).fetchone()
+    def by_id(connection: Connection, queue_id: str, dataset_tenant: str | None = None) -> QueuedRow | None:
+        """The queued job of `queue_id` (with `dataset_tenant`, only when it is on that tenant's dataset), or None."""
+        mine, parameters = (" AND d.tenant = ?", (dataset_tenant,)) if dataset_tenant is not None else ("", ())
+        row = connection.execute(
+            f"SELECT {_QUEUE_COLUMNS} {_FROM} WHERE q.id = ?{mine}", (queue_id, *parameters)
+        ).fetchone()
         return QueuedRow(*row) if row is not None else None
 
     @staticmethod

@@ -71,9 +71,12 @@ class Reservations:
         self._database = database
 
     @staticmethod
-    def by_id(connection: Connection, reservation_id: str) -> ReservationRow | None:
-        """The reservation of `reservation_id`, or None."""
-        row = connection.execute(f"SELECT {_RESERVATION_COLUMNS} {_FROM} WHERE r.id = ?", (reservation_id,)).fetchone()
+    def by_id(connection: Connection, reservation_id: str, tenant: str | None = None) -> ReservationRow | None:
+        """The reservation of `reservation_id` (with `tenant`, only when it is that tenant's job), or None."""
+        mine, parameters = (" AND r.tenant = ?", (tenant,)) if tenant is not None else ("", ())
+        row = connection.execute(
+            f"SELECT {_RESERVATION_COLUMNS} {_FROM} WHERE r.id = ?{mine}", (reservation_id, *parameters)
+        ).fetchone()
         return ReservationRow(*row) if row is not None else None
 
     @staticmethod

@@ -107,12 +107,15 @@ class TenantUses:
         )
 
     @staticmethod
-    def has_quota_in(connection: Connection, tenant: str, dataset_id: int) -> bool:
-        """Whether the tenant holds a quota on the dataset or on one of its blocks."""
+    def has_quota_in(connection: Connection, tenant: str, owner: str, name: str) -> bool:
+        """Whether the tenant holds a quota on `owner`'s dataset `name` or on one of its blocks (False when there
+        is no such dataset: one read either way)."""
         return connection.execute(
-            "SELECT 1 FROM tenant_use u JOIN datasets d ON d.id = u.budget_id "
-            "WHERE u.tenant = ? AND u.quota_epsilon IS NOT NULL AND (d.id = ? OR d.block_of = ?) LIMIT 1",
-            (tenant, dataset_id, dataset_id),
+            "SELECT 1 FROM datasets p JOIN datasets d ON d.id = p.id OR d.block_of = p.id "
+            "JOIN tenant_use u ON u.budget_id = d.id "
+            "WHERE p.tenant = ? AND p.name = ? AND p.block_of IS NULL AND u.tenant = ? "
+            "AND u.quota_epsilon IS NOT NULL LIMIT 1",
+            (owner, name, tenant),
         ).fetchone() is not None
 
     @staticmethod
