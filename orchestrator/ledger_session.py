@@ -29,7 +29,7 @@ from accounting.ledger.store import open_embedded_ledger
 from accounting.ledger.validation import ADMITTED, QUEUED
 from orchestrator import release
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
-from workers.fingerprints import block_identity
+from workers.fingerprints import block_identity, file_digests
 from workers.sources import DataError, spec_name
 
 _FIRST_BACKOFF_SECONDS = 0.5
@@ -205,9 +205,13 @@ def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
     blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None, user_id: str | None = None,
+    spec: str | Mapping | None = None,
 ) -> None:
     """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget.
 
+    On first use the ledger records the SHA-256 of each of `spec`'s training
+    files and refuses (UsageError, naming it) when a dataset already holds
+    one, so the same rows moved or renamed get no second budget.
     `declarations` are where each block's rows are (the config's
     [dataset.blocks]); each goes with the identity of its files
     (`with_identity`, people by the `user_id` column on a per-person
@@ -216,7 +220,11 @@ def ensure_embedded_dataset(
     try:
         status = ledger.get_budget(dataset)
     except (NotFound, PermissionDenied):
-        status = ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit)
+        content = file_digests(spec) if spec is not None else None
+        try:
+            status = ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content)
+        except FailedPrecondition as error:
+            raise UsageError(str(error)) from None
         per = " per person" if privacy_unit == "user" else ""
         say(release.line("ledger_registered", dataset=repr(dataset), epsilon=f"{budget_epsilon:g}{per}",
                          delta=f"{delta:g}"))

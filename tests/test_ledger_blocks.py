@@ -27,7 +27,7 @@ from accounting.ledger.verification import burn_down
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.ledger_session import check_declared_blocks, with_identity
+from orchestrator.ledger_session import ensure_embedded_dataset, with_identity
 from workers.sources import (
     DataError,
     canonical_user_id,
@@ -628,7 +628,7 @@ def test_an_id_that_could_be_two_people_is_refused(stored):
 
 
 def test_no_alias_of_a_blocks_files_is_sold_again_through_the_command_line(server, tmp_path, capsys):
-    """The reproduction: a symlink, a file:// URL, a hard link and a copy of day1 each asked for a budget of their own."""
+    """The reproduction: a symlink, a file:// URL, a hard link and a copy of day1 each asked for a budget of its own."""
     locations, _ = parquet_blocks(tmp_path / "d", {"day1": 20, "day2": 20})
     day1 = tmp_path / "d" / "day1"
     (tmp_path / "alias").symlink_to(day1)
@@ -641,12 +641,14 @@ def test_no_alias_of_a_blocks_files_is_sold_again_through_the_command_line(serve
         token = admin.create_tenant("acme").token
     client = ["--ledger", server.address, "--token", token, "--json"]
     assert main(["ledger", "dataset", "create", "logs", "--epsilon", "2", "--delta", "1e-5", *client]) == 0
-    assert main(["ledger", "block", "add", "logs", "day1", "--epsilon", "2", "--files", locations["day1"], *client]) == 0
+    assert main(["ledger", "block", "add", "logs", "day1", "--epsilon", "2", "--files", locations["day1"],
+                 *client]) == 0
     capsys.readouterr()
     for alias in (str(tmp_path / "alias"), f"file://{day1}", str(tmp_path / "linked"), str(tmp_path / "copied")):
         assert main(["ledger", "block", "add", "logs", "again", "--epsilon", "2", "--files", alias, *client]) == 2
         assert "may hold data of block 'day1'" in capsys.readouterr().err, alias
-    assert main(["ledger", "block", "add", "logs", "day2", "--epsilon", "2", "--files", locations["day2"], *client]) == 0
+    assert main(["ledger", "block", "add", "logs", "day2", "--epsilon", "2", "--files", locations["day2"],
+                 *client]) == 0
     with RemoteLedger(server.address, token) as acme:
         assert [block.name for block in acme.get_budget("logs").blocks] == ["day1", "day2"]
     assert server.ledger.verify(caller=ADMIN).findings == ()
@@ -720,3 +722,27 @@ def test_verify_finds_two_stored_blocks_that_hold_the_same_file(tmp_path):
         problems = [str(finding) for finding in ledger.verify().findings]
     assert "its declared data may be shared with block 'd2' (both hold the same files, by their locations or by " \
            "their contents)" in problems[0]
+
+
+def test_the_same_rows_moved_or_renamed_get_no_second_budget_on_first_use(tmp_path):
+    """The reproduction: a dataset registered on first use took its name from its path, so the same files in another
+    folder got a fresh budget. Its registration records its files' SHA-256s, and a dataset holding one is refused."""
+    locations, _ = parquet_blocks(tmp_path / "d", {"day1": 20, "day2": 20})
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    for shard in sorted((tmp_path / "d" / "day1").iterdir()):
+        (moved / shard.name).write_bytes(shard.read_bytes())
+    said = []
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ensure_embedded_dataset(ledger, "day1", 10.0, DELTA, "example", said.append,
+                                spec={"format": "parquet", "train": locations["day1"]})
+        with pytest.raises(UsageError, match="already registered as dataset local/day1 .*--dataset-name day1"):
+            ensure_embedded_dataset(ledger, "moved", 10.0, DELTA, "example", said.append,
+                                    spec={"format": "parquet", "train": str(moved)})
+        with pytest.raises(UsageError, match="already registered as dataset local/day1"):
+            ensure_embedded_dataset(ledger, "both", 10.0, DELTA, "example", said.append,
+                                    spec={"format": "parquet", "train": [locations["day2"], str(moved)]})
+        ensure_embedded_dataset(ledger, "day2", 10.0, DELTA, "example", said.append,
+                                spec={"format": "parquet", "train": locations["day2"]})
+        assert [status.name for status in ledger.list_datasets()] == ["day1", "day2"]
+        assert ledger.verify().findings == ()

@@ -8,7 +8,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "data": ["DATASETS", "dataset_size", "load_split", "write_atomically"],
     "engines": ["ExampleSchema", "clipped_sum", "synthetic_examples"],
     "features": ["compute_features", "feature_map"],
-    "fingerprints": ["block_identity", "dataset_identity"],
+    "fingerprints": ["block_identity", "dataset_identity", "file_digests"],
     "keys": ["NOISE", "ORDER", "SecretKey", "process_key"],
     "collective": ["CollectiveRankActor", "ShardCollectiveRankActor", "slice_bounds"],
     "models": ["bind_flat_views", "build_model", "flat_parameters", "input_shape", "load_flat_parameters",

@@ -45,6 +45,28 @@ def file_digest(filesystem, path: str) -> bytes:
     return digest.digest()
 
 
+def _training_files(spec: Mapping) -> tuple:
+    """The filesystem and the sorted paths of a file dataset's training files."""
+    # A dataset of blocks trains on the blocks a run chose (its "train"), else on all of them.
+    train = spec["train"] if "train" in spec else list(spec["blocks"].values())
+    return _files_at(_locations(train), _SUFFIXES.get(spec["format"], ("",)))
+
+
+def file_digests(spec: str | Mapping) -> list[str] | None:
+    """SHA-256 of each training file's bytes alone (hex, in path order): what the data is wherever it is kept.
+
+    What an embedded ledger's first-use registration records for a
+    dataset, so that the same files under another name or in another
+    folder are known (``Ledger.create_dataset``'s ``content``). None for a
+    built-in or ``module:function`` dataset, whose name says what it is.
+    Costs one read of the training files, as dataset_identity.
+    """
+    if isinstance(spec, str):
+        return None
+    filesystem, paths = _training_files(spec)
+    return [file_digest(filesystem, path).hex() for path in paths]
+
+
 def dataset_identity(spec: str | Mapping) -> dict:
     """Who the training data is: its source, format, file count and a digest of its training files.
 
@@ -59,9 +81,7 @@ def dataset_identity(spec: str | Mapping) -> dict:
     if isinstance(spec, str):
         return {"source": spec}
     file_format = spec["format"]
-    # A dataset of blocks trains on the blocks a run chose (its "train"), else on all of them.
-    train = spec["train"] if "train" in spec else list(spec["blocks"].values())
-    filesystem, paths = _files_at(_locations(train), _SUFFIXES.get(file_format, ("",)))
+    filesystem, paths = _training_files(spec)
     combined = hashlib.sha256()
     for info in filesystem.get_file_info(paths):
         combined.update(info.path.encode() + b"\0" + info.size.to_bytes(8, "big")

@@ -341,4 +341,4 @@ def register_embedded(ledger, dataset: str, config, say) -> None:
     """In the embedded ledger, register the dataset and its chosen blocks on first use."""
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
-                                config.blocks, block_declarations(config), config.user_id)
+                                config.blocks, block_declarations(config), config.user_id, config.dataset)

@@ -8,6 +8,7 @@ from accounting.ledger.admission.blocks import (
     USER_SELECTORS,
     block_data_overlap,
     check_block_data,
+    check_dataset_content,
 )
 from accounting.ledger.admission.budgets import (
     ADMISSION_MARGIN,
@@ -64,6 +65,7 @@ __all__ = [
     "charged_plan",
     "check_admission",
     "check_block_data",
+    "check_dataset_content",
     "check_new_budget",
     "check_plan",
     "committed_json_with",

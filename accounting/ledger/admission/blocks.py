@@ -22,6 +22,8 @@ BLOCK_IDENTITY = "identity"
 MAX_IDENTITY_FILES = 10_000
 MAX_IDENTITY_PEOPLE = 100_000
 MAX_FILE_ROWS = 2**48
+# A dataset's content is recorded in-process (its first use in the embedded ledger), so it bounds only the entry.
+MAX_DATASET_FILES = 1_000_000
 _FILE_DIGEST = re.compile(r"[0-9a-f]{64}")
 _PERSON_DIGEST = re.compile(r"[0-9a-f]{16}")
 _BLOCK_DATA_HELP = (
@@ -151,6 +153,22 @@ def _check_identity(identity: object, privacy_unit: str) -> dict:
             f"block of more people is declared as several blocks; {how}"
         )
     return {**canonical_identity, "user_id": user_id, "people": sorted(set(people))}
+
+
+def check_dataset_content(content: object) -> list[str]:
+    """A dataset's content identity, as its first-use registration gives it: its training files' SHA-256s, sorted.
+
+    1 to MAX_DATASET_FILES digests of 64 lowercase hex digits, each the
+    SHA-256 of one file's bytes (workers.fingerprints.file_digests), so
+    that the same rows in another folder or under another name are known.
+    """
+    if not (isinstance(content, (list, tuple)) and 0 < len(content) <= MAX_DATASET_FILES
+            and all(isinstance(digest, str) and _FILE_DIGEST.fullmatch(digest) for digest in content)):
+        raise InvalidArgument(
+            f"a dataset's content must be 1 to {MAX_DATASET_FILES} SHA-256s of its files, 64 lowercase hex digits "
+            "each (workers.fingerprints.file_digests computes them)"
+        )
+    return sorted(set(content))
 
 
 def _plain_location(location: str) -> str:

@@ -118,6 +118,23 @@ class Datasets:
             )
         return [DatasetRow(*row) for row in rows.fetchall()]
 
+    @staticmethod
+    def holding_content(connection: Connection, content: list[str]) -> tuple[int, str] | None:
+        """(id, a shared digest) of a dataset whose registration recorded a file of `content`, or None.
+
+        Read from the datasets' `create_dataset` history entries, where a
+        first-use registration records its training files' SHA-256s.
+        """
+        wanted = set(content)
+        for dataset_id, details in connection.execute(
+            "SELECT dataset_id, details FROM history WHERE action = 'create_dataset' AND details LIKE ?",
+            ('%"content"%',),
+        ).fetchall():
+            shared = wanted & set(json.loads(details).get("content") or ())
+            if shared:
+                return dataset_id, min(shared)
+        return None
+
     def insert_dataset(
         self, connection: Connection, tenant: str, name: str, epsilon: float, delta: float, rule: AdmissionRule,
         privacy_unit: str, scheduling: SchedulingPolicy,

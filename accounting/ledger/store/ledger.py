@@ -19,6 +19,7 @@ from accounting.ledger.admission import (
     RdpTally,
     charged_plan,
     check_block_data,
+    check_dataset_content,
     check_new_budget,
     check_plan,
     fits_budget,
@@ -316,6 +317,7 @@ class Ledger:
         privacy_unit: str = EXAMPLE,
         scheduling: SchedulingPolicy | dict | None = None,
         *,
+        content: list[str] | None = None,
         caller: Caller | None = None,
     ) -> DatasetStatus:
         """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data.
@@ -323,18 +325,32 @@ class Ledger:
         The budget is per `privacy_unit`: one row ('example') or one person
         with all its rows ('user'); see `charged_plan` for jobs of the other unit.
         `scheduling` is how its queue of waiting jobs is served (default: the ledger's).
+        `content` (a first-use registration's: its training files' SHA-256s,
+        `check_dataset_content`) is recorded, and refused when a dataset
+        already registered a file of it, so rows get one budget whatever
+        the dataset is called and wherever its files are.
         """
         caller = self._caller(caller)
         epsilon = check_budget_epsilon(epsilon)
         delta = check_delta(delta)
         privacy_unit = check_privacy_unit(privacy_unit)
         scheduling = check_scheduling(scheduling) if scheduling is not None else self._default_scheduling
+        content = check_dataset_content(content) if content is not None else None
         reference = resolve_dataset(caller, dataset)
         rule = AdmissionRule.for_budget(epsilon, delta)
         with self._transactions.change() as connection:
             if not self._tables.tenants.exists(connection, reference.tenant):
                 raise NotFound(
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
+                )
+            holder = self._tables.datasets.holding_content(connection, content) if content is not None else None
+            if holder is not None:
+                registered = self._tables.datasets.by_id(connection, holder[0])
+                raise FailedPrecondition(
+                    f"the data of dataset {dataset!r} is already registered as dataset "
+                    f"{registered.tenant}/{registered.name} (a file of SHA-256 {holder[1][:16]}… is in both): rows "
+                    f"get one budget, whatever their dataset is called and wherever their files are; train under "
+                    f"that name (--dataset-name {registered.name})"
                 )
             dataset_id = self._tables.datasets.insert_dataset(
                 connection, reference.tenant, reference.name, epsilon, delta, rule, privacy_unit, scheduling
@@ -346,7 +362,7 @@ class Ledger:
             self._history.record(
                 connection, caller, "create_dataset", reference.tenant, dataset_id,
                 {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
-                 "scheduling": scheduling.to_dict()},
+                 "scheduling": scheduling.to_dict(), **({"content": content} if content is not None else {})},
             )
             rows = read_status(
                 self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
