@@ -13,9 +13,10 @@ default rate limits (`accounting.ledger.limits`).
   - "long compositions": each cycle reserves a plan of 10**6 steps of a new
     mechanism, commits it all and asks its dataset's status, so the server
     composes 10**6 more steps into the attacker's PLD;
-  - "wrong tokens and rotation": calls with wrong tokens from the victim's
-    address, and one client rotating the attacker's own token every 20
-    calls (a rotation makes every server look at its verified tokens again).
+  - "wrong tokens and rotation": calls with wrong tokens of 50 key ids per
+    client from the victim's address, one client rotating the attacker's
+    own token every 20 calls (a rotation makes every server look at its
+    verified tokens again).
   Printed: the victim's commit p50 and p99 unloaded and loaded, their
   ratio (goal: loaded p99 <= 2x unloaded p99), and how many attack calls
   were answered and how many were refused.
@@ -104,9 +105,17 @@ def token_attack(client: RemoteLedger, address: str, client_index: int, request:
         rotated = client.rotate_token("flooder").token
         client.close()
         return RemoteLedger(address, rotated)
-    with RemoteLedger(address, f"dpf_{client_index:08x}{request:08x}_wrongsecret") as guesser:
-        guesser.list_datasets()
+    if not _GUESSERS:  # one channel per wrong token, kept: a flood from one address pays no connections
+        _GUESSERS.extend(
+            RemoteLedger(address, f"dpf_{client_index:08x}{guess:08x}_wrongsecret") for guess in range(GUESSED_KEY_IDS)
+        )
+    _GUESSERS[request % GUESSED_KEY_IDS].list_datasets()
     return client
+
+
+# Wrong tokens per attacking process, each of its own key id, used in turn.
+GUESSED_KEY_IDS = 50
+_GUESSERS: list = []
 
 
 ATTACKS = {"fits": fits_attack, "long compositions": composition_attack, "wrong tokens and rotation": token_attack}
