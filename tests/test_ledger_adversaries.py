@@ -54,8 +54,18 @@ def tokens(server):
         return {name: admin.create_tenant(name).token for name in ("mallory", "victim")}
 
 
-def test_a_long_composition_does_not_stall_another_tenant_and_is_reported_by_its_rdp_bound(server, tokens):
-    caches.compose_plds_in_process(caches.PLD_DEADLINE_SECONDS)
+@pytest.fixture
+def composition_process(monkeypatch):
+    """PLDs composed in a process of their own, as `dpfleet ledger serve` does, for this test only."""
+    process = caches.CompositionProcess(caches.PLD_DEADLINE_SECONDS)
+    monkeypatch.setattr(caches, "_COMPOSITION_PROCESS", [process])
+    yield process
+    process.close()
+
+
+def test_a_long_composition_does_not_stall_another_tenant_and_is_reported_by_its_rdp_bound(
+    server, tokens, composition_process
+):
     with RemoteLedger(server.address, tokens["victim"]) as victim, \
             RemoteLedger(server.address, tokens["mallory"]) as mallory:
         victim.create_dataset("mnist", 5.0, DELTA)
