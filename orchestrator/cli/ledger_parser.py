@@ -121,10 +121,10 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         ", a plan of the most distinct mechanisms a plan may have",
     )
     _add_token_bucket_flags(
-        serve_parser, ("--auth-failures-per-second", "--auth-failure-burst"), "failed authentications per peer address",
+        serve_parser, ("--auth-failures-per-second", "--auth-failure-burst"), "failed authentications per token key id",
         AUTH_FAILURE_RATE_PER_SECOND, AUTH_FAILURE_BURST,
-        "failed authentications per peer address, refilled at this rate; beyond them the peer is refused without a "
-        "look at its token",
+        "failed authentications per token key id, refilled at this rate; beyond them a token of that key id is "
+        "refused without a look at it",
     )
     serve_parser.set_defaults(handler=_HANDLERS + "run_serve")
 
