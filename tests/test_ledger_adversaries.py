@@ -273,3 +273,19 @@ def test_not_found_and_not_yours_take_the_same_reads_to_the_same_refusal(tmp_pat
                             lookup(ledger._tables, counting, other, reference)
                 answers.append((counting.statements, str(refused.value).replace(reference, "<id>")))
             assert answers[0] == answers[1], lookup.__name__
+
+
+def test_one_tenants_rotation_keeps_every_other_token_verified_and_ends_its_own(tmp_path):
+    from accounting.ledger.callers import ADMIN, tenant_caller
+    from accounting.ledger.store import Ledger
+
+    with Ledger(tmp_path / "ledger.db", caller=ADMIN, history_key_file=tmp_path / "key") as ledger:
+        victim = ledger.create_tenant("victim").token
+        mallory = ledger.create_tenant("mallory").token
+        assert ledger.authenticate(victim).tenant == "victim" and ledger.authenticate(mallory).tenant == "mallory"
+        ledger.rotate_token("mallory", caller=tenant_caller("mallory"))
+        # Still verified: never sent back through authenticate, where a failed-authentication limit applies.
+        assert ledger.verified_caller(victim).tenant == "victim"
+        assert ledger.verified_caller(mallory) is None
+        with pytest.raises(Unauthenticated):
+            ledger.authenticate(mallory)

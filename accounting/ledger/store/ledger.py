@@ -187,8 +187,9 @@ class Ledger:
 
         Costs one SHA-256 and, at most every TOKEN_RECHECK_SECONDS, one read
         of the token generation: when a rotation or revocation changed it,
-        on this server or another of the database, every verified token is
-        forgotten.
+        on this server or another of the database, each verified token is
+        looked up again when next used, and forgotten only when its own key
+        was rotated or revoked.
         """
         return self._authenticator.verified_caller(token)
 
