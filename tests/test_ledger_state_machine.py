@@ -148,7 +148,8 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         charge = Charge(tenant, dataset, tuple(blocks), charged)
         self.oracle.charges[reservation_id] = charge
-        assert self.oracle.quota_overspent(charge) == []
+        over_quota = self.oracle.quota_overspent(charge)
+        assert not over_quota, over_quota
 
     def sync_queue(self):
         """Record the queued jobs the ledger admitted since (every change serves the queue)."""
@@ -442,7 +443,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def the_oracle_agrees(self):
         self.sync_queue()
-        assert self.oracle.overspent() == []
+        overspent = self.oracle.overspent()
+        assert not overspent, overspent
         held = {job.reservation_id: (job.state == ACTIVE, job.committed_steps)
                 for job in self.ledger.list_jobs(caller=ADMIN)}
         expected = {rid: (charge.active, charge.committed) for rid, charge in self.oracle.charges.items()}
