@@ -222,7 +222,7 @@ def ensure_embedded_dataset(
     except (NotFound, PermissionDenied):
         content = file_digests(spec) if spec is not None else None
         try:
-            status = ledger.create_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content)
+            status = ledger.register_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content)
         except FailedPrecondition as error:
             raise UsageError(str(error)) from None
         per = " per person" if privacy_unit == "user" else ""

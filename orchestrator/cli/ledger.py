@@ -301,9 +301,12 @@ def run_block_add(args: argparse.Namespace) -> int:
     delta = None if args.delta is None else _ledger_number("--delta", args.delta, check_delta)
     data = block_data(args.files, args.rows, args.partition, args.user_hash, args.user_range)
     with ledger_from_flags(args) as ledger:
-        dataset = ledger.get_budget(args.dataset, pld_may_be_pending=True)
-        identified = ledger_session.with_identity(args.name, data, dataset, args.user_id)
-        status = ledger.add_block(args.dataset, args.name, epsilon, delta, identified)
+        if data and "files" in data:
+            # A block of files goes with their identity, whose people are known only on a per-person dataset.
+            data = ledger_session.with_identity(args.name, data, ledger.get_budget(args.dataset,
+                                                                                   pld_may_be_pending=True),
+                                                args.user_id)
+        status = ledger.add_block(args.dataset, args.name, epsilon, delta, data)
     _print_statuses([status], args.json)
     return 0
 

@@ -318,7 +318,6 @@ class Ledger:
         privacy_unit: str = EXAMPLE,
         scheduling: SchedulingPolicy | dict | None = None,
         *,
-        content: list[str] | None = None,
         caller: Caller | None = None,
     ) -> DatasetStatus:
         """Create a dataset with a budget of `epsilon` at `delta` for the whole life of the data.
@@ -326,10 +325,23 @@ class Ledger:
         The budget is per `privacy_unit`: one row ('example') or one person
         with all its rows ('user'); see `charged_plan` for jobs of the other unit.
         `scheduling` is how its queue of waiting jobs is served (default: the ledger's).
-        `content` (a first-use registration's: its training files' SHA-256s,
-        `check_dataset_content`) is recorded, and refused when a dataset
-        already registered a file of it, so rows get one budget whatever
-        the dataset is called and wherever its files are.
+        """
+        return self.register_dataset(dataset, epsilon, delta, privacy_unit, scheduling, None, caller=caller)
+
+    def register_dataset(
+        self,
+        dataset: str,
+        epsilon: float,
+        delta: float,
+        privacy_unit: str = EXAMPLE,
+        scheduling: SchedulingPolicy | dict | None = None,
+        content: list[str] | None = None,
+        *,
+        caller: Caller | None = None,
+    ) -> DatasetStatus:
+        """`create_dataset`, recording `content`: a first-use registration's training files' SHA-256s
+        (`check_dataset_content`), refused when a dataset already registered a file of it, so rows get one budget
+        whatever the dataset is called and wherever its files are (the embedded ledger's first use only).
         """
         caller = self._caller(caller)
         epsilon = check_budget_epsilon(epsilon)
