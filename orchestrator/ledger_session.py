@@ -17,6 +17,7 @@ from accounting.events import Composition
 from accounting.ledger.admission import RdpTally, charged_plan, check_block_data
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import (
+    AlreadyExists,
     BudgetExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -223,11 +224,14 @@ def ensure_embedded_dataset(
         content = file_digests(spec) if spec is not None else None
         try:
             status = ledger.register_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content)
+            per = " per person" if privacy_unit == "user" else ""
+            say(release.line("ledger_registered", dataset=repr(dataset), epsilon=f"{budget_epsilon:g}{per}",
+                             delta=f"{delta:g}"))
+        except AlreadyExists:
+            # Another job's first use registered it since this one looked: the same dataset, registered once.
+            status = ledger.get_budget(dataset)
         except FailedPrecondition as error:
             raise UsageError(str(error)) from None
-        per = " per person" if privacy_unit == "user" else ""
-        say(release.line("ledger_registered", dataset=repr(dataset), epsilon=f"{budget_epsilon:g}{per}",
-                         delta=f"{delta:g}"))
     known = {block.name for block in status.blocks}
     # A block's budget is at most its dataset's.
     block_epsilon = min(budget_epsilon, status.budget_epsilon)

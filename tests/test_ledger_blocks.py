@@ -746,3 +746,26 @@ def test_the_same_rows_moved_or_renamed_get_no_second_budget_on_first_use(tmp_pa
                                 spec={"format": "parquet", "train": locations["day2"]})
         assert [status.name for status in ledger.list_datasets()] == ["day1", "day2"]
         assert ledger.verify().findings == ()
+
+
+def test_jobs_that_first_use_one_dataset_at_once_register_it_once(tmp_path, monkeypatch):
+    """Two jobs on the same files start together: both find no dataset, one registers it, and the other, refused
+    as the same name, carries on under it rather than being taken for the same rows under another name."""
+    locations, _ = parquet_blocks(tmp_path / "d", {"day1": 20})
+    spec = {"format": "parquet", "train": locations["day1"]}
+    said = []
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ensure_embedded_dataset(ledger, "day1", 10.0, DELTA, "example", said.append, spec=spec)
+        real_get_budget = ledger.get_budget
+        looks = []
+
+        def not_there_at_first_look(dataset, *args, **kwargs):
+            looks.append(dataset)
+            if len(looks) == 1:
+                raise NotFound(f"dataset {dataset!r} does not exist")
+            return real_get_budget(dataset, *args, **kwargs)
+
+        monkeypatch.setattr(ledger, "get_budget", not_there_at_first_look)
+        ensure_embedded_dataset(ledger, "day1", 10.0, DELTA, "example", said.append, spec=spec)
+        assert looks == ["day1", "day1"] and len(said) == 1
+        assert [status.name for status in ledger.list_datasets()] == ["day1"]

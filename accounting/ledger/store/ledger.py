@@ -357,8 +357,10 @@ class Ledger:
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
                 )
             holder = self._tables.datasets.holding_content(connection, content) if content is not None else None
+            registered = None if holder is None else self._tables.datasets.by_id(connection, holder[0])
+            if registered is not None and (registered.tenant, registered.name) == (reference.tenant, reference.name):
+                holder = None  # the dataset itself: the insert below says it exists
             if holder is not None:
-                registered = self._tables.datasets.by_id(connection, holder[0])
                 raise FailedPrecondition(
                     f"the data of dataset {dataset!r} is already registered as dataset "
                     f"{registered.tenant}/{registered.name} (a file of SHA-256 {holder[1][:16]}… is in both): rows "
