@@ -30,7 +30,7 @@ from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.messages import STATUS_CODES
 from accounting.ledger.operations import OPERATIONS, REQUIRED
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.service import LedgerServicer, rpc_latency_histogram
+from accounting.ledger.service import Authenticator, LedgerServicer, rpc_latency_histogram
 from accounting.ledger.store import Ledger
 from accounting.ledger.validation import check_lease_seconds, check_scheduling
 from orchestrator.cli import build_parser, main
@@ -147,7 +147,9 @@ class RefusedRpc(grpc.RpcError):
 
 
 def servicer_over(ledger):
-    return LedgerServicer(ledger, rpc_latency_histogram(CollectorRegistry()), TokenBuckets(1.0, 20.0, "failures"))
+    return LedgerServicer(
+        ledger, rpc_latency_histogram(CollectorRegistry()), Authenticator(ledger, TokenBuckets(1.0, 20.0, "failures"))
+    )
 
 
 def through_client_and_service(operation, args, kwargs, raises=None):

@@ -391,22 +391,31 @@ def test_a_server_releases_an_expired_lease_by_itself_and_refuses_its_next_commi
     assert status.admission.orders and status.spent_epsilon_filter > status.spent_epsilon
 
 
-def test_a_key_id_that_keeps_failing_to_authenticate_is_refused_with_a_retry_hint_while_other_tokens_pass(tmp_path):
+def test_failed_authentications_are_limited_per_key_id_and_never_refuse_the_right_token(tmp_path):
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, auth_failure_burst=3,
                            auth_failure_rate_per_second=0.01)
     try:
         with RemoteLedger(running.address, ADMIN_TOKEN) as admin:
-            admin.list_datasets()  # verified before the flood: passes during it
             tenant = admin.create_tenant("acme").token
-            with RemoteLedger(running.address, "dpf_0123456789abcdef_guessedsecret") as guesser:
-                for _ in range(3):
-                    with pytest.raises(Unauthenticated):
+            key_id = tenant.split("_")[1]
+
+            def refused_after_three(token: str, bucket: str) -> RateLimited:
+                with RemoteLedger(running.address, token) as guesser:
+                    for _ in range(3):
+                        with pytest.raises(Unauthenticated):
+                            guesser.list_datasets()
+                    with pytest.raises(RateLimited, match=f"too many failed authentications with {bucket}") as refused:
                         guesser.list_datasets()
-                with pytest.raises(RateLimited, match="too many failed authentications with key id 0123456789abcdef") \
-                        as refused:
-                    guesser.list_datasets()
-            assert refused.value.retry_after_seconds > 50
-            # Not yet verified, from the same address: its own key id has failed nothing.
+                return refused.value
+
+            # Made-up key ids share one bucket: each new one starts none of its own.
+            made_up = refused_after_three("dpf_0123456789abcdef_guessedsecret", "tokens of key ids the ledger")
+            assert made_up.retry_after_seconds > 50
+            with pytest.raises(RateLimited):
+                RemoteLedger(running.address, "dpf_fedcba9876543210_another").list_datasets()
+            # Guesses at acme's key id spend acme's key id's allowance...
+            refused_after_three(f"dpf_{key_id}_guessedsecret", f"key id {key_id}")
+            # ...but acme's own token, never verified on this server before, still passes: it is checked first.
             assert RemoteLedger(running.address, tenant).list_datasets() == []
             assert admin.list_datasets() == []
     finally:

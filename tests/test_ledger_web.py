@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from accounting.events import SampledGaussian
 from accounting.ledger.callers import ADMIN, tenant_caller
-from accounting.ledger.errors import BudgetExceeded
+from accounting.ledger.errors import BudgetExceeded, RateLimited
 from accounting.ledger.service import view
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.service import BLOCK_GAUGES, DATASET_GAUGES, QUOTA_GAUGES, RPC_SECONDS, exposition
@@ -291,6 +291,21 @@ def test_page_and_its_data_refuse_without_a_token_and_sign_in_sets_a_cookie(serv
         assert response.status == 200 and 'data-dataset' not in response.read().decode()  # drawn by page.js
     with opener.open(served["page"] + "view.json", timeout=30) as response:
         assert [dataset["name"] for dataset in json.load(response)["datasets"]] == ["cifar"]
+
+
+def test_sign_in_guesses_spend_the_key_ids_allowance_that_grpc_spends_and_never_lock_out_its_token(served):
+    token = served["tokens"]["acme"]
+    key_id = token.split("_")[1]
+    guess = urllib.parse.urlencode({"token": f"dpf_{key_id}_guessed"}).encode()
+    answers = [get(served["page"] + "sign-in", data=guess) for _ in range(21)]  # the server's burst is 20
+    assert [status for status, _, _ in answers] == [401] * 20 + [429]
+    _, headers, body = answers[-1]
+    assert f"key id {key_id}" in body and int(headers["Retry-After"]) >= 1
+    with pytest.raises(RateLimited, match=f"key id {key_id}"):  # one allowance, whichever door is knocked on
+        RemoteLedger(served["address"], f"dpf_{key_id}_guessed").list_datasets()
+    assert get(served["page"] + "view.json", token)[0] == 200
+    assert [status for status, _, _ in (get(served["page"] + "sign-in", data=urllib.parse.urlencode(
+        {"token": f"dpf_{index:016x}_made-up"}).encode()) for index in range(3))] == [401] * 3
 
 
 def test_a_busy_port_is_refused_by_name_and_a_ledger_that_cannot_answer_is_a_503(tmp_path):

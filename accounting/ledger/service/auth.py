@@ -44,32 +44,43 @@ def check_admin_token(admin_token: str | None) -> str | None:
     return admin_token
 
 
+# The one bucket of the failed authentications whose token names no live key id: such a token can never be right,
+# so refusing them hurts no caller, and made-up key ids cannot each start a bucket of their own.
+UNKNOWN_KEY_IDS = "tokens of key ids the ledger does not know"
+
+
 class Authenticator:
-    """The caller of each request, from its token, with `auth_failures` counting each token key id's failed tries."""
+    """The caller of each request, from its token, with `auth_failures` counting failed tries per token key id."""
 
     def __init__(self, ledger: Ledger, auth_failures: TokenBuckets) -> None:
         self._ledger = ledger
         self._auth_failures = auth_failures
 
     def caller(self, metadata: tuple) -> Caller:
-        """Who sent a request with this metadata.
-
-        A token verified lately passes at once. Otherwise a key id (a
-        tenant's token, or the one a guessed token names) that has used up its
-        failed authentications is refused before the token is looked at, and
-        each failure is counted against it. Counted by key id, not by peer
-        address: a tenant flooding wrong tokens from an address it shares with
-        others spends its own key ids' allowance, never theirs.
-        """
+        """Who sent a request with this metadata (see `authenticate`)."""
         token = bearer_token(metadata)
         if token is None:
             raise Unauthenticated(
                 "no token: send metadata 'authorization: Bearer <token>' (dpfleet ledger --token or DPFLEET_TOKEN)"
             )
+        return self.authenticate(token)
+
+    def authenticate(self, token: str) -> Caller:
+        """Who holds `token`, for the gRPC service and the web page alike.
+
+        A live token passes at once, whatever anyone else sent: its check is
+        a hash and a lookup in memory, made before any limit. Failures are
+        counted by the key id the token names when it is a live one (one
+        tenant's or admin token's), else in one bucket for all made-up key
+        ids; never by peer address, so a tenant flooding wrong tokens from an
+        address it shares with others spends its own allowance, never theirs.
+        A key id that used up its failures is refused before a token still
+        stored by scrypt is hashed.
+        """
         known = self._ledger.verified_caller(token)
         if known is not None:
             return known
-        key = f"key id {admin_key_id(token)}"
+        key = f"key id {admin_key_id(token)}" if self._ledger.knows_key_id(token) else UNKNOWN_KEY_IDS
         wait = self._auth_failures.owes(key)
         if wait > 0:
             raise RateLimited(

@@ -41,7 +41,7 @@ from accounting.ledger.limits import (
     TokenBuckets,
 )
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.service.auth import check_admin_token
+from accounting.ledger.service.auth import Authenticator, check_admin_token
 from accounting.ledger.service.metrics import rpc_latency_histogram
 from accounting.ledger.service.servicer import SERVICE_NAME, LedgerServicer
 from accounting.ledger.service.web import WebServer, start_web
@@ -138,7 +138,8 @@ def start_server(
         options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)],
     )
     metrics_registry = CollectorRegistry(auto_describe=True)
-    servicer = LedgerServicer(ledger, rpc_latency_histogram(metrics_registry), auth_failures)
+    authenticator = Authenticator(ledger, auth_failures)
+    servicer = LedgerServicer(ledger, rpc_latency_histogram(metrics_registry), authenticator)
     ledger_pb2_grpc.add_LedgerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -153,7 +154,7 @@ def start_server(
     if http_port is not None or metrics_port is not None:
         try:
             web_server = start_web(
-                ledger, ledger.authenticate, metrics_registry, host, http_port,
+                ledger, authenticator.authenticate, metrics_registry, host, http_port,
                 metrics_port, _https_context(tls_cert, tls_key),
             )
         except BaseException:

@@ -33,7 +33,6 @@ from accounting.ledger.messages import (
     RETRY_AFTER_KEY,
     STATUS_CODES,
 )
-from accounting.ledger.limits import TokenBuckets
 from accounting.ledger.operations import OPERATIONS
 from accounting.ledger.service.auth import Authenticator
 from accounting.ledger.store import Ledger
@@ -92,10 +91,10 @@ def _rpc(method: Callable) -> Callable:
 class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     """The Ledger gRPC service over one `Ledger`."""
 
-    def __init__(self, ledger: Ledger, rpc_seconds: Histogram, auth_failures: TokenBuckets) -> None:
+    def __init__(self, ledger: Ledger, rpc_seconds: Histogram, authenticator: Authenticator) -> None:
         self._ledger = ledger
         self.rpc_seconds = rpc_seconds
-        self._authenticator = Authenticator(ledger, auth_failures)
+        self._authenticator = authenticator
 
     def caller(self, context: grpc.ServicerContext) -> Caller:
         """Who sent the request, from its bearer token (see `auth.Authenticator`)."""

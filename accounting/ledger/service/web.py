@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import math
 import ssl
 import threading
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from accounting.ledger.callers import Caller
-from accounting.ledger.errors import LedgerError, Unauthenticated
+from accounting.ledger.errors import LedgerError, RateLimited, Unauthenticated
 from accounting.ledger.service.metrics import exposition
 from accounting.ledger.store import Ledger
 from accounting.ledger.service.view import ledger_view
@@ -78,7 +79,7 @@ async def _caller(authenticate: Authenticate, token: str | None) -> Caller:
     """Who holds `token`; Unauthenticated when there is none or the ledger does not know it."""
     if token is None:
         raise Unauthenticated(_NO_TOKEN)
-    return await asyncio.to_thread(authenticate, token)  # a tenant's first request pays for scrypt
+    return await asyncio.to_thread(authenticate, token)  # a token still stored by scrypt is hashed once
 
 
 def sign_in_page(message: str) -> str:
@@ -100,9 +101,13 @@ def _see_the_page() -> web.Response:
 
 @web.middleware
 async def _ledger_refusals(request: web.Request, handler: Callable) -> web.StreamResponse:
-    """A ledger that cannot answer (its database gone, say) is a 503 with the ledger's reason, not a traceback."""
+    """Too many failed sign-ins with one key id is a 429 with Retry-After, as on the gRPC service; a ledger that
+    cannot answer (its database gone, say) a 503 with the ledger's reason, not a traceback."""
     try:
         return await handler(request)
+    except RateLimited as error:
+        retry = str(max(1, math.ceil(error.retry_after_seconds)))
+        return web.Response(status=429, text=f"{error}\n", headers={**_HEADERS, "Retry-After": retry})
     except LedgerError as error:
         return web.Response(status=503, text=f"{error}\n", headers=_HEADERS)
 

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 from accounting.ledger.callers import ADMIN, Caller, no_access, no_reservation, resolve_dataset, tenant_caller
 from accounting.ledger.databases import Connection
@@ -23,7 +24,7 @@ from accounting.ledger.store.datasets import DatasetRow
 from accounting.ledger.store.queued_jobs import QueuedRow
 from accounting.ledger.store.reservations import ReservationRow
 from accounting.ledger.store.tables import Tables
-from accounting.ledger.store.tenants import Tenants
+from accounting.ledger.store.tenants import TenantRow, Tenants
 from accounting.ledger.store.transactions import Transactions
 from accounting.ledger.tokens import admin_key_id, token_digest, token_key_id, token_matches
 from accounting.ledger.validation import check_name
@@ -97,106 +98,110 @@ def visible_queued_job(tables: Tables, connection: Connection, caller: Caller, q
     return row
 
 
+class _KnownTokens(NamedTuple):
+    """The tokens that can authenticate, by key id, as last read, and the token generation they were read at."""
+
+    admins: dict[str, bytes]
+    tenants: dict[str, TenantRow]
+    generation: int | None
+
+
 class Authenticator:
-    """Tells the caller of a token, remembering the tokens it verified and checking each again after a rotation
-    or revocation."""
+    """Tells the caller of a token from the live tokens it keeps in memory.
+
+    A token costs one SHA-256 and two dictionary lookups, whoever sends it and
+    whatever its key id: no read of the database, so a flood of wrong or made-up
+    tokens costs the server next to nothing and never delays a right one. The
+    tokens are read again whenever the token generation changed (a creation,
+    rotation or revocation on any server of the database), which is looked at
+    at most every TOKEN_RECHECK_SECONDS.
+    """
 
     def __init__(self, transactions: Transactions, tenants: Tenants) -> None:
         self._transactions = transactions
         self._tenants = tenants
         self._lock = threading.Lock()
-        # By token digest: its caller, and the token generation it was last verified at.
-        self._verified_tokens: dict[bytes, tuple[Caller, int | None]] = {}
-        self._token_generation: int | None = None
-        self._tokens_checked_at = -math.inf
+        self._known = _KnownTokens({}, {}, None)
+        self._checked_at = -math.inf
+
+    def _live_tokens(self, look_now: bool = False) -> _KnownTokens:
+        """The live tokens, read again when the generation changed since the last look.
+
+        Looked at at most every TOKEN_RECHECK_SECONDS, by one thread while
+        the others use what it last read; `look_now` looks at once, waiting
+        for a look under way.
+        """
+        if not look_now and time.monotonic() - self._checked_at < TOKEN_RECHECK_SECONDS:
+            return self._known
+        if not self._lock.acquire(blocking=look_now):
+            return self._known
+        try:
+            if look_now or time.monotonic() - self._checked_at >= TOKEN_RECHECK_SECONDS:
+                with self._transactions.read() as connection:
+                    generation = self._tenants.generation(connection)
+                    if generation != self._known.generation:
+                        tenants, admins = self._tenants.live_tokens(connection)
+                        self._known = _KnownTokens(dict(admins), {row.key_id: row for row in tenants}, generation)
+                self._checked_at = time.monotonic()
+            return self._known
+        finally:
+            self._lock.release()
 
     def verified_caller(self, token: str) -> Caller | None:
-        """The caller of a token verified lately, or None (then `authenticate` looks it up).
+        """The caller of `token` when it is a live token stored by digest, else None (see `authenticate`).
 
-        Costs one SHA-256 and, at most every TOKEN_RECHECK_SECONDS, one read
-        of the token generation. When a rotation or revocation changed it, on
-        this server or another of the database, each verified token is looked
-        up again (one indexed read) when next used, and forgotten only when its
-        own key was rotated or revoked: one tenant's rotation never sends
-        another's token back through the failed-authentication limit.
+        One SHA-256 and two lookups in memory; at most every
+        TOKEN_RECHECK_SECONDS, one read of the token generation, and when it
+        changed one read of the live tokens.
         """
-        now = time.monotonic()
-        if now - self._tokens_checked_at >= TOKEN_RECHECK_SECONDS:
-            with self._transactions.read() as connection:
-                generation = self._tenants.generation(connection)
-            with self._lock:
-                self._token_generation = generation
-                self._tokens_checked_at = now
+        return self._caller_of(self._live_tokens(), token)
+
+    @staticmethod
+    def _caller_of(known: _KnownTokens, token: str) -> Caller | None:
+        """The caller whose live token, stored by digest, `token` is; else None."""
         digest = token_digest(token)
-        with self._lock:
-            known = self._verified_tokens.get(digest)
-            generation = self._token_generation
-        if known is None:
-            return None
-        if known[1] == generation:
-            return known[0]
-        try:
-            caller = self._stored_caller(token, digest)
-        except Unauthenticated:
-            with self._lock:
-                self._verified_tokens.pop(digest, None)
-            return None
-        with self._lock:
-            self._verified_tokens[digest] = (caller, generation)
-        return caller
+        key_id = admin_key_id(token)
+        admin_digest = known.admins.get(key_id)
+        if admin_digest is not None and hmac.compare_digest(digest, admin_digest):
+            return replace(ADMIN, key_id=key_id)
+        row = known.tenants.get(key_id)
+        if row is not None and row.token_salt is None and hmac.compare_digest(digest, row.token_hash):
+            return replace(tenant_caller(row.name), key_id=key_id)
+        return None
+
+    def knows_key_id(self, token: str) -> bool:
+        """Whether the key id `token` names is a live token's: only then can a token of that key id be right."""
+        known = self._live_tokens()
+        key_id = admin_key_id(token)
+        return key_id in known.admins or key_id in known.tenants
 
     def authenticate(self, token: str) -> Caller:
         """The admin or tenant a token belongs to; raises Unauthenticated for an unknown or revoked token.
 
-        A token is found by its key id and compared by its SHA-256 digest, so
-        a wrong one costs one fast hash and one indexed read. Verified tokens
-        are remembered (by digest; see `verified_caller`). A tenant token
-        stored by scrypt (schema version 6 and before) is checked with scrypt
-        once and then stored by digest.
+        Unlike `verified_caller`, it looks at the token generation first,
+        so a token created a moment ago on another server is found: one read,
+        which the server's limit on failed authentications bounds. A tenant
+        token still stored by scrypt (schema version 6 and before) is checked
+        with scrypt once and then stored by digest.
         """
-        known = self.verified_caller(token)
-        if known is not None:
-            return known
-        digest = token_digest(token)
-        generation = self._token_generation
-        caller = self._stored_caller(token, digest)
-        with self._lock:
-            self._verified_tokens[digest] = (caller, generation)
-        return caller
-
-    def _stored_caller(self, token: str, digest: bytes) -> Caller:
-        """The admin or tenant whose stored token `token` is; raises Unauthenticated for none."""
-        caller = self._admin_caller(token, digest)
-        return caller if caller is not None else self._tenant_caller(token, digest)
-
-    def _admin_caller(self, token: str, digest: bytes) -> Caller | None:
-        """The admin, when `token` is an admin token the ledger keeps and has not revoked; else None."""
-        key_id = admin_key_id(token)
-        with self._transactions.read() as connection:
-            stored = self._tenants.admin_token_digest(connection, key_id)
-        if stored is None or not hmac.compare_digest(digest, stored):
-            return None
-        return replace(ADMIN, key_id=key_id)
-
-    def _tenant_caller(self, token: str, digest: bytes) -> Caller:
-        """The tenant whose token `token` is; raises Unauthenticated for none."""
-        key_id = token_key_id(token)
-        with self._transactions.read() as connection:
-            row = self._tenants.by_key_id(connection, key_id)
-        if row is None or not (
-            hmac.compare_digest(digest, row.token_hash) if row.token_salt is None
-            else token_matches(token, row.token_salt, row.token_hash)
-        ):
+        known = self._live_tokens(look_now=True)  # a token made since the last look, on any server, is found
+        caller = self._caller_of(known, token)
+        if caller is not None:
+            return caller
+        row = known.tenants.get(admin_key_id(token))
+        if row is None or row.token_salt is None or not token_matches(token, row.token_salt, row.token_hash):
+            token_key_id(token)  # one not even of a ledger token's form says so
             raise Unauthenticated(
                 "the token is not known to this ledger, or was revoked or rotated; use the token dpfleet ledger "
                 "tenant create or dpfleet ledger token rotate printed"
             )
-        if row.token_salt is not None:
-            with self._transactions.change() as connection:
-                self._tenants.store_digest(connection, key_id, row.token_salt, digest)
-        return replace(tenant_caller(row.name), key_id=key_id)
+        with self._transactions.change() as connection:
+            self._tenants.store_digest(connection, row.key_id, row.token_salt, token_digest(token))
+            self.tokens_changed(connection)
+        return replace(tenant_caller(row.name), key_id=row.key_id)
 
     def tokens_changed(self, connection: Connection) -> None:
-        """Count a rotation or revocation, so every server forgets the tokens it verified (this one at once)."""
+        """Count a token's creation, rotation or revocation, so every server reads the live tokens again (this
+        one at once)."""
         self._tenants.count_token_change(connection)
-        self._tokens_checked_at = -math.inf
+        self._checked_at = -math.inf

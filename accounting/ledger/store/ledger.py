@@ -183,24 +183,26 @@ class Ledger:
     # ------------------------------------------------------------ identity
 
     def verified_caller(self, token: str) -> Caller | None:
-        """The caller of a token this ledger verified lately, or None (then `authenticate` looks it up).
+        """The caller of a live token stored by digest, or None (then `authenticate` checks a token still stored
+        by scrypt, or refuses it).
 
-        Costs one SHA-256 and, at most every TOKEN_RECHECK_SECONDS, one read
-        of the token generation: when a rotation or revocation changed it,
-        on this server or another of the database, each verified token is
-        looked up again when next used, and forgotten only when its own key
-        was rotated or revoked.
+        No read of the database: the live tokens are kept in memory and read
+        again, at most every TOKEN_RECHECK_SECONDS, when a creation, rotation or
+        revocation on this server or another of the database changed them.
         """
         return self._authenticator.verified_caller(token)
+
+    def knows_key_id(self, token: str) -> bool:
+        """Whether the key id `token` names is a live token's (no read: see `verified_caller`); only then can a
+        token of that key id be right."""
+        return self._authenticator.knows_key_id(token)
 
     def authenticate(self, token: str) -> Caller:
         """The admin or tenant a token belongs to; raises Unauthenticated for an unknown or revoked token.
 
-        A token is found by its key id and compared by its SHA-256 digest, so
-        a wrong one costs one fast hash and one indexed read. Verified tokens
-        are remembered (by digest) until the token generation changes (see
-        `verified_caller`). A tenant token stored by scrypt (schema version 6
-        and before) is checked with scrypt once and then stored by digest.
+        A token costs one fast hash and lookups in memory (`verified_caller`).
+        A tenant token still stored by scrypt (schema version 6 and before) is
+        checked with scrypt once and then stored by digest.
         """
         return self._authenticator.authenticate(token)
 
@@ -210,6 +212,7 @@ class Ledger:
             self._tables.tenants.add_admin_token(
                 connection, admin_key_id(token), token_digest(token), unless_known=True
             )
+            self._authenticator.tokens_changed(connection)
 
     def rotate_token(self, tenant: str | None = None, *, caller: Caller | None = None) -> TenantCreated:
         """Replace a token with a new one, shown this once; the old one stops working on every server within
@@ -302,6 +305,7 @@ class Ledger:
         with self._transactions.change() as connection:
             if not self._tables.tenants.insert(connection, tenant, key_id, token_digest(token)):
                 raise AlreadyExists(f"tenant {tenant!r} already exists; choose another name")
+            self._authenticator.tokens_changed(connection)
             self._history.record(
                 connection, caller, "create_tenant", tenant, None,
                 {"tenant": tenant, "key_id": key_id, "token_digest": stored_token_digest(None, token_digest(token))},

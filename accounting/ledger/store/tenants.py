@@ -121,12 +121,24 @@ class Tenants:
         ).fetchall()]
 
     @staticmethod
+    def live_tokens(connection: Connection) -> tuple[list[TenantRow], list[tuple[str, bytes]]]:
+        """Every token that can authenticate: the tenants that hold one, and the (key id, digest) of each admin
+        token not revoked."""
+        tenants = [TenantRow(*row) for row in connection.execute(
+            f"SELECT {_TENANT_COLUMNS} FROM tenants WHERE key_id IS NOT NULL"
+        ).fetchall()]
+        admins = [(key_id, bytes(digest)) for key_id, digest in connection.execute(
+            "SELECT key_id, token_hash FROM admin_tokens WHERE revoked_at IS NULL"
+        ).fetchall()]
+        return tenants, admins
+
+    @staticmethod
     def generation(connection: Connection) -> int:
-        """How many rotations and revocations the ledger has seen."""
+        """How many token changes (creations, rotations, revocations) the ledger has seen."""
         (generation,) = connection.execute("SELECT generation FROM token_generation").fetchone()
         return generation
 
     @staticmethod
     def count_token_change(connection: Connection) -> None:
-        """One more rotation or revocation."""
+        """One more token change."""
         connection.execute("UPDATE token_generation SET generation = generation + 1")
