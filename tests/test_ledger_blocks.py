@@ -40,6 +40,7 @@ from workers.sources import (
     user_hash_buckets,
     write_parquet_shards,
 )
+from tests.test_ledger_store import as_unkeyed_version
 
 ADMIN_TOKEN = "admin-token-for-block-tests-012345"
 DELTA = 1e-5
@@ -569,15 +570,13 @@ def test_a_file_of_version_6_keeps_its_blocks_undeclared_and_verify_finds_a_row_
         assert ledger.verify().findings == ()
     with sqlite3.connect(path) as connection:  # the same file as version 6 wrote it: its blocks declared nothing
         connection.execute("ALTER TABLE datasets DROP COLUMN block_data")
-        connection.execute("DROP TABLE admin_tokens")
-        connection.execute("DROP TABLE token_generation")
-        connection.execute("UPDATE schema_version SET version = 6")
         for (entry_id, details) in connection.execute(
                 "SELECT id, details FROM history WHERE action = 'add_block'").fetchall():
             connection.execute("DROP TRIGGER IF EXISTS history_is_append_only_update")
             old = {key: value for key, value in json.loads(details).items() if key != "data"}
             connection.execute("UPDATE history SET details = ? WHERE id = ?", (json.dumps(old, sort_keys=True),
                                                                               entry_id))
+    as_unkeyed_version(path, 6)
     with open_embedded_ledger(path) as ledger:
         assert [block.data for block in ledger.get_budget("people").blocks] == [None, None, None]
         with pytest.raises(FailedPrecondition, match="was added before blocks declared where their rows are"):

@@ -159,7 +159,7 @@ def test_verify_names_the_dataset_and_entry_of_a_hand_edited_row_and_exits_1(cap
         reservation = ledger.reserve("mnist", "job-1", SampledGaussian(0.004, 1.1, 500))
         ledger.commit(reservation.reservation_id, 200, 0)
     status, out, _ = run(capsys, "ledger", "verify")
-    assert status == 0 and out.startswith("no findings in 4 history entries (every hash checked, all replayed) and 1 "
+    assert status == 0 and out.startswith("no findings in 5 history entries (every hash checked, all replayed) and 1 "
                                           "datasets of ")
     with open_embedded_ledger(embedded) as ledger:
         ledger.commit(reservation.reservation_id, 100, 1)
@@ -184,7 +184,7 @@ def test_head_is_signed_and_verify_head_finds_the_tail_cut_since(capsys, embedde
     status, out, _ = run(capsys, "ledger", "head", "--history-key", str(key_file))
     assert status == 0
     head = json.loads(out)
-    assert head["entries"] == 2 and len(head["signature"]) == 64
+    assert head["entries"] == 3 and len(head["signature"]) == 64  # the ledger's creation, 'local', mnist
     status, out, _ = run(capsys, "ledger", "head")  # the default key signs otherwise
     assert json.loads(out)["signature"] != head["signature"]
     head_file = tmp_path / "head.json"
@@ -195,15 +195,15 @@ def test_head_is_signed_and_verify_head_finds_the_tail_cut_since(capsys, embedde
         signed = ledger.head()
     head_file.write_text(json.dumps(signed.to_dict()))
     status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
-    assert status == 0 and f"checked against the head of 2 entries signed at {signed.at}" in out
+    assert status == 0 and f"checked against the head of 3 entries signed at {signed.at}" in out
     with sqlite3.connect(embedded) as connection:
         connection.execute("DROP TRIGGER history_is_append_only_delete")
         connection.execute("DELETE FROM history WHERE action = 'create_dataset'")
         connection.execute("DELETE FROM datasets")
     status, out, _ = run(capsys, "ledger", "verify", "--head", str(head_file))
     assert status == 1 and out.splitlines() == [
-        f"signed head: the history has 1 entries; at {signed.at} it had 2: entries were cut from its tail",
-        "verified state: the history has 1 entries; the last verify checked 2: entries were cut from its tail",
+        f"signed head: the history has 2 entries; at {signed.at} it had 3: entries were cut from its tail",
+        "verified state: the history has 2 entries; the last verify checked 3: entries were cut from its tail",
         out.splitlines()[-1],
     ]
 

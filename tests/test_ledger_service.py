@@ -29,6 +29,7 @@ from accounting.ledger.errors import (
     Unauthenticated,
 )
 from accounting.ledger.service import SERVICE_NAME, start_server
+from accounting.ledger.tokens import admin_key_id
 from servers import self_signed_certificate
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
@@ -196,7 +197,8 @@ def test_admin_actions_need_the_admin_token(server, admin, acme):
         acme.raise_budget("mnist", 100.0)
     assert row_counts(server) == before
     assert admin.raise_budget("acme/mnist", 3.0).budget_epsilon == 3.0
-    assert admin.history("acme/mnist")[-1].details == {"from": 2.0, "to": 3.0}
+    # The entry names the key id of the admin token the change was made with, never the token.
+    assert admin.history("acme/mnist")[-1].details == {"from": 2.0, "to": 3.0, "actor_key_id": admin_key_id(ADMIN_TOKEN)}
     with pytest.raises(AlreadyExists):
         admin.create_tenant("acme")
     acme.reserve("mnist", "job-1", STEP.with_steps(3000))

@@ -5,6 +5,7 @@ import math
 import os
 import pickle
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -35,6 +36,7 @@ from accounting.ledger.store import (
     default_ledger_path,
     load_history_key,
     open_embedded_ledger,
+    rekey_ledger,
 )
 from accounting.ledger.tokens import hash_token, token_digest
 from accounting.ledger.verification import history_hash
@@ -93,6 +95,25 @@ def version_2_file(path, version=2):
         if version == 1:
             connection.execute("ALTER TABLE datasets DROP COLUMN released_jobs")
             connection.execute("UPDATE schema_version SET version = 1")
+    return path
+
+
+# The tables each schema version created, newest first (accounting/ledger/store/schema.py).
+LATER_TABLES = {11: "verified_state", 10: "composed_pld", 8: "admin_tokens token_generation", 6: "queued_jobs",
+                5: "tenant_use"}
+
+
+def as_unkeyed_version(path, version):
+    """The file as schema `version` (before 9) left it, as far as the ledger can tell: without the tables of
+    later versions and the entries that record a creation or migration, its history chained without the key."""
+    assert version < 9
+    with without_history_triggers(path) as connection:
+        for since, tables in LATER_TABLES.items():
+            for table in tables.split() if since > version else ():
+                connection.execute(f"DROP TABLE {table}")
+        connection.execute("DELETE FROM history WHERE action IN ('create_ledger', 'migrate_schema')")
+        rechain_without_the_key(connection)
+        connection.execute("UPDATE schema_version SET version = ?", (version,))
     return path
 
 
@@ -312,7 +333,11 @@ def test_budgets_are_raised_by_admins_only_never_below_what_is_held_and_recorded
     assert ledger.raise_budget("acme/mnist", 5.0).budget_epsilon == 5.0
     assert ledger.raise_budget("acme/mnist", held * 1.1).budget_epsilon == held * 1.1
     changes = [entry.details for entry in ledger.history("acme/mnist") if entry.action == "raise_budget"]
-    assert changes == [{"from": 2.0, "to": 5.0}, {"from": 5.0, "to": held * 1.1}]
+    # The embedded ledger's local admin acts with no token; a tenant's change names its token's key id.
+    assert changes == [{"from": 2.0, "to": 5.0, "actor_key_id": None},
+                       {"from": 5.0, "to": held * 1.1, "actor_key_id": None}]
+    (created,) = [entry for entry in ledger.history("acme/mnist") if entry.action == "create_dataset"]
+    assert created.details["actor_key_id"] == acme.key_id is not None
 
 
 def test_tenants_see_and_charge_only_their_own_datasets(ledger):
@@ -606,7 +631,8 @@ def test_a_ledger_opened_with_another_key_refuses_to_chain_to_its_history(ledger
     with Ledger(ledger.path, caller=ADMIN, history_key_file=tmp_path / "another.key") as other:
         with pytest.raises(FailedPrecondition, match="not chained with the history key"):
             other.create_tenant("acme")
-        assert len(other.verify().findings) == len(ledger.history())  # no entry is keyed with this key
+        # No entry is keyed with this key, nor is the state kept at the ledger's creation.
+        assert len(other.verify().findings) == len(ledger.history()) + 1
     assert ledger.verify().findings == ()
 
 
@@ -738,25 +764,39 @@ def test_a_forged_verified_state_is_found_and_the_replays_start_from_the_first_e
     assert incremental == full and len(incremental) == 1  # replayed from the start, the history matches the rows
     with sqlite3.connect(ledger.path) as connection:
         connection.execute("DELETE FROM verified_state")
+    (deleted,) = findings(ledger)
+    assert deleted == ("verified state: there is none, though every ledger of schema version 12 or later keeps one: "
+                       "it was deleted")
+    assert rekey_ledger(ledger.path) == []  # the admin's explicit, recorded way to seal it again
+    assert ledger.history()[-1].action == "rekey_history"
     assert ledger.verify().findings == () and ledger.verify().replayed == 0  # a clean verify keeps a new state
 
 
-def test_a_version_8_file_is_re_anchored_under_the_key_and_keeps_what_its_unkeyed_chain_showed(ledger):
+def test_a_version_8_file_with_an_edited_unkeyed_chain_is_refused_and_keyed_only_by_rekey_which_keeps_it(ledger):
     spent_some(ledger)
     # The file as schema version 8 left it: an unkeyed chain, with one row edited before the key existed.
+    as_unkeyed_version(ledger.path, 8)
     with without_history_triggers(ledger.path) as connection:
-        rechain_without_the_key(connection)
         connection.execute("UPDATE history SET actor = 'someone else' WHERE id = 2")
-        connection.execute("UPDATE schema_version SET version = 8")
     entries = len(ledger.history())
+    edited = "entry 2: its fields do not match its hash (the row was edited)"
+    with pytest.raises(FailedPrecondition, match=r"says schema version 8, but its history's chain, checked as schema "
+                                                 rf"version 8 chained it, has 1 finding\(s\): {re.escape(edited)}"):
+        Ledger(ledger.path)
+    (accepted,) = rekey_ledger(ledger.path, accept_findings=True)
+    assert edited in accepted
     with open_embedded_ledger(ledger.path) as migrated:
         anchor, migration = migrated.history()[-2:]
         assert (anchor.action, migration.action) == ("anchor_history", "migrate_schema")
+        assert migration.details["accepted_findings"] == [accepted]
         assert anchor.details["entries"] == entries and len(anchor.details["unkeyed_chain_findings"]) == 1
-        (finding,) = migrated.verify().findings
-        assert (finding.entry_id, finding.problem) == (
+        # Reported from then on: at the entry that keyed the chain, and at the migration the admin accepted it in.
+        unkeyed, admitted = migrated.verify().findings
+        assert (unkeyed.entry_id, unkeyed.problem) == (
             anchor.entry_id, "before the history was keyed, its unkeyed chain had: entry 2: its fields do not match "
             "its hash (the row was edited)")
+        assert (admitted.entry_id, admitted.problem) == (
+            migration.entry_id, f"an admin accepted, when it was migrated or re-keyed as it was: {accepted}")
 
 
 def test_a_rotated_or_revoked_token_is_refused_by_every_ledger_on_the_file_after_the_recheck(ledger, monkeypatch):

@@ -324,6 +324,29 @@ def _add_audit_commands(commands: argparse._SubParsersAction) -> None:
     head.set_defaults(handler=_HANDLERS + "run_head")
 
 
+def _add_rekey_command(commands: argparse._SubParsersAction) -> None:
+    """`rekey`: the history chained under the key and sealed, explicitly, on the store itself."""
+    rekey = commands.add_parser(
+        "rekey",
+        help="chain the history under the history key and seal it, recording it in the history",
+        description="Check the history, then chain every entry under --history-key and seal the schema version "
+        "and head under it, recording a history entry. A file of an older schema version is migrated, as "
+        "opening it would; one of this version is checked under the key it was chained with (--from-key; "
+        "default the same key, to seal again a history whose kept state was lost). Whatever the check finds (a "
+        "chain that does not hold, a file that is not what its schema version wrote) is refused unless "
+        "--accept-findings, which records it in the history, where verify reports it from then on. Opening a "
+        "ledger never does this by itself.",
+    )
+    _add_store_flag(rekey)
+    _add_history_key_flag(rekey)
+    rekey.add_argument("--from-key", help="the file of the key the history is chained with now, when it is "
+                       "another than --history-key's")
+    rekey.add_argument("--accept-findings", action="store_true",
+                       help="chain and seal the history as it is, though the check found something, and record "
+                       "what it found")
+    rekey.set_defaults(handler="orchestrator.cli.ledger_rekey:run_rekey")
+
+
 def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     """The `ledger` commands and their arguments."""
     ledger.description = __doc__
@@ -335,3 +358,4 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_fits_command(commands)
     _add_job_commands(commands)
     _add_audit_commands(commands)
+    _add_rekey_command(commands)

@@ -26,6 +26,12 @@ from accounting.ledger.verification import StoredEntry, history_hash
 HISTORY_COLUMNS = "id, at, actor, action, tenant, dataset_id, details, previous_hash, hash"
 
 
+def by_key(caller: Caller, details: dict) -> dict:
+    """The details of a change of authority (a token created, rotated or revoked, a budget or quota set), naming
+    the key id of the token its caller acted with (None: no token, as the embedded ledger's local admin)."""
+    return {**details, "actor_key_id": caller.key_id}
+
+
 class ListedEntry(NamedTuple):
     """An entry as a caller lists it: with the tenant and name of its dataset (None for none) instead of its id."""
 

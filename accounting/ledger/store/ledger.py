@@ -51,7 +51,7 @@ from accounting.ledger.store.authorisation import (
 )
 from accounting.ledger.store.clock import now
 from accounting.ledger.store.composed import BackgroundComposition
-from accounting.ledger.store.history import HistoryChain
+from accounting.ledger.store.history import HistoryChain, by_key
 from accounting.ledger.store.leases import expire_leases
 from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key, local_user
 from accounting.ledger.store.schema import create_or_check_schema
@@ -177,7 +177,8 @@ class Ledger:
         with self._transactions.change() as connection:
             if self._tables.tenants.insert_tokenless(connection, tenant):
                 self._history.record(
-                    connection, caller, "create_tenant", tenant, None, {"tenant": tenant, "token": False}
+                    connection, caller, "create_tenant", tenant, None,
+                    by_key(caller, {"tenant": tenant, "token": False}),
                 )
 
     # ------------------------------------------------------------ identity
@@ -207,11 +208,15 @@ class Ledger:
         return self._authenticator.authenticate(token)
 
     def register_admin_token(self, token: str) -> None:
-        """Keep the admin token a server was started with (once); a revoked one stays revoked."""
+        """Keep the admin token a server was started with (once), recorded in a `register_admin_token` entry by its
+        key id and a digest of its digest (never the token); a revoked one stays revoked."""
+        key_id, digest = admin_key_id(token), token_digest(token)
         with self._transactions.change() as connection:
-            self._tables.tenants.add_admin_token(
-                connection, admin_key_id(token), token_digest(token), unless_known=True
-            )
+            if not self._tables.tenants.add_admin_token(connection, key_id, digest, unless_known=True):
+                return
+            starter = Caller(actor="ledger server (its start-up admin token)", tenant=None, admin=True, key_id=key_id)
+            self._history.record(connection, starter, "register_admin_token", None, None, by_key(starter, {
+                "key_id": key_id, "token_digest": stored_token_digest(None, digest)}))
             self._authenticator.tokens_changed(connection)
 
     def rotate_token(self, tenant: str | None = None, *, caller: Caller | None = None) -> TenantCreated:
@@ -233,8 +238,9 @@ class Ledger:
                     revoked = [caller.key_id]
                     self._tables.tenants.revoke_admin_token(connection, caller.key_id)
                 self._authenticator.tokens_changed(connection)
-                self._history.record(connection, caller, "rotate_token", None, None,
-                                     {"admin": True, "key_id": key_id, "revoked_key_ids": revoked})
+                self._history.record(connection, caller, "rotate_token", None, None, by_key(caller, {
+                    "admin": True, "key_id": key_id, "revoked_key_ids": revoked,
+                    "token_digest": stored_token_digest(None, token_digest(token))}))
             return TenantCreated(None, token)
         check_name("tenant name", tenant)
         if not (caller.admin or caller.tenant == tenant):
@@ -248,8 +254,9 @@ class Ledger:
             self._authenticator.tokens_changed(connection)
             self._history.record(
                 connection, caller, "rotate_token", tenant, None,
-                {"tenant": tenant, "key_id": key_id, "revoked_key_ids": [row.key_id] if row.key_id else [],
-                 "token_digest": stored_token_digest(None, token_digest(token))},
+                by_key(caller, {"tenant": tenant, "key_id": key_id,
+                                "revoked_key_ids": [row.key_id] if row.key_id else [],
+                                "token_digest": stored_token_digest(None, token_digest(token))}),
             )
         return TenantCreated(tenant, token)
 
@@ -291,7 +298,7 @@ class Ledger:
                 revoked = key_id
             self._authenticator.tokens_changed(connection)
             self._history.record(connection, caller, "revoke_token", tenant, None,
-                                 {"tenant": tenant, "admin": tenant is None, "key_id": revoked})
+                                 by_key(caller, {"tenant": tenant, "admin": tenant is None, "key_id": revoked}))
         return revoked
 
     def create_tenant(self, tenant: str, *, caller: Caller | None = None) -> TenantCreated:
@@ -308,7 +315,8 @@ class Ledger:
             self._authenticator.tokens_changed(connection)
             self._history.record(
                 connection, caller, "create_tenant", tenant, None,
-                {"tenant": tenant, "key_id": key_id, "token_digest": stored_token_digest(None, token_digest(token))},
+                by_key(caller, {"tenant": tenant, "key_id": key_id,
+                                "token_digest": stored_token_digest(None, token_digest(token))}),
             )
         return TenantCreated(tenant, token)
 
@@ -379,9 +387,11 @@ class Ledger:
                     f"dataset {dataset!r} already exists; an admin can raise its budget (dpfleet ledger dataset raise)"
                 )
             self._history.record(
-                connection, caller, "create_dataset", reference.tenant, dataset_id,
-                {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
-                 "scheduling": scheduling.to_dict(), **({"content": content} if content is not None else {})},
+                connection, caller, "create_dataset", reference.tenant, dataset_id, by_key(
+                    caller,
+                    {"epsilon": epsilon, "delta": delta, "admission": rule.to_dict(), "privacy_unit": privacy_unit,
+                     "scheduling": scheduling.to_dict(), **({"content": content} if content is not None else {})},
+                ),
             )
             rows = read_status(
                 self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
@@ -407,7 +417,7 @@ class Ledger:
             self._tables.datasets.set_budget(connection, row.dataset_id, epsilon)
             self._history.record(
                 connection, caller, "raise_budget", row.tenant, row.dataset_id,
-                {"from": row.budget_epsilon, "to": epsilon},
+                by_key(caller, {"from": row.budget_epsilon, "to": epsilon}),
             )
             rows = read_status(
                 self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
@@ -444,9 +454,11 @@ class Ledger:
             if block_id is None:
                 raise AlreadyExists(f"dataset {dataset!r} already has a block {block!r}; choose another name")
             self._history.record(
-                connection, caller, "add_block", row.tenant, block_id,
-                {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta, "admission": rule.to_dict(),
-                 "data": data},
+                connection, caller, "add_block", row.tenant, block_id, by_key(
+                    caller,
+                    {"dataset": row.name, "block": block, "epsilon": epsilon, "delta": delta,
+                     "admission": rule.to_dict(), "data": data},
+                ),
             )
             rows = read_status(self._tables, connection, caller, row)
         return self._status(caller, rows)
@@ -482,9 +494,11 @@ class Ledger:
             self._tables.uses.set_quota(connection, budget.dataset_id, tenant, Quota(epsilon, rule))
             held_epsilon = rule.epsilon(use.held)
             self._history.record(
-                connection, caller, "set_quota", tenant, budget.dataset_id,
-                {"tenant": tenant, "block": block, "epsilon": epsilon, "admission": rule.to_dict(),
-                 "held_epsilon_filter": held_epsilon, "held_fits_quota": fits_budget(held_epsilon, epsilon)},
+                connection, caller, "set_quota", tenant, budget.dataset_id, by_key(
+                    caller,
+                    {"tenant": tenant, "block": block, "epsilon": epsilon, "admission": rule.to_dict(),
+                     "held_epsilon_filter": held_epsilon, "held_fits_quota": fits_budget(held_epsilon, epsilon)},
+                ),
             )
             rows = read_status(self._tables, connection, caller, row)
         return self._status(caller, rows)

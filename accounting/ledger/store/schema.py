@@ -4,6 +4,15 @@ The statements are written once, in the SQL both kinds of database read
 (`Database.types` fills in the type names that differ); a new ledger is
 created at SCHEMA_VERSION, an older one is migrated in the transaction that
 opens it, recorded in its history.
+
+A migration never launders: it first checks the file as the version it
+claims wrote it (`_before_migrating`: the chain under that version's rules,
+no table or history entry of a later version, no keyed state of a later
+version) and refuses, naming what it found. A new ledger and each migration
+keep the schema version and the history's head under the history key (the
+sealed verified state), so from then on a version number lowered by hand is
+a refusal. Re-chaining a history under a key (`rekey_history`, dpfleet
+ledger rekey) is an explicit admin command that records an entry.
 """
 
 from __future__ import annotations
@@ -15,12 +24,31 @@ from accounting.ledger.callers import Caller
 from accounting.ledger.databases import Connection, Database
 from accounting.ledger.errors import FailedPrecondition
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.store.history import HistoryChain
+from accounting.ledger.store.history import HistoryChain, by_key
 from accounting.ledger.store.local import local_user
 from accounting.ledger.store.transactions import Transactions
-from accounting.ledger.verification import ANCHOR_ACTION, chain_findings, history_hash
+from accounting.ledger.store.verification import keep_sealed_state
+from accounting.ledger.verification import (
+    ANCHOR_ACTION,
+    SEALED_SINCE_VERSION,
+    StoredEntry,
+    chain_findings,
+    history_hash,
+    sealed_version,
+    stored_token_digest,
+)
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = SEALED_SINCE_VERSION
+
+# The tables each schema version created: a file that says it is older than one of them and holds it was written
+# by a later version.
+_TABLES_SINCE = {
+    5: ("tenant_use",),
+    6: ("queued_jobs",),
+    8: ("admin_tokens", "token_generation"),
+    10: ("composed_pld",),
+    11: ("verified_state",),
+}
 
 # The indexes each listing reads in order (schema version 10), so that its time follows what it lists, not the
 # whole history: a dataset's last history entries, as the admin or one tenant sees them; a dataset's jobs, of
@@ -339,13 +367,23 @@ def _key_the_history(
     """
     entries = HistoryChain.entries(connection)
     unkeyed_findings = [str(finding) for finding in chain_findings(entries, {})]
+    _rechain(connection, database, entries, history.key)
+    history.record(
+        connection, caller, ANCHOR_ACTION, None, None,
+        {"entries": len(entries), "unkeyed_head_hash": entries[-1].entry_hash if entries else "",
+         "unkeyed_chain_findings": unkeyed_findings},
+    )
+
+
+def _rechain(connection: Connection, database: Database, entries: list[StoredEntry], key: bytes) -> None:
+    """Chain every entry of the history under `key`, each to the hash of the one before it as chained now."""
     for statement in database.drop_append_only:
         connection.execute(statement)
     previous = ""
     for entry in entries:
         entry_hash = history_hash(
             previous, entry.entry_id, entry.at, entry.actor, entry.action, entry.tenant, entry.dataset_id,
-            entry.details_json, history.key,
+            entry.details_json, key,
         )
         connection.execute(
             "UPDATE history SET previous_hash = ?, hash = ? WHERE id = ?", (previous, entry_hash, entry.entry_id)
@@ -353,11 +391,6 @@ def _key_the_history(
         previous = entry_hash
     for statement in database.append_only:
         connection.execute(statement)
-    history.record(
-        connection, caller, ANCHOR_ACTION, None, None,
-        {"entries": len(entries), "unkeyed_head_hash": entries[-1].entry_hash if entries else "",
-         "unkeyed_chain_findings": unkeyed_findings},
-    )
 
 
 def _index_listings_and_keep_composed_plds(
@@ -382,6 +415,22 @@ def _keep_the_verified_state(
     connection.execute(formatted(_VERIFIED_STATE, database))
 
 
+def _adopt_admin_tokens(
+    connection: Connection, caller: Caller, database: Database, history: HistoryChain
+) -> None:
+    """Version 12: the admin tokens kept before now, which no history entry created, recorded by key id and
+    digest (never the token) in an `adopt_admin_tokens` entry, so `verify` finds any admin token row the history
+    does not explain from then on; the keyed state is sealed at the end of every migration (`_migrate`)."""
+    tokens = [
+        {"key_id": key_id, "token_digest": stored_token_digest(None, bytes(token_hash)), "revoked": revoked is not None}
+        for key_id, token_hash, revoked in connection.execute(
+            "SELECT key_id, token_hash, revoked_at FROM admin_tokens ORDER BY key_id"
+        ).fetchall()
+    ]
+    if tokens:
+        history.record(connection, caller, "adopt_admin_tokens", None, None, by_key(caller, {"admin_tokens": tokens}))
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it; the steps
 # that append to the history append to `history` (the one that re-chains it under the key uses the key).
 _MIGRATIONS = {
@@ -395,6 +444,7 @@ _MIGRATIONS = {
     9: _key_the_history,
     10: _index_listings_and_keep_composed_plds,
     11: _keep_the_verified_state,
+    12: _adopt_admin_tokens,
 }
 
 
@@ -403,17 +453,26 @@ def create_or_check_schema(
 ) -> None:
     """Create a new ledger in `database`, or migrate an older one (recorded by `caller`, default the local user).
 
-    Refuses a ledger of a newer schema version than this dpfleet reads.
+    Refuses a ledger of a newer schema version than this dpfleet reads, and
+    an older one that is not what the version it claims wrote
+    (`_before_migrating`). A new ledger's history starts with a
+    `create_ledger` entry naming its schema version.
     """
     with transactions.change() as connection:
         if not connection.execute(database.schema_exists).fetchone():
             for statement in schema_statements(database):
                 connection.execute(statement)
             connection.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+            history.record(connection, _opener(caller, "creating"), "create_ledger", None, None,
+                           {"schema_version": SCHEMA_VERSION})
+            keep_sealed_state(connection, history.key, SCHEMA_VERSION)
             return
         (version,) = connection.execute("SELECT version FROM schema_version").fetchone()
         if version < SCHEMA_VERSION:
-            _migrate(connection, database, history, caller, version)
+            problems = _before_migrating(connection, database, history, version)
+            if problems:
+                raise _laundering_refused(database, version, problems)
+            _migrate(connection, database, history, caller, version, [])
             return
     if version != SCHEMA_VERSION:
         raise FailedPrecondition(
@@ -422,12 +481,138 @@ def create_or_check_schema(
         )
 
 
+def _opener(caller: Caller | None, doing: str) -> Caller:
+    """Who a creation or migration is recorded as: `caller`, default the local user `doing` it."""
+    return caller or Caller(actor=f"{local_user()} ({doing} the file)", tenant=None)
+
+
 def _migrate(
-    connection: Connection, database: Database, history: HistoryChain, caller: Caller | None, version: int
+    connection: Connection, database: Database, history: HistoryChain, caller: Caller | None, version: int,
+    accepted: list[str],
 ) -> None:
-    """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history."""
-    caller = caller or Caller(actor=f"{local_user()} (opening the file)", tenant=None)
+    """Bring a file of an older schema version up to SCHEMA_VERSION, recorded in its history with what the
+    checks before it found and an admin `accepted` (dpfleet ledger rekey --accept-findings), and seal it."""
+    caller = _opener(caller, "opening")
     for target in range(version + 1, SCHEMA_VERSION + 1):
         _MIGRATIONS[target](connection, caller, database, history)
     connection.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
-    history.record(connection, caller, "migrate_schema", None, None, {"from": version, "to": SCHEMA_VERSION})
+    history.record(connection, caller, "migrate_schema", None, None, {
+        "from": version, "to": SCHEMA_VERSION, **({"accepted_findings": accepted} if accepted else {}),
+    })
+    keep_sealed_state(connection, history.key, SCHEMA_VERSION)
+
+
+def _has_table(connection: Connection, database: Database, table: str) -> bool:
+    # `schema_exists` asks whether the table schema_version exists; the same question for another of the schema's.
+    return connection.execute(database.schema_exists.replace("schema_version", table)).fetchone() is not None
+
+
+def _before_migrating(connection: Connection, database: Database, history: HistoryChain, version: int) -> list[str]:
+    """What shows that a file claiming schema `version` is not what that version wrote: a table of a later
+    version, a history entry recording a later one, a keyed state of a later one (or not under the key), an
+    HMAC-keyed entry before version 9, or its chain failing the rules of its version. Empty when none."""
+    problems = [
+        f"it holds the table {table}, which schema version {since} and later create"
+        for since, tables in _TABLES_SINCE.items() if since > version
+        for table in tables if _has_table(connection, database, table)
+    ]
+    for entry_id, action, details in connection.execute(
+        "SELECT id, action, details FROM history WHERE action IN ('create_ledger', 'migrate_schema', ?) ORDER BY id",
+        (ANCHOR_ACTION,),
+    ).fetchall():
+        recorded = json.loads(details)
+        implied = 9 if action == ANCHOR_ACTION else recorded.get("schema_version", recorded.get("to", 0))
+        if implied > version:
+            problems.append(f"its history entry {entry_id} ({action}) records schema version {implied}")
+    if version >= 11 and _has_table(connection, database, "verified_state"):
+        row = connection.execute("SELECT state FROM verified_state WHERE id = 1").fetchone()
+        try:
+            sealed = sealed_version(history.key, bytes(row[0])) if row is not None else None
+        except ValueError as error:
+            problems.append(f"its verified state: {error}")
+        else:
+            if sealed is not None and sealed > version:
+                problems.append(f"its verified state, under the history key, was kept at schema version {sealed}")
+    if version >= 3:  # the chain came with version 3, its key with 9
+        problems += _chain_problems(HistoryChain.entries(connection), history.key, version)
+    return problems
+
+
+def _chain_problems(entries: list[StoredEntry], key: bytes, version: int) -> list[str]:
+    """What the history's chain shows wrong under the rules of schema `version` (unkeyed before 9)."""
+    if version < 9:
+        keyed = sum(entry.entry_hash == history_hash(entry.previous_hash, *entry[:7], key) for entry in entries)
+        if keyed:
+            return [f"{keyed} of its {len(entries)} history entries carry an HMAC under the history key, which "
+                    "only schema version 9 and later write"]
+    findings = chain_findings(entries, {}, key if version >= 9 else None, recorded=False)
+    if not findings:
+        return []
+    shown = "; ".join(str(finding) for finding in findings[:3])
+    return [f"its history's chain, checked as schema version {version} chained it, has {len(findings)} "
+            f"finding(s): {shown}{'; …' if len(findings) > 3 else ''}"]
+
+
+def _laundering_refused(database: Database, version: int, problems: list[str]) -> FailedPrecondition:
+    """The refusal to migrate a file that is not what schema `version` wrote (`_before_migrating`)."""
+    return FailedPrecondition(
+        f"the ledger {database.location} says schema version {version}, but {'; '.join(problems)}: it was changed "
+        "by hand or comes from another ledger, and a migration would key and seal it as it is. Restore it from its "
+        "backup; or, to migrate it as it is with these findings recorded in its history, run dpfleet ledger rekey "
+        "--accept-findings. See docs/ledger.md, 'What a migration refuses'"
+    )
+
+
+def rekey_history(
+    transactions: Transactions,
+    database: Database,
+    history: HistoryChain,
+    caller: Caller,
+    previous_key: bytes | None,
+    accept_findings: bool,
+) -> list[str]:
+    """Chain the history under `history`'s key and seal it, recorded by `caller`; what was found and accepted.
+
+    A file of an older schema version is migrated, its checks
+    (`_before_migrating`) refused unless `accept_findings`, then recorded.
+    A file of this version has its chain checked under `previous_key` (the
+    key it was chained with; None: the same key, to seal a history whose
+    kept state was lost) and refused on any finding unless
+    `accept_findings`; then every entry is chained under the key, and a
+    `rekey_history` entry records how many, the head it had and what was
+    accepted.
+    """
+    with transactions.change() as connection:
+        if not connection.execute(database.schema_exists).fetchone():
+            raise FailedPrecondition(f"{database.location} holds no ledger; there is no history to key")
+        (version,) = connection.execute("SELECT version FROM schema_version").fetchone()
+        if version > SCHEMA_VERSION:
+            raise FailedPrecondition(
+                f"the ledger {database.location} has schema version {version}; this dpfleet reads versions up to "
+                f"{SCHEMA_VERSION}. Use the dpfleet version that wrote it, or a newer one"
+            )
+        if version < SCHEMA_VERSION:
+            problems = _before_migrating(connection, database, history, version)
+            if problems and not accept_findings:
+                raise _laundering_refused(database, version, problems)
+            if problems and version >= 9:  # a keyed chain that does not hold, accepted: chained as it is
+                _rechain(connection, database, HistoryChain.entries(connection), history.key)
+            _migrate(connection, database, history, caller, version, problems)
+            return problems
+        entries = HistoryChain.entries(connection)
+        old_key = history.key if previous_key is None else previous_key
+        problems = [str(finding) for finding in chain_findings(entries, {}, old_key, recorded=False)]
+        if problems and not accept_findings:
+            raise FailedPrecondition(
+                f"the history of {database.location}, checked under the key it was chained with, has "
+                f"{len(problems)} finding(s): {'; '.join(problems[:3])}. Restore it from its backup, give the key "
+                "it was chained with (--from-key), or re-key it as it is with --accept-findings (they are recorded "
+                "in its history)"
+            )
+        _rechain(connection, database, entries, history.key)
+        history.record(connection, caller, "rekey_history", None, None, by_key(caller, {
+            "entries": len(entries), "previous_head_hash": entries[-1].entry_hash if entries else "",
+            "another_key": old_key != history.key, "accepted_findings": problems,
+        }))
+        keep_sealed_state(connection, history.key, SCHEMA_VERSION)
+        return problems

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from accounting.ledger.databases import Connection, Database
 from accounting.ledger.store.clock import now
-from accounting.ledger.verification import StoredTenant, stored_token_digest
+from accounting.ledger.verification import StoredAdminToken, StoredTenant, stored_token_digest
 
 
 class TenantRow(NamedTuple):
@@ -98,13 +98,24 @@ class Tenants:
         return row[0] if row is not None else None
 
     @staticmethod
-    def add_admin_token(connection: Connection, key_id: str, digest: bytes, unless_known: bool = False) -> None:
-        """Keep an admin token by its digest; `unless_known`: leave a token of that key id as it is (revoked too)."""
-        connection.execute(
+    def add_admin_token(connection: Connection, key_id: str, digest: bytes, unless_known: bool = False) -> bool:
+        """Keep an admin token by its digest; `unless_known`: leave a token of that key id as it is (revoked too).
+        Whether it was added."""
+        return bool(connection.execute(
             "INSERT INTO admin_tokens (key_id, token_hash, created_at) VALUES (?, ?, ?)"
             + (" ON CONFLICT DO NOTHING" if unless_known else ""),
             (key_id, digest, now()),
-        )
+        ).rowcount)
+
+    @staticmethod
+    def every_admin_token(connection: Connection) -> list[StoredAdminToken]:
+        """Every admin token, revoked or not, by key id, as `verify` replays it against its history."""
+        return [
+            StoredAdminToken(key_id, stored_token_digest(None, token_hash), revoked_at is not None)
+            for key_id, token_hash, revoked_at in connection.execute(
+                "SELECT key_id, token_hash, revoked_at FROM admin_tokens ORDER BY key_id"
+            ).fetchall()
+        ]
 
     @staticmethod
     def revoke_admin_token(connection: Connection, key_id: str) -> None:

@@ -22,6 +22,7 @@ from accounting.ledger.verification.replay import (
     burn_down,
 )
 from accounting.ledger.verification.rows import (
+    StoredAdminToken,
     StoredCommit,
     StoredDataset,
     StoredEntry,
@@ -31,7 +32,9 @@ from accounting.ledger.verification.rows import (
     stored_token_digest,
 )
 from accounting.ledger.verification.verified import (
+    SEALED_SINCE_VERSION,
     VerifiedState,
+    sealed_version,
 )
 
 __all__ = [
@@ -40,7 +43,9 @@ __all__ = [
     "Finding",
     "HEAD_SCHEMA",
     "HistoryReplay",
+    "SEALED_SINCE_VERSION",
     "SignedHead",
+    "StoredAdminToken",
     "StoredCommit",
     "StoredDataset",
     "StoredEntry",
@@ -52,6 +57,7 @@ __all__ = [
     "burn_down",
     "chain_findings",
     "head_findings",
+    "sealed_version",
     "history_hash",
     "sign_head",
     "stored_token_digest",

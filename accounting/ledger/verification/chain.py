@@ -47,17 +47,22 @@ def history_hash(
 
 
 ANCHOR_ACTION = "anchor_history"
+# The entries that record what a migration or re-keying found wrong before it chained the history under the key.
+_RECORDING_ACTIONS = (ANCHOR_ACTION, "migrate_schema", "rekey_history")
 
 
 def chain_findings(
-    entries: Iterable[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None
+    entries: Iterable[StoredEntry], dataset_names: dict[int, str], key: bytes | None = None, recorded: bool = True
 ) -> list[Finding]:
     """Every entry whose previous hash or own hash does not match the chain under the history `key`, oldest first.
 
     An edited entry shows as a wrong hash at that entry; a removed one as a
     wrong previous hash at the entry after it. What the migration that keyed
     an older file found wrong in its unkeyed chain (recorded in its
-    `anchor_history` entry) is reported again at that entry. `verify`
+    `anchor_history` entry), and what an admin accepted when migrating or
+    re-keying a history that failed its checks (dpfleet ledger rekey
+    --accept-findings), is reported again at that entry, unless not
+    `recorded` (a migration checks the chain as it is). `verify`
     re-hashes the whole history each time, so this loop builds nothing per
     entry that it does not need.
     """
@@ -66,11 +71,14 @@ def chain_findings(
     encode = _HASHED_FIELDS.encode
     digest = hmac.digest
     for entry_id, at, actor, action, tenant, dataset_id, details_json, previous_hash, entry_hash in entries:
-        if action == ANCHOR_ACTION:
-            unkeyed = json.loads(details_json).get("unkeyed_chain_findings") or []
+        if action in _RECORDING_ACTIONS and recorded:
+            details = json.loads(details_json)
             findings += [
                 Finding(entry_id, None, f"before the history was keyed, its unkeyed chain had: {problem}")
-                for problem in unkeyed
+                for problem in details.get("unkeyed_chain_findings") or ()
+            ] + [
+                Finding(entry_id, None, f"an admin accepted, when it was migrated or re-keyed as it was: {problem}")
+                for problem in details.get("accepted_findings") or ()
             ]
         payload = encode([previous_hash, entry_id, at, actor, action, tenant, dataset_id, details_json]).encode()
         expected = hashlib.sha256(payload).hexdigest() if key is None else digest(key, payload, "sha256").hex()

@@ -10,6 +10,7 @@ from accounting.ledger.verification.chain import SignedHead, chain_findings, hea
 from accounting.ledger.verification.findings import Finding, Verification
 from accounting.ledger.verification.replay import JOB_ACTIONS, BudgetReplay
 from accounting.ledger.verification.rows import (
+    StoredAdminToken,
     StoredCommit,
     StoredDataset,
     StoredEntry,
@@ -19,7 +20,7 @@ from accounting.ledger.verification.rows import (
 )
 from accounting.ledger.verification.tables import JobReplay, QueueReplay, TenantReplay
 from accounting.ledger.verification.units import UnitReplay
-from accounting.ledger.verification.verified import VerifiedState, verified_state_findings
+from accounting.ledger.verification.verified import SEALED_SINCE_VERSION, VerifiedState, verified_state_findings
 
 
 def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> list[int]:
@@ -93,6 +94,7 @@ class HistoryReplay:
         reservations: Sequence[StoredReservation],
         commits: Sequence[StoredCommit],
         tenants: Sequence[StoredTenant],
+        admin_tokens: Sequence[StoredAdminToken] = (),
     ) -> list[Finding]:
         """What the replays noted, and where the tables' rows differ from what they replay to."""
         names = {dataset.dataset_id: dataset.name for dataset in datasets}
@@ -111,7 +113,7 @@ class HistoryReplay:
             )
             findings += replay.use_findings(use)
         findings += self.jobs.findings(list(reservations), list(commits))
-        findings += self.tenants.findings(list(tenants))
+        findings += self.tenants.findings(list(tenants), list(admin_tokens))
         return findings
 
 
@@ -124,6 +126,8 @@ def verify_history(
     reservations: Sequence[StoredReservation] = (),
     commits: Sequence[StoredCommit] = (),
     tenants: Sequence[StoredTenant] = (),
+    admin_tokens: Sequence[StoredAdminToken] = (),
+    schema_version: int | None = None,
     head: SignedHead | None = None,
     verified: bytes | None = None,
     full: bool = False,
@@ -145,6 +149,12 @@ def verify_history(
     entry's hash is checked either way, and a state whose HMAC or anchor
     does not match is a finding. Returns what was found, and the state to
     keep when nothing was (None otherwise).
+
+    `schema_version` is the version the ledger's file says it has: from
+    SEALED_SINCE_VERSION on every ledger keeps a state, so no state, or one
+    of another version, is a finding (a state deleted, or a version number
+    changed by hand). `admin_tokens` are compared with the tokens the
+    history creates, rotates and revokes, as `tenants` are.
     """
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
     findings = chain_findings(entries, names, key)
@@ -154,16 +164,24 @@ def verify_history(
     if verified is not None:
         start, problems = verified_state_findings(key, verified, entries)
         findings += problems
-    if start is not None and not full and not any(
+    elif schema_version is not None and schema_version >= SEALED_SINCE_VERSION:
+        findings.append(Finding(None, None, f"there is none, though every ledger of schema version "
+                                            f"{SEALED_SINCE_VERSION} or later keeps one: it was deleted",
+                                row="verified state"))
+    if start is not None and schema_version is not None and start.schema_version != schema_version:
+        findings.append(Finding(None, None, f"it was kept at schema version {start.schema_version}, but the file "
+                                            f"says {schema_version}: the version number was changed by hand",
+                                row="verified state"))
+    if start is not None and start.replay is not None and not full and not any(
         finding.entry_id is not None and finding.entry_id <= start.last_entry_id for finding in findings
     ):
         replay, replayed = start.replay, entries[start.entries:]
     else:
         replay, replayed = HistoryReplay(), entries
     replay.extend(replayed, datasets)
-    findings += replay.findings(datasets, uses, reservations, commits, tenants)
+    findings += replay.findings(datasets, uses, reservations, commits, tenants, admin_tokens)
     head_hash = entries[-1].entry_hash if entries else ""
     verification = Verification(len(entries), len(datasets), head_hash, tuple(findings), len(replayed))
     if findings or not entries:
         return verification, None
-    return verification, VerifiedState(len(entries), entries[-1].entry_id, head_hash, replay)
+    return verification, VerifiedState(len(entries), entries[-1].entry_id, head_hash, schema_version or 0, replay)

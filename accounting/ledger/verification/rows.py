@@ -93,6 +93,16 @@ class StoredTenant:
     token_digest: str | None
 
 
+@dataclass(frozen=True)
+class StoredAdminToken:
+    """A row of the admin_tokens table: its key id, a digest of its token hash (stored_token_digest), and whether
+    it was revoked."""
+
+    key_id: str
+    token_digest: str
+    revoked: bool
+
+
 def stored_token_digest(salt: bytes | None, token_hash: bytes | None) -> str | None:
     """What a tenant's token entries record of its stored salt and hash, so `verify` sees them swapped.
 

@@ -13,7 +13,13 @@ from accounting.events import Composition, EventError
 from accounting.ledger.validation import ACTIVE, RELEASED
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.replay import JOB_ACTIONS
-from accounting.ledger.verification.rows import StoredCommit, StoredEntry, StoredReservation, StoredTenant
+from accounting.ledger.verification.rows import (
+    StoredAdminToken,
+    StoredCommit,
+    StoredEntry,
+    StoredReservation,
+    StoredTenant,
+)
 
 _QUEUE_ACTIONS = ("enqueue", "reserve", "cancel_queued", "queue_timeout")
 
@@ -85,31 +91,55 @@ def _unpaired(name: str, row_only: bool, kind: str) -> Finding:
     return Finding(None, None, f"{name} {where}", row=kind)
 
 
+_ADMIN_TOKEN_ACTIONS = ("register_admin_token", "adopt_admin_tokens")
+
+
 class TenantReplay:
-    """Every tenant and its token's key id and digest as the history replays them.
+    """Every tenant and its token's key id and digest, and every admin token, as the history replays them.
 
     A tenant's token is the one its last `create_tenant`, `rotate_token` or
-    `revoke_token` entry names (a revoked tenant has none).
+    `revoke_token` entry names (a revoked tenant has none). An admin token
+    is one a `register_admin_token` (a server started with it), an admin
+    `rotate_token` or an `adopt_admin_tokens` (the tokens a ledger kept
+    before schema version 12) entry names, live until an entry revokes it.
     """
 
     def __init__(self) -> None:
         self.created: dict[str, dict] = {}
+        # By key id: the admin token's digest (None where an entry before schema version 12 did not record it)
+        # and whether it was revoked.
+        self.admins: dict[str, dict] = {}
 
     def apply(self, entry: StoredEntry) -> None:
         """Extend the replay by one history entry."""
-        if entry.action not in ("create_tenant", "rotate_token", "revoke_token"):
+        if entry.action not in ("create_tenant", "rotate_token", "revoke_token", *_ADMIN_TOKEN_ACTIONS):
             return
         details = json.loads(entry.details_json)
-        if details.get("tenant") is None:  # an admin token's rotation or revocation
+        if entry.action in _ADMIN_TOKEN_ACTIONS or details.get("admin"):
+            self._apply_admin(entry.action, details)
+            return
+        if details.get("tenant") is None:
             return
         if entry.action == "revoke_token":
             details = {**details, "key_id": None, "token_digest": None}
         self.created[details["tenant"]] = details if entry.action == "create_tenant" else {
             **self.created.get(details["tenant"], {}), **details}
 
-    def findings(self, tenants: list[StoredTenant]) -> list[Finding]:
-        """Where the tenants table differs from the replay: every tenant, its token's key id and digest."""
-        findings = []
+    def _apply_admin(self, action: str, details: dict) -> None:
+        if action == "adopt_admin_tokens":
+            for token in details["admin_tokens"]:
+                self.admins[token["key_id"]] = {"token_digest": token["token_digest"], "revoked": token["revoked"]}
+        elif action == "revoke_token":
+            self.admins.setdefault(details["key_id"], {"token_digest": None})["revoked"] = True
+        else:  # a registration, or a rotation: the new token, and the one it replaced revoked
+            self.admins[details["key_id"]] = {"token_digest": details.get("token_digest"), "revoked": False}
+            for key_id in details.get("revoked_key_ids") or ():
+                self.admins.setdefault(key_id, {"token_digest": None})["revoked"] = True
+
+    def findings(self, tenants: list[StoredTenant], admin_tokens: list[StoredAdminToken]) -> list[Finding]:
+        """Where the tenants and admin_tokens tables differ from the replay: every tenant, its token's key id and
+        digest, and every admin token, its digest and whether it is revoked."""
+        findings = self._admin_findings(admin_tokens)
         stored = {tenant.name: tenant for tenant in tenants}
         for name in sorted(set(stored) | set(self.created)):
             row, details = stored.get(name), self.created.get(name)
@@ -120,6 +150,23 @@ class TenantReplay:
             ):
                 findings.append(Finding(None, None, f"{name}: its token is not the one its history records (a token "
                                                     "was swapped in the table)", row="tenant"))
+        return findings
+
+    def _admin_findings(self, admin_tokens: list[StoredAdminToken]) -> list[Finding]:
+        findings = []
+        stored = {token.key_id: token for token in admin_tokens}
+        for key_id in sorted(set(stored) | set(self.admins)):
+            row, replayed = stored.get(key_id), self.admins.get(key_id)
+            if row is None or replayed is None:
+                findings.append(_unpaired(key_id, replayed is None, "admin token"))
+            elif row.revoked != replayed["revoked"]:
+                findings.append(Finding(None, None, f"{key_id}: its history revoked it, but its row is live (its "
+                                                    "revocation was cleared)" if replayed["revoked"] else
+                                                    f"{key_id}: its row is revoked, but its history never revoked it",
+                                        row="admin token"))
+            elif replayed["token_digest"] is not None and row.token_digest != replayed["token_digest"]:
+                findings.append(Finding(None, None, f"{key_id}: its token is not the one its history records (a "
+                                                    "token was swapped in the table)", row="admin token"))
         return findings
 
 
