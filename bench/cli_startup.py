@@ -71,7 +71,8 @@ def ledger_server() -> Iterator[dict[str, str]]:
     with tempfile.TemporaryDirectory(prefix="dpfleet-cli-startup-") as folder:
         token = "admin-token-of-the-cli-startup-benchmark"
         environment = {**os.environ, "DPFLEET_ADMIN_TOKEN": token}
-        server = subprocess.Popen([*dpfleet(), "ledger", "serve", "--db", f"{folder}/ledger.db", "--port", "0"],
+        server = subprocess.Popen([*dpfleet(), "ledger", "serve", "--db", f"{folder}/ledger.db", "--port", "0",
+                                   "--allow-key-beside-database"],
                                   cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                   text=True)
         try:

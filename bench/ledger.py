@@ -60,7 +60,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from accounting.events import SampledGaussian
 from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
-from accounting.ledger.store import Ledger
+from accounting.ledger.store import Ledger, default_history_key_path
 from bench.postgres import PostgresCluster, postgresql_binaries
 
 ADMIN_TOKEN = "bench-admin-token-0123456789abcdef"
@@ -87,10 +87,12 @@ _SERVE = (
 def serve_process(db: str | Path, rate_limits: dict | None = None) -> subprocess.Popen:
     """A ledger server in a process of its own on `db`, with ADMIN_TOKEN; its first line of output is its address.
 
-    `rate_limits` are start_server's, by name (None: the defaults).
+    `rate_limits` are start_server's, by name (None: the defaults). Every server of the benchmark reads this
+    machine's default history key, named, since a ledger on PostgreSQL needs its key named.
     """
+    key = {"history_key_file": str(default_history_key_path()), "allow_key_beside_database": True}
     return subprocess.Popen(
-        [sys.executable, "-c", _SERVE, str(db), ADMIN_TOKEN, json.dumps(rate_limits or {})],
+        [sys.executable, "-c", _SERVE, str(db), ADMIN_TOKEN, json.dumps({**key, **(rate_limits or {})})],
         stdout=subprocess.PIPE, text=True,
     )
 

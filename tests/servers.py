@@ -56,11 +56,12 @@ def start_serve_process(
     """Start `dpfleet ledger serve` on 127.0.0.1:port (0: any free port); return it and its HOST:PORT.
 
     `extra_args` go to `serve` too; what it prints after its address is left to read on the process's stdout.
+    The server keeps the default history key of the test's DPFLEET_HOME (--allow-key-beside-database).
     `dpfleet` is the command line that runs dpfleet.
     """
     process = subprocess.Popen(
         [*dpfleet, "ledger", "serve", "--db", str(db_path), "--port", str(port)]
-        + ["--admin-token-file", str(token_file), *extra_args],
+        + ["--admin-token-file", str(token_file), "--allow-key-beside-database", *extra_args],
         cwd=REPOSITORY,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

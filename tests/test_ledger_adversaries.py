@@ -43,7 +43,7 @@ def plan_json(*records):
 @pytest.fixture
 def server(tmp_path):
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, auth_failure_burst=3,
-                           auth_failure_rate_per_second=0.01)
+                           auth_failure_rate_per_second=0.01, allow_key_beside_database=True)
     yield running
     running.stop(grace_seconds=1.0)
 
@@ -118,7 +118,7 @@ def test_a_composition_past_its_deadline_is_killed_and_the_process_serves_the_ne
 
 def test_a_commit_is_charged_for_the_steps_it_makes_the_server_compose(tmp_path):
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, curve_burst=101,
-                           curve_rate_per_second=0.01)
+                           curve_rate_per_second=0.01, allow_key_beside_database=True)
     try:
         with RemoteLedger(running.address, ADMIN_TOKEN) as admin:
             token = admin.create_tenant("mallory").token

@@ -202,7 +202,7 @@ def test_quotas_limit_a_tenant_beside_the_global_filter_and_verify_finds_an_edit
 
 @pytest.fixture
 def server(tmp_path):
-    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, allow_key_beside_database=True)
     yield running
     running.stop(grace_seconds=1.0)
 

@@ -48,7 +48,7 @@ def embedded(tmp_path, monkeypatch):
 def server(tmp_path, monkeypatch):
     monkeypatch.delenv("DPFLEET_LEDGER", raising=False)
     monkeypatch.delenv("DPFLEET_TOKEN", raising=False)
-    running = start_server(tmp_path / "served.db", "127.0.0.1", 0, ADMIN_TOKEN)
+    running = start_server(tmp_path / "served.db", "127.0.0.1", 0, ADMIN_TOKEN, allow_key_beside_database=True)
     yield running
     running.stop(grace_seconds=1.0)
 

@@ -356,9 +356,9 @@ def test_kill_9_of_a_server_mid_burst_the_client_fails_over_and_its_retries_char
     assert sorted(sequences) == list(range(400)) and committed_steps == 400
 
 
-def test_kill_9_of_postgresql_mid_burst_keeps_every_acknowledged_commit(cluster):
+def test_kill_9_of_postgresql_mid_burst_keeps_every_acknowledged_commit(cluster, history_key):
     url = cluster.create_database("crash")
-    server = start_server(url, "127.0.0.1", 0, ADMIN_TOKEN)
+    server = start_server(url, "127.0.0.1", 0, ADMIN_TOKEN, history_key_file=history_key)
     try:
         with RemoteLedger(server.address, ADMIN_TOKEN, timeout_seconds=10) as admin:
             token = admin.create_tenant("acme").token

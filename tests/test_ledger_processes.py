@@ -128,7 +128,7 @@ def test_eight_processes_racing_to_reserve_never_overspend_the_budget(tmp_path):
     budget = 2.0
     rule = AdmissionRule.for_budget(budget, DELTA)
     assert fits_budget(rule.epsilon(three), budget) and not fits_budget(rule.epsilon(three + job), budget)
-    server = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
+    server = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, allow_key_beside_database=True)
     try:
         with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
             token = admin.create_tenant("acme").token

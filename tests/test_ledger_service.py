@@ -48,7 +48,7 @@ def event_json(sampling_rate="0.01", noise_multiplier="1.0", steps="10", kind='"
 
 @pytest.fixture
 def server(tmp_path):
-    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN)
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, allow_key_beside_database=True)
     yield running
     running.stop(grace_seconds=1.0)
 
@@ -360,7 +360,9 @@ def test_privacy_units_travel_over_grpc_and_mixed_units_are_refused_as_failed_pr
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 def test_tls_serves_clients_that_trust_the_certificate_only(tmp_path):
     certificate, key = self_signed_certificate(tmp_path)
-    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=certificate, tls_key=key)
+    running = start_server(
+        tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=certificate, tls_key=key, allow_key_beside_database=True
+    )
     try:
         with RemoteLedger(running.address, ADMIN_TOKEN, tls_ca=certificate) as secure:
             assert secure.create_tenant("acme").tenant == "acme"
@@ -395,7 +397,7 @@ def test_a_server_releases_an_expired_lease_by_itself_and_refuses_its_next_commi
 
 def test_failed_authentications_are_limited_per_key_id_and_never_refuse_the_right_token(tmp_path):
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, auth_failure_burst=3,
-                           auth_failure_rate_per_second=0.01)
+                           auth_failure_rate_per_second=0.01, allow_key_beside_database=True)
     try:
         with RemoteLedger(running.address, ADMIN_TOKEN) as admin:
             tenant = admin.create_tenant("acme").token
@@ -426,7 +428,7 @@ def test_failed_authentications_are_limited_per_key_id_and_never_refuse_the_righ
 
 def test_a_tenants_costly_requests_are_rate_limited_with_retry_after_metadata(tmp_path):
     running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, curve_burst=2,
-                           curve_rate_per_second=0.01)
+                           curve_rate_per_second=0.01, allow_key_beside_database=True)
     try:
         with RemoteLedger(running.address, ADMIN_TOKEN) as admin:
             token = admin.create_tenant("acme").token

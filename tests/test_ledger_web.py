@@ -314,8 +314,9 @@ def test_a_busy_port_is_refused_by_name_and_a_ledger_that_cannot_answer_is_a_503
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} .*choose another --metrics-port"):
-            start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, http_port=0, metrics_port=port)
-    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, metrics_port=0)  # the file is free
+            start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, http_port=0, metrics_port=port,
+                         allow_key_beside_database=True)
+    running = start_server(tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, metrics_port=0, allow_key_beside_database=True)  # the file is free
     try:
         metrics = f"http://127.0.0.1:{running.web.metrics_port}/metrics"
         assert running.web.http_port is None and get(metrics)[0] == 401
@@ -338,7 +339,7 @@ def test_with_tls_the_page_and_metrics_are_https_and_the_cookie_is_secure(tmp_pa
     certificate, key = self_signed_certificate(tmp_path)
     running = start_server(
         tmp_path / "ledger.db", "127.0.0.1", 0, ADMIN_TOKEN, tls_cert=certificate, tls_key=key, http_port=0,
-        metrics_port=0,
+        metrics_port=0, allow_key_beside_database=True,
     )
     trusting = ssl.create_default_context(cafile=str(certificate))
     try:

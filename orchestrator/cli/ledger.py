@@ -25,7 +25,16 @@ from accounting.ledger.errors import BudgetExceeded, InvalidArgument, LedgerErro
 from accounting.ledger.interface import PrivacyLedger
 from accounting.ledger.records import DatasetStatus
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.store import Ledger, default_ledger_path, open_embedded_ledger
+from accounting.ledger.store import (
+    HistoryKeySource,
+    Ledger,
+    default_ledger_path,
+    history_key_source,
+    load_public_key,
+    load_signing_key,
+    new_signing_key,
+    open_embedded_ledger,
+)
 from accounting.ledger.validation import check_budget_epsilon, check_delta, delta_warning
 from accounting.ledger.verification import SignedHead
 from orchestrator import checks
@@ -227,7 +236,7 @@ def run_serve(args: argparse.Namespace) -> int:
     service.serve(
         args.db, args.host, port, admin_token, args.tls_cert, args.tls_key, announce=announce,
         http_port=http_port, metrics_port=metrics_port, scheduling=_scheduling(args),
-        history_key_file=args.history_key,
+        history_key_file=_history_key(args), allow_key_beside_database=args.allow_key_beside_database,
         curve_rate_per_second=checks.positive_number("--curves-per-second", args.curves_per_second),
         curve_burst=checks.integer_at_least("--curve-burst", args.curve_burst, 1),
         auth_failure_rate_per_second=checks.positive_number(
@@ -484,15 +493,30 @@ def _open_store(args: argparse.Namespace) -> Ledger:
     path = args.db if args.db and is_postgresql(args.db) else Path(args.db) if args.db else default_ledger_path()
     if isinstance(path, Path) and not path.exists():
         raise UsageError(f"no ledger file at {path}; give the file or URL dpfleet ledger serve --db uses")
-    return Ledger(path, caller=ADMIN, history_key_file=args.history_key)
+    return Ledger(path, caller=ADMIN, history_key_file=_history_key(args))
+
+
+def _history_key(args: argparse.Namespace) -> HistoryKeySource | None:
+    """The history key's source of --history-key, --history-key-env or --history-key-command (None: the default)."""
+    return history_key_source(args.history_key, args.history_key_env, args.history_key_command)
 
 
 @ledger_command
 def run_head(args: argparse.Namespace) -> int:
-    """Print the history's head signed with the history key, for the operator to keep elsewhere."""
+    """Print the history's head signed with the history key or --signing-key, for the operator to keep elsewhere."""
+    signing_key = load_signing_key(args.signing_key) if args.signing_key is not None else None
     with _open_store(args) as ledger:
-        head = ledger.head()
+        head = ledger.head(signing_key)
     print_json(head.to_dict())
+    return 0
+
+
+@ledger_command
+def run_new_signing_key(args: argparse.Namespace) -> int:
+    """Write a new Ed25519 key to sign heads with, and its public key beside it."""
+    public_path = new_signing_key(args.out)
+    print(f"wrote the signing key {args.out} (mode 0600; keep it from the database's administrator) and its public "
+          f"key {public_path} (give it to tenants: dpfleet ledger verify --head FILE --public-key {public_path})")
     return 0
 
 
@@ -505,9 +529,12 @@ def run_verify(args: argparse.Namespace) -> int:
             head = SignedHead.from_dict(json.loads(Path(args.head).read_text()))
         except ValueError as error:
             raise UsageError(f"--head {args.head}: not the JSON dpfleet ledger head prints ({error})") from None
+    if args.public_key is not None and head is None:
+        raise UsageError("--public-key checks a head's signature: give the head too (--head FILE)")
+    public_key = load_public_key(args.public_key) if args.public_key is not None else None
     path = args.db or default_ledger_path()
     with _open_store(args) as ledger:
-        verification = ledger.verify(head, full=args.full)
+        verification = ledger.verify(head, full=args.full, head_public_key=public_key)
     if args.json:
         print_json(verification.to_dict())
     else:

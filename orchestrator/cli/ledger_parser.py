@@ -31,11 +31,26 @@ def _add_client_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
-def _add_history_key_flag(parser: argparse.ArgumentParser) -> None:
+def _add_history_key_flag(parser: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
     parser.add_argument(
         "--history-key",
         help="the file of the key the history is chained with (default: ledger-history.key in $DPFLEET_HOME or "
         "~/.local/share/dpfleet, created on first use); every server of one database needs the same",
+    )
+
+
+def _add_history_key_sources(parser: argparse.ArgumentParser) -> None:
+    """The history key from one of a file, an environment variable or a command (docs/ledger.md)."""
+    sources = parser.add_mutually_exclusive_group()
+    _add_history_key_flag(sources)
+    sources.add_argument(
+        "--history-key-env", metavar="VAR",
+        help="take the history key from this environment variable instead (64 hex digits, as in the key file)",
+    )
+    sources.add_argument(
+        "--history-key-command", metavar="CMD",
+        help="take the history key from what this command prints instead, such as a secrets manager's client "
+        "(64 hex digits; run without a shell, its words split as a POSIX shell would; a failure stops the command)",
     )
 
 
@@ -106,7 +121,12 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve_parser.add_argument("--tls-cert", help="PEM certificate of the server (with --tls-key)")
     serve_parser.add_argument("--tls-key", help="PEM private key of the server (with --tls-cert)")
     serve_parser.add_argument("--json", action="store_true", help="announce the address as JSON")
-    _add_history_key_flag(serve_parser)
+    _add_history_key_sources(serve_parser)
+    serve_parser.add_argument(
+        "--allow-key-beside-database", action="store_true",
+        help="start though the history key file is in the SQLite file's folder or is the default one, where "
+        "whoever writes the database as this user can read it (refused without this flag)",
+    )
     _add_scheduling_flags(serve_parser, "a dataset created without --scheduling: its")
     serve_parser.add_argument(
         "--curve-processes", default="1",
@@ -306,22 +326,40 @@ def _add_audit_commands(commands: argparse._SubParsersAction) -> None:
         "it (no entry cut from the tail, none rewritten)"
     )
     verify.add_argument(
+        "--public-key", help="with --head: the PEM public key (FILE.pub of dpfleet ledger signing-key new) its "
+        "Ed25519 signature must be by; a head signed otherwise, HMAC included, is a finding"
+    )
+    verify.add_argument(
         "--full", action="store_true", help="replay every entry from the first, not from the last verified one"
     )
     verify.add_argument("--json", action="store_true", help="print JSON instead of text")
-    _add_history_key_flag(verify)
+    _add_history_key_sources(verify)
     verify.set_defaults(handler=_HANDLERS + "run_verify")
 
     head = commands.add_parser(
         "head",
-        help="print the history's head (entries, last hash, time) signed with the history key",
+        help="print the history's head (entries, last hash, time) signed with the history key or an Ed25519 key",
         description="Print the history's head as JSON: how many entries, the last entry's hash and the time, "
-        "signed (HMAC-SHA-256) with the history key. Keep it somewhere the ledger's database administrator cannot "
-        "write; dpfleet ledger verify --head FILE then tells whether entries were cut from the tail since.",
+        "signed (HMAC-SHA-256) with the history key, or with --signing-key by an Ed25519 key whose public key "
+        "tenants hold. Keep it somewhere the ledger's database administrator cannot write; dpfleet ledger verify "
+        "--head FILE (--public-key PUB for an Ed25519 head) then tells whether entries were cut from the tail "
+        "since, or the history rewritten.",
     )
     _add_store_flag(head)
-    _add_history_key_flag(head)
+    _add_history_key_sources(head)
+    head.add_argument("--signing-key", help="sign with this Ed25519 private key (PEM, from dpfleet ledger "
+                      "signing-key new) instead of the history key, for anyone with its public key to check")
     head.set_defaults(handler=_HANDLERS + "run_head")
+
+    signing_keys = _command_group(commands, "signing-key", "the Ed25519 key that signs heads for tenants to check")
+    new_key = signing_keys.add_parser(
+        "new", help="write a new Ed25519 key to sign heads with, and its public key",
+        description="Write a new Ed25519 private key to OUT (PEM, mode 0600; never over an existing file) and its "
+        "public key to OUT.pub. Keep OUT where the ledger's database administrator cannot read it; give OUT.pub to "
+        "tenants, who check the heads dpfleet ledger head --signing-key OUT signs with it.",
+    )
+    new_key.add_argument("out", metavar="OUT", help="the private key's file; the public key goes to OUT.pub")
+    new_key.set_defaults(handler=_HANDLERS + "run_new_signing_key")
 
 
 def _add_rekey_command(commands: argparse._SubParsersAction) -> None:

@@ -32,7 +32,8 @@ from prometheus_client import CollectorRegistry
 
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger.caches import compose_plds_in_process, compute_curves_in_processes
-from accounting.ledger.errors import InvalidArgument
+from accounting.ledger.databases import is_postgresql
+from accounting.ledger.errors import FailedPrecondition, InvalidArgument
 from accounting.ledger.limits import (
     AUTH_FAILURE_BURST,
     AUTH_FAILURE_RATE_PER_SECOND,
@@ -45,7 +46,7 @@ from accounting.ledger.service.auth import Authenticator, check_admin_token
 from accounting.ledger.service.metrics import rpc_latency_histogram
 from accounting.ledger.service.servicer import SERVICE_NAME, LedgerServicer
 from accounting.ledger.service.web import WebServer, start_web
-from accounting.ledger.store import Ledger
+from accounting.ledger.store import HistoryKeySource, Ledger, served_key_placement_problem
 
 LOG = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ def start_server(
     http_port: int | None = None,
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
-    history_key_file: str | Path | None = None,
+    history_key_file: str | Path | HistoryKeySource | None = None,
+    allow_key_beside_database: bool = False,
     curve_rate_per_second: float = CURVE_RATE_PER_SECOND,
     curve_burst: float = CURVE_BURST,
     auth_failure_rate_per_second: float = AUTH_FAILURE_RATE_PER_SECOND,
@@ -113,8 +115,10 @@ def start_server(
     Without `admin_token` no admin RPC can succeed. TLS is used when both
     `tls_cert` and `tls_key` (PEM files) are given, for the page and metrics too.
     `scheduling` is the queue policy of datasets created without one (fcfs by default).
-    `history_key_file` is the history key (default: store.default_history_key_path(), created if missing);
-    every server of one database needs the same.
+    `history_key_file` is the history key, a file's path or a HistoryKeySource (default:
+    store.default_history_key_path(), created if missing); every server of one database needs the same. A key
+    file in the SQLite file's folder, or the default one, is refused unless `allow_key_beside_database`, and a
+    ledger on PostgreSQL needs its key named (store.served_key_placement_problem).
     Each tenant's costly requests take from a bucket of `curve_burst` that
     refills at `curve_rate_per_second` (one per new RDP curve, and one more
     per Fits); each token key id's failed authentications from one of
@@ -125,6 +129,7 @@ def start_server(
     auth_failures = TokenBuckets(auth_failure_rate_per_second, auth_failure_burst, "failed authentications")
     if (tls_cert is None) != (tls_key is None):
         raise InvalidArgument("TLS needs both a certificate and its key (--tls-cert and --tls-key), or neither")
+    _check_key_placement(db_path, history_key_file, allow_key_beside_database)
     ledger = Ledger(db_path, scheduling=scheduling, history_key_file=history_key_file)
     ledger.curve_limits = curve_limits
     if admin_token is not None:
@@ -166,6 +171,17 @@ def start_server(
     sweeper = threading.Thread(target=_sweep_leases, args=(ledger, stopping), name="ledger-leases", daemon=True)
     sweeper.start()
     return LedgerServer(server, ledger, health_servicer, host, bound, stopping, sweeper, web_server)
+
+
+def _check_key_placement(
+    db_path: str | Path, history_key_file: str | Path | HistoryKeySource | None, allow_key_beside_database: bool
+) -> None:
+    """Refuse to serve with the history key where the database's writer reads it (served_key_placement_problem)."""
+    placement = served_key_placement_problem(
+        history_key_file, db_path, is_postgresql(str(db_path)), allow_key_beside_database
+    )
+    if placement is not None:
+        raise FailedPrecondition(f"the ledger server does not start: {placement}")
 
 
 def _listen(server: grpc.Server, host: str, port: int, tls_cert: str | Path | None, tls_key: str | Path | None) -> int:
@@ -220,19 +236,22 @@ def serve(
     http_port: int | None = None,
     metrics_port: int | None = None,
     scheduling: SchedulingPolicy | None = None,
-    history_key_file: str | Path | None = None,
+    history_key_file: str | Path | HistoryKeySource | None = None,
+    allow_key_beside_database: bool = False,
     curve_processes: int = 1,
     **rate_limits: float,
 ) -> None:
     """Serve the ledger until SIGTERM or SIGINT, then stop gracefully. Call from the main thread.
 
     `announce` is called with the running server once it accepts requests.
+    `history_key_file` and `allow_key_beside_database` are start_server's.
     `http_port` and `metrics_port` serve the web page and metrics, `rate_limits` are
     the rate limits by `start_server`'s names (see there). RDP curves are computed in
     `curve_processes` processes of their own, and budgets' PLDs in one more with a
     deadline (0: both in the server's threads), so that one tenant's new mechanisms
     or long compositions do not hold the GIL that every request needs.
     """
+    _check_key_placement(db_path, history_key_file, allow_key_beside_database)  # before any process starts
     if curve_processes:
         compute_curves_in_processes(curve_processes)
         compose_plds_in_process()
@@ -240,7 +259,8 @@ def serve(
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_SECONDS)
     running = start_server(
         db_path, host, port, admin_token, tls_cert, tls_key, http_port=http_port, metrics_port=metrics_port,
-        scheduling=scheduling, history_key_file=history_key_file, **rate_limits,
+        scheduling=scheduling, history_key_file=history_key_file, allow_key_beside_database=allow_key_beside_database,
+        **rate_limits,
     )
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}

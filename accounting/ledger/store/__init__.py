@@ -9,22 +9,39 @@ Modules, each one concern (code outside the package imports only the names in `_
   keyed chain), bundled by `tables`;
 - rules: `authorisation`, `admission`, `queueing`, `leases`, `status`, `verification`;
 - `rekey`: `rekey_ledger`, the explicit, recorded re-chaining of a history under the key;
-- `local` (where the embedded ledger and the history key live) and `clock` (the ledger's times).
+- `local` (where the embedded ledger lives, where the history key comes from and where a server may keep it, the
+  key files that sign and check heads) and `clock` (the ledger's times).
 """
 
 from accounting.ledger.store.authorisation import TOKEN_RECHECK_SECONDS
 from accounting.ledger.store.ledger import Ledger, open_embedded_ledger
-from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key
+from accounting.ledger.store.local import (
+    HistoryKeySource,
+    default_history_key_path,
+    default_ledger_path,
+    history_key_source,
+    load_history_key,
+    load_public_key,
+    load_signing_key,
+    new_signing_key,
+    served_key_placement_problem,
+)
 from accounting.ledger.store.rekey import rekey_ledger
 from accounting.ledger.store.schema import SCHEMA_VERSION
 
 __all__ = [
     "SCHEMA_VERSION",
     "TOKEN_RECHECK_SECONDS",
+    "HistoryKeySource",
     "Ledger",
     "default_history_key_path",
     "default_ledger_path",
+    "history_key_source",
     "load_history_key",
+    "load_public_key",
+    "load_signing_key",
+    "new_signing_key",
     "open_embedded_ledger",
+    "served_key_placement_problem",
     "rekey_ledger",
 ]

@@ -12,6 +12,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from accounting.events import Composition, EventsLike
 from accounting.ledger.admission import (
     AdmissionRule,
@@ -849,20 +851,26 @@ class Ledger:
 
     # ------------------------------------------------------------ the history
 
-    def head(self, *, caller: Caller | None = None) -> SignedHead:
-        """The history's head (entries, last hash, now) signed with the history key, to keep elsewhere (admin only)."""
+    def head(self, signing_key: Ed25519PrivateKey | None = None, *, caller: Caller | None = None) -> SignedHead:
+        """The history's head (entries, last hash, now) signed with the history key, or with the Ed25519
+        `signing_key` for tenants to check with its public key, to keep elsewhere (admin only)."""
         caller = self._caller(caller)
         require_admin(caller, "the signed head needs the admin (dpfleet ledger head runs on the file)")
         with self._transactions.read() as connection:
             entries, last_hash = self._history.head(connection)
-        return sign_head(self._history.key, entries, last_hash, now())
+        return sign_head(signing_key or self._history.key, entries, last_hash, now())
 
     def verify(
-        self, head: SignedHead | None = None, full: bool = False, *, caller: Caller | None = None
+        self,
+        head: SignedHead | None = None,
+        full: bool = False,
+        head_public_key: Ed25519PublicKey | None = None,
+        *,
+        caller: Caller | None = None,
     ) -> Verification:
         """Check the history's keyed hash chain, replay every dataset's, block's, tenant use's, reservation's,
         commit's and tenant's history against its row, and with `head` check that the history extends it
-        (admin only).
+        (admin only). An Ed25519-signed head is checked with `head_public_key`, which an HMAC-signed one fails.
 
         Every entry's hash is checked each time. The replays start from the
         state the last verify that found nothing kept (its HMAC and anchor
@@ -874,7 +882,7 @@ class Ledger:
         require_admin(caller, "verifying the ledger needs the admin (dpfleet ledger verify runs on the file)")
         with self._transactions.read() as connection:
             stored = read_stored(self._tables, connection)
-        verification, state = verify_stored(stored, self._history.key, head, full)
+        verification, state = verify_stored(stored, self._history.key, head, full, head_public_key)
         if state is not None:
             # A read-only or unreachable database keeps the state it had: the next verify replays more.
             with contextlib.suppress(LedgerUnavailable):

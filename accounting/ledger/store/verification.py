@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from accounting.ledger.databases import Connection
 from accounting.ledger.store.clock import now
 from accounting.ledger.store.history import HISTORY_COLUMNS, HistoryChain
@@ -65,14 +67,17 @@ def read_stored(tables: Tables, connection: Connection) -> StoredLedger:
 
 
 def verify_stored(
-    stored: StoredLedger, key: bytes, head: SignedHead | None, full: bool
+    stored: StoredLedger, key: bytes, head: SignedHead | None, full: bool,
+    head_public_key: Ed25519PublicKey | None = None,
 ) -> tuple[Verification, VerifiedState | None]:
     """What is wrong with what was stored: its chain under `key`, each row against its history (replayed from
-    the verified state unless `full`), and with `head`, whether the history extends it; and the state to keep."""
+    the verified state unless `full`), and with `head` (Ed25519-signed: checked with `head_public_key`), whether
+    the history extends it; and the state to keep."""
     return verify_history(
         stored.entries, stored.datasets, stored.uses, key=key, reservations=stored.reservations,
         commits=stored.commits, tenants=stored.tenants, admin_tokens=stored.admin_tokens,
         schema_version=stored.schema_version, head=head, verified=stored.verified, full=full,
+        head_public_key=head_public_key,
     )
 
 

@@ -6,6 +6,7 @@ from accounting.ledger.verification.chain import (
     SignedHead,
     chain_findings,
     head_findings,
+    head_signature_findings,
     history_hash,
     sign_head,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "burn_down",
     "chain_findings",
     "head_findings",
+    "head_signature_findings",
     "sealed_version",
     "history_hash",
     "sign_head",

@@ -8,6 +8,10 @@ import json
 from dataclasses import dataclass
 from typing import Iterable
 
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from accounting.ledger.errors import InvalidArgument
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.rows import StoredEntry
@@ -95,26 +99,33 @@ def chain_findings(
 
 
 HEAD_SCHEMA = "dpfleet.ledger_head"
+# How a head is signed: an HMAC-SHA-256 under the history key, or an Ed25519 signature whose public key anyone may
+# hold. A head file without a scheme is from before Ed25519 heads: an HMAC.
+HMAC_HEAD, ED25519_HEAD = "hmac-sha256", "ed25519"
 
 
 @dataclass(frozen=True)
 class SignedHead:
     """The history's head as `dpfleet ledger head` prints it: how many entries, the last one's hash, when (UTC).
 
-    `signature` is an HMAC-SHA-256 under the history key. An HMAC, not a
-    public-key signature: whoever checks it holds the key (the operator
-    running `verify --head`), which is also who can make one.
+    `signature` is, by `scheme`, an HMAC-SHA-256 under the history key (whoever
+    checks it holds the key, which is also who can make one), or an Ed25519
+    signature by the key whose raw public key `public_key` (hex) names, which a
+    tenant checks with that public key alone. Either is over the same fields.
     """
 
     entries: int
     head_hash: str
     at: str
     signature: str
+    scheme: str = HMAC_HEAD
+    public_key: str = ""
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the head file)."""
+        signer = {"public_key": self.public_key} if self.scheme == ED25519_HEAD else {}
         return {"schema": HEAD_SCHEMA, "entries": self.entries, "head_hash": self.head_hash, "at": self.at,
-                "signature": self.signature}
+                "scheme": self.scheme, **signer, "signature": self.signature}
 
     @classmethod
     def from_dict(cls, data: object) -> "SignedHead":
@@ -122,30 +133,77 @@ class SignedHead:
         if not isinstance(data, dict) or data.get("schema") != HEAD_SCHEMA:
             raise InvalidArgument(f"a head file is the JSON object dpfleet ledger head prints (schema {HEAD_SCHEMA})")
         entries, head_hash, at, signature = (data.get(name) for name in ("entries", "head_hash", "at", "signature"))
+        scheme, public_key = data.get("scheme", HMAC_HEAD), data.get("public_key", "")
         if isinstance(entries, bool) or not isinstance(entries, int) or entries < 0 or not all(
-            isinstance(value, str) for value in (head_hash, at, signature)
+            isinstance(value, str) for value in (head_hash, at, signature, public_key)
         ):
             raise InvalidArgument("a head file needs entries (an integer >= 0), and head_hash, at and signature "
                                   "(strings); use the file dpfleet ledger head printed, unedited")
-        return cls(entries, head_hash, at, signature)
+        if scheme not in (HMAC_HEAD, ED25519_HEAD) or (scheme == ED25519_HEAD) != bool(public_key):
+            raise InvalidArgument(f"a head file's scheme is {HMAC_HEAD} or {ED25519_HEAD} (got {scheme!r}), and "
+                                  "only an Ed25519 head names its public_key; use the file dpfleet ledger head "
+                                  "printed, unedited")
+        return cls(entries, head_hash, at, signature, scheme, public_key)
 
 
-def _head_signature(key: bytes, entries: int, head_hash: str, at: str) -> str:
+def _head_payload(entries: int, head_hash: str, at: str) -> bytes:
     # A 4-item list never reads as the 8-item list an entry's hash is taken over.
-    payload = json.dumps([HEAD_SCHEMA, entries, head_hash, at], ensure_ascii=True, separators=(",", ":"))
-    return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+    return json.dumps([HEAD_SCHEMA, entries, head_hash, at], ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def sign_head(key: bytes, entries: int, head_hash: str, at: str) -> SignedHead:
-    """The head of a history of `entries` entries whose last hash is `head_hash`, signed at `at` with `key`."""
-    return SignedHead(entries, head_hash, at, _head_signature(key, entries, head_hash, at))
+def _raw_public_key(public_key: Ed25519PublicKey) -> str:
+    return public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw).hex()
 
 
-def head_findings(key: bytes, head: SignedHead, entries: list[StoredEntry]) -> list[Finding]:
-    """What shows that `entries` do not extend a head recorded earlier: a cut tail, or a rewritten history."""
-    if not hmac.compare_digest(head.signature, _head_signature(key, head.entries, head.head_hash, head.at)):
+def sign_head(key: bytes | Ed25519PrivateKey, entries: int, head_hash: str, at: str) -> SignedHead:
+    """The head of a history of `entries` entries whose last hash is `head_hash`, signed at `at` with `key`: the
+    history key (an HMAC) or an Ed25519 private key (a signature its public key checks)."""
+    payload = _head_payload(entries, head_hash, at)
+    if isinstance(key, Ed25519PrivateKey):
+        return SignedHead(entries, head_hash, at, key.sign(payload).hex(), ED25519_HEAD,
+                          _raw_public_key(key.public_key()))
+    return SignedHead(entries, head_hash, at, hmac.new(key, payload, hashlib.sha256).hexdigest())
+
+
+def head_signature_findings(
+    head: SignedHead, history_key: bytes | None, public_key: Ed25519PublicKey | None = None
+) -> list[Finding]:
+    """Whether `head` was signed as it is: with `public_key`, by an Ed25519 signature (no history key needed);
+    without one, by an HMAC under `history_key`. A head signed otherwise than the check expects is a finding, so
+    that whoever holds the history key cannot pass a head of their own making to one who checks with the public
+    key. InvalidArgument for an Ed25519 head and no public key to check it with."""
+    payload = _head_payload(head.entries, head.head_hash, head.at)
+    if public_key is not None:
+        if head.scheme != ED25519_HEAD:
+            problem = f"it is signed with {head.scheme}, not Ed25519: the public key cannot check it"
+        elif head.public_key != _raw_public_key(public_key):
+            problem = "it names another signing key than the public key it is checked with"
+        else:
+            try:
+                public_key.verify(bytes.fromhex(head.signature), payload)
+                return []
+            except (InvalidSignature, ValueError):
+                problem = "its signature does not match the public key: it was edited, or signed with another key"
+        return [Finding(None, None, problem, row="head file")]
+    if head.scheme == ED25519_HEAD:
+        raise InvalidArgument("the head is signed with Ed25519: check it with its signer's public key "
+                              "(dpfleet ledger verify --head FILE --public-key PUB)")
+    if history_key is None or not hmac.compare_digest(
+        head.signature, hmac.new(history_key, payload, hashlib.sha256).hexdigest()
+    ):
         return [Finding(None, None, "its signature does not match the history key: it was edited, or signed with "
                                     "another key", row="head file")]
+    return []
+
+
+def head_findings(
+    key: bytes, head: SignedHead, entries: list[StoredEntry], public_key: Ed25519PublicKey | None = None
+) -> list[Finding]:
+    """What shows that `entries` do not extend a head recorded earlier: a signature that does not hold (under the
+    history `key`, or `public_key` for an Ed25519 head), a cut tail, or a rewritten history."""
+    signature = head_signature_findings(head, key, public_key)
+    if signature:
+        return signature
     if len(entries) < head.entries:
         return [Finding(None, None, f"the history has {len(entries)} entries; at {head.at} it had {head.entries}: "
                                     "entries were cut from its tail", row="signed head")]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from accounting.ledger.verification.chain import SignedHead, chain_findings, head_findings
 from accounting.ledger.verification.findings import Finding, Verification
 from accounting.ledger.verification.replay import JOB_ACTIONS, BudgetReplay
@@ -129,6 +131,7 @@ def verify_history(
     admin_tokens: Sequence[StoredAdminToken] = (),
     schema_version: int | None = None,
     head: SignedHead | None = None,
+    head_public_key: Ed25519PublicKey | None = None,
     verified: bytes | None = None,
     full: bool = False,
 ) -> tuple[Verification, VerifiedState | None]:
@@ -139,7 +142,8 @@ def verify_history(
     they belong to); `uses` each tenant's tally and quota on a budget.
     With `head` (a head signed earlier), also check that the history still
     extends it: the one check that sees a tail cut together with the rows
-    it changed.
+    it changed. An Ed25519-signed head is checked with `head_public_key`, an
+    HMAC-signed one with `key`.
 
     `verified` is the state kept by the last verify that found nothing
     (VerifiedState.to_bytes). Unless `full`, the replays start from it and
@@ -159,7 +163,7 @@ def verify_history(
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
     findings = chain_findings(entries, names, key)
     if head is not None:
-        findings += head_findings(key, head, entries)
+        findings += head_findings(key, head, entries, head_public_key)
     start = None
     if verified is not None:
         start, problems = verified_state_findings(key, verified, entries)
