@@ -301,7 +301,9 @@ def stored_commits(url, reservation_id):
     return sequences, committed_steps
 
 
-def test_a_token_rotated_or_revoked_on_one_server_is_refused_by_all_three_within_the_recheck(three_servers, shared_url):
+def test_a_token_rotated_or_revoked_on_one_server_is_refused_by_all_three_within_the_recheck(
+    three_servers, shared_url, history_key
+):
     """Each server has the token verified and cached; after TOKEN_RECHECK_SECONDS (0.5 s) every one refuses it."""
     _, addresses = three_servers
 
@@ -324,7 +326,7 @@ def test_a_token_rotated_or_revoked_on_one_server_is_refused_by_all_three_within
     refused_everywhere(first)
     answers_everywhere(second)
 
-    with Ledger(shared_url) as direct:
+    with Ledger(shared_url, history_key_file=history_key) as direct:
         direct.register_admin_token(SECOND_ADMIN_TOKEN)  # as a server started with it would
     answers_everywhere(SECOND_ADMIN_TOKEN)
     with RemoteLedger(addresses[2], SECOND_ADMIN_TOKEN) as second_admin:
