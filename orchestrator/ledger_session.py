@@ -203,6 +203,25 @@ def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
                         deadline=deadline)
 
 
+def bind_dataset_content(ledger, dataset: str, spec: str | Mapping) -> None:
+    """Before a job on `dataset` itself (no blocks) reserves: bind the SHA-256s of the files it reads to the
+    dataset on its first use, or have the ledger check that they are the dataset's own, embedded or served alike.
+
+    UsageError, naming the refusal, when another dataset holds one of the
+    files or the files are not the dataset's: the same rows get one budget
+    whatever the dataset they are trained under. Nothing for a built-in or
+    `module:function` dataset, whose name says what it is.
+    """
+    content = file_digests(spec)
+    if content is None:
+        return
+    release.sent("ledger", "bind_content")
+    try:
+        ledger.bind_content(dataset, content)
+    except FailedPrecondition as error:
+        raise UsageError(str(error)) from None
+
+
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
     blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None, user_id: str | None = None,

@@ -208,6 +208,8 @@ FIELDS: tuple[Field, ...] = (
         ("enqueue", "the job's plan of events and priority, " + _PLAN),
         ("commit", "a block of the plan, sent on a clock fixed before the first step (orchestrator/charge_clock.py)"),
         ("release", "the job's end: the steps that did not run"),
+        ("bind_content", "the SHA-256 of each training file, which names the files, not a row: the ledger gives "
+                         "one budget to the same files under any dataset name"),
     )),
 )
 

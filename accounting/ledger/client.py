@@ -260,6 +260,12 @@ class RemoteLedger:
         )
         return messages.status_from_proto(self._call("AddBlock", request))
 
+    def bind_content(self, dataset: str, content: list[str]) -> DatasetStatus:
+        """Bind the SHA-256s of the files a job reads to a dataset on first use, or check they are among its own
+        (see the store's `bind_content`)."""
+        request = self._request(pb.BindContentRequest, dataset=dataset, content=list(content))
+        return messages.status_from_proto(self._call("BindContent", request))
+
     def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
         """Give `tenant` a quota of `epsilon` on a dataset or one of its blocks (admin token only)."""
         request = self._request(

@@ -61,6 +61,9 @@ class PrivacyLedger(Protocol):
     ) -> DatasetStatus:
         """Add a block with its own (epsilon, delta) budget, bound to the rows `data` declares (owner or admin)."""
 
+    def bind_content(self, dataset: str, content: list[str]) -> DatasetStatus:
+        """Bind the SHA-256s of the files a job reads to a dataset on first use, or check they are among its own."""
+
     def set_quota(self, dataset: str, tenant: str, epsilon: float, block: str | None = None) -> DatasetStatus:
         """Give a tenant a quota on a dataset or one of its blocks (admin only)."""
 

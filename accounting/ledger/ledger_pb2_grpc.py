@@ -129,6 +129,11 @@ class LedgerStub:
                 request_serializer=accounting_dot_ledger__pb2.ListQueuedRequest.SerializeToString,
                 response_deserializer=accounting_dot_ledger__pb2.ListQueuedReply.FromString,
                 _registered_method=True)
+        self.BindContent = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/BindContent',
+                request_serializer=accounting_dot_ledger__pb2.BindContentRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.DatasetStatus.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -273,6 +278,16 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BindContent(self, request, context):
+        """The dataset's owner or an admin, before a job trains on it: binds the
+        SHA-256s of the files the job reads to the dataset on its first use, and
+        later checks that they are among them. FAILED_PRECONDITION when another
+        dataset holds one of the files, or the files are not the dataset's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -370,6 +385,11 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.ListQueued,
                     request_deserializer=accounting_dot_ledger__pb2.ListQueuedRequest.FromString,
                     response_serializer=accounting_dot_ledger__pb2.ListQueuedReply.SerializeToString,
+            ),
+            'BindContent': grpc.unary_unary_rpc_method_handler(
+                    servicer.BindContent,
+                    request_deserializer=accounting_dot_ledger__pb2.BindContentRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.DatasetStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -885,6 +905,33 @@ class Ledger:
             '/dpfleet.ledger.v1.Ledger/ListQueued',
             accounting_dot_ledger__pb2.ListQueuedRequest.SerializeToString,
             accounting_dot_ledger__pb2.ListQueuedReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BindContent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/BindContent',
+            accounting_dot_ledger__pb2.BindContentRequest.SerializeToString,
+            accounting_dot_ledger__pb2.DatasetStatus.FromString,
             options,
             channel_credentials,
             insecure,

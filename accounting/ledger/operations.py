@@ -197,6 +197,10 @@ _DECLARED = (
         ),
     ),
     Operation(
+        "bind_content", (Parameter("dataset"), Parameter("content")), _errors(NotFound, PermissionDenied),
+        "BindContent", "BindContentRequest", "DatasetStatus",
+    ),
+    Operation(
         "set_quota",
         (Parameter("dataset"), Parameter("tenant"), Parameter("epsilon"), Parameter("block", None)),
         _errors(NotFound, PermissionDenied),

@@ -17,6 +17,7 @@ from orchestrator.cli.display import format_table, print_json, show_progress
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.ledger_session import (
     JobLedger,
+    bind_dataset_content,
     block_declarations,
     check_declared_blocks,
     ensure_embedded_dataset,
@@ -311,6 +312,8 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     if config.blocks:
         check_declared_blocks(ledger.get_budget(dataset, pld_may_be_pending=True), config.blocks,
                               block_declarations(config), config.user_id)
+    else:
+        bind_dataset_content(ledger, dataset, config.dataset)
     job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
     if args.wait_for_budget:
         job = JobLedger.wait_for_budget(

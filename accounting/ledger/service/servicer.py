@@ -184,6 +184,11 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         return messages.status_to_proto(status)
 
     @_rpc
+    def BindContent(self, request: pb.BindContentRequest, caller: Caller) -> pb.DatasetStatus:
+        """Bind a job's files to a dataset on first use, or check they are its own (owner or admin)."""
+        return messages.status_to_proto(self._ledger.bind_content(request.dataset, list(request.content), caller=caller))
+
+    @_rpc
     def SetQuota(self, request: pb.SetQuotaRequest, caller: Caller) -> pb.DatasetStatus:
         """Give a tenant a quota on a dataset or one of its blocks (admin)."""
         status = self._ledger.set_quota(

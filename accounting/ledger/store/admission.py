@@ -284,3 +284,37 @@ def check_new_block(
                 "block owns its data alone, so that no row or person is charged by two budgets. Declare data that "
                 "no other block declares"
             )
+
+
+def bind_content(
+    tables: Tables, connection: Connection, caller: Caller, reference: str, dataset: DatasetRow, content: list[str]
+) -> None:
+    """Bind `content` (the SHA-256s of the files a job reads) to `dataset` on its first use, or check that they are
+    among the files bound before; refuse (FailedPrecondition) files another dataset holds, so that the same rows
+    get one budget whatever the dataset they are trained under.
+
+    A first binding is a `bind_content` history entry; a check writes nothing.
+    """
+    own = tables.datasets.recorded_content(connection).get(dataset.dataset_id)
+    if own:
+        foreign = sorted(set(content) - own)
+        if foreign:
+            raise FailedPrecondition(
+                f"the job reads {len(foreign)} file(s) that are not dataset {reference!r}'s (one of SHA-256 "
+                f"{foreign[0][:16]}…): a dataset's budget covers the rows it was first trained on, so new or changed "
+                "files are another dataset (or a block of one); register them under a name of their own"
+            )
+        return
+    holder = tables.datasets.holding_content(connection, content, besides=dataset.dataset_id)
+    if holder is not None:
+        other = tables.datasets.by_id(connection, holder[0])
+        # Another tenant's dataset is not named to a tenant: its name is that tenant's to tell.
+        holder_name = (f"dataset {other.tenant}/{other.name}" if caller.admin or other.tenant == caller.tenant
+                       else "another tenant's dataset")
+        raise FailedPrecondition(
+            f"the data the job reads is already {holder_name}'s (a file of SHA-256 "
+            f"{holder[1][:16]}… is in both): rows get one budget, whatever their dataset is called and wherever "
+            f"their files are; train under that name"
+        )
+    tables.history.record(connection, caller, "bind_content", dataset.tenant, dataset.dataset_id,
+                          {"content": content})

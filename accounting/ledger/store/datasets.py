@@ -119,19 +119,30 @@ class Datasets:
         return [DatasetRow(*row) for row in rows.fetchall()]
 
     @staticmethod
-    def holding_content(connection: Connection, content: list[str]) -> tuple[int, str] | None:
-        """(id, a shared digest) of a dataset whose registration recorded a file of `content`, or None.
+    def recorded_content(connection: Connection) -> dict[int, set[str]]:
+        """The SHA-256s of the files each dataset was registered or bound with, by dataset id.
 
-        Read from the datasets' `create_dataset` history entries, where a
-        first-use registration records its training files' SHA-256s.
+        Read from the datasets' `create_dataset` entries (a first-use
+        registration's training files) and `bind_content` entries (a job's
+        files bound to a dataset created without them).
         """
-        wanted = set(content)
+        content: dict[int, set[str]] = {}
         for dataset_id, details in connection.execute(
-            "SELECT dataset_id, details FROM history WHERE action = 'create_dataset' AND details LIKE ?",
+            "SELECT dataset_id, details FROM history WHERE action IN ('create_dataset', 'bind_content') "
+            "AND details LIKE ?",
             ('%"content"%',),
         ).fetchall():
-            shared = wanted & set(json.loads(details).get("content") or ())
-            if shared:
+            content.setdefault(dataset_id, set()).update(json.loads(details).get("content") or ())
+        return content
+
+    def holding_content(
+        self, connection: Connection, content: list[str], besides: int | None = None
+    ) -> tuple[int, str] | None:
+        """(id, a shared digest) of a dataset other than `besides` that holds a file of `content`, or None."""
+        wanted = set(content)
+        for dataset_id, recorded in self.recorded_content(connection).items():
+            shared = wanted & recorded
+            if shared and dataset_id != besides:
                 return dataset_id, min(shared)
         return None
 

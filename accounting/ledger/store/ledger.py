@@ -426,6 +426,20 @@ class Ledger:
             )
         return self._status(caller, rows)
 
+    def bind_content(self, dataset: str, content: list[str], *, caller: Caller | None = None) -> DatasetStatus:
+        """Before a job trains on `dataset`, bind `content` (the SHA-256s of the files it reads,
+        workers.fingerprints.file_digests) to it on its first use, or check that they are among the files bound
+        before; FailedPrecondition for files another dataset holds, or files not the dataset's
+        (`admission.bind_content`). Its owner, an admin, or a tenant with a quota on it.
+        """
+        caller = self._caller(caller)
+        content = check_dataset_content(content)
+        with self._transactions.change() as connection:
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            admission.bind_content(self._tables, connection, caller, dataset, row, content)
+            rows = read_status(self._tables, connection, caller, row)
+        return self._status(caller, rows)
+
     def add_block(
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None,
         *, caller: Caller | None = None,
