@@ -6,8 +6,11 @@ default rate limits (`accounting.ledger.limits`).
 - Fairness. A victim tenant commits 1 step at a time to its own long
   reservation, closed loop, for `--seconds`: first alone (unloaded), then
   while an attacking tenant runs one attack from 4 client processes as fast
-  as replies come. Each attack is run twice, once with the attackers
-  waiting as the refusals for rate say and once sending again at once:
+  as replies come. Each attack is run three times: with the attackers
+  waiting as the refusals for rate say; sending again at once; and sending
+  again at once at nice 19, standing in for attackers on other machines
+  (what their requests cost the server shows, not their own CPU, which on
+  one machine competes with the server and the victim for the same cores):
   - "fits": each Fits at the cap, MAX_PLAN_MECHANISMS mechanisms the server
     has never seen (so each would cost that many RDP curves);
   - "long compositions": each cycle reserves a plan of 10**6 steps of a new
@@ -118,15 +121,22 @@ GUESSED_KEY_IDS = 50
 _GUESSERS: list = []
 
 
+# How the attackers behave: (label, whether they wait as refusals for rate say, their niceness).
+ATTACKER_MANNERS = (
+    ("wait as refusals say", True, 0),
+    ("ignore refusals", False, 0),
+    ("ignore refusals, at nice 19 (as if on other machines)", False, 19),
+)
 ATTACKS = {"fits": fits_attack, "long compositions": composition_attack, "wrong tokens and rotation": token_attack}
 
 
 def flood(
-    address: str, token: str, client_index: int, attack: str, honor_retry: bool, ready: object, stop: object,
-    counts: dict,
+    address: str, token: str, client_index: int, attack: str, honor_retry: bool, niceness: int, ready: object,
+    stop: object, counts: dict,
 ) -> None:
-    """Run `attack` (a name of ATTACKS) again and again until `stop`; with `honor_retry`, wait as long as a
-    refusal for rate says first. `ready` is released once this process sends."""
+    """Run `attack` (a name of ATTACKS) again and again until `stop`, at `niceness`; with `honor_retry`, wait as
+    long as a refusal for rate says first. `ready` is released once this process sends."""
+    os.nice(niceness)
     answered = refused = 0
     client = RemoteLedger(address, token)
     request = 0
@@ -151,8 +161,8 @@ def percentiles_ms(latencies: list) -> dict:
     return {"p50_ms": float(np.percentile(values, 50)), "p99_ms": float(np.percentile(values, 99)), "n": len(values)}
 
 
-def fairness(folder: str, name: str, seconds: float, attack: str, honor_retry: bool) -> dict:
-    """The victim's commit latencies unloaded and under `attack` (a name of ATTACKS)."""
+def fairness(folder: str, name: str, seconds: float, attack: str, honor_retry: bool, niceness: int) -> dict:
+    """The victim's commit latencies unloaded and under `attack` (a name of ATTACKS), its clients at `niceness`."""
     with ledger_server(folder, name, {}) as (address, _):
         with RemoteLedger(address, ADMIN_TOKEN) as admin:
             victim = admin.create_tenant("victim").token
@@ -169,7 +179,9 @@ def fairness(folder: str, name: str, seconds: float, attack: str, honor_retry: b
         with spawn.Manager() as manager:
             counts = manager.dict()
             flooders = [
-                spawn.Process(target=flood, args=(address, flooder, index, attack, honor_retry, ready, stop, counts))
+                spawn.Process(
+                    target=flood, args=(address, flooder, index, attack, honor_retry, niceness, ready, stop, counts)
+                )
                 for index in range(FLOOD_CLIENTS)
             ]
             for process in flooders:
@@ -235,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dpfleet-fairness-") as folder:
         floods = {
             f"{attack}, attackers {manner}": fairness(
-                folder, f"{index}-{honor_retry}.db", args.seconds, attack, honor_retry
+                folder, f"{index}-{honor_retry}-{niceness}.db", args.seconds, attack, honor_retry, niceness
             )
             for index, attack in enumerate(ATTACKS)
-            for honor_retry, manner in ((True, "wait as refusals say"), (False, "ignore refusals"))
+            for manner, honor_retry, niceness in ATTACKER_MANNERS
         }
         limited = bad_tokens(folder, "limited.db", {})
         unlimited = bad_tokens(folder, "unlimited.db", {"auth_failure_burst": 10**9})
