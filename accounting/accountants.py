@@ -365,6 +365,12 @@ def rdp_vector(events: EventsLike) -> np.ndarray:
     return total
 
 
+def forget_rdp_curves() -> None:
+    """Forget every cached one-step RDP curve, as a new process starts without them."""
+    sampled_gaussian_rdp.cache_clear()
+    _skellam_step_rdp.cache_clear()
+
+
 @functools.lru_cache(maxsize=64)
 def _skellam_step_rdp(mechanism: tuple[float, float, float, float]) -> np.ndarray:
     # Read-only: callers add it to their own vectors.

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from accounting.events import Composition, SampledGaussian
-from accounting.ledger.caches import forget_pld_figures
+from accounting.ledger.admission import forget_figures
 from accounting.ledger.callers import ADMIN
 from accounting.ledger.store import Ledger
 from accounting.ledger.verification import StoredEntry, chain_findings, history_hash
@@ -125,7 +125,7 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
     """Build a ledger of `commits` commits of `mechanisms` mechanisms in `folder` and time it (see module doc)."""
     path, key = folder / f"ledger-{commits}x{mechanisms}.db", folder / "ledger-history.key"
     commits_per_job = max(1, min(MAX_COMMITS_PER_JOB, commits // mechanisms))
-    forget_pld_figures()
+    forget_figures()
     started = time.perf_counter()
     with Ledger(path, caller=ADMIN, history_key_file=key) as ledger:
         ledger.create_tenant("acme")
@@ -162,7 +162,7 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         verify_full_seconds = timed(lambda: verify(full=True))
         verify_full_cpu_seconds = time.process_time() - cpu_started
         replayed = [verification.replayed for verification in verifications]
-    forget_pld_figures()
+    forget_figures()
     with Ledger(path, caller=ADMIN, history_key_file=key) as reopened:
         status_after_restart = timed(lambda: reopened.get_budget(DATASET))
     database_bytes = sum(

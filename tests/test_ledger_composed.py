@@ -1,5 +1,7 @@
 """Each budget's composed PLD, extended by new commits and kept in the database: it equals a full replay."""
 
+import hashlib
+import hmac
 import sqlite3
 import time
 
@@ -7,11 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from accounting import accountants
 from accounting.accountants import get_accountant
 from accounting.events import Composition, SampledGaussian
-from accounting.ledger.admission import canonical
+from accounting.ledger.admission import RdpTally, canonical, forget_figures
 from accounting.ledger.caches import forget_pld_figures
-from accounting.ledger import composed
+from accounting.ledger import caches, composed
 from accounting.ledger.composed import COMPOSED, ComposedPld, ComposedStates, new_steps
 from accounting.ledger.store import composed as store_composed
 from accounting.ledger.store import load_history_key, open_embedded_ledger
@@ -116,6 +119,70 @@ def test_commits_are_composed_in_the_background_and_neither_a_status_nor_a_resta
         with monkeypatch.context() as patched:
             patched.setattr(composed, "composed_pld", lambda *_, **__: pytest.fail("a restart composed again"))
             assert reopened.get_budget("mnist").spent_epsilon == status.spent_epsilon
+
+
+def test_the_first_status_after_a_restart_reads_the_kept_state_and_builds_no_curve_or_distribution_again(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "ledger.db"
+    new_mechanism = SampledGaussian(0.01, 1.25, 1)
+    with open_embedded_ledger(path) as ledger:
+        ledger.create_dataset("mnist", 50.0, DELTA)
+        for sequence, mechanism in enumerate(MECHANISMS):
+            reservation = ledger.reserve("mnist", f"job-{sequence}", mechanism.with_steps(4))
+            ledger.commit(reservation.reservation_id, 4, 0)
+        before = ledger.get_budget("mnist")
+    built = []
+
+    def counted(name, function):
+        def wrapped(*args, **kwargs):
+            built.append((name, args))
+            return function(*args, **kwargs)
+        wrapped.cache_clear = getattr(function, "cache_clear", None)
+        return wrapped
+
+    forget_figures()  # as a restart does: every curve, tally, figure and distribution of this process
+    monkeypatch.setattr(caches, "_curve_anywhere", counted("curve", caches._curve_anywhere))
+    monkeypatch.setattr(caches, "_step_curve", caches.shared_cache(4096)(caches._curve_anywhere))
+    monkeypatch.setattr(accountants, "one_step_pld", counted("one-step pld", accountants.one_step_pld))
+    with open_embedded_ledger(path) as reopened:
+        after = reopened.get_budget("mnist")
+        assert built == []  # one read of the kept state: nothing rebuilt per mechanism
+        assert after == before
+        # A step of a mechanism committed since: its curve and one-step distribution are the only ones built.
+        reservation = reopened.reserve("mnist", "job-new", new_mechanism.with_steps(1))
+        reopened.commit(reservation.reservation_id, 1, 0)
+        built.clear()
+        reopened.get_budget("mnist")
+        assert {name for name, _ in built} <= {"one-step pld"}
+        assert all(args[:2] == (0.01, 1.25) for _, args in built)
+    forget_figures()
+    with open_embedded_ledger(path) as reopened:
+        built.clear()
+        assert reopened.get_budget("mnist").spent_epsilon_filter > after.spent_epsilon_filter
+        assert built == []
+
+
+def test_a_state_kept_without_its_tally_still_reads_back_and_the_tally_is_computed(tmp_path):
+    path = tmp_path / "ledger.db"
+    with open_embedded_ledger(path) as ledger:
+        ledger.create_dataset("mnist", 50.0, DELTA)
+        reservation = ledger.reserve("mnist", "job", MECHANISMS[0].with_steps(10))
+        ledger.commit(reservation.reservation_id, 10, 0)
+        before = ledger.get_budget("mnist")
+    with sqlite3.connect(path) as connection:
+        ((kept,),) = connection.execute("SELECT state FROM composed_pld").fetchall()
+        state = ComposedPld.from_bytes(kept, load_history_key())
+        assert state.rdp_tally == RdpTally.of(state.events).to_json()
+        # The layout of states kept before the tally was: the same bytes without the tally's section.
+        older = ComposedPld(state.events, state.distribution).to_bytes(load_history_key())[:-8]
+        key = load_history_key()
+        older = hmac.new(key, older[32:], hashlib.sha256).digest() + older[32:]
+        connection.execute("UPDATE composed_pld SET state = ?", (older,))
+    assert ComposedPld.from_bytes(older, key).rdp_tally == ""
+    forget_figures()
+    with open_embedded_ledger(path) as reopened:
+        assert reopened.get_budget("mnist") == before
 
 
 def test_an_edited_kept_state_is_ignored_and_the_figure_is_composed_again(tmp_path):

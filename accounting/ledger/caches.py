@@ -26,7 +26,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Hashable, Iterator
 
-from accounting.accountants import epsilon_from_rdp, forget_plds, get_accountant, has_skellam, rdp_vector
+from accounting.accountants import forget_plds, forget_rdp_curves, get_accountant, has_skellam, rdp_vector
 from accounting.events import Composition, event_of
 from accounting.ledger.composed import COMPOSED, ComposedPld
 
@@ -348,21 +348,23 @@ def compose_plds_in_process(deadline_seconds: float = PLD_DEADLINE_SECONDS) -> C
         return process
 
 
-def pld_is_practical(committed_events: Composition, delta: float) -> bool:
+def pld_is_practical(committed_events: Composition, rdp_epsilon: float) -> bool:
     """Whether a budget's PLD is composed at all: no Skellam noise, at most PLD_MAX_STEPS steps, and an RDP ε
-    of at most PLD_MAX_RDP_EPSILON (closed-form per order, from cached curves)."""
+    (`rdp_epsilon`, the committed tally's, at the budget's δ) of at most PLD_MAX_RDP_EPSILON."""
     if has_skellam(committed_events) or committed_events.steps > PLD_MAX_STEPS:
         return False
-    return epsilon_from_rdp(rdp_vector(committed_events), delta, warn=False) <= PLD_MAX_RDP_EPSILON
+    return rdp_epsilon <= PLD_MAX_RDP_EPSILON
 
 
 @shared_cache(maxsize=1024)
-def _spent_pld_epsilon(committed_events: Composition, delta: float, lineage: Hashable | None) -> float | None:
+def _spent_pld_epsilon(
+    committed_events: Composition, delta: float, rdp_epsilon: float, lineage: Hashable | None
+) -> float | None:
     # A budget's composed distribution is extended by the steps committed since it was last asked (composed.py);
     # statuses asking at once after a commit wait for one computation.
     if lineage is None:
         return get_accountant("pld").epsilon(committed_events, delta)
-    if not pld_is_practical(committed_events, delta):
+    if not pld_is_practical(committed_events, rdp_epsilon):
         return None
     if not _COMPOSITION_PROCESS:
         return COMPOSED.extended(lineage, committed_events).epsilon(delta)
@@ -373,11 +375,12 @@ def _spent_pld_epsilon(committed_events: Composition, delta: float, lineage: Has
 
 
 def spent_pld_epsilon(
-    committed_events: Composition, delta: float, wait: bool = True, lineage: Hashable | None = None
+    committed_events: Composition, delta: float, rdp_epsilon: float, wait: bool = True,
+    lineage: Hashable | None = None,
 ) -> float | None:
     """The PLD ε at `delta` of a dataset's committed events, as if every job had been fixed in advance; None
-    where it is not composed (see `pld_is_practical`, and a composition past its deadline): the rigorous RDP
-    bound is the figure then, labelled so.
+    where it is not composed (see `pld_is_practical`, given their RDP ε `rdp_epsilon` at `delta`, and a
+    composition past its deadline): the rigorous RDP bound is the figure then, labelled so.
 
     `lineage` names the budget (any hashable): its composed distribution is
     kept and extended by the steps committed since (accounting.ledger.composed);
@@ -389,8 +392,8 @@ def spent_pld_epsilon(
     if not committed_events.events:
         return 0.0
     if wait:
-        return _spent_pld_epsilon(committed_events, delta, lineage)
-    pending = _spent_pld_epsilon.start(committed_events, delta, lineage)
+        return _spent_pld_epsilon(committed_events, delta, rdp_epsilon, lineage)
+    pending = _spent_pld_epsilon.start(committed_events, delta, rdp_epsilon, lineage)
     if pending is None or not pending.done() or pending.exception() is not None:
         return None
     return pending.result()
@@ -401,3 +404,9 @@ def forget_pld_figures() -> None:
     _spent_pld_epsilon.clear()
     COMPOSED.clear()
     forget_plds()
+
+
+def forget_curves() -> None:
+    """Forget every RDP curve computed in this process (as a restart does)."""
+    _step_curve.clear()
+    forget_rdp_curves()

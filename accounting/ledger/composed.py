@@ -61,10 +61,17 @@ def new_steps(held: Composition, committed: Composition) -> Composition | None:
 
 @dataclass(frozen=True)
 class ComposedPld:
-    """The pessimistic PLD (`distribution`) of `events` (a budget's committed steps, one record per mechanism)."""
+    """The pessimistic PLD (`distribution`) of `events` (a budget's committed steps, one record per mechanism).
+
+    `rdp_tally` is the exact RDP tally of the same events (admission.RdpTally's
+    JSON), kept and authenticated with the distribution so that a restart reads
+    it back instead of computing each mechanism's RDP curve again; empty where
+    the keeper did not give it.
+    """
 
     events: Composition
     distribution: privacy_loss_distribution.PrivacyLossDistribution
+    rdp_tally: str = ""
 
     @classmethod
     def empty(cls) -> "ComposedPld":
@@ -89,7 +96,7 @@ class ComposedPld:
         return float(self.distribution.get_epsilon_for_delta(delta))
 
     def to_bytes(self, key: bytes) -> bytes:
-        """The state as stored: an HMAC under `key`, then its events and both loss distributions."""
+        """The state as stored: an HMAC under `key`, then its events, both loss distributions and its RDP tally."""
         body = _pack(self)
         return hmac.new(key, body, hashlib.sha256).digest() + body
 
@@ -118,6 +125,8 @@ def _pack(state: ComposedPld) -> bytes:
             probabilities.size,
         ))
         parts.append(probabilities.tobytes())
+    tally = state.rdp_tally.encode()
+    parts += [struct.pack("<q", len(tally)), tally]
     return b"".join(parts)
 
 
@@ -135,7 +144,11 @@ def _unpack(body: bytes) -> ComposedPld:
         probabilities = np.frombuffer(body, dtype="<f8", count=length, offset=offset).astype(np.float64)
         offset += 8 * length
         pmfs.append(pld_pmf.DensePLDPmf(discretisation, lower_loss, probabilities, infinity_mass, bool(pessimistic)))
-    return ComposedPld(events, privacy_loss_distribution.PrivacyLossDistribution(*pmfs))
+    tally = ""
+    if offset < len(body):  # states kept before the tally was kept with them end here
+        (tally_length,) = struct.unpack_from("<q", body, offset)
+        tally = body[offset + 8:offset + 8 + tally_length].decode()
+    return ComposedPld(events, privacy_loss_distribution.PrivacyLossDistribution(*pmfs), tally)
 
 
 class ComposedStates:

@@ -226,11 +226,12 @@ class QuotaStatus:
 
 
 def quota_status(
-    tenant: str, block: str | None, quota_epsilon: float, rule: AdmissionRule, committed_events: Composition,
+    tenant: str, block: str | None, quota_epsilon: float, rule: AdmissionRule, committed: RdpTally,
     held: RdpTally, inherited: bool = False,
 ) -> QuotaStatus:
-    """A tenant's quota figures from its committed events and its tally on the budget (filter epsilons only)."""
-    figures = rdp_figures(quota_epsilon, rule, committed_events, held)
+    """A tenant's quota figures from the tally of its committed steps and its tally on the budget (filter
+    epsilons only)."""
+    figures = rdp_figures(quota_epsilon, rule, committed, held)
     return QuotaStatus(
         tenant, block, quota_epsilon, rule, figures.spent_epsilon_filter, figures.reserved_epsilon,
         figures.remaining_epsilon, inherited,

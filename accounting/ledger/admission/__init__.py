@@ -20,6 +20,7 @@ from accounting.ledger.admission.budgets import (
     check_admission,
     check_new_budget,
     fits_budget,
+    forget_figures,
     rdp_figures,
 )
 from accounting.ledger.admission.plans import (
@@ -41,6 +42,7 @@ from accounting.ledger.admission.rule import (
 from accounting.ledger.admission.tally import (
     RdpTally,
     remember_stored_tally,
+    remembered_tally,
     stored_tally,
 )
 
@@ -70,11 +72,13 @@ __all__ = [
     "check_plan",
     "committed_json_with",
     "fits_budget",
+    "forget_figures",
     "mechanisms_of",
     "order_epsilon",
     "parse_plan",
     "rdp_figures",
     "remember_stored_tally",
+    "remembered_tally",
     "split_steps",
     "stored_tally",
     "uncached_mechanisms",

@@ -24,8 +24,8 @@ from typing import Hashable
 
 from accounting.events import Composition
 from accounting.ledger.admission.rule import AdmissionRule
-from accounting.ledger.admission.tally import RdpTally
-from accounting.ledger.caches import spent_pld_epsilon
+from accounting.ledger.admission.tally import RdpTally, forget_stored_tallies
+from accounting.ledger.caches import forget_curves, forget_pld_figures, spent_pld_epsilon
 from accounting.ledger.errors import BudgetExceeded, FailedPrecondition
 from accounting.ledger.validation import check_budget_epsilon
 
@@ -173,11 +173,13 @@ class BudgetFigures:
 
 
 @functools.lru_cache(maxsize=1024)
-def rdp_figures(
-    budget_epsilon: float, rule: AdmissionRule, committed_events: Composition, held: RdpTally
-) -> BudgetFigures:
-    """The figures of `budget_figures` with the non-adaptive RDP ε as `spent_epsilon` (no PLD): cached."""
-    committed = RdpTally.of(committed_events)
+def rdp_figures(budget_epsilon: float, rule: AdmissionRule, committed: RdpTally, held: RdpTally) -> BudgetFigures:
+    """The figures of `budget_figures` with the non-adaptive RDP ε as `spent_epsilon` (no PLD): cached.
+
+    `committed` is the tally of the committed steps (tally.stored_tally of
+    them as stored: remembered, or read back with the composed state after a
+    restart, so a status computes no mechanism's curve again).
+    """
     spent_rdp = committed.epsilon(rule.delta)
     spent_filter = rule.epsilon(committed)
     held_filter = rule.epsilon(held)
@@ -195,24 +197,36 @@ def budget_figures(
     budget_epsilon: float,
     rule: AdmissionRule,
     committed_events: Composition,
+    committed: RdpTally,
     held: RdpTally,
     pld_may_be_pending: bool = False,
     lineage: Hashable | None = None,
 ) -> BudgetFigures:
     """Spent (filter, and non-adaptive PLD and RDP), reserved and remaining epsilon of one dataset.
 
-    `committed_events` are the dataset's committed steps; `held` the tally
-    of committed and reserved-unrun steps; `rule` the dataset's admission
-    rule. Cached: a status of an unchanged dataset costs no accounting. The
-    PLD epsilon of newly committed events takes 0.1-1 s; with
-    `pld_may_be_pending` a caller gets the figures at once, with the
-    non-adaptive RDP bound as `spent_epsilon` (labelled "rdp") until the PLD
-    figure, started in the background, is ready. `lineage` names the
-    budget, whose composed PLD is then extended by new commits, not
-    composed again (see caches.spent_pld_epsilon).
+    `committed_events` are the dataset's committed steps and `committed`
+    their tally; `held` the tally of committed and reserved-unrun steps;
+    `rule` the dataset's admission rule. Cached: a status of an unchanged
+    dataset costs no accounting. The PLD epsilon of newly committed events
+    takes 0.1-1 s; with `pld_may_be_pending` a caller gets the figures at
+    once, with the non-adaptive RDP bound as `spent_epsilon` (labelled
+    "rdp") until the PLD figure, started in the background, is ready.
+    `lineage` names the budget, whose composed PLD is then extended by new
+    commits, not composed again (see caches.spent_pld_epsilon).
     """
-    figures = rdp_figures(budget_epsilon, rule, committed_events, held)
-    spent_pld = spent_pld_epsilon(committed_events, rule.delta, wait=not pld_may_be_pending, lineage=lineage)
+    figures = rdp_figures(budget_epsilon, rule, committed, held)
+    spent_pld = spent_pld_epsilon(
+        committed_events, rule.delta, figures.spent_epsilon_rdp, wait=not pld_may_be_pending, lineage=lineage
+    )
     if spent_pld is None:
         return figures
     return replace(figures, spent_epsilon=spent_pld, spent_epsilon_accountant="pld")
+
+
+def forget_figures() -> None:
+    """Forget every figure, RDP curve, tally and PLD computed in this process, as a restart does (the next
+    status reads what the ledger kept, and computes only what that lacks)."""
+    forget_pld_figures()
+    forget_curves()
+    forget_stored_tallies()
+    rdp_figures.cache_clear()

@@ -121,15 +121,21 @@ def _stored_key(committed_json: str) -> bytes:
 
 def stored_tally(committed_json: str) -> RdpTally:
     """The tally of committed events as a budget stores them (JSON): remembered, else computed."""
+    tally = remembered_tally(committed_json)
+    if tally is None:
+        tally = RdpTally.of(Composition.from_json(committed_json))
+        remember_stored_tally(committed_json, tally)
+    return tally
+
+
+def remembered_tally(committed_json: str) -> RdpTally | None:
+    """The tally remembered for the committed events stored as `committed_json`, or None (nothing is computed)."""
     key = _stored_key(committed_json)
     with _STORED_TALLIES_LOCK:
         tally = _STORED_TALLIES.get(key)
         if tally is not None:
             _STORED_TALLIES.move_to_end(key)
-            return tally
-    tally = RdpTally.of(Composition.from_json(committed_json))
-    remember_stored_tally(committed_json, tally)
-    return tally
+        return tally
 
 
 def remember_stored_tally(committed_json: str, tally: RdpTally) -> None:
@@ -139,3 +145,9 @@ def remember_stored_tally(committed_json: str, tally: RdpTally) -> None:
         _STORED_TALLIES.move_to_end(_stored_key(committed_json))
         while len(_STORED_TALLIES) > _STORED_TALLIES_SIZE:
             _STORED_TALLIES.popitem(last=False)
+
+
+def forget_stored_tallies() -> None:
+    """Forget every remembered tally (as a restart does)."""
+    with _STORED_TALLIES_LOCK:
+        _STORED_TALLIES.clear()

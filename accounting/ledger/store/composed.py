@@ -4,6 +4,9 @@ and the background composition that extends a dataset's PLD shortly after its co
 A row is a cache of a report, never read by admission: `ComposedPld`
 carries an HMAC under the history key, and a row that does not match it
 is ignored (the distribution is composed again from the committed events).
+With the distribution it keeps the exact RDP tally of the same events: a
+restart reads the two back and computes only the steps committed since, no
+mechanism's RDP curve or one-step PLD for the rest.
 A state is written at most every KEEP_EVERY_SECONDS per budget while the
 ledger is open, and once more when it closes, so a restart composes at most
 that much of the latest commits again.
@@ -21,10 +24,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Hashable, Iterable
 
-from accounting.ledger.composed import COMPOSED, ComposedPld
+from accounting.events import Composition
+from accounting.ledger.admission import RdpTally, remember_stored_tally, remembered_tally, stored_tally
+from accounting.ledger.composed import COMPOSED, ComposedPld, new_steps
 from accounting.ledger.databases import Connection
+from accounting.ledger.store.datasets import DatasetRow
 from accounting.ledger.store.clock import now
 
 KEEP_EVERY_SECONDS = 10.0
@@ -50,19 +57,29 @@ class ComposedDistributions:
         """The name of a budget's composed state in memory."""
         return ("ledger", self._location, budget_id)
 
-    def recall(self, connection: Connection, budget_ids: Iterable[int]) -> None:
-        """Put in memory the kept state of each budget that has none there (after a restart)."""
+    def recall(self, connection: Connection, budgets: Iterable[DatasetRow]) -> None:
+        """Put in memory, after a restart, what was kept of each budget that memory lacks: its composed state,
+        and the RDP tally of its committed steps (the kept state's tally plus that of the steps committed
+        since, the only curves computed), so that a status computes neither again."""
         if self._key is None:
             return
-        for budget_id in budget_ids:
-            if COMPOSED.get(self.lineage(budget_id)) is not None:
+        for budget in budgets:
+            lineage = self.lineage(budget.dataset_id)
+            if COMPOSED.get(lineage) is not None and remembered_tally(budget.committed_events) is not None:
                 continue
-            row = connection.execute("SELECT state FROM composed_pld WHERE budget_id = ?", (budget_id,)).fetchone()
+            row = connection.execute(
+                "SELECT state FROM composed_pld WHERE budget_id = ?", (budget.dataset_id,)
+            ).fetchone()
             state = ComposedPld.from_bytes(bytes(row[0]), self._key) if row is not None else None
-            if state is not None:
-                COMPOSED.keep(self.lineage(budget_id), state)
+            if state is None:
+                continue
+            if COMPOSED.get(lineage) is None:
+                COMPOSED.keep(lineage, state)
                 with self._lock:
-                    self._written.setdefault(budget_id, (state.events, time.monotonic()))
+                    self._written.setdefault(budget.dataset_id, (state.events, time.monotonic()))
+            since = new_steps(state.events, Composition.from_json(budget.committed_events))
+            if state.rdp_tally and since is not None and remembered_tally(budget.committed_events) is None:
+                remember_stored_tally(budget.committed_events, RdpTally.from_json(state.rdp_tally) + RdpTally.of(since))
 
     def due(
         self, budget_ids: Iterable[int] | None = None, every: float = KEEP_EVERY_SECONDS
@@ -85,7 +102,9 @@ class ComposedDistributions:
                     written[0] != state.events and time.monotonic() - written[1] >= every
                 ):
                     due.append((budget_id, state))
-        return due
+        # Each kept with the tally of its events (remembered by the status that composed them: no curve computed).
+        return [(budget_id, replace(state, rdp_tally=stored_tally(state.events.to_json()).to_json()))
+                for budget_id, state in due]
 
     def keep(self, connection: Connection, budget_id: int, state: ComposedPld) -> None:
         """Keep `state` as the budget's, in place of the one kept before."""

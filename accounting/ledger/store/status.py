@@ -7,7 +7,7 @@ import json
 from typing import Callable, Hashable, NamedTuple
 
 from accounting.events import Composition
-from accounting.ledger.admission import AdmissionRule, RdpTally, budget_figures
+from accounting.ledger.admission import AdmissionRule, RdpTally, budget_figures, stored_tally
 from accounting.ledger.callers import Caller, DatasetRef, display_name
 from accounting.ledger.databases import Connection
 from accounting.ledger.records import BlockStatus, DatasetStatus, QuotaStatus, quota_status
@@ -40,7 +40,7 @@ def read_status(tables: Tables, connection: Connection, caller: Caller, dataset:
         tables.uses.of_dataset(connection, dataset.dataset_id, mine),
         tables.queue.count_waiting(connection, dataset.dataset_id),
     )
-    tables.composed.recall(connection, budget_ids(rows))
+    tables.composed.recall(connection, [rows.dataset, *rows.blocks])
     return rows
 
 
@@ -86,7 +86,7 @@ def _budget_fields(
     rule = budget.rule()
     figures = budget_figures(
         budget.budget_epsilon, rule, Composition.from_json(budget.committed_events),
-        RdpTally.from_json(budget.held_rdp), pld_may_be_pending,
+        stored_tally(budget.committed_events), RdpTally.from_json(budget.held_rdp), pld_may_be_pending,
         lineage(budget.dataset_id) if lineage is not None else None,
     )
     return {
@@ -123,7 +123,7 @@ def _quota_statuses(dataset: DatasetRow, blocks: list[DatasetRow], uses: list[Us
             statuses.append(
                 quota_status(
                     tenant, budget.block, quota_epsilon, AdmissionRule.from_dict(json.loads(quota_rule)),
-                    Composition.from_json(use.committed_events), RdpTally.from_json(use.held_rdp), inherited,
+                    stored_tally(use.committed_events), RdpTally.from_json(use.held_rdp), inherited,
                 )
             )
     return tuple(statuses)
