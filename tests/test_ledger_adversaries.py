@@ -18,9 +18,10 @@ from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.composed import ComposedPld
-from accounting.ledger.errors import PermissionDenied, RateLimited, Unauthenticated
+from accounting.ledger.errors import FailedPrecondition, PermissionDenied, RateLimited, Unauthenticated
 from accounting.ledger.service import start_server
-from accounting.ledger.store import authorisation
+from accounting.ledger.store import admission as store_admission
+from accounting.ledger.store import authorisation, open_embedded_ledger
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 DELTA = 1e-5
@@ -135,6 +136,24 @@ def test_a_commit_is_charged_for_the_steps_it_makes_the_server_compose(tmp_path)
             assert job.committed_steps == 0
     finally:
         running.stop(grace_seconds=1.0)
+
+
+def test_a_budget_composes_at_most_its_cap_of_steps_in_all_whatever_the_plans(tmp_path, monkeypatch):
+    """Steps were bounded per plan only: plans of the most steps, one after another, took a budget's sums of steps
+    without end. Reserves and commits past the budget's cap are refused, and what is committed stays under it."""
+    monkeypatch.setattr(store_admission, "MAX_BUDGET_STEPS", 25)
+    step = SampledGaussian(1e-6, 100.0, 10)
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("own", 1e4, DELTA)
+        jobs = [ledger.reserve("own", job, Composition((step,))).reservation_id for job in ("a", "b", "c")]
+        ledger.commit(jobs[0], 10, 0)
+        ledger.commit(jobs[1], 10, 0)
+        with pytest.raises(FailedPrecondition, match="has composed 20 steps; 10 more would pass the 25"):
+            ledger.commit(jobs[2], 10, 0)  # admitted while nothing was composed
+        with pytest.raises(FailedPrecondition, match="has composed 20 steps; 10 more"):
+            ledger.reserve("own", "d", Composition((step,)))
+        ledger.commit(jobs[2], 5, 0)
+        assert sum(job.committed_steps for job in ledger.list_jobs("own")) == 25
 
 
 def test_a_wrong_token_flood_and_a_rotation_do_not_lock_out_another_tenant(server, tokens):

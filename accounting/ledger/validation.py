@@ -22,8 +22,11 @@ MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1  # a row index or count: what a database integer holds
 # Steps of one plan in total, so of one reservation and one commit. A long DP-SGD job is 10**4 to 10**6 steps
 # (100 epochs of 60,000 rows at batch 256 is 23,400); the bound keeps every count, sum and reply inside int64.
-# What a budget composes in all is bounded in work, not count: past caches.PLD_MAX_STEPS its PLD is not composed.
 MAX_PLAN_STEPS = 10**7
+# Steps one budget composes in all, its commits together: 10**5 plans of the most steps. Its work is bounded apart
+# (past caches.PLD_MAX_STEPS its PLD is not composed; the RDP filter is a closed form at any count), so this bounds
+# the count: every sum a status or reply holds stays far inside int64.
+MAX_BUDGET_STEPS = 10**12
 HISTORY_LIMIT = (1, 100_000)
 # Below a millisecond a duration is a typo or an attack on the arithmetic (5e-324 s divides to infinity).
 MIN_SECONDS = 1e-3

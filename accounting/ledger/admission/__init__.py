@@ -31,6 +31,7 @@ from accounting.ledger.admission.plans import (
     mechanisms_of,
     parse_plan,
     split_steps,
+    stored_steps,
     uncached_mechanisms,
 )
 from accounting.ledger.admission.rule import (
@@ -80,6 +81,7 @@ __all__ = [
     "remember_stored_tally",
     "remembered_tally",
     "split_steps",
+    "stored_steps",
     "stored_tally",
     "uncached_mechanisms",
 ]

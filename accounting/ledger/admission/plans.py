@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from accounting.events import (
     Composition, EventError, EventsLike, SampledGaussian, as_composition, event_of, group_events,
@@ -121,6 +122,14 @@ def _record_prefix(event: SampledGaussian) -> str:
     """How a canonical stored composition writes `event`'s record (Composition.to_json) up to its step count."""
     record = json.dumps(event.with_steps(1).to_dict(), sort_keys=True)
     return record[:record.rindex('"steps": ') + len('"steps": ')]
+
+
+_STEPS = re.compile(r'"steps": (\d+)')
+
+
+def stored_steps(stored: str) -> int:
+    """The steps in all of a budget's committed events as stored (canonical JSON), read without parsing them."""
+    return sum(map(int, _STEPS.findall(stored)))
 
 
 def committed_json_with(stored: str, block: Composition) -> str:

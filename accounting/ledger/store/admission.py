@@ -22,6 +22,7 @@ from accounting.ledger.admission import (
     block_data_overlap,
     remember_stored_tally,
     split_steps,
+    stored_steps,
     stored_tally,
 )
 from accounting.ledger.callers import Caller
@@ -31,7 +32,7 @@ from accounting.ledger.store.clock import expiry
 from accounting.ledger.store.datasets import DatasetRow
 from accounting.ledger.store.reservations import ReservationRow
 from accounting.ledger.store.tables import Tables
-from accounting.ledger.validation import ACTIVE
+from accounting.ledger.validation import ACTIVE, MAX_BUDGET_STEPS
 
 
 class JobRequest(NamedTuple):
@@ -132,6 +133,18 @@ def admission_checks(
     return checks, quota_checks
 
 
+def refuse_past_the_step_cap(budgets: list[DatasetRow], steps: int, reference: str) -> None:
+    """Refuse (FailedPrecondition) `steps` more on a budget whose commits would then hold more than
+    MAX_BUDGET_STEPS: a count no real budget reaches, which keeps every sum of steps inside int64."""
+    for budget in budgets:
+        composed = stored_steps(budget.committed_events)
+        if composed + steps > MAX_BUDGET_STEPS:
+            raise FailedPrecondition(
+                f"{budget_label(reference, budget)} has composed {composed} steps; {steps} more would pass the "
+                f"{MAX_BUDGET_STEPS} one budget may compose in all. Create a new dataset (or block) for new data"
+            )
+
+
 def refuse_unless_admitted(checks: list[BudgetCheck], reference: str) -> None:
     """Raise the refusal (BudgetExceeded) of the first check that does not fit."""
     for check in checks:
@@ -148,6 +161,7 @@ def hold(
 
     `reference` is the name a refusal gives; `details` go into the `reserve` history entry besides the plan.
     """
+    refuse_past_the_step_cap(budgets, job.planned.steps, reference)
     checks, quota_checks = admission_checks(tables, connection, job.tenant, dataset, budgets, job.tally, reference)
     refuse_unless_admitted([*checks, *quota_checks], reference)
     reservation_id = f"r-{secrets.token_hex(8)}"
@@ -195,6 +209,7 @@ def charge(
     block, _ = split_steps(unrun, steps)
     dataset = tables.datasets.by_id(connection, row.dataset_id)
     budgets = budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset)
+    refuse_past_the_step_cap(budgets, steps, reservation.dataset)
     block_tally = RdpTally.of(block)
     checks, quota_checks = admission_checks(
         tables, connection, row.tenant, dataset, budgets, block_tally, reservation.dataset, committed=True
