@@ -102,6 +102,26 @@ def test_the_closed_form_rdp_is_dp_accountings_to_the_last_bit(rate, sigma, step
     assert not sampled_gaussian_rdp(rate, sigma).flags.writeable
 
 
+@settings(max_examples=12, deadline=None)
+@given(st.floats(1e-6, 0.999), st.floats(0.05, 200.0))
+def test_one_step_rdp_curve_is_dp_accountings_at_every_order_to_the_last_bit(rate, sigma):
+    # Every order's series summed as dp-accounting sums it (terms in numpy, restarts and underflows skipped):
+    # the tallies the ledger stored with earlier curves stay exact.
+    reference = dp_accounting.rdp.rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(
+        rate, sigma, RDP_ORDERS
+    )
+    np.testing.assert_array_equal(sampled_gaussian_rdp.__wrapped__(rate, sigma), reference)
+
+
+@pytest.mark.parametrize("rate, sigma", [(0.004, 0.9), (0.004, 1.4999), (0.01, 0.3), (0.5, 0.5), (1e-9, 50.0),
+                                         (0.999, 1.0), (0.004, 1e-3), (1.0, 1.3)])
+def test_one_step_rdp_curve_at_the_edges_is_dp_accountings(rate, sigma):
+    reference = dp_accounting.rdp.rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian(
+        rate, sigma, RDP_ORDERS
+    )
+    np.testing.assert_array_equal(sampled_gaussian_rdp.__wrapped__(rate, sigma), reference)
+
+
 def test_pld_is_tighter_than_rdp_and_gdp_is_flagged_approximate():
     event = SampledGaussian(MNIST_Q, 1.3, 3600)
     assert epsilon("pld", event) < epsilon("rdp", event)
