@@ -12,14 +12,15 @@ history in place:
 - `status_new_mechanism_seconds`: the same after the first commit of a σ never
   seen before (its one-step PLD is built: dp-accounting's Python loop);
 - `reserve_new_mechanism_seconds`: a reserve of a σ never seen before (its RDP
-  curve is computed);
+  curve is computed), and `reserve_new_mechanism_goal_ratio` its ratio to the goal;
 - `status_first_seconds`: the first status of the point, just after its history
   was committed: it waits for the composition the commits started in the
   background (store.composed) and composes what that has not reached;
 - `status_after_restart_seconds`: a status of a ledger reopened in a process
-  that forgot every figure and distribution (the composed state the closing
-  ledger kept is read back from the file; steps committed since it was
-  composed, if any, are composed onto it);
+  that forgot every figure, RDP curve, tally and distribution (the composed
+  state and RDP tally the closing ledger kept are read back from the file;
+  steps committed since, if any, are composed onto them), and
+  `status_after_restart_goal_ratio` its ratio to the goal;
 - `history_seconds`: the dataset's last 50 history entries (median of 20);
 - `verify_first_seconds`: the first `verify` of the history, which replays every
   entry and keeps its state; `verify_seconds`: `verify` after 1,000 more
@@ -32,7 +33,9 @@ history in place:
 
 Goals (on 2 cores): at 100k commits and 1,000 mechanisms commit
 ≤ 5 ms, status with PLD ≤ 0.5 s, history ≤ 5 ms; incremental verify of
-1,000 new commits ≤ 2 s. `--json` writes bench/results/ledger-growth.json (or `--output`).
+1,000 new commits ≤ 2 s; the first status after a restart ≤ 1 s
+(RESTART_GOAL_SECONDS) and a reserve of a new σ ≤ 5 ms
+(NEW_MECHANISM_RESERVE_GOAL_SECONDS). `--json` writes bench/results/ledger-growth.json (or `--output`).
 `--chain-entries N` only times verify's chain check over N entries built in memory; `--curves N` only
 times N new mechanisms' RDP curves and one-step PLDs in CPU seconds, each beside dp-accounting's own.
 """
@@ -62,6 +65,8 @@ DELTA = 1e-5
 SAMPLING_RATE = 0.004
 DATASET = "acme/growth"
 MAX_COMMITS_PER_JOB = 20
+RESTART_GOAL_SECONDS = 1.0
+NEW_MECHANISM_RESERVE_GOAL_SECONDS = 0.005
 
 
 def mechanism(index: int) -> SampledGaussian:
@@ -179,8 +184,10 @@ def measure_point(commits: int, mechanisms: int, folder: Path) -> dict:
         "status_seconds_max": max(status_seconds),
         "status_new_mechanism_seconds": status_new_mechanism,
         "reserve_new_mechanism_seconds": reserve_new_mechanism,
+        "reserve_new_mechanism_goal_ratio": reserve_new_mechanism / NEW_MECHANISM_RESERVE_GOAL_SECONDS,
         "status_first_seconds": status_first,
         "status_after_restart_seconds": status_after_restart,
+        "status_after_restart_goal_ratio": status_after_restart / RESTART_GOAL_SECONDS,
         "history_seconds": statistics.median(history_seconds),
         "verify_first_seconds": verify_first_seconds,
         "verify_seconds": verify_seconds,
@@ -271,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
             result = measure_point(commits, mechanisms, Path(folder))
             results.append(result)
             print(json.dumps(result), flush=True)
+            print(f"{commits}x{mechanisms}: first status after a restart {result['status_after_restart_seconds']:.3f} s "
+                  f"({result['status_after_restart_goal_ratio']:.2f}x the {RESTART_GOAL_SECONDS:g} s goal), reserve of "
+                  f"a new σ {1e3 * result['reserve_new_mechanism_seconds']:.2f} ms "
+                  f"({result['reserve_new_mechanism_goal_ratio']:.2f}x the "
+                  f"{1e3 * NEW_MECHANISM_RESERVE_GOAL_SECONDS:g} ms goal), load {os.getloadavg()[0]:.2f}", flush=True)
             if args.json:  # after each point: a long run stopped early keeps the points it measured
                 machine = {"cpus": os.cpu_count(), "python": platform.python_version(),
                            "platform": platform.platform(), "sqlite": sqlite3.sqlite_version,

@@ -16,7 +16,8 @@ whose thread, SETTLE_SECONDS later, does what a status of the dataset does
 (each budget's distribution extended by the steps committed since, in one
 composition per mechanism that gained steps). A burst of commits costs one
 composition, a commit's own time does not grow with the mechanisms, and a
-status or a restart finds the distribution composed.
+status or a restart finds the distribution composed: a ledger that closes
+composes the commits its thread has not reached before it keeps the states.
 """
 
 from __future__ import annotations
@@ -147,17 +148,25 @@ class BackgroundComposition:
                 if self._closed:
                     return
                 pending, self._pending = self._pending, set()
-            try:
-                self._compose(pending)
-            except Exception:  # a cache of a report: the next status composes what this one did not
-                _LOG.warning("composing the PLD of datasets %s in the background failed", sorted(pending),
-                             exc_info=True)
+            self._compose_logged(pending)
+
+    def _compose_logged(self, pending: set[int]) -> None:
+        try:
+            self._compose(pending)
+        except Exception:  # a cache of a report: the next status composes what this one did not
+            _LOG.warning("composing the PLD of datasets %s in the background failed", sorted(pending),
+                         exc_info=True)
 
     def close(self) -> None:
-        """Stop: a composition under way finishes first (so its state can be kept), one not begun is dropped."""
+        """Stop: a composition under way finishes first, then the datasets committed to since are composed
+        here, so that the states kept at close hold every commit and a restart composes nothing again."""
         with self._condition:
             self._closed = True
             self._condition.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        with self._condition:
+            pending, self._pending = self._pending, set()
+        if pending:
+            self._compose_logged(pending)
