@@ -6,6 +6,8 @@ import pytest
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument
 from accounting.ledger.service import start_server
+from accounting.ledger.store import open_embedded_ledger
+from accounting.ledger.store.datasets import Datasets
 from orchestrator.errors import UsageError
 from orchestrator.ledger_session import bind_dataset_content
 from tests.test_ledger_blocks import parquet_blocks
@@ -64,3 +66,18 @@ def test_a_served_dataset_binds_its_files_on_first_use_and_no_other_name_gets_th
         globex.bind_content("theirs", file_digests(day1))
     with pytest.raises(InvalidArgument, match="SHA-256s"):
         acme.bind_content("again", ["not a digest"])
+
+
+def test_verify_finds_the_same_files_bound_to_two_datasets_by_a_ledger_that_did_not_check(tmp_path, monkeypatch):
+    locations, _ = parquet_blocks(tmp_path / "d", {"day1": 20})
+    content = file_digests({"format": "parquet", "train": locations["day1"]})
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ledger.create_dataset("first", 2.0, DELTA)
+        ledger.create_dataset("second", 2.0, DELTA)
+        ledger.bind_content("first", content)
+        assert ledger.verify().findings == ()
+        monkeypatch.setattr(Datasets, "holding_content", lambda *args, **kwargs: None)  # a ledger that did not check
+        ledger.bind_content("second", content)
+        (finding,) = ledger.verify(full=True).findings
+    assert finding.dataset == "local/second" and "dataset 'local/first' holds already" in finding.problem
+    assert "the same rows under two budgets" in finding.problem

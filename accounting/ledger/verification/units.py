@@ -31,14 +31,18 @@ class UnitReplay:
         self.declared: dict[int, dict | None] = {}
         # Per budget, the committed steps per mechanism (sampling rate, noise multiplier, sensitivity factor).
         self.committed: dict[int, dict[tuple[float, float, float], int]] = {}
+        # Each training file's SHA-256, as a dataset's registration or first job bound it, and that dataset's id.
+        self.content_owner: dict[str, int] = {}
         self.entry_findings: list[Finding] = []
 
     def apply(self, entry: StoredEntry, rows: dict[int, StoredDataset], block_ids: dict[tuple[int, str], int]) -> None:
         """Extend the replay by one history entry; one it cannot apply is a finding."""
-        if entry.action not in ("create_dataset", "raise_budget", "add_block", "commit"):
+        if entry.action not in ("create_dataset", "bind_content", "raise_budget", "add_block", "commit"):
             return
         try:
             details = json.loads(entry.details_json)
+            if entry.action in ("create_dataset", "bind_content"):
+                self._bind(entry, details.get("content") or (), rows)
             if entry.action == "create_dataset":
                 self.unit[entry.dataset_id] = details.get("privacy_unit", EXAMPLE)
                 self.budget[entry.dataset_id] = float(details["epsilon"])
@@ -46,7 +50,7 @@ class UnitReplay:
                 self.budget[entry.dataset_id] = float(details["to"])
             elif entry.action == "add_block":
                 self.declared[entry.dataset_id] = details.get("data")
-            else:
+            elif entry.action == "commit":
                 events = Composition.from_dict(details["events"])
                 charged = [block_ids.get((entry.dataset_id, block), -1) for block in details.get("blocks") or ()]
                 for budget_id in charged or [entry.dataset_id]:
@@ -58,6 +62,20 @@ class UnitReplay:
             name = rows[entry.dataset_id].name if entry.dataset_id in rows else None
             self.entry_findings.append(Finding(entry.entry_id, name, f"its details cannot be replayed "
                                                                      f"({type(error).__name__}: {error})"))
+
+    def _bind(self, entry: StoredEntry, content: list[str], rows: dict[int, StoredDataset]) -> None:
+        """Bind `content` to the entry's dataset; a file another dataset holds already is a finding: its rows
+        would have two budgets (admission refuses this, so the entry was written past it)."""
+        shared = sorted(digest for digest in content
+                        if self.content_owner.setdefault(digest, entry.dataset_id) != entry.dataset_id)
+        if shared:
+            owner = rows.get(self.content_owner[shared[0]])
+            name = rows[entry.dataset_id].name if entry.dataset_id in rows else None
+            self.entry_findings.append(Finding(
+                entry.entry_id, name,
+                f"binds {len(shared)} file(s) that dataset {owner.name if owner else '(deleted)'!r} holds already "
+                f"(one of SHA-256 {shared[0][:16]}…): the same rows under two budgets",
+            ))
 
     def _spent(self, budget_ids: list[int]) -> Composition:
         return canonical(Composition(tuple(

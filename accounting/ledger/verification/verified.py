@@ -28,7 +28,7 @@ from accounting.ledger.verification.rows import StoredEntry
 
 # Written before the pickled state, under the HMAC: a state of another format (another dpfleet's replays) is not
 # read, and the replays start from the first entry.
-_FORMAT = b"dpfleet.verified_state.2\n"
+_FORMAT = b"dpfleet.verified_state.3\n"
 _TAG_BYTES = 32
 
 # The schema version from which every ledger keeps a state (store/schema.py writes it at creation and migration).
