@@ -6,6 +6,7 @@ raises UsageError, so the command line can exit with status 2 and one line.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any, Iterable
 
@@ -80,6 +81,17 @@ def one_of(name: str, value: Any, choices: Iterable[str]) -> str:
     if value not in choices:
         raise UsageError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
     return value
+
+
+def unknown_names(unknown: Iterable[str], valid: Iterable[str]) -> str:
+    """Unknown names, sorted, each followed by the valid name closest to it, if one is close: ``stepz (did you mean
+    `steps`?)``. A misspelling gets its fix; the whole list of valid names is left to the help and the reference."""
+    valid = sorted(valid)
+    shown = []
+    for name in sorted(unknown):
+        close = difflib.get_close_matches(name, valid, n=1)
+        shown.append(f"{name} (did you mean `{close[0]}`?)" if close else name)
+    return ", ".join(shown)
 
 
 def batch_within_dataset(batch_name: str, batch_size: int, dataset_size: int) -> float:

@@ -37,7 +37,7 @@ def shard_tables(value: Any, datasets: tuple[str, ...], default_dataset: Any) ->
             table = dataclasses.asdict(table)
         unknown = set(table) - set(keys)
         if unknown:
-            raise UsageError(f"shards[{index}] has unknown key(s) {', '.join(sorted(unknown))}; "
+            raise UsageError(f"shards[{index}] has unknown key(s) {checks.unknown_names(unknown, keys)}; "
                              f"valid keys: {', '.join(sorted(keys))}")
         dataset = table.get("dataset", default_dataset)
         if isinstance(dataset, Mapping) and dataset.get("format") == "parquet" and not dataset.get("train_parts"):

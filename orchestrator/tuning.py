@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from accounting.events import Composition
+from orchestrator.checks import unknown_names
 from orchestrator.config import KEYS
 from orchestrator.errors import UsageError
 
@@ -30,7 +31,7 @@ def parse_grid(grid: Mapping[str, Any]) -> dict[str, list]:
         raise UsageError("the grid is empty; give config keys with lists of values, e.g. learning_rate = [1.0, 2.0]")
     unknown = sorted(set(grid) - KEYS)
     if unknown:
-        raise UsageError(f"the grid names unknown config key(s): {', '.join(unknown)}")
+        raise UsageError(f"the grid names unknown config key(s): {unknown_names(unknown, KEYS)}")
     for name, values in grid.items():
         if not (isinstance(values, list) and values):
             raise UsageError(f"grid key {name} must be a non-empty list of values (got {values!r})")

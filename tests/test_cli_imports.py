@@ -122,6 +122,19 @@ def test_help_version_accounting_init_and_the_embedded_ledger_load_no_torch_or_r
     assert (tmp_path / "starter.toml").is_file()
 
 
+def test_a_training_config_s_mistakes_are_refused_before_torch_or_ray_load(tmp_path):
+    """A misspelt key, a value out of range and a value of the wrong type: each exits 2 with torch and Ray unloaded."""
+    good = 'model = "gdp_cnn"\ndataset = "mnist"\nbatch_size = 250\nsteps = 200\nnoise_multiplier = 1.1\n'
+    mistakes = {"misspelt.toml": good.replace("steps", "stepz"), "range.toml": good.replace("250", "0"),
+                "type.toml": good + 'workers = "two"\n'}
+    commands = []
+    for name, text in mistakes.items():
+        (tmp_path / name).write_text(text)
+        commands.append(["train", "--config", str(tmp_path / name)])
+    report = run_commands(tmp_path, commands, DPFLEET_HOME=str(tmp_path / "home"))
+    assert_light(report, {" ".join(command): 2 for command in commands})
+
+
 def test_the_ledger_server_and_its_clients_load_no_torch_or_ray(tmp_path):
     token_file = tmp_path / "admin-token"
     token_file.write_text(ADMIN_TOKEN)

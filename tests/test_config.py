@@ -30,7 +30,7 @@ sigma = 1.0
 """
 # Each bad key above, in the words the command line uses for it alone.
 NAMED = [
-    "unknown config key(s): sigma; valid keys:",
+    "unknown config key(s): sigma; docs/config-reference.md and `dpfleet train --help` list every key",
     "batch_size must be an integer >= 1 (got 0)",
     "delta must be in (0, 1) (got 2)",
     "accountant must be one of pld, rdp, gdp (got 'moments')",
@@ -58,6 +58,17 @@ def test_the_command_line_prints_every_bad_key_and_exits_2(tmp_path, capsys):
     assert main(["train", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert all(message in err for message in NAMED) and "Traceback" not in err
+
+
+def test_a_misspelt_key_gets_the_key_it_is_closest_to_and_exits_2(tmp_path, capsys):
+    path = tmp_path / "job.toml"
+    path.write_text("stepz = 3\nnoise_multiplier = 1.0\n[optimizer]\nname = \"adam\"\nbetaz = [0.9, 0.99]\n")
+    assert main(["train", "--config", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert f"  unknown config key(s): stepz (did you mean `steps`?); docs/config-reference.md and `dpfleet train " \
+           f"--help` list every key (in {path})" in lines
+    assert f"  optimizer takes name, momentum, nesterov, betas, eps, weight_decay; unknown: betaz (did you mean " \
+           f"`betas`?) (in {path})" in lines
 
 
 def test_every_rule_between_keys_that_a_config_breaks_is_named():

@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
@@ -28,10 +28,11 @@ from orchestrator.ledger_session import (
     new_job_id,
     open_ledger,
 )
-from orchestrator.membership import membership_report
 from orchestrator.stopping import stopped_as_interrupted
-from orchestrator.trainer import Trainer, resume_trainer
 from workers.sources import read_first
+
+if TYPE_CHECKING:
+    from orchestrator.trainer import Trainer
 
 
 def add_train_arguments(train: argparse.ArgumentParser) -> None:
@@ -146,6 +147,8 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
                "non_private_train_loss": args.non_private_train_loss, "show_values": args.show_values}
     try:
         if args.resume:
+            from orchestrator.trainer import resume_trainer  # torch and Ray
+
             trainer = resume_trainer(args.resume, **options)
         else:
             config = args.config if isinstance(args.config, TrainConfig) else \
@@ -159,6 +162,9 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
                     charge_epsilon = filter_basis(ledger, dataset, config.blocks)
                 finally:
                     ledger.close()
+            # Torch and Ray load with the trainer, once the config is checked: a config's mistake is told at once.
+            from orchestrator.trainer import Trainer
+
             trainer = Trainer(config, charge_epsilon=charge_epsilon, **options)
     except ValueError as error:
         # Errors about the data name where and which rule; only the data's owners ask to see the value too.
@@ -285,6 +291,8 @@ def outage_rows(outages: list[dict]) -> list[list[str]]:
 
 def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:
     """Loss-threshold attack on the trained model: its training examples against test examples it never saw."""
+    from orchestrator.membership import membership_report  # torch, for a flag that needs it
+
     config = trainer.config
     members = min(examples, trainer.plan.dataset_size)
     images, labels = read_first(config.dataset, "train", members, config.data_root)

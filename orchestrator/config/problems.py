@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from orchestrator.checks import unknown_names
 from orchestrator.config.fields import choices, range_text, value_type
 from orchestrator.config.model import KEYS, KeyProblems, TrainConfig
 from orchestrator.errors import UsageError
@@ -76,8 +77,9 @@ def _unknown_in_tables(unknown: dict[tuple, list[str]]) -> list[tuple[str, Usage
     found = []
     for location, names in unknown.items():
         path, field = _located(location)
-        takes = ", ".join(value_type(field).__pydantic_fields__)
-        found.append((str(location[0]), UsageError(f"{path} takes {takes}; unknown: {', '.join(sorted(names))}")))
+        takes = list(value_type(field).__pydantic_fields__)
+        found.append((str(location[0]), UsageError(f"{path} takes {', '.join(takes)}; unknown: "
+                                                   f"{unknown_names(names, takes)}")))
     return found
 
 
@@ -109,7 +111,8 @@ def problem_lines(error: ValidationError) -> list[tuple[str | None, UsageError]]
     found += _unknown_in_tables(unknown_in_tables)
     if unknown:
         found.insert(0, (None, UsageError(
-            f"unknown config key(s): {', '.join(sorted(unknown))}; valid keys: {', '.join(sorted(KEYS))}"
+            f"unknown config key(s): {unknown_names(unknown, KEYS)}; docs/config-reference.md and `dpfleet train "
+            "--help` list every key"
         )))
     return found
 
