@@ -5,7 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import markdown
 import pytest
+from mkdocs.config import load_config
 
 from orchestrator.cli import build_parser, reference
 from orchestrator.config import documented_keys
@@ -55,15 +57,34 @@ HISTORY = re.compile(
 )
 
 
-def slug(heading: str) -> str:
-    """A heading's anchor as GitHub and MkDocs make it: lower case, punctuation dropped, spaces as hyphens."""
+def github_slug(heading: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, each space a hyphen (``a = b``: ``a--b``)."""
     text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
     return text.replace(" ", "-")
 
 
-def anchors(path: Path) -> set[str]:
+def github_anchors(path: Path) -> set[str]:
+    """The anchors of a page as GitHub renders it (the READMEs are read there)."""
     text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
-    return {slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+    return {github_slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+def site_markdown() -> markdown.Markdown:
+    """The Markdown converter `mkdocs build` renders the site's pages with: mkdocs.yml's extensions and settings."""
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    return markdown.Markdown(extensions=config.markdown_extensions, extension_configs=config.mdx_configs)
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors of a page of the site, as MkDocs names them (its toc extension: ``a = b`` is ``a-b``)."""
+    converter = site_markdown()
+    converter.convert(path.read_text())
+    found, tokens = set(), list(converter.toc_tokens)
+    while tokens:
+        token = tokens.pop()
+        found.add(token["id"])
+        tokens.extend(token["children"])
+    return found
 
 
 def links(path: Path) -> list[str]:
@@ -114,6 +135,8 @@ def test_every_benchmark_has_its_command_in_the_benchmarks_page():
 
 @pytest.mark.parametrize("path", [README, ROOT / "deploy" / "README.md", *PAGES], ids=lambda path: path.name)
 def test_local_links_and_their_anchors_resolve(path):
+    """Each anchor by the rule of the site that shows the linking page: MkDocs' for docs/, GitHub's for a README."""
+    anchors_of = anchors if path.parent == DOCS else github_anchors
     for target in links(path):
         if re.match(r"[a-z]+://", target):
             continue
@@ -121,13 +144,19 @@ def test_local_links_and_their_anchors_resolve(path):
         linked = (path.parent / file_part).resolve() if file_part else path
         assert linked.exists(), target
         if anchor:
-            assert anchor in anchors(linked), target
+            assert anchor in anchors_of(linked), target
+
+
+def test_anchors_are_named_by_each_site_s_rule():
+    heading = 'Dropped rows under `check_data = "lenient"`'
+    assert github_slug(heading) == "dropped-rows-under-check_data--lenient"
+    assert "dropped-rows-under-check_data-lenient" in anchors(DOCS / "privacy.md")
+    assert "dropped-rows-under-check_data--lenient" not in anchors(DOCS / "privacy.md")
 
 
 def test_the_site_lists_every_page_and_builds_strictly(tmp_path):
     nav = (ROOT / "mkdocs.yml").read_text()
     assert {page.name for page in PAGES} == set(re.findall(r"([\w-]+\.md)", nav))
-    pytest.importorskip("mkdocs")
     built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-3000:]
