@@ -306,6 +306,10 @@ def _log_add(log_x: float, log_y: float) -> float:
     return high if low == -math.inf else math.log1p(math.exp(low - high)) + high
 
 
+# A series of up to this many terms is summed term by term: looking for its restart costs more than it saves.
+_SHORT_SERIES = 64
+
+
 def _log_sum_in_order(terms: np.ndarray) -> float:
     """dp-accounting's running `_log_add` of `terms`, first to last, to the last bit, skipping what it would
     leave unchanged.
@@ -320,13 +324,15 @@ def _log_sum_in_order(terms: np.ndarray) -> float:
     """
     if terms.size == 0:
         return -math.inf
-    before = np.maximum.accumulate(terms)[:-1]
-    index = np.arange(1, terms.size, dtype=np.float64)
-    bound = before + np.log(index) + 1.0 + 1e-12 * index * (np.abs(before) + 1.0)
-    later = terms[1:]
-    with np.errstate(divide="ignore"):
-        restarts = np.flatnonzero(bound - later <= np.log(np.spacing(np.abs(later)) / 16.0))
-    start = int(restarts[-1]) + 1 if restarts.size else 0
+    start = 0
+    if terms.size > _SHORT_SERIES:
+        before = np.maximum.accumulate(terms)[:-1]
+        index = np.arange(1, terms.size, dtype=np.float64)
+        bound = before + np.log(index) + 1.0 + 1e-12 * index * (np.abs(before) + 1.0)
+        later = terms[1:]
+        with np.errstate(divide="ignore"):
+            restarts = np.flatnonzero(bound - later <= np.log(np.spacing(np.abs(later)) / 16.0))
+        start = int(restarts[-1]) + 1 if restarts.size else 0
     log_sum = float(terms[start])
     exp, log1p = math.exp, math.log1p
     for term in terms[start + 1:].tolist():
@@ -346,12 +352,15 @@ def _integer_order_log_moments(sampling_rate: float, noise_multiplier: float, or
 
     dp-accounting's `_compute_log_a_int` to the last bit: every order's terms
     in one numpy pass (the same operations in the same order, on the same scipy
-    gammaln), then each order's running log-sum by `_log_sum_in_order`.
+    gammaln, each of its integer arguments evaluated once), then each order's running log-sum by
+    `_log_sum_in_order`.
     """
     sizes = orders.astype(np.int64) + 1
     order = np.repeat(orders, sizes)
     k = np.arange(sizes.sum(), dtype=np.float64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    log_binomials = special.gammaln(order + 1) - special.gammaln(k + 1) - special.gammaln(order - k + 1)
+    log_factorials = special.gammaln(np.arange(sizes.max(), dtype=np.float64) + 1)  # gammaln(n + 1) at n
+    log_binomials = (log_factorials[order.astype(np.int64)] - log_factorials[k.astype(np.int64)]
+                     - log_factorials[(order - k).astype(np.int64)])
     log_coefficients = log_binomials + k * math.log(sampling_rate) + (order - k) * math.log1p(-sampling_rate)
     terms = log_coefficients + (k * k - k) / (2 * (noise_multiplier**2))
     if not np.all(np.isfinite(terms)):  # a noise multiplier so small that the terms overflow: dp-accounting's own
