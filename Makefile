@@ -19,7 +19,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 train: setup
-	$(BIN)/dpfleet train --config examples/mnist.toml --workers 2
+	$(BIN)/dpfleet train --config examples/mnist.toml --workers 2 --overwrite
 
 bench: setup
 	$(BIN)/python -m pip install --quiet -e '.[bench]'

@@ -12,6 +12,7 @@ from orchestrator import __version__, release
 from orchestrator.cli import main
 from orchestrator.cli.display import plain_when_asked, show_progress
 from orchestrator.cli.init import STARTER
+from orchestrator.cli.train import check_run_dir_free
 from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config, replaced, toml_literal
 from orchestrator.planning import plan_run
 
@@ -88,6 +89,21 @@ def test_init_does_not_replace_a_file_unless_forced(tmp_path, capsys):
     assert "exists" in capsys.readouterr().err and path.read_text() == "epochs = 1\n"
     assert main(["init", str(path), "--force"]) == 0
     assert tomllib.loads(path.read_text()) == STARTER
+
+
+def test_train_refuses_a_finished_run_dir_unless_told_to_overwrite_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text('{"epsilon": 1.0}')
+    config = tmp_path / "job.toml"
+    config.write_text(f'steps = 5\nnoise_multiplier = 1.0\nrun_dir = "{run_dir}"\n')
+    assert main(["train", "--config", str(config), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        f"dpfleet train: error: run_dir {str(run_dir)!r} holds a finished run (its summary.json), which this run "
+        "would overwrite; give another --run-dir, or add --overwrite to replace it (dpfleet.train: overwrite=True)\n")
+    assert (run_dir / "summary.json").read_text() == '{"epsilon": 1.0}'
+    check_run_dir_free(str(run_dir), overwrite=True)
+    check_run_dir_free(str(tmp_path / "new"), overwrite=False)
 
 
 @pytest.mark.parametrize("environ, stream, plain", [

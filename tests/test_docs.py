@@ -92,6 +92,11 @@ def links(path: Path) -> list[str]:
     return re.findall(r"\]\(([^)\s]+)\)", text)
 
 
+def test_the_quick_start_begins_by_setting_up_and_activating_the_venv():
+    quick_start = README.read_text().split("**Quick start**", 1)[1]
+    assert re.findall(r"`([^`]+)`", quick_start)[:2] == ["make setup", "source .venv/bin/activate"]
+
+
 def test_the_readme_is_short():
     assert len(README.read_text().splitlines()) <= 250
 

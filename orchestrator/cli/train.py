@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import textwrap
@@ -67,6 +68,9 @@ def add_train_arguments(train: argparse.ArgumentParser) -> None:
     train.add_argument("--no-progress", action="store_true",
                        help="hide the progress bars (shown only when stderr is a terminal)")
     train.add_argument("--json", action="store_true", help="print the summary as JSON on the last line")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start the run even though its run_dir holds a finished run, whose summary and files "
+                            "it replaces (without it, such a run_dir is refused)")
     train.set_defaults(handler=f"{__name__}:run_train")
 
 
@@ -116,6 +120,15 @@ def add_job_ledger_flags(parser: argparse.ArgumentParser) -> None:
                              "(-1000 to 1000, default 0)")
 
 
+def check_run_dir_free(run_dir: str, overwrite: bool) -> None:
+    """Refuse to start a run in a ``run_dir`` that holds a finished run (its summary.json), unless ``overwrite``."""
+    if not overwrite and os.path.exists(os.path.join(run_dir, "summary.json")):
+        raise UsageError(
+            f"run_dir {run_dir!r} holds a finished run (its summary.json), which this run would overwrite; give "
+            "another --run-dir, or add --overwrite to replace it (dpfleet.train: overwrite=True)"
+        )
+
+
 def check_queue_flags(args: argparse.Namespace) -> None:
     """Refuse --max-wait or --priority without --wait-for-budget."""
     if not args.wait_for_budget and (args.max_wait is not None or args.priority != "0"):
@@ -153,6 +166,7 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
         else:
             config = args.config if isinstance(args.config, TrainConfig) else \
                 load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
+            check_run_dir_free(config.run_dir, args.overwrite)
             charge_epsilon = None
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)
