@@ -1,6 +1,7 @@
 """What users expect of a command line: --version, help that lists the config keys, init, NO_COLOR, quiet pipes."""
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import __version__, release
-from orchestrator.cli import main
+from orchestrator.cli import build_parser, main, quiet_ray_start
 from orchestrator.cli.display import plain_when_asked, show_progress
 from orchestrator.cli.init import STARTER
 from orchestrator.cli.train import check_run_dir_free
@@ -104,6 +105,22 @@ def test_train_refuses_a_finished_run_dir_unless_told_to_overwrite_it(tmp_path, 
     assert (run_dir / "summary.json").read_text() == '{"epsilon": 1.0}'
     check_run_dir_free(str(run_dir), overwrite=True)
     check_run_dir_free(str(tmp_path / "new"), overwrite=False)
+
+
+def test_rays_start_up_lines_show_only_with_verbose():
+    started = logging.LogRecord("ray._private.worker", logging.INFO, "worker.py", 1, "Started a local Ray instance.",
+                                None, None)
+    token = logging.LogRecord("ray._private.authentication.authentication_token_setup", logging.INFO, "x.py", 1,
+                              "Token authentication is disabled.", None, None)
+    other = logging.LogRecord("ray._private.worker", logging.WARNING, "worker.py", 1, "a worker died", None, None)
+    try:
+        for verbose in (False, True, False):
+            quiet_ray_start(verbose)
+            shown = [logging.getLogger(record.name).filter(record) for record in (started, token, other)]
+            assert [bool(each) for each in shown] == [verbose, verbose, True]
+    finally:
+        quiet_ray_start(True)
+    assert "--verbose" in build_parser(("train",)).format_help()
 
 
 @pytest.mark.parametrize("environ, stream, plain", [

@@ -158,6 +158,12 @@ def test_user_and_fedavg_runs_account_per_user_and_charge_the_ledger_at_the_row_
                                   rel=1e-9)
     assert summaries[0]["test_accuracy"] != summaries[1]["test_accuracy"] or \
         summaries[0]["test_loss"] != summaries[1]["test_loss"]
+    # A user-level job too costly for the budget over rows is refused naming the mismatch of units, not ε alone.
+    config = tmp_path / "costly.toml"
+    config.write_text(f'run_dir = "{tmp_path / "costly"}"\n' + common.replace("= 2.0", "= 0.3") + dataset)
+    assert main(["train", "--config", str(config), "--no-progress"]) == 3
+    assert ("The privacy units differ: this job protects users (privacy_unit = \"user\") and the ledger's dataset "
+            "'people' is budgeted per example") in capsys.readouterr().err
 
 
 def test_example_level_runs_on_a_user_level_budget_are_charged_by_group_privacy_or_refused(local_ray, tmp_path,
@@ -174,7 +180,9 @@ def test_example_level_runs_on_a_user_level_budget_are_charged_by_group_privacy_
 
     # Without a bound on each person's rows, the ledger refuses the example-level job (exit 3).
     assert train("unbounded", "") == 3
-    assert "does not bound how many rows one person has" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "does not bound how many rows one person has" in err
+    assert "The privacy units differ: this job protects single examples and the ledger's dataset 'people'" in err
     # A bound below what the data holds is refused before anything runs.
     with pytest.raises(UsageError, match="but a person owns more rows of the training data") as refused:
         build_config({"dataset": {"format": "parquet", "train": str(tmp_path / "people" / "train"),

@@ -21,11 +21,12 @@ from typing import Any, Collection, Sequence
 
 from accounting.lazy import public_face
 from orchestrator import __version__
-from orchestrator.cli.display import plain_when_asked, quiet_third_party
+from orchestrator.cli.display import plain_when_asked, quiet_ray_start, quiet_third_party
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
 
 # `main` is the `dpfleet` console script (pyproject.toml); `build_parser` and `run_job` serve the Python API.
-__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table"], "train": ["run_job"]},
+__getattr__, __dir__, __all__ = public_face(__name__, {"display": ["format_table", "quiet_ray_start"],
+                                                        "train": ["run_job"]},
                                             defined_here=["build_parser", "main"])
 
 
@@ -86,6 +87,7 @@ def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.Argume
     )
     parser.add_argument("--version", action="version", version=f"dpfleet {__version__}")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
     subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     for name, entry in COMMANDS.items():
         command_parser = subparsers.add_parser(name, help=entry.help)
@@ -93,6 +95,8 @@ def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.Argume
             load(entry.adds_arguments)(command_parser)
             # After a command's own flags too (`dpfleet train --debug`); unset there, the top level's value stands.
             command_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+            command_parser.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                                        help=VERBOSE_HELP)
     return parser
 
 
@@ -101,6 +105,7 @@ _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 # The last line of a traceback: the exception's class and its message.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
 DEBUG_HELP = "on an unexpected error, show the whole traceback instead of one paragraph"
+VERBOSE_HELP = "also show Ray's own lines as it starts (a local instance started, token authentication)"
 
 
 def command_words(argv: Sequence[str]) -> tuple[str, ...]:
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     plain_when_asked(os.environ, sys.stderr)
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(command_words(argv)).parse_args(argv)
+    quiet_ray_start(args.verbose)
     try:
         return load(args.handler)(args)
     except (UsageError, BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError) as error:

@@ -52,25 +52,35 @@ def plain_when_asked(environ: MutableMapping[str, str], stream: IO) -> None:
         environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
-# Ray's logger that announces on every local start whether token authentication is on: the cluster's operator's
-# concern, not a training run's.
-_RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+# What Ray's loggers say on every start, by logger: a local instance started, and whether token authentication is
+# on (the cluster operator's concern). Shown with --verbose only.
+_RAY_START_LINES = {
+    "ray._private.worker": "Started a local Ray instance",
+    "ray._private.authentication.authentication_token_setup": "Token authentication is",
+}
 
 
 def quiet_third_party(environ: MutableMapping[str, str]) -> None:
     """Silence what the libraries under dpfleet print that is not the user's concern.
 
     gRPC's and absl's C++ logs below errors (set before grpc loads; a value
-    the user set stands), absl's Python warnings, and Ray's notice about
-    token authentication.
+    the user set stands) and absl's Python warnings.
     """
     environ.setdefault("GRPC_VERBOSITY", "ERROR")
     environ.setdefault("GLOG_minloglevel", "2")
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    logging.getLogger(_RAY_TOKEN_LOGGER).addFilter(_not_the_token_notice)
     # dp_accounting's absl warnings about RDP orders it leaves out: the bound stays valid without them.
     logging.getLogger("absl").setLevel(logging.ERROR)
 
 
-def _not_the_token_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Token authentication is")
+def quiet_ray_start(verbose: bool) -> None:
+    """Hide Ray's start-up lines (``_RAY_START_LINES``) unless ``verbose`` (`--verbose`) asks for them."""
+    for name in _RAY_START_LINES:
+        logger = logging.getLogger(name)
+        logger.removeFilter(_not_a_ray_start_line)
+        if not verbose:
+            logger.addFilter(_not_a_ray_start_line)
+
+
+def _not_a_ray_start_line(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_RAY_START_LINES.get(record.name, "\0"))

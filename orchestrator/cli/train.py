@@ -15,7 +15,7 @@ from accounting.ledger.validation import delta_warning
 from orchestrator import checks, release
 from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
 from orchestrator.cli.display import format_table, print_json, show_progress
-from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
+from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, ShardTimeoutError, UsageError
 from orchestrator.ledger_session import (
     JobLedger,
     bind_dataset_content,
@@ -204,12 +204,44 @@ def reserve_and_run(args: argparse.Namespace, trainer: Trainer) -> tuple[Trainer
     warning = delta_warning(config.delta, trainer.plan.dataset_size)
     if warning is not None:
         print(release.line("delta_warning", warning=warning), file=sys.stderr)
-    trainer.ledger = job_ledger(args, trainer)
+    try:
+        trainer.ledger = job_ledger(args, trainer)
+    except BudgetRefusedError as refused:
+        raise BudgetRefusedError(f"{refused}{privacy_unit_note(args, config)}") from None
     summary = run_reserved(trainer)
     budget = trainer.ledger.status()
     if args.non_private_mia:
         summary["membership_inference_non_private"] = _membership_inference(trainer)
     return trainer, summary, budget
+
+
+def privacy_unit_note(args: argparse.Namespace, config) -> str:
+    """Why a refused job costs more than its own ε when its privacy unit is not its ledger dataset's ('' when they
+    agree): the mismatch of units, named, and the two ways out."""
+    ledger = open_ledger(args.ledger or config.ledger, args.token)
+    dataset = ledger_dataset_name(args.dataset_name, config)
+    try:
+        dataset_unit = ledger.get_budget(dataset, pld_may_be_pending=True).privacy_unit
+    except Exception:  # noqa: BLE001 - a dataset the ledger cannot show (absent, another tenant's): the refusal says it
+        return ""
+    finally:
+        ledger.close()
+    return unit_mismatch(config.privacy_unit, dataset, dataset_unit)
+
+
+def unit_mismatch(job_unit: str, dataset: str, dataset_unit: str) -> str:
+    """The note a refusal ends with when a job protecting ``job_unit`` meets a dataset budgeted per ``dataset_unit``."""
+    if job_unit == dataset_unit:
+        return ""
+    if job_unit == "user":
+        return (f". The privacy units differ: this job protects users (privacy_unit = \"user\") and the ledger's "
+                f"dataset {dataset!r} is budgeted per example, so each row is charged at twice the clipped "
+                "sensitivity, far above the run's own per-user ε. Charge a dataset created per user (dpfleet ledger "
+                "dataset create NAME --privacy-unit user, then --dataset-name NAME), or train with "
+                "privacy_unit = \"example\"")
+    return (f". The privacy units differ: this job protects single examples and the ledger's dataset {dataset!r} is "
+            "budgeted per user, so it is charged by group privacy over the rows one person may own. Bound them "
+            "(user_id and max_examples_per_user), or train with privacy_unit = \"user\"")
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -34,7 +34,8 @@ class Result:
 
 
 def train(config_or_path: str | Path | Mapping[str, Any], *, ledger: str | None = None, token: str | None = None,
-          dataset_name: str | None = None, export: bool = True, overwrite: bool = False, **overrides: Any) -> Result:
+          dataset_name: str | None = None, export: bool = True, overwrite: bool = False, verbose: bool = False,
+          **overrides: Any) -> Result:
     """Train as `dpfleet train --config FILE` does: dry run, reserve, charge block by block, release, report.
 
     ``config_or_path`` is a TOML file or a dict of config keys;
@@ -43,10 +44,11 @@ def train(config_or_path: str | Path | Mapping[str, Any], *, ledger: str | None 
     (default: the config's ledger, DPFLEET_LEDGER, else the embedded one).
     With ``export``, the model is also written to ``run_dir/model.safetensors``
     with its card. A ``run_dir`` that holds a finished run is refused unless
-    ``overwrite`` (`--overwrite`). Raises UsageError (a ValueError) for a bad
+    ``overwrite`` (`--overwrite`); Ray's start-up lines show with ``verbose``
+    (`--verbose`). Raises UsageError (a ValueError) for a bad
     config or data, BudgetRefusedError when the ledger refuses the job.
     """
-    from orchestrator.cli import build_parser, run_job
+    from orchestrator.cli import build_parser, quiet_ray_start, run_job
     from orchestrator.config import build_config, load_config
     from orchestrator.export import export_run
 
@@ -57,6 +59,7 @@ def train(config_or_path: str | Path | Mapping[str, Any], *, ledger: str | None 
     args = build_parser(("train",)).parse_args(["train", "--config", "-", "--no-progress"])
     args.config, args.ledger, args.token, args.dataset_name = config, ledger, token, dataset_name
     args.overwrite = overwrite
+    quiet_ray_start(verbose)
     with redirect_stdout(io.StringIO()):  # the run's log: the summary is the return value
         trainer, summary, _ = run_job(args)
     run_dir = Path(trainer.config.run_dir)
