@@ -5,10 +5,14 @@ Each check raises UsageError, naming what is wrong and what to do.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import math
 import sysconfig
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,8 +27,8 @@ from workers.models import build_model, flat_parameters
 from workers.vmap_engine import microbatch_clipped_sum
 from workers.names import task_of
 from workers.sources import (SPLITS, DataError, DroppedRows, SplitSchema, check_source, dropped_rows, read_first,
-                             split_schema)
-from workers.tasks import build_loss
+                             spec_name, split_schema)
+from workers.tasks import augmented_views, build_loss, build_transform
 from workers.validation import check_model, unchanged_buffers
 
 
@@ -125,9 +129,9 @@ def lenient_drops(config: TrainConfig, show_values: bool = False) -> str:
 
 # Made-up examples the dry run passes through the model: two, so that a batch dimension is a batch.
 DRY_RUN_EXAMPLES = 2
-# What to do when the model fails on examples of the data's shape.
-SHAPE_FIX = ("make the model take inputs of this shape (its first layer's input size or channels), or set the "
-             "dataset's shape key (e.g. shape = [1, 28, 28] for one-channel 28x28 images)")
+# What to do when the model fails on examples of the data's shape; a table may also be reshaped by its shape key.
+SHAPE_FIX = "make the model take inputs of this shape (its first layer's input size or channels)"
+SHAPE_KEY_FIX = "set the dataset's shape key (e.g. shape = [1, 28, 28] for one-channel 28x28 images)"
 # The rooms of dpfleet itself and of the libraries under it: a failure's place in the user's code is the last frame
 # outside them.
 _NOT_THE_USERS = (*(Path(__file__).resolve().parents[1] / room for room in ("orchestrator", "workers", "accounting")),
@@ -145,44 +149,85 @@ def build_checked_model(config: TrainConfig) -> nn.Module:
                                   "fix the model's module (run with --debug for the traceback)")) from None
 
 
-def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
-    """One forward and backward pass of a copy of ``model`` on made-up examples of the training split's schema,
-    then one clipped sum of them by the engine the workers will run (``engine_pass``).
+def dry_run(config: TrainConfig, model: nn.Module, say: Callable[[str], None] | None = None) -> int | None:
+    """One forward and backward pass of a copy of ``model`` on made-up examples of each training dataset's schema
+    (``training_schemas``), then one clipped sum of them by the engine the workers will run (``engine_pass``).
 
-    The schema (shapes, dtypes, feature columns) comes from the files'
-    metadata; no private value is read. Refuses, with UsageError, a test
-    split whose columns or shapes differ from the training split's, a model
-    that fails on the data's shape, and a loss that does not fit the model's
-    output. Returns the model's output width (its classes, for integer
-    labels), or None where the data's schema is not known without reading
-    examples (a ``module:function`` or built-in dataset, an image folder,
-    shards, training transforms).
+    Every kind of data has a schema without a training example's values:
+    a built-in's is known, a table's comes from its files' metadata, an
+    image folder's from its class folders and first image's header, a
+    ``module:function`` dataset's from its declaration (else its first test
+    example); with ``train_transforms`` the model sees the transforms'
+    output on a made-up example of that schema. Refuses, with UsageError, a
+    test split whose schema differs from the training split's, transforms
+    or a model that fail on the data's shape, a loss that does not fit the
+    model's output, a classifier with fewer outputs than the data's classes,
+    and a model the engine cannot run. ``say`` gets the public warning that
+    a classifier has more outputs than the data's classes. Returns the
+    model's output width where it numbers the classes (a classifier on
+    integer labels), else None.
     """
-    if (not isinstance(config.dataset, dict) or config.shards or config.augmentations_per_example != 1
-            or config.train_transforms):
-        return None  # the training data is elsewhere (shards), or the model sees it only after transforms
-    try:
-        train, test = (split_schema(config.dataset, split) for split in SPLITS)
-    except DataError as error:
-        raise UsageError(str(error), error.with_values) from None
-    if train is None:
-        return None
-    if test is not None and test != train:
-        raise UsageError(f"the test split does not match the training split: {_difference(train, test)}; write both "
-                         "splits with the same columns (or name the features in the dataset's features key, or "
-                         "leave some out with exclude_columns)")
-    where = (f"examples of the data's shape (input {list(train.input_shape)} "
-             f"{'float32' if train.input_floating else 'int64'}, one per row)")
-    schema = ExampleSchema(train.input_shape, torch.float32 if train.input_floating else torch.int64, (),
-                           torch.float32 if train.label_floating else torch.int64)
+    widths = [_dry_run_on(config, model, spec, schema, say or (lambda _: None))
+              for spec, schema in training_schemas(config) if schema is not None]
+    return widths[0] if widths else None
+
+
+def training_schemas(config: TrainConfig) -> list[tuple[str | dict, SplitSchema | None]]:
+    """(spec, schema) of each dataset the run trains on: the config's, or each shard's once.
+
+    A shard's training files live on its silo: its schema is its test
+    split's, which the driver reads to evaluate on. Elsewhere it is the
+    training split's, or the test split's where the training split's needs
+    a training example (a ``module:function`` dataset without a declared
+    schema). None where neither is known without reading values (a
+    variable-length list column without ``shape``). UsageError when the two
+    splits' schemas differ, or the data cannot be described.
+    """
+    specs: list[str | dict] = []
+    for spec in [shard.dataset for shard in config.shards] if config.shards else [config.dataset]:
+        if spec not in specs:
+            specs.append(spec)
+    found = []
+    for spec in specs:
+        try:
+            train = None if config.shards else split_schema(spec, "train")
+            test = split_schema(spec, "test")
+        except DataError as error:
+            raise UsageError(str(error), error.with_values) from None
+        except Exception as error:  # noqa: BLE001 - the user's dataset function or files, reported one paragraph
+            raise UsageError(_failure(f"describing the dataset {spec_name(spec)!r}", error,
+                                      "fix the dataset's module or files (run with --debug for the traceback)")
+                             ) from None
+        if train is not None and test is not None and test != train:
+            raise UsageError(f"the test split does not match the training split: {_difference(train, test)}; write "
+                             "both splits with the same columns (or name the features in the dataset's features "
+                             "key, or leave some out with exclude_columns)")
+        found.append((spec, train or test))
+    return found
+
+
+def _dry_run_on(config: TrainConfig, model: nn.Module, spec: str | dict, data: SplitSchema,
+                say: Callable[[str], None]) -> int | None:
+    """``dry_run`` on one dataset of schema ``data``: the model's output width where it numbers the classes."""
+    data_schema = ExampleSchema(data.input_shape, torch.float32 if data.input_floating else torch.int64, (),
+                                torch.float32 if data.label_floating else torch.int64)
     trial = copy.deepcopy(model).train()
     random_state = torch.get_rng_state()
     try:
+        schema = _model_schema(config, data_schema)
+        seen = f": input {_shape_words(schema)}" if schema != data_schema else ""
+        where = f"examples of the data's shape (input {_shape_words(data_schema)}{_transformed(config)}{seen})"
+        # Inputs first: the labels' range comes from the model's output, which may be what fails.
+        inputs, _ = synthetic_examples(trial, dataclasses.replace(schema, label_dtype=torch.float32),
+                                       DRY_RUN_EXAMPLES)
         try:
-            inputs, labels = synthetic_examples(trial, schema, DRY_RUN_EXAMPLES)
-            outputs = trial(inputs)
+            with _layers_entered(trial) as entered:
+                outputs = trial(inputs)
         except Exception as error:  # noqa: BLE001 - the user's model, reported one paragraph
-            raise UsageError(_failure(f"the model's forward pass on {where}", error, SHAPE_FIX)) from None
+            fix, why = _shape_fix(entered, data.input_shape, schema != data_schema,
+                                  isinstance(spec, dict) and spec["format"] != "imagefolder")
+            raise UsageError(_failure(f"the model's forward pass on {where}", error, fix, why)) from None
+        _, labels = synthetic_examples(trial, schema, DRY_RUN_EXAMPLES)
         try:
             with warnings.catch_warnings():
                 # A loss that broadcasts an output and its labels of different sizes fits neither.
@@ -193,9 +238,9 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
             shape = list(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
             raise UsageError(_failure(
                 f"the loss {config.loss!r} on the model's output (shape {shape}) and "
-                f"{'floating-point' if train.label_floating else 'integer'} labels", error,
-                "make the model's output fit the loss (classes: one output per class; regression: one output "
-                "and the \"mse\" loss), or set loss")) from None
+                f"{'floating-point' if data.label_floating else 'integer'} labels", error,
+                f"make the model's output fit the loss ({output_hint(config.loss, outputs)}), or set loss "
+                "(\"cross_entropy\" for classes, \"bce_with_logits\" for 0/1 labels, \"mse\" for numbers)")) from None
         engine = "microbatch" if config.microbatch_size else config.engine
         try:
             engine_pass(config, trial, inputs, labels)
@@ -207,10 +252,123 @@ def dry_run(config: TrainConfig, model: nn.Module) -> int | None:
     finally:
         torch.set_rng_state(random_state)
     # Only a classifier's output width is its number of classes (a binary model's one logit is not).
-    if (train.label_floating or task_of(config.loss) != "multiclass" or not isinstance(outputs, torch.Tensor)
+    if (data.label_floating or task_of(config.loss) != "multiclass" or not isinstance(outputs, torch.Tensor)
             or outputs.dim() < 2):
         return None
-    return int(outputs.shape[-1])
+    width = int(outputs.shape[-1])
+    if config.loss == "cross_entropy" and outputs.dim() == 2:
+        _check_classes(spec, data.classes, width, say)
+    return width
+
+
+def _check_classes(spec: str | dict, classes: int | None, width: int, say: Callable[[str], None]) -> None:
+    """A cross-entropy classifier against the data's classes where the data names them: refused with fewer
+    outputs, warned with more; where a table names none, a note that the outputs number them."""
+    if classes is None:
+        if isinstance(spec, dict):
+            say(release.line("classes_from_outputs", outputs=width, last=width - 1))
+        return
+    if width < classes:
+        raise UsageError(f"the model gives {width} outputs per example and the data {spec_name(spec)!r} has {classes} "
+                         f"classes (labels 0..{classes - 1}): cross_entropy takes one output per class. No budget "
+                         f"was reserved; give the model's last layer {classes} outputs")
+    if width > classes:
+        say(release.line("outputs_beyond_classes", outputs=width, data=repr(spec_name(spec)), classes=classes,
+                         last=classes - 1))
+
+
+def output_hint(loss: str, outputs: object) -> str:
+    """What output ``loss`` takes, in words, against what the model gives (``outputs``, a batch of them)."""
+    width = outputs.shape[-1] if isinstance(outputs, torch.Tensor) and outputs.dim() >= 2 else 1
+    gives = f"the model gives {width} per example" if isinstance(outputs, torch.Tensor) else "the model's output " \
+        f"is a {type(outputs).__name__}, not a tensor"
+    hints = {
+        "cross_entropy": "cross_entropy takes one output per class, K outputs for labels 0..K-1",
+        "token_cross_entropy": "token_cross_entropy takes [batch, tokens, vocabulary] logits for [batch, tokens] "
+                               "labels",
+        "bce_with_logits": "bce_with_logits takes one output per label column: 1 output for one 0/1 label column, "
+                           "k for k 0/1 target columns, never one per class",
+        "mse": "mse takes one output per target column: 1 output for one number",
+    }
+    return f"{hints.get(loss, 'a custom loss takes what its function takes')}; {gives}"
+
+
+def _transformed(config: TrainConfig) -> str:
+    """Words for what the model sees instead of the data's examples: their views under train_transforms."""
+    if not config.train_transforms:
+        return ""
+    views = f" ({config.augmentations_per_example} views each)" if config.augmentations_per_example != 1 else ""
+    return f", after train_transforms{views}"
+
+
+def _model_schema(config: TrainConfig, data: ExampleSchema) -> ExampleSchema:
+    """The schema of what the model takes: the data's, or the transforms' output on a made-up example of it."""
+    if not config.train_transforms:
+        return data
+    # A made-up all-zero example, as the workers' own check makes one.
+    example = torch.zeros((1, *data.input_shape), dtype=data.input_dtype)
+    try:
+        view = augmented_views(build_transform(config.train_transforms), example, 1)
+    except Exception as error:  # noqa: BLE001 - the user's transforms, reported one paragraph
+        raise UsageError(_failure(f"train_transforms on a made-up example of the data's shape (input "
+                                  f"{_shape_words(data)})", error, "make each transform fit the data's shape "
+                                  "(e.g. its channels), or set the dataset's shape key")) from None
+    return dataclasses.replace(data, input_shape=tuple(view.shape[1:]), input_dtype=view.dtype)
+
+
+def _shape_words(schema: ExampleSchema) -> str:
+    return f"{list(schema.input_shape)} {str(schema.input_dtype).removeprefix('torch.')}"
+
+
+# The layers whose input size the dry run names when the model fails on the data's shape.
+_SIZED_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+@contextlib.contextmanager
+def _layers_entered(model: nn.Module) -> Iterator[list[tuple[str, nn.Module, tuple[int, ...] | None]]]:
+    """Within the block, (name, layer, input shape) of each sized layer the model's forward pass entered, in order."""
+    entered: list[tuple[str, nn.Module, tuple[int, ...] | None]] = []
+
+    def watch(name: str) -> Callable:
+        def pre_hook(layer: nn.Module, args: tuple) -> None:
+            first = args[0] if args else None
+            entered.append((name, layer, tuple(first.shape) if isinstance(first, torch.Tensor) else None))
+        return pre_hook
+
+    handles = [layer.register_forward_pre_hook(watch(name)) for name, layer in model.named_modules()
+               if isinstance(layer, _SIZED_LAYERS)]
+    try:
+        yield entered
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _shape_fix(entered: list[tuple[str, nn.Module, tuple[int, ...] | None]], data_shape: tuple[int, ...],
+               transformed: bool, reshapeable: bool) -> tuple[str, str]:
+    """(the fix, why it failed) for a forward pass that failed: why in the data's terms, when the last sized layer
+    it entered takes another size than it got (else ""); the shape key too where the data is a table that takes
+    one (``reshapeable``)."""
+    also = f", or {SHAPE_KEY_FIX}" if reshapeable else ""
+    if not entered or entered[-1][2] is None:
+        return SHAPE_FIX + also, ""
+    name, layer, shape = entered[-1]
+    which = "first layer" if len(entered) == 1 else "layer"
+    if isinstance(layer, nn.Linear):
+        takes, got, unit = layer.in_features, shape[-1], "values"
+    else:
+        takes, got, unit = layer.in_channels, shape[1] if len(shape) > 1 else None, "channels"
+    if got is None or got == takes:
+        return SHAPE_FIX + also, ""
+    size = "×".join(map(str, data_shape))
+    if which == "layer" or transformed:
+        gets = f"it gets {got}"
+    elif unit == "values" and len(data_shape) > 1 and got == math.prod(data_shape):
+        gets = f"the data gives {size} = {got}"
+    else:
+        gets = f"the data gives {got} (examples of shape {size})"
+    why = f"The model's {which} {name!r} ({type(layer).__name__}) takes {takes} {unit}; {gets}."
+    return f"make the {which} {name!r} take {got} {unit} (nn.{type(layer).__name__}({got}, ...)){also}", why
 
 
 def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
@@ -218,7 +376,8 @@ def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, lab
 
     That is the microbatch engine with microbatch_size, else the config's
     engine (fast or vmap), on the model behind any fixed feature map, as the
-    workers run it. User-level runs clip each user's rows in the workers'
+    workers run it; with augmentations_per_example K, on K views of each
+    example (here K copies). User-level runs clip each user's rows in the workers'
     own path, which this pass does not take.
     """
     features, gradient_model = feature_map(model)
@@ -232,8 +391,11 @@ def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, lab
             microbatch_clipped_sum(gradient_model, weights, inputs, labels, torch.zeros(len(labels), dtype=torch.int64),
                                    1.0, loss_fn)
         else:
+            views = config.augmentations_per_example
+            if views != 1:
+                inputs = inputs.unsqueeze(1).expand(-1, views, *inputs.shape[1:]).contiguous()
             clipped_sum(config.engine, gradient_model, weights, inputs, labels, 1.0, DRY_RUN_EXAMPLES, loss_fn,
-                        precision=config.precision)
+                        augmentations=views, precision=config.precision)
 
 
 def _difference(train: SplitSchema, test: SplitSchema) -> str:
@@ -252,13 +414,14 @@ def _difference(train: SplitSchema, test: SplitSchema) -> str:
             f"{kinds[3]}")
 
 
-def _failure(what: str, error: BaseException, fix: str) -> str:
-    """One paragraph: what failed, where in the user's code (file:line) when it failed there, the error, the fix."""
+def _failure(what: str, error: BaseException, fix: str, why: str = "") -> str:
+    """One paragraph: what failed, where in the user's code (file:line) when it failed there, the error, why in
+    the data's terms (when known), the fix."""
     frame = _users_frame(error)
     place = f" at {frame.filename}:{frame.lineno} (in {frame.name})" if frame is not None else ""
     lines = str(error).strip().splitlines()
     reason = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-    return f"{what} failed{place}: {reason}. No budget was reserved; {fix}"
+    return f"{what} failed{place}: {reason}. {why + ' ' if why else ''}No budget was reserved; {fix}"
 
 
 def _users_frame(error: BaseException) -> traceback.FrameSummary | None:

@@ -118,6 +118,14 @@ LINES: tuple[Line, ...] = (
     Line("shard_back", "step {step}: {slots} is up again and takes part from this step", _M, _OPERATION),
     Line("lenient_drops", 'check_data = "lenient" dropped {detail}', _O,
          "counts of private rows, shown only with --show-values"),
+    Line("outputs_beyond_classes", "warning: the model gives {outputs} outputs per example and the data {data} has "
+         "{classes} classes (labels 0..{last}): cross_entropy takes one output per class, and the extra outputs "
+         "learn only to be unlikely; give the model's last layer {classes} outputs", _C,
+         "the model's output width and the classes the data declares (a built-in's, class folders, num_classes)"),
+    Line("classes_from_outputs", "note: the dataset declares no num_classes, so the model's {outputs} outputs number "
+         "its classes (labels 0..{last}); if its labels have fewer classes (e.g. 0/1), set the dataset's "
+         "num_classes and give the model's last layer one output per class", _C,
+         "the model's output width and the config's dataset keys, never a label"),
     Line("lenient_drops_hidden", 'check_data = "lenient" drops rows that fail {detail}', _C,
          "the config's rules, never how many rows they drop"),
     Line("ledger_registered", "registered dataset {dataset} in the embedded ledger with budget epsilon {epsilon} "

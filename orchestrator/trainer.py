@@ -203,7 +203,7 @@ class Trainer:
         # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
         # Under check_data = "lenient" the config's table then names its classes; N counts every row of the files,
         # and a sampled row that the rule drops takes no part (`kept_rows`), so that no count of them is released.
-        self.config = config = check_data(config, self.model, dry_run(config, self.model))
+        self.config = config = check_data(config, self.model, dry_run(config, self.model, self.say))
         self.kept_rows = lenient_rows(config)
         if self.kept_rows is not None:
             self.say(lenient_drops(config, show_values))

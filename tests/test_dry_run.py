@@ -165,11 +165,13 @@ def test_a_loss_that_does_not_fit_the_output_is_refused_before_reserving(tmp_pat
 
 
 def test_a_failure_after_reserving_releases_the_unrun_steps(tmp_path, capsys, toy_budget):
-    # The model works in the driver's dry run and fails in the gradient worker's process. The run starts its own
+    # The model works in the driver's dry run and on the workers' made-up examples (standard normal, so some
+    # |x| > 1), and fails in the gradient worker's process on the data's rows (all |x| < 1). The run starts its own
     # Ray, whose workers find the module beside the config as the driver does (the config's folder on PYTHONPATH).
     module = LINEAR_MODEL.format(features=FEATURES, classes=CLASSES).replace(
         "return self.layer(x.flatten(1))",
-        f"if os.getpid() != {os.getpid()}:\n            raise RuntimeError('worker-side failure')\n"
+        f"if os.getpid() != {os.getpid()} and x.abs().max() < 1:\n"
+        "            raise RuntimeError('worker-side failure')\n"
         "        return self.layer(x.flatten(1))").replace("from torch import nn", "import os\n\nfrom torch import nn")
     config = newcomer_job(tmp_path, module, "worker_failing_model")
     status = main(["train", "--config", config, "--no-progress"])
@@ -391,3 +393,212 @@ def test_bf16_trains_with_the_vmap_engine_and_is_refused_with_the_fast_one(tmp_p
                                          'rounding'):
         build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
                       "precision": "bf16"})
+
+
+# --- every kind of data: built-ins, image folders, functions, transforms, shards ----------------------------------
+
+MNIST_MISFIT = """
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear({features}, {classes})
+
+    def forward(self, x):
+        return self.layer(x.flatten(1))
+
+
+def build():
+    return Net()
+"""
+
+
+def any_data_job(tmp_path, module_text, module_name, dataset, extra=""):
+    """A config for the model module beside it on ``dataset`` (a TOML value or a [dataset] table's lines), under
+    the ledger name DATASET; no data is written and, for a built-in, none is fetched (DPFLEET_DATA is empty)."""
+    (tmp_path / f"{module_name}.py").write_text(module_text)
+    table = dataset.startswith("[")
+    config = tmp_path / "job.toml"
+    config.write_text(textwrap.dedent(f"""\
+        model = "{module_name}:build"
+        {'' if table else f'dataset = {dataset}'}
+        dataset_name = "{DATASET}"
+        workers = 1
+        steps = 2
+        batch_size = 10
+        noise_multiplier = 1.0
+        learning_rate = 0.1
+        max_physical_batch = 16
+        data_root = "{tmp_path / 'no-data'}"
+        run_dir = "{tmp_path / 'run'}"
+        """) + extra + (f"\n{dataset}\n" if table else ""))
+    return str(config)
+
+
+def refused_in_time(config, capsys, *expected):
+    """``assert_refused_before_reserving``, then the same command again: exit status 2 within 3 s (its modules
+    imported by the first)."""
+    import time
+
+    err = assert_refused_before_reserving(config, capsys, *expected)
+    started = time.monotonic()
+    assert main(["train", "--config", config, "--no-progress"]) == 2
+    assert time.monotonic() - started < 3.0
+    assert capsys.readouterr().err.strip() == err
+    return err
+
+
+def test_a_model_for_another_input_size_is_refused_on_mnist_before_reserving(tmp_path, capsys, toy_budget):
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=100, classes=10), "mnist_misfit", '"mnist"')
+    err = refused_in_time(config, capsys, "input [1, 28, 28] float32",
+                          "The model's first layer 'layer' (Linear) takes 100 values; the data gives 1×28×28 = 784.",
+                          "No budget was reserved; make the first layer 'layer' take 784 values (nn.Linear(784, ...))")
+    assert "shape key" not in err, "a built-in takes no shape key"
+    assert not (tmp_path / "no-data").exists(), "the built-in's schema is known: nothing is fetched"
+    assert "vmap" not in err
+
+
+def test_a_classifier_with_fewer_outputs_than_the_builtins_classes_is_refused(tmp_path, capsys, toy_budget):
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=784, classes=5), "mnist_five", '"fashion-mnist"')
+    refused_in_time(config, capsys, "the model gives 5 outputs per example and the data 'fashion-mnist' has 10 "
+                    "classes (labels 0..9)", "give the model's last layer 10 outputs")
+
+
+def test_shards_of_a_builtin_are_checked_before_reserving_or_starting_ray(tmp_path, capsys, toy_budget):
+    shards = 'shards = [{ dataset = "mnist", part = 0, parts = 2 }, { dataset = "mnist", part = 1, parts = 2 }]\n'
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=100, classes=10), "shard_misfit", '"mnist"', shards)
+    text = open(config).read().replace("workers = 1\n", "")
+    open(config, "w").write(text)
+    refused_in_time(config, capsys, "takes 100 values; the data gives 1×28×28 = 784")
+
+
+def test_training_transforms_are_checked_by_their_output_on_a_made_up_example(tmp_path, capsys, toy_budget):
+    resize = 'train_transforms = [{ name = "Resize", size = [8, 8] }]\n'
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=784, classes=10), "resized", '"mnist"', resize)
+    refused_in_time(config, capsys, "input [1, 28, 28] float32, after train_transforms: input [1, 8, 8] float32",
+                    "takes 784 values; it gets 64", "take 64 values")
+    too_large = 'train_transforms = [{ name = "RandomCrop", size = 32 }]\n'
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=784, classes=10), "cropped", '"mnist"', too_large)
+    refused_in_time(config, capsys, "train_transforms on a made-up example of the data's shape (input [1, 28, 28] "
+                    "float32) failed: ValueError: Required crop size (32, 32) is larger than input image size "
+                    "(28, 28)", "make each transform fit the data's shape")
+
+
+def write_image_folder(root, classes=3, size=(6, 4)):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for index in range(classes):
+            folder = root / split / f"class{index}"
+            folder.mkdir(parents=True)
+            for image in range(5):
+                Image.new("RGB", size, (40 * index, 10 * image, 0)).save(folder / f"{image}.png")
+
+
+def test_an_image_folder_gives_its_schema_from_its_first_images_header(tmp_path, capsys, toy_budget):
+    write_image_folder(tmp_path / "images")
+    folder = (f'[dataset]\nformat = "imagefolder"\ntrain = "{tmp_path / "images" / "train"}"\n'
+              f'test = "{tmp_path / "images" / "test"}"')
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=100, classes=3), "folder_misfit", folder)
+    refused_in_time(config, capsys, "input [3, 4, 6] float32", "the data gives 3×4×6 = 72")
+
+
+def test_more_outputs_than_the_datas_classes_warns_and_a_table_without_classes_gets_a_note(tmp_path, monkeypatch):
+    from orchestrator.config import load_config
+    from orchestrator.preflight import build_checked_model, dry_run
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    write_image_folder(tmp_path / "images", classes=2)
+    folder = (f'[dataset]\nformat = "imagefolder"\ntrain = "{tmp_path / "images" / "train"}"\n'
+              f'test = "{tmp_path / "images" / "test"}"')
+    config = load_config(any_data_job(tmp_path, MNIST_MISFIT.format(features=72, classes=5), "wide", folder), {})
+    said = []
+    assert dry_run(config, build_checked_model(config), said.append) == 5
+    assert said == [f"warning: the model gives 5 outputs per example and the data '{tmp_path / 'images' / 'train'}' "
+                    "has 2 classes (labels 0..1): "
+                    "cross_entropy takes one output per class, and the extra outputs learn only to be unlikely; "
+                    "give the model's last layer 2 outputs"]
+    # A table whose labels are 0/1 and that declares no classes: its labels are private, so the note names the fix.
+    (tmp_path / "csv").mkdir()
+    table = load_config(newcomer_job(tmp_path / "csv", LINEAR_MODEL.format(features=FEATURES, classes=5),
+                                     "five_outputs", label_of=lambda row: row % 2), {})
+    said.clear()
+    assert dry_run(table, build_checked_model(table), said.append) == 5
+    assert said == ["note: the dataset declares no num_classes, so the model's 5 outputs number its classes (labels "
+                    "0..4); if its labels have fewer classes (e.g. 0/1), set the dataset's num_classes and give the "
+                    "model's last layer one output per class"]
+    declared = table.model_copy(update={"dataset": {**table.dataset, "num_classes": 2}})
+    said.clear()
+    dry_run(declared, build_checked_model(declared), said.append)
+    assert said and said[0].startswith("warning: the model gives 5 outputs per example and the data 'toy' has 2")
+
+
+def test_bce_with_two_outputs_gets_the_hint_of_its_loss(tmp_path, capsys, toy_budget):
+    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=2), "bce_two",
+                          label_of=lambda row: row % 2)
+    text = open(config).read().replace('model = "bce_two:build"', 'model = "bce_two:build"\nloss = "bce_with_logits"')
+    open(config, "w").write(text)
+    err = refused_in_time(config, capsys, "the loss 'bce_with_logits' on the model's output (shape [2, 2])",
+                          "bce_with_logits takes one output per label column: 1 output for one 0/1 label column",
+                          "the model gives 2 per example")
+    assert "one output per class" not in err
+
+
+DATASET_FUNCTION = """
+import torch
+
+
+class Examples(torch.utils.data.Dataset):
+    def __init__(self, count):
+        self.count = count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        return torch.full((2, 5), float(index)), index % 3
+
+
+def data():
+    return Examples(30), Examples(10)
+"""
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_function_dataset_gives_its_declared_schema_or_its_first_test_example(tmp_path, capsys, toy_budget,
+                                                                               declared):
+    module = DATASET_FUNCTION + ('\ndata.example_schema = {"input_shape": [2, 5], "classes": 3}\n' if declared
+                                 else "")
+    (tmp_path / f"examples_{declared}.py").write_text(module)  # beside the config, so on the import path
+    config = any_data_job(tmp_path, MNIST_MISFIT.format(features=100, classes=3), f"function_misfit_{declared}",
+                          f'"examples_{declared}:data"')
+    refused_in_time(config, capsys, "input [2, 5] float32", "the data gives 2×5 = 10")
+
+
+def test_a_model_that_fails_a_plain_pass_is_refused_by_the_engines_never_handed_to_vmap():
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from workers.engines import ExampleSchema, ModelDoesNotFitData, prepare_engine
+    from workers.tasks import build_loss
+
+    schema = ExampleSchema((1, 28, 28), torch.float32, (), torch.int64)
+    for engine in ("fast", "vmap"):
+        model = nn.Sequential(nn.Flatten(), nn.Linear(100, 10))
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(ModelDoesNotFitData, match=(
+                r"plain forward pass and loss on synthetic examples of the data's shape \(input \[1, 28, 28\] "
+                r"float32\): RuntimeError: mat1 and mat2 shapes cannot be multiplied")):
+            warnings.simplefilter("always")
+            prepare_engine(engine, model, schema, build_loss("cross_entropy"))
+        assert not [warning for warning in caught if "vmap" in str(warning.message)]
+    # A model that runs and that the layer rules cannot serve (tied weights) still runs on the vmap engine.
+    embedding = nn.Embedding(7, 7)
+    head = nn.Linear(7, 7)
+    head.weight = embedding.weight
+    tied = nn.Sequential(embedding, nn.Tanh(), head)
+    with pytest.warns(UserWarning, match="is tied to several modules.*computing this model's clipped sum with the vmap"):
+        prepare_engine("fast", tied, ExampleSchema((), torch.int64, (), torch.int64), build_loss("cross_entropy"))

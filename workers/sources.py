@@ -1164,30 +1164,50 @@ class ImageFolderSource:
 
 @dataclass(frozen=True)
 class SplitSchema:
-    """What a split's examples look like, from its files' metadata and header alone: never a row's values.
+    """What a split's examples look like, from metadata alone (a declaration, a footer, a header): no row's values.
 
     ``columns`` names the feature columns (a table's) or the features array
-    (NumPy's); ``input_shape`` is one example's feature shape, as the sources
-    read it (the spec's ``shape`` when given).
+    (NumPy's), and is empty for other data; ``input_shape`` is one example's
+    feature shape, as the sources read it (the spec's ``shape`` when given).
+    ``classes`` is how many classes the integer labels number from 0 where
+    the data says so without its labels (a built-in's, an image folder's
+    class folders, a declared ``num_classes``), else None; two splits with
+    the same examples' form compare equal whatever their ``classes``.
     """
 
     columns: tuple[str, ...]
     input_shape: tuple[int, ...]
     input_floating: bool
     label_floating: bool
+    classes: int | None = dataclass_field(default=None, compare=False)
 
 
 def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
-    """The schema of ``split`` from metadata (Parquet footer, CSV header, NumPy header), or None where they do not
-    give it: a ``module:function`` or built-in dataset, an image folder, a variable-length list column."""
-    if isinstance(spec, str) or spec["format"] == "imagefolder":
-        return None
+    """The schema of ``split`` from what describes it, never from a training example's values.
+
+    A built-in's is known (``workers.data.DATASETS``); an image folder's is
+    its class folders and its first image's header (its size; the channels
+    are the spec's ``mode``); a table's is its Parquet footer, CSV header or
+    NumPy header. A ``module:function`` dataset's is the function's
+    ``example_schema`` (``function_schema``); without one, the test split's
+    is its first example's shape and dtypes (the driver loads the test split
+    to evaluate on), and the training split's is None. None too for a
+    variable-length list column without ``shape``.
+    """
+    if isinstance(spec, str):
+        if spec in BUILTINS:
+            source = data.DATASETS[spec]
+            return SplitSchema((), tuple(source.input_shape), True, False, source.classes)
+        return function_schema(spec, split)
+    classes = spec.get("num_classes")
+    if spec["format"] == "imagefolder":
+        return _image_folder_schema(spec, split)
     if spec["format"] in ("npy", "npz"):
         features, labels = _numpy_arrays(spec, split)
         shape = tuple(spec["shape"]) if "shape" in spec else tuple(features.shape[1:])
         return SplitSchema(("features" if spec["format"] == "npy" else spec.get("features", "features"),), shape,
                            bool(np.issubdtype(features.dtype, np.floating) or features.dtype == np.bool_),
-                           bool(np.issubdtype(labels.dtype, np.floating)))
+                           bool(np.issubdtype(labels.dtype, np.floating)), classes)
     filesystem, paths = _files_at(spec[split], PARQUET_SUFFIXES if spec["format"] == "parquet" else (".csv",))
     if spec["format"] == "parquet":
         schema = _parquet_file(filesystem, paths[0]).schema_arrow
@@ -1203,7 +1223,65 @@ def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
     types = [types[0].value_type] if len(columns) == 1 and _is_list(types[0]) else types
     return SplitSchema(tuple(columns), tuple(spec["shape"]) if "shape" in spec else (length,),
                        any(pa.types.is_floating(kind) or pa.types.is_boolean(kind) for kind in types),
-                       pa.types.is_floating(schema.field(spec.get("label", "label")).type))
+                       pa.types.is_floating(schema.field(spec.get("label", "label")).type), classes)
+
+
+# The keys of a module:function dataset's declared schema, and the dtypes each may name.
+_DECLARED_DTYPES = {"input_dtype": ("float32", "int64"), "label_dtype": ("int64", "float32")}
+
+
+def function_schema(reference: str, split: str) -> SplitSchema | None:
+    """A ``module:function`` dataset's schema: the function's ``example_schema``, a mapping such as
+    ``{"input_shape": [1, 28, 28], "input_dtype": "float32", "label_dtype": "int64", "classes": 10}``
+    (dtypes default to these, ``classes`` to unknown); without one, the test split's first example's shape and
+    dtypes, and None for the training split. Raises DataError naming a malformed declaration."""
+    module_name, _, function_name = reference.partition(":")
+    try:
+        declared = getattr(getattr(importlib.import_module(module_name), function_name), "example_schema", None)
+    except (ImportError, AttributeError) as error:
+        raise DataError(f"dataset {reference!r}: cannot import it ({error}); check the module path") from None
+    if declared is not None:
+        return _declared_schema(reference, declared)
+    if split == "train":
+        return None
+    inputs, labels = _none_of(TorchDatasetSource(_datasets_of(reference)[SPLITS.index(split)]))
+    return SplitSchema((), tuple(inputs.shape[1:]), inputs.is_floating_point() or inputs.dtype == torch.bool,
+                       labels.is_floating_point())
+
+
+def _declared_schema(reference: str, declared: Any) -> SplitSchema:
+    """The SplitSchema a function's ``example_schema`` declares; DataError naming what is wrong with it."""
+    where = f"dataset {reference!r}: its function's example_schema"
+    if not isinstance(declared, Mapping):
+        raise DataError(f"{where} must be a mapping with input_shape (got {type(declared).__name__})")
+    unknown = set(declared) - {"input_shape", "classes", *_DECLARED_DTYPES}
+    shape = declared.get("input_shape")
+    if unknown or not (isinstance(shape, (list, tuple)) and shape
+                       and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)):
+        raise DataError(f"{where} needs input_shape, a list of integers >= 1 (e.g. [1, 28, 28]), and takes "
+                        f"{', '.join(_DECLARED_DTYPES)} and classes (got {dict(declared)!r})")
+    dtypes = {}
+    for key, allowed in _DECLARED_DTYPES.items():
+        dtypes[key] = declared.get(key, allowed[0])
+        if dtypes[key] not in allowed:
+            raise DataError(f"{where}: {key} must be one of {', '.join(allowed)} (got {dtypes[key]!r})")
+    classes = declared.get("classes")
+    if classes is not None and (isinstance(classes, bool) or not isinstance(classes, int) or classes < 2):
+        raise DataError(f"{where}: classes must be an integer >= 2 (got {classes!r})")
+    return SplitSchema((), tuple(shape), dtypes["input_dtype"] == "float32", dtypes["label_dtype"] == "float32",
+                       classes)
+
+
+def _image_folder_schema(spec: Mapping, split: str) -> SplitSchema:
+    """An image folder's schema: channels from its ``mode``, height and width from its first image's header,
+    classes from its class folders (as ImageFolderSource numbers them); no pixel is decoded."""
+    from PIL import Image
+
+    filesystem, classes, examples = _image_files(spec[split])
+    with filesystem.open(examples[0][0], "rb") as handle:
+        width, height = Image.open(handle).size
+    channels = len(spec.get("mode", "RGB"))
+    return SplitSchema((), (channels, height, width), True, False, spec.get("num_classes", len(classes)))
 
 
 # --- checks -----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ def run_check(args: argparse.Namespace) -> int:
     print("dpfleet data check prints rows of the data, how many break each rule and their values: NOT private, for "
           "the data's owner. It reserves no budget and trains nothing.")
     model = build_checked_model(config)
-    width = dry_run(config, model)
+    width = dry_run(config, model, print)
     failed = False
     for name, spec in tables:
         spec = {key: value for key, value in spec.items() if key != "drop_invalid_rows"}
