@@ -126,7 +126,7 @@ def admission_checks(
         if committed:
             use_held = stored_tally(tables.uses.committed_json(connection, budget.dataset_id, tenant))
         else:
-            use_held = tables.uses.use(connection, budget.dataset_id, tenant).held
+            use_held = tables.uses.held(connection, budget.dataset_id, tenant)
         quota_checks.append(
             assess_admission(f"tenant {tenant!r}'s quota on {label}", quota.rule, quota.epsilon, use_held, planned)
         )
@@ -172,8 +172,8 @@ def hold(
     for budget in budgets:
         held = tables.datasets.held(connection, budget.dataset_id)
         tables.datasets.set_held(connection, budget.dataset_id, held + job.tally)
-        use = tables.uses.use(connection, budget.dataset_id, job.tenant)
-        tables.uses.set_use(connection, budget.dataset_id, job.tenant, use.held + job.tally, use.committed)
+        use_held = tables.uses.held(connection, budget.dataset_id, job.tenant)
+        tables.uses.set_held(connection, budget.dataset_id, job.tenant, use_held + job.tally)
     # The filter epsilon each budget holds after admission, as verify replays it.
     held_after = [check.held_after_epsilon for check in checks]
     placement = (
@@ -252,8 +252,8 @@ def free(tables: Tables, connection: Connection, caller: Caller, row: Reservatio
     for budget in budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset):
         held = tables.datasets.held(connection, budget.dataset_id)
         tables.datasets.set_held(connection, budget.dataset_id, held - unrun_tally)
-        use = tables.uses.use(connection, budget.dataset_id, row.tenant)
-        tables.uses.set_use(connection, budget.dataset_id, row.tenant, use.held - unrun_tally, use.committed)
+        use_held = tables.uses.held(connection, budget.dataset_id, row.tenant)
+        tables.uses.set_held(connection, budget.dataset_id, row.tenant, use_held - unrun_tally)
     tables.datasets.count_released(connection, row.dataset_id)
     tables.reservations.mark_released(connection, reservation.reservation_id, action == "expire")
     tables.history.record(

@@ -64,6 +64,24 @@ class TenantUses:
         )
 
     @staticmethod
+    def held(connection: Connection, budget_id: int, tenant: str) -> RdpTally:
+        """A tenant's tally of committed and reserved-unrun steps on a budget (zero for one that never used it)."""
+        row = connection.execute(
+            "SELECT held_rdp FROM tenant_use WHERE budget_id = ? AND tenant = ?", (budget_id, tenant)
+        ).fetchone()
+        return RdpTally.from_json(row[0]) if row is not None else RdpTally.zero()
+
+    @staticmethod
+    def set_held(connection: Connection, budget_id: int, tenant: str, held: RdpTally) -> None:
+        """Set a tenant's tally on a budget, keeping its committed events (not read: a reserve's or release's
+        cost does not grow with the mechanisms they hold) and its quota."""
+        connection.execute(
+            "INSERT INTO tenant_use (budget_id, tenant, held_rdp, committed_events) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (budget_id, tenant) DO UPDATE SET held_rdp = excluded.held_rdp",
+            (budget_id, tenant, held.to_json(), canonical(Composition()).to_json()),
+        )
+
+    @staticmethod
     def committed_json(connection: Connection, budget_id: int, tenant: str) -> str:
         """A tenant's committed events on a budget as stored (JSON; no events for a tenant that never used it)."""
         row = connection.execute(
