@@ -31,6 +31,16 @@ def block_at(charge_ends: Sequence[int], step: int) -> int:
     return next(index for index, end in enumerate(charge_ends) if end > step)
 
 
+def blocks_covered(charge_ends: Sequence[int], committed_steps: int) -> int:
+    """How many blocks the ledger's `committed_steps` of a run are (its commits charge whole blocks, in order);
+    ValueError when they end inside a block, as no run of this plan commits."""
+    covered = sum(1 for end in charge_ends if end <= committed_steps)
+    if committed_steps != (charge_ends[covered - 1] if covered else 0):
+        raise ValueError(f"{committed_steps} committed steps end inside a block of the plan (blocks end at steps "
+                         f"{', '.join(map(str, charge_ends))})")
+    return covered
+
+
 def uncharged_blocks(plan, charged: int) -> list[tuple[int, Composition]]:
     """(sequence, row-level events) of each block of `plan` (a RunPlan) from block `charged` on, in order."""
     ends = plan.charge_ends

@@ -11,6 +11,7 @@ import os
 import re
 import time
 import uuid
+from datetime import datetime, timezone
 from typing import Callable, Mapping
 
 from accounting.events import Composition
@@ -25,9 +26,9 @@ from accounting.ledger.errors import (
     NotFound,
     PermissionDenied,
 )
-from accounting.ledger.records import DatasetStatus, QueuedJob
+from accounting.ledger.records import DatasetStatus, QueuedJob, Reservation
 from accounting.ledger.store import open_embedded_ledger
-from accounting.ledger.validation import ADMITTED, QUEUED
+from accounting.ledger.validation import ACTIVE, ADMITTED, NAME_LENGTH, QUEUED
 from orchestrator import release
 from orchestrator.errors import BudgetRefusedError, LedgerTimeoutError, UsageError
 from workers.fingerprints import block_identity, file_digests
@@ -38,6 +39,8 @@ _LONGEST_BACKOFF_SECONDS = 10.0
 # How often a waiting job asks the ledger where it stands, and how often it says so when nothing changed.
 _QUEUE_POLL_SECONDS = 1.0
 _QUEUE_REMINDER_SECONDS = 60.0
+# Between a run's first job id and the unique part of a resumed run's: the first job id stays readable in it.
+_RESUMED = ".resumed-"
 
 
 def open_ledger(address: str | None, token: str | None):
@@ -62,6 +65,21 @@ def is_embedded(ledger) -> bool:
 def new_job_id(run_dir: str) -> str:
     """A job id that names the run and is unique."""
     return f"{os.path.basename(os.path.normpath(run_dir)) or 'run'}-{uuid.uuid4().hex[:8]}"
+
+
+def resumed_job_id(job_id: str) -> str:
+    """A job id for a resumed run's new reservation: the run's first job id, which it names, and a unique part."""
+    first = job_id.split(_RESUMED)[0][:NAME_LENGTH[1] - len(_RESUMED) - 8]
+    return f"{first}{_RESUMED}{uuid.uuid4().hex[:8]}"
+
+
+def reservation_gone(reservation: Reservation) -> str | None:
+    """How a reservation stopped holding its unrun steps ("was released", "lapsed as its lease ran out"), or None
+    while it holds them. A lease past its end counts as run out before the ledger's sweep has released it."""
+    if reservation.lease_expired or (reservation.state == ACTIVE and reservation.expires_at is not None and
+                                     datetime.fromisoformat(reservation.expires_at) <= datetime.now(timezone.utc)):
+        return "lapsed as its lease ran out"
+    return None if reservation.state == ACTIVE else "was released"
 
 
 def with_retries(call: Callable, timeout_seconds: float, say: Callable[[str], None], what: str):
@@ -165,6 +183,26 @@ class JobLedger:
             )
         say(release.line("ledger_admitted", seconds=f"{time.monotonic() - started:.0f}", reason=queued.reason))
         return cls(ledger, dataset, queued.reservation_id, timeout_seconds, say)
+
+    @classmethod
+    def held(cls, ledger, dataset: str, reservation_id: str, timeout_seconds: float,
+             say: Callable[[str], None]) -> Reservation:
+        """Reservation `reservation_id` on `dataset` as the ledger holds it now (a resumed run's), or UsageError
+        when this ledger and token hold no such reservation there."""
+        try:
+            jobs = with_retries(lambda: ledger.list_jobs(dataset), timeout_seconds, say,
+                                "reading the run's reservation")
+        except (NotFound, PermissionDenied) as error:
+            jobs, refusal = [], f": {error}"
+        else:
+            refusal = ""
+        found = [job for job in jobs if job.reservation_id == reservation_id]
+        if not found:
+            raise UsageError(
+                f"the ledger holds no reservation {reservation_id} on dataset {dataset!r} for this token{refusal}; "
+                "resume against the ledger the run was charged to (--ledger and --token, or the config's ledger)"
+            )
+        return found[0]
 
     def charge(self, sequence: int, events: Composition) -> None:
         """Commit block `sequence` before it runs; a repeat of the same block charges nothing more."""
@@ -334,8 +372,11 @@ def _shown(declaration: dict) -> dict:
         {"user_id": identity["user_id"], "people": len(identity["people"])} if "people" in identity else {})}}
 
 
-def filter_charges(plan, status: DatasetStatus, blocks: tuple[str, ...]) -> list[tuple[str, float]]:
-    """The RDP-filter ε each budget a job is charged to (the dataset's, or each of `blocks`) takes for `plan`.
+def filter_charges(
+    plan, status: DatasetStatus, blocks: tuple[str, ...], start: int = 0,
+) -> list[tuple[str, float]]:
+    """The RDP-filter ε each budget a job is charged to (the dataset's, or each of `blocks`) takes for `plan`
+    from step `start` on.
 
     The events are those the ledger charges (`plan.ledger_plan` of the
     dataset's unit, converted by `charged_plan`), and each ε is the filter's
@@ -344,7 +385,7 @@ def filter_charges(plan, status: DatasetStatus, blocks: tuple[str, ...]) -> list
     the job's divergence at each order on top of what it holds, which can
     move the filter's ε by a different amount (dpfleet ledger fits shows it).
     """
-    planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
+    planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit, start)
     tally = RdpTally.of(charged_plan(status.name, status.privacy_unit, privacy_unit, planned, rows_per_person))
     by_name = {block.name: block for block in status.blocks}
     budgets = [(f"block {block}", by_name[block]) for block in blocks if block in by_name] or \

@@ -107,19 +107,25 @@ class RunPlan:
             return self.events_between(start, end)
         return steps_between(self.row_level_events, start, end)
 
-    def ledger_plan(self, dataset_unit: str) -> tuple[Composition, str, int | None]:
+    def ledger_plan(self, dataset_unit: str, start: int = 0) -> tuple[Composition, str, int | None]:
         """What to reserve on a ledger dataset of `dataset_unit`: (events, the unit they protect, rows per person).
 
         A user-level run reserves its per-user events on a user-level dataset
         and its row-level events on an example-level one. An example-level run
         reserves its events with its rows-per-person bound, which a user-level
         dataset turns into a group-privacy charge (and refuses without one).
+        The events are those of steps `start` (0-based) to the end: a resumed
+        run whose reservation is gone reserves the steps its ledger did not
+        charge.
         """
         if self.privacy_unit == "user":
             if dataset_unit == "user":
-                return self.planned_events, "user", None
-            return self.row_level_events, "example", None
-        return self.planned_events, "example", self.rows_per_person
+                events, unit, rows_per_person = self.planned_events, "user", None
+            else:
+                events, unit, rows_per_person = self.row_level_events, "example", None
+        else:
+            events, unit, rows_per_person = self.planned_events, "example", self.rows_per_person
+        return events.split(start)[1], unit, rows_per_person
 
     def sigma_at(self, step: int) -> float:
         """The noise multiplier of step `step` (0-based)."""

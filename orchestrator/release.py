@@ -135,6 +135,9 @@ LINES: tuple[Line, ...] = (
     Line("ledger_reserved", "ledger: reserved {steps} steps on {dataset}{blocks} (reservation {reservation}); "
          "{charge}", _M, _PLAN),
     Line("ledger_continuing", "ledger: continuing under reservation {reservation}", _M, "the checkpoint's binding"),
+    Line("ledger_reserved_again", "ledger: reservation {previous} {how} with {charged} of {steps} steps charged; "
+         "reserved the other {remaining} (reservation {reservation}); {charge}", _M,
+         "the checkpoint's binding and the blocks charged, which the charge clock's schedule sets; " + _PLAN),
     Line("ledger_unreachable", "ledger unreachable while {what}; retrying for up to {seconds} s (no step runs "
          "uncharged)", _M, _OPERATION),
     Line("ledger_reachable", "ledger reachable again; carrying on", _M, _OPERATION),

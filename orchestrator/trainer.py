@@ -49,7 +49,7 @@ from orchestrator import release
 from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
-from orchestrator.charge_clock import ChargeClock, LedgerSession, block_at, uncharged_blocks
+from orchestrator.charge_clock import ChargeClock, LedgerSession, block_at, blocks_covered, uncharged_blocks
 from orchestrator.collective import CollectiveFleet, resolved_aggregation
 from orchestrator.checkpoint import (
     CHECKPOINT_VERSION,
@@ -302,6 +302,24 @@ class Trainer:
         """The id of the reservation a resumed run continues under (None for a new run, or one without a ledger)."""
         return None if self.resumed_reservation is None else self.resumed_reservation["id"]
 
+    def continue_charged(self, reservation_id: str, committed_steps: int) -> None:
+        """Take the ledger's `committed_steps` of a resumed run (under `reservation_id`) as its charged blocks: none
+        is charged again, the blocks the clock charged ahead of the checkpoint included.
+
+        UsageError when they are not whole blocks of the plan, or fewer than
+        the checkpoint's charged blocks: that ledger is not the run's.
+        """
+        try:
+            covered = blocks_covered(self.plan.charge_ends, committed_steps)
+        except ValueError as error:
+            covered, why = None, str(error)
+        else:
+            why = f"the checkpoint's run had charged its first {self.record.charged_blocks} block(s)"
+        if covered is None or covered < self.record.charged_blocks:
+            raise UsageError(f"reservation {reservation_id} holds {committed_steps} committed steps, but {why}; "
+                             "resume against the ledger the run was charged to (--ledger, or the config's ledger)")
+        self.record.charged_blocks = covered
+
     @property
     def step(self) -> int:
         """Steps run so far."""
@@ -514,7 +532,10 @@ class Trainer:
                 self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
                 if self.stopped_early:
                     break
-            if config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
+                # A resume runs the steps after its checkpoint again, with fresh noise and under their first charge:
+                # none of those steps may have released a row of metrics.
+                self._save_checkpoint()
+            elif config.checkpoint_every and self.step % config.checkpoint_every == 0 and self.step < epoch_end:
                 self._save_checkpoint()
         bar.close()
 

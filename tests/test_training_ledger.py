@@ -281,3 +281,48 @@ def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(local_ray,
         assert [entry.action for entry in ledger.history("mnist")][-4:-2] == ["release", "reserve"]
     assert said[0].startswith("ledger: waiting for budget on 'mnist' (q-") and "position 1, needs" in said[0]
     assert said[1].startswith("ledger: admitted after")
+
+
+def test_ctrl_c_after_a_checkpoint_then_resume_charges_every_step_once_and_exports(local_ray, worker_pool, tmp_path,
+                                                                                   capsys, monkeypatch):
+    run_dir = tmp_path / "stopped"
+    config = write_config(tmp_path, f'steps = 60\ncommit_every = 10\ncheckpoint_every = 10\nrun_dir = "{run_dir}"\n'
+                                    'seed = 3\n')
+    save = Trainer._save_checkpoint
+
+    def save_then_interrupt(trainer):
+        save(trainer)
+        if trainer.step == 10:
+            raise KeyboardInterrupt  # Ctrl-C, once the checkpoint of step 10 is in place
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "_save_checkpoint", save_then_interrupt)
+        assert main(["train", "--config", config, "--no-progress"]) == 130
+    assert "dpfleet train: interrupted" in capsys.readouterr().err
+    with open_embedded_ledger() as ledger:
+        (stopped,) = ledger.list_jobs()
+    # The stop released the unrun steps and kept the charged ones: the blocks the steps reached, and any the charge
+    # clock (a block a second) charged ahead of them.
+    assert stopped.state == "released" and 10 <= stopped.committed_steps < 60, stopped
+    assert main(["train", "--resume", str(run_dir), "--no-progress", "--json"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert (f"ledger: reservation {stopped.reservation_id} was released with {stopped.committed_steps} of 60 steps "
+            f"charged; reserved the other {60 - stopped.committed_steps} (reservation {summary['reservation_id']})"
+            in out), out
+    with open_embedded_ledger() as ledger:
+        first, resumed = ledger.list_jobs()
+        spent = ledger.get_budget("mnist").spent_epsilon
+    assert first.reservation_id == stopped.reservation_id and first.committed_steps == stopped.committed_steps
+    assert resumed.reservation_id == summary["reservation_id"]
+    assert resumed.job_id.startswith(f"{stopped.job_id}.resumed-")
+    # Every step charged once: the resumed run ran the charged steps after its checkpoint without charging them again.
+    assert resumed.state == "released" and first.committed_steps + resumed.committed_steps == 60 == summary["steps"]
+    assert summary["epsilon"] == pytest.approx(tiny_job_epsilon(60), rel=1e-9)
+    # Within the charge clock's bound (a block ahead of the steps), and here exactly: no step was left charged unrun.
+    assert summary["epsilon"] - 1e-9 <= spent <= tiny_job_epsilon(60 + 10)
+    assert spent == pytest.approx(summary["epsilon"], rel=1e-6)
+    weights = tmp_path / "model.safetensors"
+    assert main(["export", str(run_dir), "--out", str(weights), "--json"]) == 0
+    privacy = json.loads(capsys.readouterr().out.splitlines()[-1])["privacy"]
+    assert privacy["finished"] is True and privacy["steps"] == 60 and privacy["epsilon"] == summary["epsilon"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import sys
@@ -28,6 +29,8 @@ from orchestrator.ledger_session import (
     ledger_dataset_name,
     new_job_id,
     open_ledger,
+    reservation_gone,
+    resumed_job_id,
 )
 from orchestrator.stopping import stopped_as_interrupted
 from workers.sources import read_first
@@ -347,48 +350,70 @@ def _membership_inference(trainer: Trainer, examples: int = 1000) -> dict:
 
 
 def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
-    """The job's reservation: the one a resumed run holds, else a new one for the whole plan."""
+    """The job's reservation: a new one for the whole plan; for a resumed run, the one it holds, or, when that one
+    is gone (released as a stopped run ends, or its lease ran out), a new one for the steps it did not charge."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
     dataset = ledger_dataset_name(args.dataset_name, config)
     say = trainer.say
-    if trainer.resumed_reservation_id is not None:
-        charged = trainer.resumed_reservation["dataset"]
-        if charged is not None and charged != dataset:
-            raise UsageError(
-                f"the run in {config.run_dir!r} is charged to the ledger's dataset {charged!r} (reservation "
-                f"{trainer.resumed_reservation_id}), not {dataset!r}; resume it with --dataset-name {charged}, or "
-                "start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
-            )
-        say(release.line("ledger_continuing", reservation=trainer.resumed_reservation_id))
-        return JobLedger(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
-    register_embedded(ledger, dataset, config, say)
+    if trainer.resumed_reservation_id is None:
+        register_embedded(ledger, dataset, config, say)
+        job = reserve_steps(args, trainer, ledger, dataset, new_job_id(config.run_dir))
+        on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
+        say(release.line("ledger_reserved", steps=trainer.plan.steps, dataset=repr(dataset), blocks=on_blocks,
+                         reservation=job.reservation_id, charge=charge_line(trainer, job.status(), config.blocks)))
+        return job
+    charged = trainer.resumed_reservation["dataset"]
+    if charged is not None and charged != dataset:
+        raise UsageError(
+            f"the run in {config.run_dir!r} is charged to the ledger's dataset {charged!r} (reservation "
+            f"{trainer.resumed_reservation_id}), not {dataset!r}; resume it with --dataset-name {charged}, or "
+            "start a new run: dpfleet train --config FILE --run-dir NEW_DIR"
+        )
+    held = JobLedger.held(ledger, dataset, trainer.resumed_reservation_id, config.ledger_timeout, say)
+    # The ledger, not the checkpoint, says what is charged: the clock may have charged blocks ahead of the steps.
+    trainer.continue_charged(held.reservation_id, held.committed_steps)
+    gone = reservation_gone(held)
+    if gone is None or held.committed_steps == trainer.plan.steps:
+        say(release.line("ledger_continuing", reservation=held.reservation_id))
+        return JobLedger(ledger, dataset, held.reservation_id, config.ledger_timeout, say)
+    job = reserve_steps(args, trainer, ledger, dataset, resumed_job_id(held.job_id), held.committed_steps)
+    say(release.line("ledger_reserved_again", previous=held.reservation_id, how=gone,
+                     charged=held.committed_steps, steps=trainer.plan.steps,
+                     remaining=trainer.plan.steps - held.committed_steps, reservation=job.reservation_id,
+                     charge=charge_line(trainer, job.status(), config.blocks, held.committed_steps)))
+    return job
+
+
+def reserve_steps(
+    args: argparse.Namespace, trainer: Trainer, ledger, dataset: str, job_id: str, start: int = 0,
+) -> JobLedger:
+    """Reserve the plan's steps from `start` on as job `job_id`, through the budgets' filters (waiting in the queue
+    with --wait-for-budget), once the files the run reads are checked to be those the dataset or its blocks hold."""
+    config = trainer.config
     if config.blocks:
         check_declared_blocks(ledger.get_budget(dataset, pld_may_be_pending=True), config.blocks,
                               block_declarations(config), config.user_id)
     else:
         bind_dataset_content(ledger, dataset, config.dataset)
-    job_id, plan_for_unit = new_job_id(config.run_dir), trainer.plan.ledger_plan
+    plan_for_unit = functools.partial(trainer.plan.ledger_plan, start=start)
     if args.wait_for_budget:
-        job = JobLedger.wait_for_budget(
-            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease, config.blocks,
-            checks.integer_in_range("--priority", args.priority, *PRIORITY_RANGE),
+        return JobLedger.wait_for_budget(
+            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, trainer.say, config.ledger_lease,
+            config.blocks, checks.integer_in_range("--priority", args.priority, *PRIORITY_RANGE),
             checks.positive_number("--max-wait", args.max_wait) if args.max_wait is not None else None,
         )
-    else:
-        job = JobLedger.reserve(
-            ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, say, config.ledger_lease, config.blocks
-        )
-    on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
-    say(release.line("ledger_reserved", steps=trainer.plan.steps, dataset=repr(dataset), blocks=on_blocks,
-                     reservation=job.reservation_id, charge=charge_line(trainer, job.status(), config.blocks)))
-    return job
+    return JobLedger.reserve(
+        ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, trainer.say, config.ledger_lease, config.blocks
+    )
 
 
-def charge_line(trainer: Trainer, status, blocks: tuple[str, ...]) -> str:
-    """What the job is charged, in the filter's ε at each budget, beside its ε by the run's accountant."""
+def charge_line(trainer: Trainer, status, blocks: tuple[str, ...], start: int = 0) -> str:
+    """What the job is charged for its steps from `start` on, in the filter's ε at each budget, beside the whole
+    run's ε by the run's accountant."""
     config = trainer.config
-    charges = ", ".join(f"{epsilon:.4g} on {name}" for name, epsilon in filter_charges(trainer.plan, status, blocks))
+    charges = ", ".join(f"{epsilon:.4g} on {name}"
+                        for name, epsilon in filter_charges(trainer.plan, status, blocks, start))
     epsilon, shown = labelled_epsilon(trainer.report.accountant, trainer.plan.planned_events, config.delta)
     return (f"charged filter ε {charges} (at the budget's δ); the run's ε {epsilon:.4g} ({shown}, "
             f"delta={config.delta:g})")
