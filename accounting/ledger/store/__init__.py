@@ -42,6 +42,6 @@ __all__ = [
     "load_signing_key",
     "new_signing_key",
     "open_embedded_ledger",
-    "served_key_placement_problem",
     "rekey_ledger",
+    "served_key_placement_problem",
 ]

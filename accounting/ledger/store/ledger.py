@@ -55,7 +55,13 @@ from accounting.ledger.store.clock import now
 from accounting.ledger.store.composed import BackgroundComposition
 from accounting.ledger.store.history import HistoryChain, by_key
 from accounting.ledger.store.leases import expire_leases
-from accounting.ledger.store.local import default_history_key_path, default_ledger_path, load_history_key, local_user
+from accounting.ledger.store.local import (
+    HistoryKeySource,
+    default_history_key_path,
+    default_ledger_path,
+    load_history_key,
+    local_user,
+)
 from accounting.ledger.store.schema import create_or_check_schema
 from accounting.ledger.store.status import StatusRows, budget_ids, dataset_status, read_status
 from accounting.ledger.store.tables import Tables
@@ -93,8 +99,9 @@ class Ledger:
 
     `path` is the SQLite file, or a postgresql:// URL; `scheduling` the
     policy of queued jobs for datasets created without one (fcfs by
-    default); `history_key_file` the history key (`load_history_key`;
-    default `default_history_key_path()`). Every method takes
+    default); `history_key_file` the history key, a file's path or a
+    HistoryKeySource (`load_history_key`; default
+    `default_history_key_path()`). Every method takes
     the `caller` it acts for; it defaults to the caller the ledger was
     opened with (the local admin for `open_embedded_ledger`). Safe to share
     between threads; several processes (servers) may open the same file or
@@ -106,7 +113,7 @@ class Ledger:
         path: str | os.PathLike,
         caller: Caller | None = None,
         scheduling: SchedulingPolicy | None = None,
-        history_key_file: str | os.PathLike | None = None,
+        history_key_file: str | os.PathLike | HistoryKeySource | None = None,
     ) -> None:
         history_key = load_history_key(history_key_file)
         self._database = open_database(path)
