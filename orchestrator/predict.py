@@ -15,10 +15,12 @@ import torch
 from orchestrator.errors import UsageError
 from orchestrator.export import load_released
 from workers.data import write_atomically
-from workers.sources import PARQUET_SUFFIXES, DataError, read_features
+from workers.sources import PARQUET_SUFFIXES, DataError, read_features, read_ids
 
 # Rows per forward pass: bounds the memory a large file's predictions take.
 PREDICT_BATCH_ROWS = 4096
+# The column a table's rows carry through to their predictions, first, so they join on it rather than on row order.
+ID_COLUMN = "id"
 # The formats `predict` reads, by the file's suffix.
 INPUT_FORMATS = {**{suffix: "parquet" for suffix in PARQUET_SUFFIXES}, ".csv": "csv", ".npy": "npy", ".npz": "npz"}
 
@@ -56,25 +58,29 @@ def predicted_values(outputs: torch.Tensor, task: str) -> list:
     return outputs[:, 0].tolist()
 
 
-def predictions_csv(outputs: torch.Tensor, task: str) -> bytes:
-    """The CSV `predict` writes: a header, then per input row its ``prediction`` and the model's raw outputs."""
+def predictions_csv(outputs: torch.Tensor, task: str, ids: list | None = None) -> bytes:
+    """The CSV `predict` writes: a header, then per input row its ``prediction`` and the model's raw outputs,
+    after the row's ``ids`` entry (an ``id`` column first) where the input had one."""
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["prediction", *(f"output_{index}" for index in range(outputs.shape[1]))])
-    for prediction, row in zip(predicted_values(outputs, task), outputs.tolist()):
-        writer.writerow([prediction, *row])
+    first = [] if ids is None else [ID_COLUMN]
+    writer.writerow([*first, "prediction", *(f"output_{index}" for index in range(outputs.shape[1]))])
+    for index, (prediction, row) in enumerate(zip(predicted_values(outputs, task), outputs.tolist())):
+        writer.writerow([*([] if ids is None else [ids[index]]), prediction, *row])
     return text.getvalue().encode()
 
 
 def write_predictions(run_or_export: str | Path, data_file: str | Path, out: str | Path) -> int:
     """Load the released model (as `dpfleet.load`), predict on every row of ``data_file``, write ``out`` (CSV);
-    return the number of rows."""
+    return the number of rows. A table's ``id`` column comes first in ``out``, row for row."""
     if Path(out).suffix.lower() != ".csv":
         raise UsageError(f"--out must name a .csv file (got {str(out)!r})")
     released = load_released(run_or_export)
     description = released.description
+    spec = input_spec(description, data_file)
     try:
-        inputs = read_features(input_spec(description, data_file), str(data_file))
+        inputs = read_features(spec, str(data_file))
+        ids = read_ids(spec, str(data_file), ID_COLUMN)
     except DataError as error:
         raise UsageError(str(error)) from None
     shape = list(inputs.shape[1:])
@@ -82,5 +88,5 @@ def write_predictions(run_or_export: str | Path, data_file: str | Path, out: str
         raise UsageError(f"{data_file}: examples of shape {shape}, but the model takes {description['input_shape']}; "
                          "give the file the columns the model trained on")
     outputs = predict_outputs(released.model, inputs)
-    write_atomically(Path(out), predictions_csv(outputs, description["task"]))
+    write_atomically(Path(out), predictions_csv(outputs, description["task"], ids))
     return len(inputs)

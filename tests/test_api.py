@@ -94,3 +94,69 @@ def test_predict_on_a_file_without_the_models_columns_is_one_paragraph(tmp_path,
     assert main(["predict", str(export), "--data", str(tmp_path / "x.csv"), "--out", str(tmp_path / "p.csv")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "neither a run directory nor an exported" in err, err
+
+
+def hand_export(tmp_path, module_name):
+    """An export of a 3-feature, 2-class linear model from the module ``module_name`` in tmp_path/src: its weights
+    and its card, written as `dpfleet export` writes them (no training run needed)."""
+    from safetensors.torch import save_file
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / f"{module_name}.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(3, 2)\n")
+    model = torch.nn.Linear(3, 2)
+    export = tmp_path / "model.safetensors"
+    save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(export))
+    (tmp_path / "model.model-card.json").write_text(json.dumps({"model": {
+        "spec": f"{module_name}:make", "builtin": False, "input_columns": ["a", "b", "c"], "input_shape": [3],
+        "input_dtype": "float32", "output_shape": [2], "task": "multiclass", "loss": "cross_entropy",
+        "classes": 2}}))
+    return source, export, model
+
+
+def test_predict_from_another_folder_names_the_folders_searched_and_the_fix(tmp_path, monkeypatch, capsys):
+    source, export, _ = hand_export(tmp_path, "predict_elsewhere_model")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    dpfleet = import_dpfleet()
+    with pytest.raises(ValueError) as raised:
+        dpfleet.load(export)
+    message = str(raised.value)
+    assert "module 'predict_elsewhere_model' cannot be imported" in message
+    assert f"the current folder is {elsewhere.resolve()}" in message and "predict_elsewhere_model.py in " in message
+    assert "run from the folder that holds predict_elsewhere_model.py, or set PYTHONPATH" in message
+    assert main(["predict", str(export), "--data", str(tmp_path / "x.csv"), "--out", str(tmp_path / "p.csv")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(elsewhere.resolve()) in err and "set PYTHONPATH" in err, err
+    monkeypatch.syspath_prepend(str(source))  # the fix the message names
+    assert dpfleet.load(export)(torch.zeros(1, 3)).shape == (1, 2)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_predict_passes_a_tables_id_column_through_first(tmp_path, monkeypatch, suffix):
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+    import pyarrow.parquet as pq
+
+    source, export, model = hand_export(tmp_path, f"predict_id_model_{suffix[1:]}")
+    monkeypatch.syspath_prepend(str(source))
+    rows = torch.rand(4, 3)
+    ids = ["007", "b", "x9", "010"] if suffix == ".csv" else [7, 3, 11, 5]
+    table = pa.table({"c": rows[:, 2].tolist(), "id": ids, "a": rows[:, 0].tolist(), "b": rows[:, 1].tolist()})
+    data = tmp_path / f"new{suffix}"
+    pa_csv.write_csv(table, str(data)) if suffix == ".csv" else pq.write_table(table, str(data))
+    out = tmp_path / "predictions.csv"
+    assert main(["predict", str(export), "--data", str(data), "--out", str(out)]) == 0
+    header, *lines = out.read_text().splitlines()
+    assert header == "id,prediction,output_0,output_1"
+    assert [line.split(",")[0] for line in lines] == [str(value) for value in ids]
+    with torch.no_grad():
+        expected = model(rows)
+    torch.testing.assert_close(torch.tensor([[float(v) for v in line.split(",")[2:]] for line in lines]), expected)
+    without = tmp_path / f"without{suffix}"
+    table = table.drop_columns(["id"])
+    pa_csv.write_csv(table, str(without)) if suffix == ".csv" else pq.write_table(table, str(without))
+    assert main(["predict", str(export), "--data", str(without), "--out", str(out)]) == 0
+    assert out.read_text().splitlines()[0] == "prediction,output_0,output_1"

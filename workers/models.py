@@ -14,6 +14,8 @@ per-example clipped gradient sums.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -155,7 +157,7 @@ def build_model(spec: str) -> nn.Module:
         missing = error.name or ""
         if not (module_name == missing or module_name.startswith(missing + ".")):
             raise
-        raise ValueError(_bad_spec_message(spec, f"module {module_name!r} cannot be imported")) from error
+        raise ValueError(_bad_spec_message(spec, not_importable(module_name))) from error
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ValueError(_bad_spec_message(spec, f"{module_name!r} has no function {function_name!r}"))
@@ -165,6 +167,25 @@ def build_model(spec: str) -> nn.Module:
             f"model factory {spec!r} returned {type(model).__name__}, not a torch.nn.Module; make it return the model"
         )
     return model
+
+
+def not_importable(module_name: str) -> str:
+    """Why ``module_name`` (of a ``module:function`` spec) did not import: the folders Python looked in, and the fix.
+
+    The folders are the import path's own (the current folder or the
+    script's, PYTHONPATH, a config's folder), not Python's installation.
+    """
+    installed = {os.path.realpath(prefix) for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    folders = []
+    for entry in sys.path:
+        folder = os.path.realpath(entry or os.getcwd())
+        if os.path.isdir(folder) and not any(folder.startswith(prefix + os.sep) for prefix in installed) \
+                and folder not in folders:
+            folders.append(folder)
+    file_name = module_name.replace(".", os.sep) + ".py"
+    return (f"module {module_name!r} cannot be imported: Python looked for {file_name} in "
+            f"{', '.join(folders) or 'no folder of its own'} (the current folder is {os.getcwd()}); run from the "
+            f"folder that holds {file_name}, or set PYTHONPATH to that folder")
 
 
 def _bad_spec_message(spec: str, reason: str) -> str:

@@ -528,6 +528,28 @@ def read_features(spec: Mapping, location: str) -> torch.Tensor:
     return _feature_tensor(np.concatenate(parts), spec.get("shape"))
 
 
+def read_ids(spec: Mapping, location: str, column: str = "id") -> list | None:
+    """Every row's ``column`` in the table file(s) at ``location``, in ``read_features``'s row order, as the file
+    holds it (a CSV's as its text); None when a file lacks the column or the location is not Parquet or CSV."""
+    file_format = spec["format"]
+    if file_format not in ("parquet", "csv"):
+        return None
+    filesystem, paths = _files_at(location, PARQUET_SUFFIXES if file_format == "parquet" else (".csv",))
+    ids = []
+    for path in paths:
+        if file_format == "parquet":
+            parquet = _parquet_file(filesystem, path)
+            if column not in parquet.schema_arrow.names:
+                return None
+            ids.extend(parquet.read([column], use_threads=False).column(column).to_pylist())
+            continue
+        for _, batch in _csv_batches(path, filesystem, {column: pa.string()}):
+            if column not in batch.schema.names:
+                return None
+            ids.extend(batch.column(column).to_pylist())
+    return ids
+
+
 def read_first(spec: str | Mapping, split: str, count: int | None = None,
                data_root: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``count`` examples of a split (all when None) as (inputs, labels)."""
@@ -909,13 +931,16 @@ def _csv_error(path: str, error: pa.ArrowInvalid) -> DataError:
     return DataError(f"{path}: not readable as CSV ({unquoted}); {FIND_ROWS}", f"{path}: not readable as CSV ({problem})")
 
 
-def _csv_batches(path: str, filesystem: pa_fs.FileSystem) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """(first row number, batch) over one CSV file; unreadable CSV (a row with the wrong number of fields) raises
-    DataError with pyarrow's message, which names the row (``_csv_error``)."""
+def _csv_batches(path: str, filesystem: pa_fs.FileSystem,
+                 column_types: Mapping[str, pa.DataType] | None = None) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(first row number, batch) over one CSV file, ``column_types`` naming the type of any column not to infer;
+    unreadable CSV (a row with the wrong number of fields) raises DataError with pyarrow's message, which names the
+    row (``_csv_error``)."""
     with filesystem.open_input_stream(path) as stream:
         try:
             # One thread, so pyarrow's row numbers count from the top of the file.
-            reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False))
+            reader = pa_csv.open_csv(stream, read_options=pa_csv.ReadOptions(use_threads=False),
+                                     convert_options=pa_csv.ConvertOptions(column_types=column_types))
         except pa.ArrowInvalid as error:
             raise _csv_error(path, error) from None
         first_row = 0

@@ -28,6 +28,7 @@ from torchvision.transforms import v2
 
 from workers.clipping import LossFunction
 from workers.losses import ClassLoss
+from workers.models import not_importable
 from workers.names import LOSS_NAMES
 
 
@@ -71,7 +72,10 @@ def build_loss(spec: str) -> LossFunction:
     try:
         function = getattr(importlib.import_module(module_name), function_name, None)
     except ModuleNotFoundError as error:
-        raise ValueError(f"loss {spec!r}: module {module_name!r} cannot be imported ({error})") from error
+        missing = error.name or ""
+        if not (module_name == missing or module_name.startswith(missing + ".")):
+            raise
+        raise ValueError(f"loss {spec!r}: {not_importable(module_name)}") from error
     if not callable(function):
         raise ValueError(f"loss {spec!r}: {module_name!r} has no function {function_name!r}")
     return function

@@ -12,7 +12,7 @@ def add_predict_arguments(predict: argparse.ArgumentParser) -> None:
     predict.description = (
         "Load the model a finished run released (from its run directory, or from the file `dpfleet export` "
         "wrote, as dpfleet.load does), run it on every row of FILE, and write one CSV row per input row: the "
-        "prediction (the class with the largest output, 1 where a binary model's logit is above 0, or a "
+        "row's id (where FILE is a table with an id column), the prediction (the class with the largest output, 1 where a binary model's logit is above 0, or a "
         "regression's value) and the model's raw outputs output_0, output_1, ..."
     )
     predict.epilog = (
