@@ -21,7 +21,7 @@ from accounting.ledger.callers import ADMIN, tenant_caller
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import BudgetExceeded, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from accounting.ledger.service import start_server
-from accounting.ledger.store import Ledger, open_embedded_ledger
+from accounting.ledger.store import Ledger, open_embedded_ledger, rekey_ledger
 from accounting.ledger.validation import check_block_names
 from accounting.ledger.verification import burn_down
 from orchestrator.cli import main
@@ -576,7 +576,7 @@ def test_a_file_of_version_6_keeps_its_blocks_undeclared_and_verify_finds_a_row_
             old = {key: value for key, value in json.loads(details).items() if key != "data"}
             connection.execute("UPDATE history SET details = ? WHERE id = ?", (json.dumps(old, sort_keys=True),
                                                                               entry_id))
-    as_unkeyed_version(path, 6)
+    rekey_ledger(as_unkeyed_version(path, 6))
     with open_embedded_ledger(path) as ledger:
         assert [block.data for block in ledger.get_budget("people").blocks] == [None, None, None]
         with pytest.raises(FailedPrecondition, match="was added before blocks declared where their rows are"):

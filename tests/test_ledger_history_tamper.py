@@ -91,6 +91,10 @@ def test_a_file_stripped_to_look_like_version_8_is_caught_by_a_head_kept_elsewhe
     with without_history_triggers(ledger.path) as connection:
         cut_a_job(connection, middle)
     as_unkeyed_version(ledger.path, 8)
+    # Opening it does not key it: a keyed ledger that now reads as version 8 must be keyed on purpose.
+    with pytest.raises(FailedPrecondition, match="schema version 8, whose history is chained without the history"):
+        open_embedded_ledger(ledger.path)
+    rekey_ledger(ledger.path)  # an operator who takes it for an old file
     with open_embedded_ledger(ledger.path) as migrated:
         problems = [str(finding) for finding in migrated.verify(head).findings]
     # The file alone cannot show it (its rows are not rolled back here, which replays would see); the head can.

@@ -13,7 +13,7 @@ from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import BudgetExceeded, FailedPrecondition
 from accounting.ledger.scheduling import SchedulingPolicy
-from accounting.ledger.store import SCHEMA_VERSION, open_embedded_ledger
+from accounting.ledger.store import SCHEMA_VERSION, open_embedded_ledger, rekey_ledger
 from orchestrator.cli import main
 from orchestrator.errors import BudgetRefusedError
 from orchestrator.ledger_session import JobLedger
@@ -148,6 +148,7 @@ def test_ledger_jobs_queued_and_cancel_on_the_command_line(server, capsys):
 
 def test_a_version_2_file_migrates_to_the_queue_and_keeps_verifying(tmp_path):
     path = version_2_file(tmp_path / "ledger.db")
+    rekey_ledger(path)
     with open_embedded_ledger(path) as migrated:
         with sqlite3.connect(path) as connection:
             assert connection.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)

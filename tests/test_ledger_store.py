@@ -117,8 +117,21 @@ def as_unkeyed_version(path, version):
     return path
 
 
+def test_a_file_of_a_version_before_the_key_is_not_keyed_by_opening_it_but_by_rekey(tmp_path):
+    path = version_2_file(tmp_path / "ledger.db")
+    with pytest.raises(FailedPrecondition, match="schema version 2, whose history is chained without the history "
+                                                 "key .* key and migrate it on purpose with dpfleet ledger rekey"):
+        open_embedded_ledger(path)
+    with sqlite3.connect(path) as connection:  # refused before anything was written
+        assert connection.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+    assert rekey_ledger(path) == []
+    with open_embedded_ledger(path) as migrated:
+        assert migrated.verify().findings == ()
+
+
 def test_a_version_1_file_is_migrated_with_its_released_jobs_counted_and_the_migration_recorded(tmp_path):
-    with open_embedded_ledger(version_2_file(tmp_path / "ledger.db", version=1)) as migrated:
+    rekey_ledger(version_2_file(tmp_path / "ledger.db", version=1))
+    with open_embedded_ledger(tmp_path / "ledger.db") as migrated:
         after = migrated.get_budget("mnist")
         assert after.released_jobs == 2 and [job.job_id for job in after.jobs] == ["running"]
         (entry,) = [entry for entry in migrated.history() if entry.action == "migrate_schema"]
@@ -133,6 +146,7 @@ def test_a_version_2_file_keeps_its_events_and_its_reservations_commit_only_what
     with sqlite3.connect(path) as connection:
         before = connection.execute("SELECT held_rdp, committed_events FROM datasets").fetchone()
         history_before = connection.execute("SELECT id, at, actor, action, details FROM history").fetchall()
+    rekey_ledger(path)
     with open_embedded_ledger(path) as migrated:
         with sqlite3.connect(path) as connection:
             assert connection.execute("SELECT held_rdp, committed_events FROM datasets").fetchone() == before

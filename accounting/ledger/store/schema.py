@@ -39,6 +39,8 @@ from accounting.ledger.verification import (
 )
 
 SCHEMA_VERSION = SEALED_SINCE_VERSION
+# The first schema version whose history entries carry an HMAC under the history key.
+KEYED_SINCE_VERSION = 9
 
 # The tables each schema version created: a file that says it is older than one of them and holds it was written
 # by a later version.
@@ -472,6 +474,8 @@ def create_or_check_schema(
             problems = _before_migrating(connection, database, history, version)
             if problems:
                 raise _laundering_refused(database, version, problems)
+            if version < KEYED_SINCE_VERSION:
+                raise _unkeyed_refused(database, version)
             _migrate(connection, database, history, caller, version, [])
             return
     if version != SCHEMA_VERSION:
@@ -540,17 +544,29 @@ def _before_migrating(connection: Connection, database: Database, history: Histo
 
 def _chain_problems(entries: list[StoredEntry], key: bytes, version: int) -> list[str]:
     """What the history's chain shows wrong under the rules of schema `version` (unkeyed before 9)."""
-    if version < 9:
+    if version < KEYED_SINCE_VERSION:
         keyed = sum(entry.entry_hash == history_hash(entry.previous_hash, *entry[:7], key) for entry in entries)
         if keyed:
             return [f"{keyed} of its {len(entries)} history entries carry an HMAC under the history key, which "
                     "only schema version 9 and later write"]
-    findings = chain_findings(entries, {}, key if version >= 9 else None, recorded=False)
+    findings = chain_findings(entries, {}, key if version >= KEYED_SINCE_VERSION else None, recorded=False)
     if not findings:
         return []
     shown = "; ".join(str(finding) for finding in findings[:3])
     return [f"its history's chain, checked as schema version {version} chained it, has {len(findings)} "
             f"finding(s): {shown}{'; …' if len(findings) > 3 else ''}"]
+
+
+def _unkeyed_refused(database: Database, version: int) -> FailedPrecondition:
+    """The refusal to key, on open, a history that schema `version` (before the key) chained without one."""
+    return FailedPrecondition(
+        f"the ledger {database.location} has schema version {version}, whose history is chained without the "
+        f"history key (the key came with version {KEYED_SINCE_VERSION}). Opening it does not key it: a keyed "
+        "ledger rewritten by hand as such a file looks the same, and keying it would vouch for whatever it holds. "
+        "If it is the file you expect (an old ledger, never opened by this dpfleet), key and migrate it on purpose "
+        "with dpfleet ledger rekey, which checks it first and records the migration; see docs/ledger.md, 'What a "
+        "migration refuses'"
+    )
 
 
 def _laundering_refused(database: Database, version: int, problems: list[str]) -> FailedPrecondition:
@@ -595,7 +611,8 @@ def rekey_history(
             problems = _before_migrating(connection, database, history, version)
             if problems and not accept_findings:
                 raise _laundering_refused(database, version, problems)
-            if problems and version >= 9:  # a keyed chain that does not hold, accepted: chained as it is
+            # A keyed chain that does not hold, accepted: chained as it is.
+            if problems and version >= KEYED_SINCE_VERSION:
                 _rechain(connection, database, HistoryChain.entries(connection), history.key)
             _migrate(connection, database, history, caller, version, problems)
             return problems
