@@ -241,16 +241,16 @@ def _waiting_line(queued: QueuedJob, waited_seconds: float) -> str:
                         deadline=deadline)
 
 
-def bind_dataset_content(ledger, dataset: str, spec: str | Mapping) -> None:
+def bind_dataset_content(ledger, dataset: str, content: list[str] | None) -> None:
     """Before a job on `dataset` itself (no blocks) reserves: bind the SHA-256s of the files it reads to the
     dataset on its first use, or have the ledger check that they are the dataset's own, embedded or served alike.
 
     UsageError, naming the refusal, when another dataset holds one of the
     files or the files are not the dataset's: the same rows get one budget
-    whatever the dataset they are trained under. Nothing for a built-in or
-    `module:function` dataset, whose name says what it is.
+    whatever the dataset they are trained under. `content` is
+    ``file_digests`` of the run's dataset: None (nothing to bind) for a
+    built-in or `module:function` dataset, whose name says what it is.
     """
-    content = file_digests(spec)
     if content is None:
         return
     release.sent("ledger", "bind_content")

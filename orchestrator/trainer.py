@@ -37,6 +37,7 @@ import os
 import sys
 import time
 from contextlib import ExitStack, closing
+from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
@@ -75,7 +76,7 @@ from orchestrator.sampling import correlated_step_sample, shuffled_order, step_s
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
 from workers.collective import ShardCollectiveRankActor
-from workers.fingerprints import dataset_identity
+from workers.fingerprints import dataset_identity, file_digests
 from workers.keys import process_key
 from workers.models import bind_flat_views, parameter_count
 from workers.optimizers import update_ema
@@ -235,7 +236,8 @@ class Trainer:
         # The fixed-order and cyclic Poisson samplers' shuffle of the data, from the run key; in memory only.
         self.sample_order: np.ndarray | None = None
         self.bound_config = bound_config(config)
-        self.dataset_identity = self.shards.dataset_identity if config.shards else dataset_identity(config.dataset)
+        self.dataset_identity = (self.shards.dataset_identity if config.shards
+                                 else dataset_identity(config.dataset, self.training_file_digests))
         # Parameters and gradients are views into two flat buffers: no copy in or out of the model per step.
         self.model.to(self.device)
         self.flat_weights, self.flat_gradient = bind_flat_views(self.model)
@@ -296,6 +298,12 @@ class Trainer:
         if self.device.type == "cuda":
             return TorchGaussianNoise(self.run_key, self.config.secure_noise, self.device)
         return GaussianNoise(self.run_key, secure=self.config.secure_noise)
+
+    @cached_property
+    def training_file_digests(self) -> list[str] | None:
+        """The SHA-256 of each training file (``file_digests``; None for a built-in or ``module:function``
+        dataset), read once: the run's identity and the ledger's binding of its files both take it."""
+        return file_digests(self.config.dataset)
 
     @property
     def resumed_reservation_id(self) -> str | None:

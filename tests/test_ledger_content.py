@@ -11,7 +11,7 @@ from accounting.ledger.store.datasets import Datasets
 from orchestrator.errors import UsageError
 from orchestrator.ledger_session import bind_dataset_content
 from tests.test_ledger_blocks import parquet_blocks
-from workers.fingerprints import file_digests
+from workers.fingerprints import dataset_identity, file_digests
 
 ADMIN_TOKEN = "admin-token-for-content-tests-0123"
 DELTA = 1e-5
@@ -48,18 +48,22 @@ def test_a_served_dataset_binds_its_files_on_first_use_and_no_other_name_gets_th
         acme.create_dataset(name, 2.0, DELTA)
     globex.create_dataset("theirs", 2.0, DELTA)
 
-    bind_dataset_content(acme, "day1", day1)  # first use binds
-    bind_dataset_content(acme, "day1", {"format": "parquet", "train": str(copied)})  # the same bytes elsewhere: its own
+    bind_dataset_content(acme, "day1", file_digests(day1))  # first use binds
+    copy = file_digests({"format": "parquet", "train": str(copied)})
+    bind_dataset_content(acme, "day1", copy)  # the same bytes elsewhere: its own
     with pytest.raises(UsageError, match="already dataset acme/day1's"):
-        bind_dataset_content(acme, "again", {"format": "parquet", "train": str(copied)})
+        bind_dataset_content(acme, "again", copy)
     with pytest.raises(UsageError, match="already another tenant's dataset's") as refused:
-        bind_dataset_content(globex, "theirs", day1)
+        bind_dataset_content(globex, "theirs", file_digests(day1))
     assert "day1" not in str(refused.value) and "acme" not in str(refused.value)  # not named to another tenant
+    both = file_digests({"format": "parquet", "train": [locations["day1"], locations["day2"]]})
     with pytest.raises(UsageError, match="not dataset 'day1''s"):  # new files are another dataset, or a block
-        bind_dataset_content(acme, "day1", {"format": "parquet", "train": [locations["day1"], locations["day2"]]})
-    bind_dataset_content(acme, "day2", {"format": "parquet", "train": locations["day2"]})
-    bind_dataset_content(acme, "day2", "mnist")  # a built-in dataset's name says what it is: nothing to bind
+        bind_dataset_content(acme, "day1", both)
+    bind_dataset_content(acme, "day2", file_digests({"format": "parquet", "train": locations["day2"]}))
+    bind_dataset_content(acme, "day2", file_digests("mnist"))  # a built-in dataset's name says it: nothing to bind
 
+    # A run reads its files once: its identity takes the digests it binds.
+    assert dataset_identity(day1, file_digests(day1)) == dataset_identity(day1)
     binds = [entry for entry in acme.history("day1") if entry.action == "bind_content"]
     assert len(binds) == 1 and binds[0].details["content"] == sorted(file_digests(day1))
     with pytest.raises(FailedPrecondition):  # the raw call, as any client could send it

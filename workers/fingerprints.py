@@ -59,7 +59,8 @@ def file_digests(spec: str | Mapping) -> list[str] | None:
     dataset, so that the same files under another name or in another
     folder are known (``Ledger.create_dataset``'s ``content``). None for a
     built-in or ``module:function`` dataset, whose name says what it is.
-    Costs one read of the training files, as dataset_identity.
+    Costs one read of the training files; dataset_identity takes what it
+    gives, so that a run reads them once for both.
     """
     if isinstance(spec, str):
         return None
@@ -67,7 +68,7 @@ def file_digests(spec: str | Mapping) -> list[str] | None:
     return [file_digest(filesystem, path).hex() for path in paths]
 
 
-def dataset_identity(spec: str | Mapping) -> dict:
+def dataset_identity(spec: str | Mapping, content: list[str] | None = None) -> dict:
     """Who the training data is: its source, format, file count and a digest of its training files.
 
     A built-in dataset is named (its files are checked against their SHA-256
@@ -76,16 +77,20 @@ def dataset_identity(spec: str | Mapping) -> dict:
     file's path, size, modification time and every byte: any change of a
     row changes it, and so does touching a file, which is the safe side to
     err on. Costs one read of the training files: about 12 s for 10 GB in
-    the page cache on the 2-core x86_64 VM (docs/threat-model.md).
+    the page cache on the 2-core x86_64 VM (docs/threat-model.md). With
+    `content`, the files' SHA-256s as ``file_digests(spec)`` gave them, the
+    bytes are not read again.
     """
     if isinstance(spec, str):
         return {"source": spec}
     file_format = spec["format"]
     filesystem, paths = _training_files(spec)
+    digests = [bytes.fromhex(digest) for digest in content] if content is not None else None
     combined = hashlib.sha256()
-    for info in filesystem.get_file_info(paths):
+    for index, info in enumerate(filesystem.get_file_info(paths)):
+        digest = digests[index] if digests is not None else file_digest(filesystem, info.path)
         combined.update(info.path.encode() + b"\0" + info.size.to_bytes(8, "big")
-                        + (info.mtime_ns or 0).to_bytes(8, "big") + file_digest(filesystem, info.path))
+                        + (info.mtime_ns or 0).to_bytes(8, "big") + digest)
     return {"source": spec_name(spec), "format": file_format, "files": len(paths), "content": combined.hexdigest()}
 
 

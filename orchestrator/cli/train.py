@@ -395,7 +395,7 @@ def reserve_steps(
         check_declared_blocks(ledger.get_budget(dataset, pld_may_be_pending=True), config.blocks,
                               block_declarations(config), config.user_id)
     else:
-        bind_dataset_content(ledger, dataset, config.dataset)
+        bind_dataset_content(ledger, dataset, trainer.training_file_digests)
     plan_for_unit = functools.partial(trainer.plan.ledger_plan, start=start)
     if args.wait_for_budget:
         return JobLedger.wait_for_budget(
