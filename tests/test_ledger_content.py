@@ -6,8 +6,8 @@ import pytest
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument
 from accounting.ledger.service import start_server
+from accounting.ledger.store import admission as store_admission
 from accounting.ledger.store import open_embedded_ledger
-from accounting.ledger.store.datasets import Datasets
 from orchestrator.errors import UsageError
 from orchestrator.ledger_session import bind_dataset_content
 from tests.test_ledger_blocks import parquet_blocks
@@ -80,7 +80,8 @@ def test_verify_finds_the_same_files_bound_to_two_datasets_by_a_ledger_that_did_
         ledger.create_dataset("second", 2.0, DELTA)
         ledger.bind_content("first", content)
         assert ledger.verify().findings == ()
-        monkeypatch.setattr(Datasets, "holding_content", lambda *args, **kwargs: None)  # a ledger that did not check
+        # A ledger that did not check:
+        monkeypatch.setattr(store_admission, "content_holder", lambda *args, **kwargs: None)
         ledger.bind_content("second", content)
         (finding,) = ledger.verify(full=True).findings
     assert finding.dataset == "local/second" and "dataset 'local/first' holds already" in finding.problem

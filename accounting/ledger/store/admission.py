@@ -29,7 +29,7 @@ from accounting.ledger.callers import Caller
 from accounting.ledger.databases import Connection
 from accounting.ledger.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from accounting.ledger.store.clock import expiry
-from accounting.ledger.store.datasets import DatasetRow
+from accounting.ledger.store.datasets import DatasetRow, content_holder
 from accounting.ledger.store.reservations import ReservationRow
 from accounting.ledger.store.tables import Tables
 from accounting.ledger.validation import ACTIVE, MAX_BUDGET_STEPS
@@ -301,6 +301,29 @@ def check_new_block(
             )
 
 
+def _covered(own: set[str] | None, reference: str, content: list[str]) -> bool:
+    """Whether `content` is among the files bound to dataset `reference` (`own`): False when none are bound yet;
+    FailedPrecondition when some are and `content` holds others."""
+    if not own:
+        return False
+    foreign = sorted(set(content) - own)
+    if foreign:
+        raise FailedPrecondition(
+            f"the job reads {len(foreign)} file(s) that are not dataset {reference!r}'s (one of SHA-256 "
+            f"{foreign[0][:16]}…): a dataset's budget covers the rows it was first trained on, so new or changed "
+            "files are another dataset (or a block of one); register them under a name of their own"
+        )
+    return True
+
+
+def content_is_bound(
+    tables: Tables, connection: Connection, reference: str, dataset: DatasetRow, content: list[str]
+) -> bool:
+    """Whether `content` is among the files bound to `dataset` already (True: nothing to write); False when none
+    are bound yet; FailedPrecondition when some are and `content` holds others. Reads only: a snapshot will do."""
+    return _covered(tables.datasets.recorded_content(connection).get(dataset.dataset_id), reference, content)
+
+
 def bind_content(
     tables: Tables, connection: Connection, caller: Caller, reference: str, dataset: DatasetRow, content: list[str]
 ) -> None:
@@ -310,17 +333,10 @@ def bind_content(
 
     A first binding is a `bind_content` history entry; a check writes nothing.
     """
-    own = tables.datasets.recorded_content(connection).get(dataset.dataset_id)
-    if own:
-        foreign = sorted(set(content) - own)
-        if foreign:
-            raise FailedPrecondition(
-                f"the job reads {len(foreign)} file(s) that are not dataset {reference!r}'s (one of SHA-256 "
-                f"{foreign[0][:16]}…): a dataset's budget covers the rows it was first trained on, so new or changed "
-                "files are another dataset (or a block of one); register them under a name of their own"
-            )
+    recorded = tables.datasets.recorded_content(connection)
+    if _covered(recorded.get(dataset.dataset_id), reference, content):
         return
-    holder = tables.datasets.holding_content(connection, content, besides=dataset.dataset_id)
+    holder = content_holder(recorded, content, besides=dataset.dataset_id)
     if holder is not None:
         other = tables.datasets.by_id(connection, holder[0])
         # Another tenant's dataset is not named to a tenant: its name is that tenant's to tell.

@@ -62,6 +62,19 @@ class DatasetRow(NamedTuple):
         )
 
 
+def content_holder(
+    recorded: dict[int, set[str]], content: list[str], besides: int | None = None
+) -> tuple[int, str] | None:
+    """(id, a shared digest) of a dataset of `recorded` (`Datasets.recorded_content`) other than `besides` that
+    holds a file of `content`, or None."""
+    wanted = set(content)
+    for dataset_id, files in recorded.items():
+        shared = wanted & files
+        if shared and dataset_id != besides:
+            return dataset_id, min(shared)
+    return None
+
+
 class Datasets:
     """The rows of `datasets` in `database`; each method reads or writes on the connection it is given."""
 
@@ -139,12 +152,7 @@ class Datasets:
         self, connection: Connection, content: list[str], besides: int | None = None
     ) -> tuple[int, str] | None:
         """(id, a shared digest) of a dataset other than `besides` that holds a file of `content`, or None."""
-        wanted = set(content)
-        for dataset_id, recorded in self.recorded_content(connection).items():
-            shared = wanted & recorded
-            if shared and dataset_id != besides:
-                return dataset_id, min(shared)
-        return None
+        return content_holder(self.recorded_content(connection), content, besides)
 
     def insert_dataset(
         self, connection: Connection, tenant: str, name: str, epsilon: float, delta: float, rule: AdmissionRule,

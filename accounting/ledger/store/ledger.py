@@ -438,9 +438,17 @@ class Ledger:
         workers.fingerprints.file_digests) to it on its first use, or check that they are among the files bound
         before; FailedPrecondition for files another dataset holds, or files not the dataset's
         (`admission.bind_content`). Its owner, an admin, or a tenant with a quota on it.
+
+        Files bound already, as every job after a dataset's first finds
+        them, are checked on a snapshot, beside the writes: only a first
+        binding takes the write lock.
         """
         caller = self._caller(caller)
         content = check_dataset_content(content)
+        with self._transactions.read() as connection:
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            if admission.content_is_bound(self._tables, connection, dataset, row, content):
+                return self._status(caller, read_status(self._tables, connection, caller, row))
         with self._transactions.change() as connection:
             row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
             admission.bind_content(self._tables, connection, caller, dataset, row, content)
