@@ -2,16 +2,23 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 
 .PHONY: setup test train bench docs clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@# The editable install finds its packages after sys.path, so a folder named like one of them beside a user's
+	@# script (a clone called dpfleet/, a workers/ folder) would be imported instead, as an empty namespace package.
+	@# A path entry that holds links to the four packages makes Python find the real ones first.
+	@mkdir -p $(VENV)/packages
+	@for package in orchestrator/dpfleet orchestrator workers accounting; do \
+		ln -sfn "$(CURDIR)/$$package" $(VENV)/packages/$$(basename $$package); done
+	@echo "$(CURDIR)/$(VENV)/packages" > "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/dpfleet-packages.pth"
 	@rm -f $(VENV)/.stamp-*
 	@touch $@
 

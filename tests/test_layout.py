@@ -449,3 +449,14 @@ def test_the_workers_and_the_accounting_public_face_helpers_are_the_same_code():
                     if isinstance(node, ast.FunctionDef) and node.name == "public_face")
                for room in ("workers", "accounting")]
     assert helpers[0] == helpers[1]
+
+
+def test_a_folder_named_like_a_package_beside_a_script_does_not_shadow_the_installed_one(tmp_path):
+    """A clone called dpfleet/ (or a workers/ folder) beside a user's script is no package of the install's."""
+    for name in ("dpfleet", "orchestrator", "workers", "accounting"):
+        (tmp_path / name).mkdir()
+    script = tmp_path / "script.py"
+    script.write_text("import dpfleet, workers, accounting.accountants\nprint(callable(dpfleet.train))\n")
+    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "True"
