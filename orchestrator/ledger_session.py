@@ -263,9 +263,11 @@ def bind_dataset_content(ledger, dataset: str, content: list[str] | None) -> Non
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
     blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None, user_id: str | None = None,
-    spec: str | Mapping | None = None,
+    spec: str | Mapping | None = None, named_after: str | None = None,
 ) -> None:
     """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget.
+
+    `named_after` is the train location the name was made from (`name_origin`), which the line that says so names.
 
     On first use the ledger records the SHA-256 of each of `spec`'s training
     files and refuses (UsageError, naming it) when a dataset already holds
@@ -283,7 +285,7 @@ def ensure_embedded_dataset(
             status = ledger.register_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content)
             per = " per person" if privacy_unit == "user" else ""
             say(release.line("ledger_registered", dataset=repr(dataset), epsilon=f"{budget_epsilon:g}{per}",
-                             delta=f"{delta:g}"))
+                             delta=f"{delta:g}", origin=origin_note(dataset, named_after)))
         except AlreadyExists:
             # Another job's first use registered it since this one looked: the same dataset, registered once.
             status = ledger.get_budget(dataset)
@@ -407,6 +409,23 @@ def ledger_name(name: str) -> str:
     """
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name).lstrip("._-")
     return cleaned[-128:] or "dataset"
+
+
+def name_origin(dataset_name: str | None, config) -> str | None:
+    """The train location a table's ledger name is made from (`ledger_dataset_name`); None where a name was chosen
+    (--dataset-name, dataset_name, the table's `name`) or the dataset is a built-in or a function."""
+    spec = config.dataset
+    if dataset_name or config.dataset_name or not isinstance(spec, Mapping) or "name" in spec:
+        return None
+    return spec_name(spec)
+
+
+def origin_note(dataset: str, named_after: str | None) -> str:
+    """The end of the registration line for a name made from a path: moved files keep their budget only by name."""
+    if named_after is None:
+        return ""
+    return (f"; its name comes from the train location {named_after}: if the files move, set dataset_name = "
+            f"\"{dataset}\" to go on spending this budget (the ledger refuses the same files under a second name)")
 
 
 def ledger_dataset_name(dataset_name: str | None, config) -> str:

@@ -129,7 +129,8 @@ LINES: tuple[Line, ...] = (
     Line("lenient_drops_hidden", 'check_data = "lenient" drops rows that fail {detail}', _C,
          "the config's rules, never how many rows they drop"),
     Line("ledger_registered", "registered dataset {dataset} in the embedded ledger with budget epsilon {epsilon} "
-         "at delta {delta} (first use; dpfleet ledger status shows it)", _C, "the config's budget"),
+         "at delta {delta} (first use; dpfleet ledger status shows it){origin}", _C,
+         "the config's budget, and the config's train location where the name comes from it"),
     Line("ledger_registered_block", "registered block {block} of {dataset} in the embedded ledger with budget "
          "epsilon {epsilon} (first use)", _C, "the config's blocks"),
     Line("ledger_reserved", "ledger: reserved {steps} steps on {dataset}{blocks} (reservation {reservation}); "

@@ -27,7 +27,7 @@ from accounting.ledger.verification import burn_down
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.ledger_session import ensure_embedded_dataset, with_identity
+from orchestrator.ledger_session import ensure_embedded_dataset, ledger_dataset_name, name_origin, with_identity
 from workers.sources import (
     DataError,
     canonical_user_id,
@@ -745,6 +745,26 @@ def test_the_same_rows_moved_or_renamed_get_no_second_budget_on_first_use(tmp_pa
                                 spec={"format": "parquet", "train": locations["day2"]})
         assert [status.name for status in ledger.list_datasets()] == ["day1", "day2"]
         assert ledger.verify().findings == ()
+
+
+def test_a_name_made_from_a_path_is_said_with_the_path_and_how_moved_files_keep_their_budget(tmp_path):
+    """A new user moves a folder and finds a refusal: the first registration already named the path and the fix."""
+    locations, _ = parquet_blocks(tmp_path / "d", {"day1": 20})
+    table = {"format": "parquet", "train": locations["day1"], "test": locations["day1"]}
+    config = build_config({"steps": 1, "noise_multiplier": 1.0, "batch_size": 4, "dataset": table})
+    assert name_origin(None, config) == locations["day1"]
+    assert name_origin("chosen", config) is None
+    assert name_origin(None, build_config({"steps": 1, "noise_multiplier": 1.0, "batch_size": 4, "dataset": {**table, "name": "days"}})) is None
+    assert name_origin(None, build_config({"steps": 1, "noise_multiplier": 1.0, "batch_size": 4, "dataset": "mnist"})) is None
+    said = []
+    dataset = ledger_dataset_name(None, config)
+    with open_embedded_ledger(tmp_path / "ledger.db") as ledger:
+        ensure_embedded_dataset(ledger, dataset, 10.0, DELTA, "example", said.append, spec=table,
+                                named_after=name_origin(None, config))
+    assert said == [f"registered dataset {dataset!r} in the embedded ledger with budget epsilon 10 at delta 1e-05 "
+                    f"(first use; dpfleet ledger status shows it); its name comes from the train location "
+                    f"{locations['day1']}: if the files move, set dataset_name = \"{dataset}\" to go on spending "
+                    "this budget (the ledger refuses the same files under a second name)"]
 
 
 def test_jobs_that_first_use_one_dataset_at_once_register_it_once(tmp_path, monkeypatch):

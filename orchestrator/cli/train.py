@@ -27,6 +27,7 @@ from orchestrator.ledger_session import (
     filter_charges,
     is_embedded,
     ledger_dataset_name,
+    name_origin,
     new_job_id,
     open_ledger,
     reservation_gone,
@@ -174,8 +175,7 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)
                 try:
-                    dataset = ledger_dataset_name(args.dataset_name, config)
-                    register_embedded(ledger, dataset, config, print)
+                    dataset = register_embedded(ledger, args.dataset_name, config, print)
                     charge_epsilon = filter_basis(ledger, dataset, config.blocks)
                 finally:
                     ledger.close()
@@ -354,10 +354,10 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     is gone (released as a stopped run ends, or its lease ran out), a new one for the steps it did not charge."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
-    dataset = ledger_dataset_name(args.dataset_name, config)
     say = trainer.say
+    dataset = ledger_dataset_name(args.dataset_name, config)
     if trainer.resumed_reservation_id is None:
-        register_embedded(ledger, dataset, config, say)
+        register_embedded(ledger, args.dataset_name, config, say)
         job = reserve_steps(args, trainer, ledger, dataset, new_job_id(config.run_dir))
         on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
         say(release.line("ledger_reserved", steps=trainer.plan.steps, dataset=repr(dataset), blocks=on_blocks,
@@ -419,8 +419,12 @@ def charge_line(trainer: Trainer, status, blocks: tuple[str, ...], start: int = 
             f"delta={config.delta:g})")
 
 
-def register_embedded(ledger, dataset: str, config, say) -> None:
-    """In the embedded ledger, register the dataset and its chosen blocks on first use."""
+def register_embedded(ledger, dataset_name: str | None, config, say) -> str:
+    """The dataset's ledger name (`ledger_dataset_name` of --dataset-name); in the embedded ledger, the dataset and
+    its chosen blocks are registered on first use."""
+    dataset = ledger_dataset_name(dataset_name, config)
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
-                                config.blocks, block_declarations(config), config.user_id, config.dataset)
+                                config.blocks, block_declarations(config), config.user_id, config.dataset,
+                                name_origin(dataset_name, config))
+    return dataset
