@@ -18,18 +18,25 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-import torchmetrics
-from torchmetrics import classification, regression
-from torchvision.transforms import v2
 
 from workers.clipping import LossFunction
+from workers.lazy import LazyModule
 from workers.losses import ClassLoss
 from workers.models import not_importable
 from workers.names import LOSS_NAMES
+
+if TYPE_CHECKING:
+    import torchmetrics
+
+# Loaded by the code that evaluates a split or transforms examples, not by the dry run of a model without
+# train_transforms: torchmetrics alone takes seconds to import (it loads torchvision's models and scipy.signal).
+classification = LazyModule("torchmetrics.classification")
+regression = LazyModule("torchmetrics.regression")
+v2 = LazyModule("torchvision.transforms.v2")
 
 
 def _per_example_columns(outputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
