@@ -32,6 +32,32 @@ from workers.tasks import augmented_views, build_loss, build_transform
 from workers.validation import check_model, unchanged_buffers
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedModel:
+    """A run's model, built and checked by ``checked_model``, with the config it trains on (``check_data``'s)."""
+
+    config: TrainConfig
+    model: nn.Module
+
+
+def checked_model(config: TrainConfig, say: Callable[[str], None]) -> CheckedModel:
+    """The config's model, built (after the config's seed) and checked before any budget is reserved or worker
+    started: trainable (``check_trainable``), on made-up examples of the data's schema (``dry_run``; ``say`` gets its
+    warnings), then the data's files (``check_data``). UsageError, one paragraph naming the fix, on the first that
+    fails.
+
+    It needs torch but not Ray: `dpfleet train` runs it before loading the
+    trainer, so a model that does not fit the data is refused in a blink,
+    and hands the result to the Trainer, which runs it itself otherwise.
+    """
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    model = build_checked_model(config)
+    check_trainable(config, model)
+    # Under check_data = "lenient" the config's table then names its classes (the model's output width).
+    return CheckedModel(check_data(config, model, dry_run(config, model, say)), model)
+
+
 def check_trainable(config: TrainConfig, model: nn.Module) -> None:
     """Refuse a model that mixes examples, or one whose trainable parameters layer_clip_norms leaves out."""
     check_model(model)

@@ -66,8 +66,7 @@ from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGa
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer
 from orchestrator.planning import RunPlan, plan_run
 from orchestrator.early_stopping import stops_early
-from orchestrator.preflight import (build_checked_model, check_data, check_trainable, dry_run, lenient_drops,
-                                   lenient_rows)
+from orchestrator.preflight import CheckedModel, checked_model, lenient_drops, lenient_rows
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.stopping import keep_stop_handlers
@@ -167,7 +166,9 @@ class Trainer:
     (see plan_run). With `non_private_train_loss`, each metrics row also
     holds the loss on the first training examples, labelled not private.
     With `show_values` (for the data's owner), check_data = "lenient" says
-    how many rows it drops.
+    how many rows it drops. `checked` is what `checked_model` returned for
+    `config` (`dpfleet train` checks the model before loading Ray); without
+    it the Trainer builds and checks the model itself.
     With shards, constructing the Trainer starts Ray (unless it is up) and
     the shards' workers, because N is the sum of the example counts they
     report.
@@ -193,18 +194,18 @@ class Trainer:
         out=None,
         charge_epsilon: Callable[[RunPlan], float] | None = None,
         show_values: bool = False,
+        checked: CheckedModel | None = None,
     ):
         # sys.stdout as it is when the run is made, not when this module was imported (`out` None).
         self.config, self.out, self.ledger = config, out or sys.stdout, ledger
         self.non_private_train_loss = non_private_train_loss
-        if config.seed is not None:
-            torch.manual_seed(config.seed)
-        self.model = build_checked_model(config)
-        check_trainable(config, self.model)
         # Before any budget is reserved or worker started: the model on made-up examples, then the data's files.
         # Under check_data = "lenient" the config's table then names its classes; N counts every row of the files,
         # and a sampled row that the rule drops takes no part (`kept_rows`), so that no count of them is released.
-        self.config = config = check_data(config, self.model, dry_run(config, self.model, self.say))
+        if checked is None:
+            checked = checked_model(config, self.say)
+        self.config = config = checked.config
+        self.model = checked.model
         self.kept_rows = lenient_rows(config)
         if self.kept_rows is not None:
             self.say(lenient_drops(config, show_values))

@@ -31,6 +31,8 @@ from workers.data import DATASETS
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 HEAVY = ("torch", "torchvision", "ray")
 ACCOUNTING_LIBRARIES = ("dp_accounting", "scipy")
+# Loaded by the workers' evaluation only: seconds of its own (its image metrics load torchvision's models).
+METRICS_LIBRARY = ("torchmetrics",)
 # Runs the commands given after the report's path, separated by "::"; writes one report entry per command.
 DRIVER = f"""
 import json, sys
@@ -47,7 +49,8 @@ for argv in commands:
         status = main(argv)
     except SystemExit as exited:
         status = exited.code
-    loaded = sorted({{name.split(".")[0] for name in sys.modules}} & set({HEAVY + ACCOUNTING_LIBRARIES!r}))
+    loaded = sorted({{name.split(".")[0] for name in sys.modules}} & set({HEAVY + ACCOUNTING_LIBRARIES +
+                                                                         METRICS_LIBRARY!r}))
     report.append({{"argv": argv, "status": status, "loaded": loaded}})
 with open(sys.argv[1], "w") as handle:
     json.dump(report, handle)
@@ -133,6 +136,22 @@ def test_a_training_config_s_mistakes_are_refused_before_torch_or_ray_load(tmp_p
         commands.append(["train", "--config", str(tmp_path / name)])
     report = run_commands(tmp_path, commands, DPFLEET_HOME=str(tmp_path / "home"))
     assert_light(report, {" ".join(command): 2 for command in commands})
+
+
+def test_a_model_that_does_not_fit_the_data_is_refused_by_the_dry_run_before_ray_loads(tmp_path):
+    """`dpfleet train` checks the model on made-up MNIST examples before it imports the trainer: the refusal
+    (exit 2) loads torch only, no Ray, torchvision, torchmetrics or accountant, and never asks the ledger."""
+    (tmp_path / "misfit_model.py").write_text("from torch import nn\n\n\ndef build():\n"
+                                              "    return nn.Sequential(nn.Flatten(), nn.Linear(100, 10))\n")
+    config = tmp_path / "misfit.toml"
+    config.write_text('model = "misfit_model:build"\ndataset = "mnist"\nbatch_size = 10\nsteps = 2\n'
+                      f'noise_multiplier = 1.0\ndata_root = "{tmp_path / "no-data"}"\n'
+                      f'run_dir = "{tmp_path / "run"}"\n')
+    command = ["train", "--config", str(config)]
+    report = run_commands(tmp_path, [command], DPFLEET_HOME=str(tmp_path / "home"))
+    assert_light(report, {" ".join(command): 2}, ("ray", "torchvision") + METRICS_LIBRARY + ACCOUNTING_LIBRARIES)
+    assert "torch" in report[0]["loaded"]
+    assert not (tmp_path / "home").exists() and not (tmp_path / "no-data").exists()
 
 
 def test_the_ledger_server_and_its_clients_load_no_torch_or_ray(tmp_path):

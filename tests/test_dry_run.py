@@ -460,6 +460,35 @@ def test_a_model_for_another_input_size_is_refused_on_mnist_before_reserving(tmp
     assert "vmap" not in err
 
 
+def test_dpfleet_train_builds_and_checks_the_model_once_and_the_trainer_takes_it(tmp_path, capsys, toy_budget,
+                                                                                  monkeypatch):
+    from orchestrator.errors import UsageError
+    from orchestrator.trainer import Trainer
+
+    module = textwrap.dedent("""
+        from torch import nn
+
+        BUILT = []
+
+
+        def build():
+            BUILT.append(nn.Sequential(nn.Flatten(), nn.Linear(8, 3)))
+            return BUILT[-1]
+        """)
+    config = newcomer_job(tmp_path, module, "built_once_model")
+    trained = []
+
+    def stop_after_the_model(trainer, *args):
+        trained.append(trainer.model)
+        raise UsageError("stopped after the model, before the plan")
+
+    monkeypatch.setattr(Trainer, "_plan_run", stop_after_the_model)
+    assert main(["train", "--config", config, "--no-progress"]) == 2
+    assert "stopped after the model" in capsys.readouterr().err
+    built = sys.modules["built_once_model"].BUILT
+    assert len(built) == 1 and trained == built, "the dry run's model is the one the trainer trains"
+
+
 def test_a_classifier_with_fewer_outputs_than_the_builtins_classes_is_refused(tmp_path, capsys, toy_budget):
     config = any_data_job(tmp_path, MNIST_MISFIT.format(features=784, classes=5), "mnist_five", '"fashion-mnist"')
     refused_in_time(config, capsys, "the model gives 5 outputs per example and the data 'fashion-mnist' has 10 "

@@ -171,6 +171,11 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
             config = args.config if isinstance(args.config, TrainConfig) else \
                 load_config(args.config, {name: getattr(args, name) for name in OVERRIDES})
             check_run_dir_free(config.run_dir, args.overwrite)
+            # The model on made-up examples of the data, before the ledger is asked and Ray loaded (this loads torch
+            # only): a model that does not fit the data is refused at once, and the trainer takes it as checked.
+            from orchestrator.preflight import checked_model
+
+            checked = checked_model(config, functools.partial(print, flush=True))
             charge_epsilon = None
             if config.target_epsilon_basis == "filter":
                 ledger = open_ledger(args.ledger or config.ledger, args.token)
@@ -179,10 +184,10 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
                     charge_epsilon = filter_basis(ledger, dataset, config.blocks)
                 finally:
                     ledger.close()
-            # Torch and Ray load with the trainer, once the config is checked: a config's mistake is told at once.
+            # Ray loads with the trainer, once the config and the model are checked.
             from orchestrator.trainer import Trainer
 
-            trainer = Trainer(config, charge_epsilon=charge_epsilon, **options)
+            trainer = Trainer(config, charge_epsilon=charge_epsilon, checked=checked, **options)
     except ValueError as error:
         # Errors about the data name where and which rule; only the data's owners ask to see the value too.
         quoted = getattr(error, "with_values", None) if args.show_values else None
