@@ -310,25 +310,57 @@ def test_the_ray_submit_script_runs_train_from_the_checkout_joined_to_the_cluste
     assert missing.returncode == 2 and "holds no dpfleet checkout" in missing.stderr, output_of(missing)
 
 
-def test_the_entrypoint_hands_the_config_to_train_byte_for_byte(tmp_path):
+def run_entrypoint(tmp_path, entrypoint, config_text):
+    """Run a job's entrypoint as the cluster would, with a stand-in for its python that prints its arguments and
+    the config file it was given: (the arguments, the file's text)."""
     fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    # A stand-in for the cluster's python: prints its arguments, then the config file it was given.
+    fake_bin.mkdir(exist_ok=True)
     (fake_bin / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\necho ---\ncat "$5"\n')
     (fake_bin / "python").chmod(0o755)
-    config_text = 'run_dir = "runs/100% of $HOME, `date` and \\"quotes\\""\nsteps = 3\n'
     result = subprocess.run(
-        job_entrypoint("ledger.example:50051", "3", "it's digits"), shell=True, executable="/bin/sh",
+        entrypoint, shell=True, executable="/bin/sh",
         env={"PATH": f"{fake_bin}{os.pathsep}/usr/bin:/bin", CONFIG_VARIABLE: config_text,
              "DPFLEET_LEDGER": "ledger.example:50051"},
         capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 0, output_of(result)
     arguments, config_file = result.stdout.split("---\n")
-    assert arguments.splitlines()[:4] == ["-m", "orchestrator.cli", "train", "--config"]
-    assert arguments.splitlines()[5:] == ["--no-progress", "--ledger", "ledger.example:50051", "--workers", "3",
-                                          "--dataset-name", "it's digits"]
+    return arguments.splitlines(), config_file
+
+
+def test_the_entrypoint_hands_the_config_to_train_byte_for_byte(tmp_path):
+    config_text = 'run_dir = "runs/100% of $HOME, `date` and \\"quotes\\""\nsteps = 3\n'
+    arguments, config_file = run_entrypoint(tmp_path, job_entrypoint("ledger.example:50051", "3", "it's digits"),
+                                            config_text)
+    assert arguments[:4] == ["-m", "orchestrator.cli", "train", "--config"]
+    assert arguments[5:] == ["--no-progress", "--ledger", "ledger.example:50051", "--workers", "3",
+                             "--dataset-name", "it's digits"]
     assert config_file == config_text
+
+
+def test_submit_overwrite_reaches_the_train_it_submits(tmp_path, monkeypatch):
+    """`dpfleet submit --overwrite` submits `dpfleet train ... --overwrite`, which train's own parser reads; without
+    it, none (a finished run_dir on the cluster is then refused, as `dpfleet train` refuses it)."""
+    from orchestrator.cli import build_parser, submit
+
+    entrypoints = []
+
+    class JobsAPI:
+        def submit_job(self, entrypoint, runtime_env):
+            entrypoints.append(entrypoint)
+            return f"job-{len(entrypoints)}"
+
+    monkeypatch.setattr(submit, "_client", lambda address, headers: JobsAPI())
+    monkeypatch.setattr(submit, "ray_auth_headers", lambda: {})
+    config = tmp_path / "job.toml"
+    config.write_text(TINY)
+    for flags in ([], ["--overwrite"]):
+        assert main(["submit", "--address", "http://127.0.0.1:8265", "--config", str(config), "--ledger",
+                     "ledger.example:50051", "--token", "t", "--no-wait", *flags]) == 0
+    for entrypoint, overwrite in zip(entrypoints, (False, True), strict=True):
+        arguments, _ = run_entrypoint(tmp_path, entrypoint, TINY)
+        train = build_parser(("train",)).parse_args(arguments[2:])
+        assert train.command == "train" and train.overwrite is overwrite
 
 
 def test_the_working_dir_upload_holds_the_code_and_leaves_environments_and_results_behind(tmp_path, monkeypatch):

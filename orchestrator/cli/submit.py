@@ -55,6 +55,10 @@ def add_submit_arguments(submit: argparse.ArgumentParser) -> None:
                         help="privacy ledger server, as the cluster reaches it (default: DPFLEET_LEDGER)")
     submit.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
     submit.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
+    submit.add_argument("--overwrite", action="store_true",
+                        help="passed to the job's dpfleet train: start the run even though its run_dir on the cluster "
+                             "holds a finished run, whose summary and files it replaces (without it, such a run_dir "
+                             "is refused)")
     submit.add_argument("--no-wait", action="store_true", help="print the job's id and return once it is submitted")
     submit.set_defaults(handler=f"{__name__}:run_submit")
 
@@ -84,7 +88,7 @@ def run_submit(args: argparse.Namespace) -> int:
     with _reaching(address, headers):
         client = _client(address, headers)
         job_id = client.submit_job(
-            entrypoint=job_entrypoint(ledger, args.workers, args.dataset_name),
+            entrypoint=job_entrypoint(ledger, args.workers, args.dataset_name, args.overwrite),
             runtime_env=job_runtime_env(config_text, ledger, token),
         )
     print(f"dpfleet submit: job {job_id} submitted to {address}", file=sys.stderr, flush=True)
@@ -133,8 +137,10 @@ def ray_auth_headers() -> dict[str, str]:
         ) from None
 
 
-def job_entrypoint(ledger: str | None, workers: str | None, dataset_name: str | None) -> str:
-    """The job's shell command: write the config from its variable to a file, then `dpfleet train` on it."""
+def job_entrypoint(ledger: str | None, workers: str | None, dataset_name: str | None,
+                   overwrite: bool = False) -> str:
+    """The job's shell command: write the config from its variable to a file, then `dpfleet train` on it, with
+    --overwrite when ``overwrite``."""
     flags = ["--no-progress"]
     if ledger:
         # As a flag (its value still from the variable) so it wins over a `ledger` key in the config.
@@ -143,6 +149,8 @@ def job_entrypoint(ledger: str | None, workers: str | None, dataset_name: str | 
         flags.append(f"--workers {shlex.quote(str(workers))}")
     if dataset_name is not None:
         flags.append(f"--dataset-name {shlex.quote(dataset_name)}")
+    if overwrite:
+        flags.append("--overwrite")
     return (
         f'config="$(mktemp)" && trap \'rm -f "$config"\' EXIT && printf "%s" "${CONFIG_VARIABLE}" > "$config" && '
         f'python -m orchestrator.cli train --config "$config" {" ".join(flags)}'
