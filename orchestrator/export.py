@@ -111,11 +111,21 @@ def released_model(release: RunRelease) -> nn.Module:
 
     Buffers are the checkpointed model's, as the run's model holds them.
     """
-    model = build_model(release.config.model)
+    model = rebuilt_model(release.config.model, release.state.get("module_folder"))
     model.load_state_dict(release.state["model"])
     if release.config.ema_decay is not None:
         load_flat_parameters(model, release.state["ema_weights"])
     return model.eval()
+
+
+def rebuilt_model(spec: str, module_folder: str | None) -> nn.Module:
+    """A fresh model of ``spec`` for a run's weights; UsageError (exit status 2) when its module does not import,
+    naming the folders Python looked in and ``module_folder``, the one the run imported it from (None where the
+    run recorded none), or when it does not build."""
+    try:
+        return build_model(spec, module_folder)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def released_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -127,8 +137,9 @@ def released_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in model.state_dict().items()}
 
 
-def model_description(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
-    """How to rebuild and feed the model: its spec, one example's input shape and dtype, its output and classes.
+def model_description(config: TrainConfig, model: nn.Module, module_folder: str | None) -> dict[str, Any]:
+    """How to rebuild and feed the model: its spec and the folder its module was imported from as the run trained
+    (``module_folder``, None for a built-in), one example's input shape and dtype, its output and classes.
 
     The input shape is read from the first test example, whose values are
     never used; the output shape comes from a forward pass on zeros of that shape.
@@ -153,6 +164,7 @@ def model_description(config: TrainConfig, model: nn.Module) -> dict[str, Any]:
     return {
         "spec": config.model,
         "builtin": config.model in MODEL_NAMES,
+        "module_folder": module_folder,
         "input_columns": None if schema is None else list(schema.columns),
         "input_shape": list(example.shape),
         "input_dtype": str(example.dtype).removeprefix("torch."),
@@ -220,7 +232,7 @@ def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights
             "parameters": "moving average of the trained weights" if config.ema_decay is not None else "trained",
             "ema_decay": config.ema_decay,
         },
-        "model": model_description(config, model),
+        "model": model_description(config, model, state.get("module_folder")),
         "dataset": config.dataset_name or spec_name(config.dataset),
         "privacy": {
             "privacy_unit": config.privacy_unit,
@@ -276,13 +288,15 @@ def load_released(run_or_export: str | Path) -> ReleasedModel:
     """The model a finished run released: from its run directory, or from the file `dpfleet export` wrote.
 
     An export is rebuilt from its card (beside the file) and its weights; a
-    model from your own module needs that module on the import path.
+    model from your own module needs that module on the import path (else
+    UsageError, naming the folders Python looked in and the folder the run
+    imported it from, which checkpoints and cards record).
     """
     path = Path(run_or_export)
     if path.is_dir():
         release = read_run(path)
         model = released_model(release)
-        return ReleasedModel(model, model_description(release.config, model))
+        return ReleasedModel(model, model_description(release.config, model, release.state.get("module_folder")))
     if path.suffix != WEIGHTS_SUFFIX or not path.is_file():
         raise UsageError(f"{str(path)!r} is neither a run directory nor an exported NAME{WEIGHTS_SUFFIX} file; give "
                          "the run_dir of a `dpfleet train` run or a file `dpfleet export` wrote")
@@ -292,6 +306,6 @@ def load_released(run_or_export: str | Path) -> ReleasedModel:
     from safetensors.torch import load_file
 
     description = json.loads(card_path(path).read_text())["model"]
-    model = build_model(description["spec"])
+    model = rebuilt_model(description["spec"], description.get("module_folder"))
     model.load_state_dict(load_file(str(path)))
     return ReleasedModel(model.eval(), description)

@@ -201,6 +201,7 @@ FIELDS: tuple[Field, ...] = (
         ("metrics", _N, "the rows of metrics.jsonl"), ("charged_blocks", _M, _PLAN),
         ("clip_norm", _N, "adapted by noisy counts only"), ("shard_outages", _M, _OPERATION),
         ("noise_multiplier", _M, _PLAN),
+        ("module_folder", _M, "the folder on the driver that the model's module was imported from"),
         *((key, _N, "a function of the noisy updates (a released model's state)") for key in (
             "model", "optimizer", "lr_scheduler", "ema_weights", "optimizer_slices")),
         ("step_times", _P, "timings of the steps between two checkpoints track their batch sizes"),

@@ -77,7 +77,7 @@ from workers.actor import retain_freed_memory
 from workers.collective import ShardCollectiveRankActor
 from workers.fingerprints import dataset_identity, file_digests
 from workers.keys import process_key
-from workers.models import bind_flat_views, parameter_count
+from workers.models import bind_flat_views, module_folder, parameter_count
 from workers.optimizers import update_ema
 from workers.planned_batches import read_planned_dataset, remove_stale_window_folders_on
 from workers.shard_worker import ShardWorkerActor
@@ -370,6 +370,8 @@ class Trainer:
             # Laid out as workers.models.flat_parameters: load_flat_parameters(model, ...) gives the averaged model.
             "ema_weights": None if self.ema_weights is None else self.ema_weights.cpu().clone(),
             "optimizer_slices": self.optimizer_slices,
+            # Where the model's module was imported from: the folder a later load from elsewhere names.
+            "module_folder": module_folder(self.config.model),
         }
 
     def load_state(self, state: dict) -> None:

@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -9,6 +11,8 @@ import pytest
 import torch
 
 from orchestrator.cli import main
+from orchestrator.errors import UsageError
+from orchestrator.export import card_path
 from test_dry_run import CLASSES, DATASET, FEATURES, LINEAR_MODEL, newcomer_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +91,22 @@ def test_predict_writes_the_released_models_predictions_from_a_run_or_its_export
         written = torch.tensor([[float(value) for value in line.split(",")] for line in lines])
         torch.testing.assert_close(written[:, 1:], expected)
         assert written[:, 0].long().tolist() == expected.argmax(dim=1).tolist()
+    # From another folder, with the model's module off the import path: exit status 2, naming the folder the run
+    # imported it from, which its checkpoint and the export's card record.
+    trained_in = os.path.realpath(tmp_path)
+    assert json.loads(card_path(result.export_path).read_text())["model"]["module_folder"] == trained_in
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if os.path.realpath(entry or ".") != trained_in])
+    monkeypatch.delitem(sys.modules, "predict_model")
+    for source in (result.export_path, result.run_dir):
+        assert main(["predict", str(source), "--data", str(data), "--out", str(tmp_path / "p.csv")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert f"the run imported it from {trained_in}: run from that folder, or set PYTHONPATH={trained_in}" in err
+        with pytest.raises(UsageError, match=f"the run imported it from {re.escape(trained_in)}"):
+            dpfleet.load(source)
 
 
 def test_predict_on_a_file_without_the_models_columns_is_one_paragraph(tmp_path, capsys):
@@ -96,9 +116,10 @@ def test_predict_on_a_file_without_the_models_columns_is_one_paragraph(tmp_path,
     assert len(err.splitlines()) == 1 and "neither a run directory nor an exported" in err, err
 
 
-def hand_export(tmp_path, module_name):
+def hand_export(tmp_path, module_name, recorded=True):
     """An export of a 3-feature, 2-class linear model from the module ``module_name`` in tmp_path/src: its weights
-    and its card, written as `dpfleet export` writes them (no training run needed)."""
+    and its card, written as `dpfleet export` writes them (no training run needed); without ``recorded``, as a card
+    written before the folder the module was imported from was recorded."""
     from safetensors.torch import save_file
 
     source = tmp_path / "src"
@@ -107,31 +128,60 @@ def hand_export(tmp_path, module_name):
     model = torch.nn.Linear(3, 2)
     export = tmp_path / "model.safetensors"
     save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()}, str(export))
-    (tmp_path / "model.model-card.json").write_text(json.dumps({"model": {
+    description = {
         "spec": f"{module_name}:make", "builtin": False, "input_columns": ["a", "b", "c"], "input_shape": [3],
-        "input_dtype": "float32", "output_shape": [2], "task": "multiclass", "loss": "cross_entropy",
-        "classes": 2}}))
+        "input_dtype": "float32", "output_shape": [2], "task": "multiclass", "loss": "cross_entropy", "classes": 2}
+    if recorded:
+        description["module_folder"] = os.path.realpath(source)
+    (tmp_path / "model.model-card.json").write_text(json.dumps({"model": description}))
     return source, export, model
 
 
-def test_predict_from_another_folder_names_the_folders_searched_and_the_fix(tmp_path, monkeypatch, capsys):
+def predict_refused(export, tmp_path, capsys):
+    """`dpfleet predict` on ``export``: exit status 2 and one line on stderr, which it returns."""
+    assert main(["predict", str(export), "--data", str(tmp_path / "x.csv"), "--out", str(tmp_path / "p.csv")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_predict_from_another_folder_names_the_folders_searched_and_the_runs_folder(tmp_path, monkeypatch, capsys):
     source, export, _ = hand_export(tmp_path, "predict_elsewhere_model")
+    trained_in = os.path.realpath(source)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     monkeypatch.setattr(sys, "path", list(sys.path))
     dpfleet = import_dpfleet()
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(UsageError) as raised:
         dpfleet.load(export)
     message = str(raised.value)
     assert "module 'predict_elsewhere_model' cannot be imported" in message
     assert f"the current folder is {elsewhere.resolve()}" in message and "predict_elsewhere_model.py in " in message
-    assert "run from the folder that holds predict_elsewhere_model.py, or set PYTHONPATH" in message
-    assert main(["predict", str(export), "--data", str(tmp_path / "x.csv"), "--out", str(tmp_path / "p.csv")]) != 0
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(elsewhere.resolve()) in err and "set PYTHONPATH" in err, err
+    assert f"the run imported it from {trained_in}: run from that folder, or set PYTHONPATH={trained_in}" in message
+    err = predict_refused(export, tmp_path, capsys)
+    assert str(elsewhere.resolve()) in err and f"PYTHONPATH={trained_in}" in err, err
     monkeypatch.syspath_prepend(str(source))  # the fix the message names
     assert dpfleet.load(export)(torch.zeros(1, 3)).shape == (1, 2)
+
+
+def test_a_card_without_the_runs_folder_names_the_folders_searched_and_a_gone_module_its_folder(
+        tmp_path, monkeypatch, capsys):
+    source, export, _ = hand_export(tmp_path, "predict_unrecorded_model", recorded=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    err = predict_refused(export, tmp_path, capsys)
+    assert "run from the folder that holds predict_unrecorded_model.py, or set PYTHONPATH to that folder" in err
+    assert "the run imported it" not in err
+    # The run's folder is on the import path, but the module is no longer in it.
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    source, export, _ = hand_export(gone, "predict_gone_model")
+    (source / "predict_gone_model.py").unlink()
+    monkeypatch.syspath_prepend(str(source))
+    err = predict_refused(export, tmp_path, capsys)
+    assert (f"the run imported it from {os.path.realpath(source)}, which holds no predict_gone_model.py now: put it "
+            "back there") in err, err
 
 
 @pytest.mark.parametrize("suffix", [".csv", ".parquet"])

@@ -145,7 +145,7 @@ def test_the_model_card_gives_the_runs_guarantee_and_how_to_rebuild_the_model(fi
     assert privacy["finished"] is True and privacy["seeded"] is True
     assert any("tests only, not private" in warning for warning in card["warnings"])
     assert card["model"] == {
-        "spec": "gdp_cnn", "builtin": True, "input_columns": None, "input_shape": [1, 28, 28],
+        "spec": "gdp_cnn", "builtin": True, "module_folder": None, "input_columns": None, "input_shape": [1, 28, 28],
         "input_dtype": "float32", "output_shape": [10], "task": "multiclass", "loss": "cross_entropy", "classes": 10,
     }
     assert card["dataset"] == "mnist" and card["dpfleet_version"] == __version__

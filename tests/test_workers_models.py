@@ -1,5 +1,7 @@
 """Model registry, flat parameter vectors, and the batch-norm validator."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -119,16 +121,25 @@ def test_user_factory_spec_builds_the_model():
     assert model(torch.rand(2, 1, 28, 28)).shape == (2, 10)
 
 
-@pytest.mark.parametrize(
-    "spec",
-    ["resnet", "no_such_package_for_dpfleet.models:factory", "workers.models:no_such_factory", "a:b:c", ":f"],
-)
+@pytest.mark.parametrize("spec", ["resnet", "workers.models:no_such_factory", "a:b:c", ":f"])
 def test_bad_model_spec_names_valid_choices(spec):
     with pytest.raises(ValueError) as error:
         build_model(spec)
     message = str(error.value)
     assert all(name in message for name in MODEL_NAMES)
     assert "package.module:function" in message
+
+
+def test_a_spec_whose_module_does_not_import_names_where_python_looked_and_the_fix():
+    with pytest.raises(ValueError) as error:
+        build_model("no_such_package_for_dpfleet.models:factory")
+    message = str(error.value)
+    assert message.startswith("model 'no_such_package_for_dpfleet.models:factory': module "
+                              "'no_such_package_for_dpfleet.models' cannot be imported: Python looked for "
+                              f"no_such_package_for_dpfleet{os.sep}models.py in ")
+    assert message.endswith(f"run from the folder that holds no_such_package_for_dpfleet{os.sep}models.py, or set "
+                            "PYTHONPATH to that folder")
+    assert not any(name in message for name in MODEL_NAMES), "a built-in is not the fix for a module off the path"
 
 
 def test_factory_returning_a_non_module_is_refused():

@@ -12,7 +12,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "keys": ["NOISE", "ORDER", "SecretKey", "process_key"],
     "collective": ["CollectiveRankActor", "ShardCollectiveRankActor", "slice_bounds"],
     "models": ["bind_flat_views", "build_model", "flat_parameters", "input_shape", "load_flat_parameters",
-               "not_importable", "parameter_count"],
+               "module_folder", "not_importable", "parameter_count"],
     "noise": ["CHUNK_VALUES", "COUNT_NOISE", "GRADIENT_NOISE", "SECURE_DRAWS", "TREE_NOISE", "GaussianNoise",
               "chunk_bounds", "driver_threads", "fill_unit_normal"],
     "names": ["ENGINE_NAMES", "LOSS_NAMES", "MODEL_NAMES", "PRECISIONS", "check_metrics", "task_of"],

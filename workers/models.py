@@ -142,8 +142,12 @@ def input_shape(name: str) -> tuple[int, int, int]:
     return (3, 32, 32) if name.endswith("_32") else (1, 28, 28)
 
 
-def build_model(spec: str) -> nn.Module:
-    """Build a fresh model from a registry name (see ``MODEL_NAMES``) or ``package.module:function``."""
+def build_model(spec: str, trained_in: str | None = None) -> nn.Module:
+    """Build a fresh model from a registry name (see ``MODEL_NAMES``) or ``package.module:function``.
+
+    ``trained_in`` is the folder the module was imported from when the run
+    trained (``module_folder``), which the error names when it does not import.
+    """
     if spec in _FACTORIES:
         return _FACTORIES[spec]()
     if spec.count(":") != 1 or not all(spec.split(":")) or spec.startswith("."):
@@ -157,7 +161,8 @@ def build_model(spec: str) -> nn.Module:
         missing = error.name or ""
         if not (module_name == missing or module_name.startswith(missing + ".")):
             raise
-        raise ValueError(_bad_spec_message(spec, not_importable(module_name))) from error
+        # A well-formed spec whose module is not on the import path: where Python looked, and the fix.
+        raise ValueError(f"model {spec!r}: {not_importable(module_name, trained_in)}") from error
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ValueError(_bad_spec_message(spec, f"{module_name!r} has no function {function_name!r}"))
@@ -169,11 +174,29 @@ def build_model(spec: str) -> nn.Module:
     return model
 
 
-def not_importable(module_name: str) -> str:
+def module_folder(spec: str) -> str | None:
+    """The folder a ``module:function`` spec's module was imported from: the entry of the import path that holds it
+    (its package's parent for ``package.module``). None for a built-in model, or a module not imported (or one
+    without a file)."""
+    module_name = spec.partition(":")[0]
+    module = sys.modules.get(module_name) if spec not in _FACTORIES else None
+    path = getattr(module, "__file__", None)
+    if path is None:
+        return None
+    depth = module_name.count(".") + (os.path.basename(path) == "__init__.py")
+    folder = os.path.dirname(os.path.realpath(path))
+    for _ in range(depth):
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def not_importable(module_name: str, trained_in: str | None = None) -> str:
     """Why ``module_name`` (of a ``module:function`` spec) did not import: the folders Python looked in, and the fix.
 
     The folders are the import path's own (the current folder or the
     script's, PYTHONPATH, a config's folder), not Python's installation.
+    ``trained_in``, where a run recorded it, is the folder the module was
+    imported from as the run trained: the fix names it.
     """
     installed = {os.path.realpath(prefix) for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     folders = []
@@ -183,9 +206,15 @@ def not_importable(module_name: str) -> str:
                 and folder not in folders:
             folders.append(folder)
     file_name = module_name.replace(".", os.sep) + ".py"
-    return (f"module {module_name!r} cannot be imported: Python looked for {file_name} in "
-            f"{', '.join(folders) or 'no folder of its own'} (the current folder is {os.getcwd()}); run from the "
-            f"folder that holds {file_name}, or set PYTHONPATH to that folder")
+    looked = (f"module {module_name!r} cannot be imported: Python looked for {file_name} in "
+              f"{', '.join(folders) or 'no folder of its own'} (the current folder is {os.getcwd()})")
+    if trained_in is None:
+        return f"{looked}; run from the folder that holds {file_name}, or set PYTHONPATH to that folder"
+    if trained_in in folders:
+        return (f"{looked}; the run imported it from {trained_in}, which holds no {file_name} now: put it back "
+                "there, or set PYTHONPATH to the folder that holds it")
+    return (f"{looked}; the run imported it from {trained_in}: run from that folder, or set "
+            f"PYTHONPATH={trained_in}")
 
 
 def _bad_spec_message(spec: str, reason: str) -> str:
