@@ -10,12 +10,44 @@ largest share's expected size plus a margin (`expected_share`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import ray
 
+from orchestrator.config import TrainConfig, planned_batch_steps, planned_batches_refusals
 from workers.planned_batches import PlannedDataset, PlannedWindows, auto_window_steps
+
+
+def ray_of_one_node() -> bool:
+    """Whether the run's Ray is one node: the local Ray the run starts (RAY_ADDRESS unset), or one up with one node."""
+    if ray.is_initialized():
+        return sum(bool(node["Alive"]) for node in ray.nodes()) == 1
+    return not os.environ.get("RAY_ADDRESS")
+
+
+def run_planned_batches(config: TrainConfig, one_node: bool) -> tuple[int | str | None, str | None]:
+    """The run's planned batches (`planned_batch_steps`, or None) and why its Parquet table is read row by row.
+
+    The reason is None unless the run reads a Parquet table one row at a
+    time; it names config keys only. Without the key, the driver path plans
+    only on a Ray of one node (`one_node`): its windows are written on the
+    driver's node, which a cluster's workers may not share. Silos gather
+    their own windows on their own nodes.
+    """
+    steps = planned_batch_steps(config)
+    if config.shards:
+        return steps, None
+    if steps is not None:
+        if config.plan_ahead_steps is None and not one_node:
+            return None, ("on a Ray cluster planned batches are gathered on the driver's node, which the workers "
+                          'may not share; set plan_ahead_steps = "auto" where they share its TMPDIR')
+        return steps, None
+    if not (isinstance(config.dataset, Mapping) and config.dataset.get("format") == "parquet"):
+        return None, None
+    refusals = planned_batches_refusals(config)
+    return None, (f"{', '.join(refusals)} cannot use planned batches" if refusals else 'plan_ahead_steps = "off"')
 
 
 def window_steps(plan_ahead_steps: int | str, dataset: PlannedDataset, expected_batch_size: float,

@@ -101,6 +101,11 @@ LINES: tuple[Line, ...] = (
          _OPERATION),
     Line("workers_devices", "gradient workers on {devices}", _M, _OPERATION),
     Line("engine", "clipping engine, per layer: {layers}", _M, "decided on synthetic examples of the data's shape"),
+    Line("parquet_row_by_row", "reading Parquet rows one by one (slow for large tables): {reason}", _C,
+         "the config's keys that keep planned batches from the data, or that Ray is a cluster; never a row"),
+    Line("aggregation_for_planned_batches", 'aggregation = "auto" takes the driver path, which reads the Parquet '
+         "rows through planned batches; the model's size would choose the collective path, which reads them one "
+         'by one (plan_ahead_steps = "off" lets it)', _C, "the config and the model's parameter count"),
     Line("worker_replaced", "worker {index} is gone; replacing it and recomputing its shard", _M, _OPERATION),
     Line("collective_start", "collective path: {ranks} ranks over {backend} at {address}", _M, _OPERATION),
     Line("collective_rank_lost", "step {step}: collective rank(s) {lost} lost; replacing them, re-forming the group "

@@ -23,6 +23,7 @@ import ray
 
 from orchestrator import release
 from orchestrator.aggregation import Gathered, NodeAggregation
+from orchestrator.config import planned_batch_steps
 from orchestrator.errors import ShardTimeoutError
 from orchestrator.secure_aggregation import SecureAggregation
 from workers.clipping import LayerClipNorms
@@ -150,7 +151,7 @@ class ShardFleet:
             spec, shard, worker, config.seed, config.model, config.max_physical_batch,
             threads=config.cpus_per_worker, data_root=config.data_root, engine=config.engine, loss=config.loss,
             train_transforms=config.train_transforms, augmentations_per_example=config.augmentations_per_example,
-            plan_ahead_steps=config.plan_ahead_steps,
+            plan_ahead_steps=planned_batch_steps(config),
         )
         self.actors[slot] = actor
         if self.sampling_rate is not None:

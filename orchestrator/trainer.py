@@ -51,7 +51,7 @@ from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
 from orchestrator.charge_clock import ChargeClock, LedgerSession, block_at, blocks_covered, uncharged_blocks
-from orchestrator.collective import CollectiveFleet, resolved_aggregation
+from orchestrator.collective import CollectiveFleet, kept_on_driver_by_planned_batches, resolved_aggregation
 from orchestrator.checkpoint import (
     CHECKPOINT_VERSION,
     check_checkpoint_version,
@@ -70,7 +70,7 @@ from orchestrator.preflight import CheckedModel, checked_model, lenient_drops, l
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.stopping import keep_stop_handlers
-from orchestrator.planned_windows import driver_windows
+from orchestrator.planned_windows import driver_windows, ray_of_one_node, run_planned_batches
 from orchestrator.sampling import correlated_step_sample, shuffled_order, step_sample, worker_shares
 from orchestrator.shard_fleet import ShardFleet, extend_outages
 from workers.actor import retain_freed_memory
@@ -209,10 +209,15 @@ class Trainer:
         self.kept_rows = lenient_rows(config)
         if self.kept_rows is not None:
             self.say(lenient_drops(config, show_values))
+        # Batches planned ahead (steps ahead, or None: rows read one by one); a Parquet table read row by row says why.
+        self.planned_steps, self.row_by_row_reason = run_planned_batches(config, ray_of_one_node())
         # "driver" or "collective" (orchestrator.collective), by the model's size under "auto"; on the collective
         # path the ranks hold the weights and each its slice of the optimizer's state, which checkpoints carry as
         # `optimizer_slices`.
-        self.aggregation = resolved_aggregation(config, parameter_count(self.model))
+        planned = self.planned_steps is not None
+        self.aggregation = resolved_aggregation(config, parameter_count(self.model), planned)
+        if kept_on_driver_by_planned_batches(config, parameter_count(self.model), planned):
+            self.say(release.line("aggregation_for_planned_batches"))
         self.optimizer_slices: list[dict] | None = None
         self.started_ray, self.shards, dataset_size = self._start_shards()
         self.plan = self._plan_run(dataset_size, charge_epsilon)
@@ -436,14 +441,16 @@ class Trainer:
                 CentralNoise(self.noise, parameter_count(self.model), self.plan.steps, self.plan.correlation,
                              at_driver=self.config.noise_placement != "silos")))
             self.planned_windows = self.planned_dataset = None
+            if self.row_by_row_reason is not None:
+                self.say(release.line("parquet_row_by_row", reason=self.row_by_row_reason))
             # With shards, each silo's workers plan and gather their own windows (workers.shard_worker).
-            if self.config.plan_ahead_steps is not None and self.shards is None:
+            if self.planned_steps is not None and self.shards is None:
                 # Read here once, so that no gradient worker parses a footer.
                 self.planned_dataset = read_planned_dataset(self.config.dataset)
                 # The fleet always holds config.workers workers (a lost one is replaced), so the shares are known
                 # before it starts: the first window gathers while the workers start.
                 self.planned_windows = driver_windows(
-                    self.config.plan_ahead_steps, self.planned_dataset, self.plan.expected_batch_size,
+                    self.planned_steps, self.planned_dataset, self.plan.expected_batch_size,
                     self.plan.steps, self.step,
                     lambda step: worker_shares(*self._draw_sample(step), self.config.workers)[0],
                     self.config.workers, self.plan.microbatches)

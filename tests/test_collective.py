@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from servers import add_loopback_node, start_loopback_cluster, stop_loopback_cluster
 
-from orchestrator.collective import AUTO_COLLECTIVE_FROM, resolved_aggregation
+from orchestrator.collective import AUTO_COLLECTIVE_FROM, kept_on_driver_by_planned_batches, resolved_aggregation
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer, resume_trainer
@@ -115,6 +115,12 @@ def test_auto_picks_the_collective_path_from_the_measured_crossover(tmp_path):
     skip = tiny_config(tmp_path, "skip", shards=SILOS, train_subset=None, on_shard_loss="skip")
     assert resolved_aggregation(skip, 10 ** 9) == "driver"
     assert resolved_aggregation(tiny_config(tmp_path, "named", aggregation="driver"), 10 ** 9) == "driver"
+    # Planned batches keep it on the driver path, and say so only where the size would have chosen the collective.
+    assert resolved_aggregation(config, 10 ** 9, planned=True) == "driver"
+    assert kept_on_driver_by_planned_batches(config, 10 ** 9, planned=True)
+    assert not kept_on_driver_by_planned_batches(config, AUTO_COLLECTIVE_FROM // 2 - 1, planned=True)
+    assert not kept_on_driver_by_planned_batches(config, 10 ** 9, planned=False)
+    assert not kept_on_driver_by_planned_batches(skip, 10 ** 9, planned=True)
 
 
 def test_silo_mode_on_the_collective_path_gives_the_driver_paths_weights(cluster, tmp_path):

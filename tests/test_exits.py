@@ -68,7 +68,8 @@ def job_config(folder: Path, spec: dict, mode: str) -> Path:
         lines += ["plan_ahead_steps = 4", "[[shards]]", f"dataset = {dataset}", "part = 0", "parts = 2",
                   "[[shards]]", f"dataset = {dataset}", "part = 1", "parts = 2"]
     else:
-        lines += ["workers = 1", f"dataset = {dataset}", *(["plan_ahead_steps = 4"] if mode == "planned" else [])]
+        lines += ["workers = 1", f"dataset = {dataset}",
+                  'plan_ahead_steps = 4' if mode == "planned" else 'plan_ahead_steps = "off"']
     path = folder / "job.toml"
     path.write_text("\n".join(lines) + "\n")
     return path

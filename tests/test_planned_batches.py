@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
+from orchestrator.planned_windows import run_planned_batches
 from orchestrator.trainer import Trainer
 from workers.data import load_split
 from workers.models import flat_parameters
@@ -197,18 +198,45 @@ def test_planned_training_from_default_parquet_takes_the_in_memory_runs_batches(
     assert list(windows.iterdir()) == []
 
 
-@pytest.mark.parametrize("overrides", [dict(dataset="mnist"),
-                                       dict(privacy_unit="user", synthetic_users=10, max_examples_per_user=4)])
-def test_planned_batches_are_refused_where_they_do_not_apply(tmp_path, overrides):
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dataset="mnist"), "give a parquet dataset"),
+    (dict(privacy_unit="user", synthetic_users=10, max_examples_per_user=4), 'privacy_unit = "user"'),
+    (dict(check_data="lenient"), "cannot be combined with plan_ahead_steps"),
+])
+@pytest.mark.parametrize("value", [4, "auto"])
+def test_planned_batches_are_refused_where_they_do_not_apply(tmp_path, overrides, message, value):
     spec = {"format": "parquet", "train": str(tmp_path), "test": str(tmp_path)}
-    with pytest.raises(UsageError, match="plan_ahead_steps"):
-        small_config(tmp_path, overrides.pop("dataset", spec), plan_ahead_steps=4, **overrides)
+    overrides = dict(overrides)
+    with pytest.raises(UsageError, match=message):
+        small_config(tmp_path, overrides.pop("dataset", spec), plan_ahead_steps=value, **overrides)
+
+
+@pytest.mark.parametrize("overrides, one_node, planned, reason", [
+    (dict(), True, "auto", None),
+    (dict(plan_ahead_steps=3), False, 3, None),
+    (dict(plan_ahead_steps="off"), True, None, 'plan_ahead_steps = "off"'),
+    (dict(privacy_unit="user", synthetic_users=10, batch_size=5), True, None,
+     'privacy_unit = "user" cannot use planned batches'),
+    (dict(aggregation="collective", check_data="lenient"), True, None,
+     'aggregation = "collective", check_data = "lenient" cannot use planned batches'),
+    (dict(), False, None, 'on a Ray cluster planned batches are gathered on the driver\'s node'),
+    (dict(dataset="mnist"), True, None, None),
+])
+def test_planned_batches_are_the_default_for_parquet_and_a_table_read_row_by_row_says_why(
+        tmp_path, overrides, one_node, planned, reason):
+    spec = write_default_parquet(tmp_path / "data", np.zeros((100, 1, 28, 28), np.float32), np.zeros(100, np.int64),
+                                 files=1)
+    overrides = dict(overrides)
+    config = small_config(tmp_path, overrides.pop("dataset", spec), **overrides)
+    steps, why = run_planned_batches(config, one_node)
+    assert steps == planned
+    assert why == reason if reason is None else why.startswith(reason)
 
 
 @pytest.mark.parametrize("value", [0, -2, "later", True, 2.5])
-def test_plan_ahead_steps_is_a_whole_number_of_steps_or_auto(tmp_path, value):
+def test_plan_ahead_steps_is_a_whole_number_of_steps_auto_or_off(tmp_path, value):
     spec = write_default_parquet(tmp_path / "data", np.zeros((100, 1, 28, 28), np.float32), np.zeros(100, np.int64),
                                  files=1)
     assert small_config(tmp_path, spec, plan_ahead_steps="auto").plan_ahead_steps == "auto"
-    with pytest.raises(UsageError, match=r'plan_ahead_steps must be a whole number >= 1 or "auto"'):
+    with pytest.raises(UsageError, match=r'plan_ahead_steps must be a whole number >= 1, "auto" or "off"'):
         small_config(tmp_path, spec, plan_ahead_steps=value)

@@ -12,7 +12,7 @@ import pytest
 from servers import start_loopback_cluster, stop_loopback_cluster
 from test_planned_batches import write_default_parquet
 
-from orchestrator.config import build_config
+from orchestrator.config import build_config, planned_batch_steps
 from orchestrator.errors import UsageError
 from orchestrator.trainer import Trainer
 from workers.data import load_split
@@ -61,12 +61,15 @@ def test_silos_train_from_pyarrow_default_parquet_on_their_own_nodes_as_from_mem
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(), "set plan_ahead_steps"),
+    (dict(plan_ahead_steps="off"), "reads its files only through batches planned ahead"),
+    (dict(mixed=True), "give every shard a parquet dataset"),
     (dict(plan_ahead_steps=2, mixed=True), "give every shard a parquet dataset"),
 ])
 def test_parquet_silos_are_read_only_through_planned_batches(tmp_path, overrides, message):
     spec = write_default_parquet(tmp_path / "data", load_split("mnist", "train")[0][:50].numpy(),
                                  load_split("mnist", "train")[1][:50].numpy(), files=1)
+    # Left out, the key plans each silo's batches.
+    assert planned_batch_steps(silo_config(tmp_path, "default", spec)) == "auto"
     mixed = overrides.pop("mixed", False)
     shards = [{"dataset": spec, "part": 0, "parts": 2, "resources": {"silo-a": 1}},
               {"dataset": "mnist" if mixed else spec, "part": 1, "parts": 2, "resources": {"silo-b": 1}}]

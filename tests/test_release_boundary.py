@@ -63,10 +63,12 @@ MODES = {
     "silos": lambda tmp_path: dict(shards=SILOS, train_subset=None, workers=None),
     "secure aggregation": lambda tmp_path: dict(shards=SILOS, train_subset=None, workers=None,
                                                 secure_aggregation=True, mask_share_threshold=2),
-    "planned batches": lambda tmp_path: dict(dataset=parquet_spec(tmp_path), train_subset=None, test_subset=None,
-                                             plan_ahead_steps=2),
+    # Planned batches without the key: a Parquet table at example level takes them by default.
+    "planned batches": lambda tmp_path: dict(dataset=parquet_spec(tmp_path), train_subset=None, test_subset=None),
     "correlated noise": lambda tmp_path: dict(mechanism="band-mf", sampler="cyclic-poisson", band_width=2),
-    "user level": lambda tmp_path: dict(privacy_unit="user", synthetic_users=40, batch_size=8),
+    # On Parquet, whose rows it reads one by one: the log says why.
+    "user level": lambda tmp_path: dict(dataset=parquet_spec(tmp_path), train_subset=None, test_subset=None,
+                                        privacy_unit="user", synthetic_users=40, batch_size=8),
 }
 
 
@@ -101,8 +103,10 @@ def test_every_output_of_each_mode_is_declared_at_the_boundary(local_ray, tmp_pa
     config = tiny(tmp_path, mode, **MODES[mode](tmp_path))
     log = io.StringIO()
     with release.observe() as seen:
-        Trainer(config, show_progress=False, out=log).run()
+        trainer = Trainer(config, show_progress=False, out=log)
+        trainer.run()
     assert_released(config, log, seen, mode)
+    assert (trainer.planned_steps == "auto") == (mode == "planned batches")
 
 
 def assert_released(config, log: io.StringIO, seen: list, mode: str) -> None:
@@ -113,8 +117,12 @@ def assert_released(config, log: io.StringIO, seen: list, mode: str) -> None:
     assert {("log", "run_start"), ("log", "epoch"), ("summary.json", "epsilon"), ("metrics.jsonl", "epsilon")} <= set(
         seen)
     expected = {"collective": ("log", "collective_start"), "silos": ("log", "shard_start"),
-                "secure aggregation": ("log", "secure_aggregation")}.get(mode)
+                "secure aggregation": ("log", "secure_aggregation"), "user level": ("log", "parquet_row_by_row")
+                }.get(mode)
     assert expected is None or expected in seen
+    if mode == "user level":
+        assert ('reading Parquet rows one by one (slow for large tables): privacy_unit = "user" cannot use planned '
+                "batches\n") in log.getvalue()
 
 
 def test_the_audits_outputs_are_declared(local_ray, worker_pool, tmp_path):

@@ -203,7 +203,7 @@ def _lenient_rows(config: TrainConfig) -> None:
     refused = [reason for reason, present in (
         ("a dataset other than a csv, parquet, npy or npz table",
          not isinstance(spec, dict) or spec.get("format") not in sources.LENIENT_FORMATS),
-        ("shards", config.shards), ("blocks", config.blocks), ("plan_ahead_steps", config.plan_ahead_steps),
+        ("shards", config.shards), ("blocks", config.blocks), ("plan_ahead_steps", _planned_by_key(config)),
         ("people's rows (privacy_unit = \"user\", user_id, synthetic_users, max_examples_per_user)",
          config.privacy_unit == "user" or config.user_id is not None or config.synthetic_users is not None
          or config.max_examples_per_user is not None)) if present]
@@ -255,10 +255,17 @@ def _layer_clipping(config: TrainConfig) -> None:
                          "it cannot be combined with microbatch_size or adaptive_clipping")
 
 
-def collective_refusals(config: TrainConfig) -> list[str]:
-    """What in `config` the collective path cannot run, each with its reason (empty: it runs the config)."""
+def collective_refusals(config: TrainConfig, planned: bool | None = None) -> list[str]:
+    """What in `config` the collective path cannot run, each with its reason (empty: it runs the config).
+
+    `planned`: whether the run reads planned batches; None, as far as the
+    config alone says (plan_ahead_steps given, or Parquet shards).
+    """
+    if planned is None:
+        planned = _planned_by_key(config) or bool(_parquet_shards(config))
     return [reason for reason, present in (
-        ("plan_ahead_steps (the planned batches are the driver path's)", config.plan_ahead_steps is not None),
+        ("planned batches (plan_ahead_steps, or Parquet shards, which are read only through them; they are the "
+         "driver path's)", planned),
         ('on_shard_loss = "skip" (the group has a rank per shard worker; a run stops when one is lost and is '
          'resumed from its checkpoint)', bool(config.shards) and config.on_shard_loss == "skip"),
         ("secure_aggregation (the ranks reduce-scatter plain sums; masked silo sums go through the driver path)",
@@ -275,18 +282,65 @@ def _aggregation(config: TrainConfig) -> None:
                          '"driver" (or "auto"), or remove them')
 
 
+def _parquet_shards(config: TrainConfig) -> list[int]:
+    """The indices of the shards whose dataset is a Parquet table (a shard's other datasets are built-in names)."""
+    return [index for index, shard in enumerate(config.shards) if isinstance(shard.dataset, Mapping)]
+
+
+def _planned_by_key(config: TrainConfig) -> bool:
+    """Whether plan_ahead_steps was given as a number of steps or "auto"."""
+    return config.plan_ahead_steps not in (None, "off")
+
+
+def planned_batches_refusals(config: TrainConfig) -> list[str]:
+    """What in `config` keeps batches planned ahead from reading its training rows, one phrase each (empty: none).
+
+    Planned batches read a Parquet table of examples, gathered for the driver
+    path, or every shard's own Parquet files on its silo's node.
+    """
+    if config.shards:
+        return [] if len(_parquet_shards(config)) == len(config.shards) else ["shards that are not Parquet tables"]
+    spec = config.dataset
+    parquet = isinstance(spec, Mapping) and spec.get("format") == "parquet"
+    return [reason for reason, present in (
+        ("a dataset that is not a Parquet table", not parquet),
+        ("blocks that select rows of their files", parquet and bool(spec.get("train_parts"))),
+        ('privacy_unit = "user"', config.privacy_unit == "user"),
+        ('aggregation = "collective"', config.aggregation == "collective"),
+        ('check_data = "lenient"', config.check_data == "lenient"),
+        (f'mechanism = "{config.mechanism}"', config.mechanism != "dp-sgd")) if present]
+
+
+def planned_batch_steps(config: TrainConfig) -> int | str | None:
+    """How far ahead the run plans its batches (a number of steps or "auto"), or None: it reads rows one by one.
+
+    plan_ahead_steps as given ("off" is None); left out, "auto" wherever
+    planned batches can read the training rows (`planned_batches_refusals`),
+    which Parquet shards always can. The driver path on a Ray of several
+    nodes reads rows one by one unless the key is given
+    (`orchestrator.planned_windows.run_planned_batches`).
+    """
+    if config.plan_ahead_steps is not None:
+        return None if config.plan_ahead_steps == "off" else config.plan_ahead_steps
+    return None if planned_batches_refusals(config) else "auto"
+
+
 def _planned_batches(config: TrainConfig) -> None:
-    parquet_shards = [index for index, shard in enumerate(config.shards) if isinstance(shard.dataset, Mapping)]
-    if config.plan_ahead_steps is None:
-        if parquet_shards:
-            raise UsageError(f"shards[{parquet_shards[0]}] reads Parquet files, which a silo gathers in batches "
-                             "planned ahead: set plan_ahead_steps (\"auto\" or a number of steps)")
+    parquet_shards = _parquet_shards(config)
+    if parquet_shards:
+        if len(parquet_shards) < len(config.shards):
+            raise UsageError(f"shards[{parquet_shards[0]}] reads Parquet files, which a silo reads only through "
+                             "batches planned ahead, and the others do not: give every shard a parquet dataset "
+                             "(or the config's), or none")
+        if config.plan_ahead_steps == "off":
+            raise UsageError("a Parquet shard's silo reads its files only through batches planned ahead: leave "
+                             "plan_ahead_steps out, or set it to \"auto\" or a number of steps")
+        return
+    if not _planned_by_key(config):
         return
     if config.shards:
-        if len(parquet_shards) < len(config.shards):
-            raise UsageError("with shards, plan_ahead_steps gathers each silo's own Parquet files: give every shard "
-                             "a parquet dataset (or the config's), or leave plan_ahead_steps out")
-        return
+        raise UsageError("with shards, plan_ahead_steps gathers each silo's own Parquet files: give every shard "
+                         "a parquet dataset (or the config's), or leave plan_ahead_steps out")
     if not isinstance(config.dataset, Mapping) or config.dataset.get("format") != "parquet" \
             or config.dataset.get("train_parts"):
         raise UsageError("plan_ahead_steps gathers Parquet training files: give a parquet dataset without blocks, "
@@ -377,7 +431,7 @@ def _mechanism(config: TrainConfig) -> None:
         ("max_examples_per_user", config.max_examples_per_user is not None),
         ("a noise_schedule other than constant", config.noise_schedule.kind != "constant"),
         ('aggregation = "collective"', config.aggregation == "collective"),
-        ("plan_ahead_steps without shards", config.plan_ahead_steps is not None and not config.shards)) if present]
+        ("plan_ahead_steps without shards", _planned_by_key(config) and not config.shards)) if present]
     if refused:
         raise UsageError(f'mechanism = "{config.mechanism}" correlates one noise vector per step at the driver, '
                          f"with one σ over the run; it cannot be combined with {', '.join(refused)}")

@@ -205,25 +205,33 @@ class DataSection(Section):
         "the scan only. `full`: the same as `strict` (its former name).",
     )
 
-    plan_ahead_steps: int | Literal["auto"] | None = key(
+    plan_ahead_steps: int | Literal["auto", "off"] | None = key(
         None,
         "Read Parquet training rows as batches planned this many steps ahead: each window's samples are gathered "
         "by Ray Data in one sequential pass over the files (each row group read at most once a window) into a "
         "folder only the run's user can enter, deleted once its steps ran; the next window is gathered while "
         "this one trains. `auto`: windows of about 256 MiB of rows, at most 1000 steps. Fast whatever the "
-        "row-group size; without it each sampled row costs the decoding of its row group (fast only for "
-        "`dpfleet data export` files). Needs a Parquet dataset and privacy_unit = \"example\". With `shards`, "
-        "each shard's dataset is a Parquet table (its silo's files) and each silo's workers plan their own "
-        "samples and gather them on their own node; a Parquet shard needs this key.",
-        kind="integer or \"auto\"", valid="≥ 1, or `auto`", shown_default="off",
+        "row-group size; read row by row, each sampled row costs the decoding of its row group (fast only for "
+        "`dpfleet data export` files). Left out, it is `auto` for every Parquet shard, and for a Parquet dataset "
+        "at example level on a local Ray or a Ray of one node (on a cluster, give it where the workers share "
+        "the driver's `TMPDIR`). With `off`, or where planned batches do not apply (privacy_unit = \"user\", "
+        "blocks that select rows within files, aggregation = \"collective\", check_data = \"lenient\", a "
+        "correlated mechanism), rows are read one by one and a run on Parquet says why in its log; a number or "
+        "`auto` given there is refused. A Parquet shard cannot be `off`: each silo's workers plan and gather "
+        "their own samples on their own node. Under aggregation = \"auto\", planned batches keep the run on the "
+        "driver path (the log says so where the model's size would choose the collective path); `off` lets it "
+        "choose.",
+        kind='integer, "auto" or "off"', valid="≥ 1, `auto` or `off`",
+        shown_default="`auto` where planned batches apply",
     )
 
     @field_validator("plan_ahead_steps", mode="plain")
     @classmethod
     def _plan_ahead_steps(cls, value: Any) -> int | str | None:
-        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if value is None or value in ("auto", "off") \
+                or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
-        raise UsageError(f'plan_ahead_steps must be a whole number >= 1 or "auto" (got {value!r})')
+        raise UsageError(f'plan_ahead_steps must be a whole number >= 1, "auto" or "off" (got {value!r})')
 
     @field_validator("dataset", mode="plain")
     @classmethod
