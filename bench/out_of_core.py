@@ -10,10 +10,11 @@ thread for ``--steps`` steps, and trains the same model held in memory at the
 same expected batch size: gdp_cnn on the built-in MNIST, the MLP on the same
 synthetic rows (at most ``--memory-rows`` of them, so that two workers' copies
 fit the machine). The two sides run ``--rounds`` times in alternating order;
-the round with the median step-time ratio is reported. ``--plan-ahead K``
-(or ``auto``) trains the Parquet side with ``plan_ahead_steps = K``; without
-it the workers read row groups step by step. The dataset is deleted after its
-runs unless ``--dir`` keeps it.
+the round with the median step-time ratio is reported. The Parquet side
+trains as a config without ``plan_ahead_steps`` does (batches planned ahead,
+``auto``); ``--plan-ahead K`` (``auto``, or ``off``: the workers read row
+groups step by step) sets the key. The dataset is deleted after its runs
+unless ``--dir`` keeps it.
 
 Peak RSS is each worker process's VmHWM, read from /proc after training.
 The step time is the mean wall time of the steps after the first (the
@@ -137,18 +138,24 @@ def write_synthetic(directory: Path, rows: int, features: int = FEATURES, layout
 
 def measure(dataset, steps: int, batch_size: int, run_dir: Path, model: str = "gdp_cnn",
             plan_ahead: int | str | None = None) -> dict:
-    """Train ``steps`` steps on ``dataset`` with 2 workers; return the step time and worker peak RSS."""
+    """Train ``steps`` steps on ``dataset`` with 2 workers; return the step time and worker peak RSS.
+
+    ``plan_ahead`` is the config's ``plan_ahead_steps``, left out when None.
+    """
     config = build_config(dict(
         dataset=dataset, model="bench.out_of_core:mlp_64" if model == "mlp" else model, workers=2,
         cpus_per_worker=1, steps=steps, batch_size=batch_size,
         noise_multiplier=1.0, clip_norm=1.0, learning_rate=0.1, seed=0, max_physical_batch=batch_size,
-        test_subset=TEST_ROWS, run_dir=str(run_dir), **({"plan_ahead_steps": plan_ahead} if plan_ahead else {}),
+        test_subset=TEST_ROWS, run_dir=str(run_dir),
+        **({"plan_ahead_steps": plan_ahead} if plan_ahead is not None else {}),
     ))
     trainer = MeasuredTrainer(config, show_progress=False, out=open(os.devnull, "w"))
     trainer.run()
     durations = trainer.step_durations
     return {
         "dataset_size": trainer.plan.dataset_size,
+        # The steps the batches were planned ahead ("auto" or a number), or None: rows read one by one.
+        "planned_steps": trainer.planned_steps,
         "step_seconds": float(np.mean(durations[1:])),
         "first_step_seconds": durations[0],
         "worker_peak_rss_bytes": trainer.worker_peak_rss_bytes,
@@ -157,7 +164,7 @@ def measure(dataset, steps: int, batch_size: int, run_dir: Path, model: str = "g
 
 
 def _plan_ahead(value: str) -> int | str:
-    return value if value == "auto" else int(value)
+    return value if value in ("auto", "off") else int(value)
 
 
 def compare(directory: Path, rows: int, model: str, layout: str, args) -> dict:
@@ -210,7 +217,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--memory-rows", type=int, default=MEMORY_ROWS,
                         help=f"the most rows the MLP's in-memory side holds (default {MEMORY_ROWS:,})")
     parser.add_argument("--plan-ahead", type=_plan_ahead, default=None,
-                        help="train the Parquet side with plan_ahead_steps = this, a number or auto (default: off)")
+                        help="train the Parquet side with plan_ahead_steps = this, a number, auto or off (default: "
+                             "the key left out, which plans the batches as auto does)")
     parser.add_argument("--json", action="store_true", help="write bench/results/out_of_core-MODELS.json")
     parser.add_argument("--output", help="with --json, write this file instead (a sweep's layouts kept apart)")
     args = parser.parse_args(argv)
@@ -256,7 +264,8 @@ def _save(argv: list[str], args, load_before: tuple, comparisons: list[dict]) ->
 def _print(comparison: dict, plan_ahead) -> None:
     parquet, memory = comparison["parquet"], comparison["in_memory"]
     print(f"{comparison['model']}, layout {comparison['layout']}, {comparison['rows']:,} rows, "
-          f"plan_ahead_steps {plan_ahead}; in memory: {comparison['in_memory_source']}")
+          f"plan_ahead_steps {'left out' if plan_ahead is None else plan_ahead} (planned: "
+          f"{parquet['planned_steps'] or 'no, rows one by one'}); in memory: {comparison['in_memory_source']}")
     print(f"  peak worker RSS (GB)  Parquet {parquet['worker_peak_rss_gb_max']:.3f}  "
           f"in memory {memory['worker_peak_rss_gb_max']:.3f}")
     print(f"  step (ms)             Parquet {1000 * parquet['step_seconds']:.1f}  "

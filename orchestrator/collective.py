@@ -59,10 +59,11 @@ def resolved_aggregation(config: TrainConfig, parameters: int, planned: bool | N
 def kept_on_driver_by_planned_batches(config: TrainConfig, parameters: int, planned: bool) -> bool:
     """Whether `auto` took the driver path for the run's planned batches alone (else it would take the collective).
 
-    Planned batches win over the collective path: a Parquet table with
-    pyarrow's default row groups, read one row at a time, took 186x the
-    in-memory step (2,657 ms at 2M rows), where the collective path saves at
-    most about half a step (1,260 against 2,551 ms at 10M parameters x 2).
+    Planned batches win over the collective path: 2M rows of Parquet with
+    pyarrow's default row groups, read one row at a time, took 99x the
+    in-memory step (1,191 against 12 ms; docs/benchmarks.md, "Planned
+    batches without the key"), where the collective path saves at most about
+    half a step (1,260 against 2,551 ms at 10M parameters x 2).
     """
     return config.aggregation == "auto" and planned and _large_enough(config, parameters) \
         and not collective_refusals(config, planned=False)
