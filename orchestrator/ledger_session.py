@@ -278,7 +278,7 @@ def ensure_embedded_dataset(
     dataset), and the ledger stores them and refuses blocks that share data.
     """
     try:
-        status = ledger.get_budget(dataset)
+        status = ledger.get_budget(dataset, pld_may_be_pending=True)
     except (NotFound, PermissionDenied):
         content = file_digests(spec) if spec is not None else None
         try:
@@ -288,7 +288,7 @@ def ensure_embedded_dataset(
                              delta=f"{delta:g}", origin=origin_note(dataset, named_after)))
         except AlreadyExists:
             # Another job's first use registered it since this one looked: the same dataset, registered once.
-            status = ledger.get_budget(dataset)
+            status = ledger.get_budget(dataset, pld_may_be_pending=True)
         except FailedPrecondition as error:
             raise UsageError(str(error)) from None
     known = {block.name for block in status.blocks}

@@ -222,6 +222,7 @@ FIELDS: tuple[Field, ...] = (
         "epsilon_upper_person", "epsilon_upper_person_accountant", "verdict", "canary_membership", "membership",
         "test_accuracy", "steps", "sampling_rate", "noise_multiplier", "clip_norm", "run_dir", "scores_png")),
     *(Field("ledger", key, _M, why) for key, why in (
+        ("fits", "the job's plan of events, asked about before Ray loads (nothing is held), " + _PLAN),
         ("reserve", "the job's plan of events, " + _PLAN),
         ("enqueue", "the job's plan of events and priority, " + _PLAN),
         ("commit", "a block of the plan, sent on a clock fixed before the first step (orchestrator/charge_clock.py)"),

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import build_parser, reference
 from orchestrator.cli.data_parser import BUILTIN_DATASETS
 from servers import REPOSITORY, start_serve_process
@@ -152,6 +153,25 @@ def test_a_model_that_does_not_fit_the_data_is_refused_by_the_dry_run_before_ray
     assert_light(report, {" ".join(command): 2}, ("ray", "torchvision") + METRICS_LIBRARY + ACCOUNTING_LIBRARIES)
     assert "torch" in report[0]["loaded"]
     assert not (tmp_path / "home").exists() and not (tmp_path / "no-data").exists()
+
+
+def test_a_job_its_budget_cannot_admit_is_refused_before_ray_loads(tmp_path):
+    """`dpfleet train` asks the ledger whether the plan fits before it imports the trainer: a job too dear for its
+    dataset's budget is refused (exit 3) in the reservation's words, without Ray, and nothing is reserved."""
+    config = tmp_path / "dear.toml"
+    config.write_text('dataset = "mnist"\nbatch_size = 250\nsteps = 200\nnoise_multiplier = 0.8\n'
+                      f'dataset_budget_epsilon = 1.0\ndata_root = "{tmp_path / "no-data"}"\n'
+                      f'run_dir = "{tmp_path / "run"}"\n')
+    command = ["train", "--config", str(config)]
+    report_path = tmp_path / "report.json"
+    completed = subprocess.run([*driver(report_path), *command], cwd=REPOSITORY, capture_output=True, text=True,
+                               timeout=300, env={**os.environ, "DPFLEET_HOME": str(tmp_path / "home")})
+    assert_light(json.loads(report_path.read_text()), {" ".join(command): 3},
+                 ("ray", "torchvision") + METRICS_LIBRARY)
+    assert "the ledger refused to start the job: dataset 'mnist' has ε 1" in completed.stderr
+    with open_embedded_ledger(tmp_path / "home" / "ledger.db") as ledger:
+        status = ledger.get_budget("mnist")
+    assert status.jobs == () and status.spent_epsilon_filter == 0.0 and status.reserved_epsilon == 0.0
 
 
 def test_the_ledger_server_and_its_clients_load_no_torch_or_ray(tmp_path):

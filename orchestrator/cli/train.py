@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from accounting.accountants import labelled_epsilon
 from accounting.ledger.scheduling import PRIORITY_RANGE
+from accounting.ledger.errors import BudgetExceeded, FailedPrecondition, NotFound, PermissionDenied
 from accounting.ledger.validation import delta_warning
 from orchestrator import checks, release
 from orchestrator.config import GROUPS, TrainConfig, documented_keys, load_config
@@ -176,14 +177,16 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
             from orchestrator.preflight import checked_model
 
             checked = checked_model(config, functools.partial(print, flush=True))
-            charge_epsilon = None
-            if config.target_epsilon_basis == "filter":
-                ledger = open_ledger(args.ledger or config.ledger, args.token)
-                try:
-                    dataset = register_embedded(ledger, args.dataset_name, config, print)
-                    charge_epsilon = filter_basis(ledger, dataset, config.blocks)
-                finally:
-                    ledger.close()
+            # The ledger is asked before Ray loads too: files another dataset holds (the same rows moved, say) are
+            # refused at once, and a budget-based target ε reads the budget's filter.
+            ledger = open_ledger(args.ledger or config.ledger, args.token)
+            try:
+                dataset = register_embedded(ledger, args.dataset_name, config, print)
+                charge_epsilon = filter_basis(ledger, dataset, config.blocks) \
+                    if config.target_epsilon_basis == "filter" else None
+                refuse_what_does_not_fit(args, ledger, dataset, config)
+            finally:
+                ledger.close()
             # Ray loads with the trainer, once the config and the model are checked.
             from orchestrator.trainer import Trainer
 
@@ -198,6 +201,29 @@ def run_job(args: argparse.Namespace) -> tuple[Trainer, dict, Any]:
         # A silo's workers, and their windows of rows, start with the trainer: they stop however the job ends.
         trainer.close()
         raise
+
+
+def refuse_what_does_not_fit(args: argparse.Namespace, ledger, dataset: str, config: TrainConfig) -> None:
+    """Before Ray loads, refuse (BudgetRefusedError, exit 3) a job whose plan the ledger would not admit now, in the
+    words of a refused reservation; the reservation itself still decides.
+
+    Only where the plan is known without the run: not with shards (their N comes from the silos), nor with
+    --wait-for-budget (the job queues), nor with a target ε (its σ is calibrated once, by the trainer).
+    """
+    if config.shards or args.wait_for_budget or config.target_epsilon is not None:
+        return
+    from orchestrator.planning import plan_run  # the accountants, not torch
+
+    try:
+        status = ledger.get_budget(dataset, pld_may_be_pending=True)
+        planned, privacy_unit, rows_per_person = plan_run(config).ledger_plan(status.privacy_unit)
+        release.sent("ledger", "fits")
+        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+        refused = next((check.refusal(dataset) for check in report.checks if not check.fits), None)
+    except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
+        refused = error
+    if refused is not None:
+        raise BudgetRefusedError(f"the ledger refused to start the job: {refused}{privacy_unit_note(args, config)}")
 
 
 def reserve_and_run(args: argparse.Namespace, trainer: Trainer) -> tuple[Trainer, dict, Any]:
