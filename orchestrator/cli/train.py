@@ -216,6 +216,8 @@ def refuse_what_does_not_fit(args: argparse.Namespace, ledger, dataset: str, con
 
     try:
         status = ledger.get_budget(dataset, pld_may_be_pending=True)
+        # Blocks the config declares otherwise than the ledger are its mistake (UsageError), as at the reservation.
+        check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
         planned, privacy_unit, rows_per_person = plan_run(config).ledger_plan(status.privacy_unit)
         release.sent("ledger", "fits")
         report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
