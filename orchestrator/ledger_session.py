@@ -395,6 +395,20 @@ def filter_charges(
     return [(name, budget.admission.epsilon(tally)) for name, budget in budgets]
 
 
+def job_fits_now(ledger, dataset: str, config, charge_epsilon: Callable | None = None) -> tuple:
+    """Whether `config`'s job would be admitted on `dataset` now: (its RunPlan, the dataset's status, the ledger's
+    FitReport); nothing is reserved. Blocks the config declares otherwise than the ledger are a UsageError first,
+    as at a reservation. `charge_epsilon` is `plan_run`'s, for a σ calibrated to the budget's filter."""
+    from orchestrator.planning import plan_run  # the accountants, not torch
+
+    status = ledger.get_budget(dataset, pld_may_be_pending=True)
+    check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
+    plan = plan_run(config, charge_epsilon=charge_epsilon)
+    planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
+    release.sent("ledger", "fits")
+    return plan, status, ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+
+
 def filter_basis(ledger, dataset: str, blocks: tuple[str, ...]) -> Callable:
     """For target_epsilon_basis = "filter": a plan's largest filter charge over the budgets it is charged to."""
     status = ledger.get_budget(dataset, pld_may_be_pending=True)

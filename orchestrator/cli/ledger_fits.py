@@ -16,14 +16,7 @@ from accounting.accountants import get_accountant, labelled_epsilon
 from orchestrator.cli.display import format_number, format_table, print_json
 from orchestrator.cli.ledger import ledger_command, ledger_from_flags
 from orchestrator.config import load_config
-from orchestrator.ledger_session import (
-    block_declarations,
-    check_declared_blocks,
-    filter_basis,
-    filter_charges,
-    ledger_dataset_name,
-)
-from orchestrator.planning import plan_run
+from orchestrator.ledger_session import filter_basis, filter_charges, job_fits_now, ledger_dataset_name
 
 
 @ledger_command
@@ -34,12 +27,8 @@ def run_fits(args: argparse.Namespace) -> int:
     # The ledger the job would use: --ledger, else the config's, else DPFLEET_LEDGER (as dpfleet train does).
     args.ledger = args.ledger or config.ledger
     with ledger_from_flags(args) as ledger:
-        status = ledger.get_budget(dataset, pld_may_be_pending=True)
-        check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
-        plan = plan_run(config, charge_epsilon=filter_basis(ledger, dataset, config.blocks)
-                        if config.target_epsilon_basis == "filter" else None)
-        planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
-        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+        plan, status, report = job_fits_now(ledger, dataset, config, filter_basis(ledger, dataset, config.blocks)
+                                            if config.target_epsilon_basis == "filter" else None)
     charges = filter_charges(plan, status, config.blocks)
     epsilon, shown = labelled_epsilon(get_accountant(config.accountant), plan.planned_events, config.delta)
     if args.json:

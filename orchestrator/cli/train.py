@@ -27,6 +27,7 @@ from orchestrator.ledger_session import (
     filter_basis,
     filter_charges,
     is_embedded,
+    job_fits_now,
     ledger_dataset_name,
     name_origin,
     new_job_id,
@@ -212,15 +213,8 @@ def refuse_what_does_not_fit(args: argparse.Namespace, ledger, dataset: str, con
     """
     if config.shards or args.wait_for_budget or config.target_epsilon is not None:
         return
-    from orchestrator.planning import plan_run  # the accountants, not torch
-
     try:
-        status = ledger.get_budget(dataset, pld_may_be_pending=True)
-        # Blocks the config declares otherwise than the ledger are its mistake (UsageError), as at the reservation.
-        check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
-        planned, privacy_unit, rows_per_person = plan_run(config).ledger_plan(status.privacy_unit)
-        release.sent("ledger", "fits")
-        report = ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+        _, _, report = job_fits_now(ledger, dataset, config)
         refused = next((check.refusal(dataset) for check in report.checks if not check.fits), None)
     except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
         refused = error
@@ -387,8 +381,8 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     is gone (released as a stopped run ends, or its lease ran out), a new one for the steps it did not charge."""
     config = trainer.config
     ledger = open_ledger(args.ledger or config.ledger, args.token)
-    say = trainer.say
     dataset = ledger_dataset_name(args.dataset_name, config)
+    say = trainer.say
     if trainer.resumed_reservation_id is None:
         register_embedded(ledger, args.dataset_name, config, say)
         job = reserve_steps(args, trainer, ledger, dataset, new_job_id(config.run_dir))
