@@ -235,7 +235,7 @@ def quietest_coordinates(config: TrainConfig, count: int, generator: np.random.G
     with torch.random.fork_rng():
         if config.seed is not None:
             torch.manual_seed(config.seed)  # the trainer's own initial weights
-        model = build_model(config.model)
+        model = build_model(config.model_spec)
     images, labels = load_split(config.dataset, "train", config.data_root)
     weights = flat_parameters(model)
     activity = np.zeros(parameter_count(model), dtype=np.float64)
@@ -275,7 +275,7 @@ def _check_request(config: TrainConfig, canaries: int, confidence: float, mode: 
     if not 0.0 < confidence < 1.0:
         raise UsageError(f"confidence must be in (0, 1), e.g. 0.95 (got {confidence!r})")
     if mode == "white-box":
-        parameters = parameter_count(build_model(config.model))
+        parameters = parameter_count(build_model(config.model_spec))
         if canaries > parameters:
             raise UsageError(
                 f"white-box canaries each need their own parameter: at most {parameters} for "

@@ -111,14 +111,14 @@ def released_model(release: RunRelease) -> nn.Module:
 
     Buffers are the checkpointed model's, as the run's model holds them.
     """
-    model = rebuilt_model(release.config.model, release.state.get("module_folder"))
+    model = rebuilt_model(release.config.model_spec, release.state.get("module_folder"))
     model.load_state_dict(release.state["model"])
     if release.config.ema_decay is not None:
         load_flat_parameters(model, release.state["ema_weights"])
     return model.eval()
 
 
-def rebuilt_model(spec: str, module_folder: str | None) -> nn.Module:
+def rebuilt_model(spec: str | dict, module_folder: str | None) -> nn.Module:
     """A fresh model of ``spec`` for a run's weights; UsageError (exit status 2) when its module does not import,
     naming the folders Python looked in and ``module_folder``, the one the run imported it from (None where the
     run recorded none), or when it does not build."""

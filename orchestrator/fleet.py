@@ -40,7 +40,7 @@ def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: in
         max_restarts=restarts,
         max_task_retries=restarts,
     ).remote(
-        config.model,
+        config.model_spec,
         config.dataset,
         config.train_subset,
         config.max_physical_batch,

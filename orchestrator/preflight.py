@@ -167,7 +167,7 @@ _NOT_THE_USERS = (*(Path(__file__).resolve().parents[1] / room for room in ("orc
 def build_checked_model(config: TrainConfig) -> nn.Module:
     """The config's model, built; a failure in the user's module is one UsageError naming its file and line."""
     try:
-        return build_model(config.model)
+        return build_model(config.model_spec)
     except Exception as error:  # noqa: BLE001 - any failure of the user's code is reported, one paragraph
         if isinstance(error, ValueError) and _users_frame(error) is None:
             raise UsageError(str(error)) from None  # a bad spec, worded by build_model

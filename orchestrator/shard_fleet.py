@@ -148,7 +148,7 @@ class ShardFleet:
             **release.UNRECORDED_BY_RAY, num_cpus=config.cpus_per_worker, num_gpus=config.gpus_per_worker,
             resources=dict(spec.resources), max_restarts=0,
         ).remote(
-            spec, shard, worker, config.seed, config.model, config.max_physical_batch,
+            spec, shard, worker, config.seed, config.model_spec, config.max_physical_batch,
             threads=config.cpus_per_worker, data_root=config.data_root, engine=config.engine, loss=config.loss,
             train_transforms=config.train_transforms, augmentations_per_example=config.augmentations_per_example,
             plan_ahead_steps=planned_batch_steps(config),

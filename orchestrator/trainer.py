@@ -376,7 +376,7 @@ class Trainer:
             "ema_weights": None if self.ema_weights is None else self.ema_weights.cpu().clone(),
             "optimizer_slices": self.optimizer_slices,
             # Where the model's module was imported from: the folder a later load from elsewhere names.
-            "module_folder": module_folder(self.config.model),
+            "module_folder": module_folder(self.config.model_spec),
         }
 
     def load_state(self, state: dict) -> None:

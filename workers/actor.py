@@ -109,7 +109,7 @@ class GradientWorker:
 
     def __init__(
         self,
-        model_spec: str,
+        model_spec: str | dict,
         dataset: str | dict,
         train_subset: int | None,
         max_physical_batch: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -142,12 +142,17 @@ def input_shape(name: str) -> tuple[int, int, int]:
     return (3, 32, 32) if name.endswith("_32") else (1, 28, 28)
 
 
-def build_model(spec: str, trained_in: str | None = None) -> nn.Module:
-    """Build a fresh model from a registry name (see ``MODEL_NAMES``) or ``package.module:function``.
+def build_model(spec: str | Mapping, trained_in: str | None = None) -> nn.Module:
+    """Build a fresh model from a registry name (see ``MODEL_NAMES``), ``package.module:function``, or a pretrained
+    model's spec (a ``model = { hf, task }`` table with its ``adapter``: ``workers.pretrained``).
 
     ``trained_in`` is the folder the module was imported from when the run
     trained (``module_folder``), which the error names when it does not import.
     """
+    if isinstance(spec, Mapping):
+        from workers.pretrained import build_pretrained
+
+        return build_pretrained(spec)
     if spec in _FACTORIES:
         return _FACTORIES[spec]()
     if spec.count(":") != 1 or not all(spec.split(":")) or spec.startswith("."):
@@ -174,10 +179,12 @@ def build_model(spec: str, trained_in: str | None = None) -> nn.Module:
     return model
 
 
-def module_folder(spec: str) -> str | None:
+def module_folder(spec: str | Mapping) -> str | None:
     """The folder a ``module:function`` spec's module was imported from: the entry of the import path that holds it
-    (its package's parent for ``package.module``). None for a built-in model, or a module not imported (or one
-    without a file)."""
+    (its package's parent for ``package.module``). None for a built-in model, a pretrained one, or a module not
+    imported (or one without a file)."""
+    if isinstance(spec, Mapping):
+        return None
     module_name = spec.partition(":")[0]
     module = sys.modules.get(module_name) if spec not in _FACTORIES else None
     path = getattr(module, "__file__", None)

@@ -65,7 +65,7 @@ class ShardWorker(GradientWorker):
         shard_index: int,
         worker_index: int,
         seed: int | None,
-        model_spec: str,
+        model_spec: str | dict,
         max_physical_batch: int,
         threads: int = 1,
         data_root: str | None = None,

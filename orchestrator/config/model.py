@@ -29,6 +29,7 @@ from orchestrator.config.sections import (
 )
 from orchestrator.errors import UsageError
 from orchestrator.shard_config import check_shard_mode
+from workers import pretrained_spec
 
 sources = LazyModule("workers.sources")
 silo_identity = LazyModule("workers.secure_aggregation.identity")
@@ -218,6 +219,21 @@ def _early_stopping(config: TrainConfig) -> None:
         raise UsageError(f"early_stopping_metric must be \"loss\" or one of the run's metrics "
                          f"({', '.join(config.metrics)}) (got {config.early_stopping_metric!r}); add it to metrics "
                          "or choose one of them")
+
+
+def _pretrained(config: TrainConfig) -> None:
+    if isinstance(config.model, str):
+        if config.adapter is not None:
+            raise UsageError("adapter adds LoRA factors to a pretrained model: set model = { hf = \"PATH\", task = "
+                             "\"...\" }, or leave adapter out")
+        return
+    task = config.model["task"]
+    loss = pretrained_spec.loss_of_task(task)
+    if "loss" not in config.model_fields_set:
+        _settle(config, loss=loss)
+    elif config.loss != loss:
+        raise UsageError(f"a pretrained model of task {task!r} trains on loss = \"{loss}\" (got {config.loss!r}): "
+                         "leave loss out, or set it to that")
 
 
 def _precision(config: TrainConfig) -> None:
@@ -439,7 +455,7 @@ def _mechanism(config: TrainConfig) -> None:
 
 KEY_RULES: tuple[Callable[[TrainConfig], None], ...] = (
     _one_length, _one_noise, _shard_mode, _chosen_blocks, _privacy_unit, _people_not_features, _lenient_rows,
-    _early_stopping, _precision, _augmentations,
+    _early_stopping, _pretrained, _precision, _augmentations,
     _layer_clipping, _aggregation, _planned_batches, _secure_aggregation, _noise_placement, _mechanism,
 )
 """The rules between keys, in the order their errors are listed; each raises UsageError."""

@@ -37,7 +37,7 @@ from orchestrator.shard_config import (
     shard_tables,
 )
 from orchestrator.table import table
-from workers import ShardSpec, names
+from workers import ShardSpec, names, pretrained_spec
 
 # Where a step's clipped sums are added up, noised and stepped on: see orchestrator/collective.py.
 AGGREGATIONS = ("auto", "driver", "collective")
@@ -251,10 +251,29 @@ class ModelSection(Section):
     """The network, the loss it is trained on, its test metrics and its augmentations."""
 
     title: ClassVar[str] = "model and task"
-    model: str = key(
-        "gdp_cnn", "The model: a built-in one, or a function returning an `nn.Module` (no BatchNorm).",
-        valid='`"gdp_cnn"`, `"opacus_cnn"`, `"lenet5"`, or `"package.module:function"`',
-        schema=_name_or_function(names.MODEL_NAMES),
+    model: str | dict = key(
+        "gdp_cnn",
+        "The model: a built-in one, a function returning an `nn.Module` (no BatchNorm), or a pretrained Hugging "
+        "Face model from a local folder, `{ hf = \"PATH\", task = ... }` (docs/fine-tuning.md); its task decides "
+        "the loss. `num_labels` sets a classifier's classes.",
+        kind="string or table",
+        valid='`"gdp_cnn"`, `"opacus_cnn"`, `"lenet5"`, `"package.module:function"`, or '
+              '`{ hf = "PATH", task = "sequence-classification" | "causal-lm" | "token-classification" }`',
+        schema={"anyOf": [_name_or_function(names.MODEL_NAMES),
+                          {"type": "object", "required": ["hf", "task"], "properties": {
+                              "hf": {"type": "string"}, "task": {"enum": list(pretrained_spec.TASKS)},
+                              "num_labels": {"type": "integer", "minimum": 2}}}]},
+    )
+    adapter: dict | None = key(
+        None,
+        "A LoRA adapter for a pretrained `model`, through peft: only its factors (and a classifier's new head) "
+        "are trained, clipped and noised; the frozen base never enters the clipped vector. Left out, every "
+        "parameter is trained (full fine-tuning).",
+        kind="table", shown_default="none (full fine-tuning)",
+        valid='`{ kind = "lora", r = 8, alpha = 16, dropout = 0.0, target_modules = ["q_proj", "v_proj"] }`',
+        schema={"type": "object", "required": ["kind", "target_modules"], "properties": {
+            "kind": {"enum": ["lora"]}, "r": {"type": "integer", "minimum": 1}, "alpha": {"type": "number"},
+            "dropout": {"type": "number"}, "target_modules": {"type": "array", "items": {"type": "string"}}}},
     )
     loss: str = key(
         "cross_entropy",
@@ -290,12 +309,34 @@ class ModelSection(Section):
 
     @field_validator("model", mode="plain")
     @classmethod
-    def _model(cls, value: Any) -> str:
+    def _model(cls, value: Any) -> str | dict:
+        if isinstance(value, Mapping):
+            try:
+                return pretrained_spec.parse_model_table(value)
+            except ValueError as error:
+                raise _usage(error) from None
         if not isinstance(value, str) or not (value in names.MODEL_NAMES or ":" in value):
             raise UsageError(
-                f"model must be one of {', '.join(names.MODEL_NAMES)} or 'package.module:function' (got {value!r})"
+                f"model must be one of {', '.join(names.MODEL_NAMES)}, 'package.module:function', or a table "
+                f"{{ hf = \"PATH\", task = \"...\" }} (got {value!r})"
             )
         return value
+
+    @field_validator("adapter", mode="plain")
+    @classmethod
+    def _adapter(cls, value: Any) -> dict | None:
+        try:
+            return pretrained_spec.parse_adapter(value)
+        except ValueError as error:
+            raise _usage(error) from None
+
+    @property
+    def model_spec(self) -> str | dict:
+        """What a worker builds the model from (``workers.models.build_model``): ``model``, with the ``adapter``
+        folded into a pretrained model's table."""
+        if isinstance(self.model, str):
+            return self.model
+        return {**self.model, "adapter": self.adapter}
 
     @field_validator("loss", mode="plain")
     @classmethod
