@@ -27,6 +27,7 @@ from orchestrator.config import TrainConfig  # noqa: E402
 from orchestrator import release  # noqa: E402
 from orchestrator.planning import RunPlan  # noqa: E402
 from orchestrator.run_record import RunRecord  # noqa: E402
+from workers.pretrained_spec import describe_model  # noqa: E402
 from workers.sources import spec_name  # noqa: E402
 
 
@@ -57,7 +58,7 @@ class RunReport:
         if config.seed is not None:
             self.say(release.line("seeded", seed=config.seed))
         self.say(release.line(
-            "run_start", model=config.model,
+            "run_start", model=describe_model(config.model_spec),
             data=f"{len(config.shards)} shards" if config.shards else spec_name(config.dataset),
             size=f"N={plan.dataset_size}" if plan.privacy_unit == "example" else f"{plan.dataset_size} users",
             steps=plan.steps, sampling_rate=f"{plan.sampling_rate:.4g}", sigma=f"{plan.noise_multiplier:.4g}",

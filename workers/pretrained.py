@@ -35,7 +35,9 @@ noised or sent. Without one, every parameter is trained (full fine-tuning).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import warnings
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -59,6 +61,24 @@ def load_tokenizer(path: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer
+
+
+@contextlib.contextmanager
+def _quietly() -> Iterator[None]:
+    """transformers' and peft's loading chatter held back: progress bars, load reports and deprecation warnings,
+    which every worker would print again. What a run says about its model is its own start line."""
+    logging = _transformers().utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def _first(token_id: int | list[int] | None, default: int) -> int:
@@ -143,9 +163,10 @@ def _is_decoder_only(model_type: str) -> bool:
 def build_pretrained(spec: Mapping) -> TokenModel:
     """The model a ``model = { hf, task }`` spec (as ``parse_model_table`` left it, with ``adapter`` where the job
     has one) names, in float32, ready to train: a ``TokenModel`` around it."""
-    model = _pretrained_model(spec)
-    if spec.get("adapter") is not None:
-        model = _with_adapter(model, spec["task"], spec["adapter"])
+    with _quietly():
+        model = _pretrained_model(spec)
+        if spec.get("adapter") is not None:
+            model = _with_adapter(model, spec["task"], spec["adapter"])
     config = model.config
     causal = spec["task"] == "causal-lm" or _is_decoder_only(config.model_type)
     token_types = getattr(config, "type_vocab_size", 0) > 0 and config.model_type != "gpt2"

@@ -102,3 +102,16 @@ def parse_adapter(value: Any) -> dict | None:
 def loss_of_task(task: str) -> str:
     """The dpfleet loss a pretrained model of ``task`` trains on."""
     return TASKS[task][1]
+
+
+def describe_model(spec: str | Mapping) -> str:
+    """A model spec in words for the run's start line: a name as given; a pretrained model's folder, task and what
+    of it is trained (a LoRA adapter's factors only, or every parameter)."""
+    if isinstance(spec, str):
+        return spec
+    adapter = spec.get("adapter")
+    trained = ("full fine-tuning: every parameter trained" if adapter is None else
+               f"LoRA r={adapter['r']}, alpha={adapter['alpha']:g} on {', '.join(adapter['target_modules'])}: "
+               "only the adapter is trained, clipped and noised; the base is frozen")
+    return f"{spec['hf']} ({spec['task']}; {trained})"
+
