@@ -36,11 +36,13 @@ def check_folder(path: str) -> None:
     """Raise ValueError unless ``path`` is a local folder holding a saved model's config.json: a hub name is
     refused with how to download it first."""
     if not os.path.isdir(path):
+        name = os.path.relpath(path)  # a hub name, made absolute by parse_model_table, as the config gave it
         raise ValueError(
-            f"model.hf = {path!r} is not a folder on this machine; dpfleet loads pretrained models from local folders "
-            "only (workers never reach a hub): download it first, e.g. `hf download NAME --local-dir ./NAME`, or in "
-            "Python `AutoModel.from_pretrained(NAME).save_pretrained('./NAME')` with its tokenizer, then set "
-            "hf = \"./NAME\"")
+            f"model.hf = {name!r} is not a folder on this machine ({path}); dpfleet loads pretrained models from "
+            "local folders only (workers never reach a hub): download it first, e.g. `hf download "
+            f"{name} --local-dir ./{os.path.basename(path)}`, or in Python `AutoModel.from_pretrained({name!r})"
+            f".save_pretrained('./{os.path.basename(path)}')` with its tokenizer, then set hf = "
+            f"\"./{os.path.basename(path)}\"")
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model.hf = {path!r} holds no config.json: give the folder that save_pretrained wrote")
 
