@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from reference import clipped_sum_by_loop, per_example_gradients_by_loop, relative_error
 from workers.clipping import LossFunction
-from workers.engines import ENGINES, clipped_sum
+from workers.engines import ENGINES, clipped_sum, engine_plan
 from workers.layer_rules import rule_for
 from workers.models import flat_parameters
 
@@ -223,6 +223,51 @@ class CalledTwice(nn.Module):
         return self.head(torch.tanh(self.layer(torch.tanh(self.layer(inputs)))))
 
 
+def transformers_conv1d(out_features: int, in_features: int) -> nn.Module:
+    """transformers' Conv1D (GPT-2's layer: x @ weight + bias, weight [in, out]); skips the test without transformers."""
+    return pytest.importorskip("transformers.pytorch_utils").Conv1D(out_features, in_features)
+
+
+def llama_rms_norm(width: int) -> nn.Module:
+    """transformers' LlamaRMSNorm with a weight away from its initial ones; skips the test without transformers."""
+    layer = pytest.importorskip("transformers.models.llama.modeling_llama").LlamaRMSNorm(width, eps=1e-6)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+    return layer
+
+
+class HuggingFaceLanguageModel(nn.Module):
+    """A transformers causal LM on token ids [B, T]: its logits [B, T, V], position ids counted from each example's
+    own ids (so that they carry the batch, as dpfleet's pretrained models make them)."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, token_ids: Tensor) -> Tensor:
+        positions = torch.ones_like(token_ids).cumsum(-1) - 1
+        return self.hf(input_ids=token_ids, position_ids=positions).logits
+
+
+def tiny_gpt2() -> nn.Module:
+    """One GPT-2 block (Conv1D, LayerNorm, embeddings), untied head, no dropout; skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_embd=WIDTH, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, attn_implementation="eager")
+    return HuggingFaceLanguageModel(transformers.GPT2LMHeadModel(config))
+
+
+def tiny_llama() -> nn.Module:
+    """One Llama block (Linear, LlamaRMSNorm, rotary positions), untied head; skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=WIDTH, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, max_position_embeddings=LENGTH, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=False, attn_implementation="eager")
+    return HuggingFaceLanguageModel(transformers.LlamaForCausalLM(config))
+
+
 def frozen(module: nn.Module, *names: str) -> nn.Module:
     """``module`` with the named parameters (all when none are named) set to requires_grad=False."""
     for name, parameter in module.named_parameters():
@@ -322,6 +367,10 @@ ZOO: dict[str, ZooCase] = {
         lambda: nn.Sequential(nn.Conv1d(2, 3, 2), nn.InstanceNorm1d(3, affine=True)), 2, 5)),
     "instance_norm2d_affine": ZooCase(classified(
         lambda: nn.Sequential(nn.Conv2d(2, 3, 2), nn.InstanceNorm2d(3, affine=True)), 2, 4, 4)),
+    "rms_norm_on_sequences": ZooCase(sequence_layer_model(
+        lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.RMSNorm(WIDTH, eps=1e-6)))),
+    "rms_norm_over_two_dimensions_default_eps": ZooCase(sequence_layer_model(
+        lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.RMSNorm((LENGTH, WIDTH))))),
     # Attention.
     "multihead_attention_causal_sequence_first": ZooCase(sequence_layer_model(
         lambda: SelfAttention(WIDTH, 2, batch_first=False, causal=True))),
@@ -336,6 +385,15 @@ ZOO: dict[str, ZooCase] = {
         Recurrent(nn.GRU(WIDTH, WIDTH, batch_first=True))))),
     "lstm_text_classifier": ZooCase(on_tokens(lambda: TextClassifier(
         Recurrent(nn.LSTM(WIDTH, WIDTH, num_layers=2, batch_first=True))))),
+    # Hugging Face transformers' layers (skipped without transformers).
+    # More outputs (12) than twice the positions (5): the ghost norm; 4 outputs on 10 positions: instantiation.
+    "transformers_conv1d_on_sequences": ZooCase(sequence_layer_model(lambda: transformers_conv1d(12, WIDTH))),
+    "transformers_conv1d_called_twice": ZooCase(sequence_layer_model(
+        lambda: CalledTwice(transformers_conv1d(WIDTH, WIDTH), nn.Identity()))),
+    "llama_rms_norm_on_sequences": ZooCase(sequence_layer_model(
+        lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), llama_rms_norm(WIDTH)))),
+    "tiny_gpt2_language_model": ZooCase(on_tokens(tiny_gpt2, token_labels=True), token_cross_entropy),
+    "tiny_llama_language_model": ZooCase(on_tokens(tiny_llama, token_labels=True), token_cross_entropy),
     # Tied and reused parameters.
     "tied_through_modules": ZooCase(on_tokens(lambda: LanguageModel(nn.Linear(WIDTH, WIDTH), tie=True),
                                               token_labels=True), token_cross_entropy),
@@ -513,6 +571,23 @@ def test_no_example_moves_the_sum_by_more_than_the_clip_norm(name, engine):
         contributions.append((everyone - engine_sum(engine, reference, ZOO[name].loss_fn, keep).double()).norm())
     largest = max(contributions).item() / reference.clip_norm
     assert largest <= 1 + BOUND_SLACK, f"{engine} engine: one example moves the sum by {largest:.6f} C"
+
+
+# Every layer of these models has a book-keeping rule: none may take the vmap fallback.
+BOOK_KEEPING_ONLY = [
+    "rms_norm_on_sequences", "rms_norm_over_two_dimensions_default_eps", "transformers_conv1d_on_sequences",
+    "transformers_conv1d_called_twice", "llama_rms_norm_on_sequences", "tiny_gpt2_language_model",
+    "tiny_llama_language_model",
+]
+
+
+@pytest.mark.parametrize("name", BOOK_KEEPING_ONLY)
+def test_rms_norm_and_transformers_layers_run_on_book_keeping_rules(name):
+    reference = zoo_reference(name)
+    engine_sum("fast", reference, ZOO[name].loss_fn)
+    plan = engine_plan(reference.model)
+    assert plan.fallback is None
+    assert all(how.startswith("fast") for _, how in plan.layers), plan.describe()
 
 
 TEXT_LAYERS = {

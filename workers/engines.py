@@ -13,8 +13,9 @@ The fast engine, for each chunk of at most ``max_physical_batch`` examples:
    tensors that do not require grad, so the one backward pass computes output
    gradients only: no weight gradients, and no input gradient for a first layer.
 2. The rule registered for the layer's type (``workers.layer_rules``,
-   ``workers.sequence_rules``) turns (input, output gradient) into the
-   per-example squared norm of each of its parameters' gradients.
+   ``workers.sequence_rules``, ``workers.transformer_rules``) turns (input,
+   output gradient) into the per-example squared norm of each of its
+   parameters' gradients.
 3. Per-parameter norms add up to each example's total norm and clip factor;
    each parameter's clipped sum is then the weight-gradient half of a backward
    pass in which example i's loss is weighted by its clip factor, formed from
@@ -57,8 +58,8 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-# sequence_rules is imported for its rules, which it registers with layer_rules' registry.
-from workers import clipping, sequence_rules  # noqa: F401
+# sequence_rules and transformer_rules are imported for their rules, which they register with layer_rules' registry.
+from workers import clipping, sequence_rules, transformer_rules  # noqa: F401
 from workers.layer_rules import (
     LayerCall,
     LayerRule,

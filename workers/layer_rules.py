@@ -8,11 +8,13 @@ norm (from two Gram matrices, never forming the per-example gradients) or by
 instantiating the per-example gradients, whichever costs less for the layer's
 shape (``instantiation_is_cheaper``).
 
-This module holds the registry (``register_rule``, ``rule_for``), the shared
-math, the rules for Linear, Conv2d, Embedding, GroupNorm, LayerNorm and
-MultiheadAttention, and ``vmap_rule``, the torch.func fallback for one module.
-``workers.sequence_rules`` registers the rules for recurrent layers and
-EmbeddingBag; ``workers.engines`` imports both before it looks a rule up.
+This module holds the registry (``register_rule``, ``register_rule_by_name``,
+``rule_for``), the shared math, the rules for Linear, Conv2d, Embedding,
+GroupNorm, LayerNorm, RMSNorm and MultiheadAttention, and ``vmap_rule``, the
+torch.func fallback for one module. ``workers.sequence_rules`` registers the
+rules for recurrent layers and EmbeddingBag, ``workers.transformer_rules``
+those for Hugging Face transformers' layers; ``workers.engines`` imports them
+before it looks a rule up.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class _Registered:
 
 
 _RULES: dict[type[nn.Module], _Registered] = {}
+_RULES_BY_NAME: list[tuple[Callable[[type[nn.Module]], bool], _Registered]] = []
 
 
 def register_rule(
@@ -130,9 +133,30 @@ def register_rule(
     return add
 
 
+def register_rule_by_name(
+    names_the_type: Callable[[type[nn.Module]], bool], supports: Callable[[nn.Module], bool] = lambda layer: True
+) -> Callable[[LayerRule], LayerRule]:
+    """Register a rule for the layer types that ``names_the_type`` accepts, judged by their module and class name.
+
+    For the layers of a library dpfleet does not depend on (``transformers``):
+    a type is recognised without importing its library, so the registration
+    costs nothing and is the same whether the library is installed or not.
+    A type registered by ``register_rule`` is looked up first; ``supports``
+    declines a layer as there.
+    """
+
+    def add(rule: LayerRule) -> LayerRule:
+        _RULES_BY_NAME.append((names_the_type, _Registered(rule, supports)))
+        return rule
+
+    return add
+
+
 def rule_for(layer: nn.Module) -> LayerRule | None:
     """The registered rule for this layer, or None when it takes the vmap fallback."""
-    registered = _RULES.get(type(layer))
+    registered = _RULES.get(type(layer)) or next(
+        (registered for names_the_type, registered in _RULES_BY_NAME if names_the_type(type(layer))), None
+    )
     if registered is None or not registered.supports(layer):
         return None
     return registered.rule
@@ -230,13 +254,30 @@ def linear_rule(
     layer: nn.Linear, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
 ) -> dict[str, ParameterGradients]:
     """Linear on [B, d] or [B, *, d] inputs: ghost norm or instantiation for the weight, sums for the bias."""
-    inputs = _joined([call.input.reshape(batch_size, -1, layer.in_features) for call in calls], 1)
-    output_grads = _joined([call.output_grad.reshape(batch_size, -1, layer.out_features) for call in calls], 1)
+    return affine_map_gradients(
+        params, calls, batch_size, layer.in_features, layer.out_features,
+        lambda summed: summed.view(layer.out_features, layer.in_features),
+    )
+
+
+def affine_map_gradients(
+    params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int, in_features: int, out_features: int,
+    weight_layout: Callable[[Tensor], Tensor],
+) -> dict[str, ParameterGradients]:
+    """Per-example gradients of y = x A^T + b on [B, d] or [B, *, d] inputs, whatever layout holds the matrix A.
+
+    A is [out_features, in_features]; ``weight_layout`` maps a sum of such
+    gradients, [1, out_features, in_features], to the weight parameter's
+    shape (nn.Linear holds A, transformers' Conv1D A^T). The weight takes the
+    ghost norm or instantiation by ``instantiation_is_cheaper``; the bias is
+    summed over positions.
+    """
+    inputs = _joined([call.input.reshape(batch_size, -1, in_features) for call in calls], 1)
+    output_grads = _joined([call.output_grad.reshape(batch_size, -1, out_features) for call in calls], 1)
     result = {}
     if "weight" in params:
         result["weight"] = outer_product_gradients(
-            output_grads.transpose(1, 2).unsqueeze(1), inputs.unsqueeze(1),
-            lambda summed: summed.view(layer.out_features, layer.in_features),
+            output_grads.transpose(1, 2).unsqueeze(1), inputs.unsqueeze(1), weight_layout,
         )
     if "bias" in params:
         result["bias"] = instantiated(output_grads.sum(1))
@@ -378,11 +419,16 @@ def embedding_rule(
     return {"weight": ParameterGradients(squared, weight_sum, "ghost")}
 
 
-def _affine_gradients(
+def affine_gradients(
     params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int, normalize: Callable[[Tensor], Tensor],
     reduce: Callable[[Tensor], Tensor],
 ) -> dict[str, ParameterGradients]:
-    """Per-example gradients of a normalisation layer's elementwise affine: weight sum(g * x_hat), bias sum(g)."""
+    """Per-example gradients of a normalisation layer's elementwise affine: weight sum(g * x_hat), bias sum(g).
+
+    ``normalize`` maps a recorded input x to x_hat, as the layer computes it;
+    ``reduce`` sums a product shaped like the input over each example's
+    positions that share one weight entry.
+    """
     result = {}
     if "weight" in params:
         result["weight"] = instantiated(
@@ -402,7 +448,7 @@ def group_norm_rule(
     layer: nn.GroupNorm, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
 ) -> dict[str, ParameterGradients]:
     """GroupNorm affine parameters, per channel: sums over each example's positions."""
-    return _affine_gradients(
+    return affine_gradients(
         params, calls, batch_size,
         normalize=lambda x: F.group_norm(x, layer.num_groups, eps=layer.eps),
         reduce=lambda t: t.reshape(batch_size, layer.num_channels, -1).sum(2),
@@ -414,12 +460,28 @@ def layer_norm_rule(
     layer: nn.LayerNorm, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
 ) -> dict[str, ParameterGradients]:
     """LayerNorm affine parameters: sums over each example's positions outside the normalised shape."""
-    normalized_size = math.prod(layer.normalized_shape)
-    return _affine_gradients(
+    return affine_gradients(
         params, calls, batch_size,
         normalize=lambda x: F.layer_norm(x, layer.normalized_shape, eps=layer.eps),
-        reduce=lambda t: t.reshape(batch_size, -1, normalized_size).sum(1),
+        reduce=over_positions(batch_size, math.prod(layer.normalized_shape)),
     )
+
+
+@register_rule(nn.RMSNorm)
+def rms_norm_rule(
+    layer: nn.RMSNorm, params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int
+) -> dict[str, ParameterGradients]:
+    """RMSNorm weight: sum over each example's positions of the output gradient times the normalised input."""
+    return affine_gradients(
+        params, calls, batch_size,
+        normalize=lambda x: F.rms_norm(x, layer.normalized_shape, eps=layer.eps),
+        reduce=over_positions(batch_size, math.prod(layer.normalized_shape)),
+    )
+
+
+def over_positions(batch_size: int, normalized_size: int) -> Callable[[Tensor], Tensor]:
+    """The sum over each example's positions of a tensor whose last dimensions hold ``normalized_size`` entries."""
+    return lambda tensor: tensor.reshape(batch_size, -1, normalized_size).sum(1)
 
 
 # ---------------------------------------------------------------------------
