@@ -158,6 +158,9 @@ DRY_RUN_EXAMPLES = 2
 # What to do when the model fails on examples of the data's shape; a table may also be reshaped by its shape key.
 SHAPE_FIX = "make the model take inputs of this shape (its first layer's input size or channels)"
 SHAPE_KEY_FIX = "set the dataset's shape key (e.g. shape = [1, 28, 28] for one-channel 28x28 images)"
+# ... and when token ids are cut and padded to the dataset's max_length, which may exceed the model's positions.
+MAX_LENGTH_FIX = ("set the dataset's max_length to at most the tokens the model takes (its config's "
+                  "max_position_embeddings or n_positions)")
 # The rooms of dpfleet itself and of the libraries under it: a failure's place in the user's code is the last frame
 # outside them.
 _NOT_THE_USERS = (*(Path(__file__).resolve().parents[1] / room for room in ("orchestrator", "workers", "accounting")),
@@ -232,11 +235,17 @@ def training_schemas(config: TrainConfig) -> list[tuple[str | dict, SplitSchema 
     return found
 
 
+def _example_schema(data: SplitSchema) -> ExampleSchema:
+    """The shapes and dtypes of one example of a split (``data``), as the engines and synthetic examples take them:
+    float32 or int64 inputs (token ids), and one label or one per token."""
+    return ExampleSchema(data.input_shape, torch.float32 if data.input_floating else torch.int64, data.label_shape,
+                         torch.float32 if data.label_floating else torch.int64)
+
+
 def _dry_run_on(config: TrainConfig, model: nn.Module, spec: str | dict, data: SplitSchema,
                 say: Callable[[str], None]) -> int | None:
     """``dry_run`` on one dataset of schema ``data``: the model's output width where it numbers the classes."""
-    data_schema = ExampleSchema(data.input_shape, torch.float32 if data.input_floating else torch.int64, (),
-                                torch.float32 if data.label_floating else torch.int64)
+    data_schema = _example_schema(data)
     trial = copy.deepcopy(model).train()
     random_state = torch.get_rng_state()
     try:
@@ -250,8 +259,11 @@ def _dry_run_on(config: TrainConfig, model: nn.Module, spec: str | dict, data: S
             with _layers_entered(trial) as entered:
                 outputs = trial(inputs)
         except Exception as error:  # noqa: BLE001 - the user's model, reported one paragraph
-            fix, why = _shape_fix(entered, data.input_shape, schema != data_schema,
-                                  isinstance(spec, dict) and spec["format"] != "imagefolder")
+            if isinstance(spec, dict) and "max_length" in spec:
+                fix, why = MAX_LENGTH_FIX, ""
+            else:
+                fix, why = _shape_fix(entered, data.input_shape, schema != data_schema,
+                                      isinstance(spec, dict) and spec["format"] != "imagefolder")
             raise UsageError(_failure(f"the model's forward pass on {where}", error, fix, why)) from None
         _, labels = synthetic_examples(trial, schema, DRY_RUN_EXAMPLES)
         try:
@@ -434,6 +446,8 @@ def _difference(train: SplitSchema, test: SplitSchema) -> str:
     if train.input_shape != test.input_shape or train.columns != test.columns:
         return (f"training examples have shape {list(train.input_shape)}, test examples {list(test.input_shape)}"
                 if train.input_shape != test.input_shape else "the feature columns are in another order")
+    if train.label_shape != test.label_shape:
+        return f"training labels have shape {list(train.label_shape)}, test labels {list(test.label_shape)}"
     kinds = [("floating-point" if floating else "integer") for floating in
              (train.input_floating, test.input_floating, train.label_floating, test.label_floating)]
     return (f"training features are {kinds[0]} and labels {kinds[2]}; test features are {kinds[1]} and labels "

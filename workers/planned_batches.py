@@ -82,7 +82,9 @@ class PlannedDataset:
     ``columns`` and ``label`` name the feature and label columns, ``shape``
     each example's (the spec's, or None); ``no_rows`` are (features,
     labels) of no rows in the dtypes and widths that reads give, so that a
-    worker knows an example's shape without reading one.
+    worker knows an example's shape without reading one (labels [0] or,
+    one per token, [0, T]). ``max_length`` is the spec's: list columns are
+    cut and padded to it as they are gathered.
     """
 
     paths: tuple[str, ...]
@@ -91,6 +93,7 @@ class PlannedDataset:
     label: str
     shape: tuple[int, ...] | None
     no_rows: tuple[np.ndarray, np.ndarray]
+    max_length: int | None = None
 
     @property
     def size(self) -> int:
@@ -101,10 +104,10 @@ class PlannedDataset:
     def row_bytes(self) -> int:
         """One example's bytes as a worker reads it (features and label)."""
         features, labels = self.no_rows
-        return features.itemsize * int(np.prod(features.shape[1:])) + labels.itemsize
+        return features.itemsize * int(np.prod(features.shape[1:])) + labels.itemsize * int(np.prod(labels.shape[1:]))
 
     def no_rows_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``no_rows`` as the tensors a read of no rows gives: features [0, *shape], labels [0]."""
+        """``no_rows`` as the tensors a read of no rows gives: features [0, *shape], labels [0] (or [0, T])."""
         return _feature_tensor(self.no_rows[0], self.shape), _label_tensor(self.no_rows[1])
 
 
@@ -124,14 +127,16 @@ def read_planned_dataset(spec: Mapping) -> PlannedDataset:
     first = pq.ParquetFile(paths[0], pre_buffer=False, buffer_size=1 << 20)
     columns, _ = _check_schema(spec, first.schema_arrow, paths[0])
     batch = next(first.iter_batches(batch_size=1, columns=[*columns, label], use_threads=False))
-    features, labels = _table_to_numpy(pa.Table.from_batches([batch]).slice(0, 1), columns, label)
+    features, labels = _table_to_numpy(pa.Table.from_batches([batch]).slice(0, 1), columns, label,
+                                       spec.get("max_length"))
     counts = [first.metadata.num_rows]
     del first
     counts += [pq.ParquetFile(path).metadata.num_rows for path in paths[1:]]
     shape = spec.get("shape")
     return PlannedDataset(tuple(paths), tuple(int(count) for count in counts), tuple(columns), label,
                           None if shape is None else tuple(shape),
-                          (_feature_array(features)[:0].copy(), _label_array(labels)[:0].copy()))
+                          (_feature_array(features)[:0].copy(), _label_array(labels)[:0].copy()),
+                          spec.get("max_length"))
 
 
 def read_planned_dataset_beside(spec: Mapping) -> PlannedDataset:
@@ -361,12 +366,14 @@ def write_step_batches(features: np.ndarray, labels: np.ndarray, plan: WindowPla
     Every (step, worker) has its file, an empty share too, and each holds
     its row count, features and labels padded with zeros to `capacity`
     rows (`share_capacity`), sealed by `seal` (`workers.window_keys`). The
-    files are 0600, created anew (never overwritten).
+    files are 0600, created anew (never overwritten). Labels may be one
+    per example or one per token ([rows, T]).
     """
     keys = plan.steps * workers + plan.workers
     order = np.lexsort((plan.positions, keys))
     features, labels, keys = features[order], labels[order], keys[order]
     row_features = features.itemsize * features.shape[1]
+    row_labels = labels.itemsize * int(np.prod(labels.shape[1:]))
     for step in steps:
         for worker in range(workers):
             start, stop = np.searchsorted(keys, [step * workers + worker, step * workers + worker + 1])
@@ -374,7 +381,7 @@ def write_step_batches(features: np.ndarray, labels: np.ndarray, plan: WindowPla
             slots = _padded_length(rows, capacity)
             plaintext = b"".join([rows.to_bytes(8, "little"), features[start:stop].tobytes(),
                                   bytes((slots - rows) * row_features), labels[start:stop].tobytes(),
-                                  bytes((slots - rows) * labels.itemsize)])
+                                  bytes((slots - rows) * row_labels)])
             descriptor = os.open(_batch_path(folder, step, worker), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(descriptor, "wb") as handle:
                 handle.write(seal.seal(plaintext, step, worker))
@@ -402,7 +409,8 @@ def _gather_files(items: dict[str, np.ndarray], dataset: PlannedDataset, folder:
             read_groups.extend(groups)
     features, labels = dataset.no_rows
     if taken:
-        features, labels = _table_to_numpy(pa.Table.from_batches(taken), list(dataset.columns), dataset.label)
+        features, labels = _table_to_numpy(pa.Table.from_batches(taken), list(dataset.columns), dataset.label,
+                                           dataset.max_length)
         features, labels = _feature_array(features).reshape(len(labels), -1), _label_array(labels)
     seal = WindowSeal(run)
     write_step_batches(features, labels, plan, folder, steps, workers, capacity, seal)
@@ -499,11 +507,12 @@ def read_planned_batch(batch: PlannedBatch, dataset: PlannedDataset) -> tuple[to
     if not rows:
         return None
     no_features, no_labels = dataset.no_rows
-    width = no_features.shape[1]
+    width, label_width = no_features.shape[1], int(np.prod(no_labels.shape[1:]))
     # The file's slots past its rows are padding: the labels start after every slot's features.
-    slots = (len(plaintext) - 8) // (no_features.itemsize * width + no_labels.itemsize)
+    slots = (len(plaintext) - 8) // (no_features.itemsize * width + no_labels.itemsize * label_width)
     features = np.frombuffer(plaintext, no_features.dtype, rows * width, 8).reshape(rows, width)
-    labels = np.frombuffer(plaintext, no_labels.dtype, rows, 8 + slots * width * no_features.itemsize)
+    labels = np.frombuffer(plaintext, no_labels.dtype, rows * label_width, 8 + slots * width * no_features.itemsize)
+    labels = labels.reshape(rows, *no_labels.shape[1:])
     return _feature_tensor(features.copy(), dataset.shape), _label_tensor(labels.copy())
 
 

@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 
 from workers import data
 from workers.lazy import LazyModule
+from workers.pretrained_spec import IGNORED_LABEL, PAD_INPUT
 
 # Only reading examples as tensors needs torch; sizes, columns and block selections come from metadata.
 torch = LazyModule("torch")
@@ -61,7 +62,7 @@ PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 # The formats whose invalid rows check_data = "lenient" can drop (``drop_invalid_rows`` in their spec).
 LENIENT_FORMATS = ("parquet", "csv", "npy", "npz")
 _FORMAT_KEYS = {
-    "parquet": {"features", "exclude_columns", "label", "shape"},
+    "parquet": {"features", "exclude_columns", "label", "shape", "max_length"},
     "csv": {"features", "exclude_columns", "label", "shape"},
     "npy": {"shape"},
     "npz": {"features", "label", "shape"},
@@ -93,7 +94,8 @@ class ExampleSource(Protocol):
         """Number of examples in the split."""
 
     def read(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs [len(indices), ...] and labels [len(indices)] of the examples at ``indices``, in that order."""
+        """Inputs [len(indices), ...] and labels [len(indices)] (or [len(indices), T], a label per token) of the
+        examples at ``indices``, in that order."""
 
 
 # --- specs --------------------------------------------------------------------
@@ -160,6 +162,14 @@ def parse_spec(value: Any) -> str | dict:
         shape = spec["shape"]
         if not (isinstance(shape, list) and shape and all(isinstance(n, int) and n >= 1 for n in shape)):
             raise ValueError(f"dataset.shape must be a list of integers >= 1, e.g. [1, 28, 28] (got {shape!r})")
+    if "max_length" in spec:
+        length = spec["max_length"]
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"dataset.max_length must be an integer >= 1, the tokens each example is cut or padded "
+                             f"to (got {length!r})")
+        if "shape" in spec:
+            raise ValueError("dataset.max_length cuts and pads one list column of token ids to a length, and shape "
+                             "reshapes fixed-length features: give one or the other")
     if "num_classes" in spec:
         count = spec["num_classes"]
         if isinstance(count, bool) or not isinstance(count, int) or count < 2:
@@ -438,7 +448,8 @@ class DroppedRows:
     """What a table's ``drop_invalid_rows`` (check_data = "lenient") leaves out of a split, in counts of rows.
 
     ``not_finite`` rows have a NaN or infinite feature (or floating label);
-    ``label_outside`` rows have an integer label outside 0..num_classes-1.
+    ``label_outside`` rows have an integer label outside 0..num_classes-1 (a label per token may also be
+    IGNORED_LABEL).
     ``kept`` holds the positions of the other rows, in order.
     """
 
@@ -490,6 +501,8 @@ def _valid_rows(spec: Mapping, split: str, source: ExampleSource) -> DroppedRows
             rows_inside = torch.ones(len(labels), dtype=torch.bool)
             if num_classes is not None and not labels.is_floating_point():
                 rows_inside = (labels >= 0) & (labels < num_classes)
+                if labels.dim() > 1:  # a label per token; IGNORED_LABEL marks one that does not count
+                    rows_inside = (rows_inside | (labels == IGNORED_LABEL)).reshape(len(labels), -1).all(dim=1)
             finite.append(rows_finite.numpy())
             inside.append(rows_inside.numpy())
         finite, inside = np.concatenate(finite), np.concatenate(inside)
@@ -521,8 +534,8 @@ def read_features(spec: Mapping, location: str) -> torch.Tensor:
             tables = [pa.Table.from_batches([batch]) for _, batch in _csv_batches(path, filesystem)]
         for table in tables:
             columns = _feature_columns(spec, table.schema, path, label_required=False)
-            _check_feature_types(table.schema, columns, path)
-            parts.append(_table_to_numpy(table, columns, None)[0])
+            _check_feature_types(table.schema, columns, path, spec.get("max_length"))
+            parts.append(_table_to_numpy(table, columns, None, spec.get("max_length"))[0])
     if not parts or not sum(len(part) for part in parts):
         raise DataError(f"{location}: no rows to predict on")
     return _feature_tensor(np.concatenate(parts), spec.get("shape"))
@@ -791,24 +804,54 @@ def _feature_columns(spec: Mapping, schema: pa.Schema, file_name: str, label_req
 
 
 def _check_schema(spec: Mapping, schema: pa.Schema, file_name: str) -> tuple[list[str], int | None]:
-    """Feature columns and, for one fixed-size list column, its length; refuses non-numeric types."""
+    """Feature columns and, for one fixed-size list column (any list column with ``max_length``), each example's
+    length; refuses non-numeric types, and a label column that is neither numbers nor a list of integers."""
     columns = _feature_columns(spec, schema, file_name)
     label = spec.get("label", "label")
     label_type = schema.field(label).type
-    if not (pa.types.is_integer(label_type) or pa.types.is_floating(label_type)):
+    if _is_list(label_type) and not pa.types.is_integer(label_type.value_type):
+        raise DataError(f"{file_name}: column {label!r} has type {label_type}; a list of labels (one per token) must "
+                        f"hold integers: classes, or {IGNORED_LABEL} where a token does not count")
+    if not (_is_list(label_type) or pa.types.is_integer(label_type) or pa.types.is_floating(label_type)):
         raise DataError(f"{file_name}: column {label!r} has type {label_type}; labels must be integers "
-                        "(classes) or floating point (targets)")
-    return columns, _check_feature_types(schema, columns, file_name)
+                        "(classes) or floating point (targets), or a list of integers (one class per token)")
+    length = _check_feature_types(schema, columns, file_name, spec.get("max_length"))
+    if _is_list(label_type) and "max_length" not in spec:
+        if not pa.types.is_fixed_size_list(label_type) or length is None:
+            which = f"column {label!r} is a list of labels of any length" if length is not None else \
+                f"column {label!r} is a list of labels and column {columns[0]!r} a list of token ids of any length"
+            raise DataError(f"{file_name}: {which}; set dataset.max_length = N to cut each example's "
+                            f"token ids and labels to N and pad them (ids with {PAD_INPUT}, labels with "
+                            f"{IGNORED_LABEL})")
+        if label_type.list_size != length:
+            raise DataError(f"{file_name}: column {label!r} holds {label_type.list_size} labels per example and the "
+                            f"features {length} values; a list of labels gives one label per token: write one per "
+                            "token id, or set dataset.max_length = N to cut and pad both to N")
+    return columns, length
 
 
-def _check_feature_types(schema: pa.Schema, columns: list[str], file_name: str) -> int | None:
-    """Refuses non-numeric feature columns; returns the feature length (None for a variable-length list column)."""
+def _check_feature_types(schema: pa.Schema, columns: list[str], file_name: str,
+                         max_length: int | None = None) -> int | None:
+    """Refuses non-numeric feature columns; returns the feature length (None for a variable-length list column).
+
+    With ``max_length`` the features must be one list column of integers
+    (token ids), which reads cut and pad to that length.
+    """
     if len(columns) == 1 and _is_list(schema.field(columns[0]).type):
         list_type = schema.field(columns[0]).type
         if not _is_numeric(list_type.value_type):
             raise DataError(f"{file_name}: column {columns[0]!r} has type {list_type}; features must be lists "
                             "of numbers")
+        if max_length is not None:
+            if not pa.types.is_integer(list_type.value_type):
+                raise DataError(f"{file_name}: column {columns[0]!r} has type {list_type}; dataset.max_length cuts "
+                                "and pads token ids, which are integers: leave max_length out for other features")
+            return max_length
         return list_type.list_size if pa.types.is_fixed_size_list(list_type) else None
+    if max_length is not None:
+        raise DataError(f"{file_name}: dataset.max_length cuts and pads one list column of token ids, and the "
+                        f"features are the column(s) {', '.join(columns)}; name the token ids' column in the "
+                        "dataset's features key")
     for name in columns:
         if not _is_numeric(schema.field(name).type):
             raise DataError(f"{file_name}: column {name!r} has type {schema.field(name).type}; features must be "
@@ -824,15 +867,36 @@ def _is_numeric(data_type: pa.DataType) -> bool:
     return pa.types.is_integer(data_type) or pa.types.is_floating(data_type) or pa.types.is_boolean(data_type)
 
 
-def _table_to_numpy(table: pa.Table, columns: list[str], label: str | None) -> tuple[np.ndarray, np.ndarray | None]:
-    """(features [rows, length], labels [rows]) of a decoded table; labels None when ``label`` is None."""
+def _table_to_numpy(table: pa.Table, columns: list[str], label: str | None,
+                    max_length: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """(features [rows, length], labels [rows] or [rows, tokens]) of a decoded table; labels None when ``label`` is
+    None. With ``max_length``, a list column's rows are cut to that length and padded: features (token ids) with
+    PAD_INPUT, a list of labels with IGNORED_LABEL."""
     if len(columns) == 1 and _is_list(table.schema.field(columns[0]).type):
-        values = table.column(columns[0]).combine_chunks()
-        flat = values.flatten().to_numpy(zero_copy_only=False)
-        features = flat.reshape(len(values), -1) if len(values) else flat.reshape(0, 0)
+        features = _list_rows(table.column(columns[0]), max_length, PAD_INPUT)
     else:
         features = np.stack([table.column(name).to_numpy() for name in columns], axis=1)
-    return features, None if label is None else table.column(label).to_numpy()
+    if label is None:
+        return features, None
+    if _is_list(table.schema.field(label).type):
+        return features, _list_rows(table.column(label), max_length, IGNORED_LABEL)
+    return features, table.column(label).to_numpy()
+
+
+def _list_rows(column: pa.ChunkedArray, length: int | None, fill: int) -> np.ndarray:
+    """A list column as an array of one row per example: as stored without ``length`` (every list of one size),
+    else each list cut to ``length`` values and padded with ``fill``, as int64."""
+    values = column.combine_chunks()
+    flat = values.flatten().to_numpy(zero_copy_only=False)
+    if length is None:
+        return flat.reshape(len(values), -1) if len(values) else flat.reshape(0, 0)
+    counts = pc.fill_null(pc.list_value_length(values), 0).to_numpy().astype(np.int64)
+    kept = np.minimum(counts, length)
+    rows = np.repeat(np.arange(len(values)), kept)
+    positions = np.arange(int(kept.sum())) - np.repeat(np.cumsum(kept) - kept, kept)
+    padded = np.full((len(values), length), fill, dtype=np.int64)
+    padded[rows, positions] = flat[np.repeat(np.cumsum(counts) - counts, kept) + positions]
+    return padded
 
 
 class ParquetSource:
@@ -846,6 +910,7 @@ class ParquetSource:
         self.location = spec[split]
         self.shape = spec.get("shape")
         self.label = spec.get("label", "label")
+        self.max_length = spec.get("max_length")
         self.filesystem, self.paths = _files_at(self.location, PARQUET_SUFFIXES)
         self.files = [_parquet_file(self.filesystem, path) for path in self.paths]
         self.columns, _ = _check_schema(spec, self.files[0].schema_arrow, self.paths[0])
@@ -876,7 +941,7 @@ class ParquetSource:
             )
             for file_index in np.unique(self.group_files[needed])
         ]
-        features, labels = _table_to_numpy(pa.concat_tables(tables), self.columns, self.label)
+        features, labels = _table_to_numpy(pa.concat_tables(tables), self.columns, self.label, self.max_length)
         # Row r of group g sits at (rows of the needed groups before g) + r in the decoded table.
         needed_sizes = np.diff(self.group_starts)[needed]
         decoded_starts = np.cumsum(needed_sizes) - needed_sizes
@@ -1198,6 +1263,8 @@ class SplitSchema:
     the data says so without its labels (a built-in's, an image folder's
     class folders, a declared ``num_classes``), else None; two splits with
     the same examples' form compare equal whatever their ``classes``.
+    ``label_shape`` is one example's label shape: () for one label, [T]
+    for a table's list of labels (one per token).
     """
 
     columns: tuple[str, ...]
@@ -1205,6 +1272,7 @@ class SplitSchema:
     input_floating: bool
     label_floating: bool
     classes: int | None = dataclass_field(default=None, compare=False)
+    label_shape: tuple[int, ...] = ()
 
 
 def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
@@ -1217,7 +1285,8 @@ def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
     ``example_schema`` (``function_schema``); without one, the test split's
     is its first example's shape and dtypes (the driver loads the test split
     to evaluate on), and the training split's is None. None too for a
-    variable-length list column without ``shape``.
+    variable-length list column without ``shape`` or ``max_length``; with
+    ``max_length`` N, token ids and a list of labels are [N] each.
     """
     if isinstance(spec, str):
         if spec in BUILTINS:
@@ -1246,9 +1315,11 @@ def split_schema(spec: str | Mapping, split: str) -> SplitSchema | None:
         return None
     types = [schema.field(name).type for name in columns]
     types = [types[0].value_type] if len(columns) == 1 and _is_list(types[0]) else types
+    label_type = schema.field(spec.get("label", "label")).type
+    label_shape = (spec.get("max_length", getattr(label_type, "list_size", None)),) if _is_list(label_type) else ()
     return SplitSchema(tuple(columns), tuple(spec["shape"]) if "shape" in spec else (length,),
                        any(pa.types.is_floating(kind) or pa.types.is_boolean(kind) for kind in types),
-                       pa.types.is_floating(schema.field(spec.get("label", "label")).type), classes)
+                       pa.types.is_floating(label_type), classes, label_shape)
 
 
 # The keys of a module:function dataset's declared schema, and the dtypes each may name.
@@ -1395,7 +1466,7 @@ def _check_parquet(spec: Mapping, split: str, full: bool, num_classes: int | Non
             first_row = 0
             for batch in parquet.iter_batches(batch_size=_SCAN_ROWS, columns=[*columns, label], use_threads=False):
                 expected_length = _check_batch(path, first_row, batch, columns, label, expected_length, full,
-                                               num_classes, found)
+                                               num_classes, found, spec.get("max_length"))
                 first_row += batch.num_rows
         rows += parquet.metadata.num_rows
     return rows
@@ -1476,23 +1547,30 @@ def _agreed_length(path: str, columns: list[str], length: int | None, expected: 
 
 def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list[str], label: str,
                  expected_length: int | None, full: bool, num_classes: int | None,
-                 found: Callable[[RuleBreach], None]) -> int | None:
+                 found: Callable[[RuleBreach], None], max_length: int | None = None) -> int | None:
     """Checks one batch of a table's rows; returns the feature length (the first row's, if none was set).
 
     Rows that break a rule go to ``found``; the rows after them are checked
-    for the other rules (when ``found`` lets the scan go on).
+    for the other rules (when ``found`` lets the scan go on). With
+    ``max_length`` a list column's rows may have any length: reads cut and
+    pad them.
     """
     rows = np.arange(first_row, first_row + batch.num_rows)
     breach = functools.partial(RuleBreach, path, first_row=first_row, scanned=batch.num_rows)
     good = np.ones(batch.num_rows, dtype=bool)
-    if len(columns) == 1 and _is_list(batch.schema.field(columns[0]).type):
+    if max_length is not None:
+        names = columns * max_length
+    elif len(columns) == 1 and _is_list(batch.schema.field(columns[0]).type):
         lengths = pc.fill_null(pc.list_value_length(batch.column(columns[0])), -1).to_numpy()
         if expected_length is None and len(lengths):
             expected_length = int(lengths[0])
         wrong = np.flatnonzero(lengths != expected_length)
         if len(wrong):
+            tokens = pa.types.is_integer(batch.schema.field(columns[0]).type.value_type)
             found(breach(columns[0], f"every example needs {expected_length} values (null or another length)",
-                         "write every example with the same number of features", rows=rows[wrong],
+                         "write every example with the same number of features" + (
+                             " (token ids of any length: set dataset.max_length = N to cut and pad each to N)"
+                             if tokens else ""), rows=rows[wrong],
                          values=np.array([f"{length} values" if length >= 0 else "null" for length in lengths[wrong]])))
             good[wrong] = False
         names = columns * (expected_length or 0)
@@ -1510,7 +1588,7 @@ def _check_batch(path: str, first_row: int, batch: pa.RecordBatch, columns: list
         if not good.all():
             kept = kept.filter(pa.array(good))
         if kept.num_rows:
-            features, labels = _table_to_numpy(kept, columns, label)
+            features, labels = _table_to_numpy(kept, columns, label, max_length)
             _check_values(path, path, rows[good], features, names, labels, num_classes, found, label,
                           (first_row, batch.num_rows))
     return expected_length
@@ -1536,12 +1614,21 @@ def _check_values(feature_file: str, label_file: str, rows: np.ndarray, features
                                  scanned, rows[bad_rows[chosen]],
                                  features[bad_rows[chosen], first_bad[chosen]]))
     if num_classes is not None and np.issubdtype(labels.dtype, np.integer):
-        bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+        outside = (labels < 0) | (labels >= num_classes)
+        per_token = labels.ndim > 1
+        if per_token:  # a label per token; IGNORED_LABEL marks one that does not count
+            outside = (outside & (labels != IGNORED_LABEL)).reshape(len(labels), -1)
+            bad = np.flatnonzero(outside.any(axis=1))
+            shown = labels.reshape(len(labels), -1)[bad, outside[bad].argmax(axis=1)]
+        else:
+            bad = np.flatnonzero(outside)
+            shown = labels[bad]
         if len(bad):
+            ignored = f", or {IGNORED_LABEL} where a token does not count" if per_token else ""
             found(RuleBreach(label_file, label_name, f"labels must lie in 0..{num_classes - 1} (num_classes "
-                             f"{num_classes})", "give the model one output per class, set the dataset's "
+                             f"{num_classes}){ignored}", "give the model one output per class, set the dataset's "
                              'num_classes, or set check_data = "lenient" to drop those rows', first_row, scanned,
-                             rows[bad], np.array([f"label {label}" for label in labels[bad]])))
+                             rows[bad], np.array([f"label {label}" for label in shown])))
 
 
 # --- writing ----------------------------------------------------------------------------
