@@ -379,20 +379,20 @@ def test_a_model_that_fails_under_the_runs_clipping_engine_is_refused_before_res
                                     f"{tmp_path / 'engine_model.py'}:", "No budget was reserved")
 
 
-def test_bf16_trains_with_the_vmap_engine_and_is_refused_with_the_fast_one(tmp_path, capsys, toy_budget):
+def test_bf16_trains_with_the_fast_engine_and_is_refused_with_microbatches(tmp_path, capsys, toy_budget):
     from orchestrator.config import build_config
     from orchestrator.errors import UsageError
 
     config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "bf16_model")
-    text = open(config).read().replace("run_dir =", 'engine = "vmap"\nprecision = "bf16"\nrun_dir =')
+    text = open(config).read().replace("run_dir =", 'precision = "bf16"\nrun_dir =')
     open(config, "w").write(text)
     assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert summary["steps"] == 2 and 0 <= summary["test_accuracy"] <= 1
-    with pytest.raises(UsageError, match='precision = "bf16" cannot be combined with engine = "fast" .*bfloat16 '
-                                         'rounding'):
-        build_config({"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0,
-                      "precision": "bf16"})
+    job = {"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0, "precision": "bf16"}
+    assert build_config(job).engine == "fast"
+    with pytest.raises(UsageError, match='precision = "bf16" cannot be combined with microbatch_size: change those'):
+        build_config({**job, "microbatch_size": 2})
 
 
 # --- every kind of data: built-ins, image folders, functions, transforms, shards ----------------------------------

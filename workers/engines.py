@@ -22,6 +22,12 @@ The fast engine, for each chunk of at most ``max_physical_batch`` examples:
    what step 2 kept (a weighted contraction, or a weighted sum of the
    instantiated per-example gradients).
 
+With precision "bf16" the forward and backward passes of step 1 run under
+bfloat16 autocast, and every recorded input and output gradient is cast to
+float32 before step 2: each example's norm and its clipped contribution are
+then taken from the same float32 tensors, as in "fp32", so its contribution
+has norm at most C to float32 rounding.
+
 Layer types without a rule, and modules holding parameters of their own that
 are not a registered layer type (``nn.MultiheadAttention``, custom modules),
 fall back to ``torch.func.vmap`` over that one module's per-example gradients.
@@ -44,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import warnings
 import weakref
@@ -56,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 # sequence_rules and transformer_rules are imported for their rules, which they register with layer_rules' registry.
 from workers import clipping, sequence_rules, transformer_rules  # noqa: F401
@@ -288,12 +295,14 @@ def _operation_name(func: Callable) -> str:
 
 def _record(
     model: nn.Module, units: list[_Unit], params: dict[str, Tensor], inputs: Tensor, labels: Tensor,
-    loss_fn: clipping.LossFunction, tracker: _ParameterUseTracker | None = None,
+    loss_fn: clipping.LossFunction, tracker: _ParameterUseTracker | None = None, precision: str = "fp32",
 ) -> list[list[LayerCall]]:
     """Run the forward and the one backward pass; return each unit's recorded calls.
 
     With a ``tracker``, the forward runs under it, which notes parameters used
-    outside their units.
+    outside their units. The forward runs under ``precision``'s autocast
+    (``workers.clipping.autocast_for``): with "bf16", the recorded tensors
+    are those of a bfloat16 pass, which ``_in_float32`` casts for the rules.
     """
     calls: list[list[LayerCall]] = [[] for _ in units]
     anchor = torch.zeros((), dtype=torch.float32, device=inputs.device, requires_grad=True)
@@ -303,7 +312,8 @@ def _record(
     if tracker is not None:
         handles += tracker.watch(model, units)
     try:
-        with torch.enable_grad(), tracker or contextlib.nullcontext(), batch:
+        with (torch.enable_grad(), tracker or contextlib.nullcontext(), batch,
+              clipping.autocast_for(precision, inputs.device)):
             loss = per_example_losses(loss_fn, functional_call(model, params, (inputs,)), labels).sum()
     finally:
         for handle in handles:
@@ -319,6 +329,34 @@ def _record(
                     "after the layer has run"
                 )
     return calls
+
+
+def _in_float32(calls: list[list[LayerCall]]) -> list[list[LayerCall]]:
+    """The recorded calls with every floating-point input and output gradient of a narrower type cast to float32.
+
+    After a bfloat16 pass, the rules then take each example's norm and its
+    clipped contribution from the same float32 tensors, so that the
+    contribution scaled to "norm C" has norm C to float32 rounding; float32
+    and float64 tensors are left as they are.
+    """
+
+    def widened(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.is_floating_point() and value.element_size() < 4:
+            return value.to(torch.float32)
+        return value
+
+    def slot_in_float32(slot: OutputSlot | None) -> OutputSlot | None:
+        if slot is None:
+            return None
+        dtype = slot.dtype if slot.dtype.itemsize >= 4 else torch.float32
+        return OutputSlot(slot.shape, dtype, slot.device, slot.batched, widened(slot.grad))
+
+    return [
+        [dataclasses.replace(call, args=tree_map(widened, call.args), kwargs=tree_map(widened, call.kwargs),
+                             outputs=[slot_in_float32(slot) for slot in call.outputs])
+         for call in unit_calls]
+        for unit_calls in calls
+    ]
 
 
 def _rule_gradients(
@@ -622,6 +660,15 @@ def check_rules(
        batch are compared with autograd on each example alone, the gradient
        the engines promise: a change of one example must leave every other
        example's gradient where it was.
+
+    The check is the same for every precision, and runs without autocast.
+    Under "bf16" the rules compute in float32 on float32 casts of what a
+    bfloat16 pass recorded: the same functions of (input, output gradient)
+    that this check holds to autograd, so the check covers them. A check
+    under bfloat16 would have to allow about 1% of rounding, enough to pass
+    a rule that is wrong by less; the bound itself never rests on the
+    rounding, since the norm and the contribution come from one set of
+    tensors.
 
     Any failure (an exception in a rule included), or a model the per-layer
     view cannot serve, yields a plan that runs the whole model on the vmap
@@ -982,13 +1029,14 @@ def fast_clipped_sum(
     on the vmap engine, which takes each example's K views in one
     per-example gradient.
 
-    ``precision`` must be "fp32": the layer rules take an example's norm and
-    its clipped contribution from different products, which bfloat16
-    rounding would let disagree by about 1%, past the bound (use the vmap
-    engine for "bf16").
+    With ``precision`` "bf16" the forward and backward passes run under
+    bfloat16 autocast and every recorded layer input and output gradient is
+    cast to float32 before the rules take norms and sums from them, so each
+    example's norm and its clipped contribution come from the same float32
+    tensors and the contribution has norm <= ``clip_norm``. The plan's rule
+    check is the same for both precisions (see ``check_rules``).
     """
-    if precision != "fp32":
-        raise ValueError(FAST_ENGINE_PRECISION)
+    clipping.check_precision(precision)
     clipping.check_arguments(model, flat_weights, inputs, labels, clip_norm, max_physical_batch)
     device = clipping.device_of(model)
     trainable = [(name, parameter) for name, parameter in model.named_parameters() if parameter.requires_grad]
@@ -998,27 +1046,19 @@ def fast_clipped_sum(
     vmap_physical_batch = fallback_physical_batch(max_physical_batch, sum(p.numel() for _, p in trainable))
     if augmentations != 1:
         return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
-                                       loss_fn, return_norms, augmentations)
+                                       loss_fn, return_norms, augmentations, precision)
     schema = ExampleSchema.of(inputs, labels)
     plan = settle_plan(model, flat_weights, schema, loss_fn)
     if plan.fallback is None:
         try:
             return _book_keeping(model, _units(model), trainable, flat_weights, inputs, labels, clip_norm,
-                                 max_physical_batch, loss_fn, return_norms, device)
+                                 max_physical_batch, loss_fn, return_norms, device, precision)
         except WholeModelFallback as fallback:
             plan = _whole_model_fallback(_units(model), str(fallback))
             _keep_plan(model, (schema, loss_fn), plan)
             _warn_fallback(plan.fallback)
     return per_example_clipped_sum(model, flat_weights, inputs, labels, clip_norm, vmap_physical_batch,
-                                   loss_fn, return_norms)
-
-
-FAST_ENGINE_PRECISION = (
-    "the fast engine computes in float32 only: its layer rules take each example's norm and its clipped "
-    "contribution from different products, which bfloat16 rounding would let disagree by about 1%, past the "
-    "sensitivity bound; use engine = \"vmap\" with precision = \"bf16\" (it casts each example's whole gradient "
-    "to float32 before the norm and the clip), or precision = \"fp32\""
-)
+                                   loss_fn, return_norms, precision=precision)
 
 
 def fallback_physical_batch(max_physical_batch: int, trainable_elements: int) -> int:
@@ -1041,7 +1081,7 @@ def _warn_fallback(reason: str) -> None:
 def _book_keeping(
     model: nn.Module, units: list[_Unit], trainable: list[tuple[str, nn.Parameter]], flat_weights: Tensor,
     inputs: Tensor, labels: Tensor, clip_norm: clipping.ClipNorm, max_physical_batch: int, loss_fn: clipping.LossFunction,
-    return_norms: bool, device: torch.device,
+    return_norms: bool, device: torch.device, precision: str,
 ) -> Tensor | tuple[Tensor, dict[str, Tensor]]:
     weights = flat_weights.detach().to(device=device, dtype=torch.float32)
     params = {
@@ -1062,7 +1102,8 @@ def _book_keeping(
         # Positions in the batch of the examples still taking part in this chunk.
         positions = torch.arange(start, min(start + max_physical_batch, inputs.shape[0]), device=device)
         while positions.numel():
-            calls = _record(model, units, params, inputs[positions], labels[positions], loss_fn)
+            calls = _in_float32(_record(model, units, params, inputs[positions], labels[positions], loss_fn,
+                                        precision=precision))
             # The recorded inputs are part of the forward graph; nothing below is to be differentiated.
             with torch.no_grad():
                 gradients = _rule_gradients(units, calls, params, positions.numel())

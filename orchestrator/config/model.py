@@ -240,9 +240,6 @@ def _precision(config: TrainConfig) -> None:
     if config.precision == "fp32":
         return
     refused = [reason for reason, present in (
-        ('engine = "fast" (its layer rules take an example\'s norm and its clipped contribution from different '
-         "products, which bfloat16 rounding would let disagree by about 1%, past the sensitivity bound; set engine = "
-         '"vmap")', config.engine == "fast"),
         ("microbatch_size", config.microbatch_size), ("shards", config.shards),
         ('privacy_unit = "user"', config.privacy_unit == "user"),
         ('aggregation = "collective"', config.aggregation == "collective")) if present]

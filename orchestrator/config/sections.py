@@ -713,10 +713,9 @@ class RunSection(Section):
         "fp32",
         "What the workers' forward and backward passes compute in: `fp32`, or `bf16` (bfloat16 autocast). Under "
         "`bf16` each example's gradient is cast to float32 before its norm and its clipping, and the sums, the "
-        "noise and the optimizer stay float32, so one example still moves the sum by at most C. Needs engine = "
-        "\"vmap\" (the fast engine's layer rules take a norm and a contribution from different products, which "
-        "bfloat16 rounding would let disagree), without microbatch_size, shards, privacy_unit = \"user\" or "
-        "aggregation = \"collective\".",
+        "noise and the optimizer stay float32, so one example still moves the sum by at most C (the fast engine "
+        "casts each layer's recorded input and output gradient to float32 before its rules take norms and sums "
+        "from them). Not with microbatch_size, shards, privacy_unit = \"user\" or aggregation = \"collective\".",
     )
     run_dir: str = key(
         "runs/latest", "Where config.json, metrics.jsonl, summary.json, curves.png and the checkpoints go.",
