@@ -158,6 +158,16 @@ LINES: tuple[Line, ...] = (
     Line("delta_warning", "warning: {warning}", _C, "δ against the public N"),
     Line("audit_canaries", "audit: {canaries} {mode} canaries{owning} at indices {first}..{last} of the sampler's "
          "{size}, each in the dataset with probability 1/2", _C, "the canaries are made up, not training rows"),
+    Line("tokenize_written", "dpfleet data tokenize: wrote {path}: {examples} examples for {task}, input_ids of "
+         "{max_length} token ids (padded with {pad}) and {labels}", _M,
+         "the output's path and layout, and its number of rows, which training treats as the public N"),
+    Line("tokenize_truncated", "{truncated} of {examples} examples had more than {max_length} tokens and were cut to "
+         "{max_length}", _O, "a count over private text, for the data's owner, who runs dpfleet data tokenize"),
+    Line("tokenize_label_names", "the text labels are numbered in sorted order: {names}; the model takes "
+         "num_labels = {count}", _O, "the labels' names, read from private rows, for the data's owner, who runs "
+         "dpfleet data tokenize"),
+    Line("tokenize_dataset", "train on it with: dataset = {{ {table} }}, where {test} is the test split tokenized "
+         "the same way", _C, "the output's path and the dataset keys that read it"),
     Line("ray_started", "{time}INFO worker.py:{line} -- Started a local Ray instance.{rest}", _M, _OPERATION,
          "ray"),
     Line("ray_token", "{time}INFO authentication_token_setup.py:{line} -- {rest}", _M, _OPERATION, "ray"),

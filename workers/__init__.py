@@ -34,6 +34,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
                 "RuleBreach", "SPLITS", "SplitSchema", "check_source", "dropped_rows", "parse_spec", "read_features",
                 "read_ids", "read_first", "select_blocks", "source_size", "spec_name", "split_schema", "training_table", "write_parquet_shards"],
     "tasks": ["augmented_views", "build_loss", "build_transform"],
+    "text": ["KEPT_COLUMNS", "TEXT_SUFFIXES", "TokenTable", "read_text_table", "token_table", "write_token_table"],
     "users": ["UserSpec", "user_index"],
     "validation": ["check_model", "unchanged_buffers"],
     "window_keys": ["WindowKey", "WindowSeal", "open_file"],

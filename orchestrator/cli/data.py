@@ -6,12 +6,16 @@ import argparse
 import os
 from collections import defaultdict
 
-from orchestrator import checks
+from orchestrator import checks, release
 from orchestrator.config import load_config
 from orchestrator.errors import UsageError
 from orchestrator.preflight import build_checked_model, dry_run, label_classes
 from workers.data import load_split
-from workers.sources import SPLITS, DataError, RuleBreach, check_source, spec_name, write_parquet_shards
+from workers.pretrained import load_tokenizer
+from workers.pretrained_spec import PAD_INPUT, check_folder
+from workers.sources import PARQUET_SUFFIXES, SPLITS, DataError, RuleBreach, check_source, spec_name, \
+    write_parquet_shards
+from workers.text import read_text_table, token_table, write_token_table
 
 _EXPORT_BATCH = 10_000
 
@@ -34,6 +38,47 @@ def run_export(args: argparse.Namespace) -> int:
     print("train on them with:")
     print(f'[dataset]\nformat = "parquet"\ntrain = "{directory}/train"\ntest = "{directory}/test"\n'
           f'features = "features"\nlabel = "label"\nshape = {shape}\nname = "{args.name}"')
+    return 0
+
+
+def run_tokenize(args: argparse.Namespace) -> int:
+    """Tokenize raw text into a Parquet file of token ids and labels that a pretrained model trains on; print the
+    output's path, its number of examples and the dataset table that reads it.
+
+    For the data's owner, on the machine that holds the text: besides the
+    number of examples it prints only how many were cut to --max-length
+    and the numbers given to text labels, never a row.
+    """
+    max_length = checks.integer_at_least("--max-length", args.max_length, 1)
+    output = os.path.abspath(args.output)
+    if not output.endswith(PARQUET_SUFFIXES):
+        raise UsageError(f"OUTPUT must be a Parquet file ending in {' or '.join(PARQUET_SUFFIXES)} (got {args.output!r})")
+    if output == os.path.abspath(args.input):
+        raise UsageError("OUTPUT is INPUT: write the token ids to another file")
+    try:
+        check_folder(args.model)
+        tokenizer = load_tokenizer(args.model)
+        tokenized = token_table(read_text_table(args.input, args.split, args.text_column), tokenizer, args.task,
+                                max_length, args.text_column, args.label_column)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    write_token_table(tokenized.table, output)
+    examples = tokenized.table.num_rows
+    labels = {"sequence-classification": "label, a class per example",
+              "token-classification": f"label, a class per token ({max_length}, -100 where a token does not count)",
+              "causal-lm": f"label, the next token ({max_length}, -100 at the last position and at padding)"}
+    print(release.line("tokenize_written", path=output, examples=examples, task=args.task, max_length=max_length,
+                       pad=PAD_INPUT, labels=labels[args.task]))
+    # The data's owner runs this command, on the data's machine: the counts and label names are theirs to see.
+    if tokenized.truncated:
+        print(release.line("tokenize_truncated", shown=True, truncated=tokenized.truncated, examples=examples,
+                           max_length=max_length))
+    if tokenized.label_names is not None:
+        names = ", ".join(f"{index} = {name!r}" for index, name in enumerate(tokenized.label_names))
+        print(release.line("tokenize_label_names", shown=True, names=names, count=len(tokenized.label_names)))
+    test = "TEST.parquet"
+    print(release.line("tokenize_dataset", table=f'format = "parquet", train = "{output}", test = "{test}", '
+                                                 'features = "input_ids", label = "label"', test=test))
     return 0
 
 
