@@ -18,11 +18,12 @@ from torch import nn
 from bench.throughput import TextClassifier, resnet18_gn
 from reference import relative_error
 from workers.actor import GradientWorker
-from workers.engines import ENGINES, _units, clipped_sum, fast_clipped_sum
+from workers.engines import ENGINES, _units, clipped_sum, engine_plan, fast_clipped_sum
 from workers.layer_rules import attention_rule, instantiation_is_cheaper, vmap_rule
 from workers.vmap_engine import per_example_clipped_sum
 from workers.features import compute_features, feature_map
 from workers.models import MODEL_NAMES, build_model, flat_parameters, input_shape
+from workers.tasks import build_loss
 
 TOLERANCE = 1e-5
 
@@ -276,17 +277,28 @@ def test_other_losses_go_through_vmap_one_example_at_a_time():
 # --- models the per-layer view cannot serve run on the vmap engine whole, with a warning
 
 
-def test_tied_parameters_use_the_vmap_engine_with_a_warning():
+def test_a_tied_embedding_and_output_layer_run_on_book_keeping_rules():
     torch.manual_seed(14)
-    embedding = nn.Embedding(7, 7)
-    head = nn.Linear(7, 7)
+    embedding = nn.Embedding(7, 5, padding_idx=0)
+    head = nn.Linear(5, 7, bias=False)
     head.weight = embedding.weight
-    model = nn.Sequential(embedding, nn.Tanh(), head)
-    tokens, labels = torch.randint(0, 7, (6,)), torch.randint(0, 7, (6,))
+    model = nn.Sequential(embedding, nn.Linear(5, 5), nn.Tanh(), head)
+    assert_engines_agree(model, torch.randint(0, 7, (6, 4)), torch.randint(0, 7, (6, 4)),
+                         loss_fn=build_loss("token_cross_entropy"))
+    assert engine_plan(model).fallback is None
+    assert dict(engine_plan(model).layers)["3 (Linear)"] == "fast (ghost)"
+
+
+def test_other_tied_parameters_use_the_vmap_engine_with_a_warning():
+    torch.manual_seed(14)
+    first, second = nn.Linear(7, 7), nn.Linear(7, 7)
+    second.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), second)
+    inputs, labels = torch.randn(6, 7), torch.randint(0, 7, (6,))
     weights = flat_parameters(model)
     with pytest.warns(UserWarning, match="0.weight = 2.weight is tied to several modules"):
-        actual = fast_clipped_sum(model, weights, tokens, labels, 0.5, 4)
-    assert torch.equal(actual, per_example_clipped_sum(model, weights, tokens, labels, 0.5, 4))
+        actual = fast_clipped_sum(model, weights, inputs, labels, 0.5, 4)
+    assert torch.equal(actual, per_example_clipped_sum(model, weights, inputs, labels, 0.5, 4))
 
 
 def test_input_changed_in_place_after_its_layer_is_not_used_silently():

@@ -69,7 +69,7 @@ LENGTH = 5
 CLASSES = 3
 
 # torch.func has no batching rule for CPU flash attention and says so; the result is right, only slower.
-# The fast engine warns when it runs a model (tied parameters) on the vmap engine whole: allowed here.
+# The fast engine warns when it runs a model (a functional tie) on the vmap engine whole: allowed here.
 # Under bf16 autocast torch's RMSNorm warns that a float32 weight keeps it off its fused kernel; the result is right.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:There is a performance drop"),
@@ -257,12 +257,13 @@ class HuggingFaceLanguageModel(nn.Module):
         return self.hf(input_ids=token_ids, position_ids=positions).logits
 
 
-def tiny_gpt2() -> nn.Module:
-    """One GPT-2 block (Conv1D, LayerNorm, embeddings), untied head, no dropout; skips without transformers."""
+def tiny_gpt2(tied: bool = False) -> nn.Module:
+    """One GPT-2 block (Conv1D, LayerNorm, embeddings), no dropout, its head untied or (``tied``) the token
+    embedding's table, as GPT-2 ships; skips without transformers."""
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
         n_embd=WIDTH, n_layer=1, n_head=2, vocab_size=VOCAB, n_positions=LENGTH, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, attn_implementation="eager")
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tied, attn_implementation="eager")
     return HuggingFaceLanguageModel(transformers.GPT2LMHeadModel(config))
 
 
@@ -401,6 +402,8 @@ ZOO: dict[str, ZooCase] = {
     "llama_rms_norm_on_sequences": ZooCase(sequence_layer_model(
         lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), llama_rms_norm(WIDTH)))),
     "tiny_gpt2_language_model": ZooCase(on_tokens(tiny_gpt2, token_labels=True), token_cross_entropy),
+    "tiny_gpt2_tied_language_model": ZooCase(on_tokens(lambda: tiny_gpt2(tied=True), token_labels=True),
+                                             token_cross_entropy),
     "tiny_llama_language_model": ZooCase(on_tokens(tiny_llama, token_labels=True), token_cross_entropy),
     # Tied and reused parameters.
     "tied_through_modules": ZooCase(on_tokens(lambda: LanguageModel(nn.Linear(WIDTH, WIDTH), tie=True),
@@ -608,7 +611,7 @@ def test_the_fast_engine_in_bf16_keeps_every_example_within_the_clip_norm_and_st
 BOOK_KEEPING_ONLY = [
     "rms_norm_on_sequences", "rms_norm_over_two_dimensions_default_eps", "transformers_conv1d_on_sequences",
     "transformers_conv1d_called_twice", "llama_rms_norm_on_sequences", "tiny_gpt2_language_model",
-    "tiny_llama_language_model",
+    "tiny_llama_language_model", "tied_through_modules", "tiny_gpt2_tied_language_model",
 ]
 
 

@@ -75,6 +75,8 @@ from workers.layer_rules import (
     WholeModelFallback,
     attention_rule,
     rule_for,
+    tied_embedding_gradients,
+    tied_embedding_pair,
     vmap_rule,
 )
 from workers.losses import per_example_losses
@@ -95,9 +97,12 @@ class _Unit:
     layer: nn.Module
     rule: LayerRule
     names: tuple[str, ...]
+    # Each of ``names`` as the model's own (deduplicated) parameter list names it: a tied parameter's first name.
+    canonical: tuple[str, ...]
 
-    def qualified(self, name: str) -> str:
-        return f"{self.prefix}.{name}" if self.prefix else name
+    def canonical_name(self, name: str) -> str:
+        """The name the model's parameter list, the flat vector and the gradients give the parameter ``name``."""
+        return self.canonical[self.names.index(name)]
 
     @property
     def title(self) -> str:
@@ -107,15 +112,17 @@ class _Unit:
 
 def _units(model: nn.Module) -> list[_Unit]:
     units: list[_Unit] = []
+    first_name = {id(parameter): name for name, parameter in reversed(list(model.named_parameters()))}
 
     def visit(prefix: str, module: nn.Module) -> None:
-        names = tuple(name for name, parameter in module.named_parameters() if parameter.requires_grad)
-        if not names:
+        owned = [(name, parameter) for name, parameter in module.named_parameters() if parameter.requires_grad]
+        if not owned:
             return
         rule = rule_for(module)
         owns_parameters = any(p.requires_grad for p in module.parameters(recurse=False))
         if rule is not None or owns_parameters:
-            units.append(_Unit(prefix, module, rule or vmap_rule, names))
+            units.append(_Unit(prefix, module, rule or vmap_rule, tuple(name for name, _ in owned),
+                               tuple(first_name[id(parameter)] for _, parameter in owned)))
             return
         for child_name, child in module.named_children():
             visit(f"{prefix}.{child_name}" if prefix else child_name, child)
@@ -129,7 +136,12 @@ def _unsupported_reason(model: nn.Module, units: list[_Unit]) -> str | None:
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if parameter.requires_grad:
             names_of.setdefault(id(parameter), []).append(name)
-    tied = [" = ".join(names) for names in names_of.values() if len(names) > 1]
+    users: dict[str, list[_Unit]] = {}
+    for unit in units:
+        for name in unit.names:
+            users.setdefault(unit.canonical_name(name), []).append(unit)
+    tied = [" = ".join(names) for names in names_of.values()
+            if len(names) > 1 and not tied_embedding_pair(users.get(names[0], []))]
     if tied:
         return f"parameter {'; '.join(tied)} is tied to several modules"
     for unit in units:
@@ -238,14 +250,15 @@ class _ParameterUseTracker(TorchFunctionMode):
 
     Such a use (``h @ self.emb.weight.T`` in a model's forward, a weight read by
     a sibling module) contributes gradient that no rule sees. ``owners`` maps
-    id() of each parameter tensor given to ``functional_call`` to its unit's index.
+    id() of each parameter tensor given to ``functional_call`` to the indices of
+    the units whose rules cover it (two for a tied embedding).
     """
 
-    def __init__(self, owners: dict[int, int], names: dict[int, str]) -> None:
+    def __init__(self, owners: dict[int, tuple[int, ...]], names: dict[int, str]) -> None:
         super().__init__()
         self.owners = owners
         self.names = names
-        self.running = [0] * (max(owners.values(), default=-1) + 1)
+        self.running = [0] * (max((max(units) for units in owners.values()), default=-1) + 1)
         self.in_model = False
         self.outside: dict[str, str] = {}
 
@@ -254,8 +267,8 @@ class _ParameterUseTracker(TorchFunctionMode):
         name = _operation_name(func)
         if self.in_model and name not in GRADIENT_FREE_OPERATIONS:
             for leaf in tree_flatten((args, kwargs))[0]:
-                unit = self.owners.get(id(leaf)) if isinstance(leaf, Tensor) else None
-                if unit is not None and not self.running[unit]:
+                units = self.owners.get(id(leaf)) if isinstance(leaf, Tensor) else None
+                if units is not None and not any(self.running[unit] for unit in units):
                     self.outside.setdefault(self.names[id(leaf)], name)
         return func(*args, **kwargs)
 
@@ -363,12 +376,23 @@ def _rule_gradients(
     units: list[_Unit], calls: list[list[LayerCall]], params: Mapping[str, Tensor], batch_size: int
 ) -> dict[str, ParameterGradients]:
     """Every rule's ParameterGradients for the recorded calls, by qualified parameter name."""
-    gradients: dict[str, ParameterGradients] = {}
+    uses: dict[str, list[tuple[_Unit, list[LayerCall], ParameterGradients]]] = {}
     for unit, unit_calls in zip(units, calls, strict=True):
         if unit_calls:
-            local = {name: params[unit.qualified(name)] for name in unit.names}
+            local = {name: params[unit.canonical_name(name)] for name in unit.names}
             for name, parameter_gradients in _unit_gradients(unit, local, unit_calls, batch_size).items():
-                gradients[unit.qualified(name)] = parameter_gradients
+                uses.setdefault(unit.canonical_name(name), []).append((unit, unit_calls, parameter_gradients))
+    gradients: dict[str, ParameterGradients] = {}
+    for canonical, parameter_uses in uses.items():
+        if len(parameter_uses) == 1:
+            gradients[canonical] = parameter_uses[0][2]
+            continue
+        # A tied embedding (``_unsupported_reason`` lets no other tie reach the rules): its two uses' gradients
+        # add up, and so do their clipped sums; the norm needs their inner product too.
+        (embedding, embedding_calls, of_embedding), (_, linear_calls, of_linear) = sorted(
+            parameter_uses, key=lambda use: not isinstance(use[0].layer, nn.Embedding))
+        gradients[canonical] = tied_embedding_gradients(embedding.layer, embedding_calls, linear_calls, batch_size,
+                                                        of_embedding, of_linear)
     return gradients
 
 
@@ -695,9 +719,12 @@ def check_rules(
         reason = _unsupported_reason(model, units)
         if reason is not None:
             return _whole_model_fallback(units, reason)
-        owner_of = {reference_unit.qualified(name): index
-                    for index, reference_unit in enumerate(reference_units) for name in reference_unit.names}
-        tracker = _ParameterUseTracker({id(params[name]): owner_of[name] for name in params},
+        owners_of: dict[str, tuple[int, ...]] = {}
+        for index, reference_unit in enumerate(reference_units):
+            for name in reference_unit.names:
+                canonical = reference_unit.canonical_name(name)
+                owners_of[canonical] = (*owners_of.get(canonical, ()), index)
+        tracker = _ParameterUseTracker({id(params[name]): owners_of[name] for name in params},
                                        {id(params[name]): name for name in params})
         try:
             calls = _record(reference, reference_units, params, inputs, labels, loss_fn, tracker)
@@ -898,7 +925,8 @@ def _mixing_message(call: _ModuleCall) -> str:
 def _how(unit: _Unit, gradients: Mapping[str, ParameterGradients]) -> str:
     if unit.rule is vmap_rule or unit.rule is attention_rule:
         return f"vmap (fallback: no book-keeping rule for {type(unit.layer).__name__})"
-    paths = {gradients[unit.qualified(name)].path for name in unit.names if unit.qualified(name) in gradients}
+    paths = {gradients[unit.canonical_name(name)].path for name in unit.names
+             if unit.canonical_name(name) in gradients}
     return "fast (ghost)" if "ghost" in paths else "fast (per-example)"
 
 

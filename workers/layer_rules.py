@@ -419,6 +419,51 @@ def embedding_rule(
     return {"weight": ParameterGradients(squared, weight_sum, "ghost")}
 
 
+def tied_embedding_pair(units: list) -> bool:
+    """Whether the modules sharing one parameter (engine units, with ``.layer`` and ``.rule``) are the pair whose
+    tie ``tied_embedding_gradients`` serves: an ``nn.Embedding`` on its rule and an ``nn.Linear`` on its rule
+    whose weight is the embedding's table (a language model's input embedding and output layer)."""
+    if len(units) != 2:
+        return False
+    kinds = sorted(units, key=lambda unit: not isinstance(unit.layer, nn.Embedding))
+    embedding, linear = kinds[0], kinds[1]
+    return (isinstance(embedding.layer, nn.Embedding) and embedding.rule is embedding_rule
+            and type(linear.layer) is nn.Linear and linear.rule is linear_rule
+            and linear.layer.weight is embedding.layer.weight)
+
+
+def tied_embedding_gradients(
+    embedding: nn.Embedding, embedding_calls: list[LayerCall], linear_calls: list[LayerCall], batch_size: int,
+    of_embedding: ParameterGradients, of_linear: ParameterGradients,
+) -> ParameterGradients:
+    """An embedding table W [V, d] that an ``nn.Linear`` also uses as its weight: each example's gradient is the
+    sum of the two uses' gradients, never formed.
+
+    With E_i = sum_t e_{x_t} g_t^T (the embedding's use: index x_t, output
+    gradient g_t) and L_i = sum_s delta_s h_s^T (the linear use: input h_s,
+    output gradient delta_s in R^V), ||E_i + L_i||^2 = ||E_i||^2 + ||L_i||^2 +
+    2 <E_i, L_i>, and <E_i, L_i> = sum_{t,s} delta_s[x_t] (g_t . h_s): a
+    [T, S] product per example. The clipped sum is the two uses' clipped sums added.
+    """
+    indices = _joined([call.input.reshape(batch_size, -1) for call in embedding_calls], 1)
+    output_grads = _joined([call.output_grad.reshape(batch_size, -1, embedding.embedding_dim)
+                            for call in embedding_calls], 1)
+    if embedding.padding_idx is not None:
+        output_grads = output_grads.masked_fill((indices == embedding.padding_idx).unsqueeze(2), 0.0)
+    inputs = _joined([call.input.reshape(batch_size, -1, embedding.embedding_dim) for call in linear_calls], 1)
+    deltas = _joined([call.output_grad.reshape(batch_size, -1, embedding.num_embeddings) for call in linear_calls], 1)
+    # at_index[i, s, t] = delta_s[x_t]; products[i, s, t] = h_s . g_t
+    at_index = deltas.gather(2, indices.unsqueeze(1).expand(batch_size, deltas.shape[1], indices.shape[1]))
+    products = torch.bmm(inputs.to(output_grads.dtype), output_grads.transpose(1, 2))
+    cross = (at_index.to(products.dtype) * products).flatten(1).sum(1)
+    squared = of_embedding.squared_norms + of_linear.squared_norms + 2 * cross
+
+    def weight_sum(factors: Tensor) -> Tensor:
+        return of_embedding.clipped_sum(factors) + of_linear.clipped_sum(factors)
+
+    return ParameterGradients(squared, weight_sum, "ghost")
+
+
 def affine_gradients(
     params: Mapping[str, Tensor], calls: list[LayerCall], batch_size: int, normalize: Callable[[Tensor], Tensor],
     reduce: Callable[[Tensor], Tensor],

@@ -108,8 +108,12 @@ def _with_adapter(model: nn.Module, task: str, adapter: Mapping) -> nn.Module:
         import peft
     except ModuleNotFoundError as error:
         raise ValueError("adapter = { kind = \"lora\" } needs peft: pip install 'dpfleet[hf]'") from error
+    targets = list(adapter["target_modules"])
+    # GPT-2's Conv1D holds its weight transposed, which peft must be told (it warns and guesses otherwise).
+    transposed = any(type(module).__name__ == "Conv1D" for name, module in model.named_modules()
+                     if name.rpartition(".")[2] in targets)
     config = peft.LoraConfig(r=adapter["r"], lora_alpha=adapter["alpha"], lora_dropout=adapter["dropout"],
-                             target_modules=list(adapter["target_modules"]), task_type=PEFT_TASK_TYPES[task])
+                             target_modules=targets, task_type=PEFT_TASK_TYPES[task], fan_in_fan_out=transposed)
     try:
         return peft.get_peft_model(model, config)
     except ValueError as error:
