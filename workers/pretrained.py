@@ -87,13 +87,17 @@ def _first(token_id: int | list[int] | None, default: int) -> int:
     return default if token_id is None else int(token_id)
 
 
-def _pretrained_model(spec: Mapping) -> nn.Module:
+def _loader(spec: Mapping) -> tuple[type, dict]:
+    """The transformers auto class of the spec's task and the options its folder loads with."""
     check_folder(spec["hf"])
-    transformers = _transformers()
-    auto_class = getattr(transformers, TASKS[spec["task"]][0])
-    options = {"num_labels": spec["num_labels"]} if "num_labels" in spec else {}
-    model = auto_class.from_pretrained(spec["hf"], local_files_only=True, attn_implementation="eager",
-                                       dtype=torch.float32, **options)
+    auto_class = getattr(_transformers(), TASKS[spec["task"]][0])
+    return auto_class, {"local_files_only": True, **({"num_labels": spec["num_labels"]} if "num_labels" in spec
+                                                      else {})}
+
+
+def _pretrained_model(spec: Mapping) -> nn.Module:
+    auto_class, options = _loader(spec)
+    model = auto_class.from_pretrained(spec["hf"], attn_implementation="eager", dtype=torch.float32, **options)
     config = model.config
     if not 0 <= _first(config.pad_token_id, -1) < getattr(config, "vocab_size", 0):
         # Padding positions are masked out, but their ids must still index the embedding, and GPT-2's classifier
@@ -175,6 +179,25 @@ def build_pretrained(spec: Mapping) -> TokenModel:
     causal = spec["task"] == "causal-lm" or _is_decoder_only(config.model_type)
     token_types = getattr(config, "type_vocab_size", 0) > 0 and config.model_type != "gpt2"
     return TokenModel(model, causal, int(config.pad_token_id), token_types)
+
+
+def weights_not_in_folder(spec: Mapping) -> set[str]:
+    """The weights of a ``model = { hf, task }`` spec's model that its folder does not hold, by name: those
+    transformers draws at random as it loads (a classifier's new head; a pooler the saved model had none of).
+    Read on the meta device: no weight is loaded."""
+    auto_class, options = _loader(spec)
+    with _quietly():
+        _, found = auto_class.from_pretrained(spec["hf"], device_map="meta", output_loading_info=True, **options)
+    return set(found["missing_keys"])
+
+
+def load_adapter(model: TokenModel, folder: str) -> None:
+    """Put the LoRA adapter that peft saved in ``folder`` onto ``model``'s pretrained model, for inference, as
+    ``peft.PeftModel.from_pretrained`` loads it."""
+    import peft
+
+    with _quietly():
+        model.hf = peft.PeftModel.from_pretrained(model.hf, folder)
 
 
 def next_token_labels(ids: Tensor) -> Tensor:
