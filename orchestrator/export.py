@@ -1,4 +1,5 @@
-"""What a run releases, in files anyone may read: the model's tensors (safetensors) and its model card (JSON).
+"""What a run releases, in files anyone may read: the model's tensors (safetensors) and its model card (JSON), or,
+for a pretrained Hugging Face model, a folder that transformers loads (orchestrator/pretrained_export.py).
 
 A checkpoint is the run's working state, for the run's operator only: it
 holds the optimizer, the sampler, the events so far and the ledger
@@ -7,7 +8,8 @@ nothing else: its trained parameters (their moving average when
 ``ema_decay`` is set, since that is what the run evaluated and released)
 and its buffers as the run's model holds them. The card beside it says what
 guarantee the weights carry and how to rebuild the model. Loading an export
-takes torch and safetensors, not dpfleet.
+takes torch and safetensors, not dpfleet; loading a pretrained model's
+folder takes transformers (and peft, for an adapter).
 """
 
 from __future__ import annotations
@@ -29,8 +31,19 @@ from orchestrator import __version__
 from orchestrator.checkpoint import latest_checkpoint
 from orchestrator.config import TrainConfig, build_config, rows_per_person, sampling_rate, total_steps
 from orchestrator.errors import UsageError
-from workers.data import write_atomically
+from orchestrator.pretrained_export import (
+    CARD_NAME,
+    check_out_folder,
+    export_folder_spec,
+    export_layout,
+    is_export_folder,
+    publish_folder,
+    staged_folder,
+    write_model_folder,
+)
+from workers.data import file_sha256, write_atomically
 from workers.models import MODEL_NAMES, build_model, load_flat_parameters
+from workers.pretrained import load_adapter
 from workers.sources import DataError, read_first, spec_name, split_schema
 from workers.names import task_of
 
@@ -138,8 +151,9 @@ def released_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def model_description(config: TrainConfig, model: nn.Module, module_folder: str | None) -> dict[str, Any]:
-    """How to rebuild and feed the model: its spec and the folder its module was imported from as the run trained
-    (``module_folder``, None for a built-in), one example's input shape and dtype, its output and classes.
+    """How to rebuild and feed the model: its spec (and a pretrained model's ``adapter`` table) and the folder its
+    module was imported from as the run trained (``module_folder``, None for a built-in), one example's input shape
+    and dtype, its output and classes.
 
     The input shape is read from the first test example, whose values are
     never used; the output shape comes from a forward pass on zeros of that shape.
@@ -161,8 +175,10 @@ def model_description(config: TrainConfig, model: nn.Module, module_folder: str 
     elif task == "binary":
         classes = 2
     schema = split_schema(config.dataset, "test") if isinstance(config.dataset, dict) else None
+    adapter = {"adapter": config.adapter} if isinstance(config.model, dict) else {}
     return {
         "spec": config.model,
+        **adapter,
         "builtin": config.model in MODEL_NAMES,
         "module_folder": module_folder,
         "input_columns": None if schema is None else list(schema.columns),
@@ -205,8 +221,13 @@ def privacy_so_far(release: RunRelease) -> dict[str, Any]:
     return figures
 
 
-def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights_sha256: str) -> dict[str, Any]:
-    """The model card of an export: the guarantee its weights carry, how to rebuild the model, what was measured."""
+def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights_sha256: str,
+               layout: str | None = None) -> dict[str, Any]:
+    """The model card of an export: the guarantee its weights carry, how to rebuild the model, what was measured.
+
+    ``layout`` is a pretrained model's export folder's (a key of
+    ``pretrained_export.LAYOUTS``), None for a safetensors file.
+    """
     config, state = release.config, release.state
     if release.finished:
         summary = release.summary
@@ -231,6 +252,7 @@ def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights
             "sha256": weights_sha256,
             "parameters": "moving average of the trained weights" if config.ema_decay is not None else "trained",
             "ema_decay": config.ema_decay,
+            **({} if layout is None else {"layout": layout}),
         },
         "model": model_description(config, model, state.get("module_folder")),
         "dataset": config.dataset_name or spec_name(config.dataset),
@@ -248,19 +270,45 @@ def model_card(release: RunRelease, model: nn.Module, weights_name: str, weights
 
 @dataclass(frozen=True)
 class Export:
-    """The files an export wrote and the card it wrote."""
+    """The files an export wrote and the card it wrote; ``folder`` is a pretrained model's export folder, which
+    holds both (None for a safetensors file and its card)."""
 
     weights_path: Path
     card_path: Path
     card: dict[str, Any]
+    folder: Path | None = None
+
+    @property
+    def loadable(self) -> Path:
+        """What `dpfleet.load` and `dpfleet predict` take: the folder, else the weights file."""
+        return self.folder or self.weights_path
 
 
-def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = False) -> Export:
+def card_bytes(card: dict[str, Any]) -> bytes:
+    """A model card as its file holds it (JSON), once its keys are declared at the release boundary."""
+    return (json.dumps(release_boundary.record("model card", card), indent=2, sort_keys=True) + "\n").encode()
+
+
+def trains_pretrained(run_dir: str | Path) -> bool:
+    """Whether the run in ``run_dir`` fine-tuned a pretrained model (its config's model is a table); False when the
+    directory holds no config.json."""
+    path = Path(run_dir) / "config.json"
+    return path.is_file() and isinstance(json.loads(path.read_text()).get("model"), dict)
+
+
+def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = False, merged: bool = False) -> Export:
     """Write the released model of the run in ``run_dir`` to ``out`` (safetensors) and its card beside it.
 
     ``out`` must end in ``.safetensors``; the card goes to ``card_path(out)``.
     Both files are written atomically and replace any files of those names.
+    A pretrained model's run is written as a folder instead
+    (``export_pretrained``), its adapter merged into the model with ``merged``.
     """
+    if trains_pretrained(run_dir):
+        return export_pretrained(run_dir, Path(out), last_checkpoint, merged)
+    if merged:
+        raise UsageError("--merged merges a LoRA adapter into its pretrained model; the run in "
+                         f"{str(run_dir)!r} trained no pretrained model: leave --merged out")
     out = Path(out)
     if out.suffix != WEIGHTS_SUFFIX or out.name == WEIGHTS_SUFFIX:
         raise UsageError(f"--out must name a file ending in {WEIGHTS_SUFFIX}, e.g. model.safetensors "
@@ -271,35 +319,80 @@ def export_run(run_dir: str | Path, out: str | Path, last_checkpoint: bool = Fal
     payload = safetensors_bytes(released_tensors(model), metadata={"format": "pt"})
     card = model_card(release, model, out.name, hashlib.sha256(payload).hexdigest())
     write_atomically(out, payload)
-    write_atomically(card_path(out), (json.dumps(release_boundary.record("model card", card), indent=2,
-                                                 sort_keys=True) + "\n").encode())
+    write_atomically(card_path(out), card_bytes(card))
     return Export(out, card_path(out), card)
+
+
+def export_pretrained(run_dir: str | Path, out: Path, last_checkpoint: bool = False, merged: bool = False) -> Export:
+    """Write the released pretrained model of the run in ``run_dir`` as a Hugging Face folder ``out``: the adapter
+    in peft's layout (merged into the model with ``merged``) or the whole model, its tokenizer, and its card.
+
+    ``out`` is new, empty or an earlier export, which it replaces whole.
+    """
+    check_out_folder(out)
+    release = read_run(run_dir, last_checkpoint)
+    layout = export_layout(release.config.model_spec, merged)
+    model = released_model(release)
+    with staged_folder(out) as staged:
+        weights = write_model_folder(model, release.config.model, layout, staged)
+        card = model_card(release, model, weights.name, file_sha256(weights), layout)
+        write_atomically(staged / CARD_NAME, card_bytes(card))
+        publish_folder(staged, out)
+    return Export(out / weights.name, out / CARD_NAME, card, out)
 
 
 @dataclass(frozen=True)
 class ReleasedModel:
-    """A released model, rebuilt in eval mode, and its card's ``model`` entry (how to feed it, what it outputs)."""
+    """A released model, rebuilt in eval mode, and its card's ``model`` entry (how to feed it, what it outputs).
+
+    A pretrained model's ``model`` is a ``TokenModel`` (token ids padded
+    with -1); ``tokenizer_folder`` is the folder whose tokenizer gives its
+    ids (the export folder, or the run's model folder), None for other models.
+    """
 
     model: nn.Module
     description: dict[str, Any]
+    tokenizer_folder: str | None = None
+
+    @property
+    def pretrained(self) -> bool:
+        """Whether this is a pretrained Hugging Face model (its spec is a ``{ hf, task }`` table)."""
+        return isinstance(self.description["spec"], dict)
+
+    @property
+    def user_model(self) -> nn.Module:
+        """What `dpfleet.load` returns: a pretrained model's transformers model (its peft model, with an adapter),
+        else the model itself; in eval mode."""
+        return self.model.hf if self.pretrained else self.model
 
 
 def load_released(run_or_export: str | Path) -> ReleasedModel:
-    """The model a finished run released: from its run directory, or from the file `dpfleet export` wrote.
+    """The model a finished run released: from its run directory, or from the file or folder `dpfleet export`
+    wrote.
 
-    An export is rebuilt from its card (beside the file) and its weights; a
-    model from your own module needs that module on the import path (else
-    UsageError, naming the folders Python looked in and the folder the run
-    imported it from, which checkpoints and cards record).
+    An export is rebuilt from its card (beside the file, or in the folder)
+    and its weights; a model from your own module needs that module on the
+    import path (else UsageError, naming the folders Python looked in and
+    the folder the run imported it from, which checkpoints and cards
+    record). A pretrained model's folder with an adapter is loaded onto its
+    pretrained model's folder, which the card names.
     """
     path = Path(run_or_export)
+    if path.is_dir() and is_export_folder(path):
+        card = json.loads((path / CARD_NAME).read_text())
+        model = rebuilt_model(export_folder_spec(path, card), None)
+        if card["weights"]["layout"] == "adapter":
+            load_adapter(model, str(path))
+        return ReleasedModel(model.eval(), card["model"], str(path))
     if path.is_dir():
         release = read_run(path)
         model = released_model(release)
-        return ReleasedModel(model, model_description(release.config, model, release.state.get("module_folder")))
+        description = model_description(release.config, model, release.state.get("module_folder"))
+        pretrained = release.config.model if isinstance(release.config.model, dict) else None
+        return ReleasedModel(model, description, pretrained and pretrained["hf"])
     if path.suffix != WEIGHTS_SUFFIX or not path.is_file():
-        raise UsageError(f"{str(path)!r} is neither a run directory nor an exported NAME{WEIGHTS_SUFFIX} file; give "
-                         "the run_dir of a `dpfleet train` run or a file `dpfleet export` wrote")
+        raise UsageError(f"{str(path)!r} is neither a run directory nor an exported NAME{WEIGHTS_SUFFIX} file or "
+                         "folder; give the run_dir of a `dpfleet train` run or what `dpfleet export` wrote")
     if not card_path(path).is_file():
         raise UsageError(f"{str(path)!r} has no model card beside it ({card_path(path).name}), which says how to "
                          "rebuild the model; export the run again with `dpfleet export RUN_DIR --out FILE`")

@@ -1,8 +1,8 @@
 """The run's one door out: every line it prints and every field it writes, declared once with its class.
 
 Whatever a run prints (its log, through `line`), writes (config.json,
-metrics.jsonl, summary.json, a checkpoint, an export's model card, an audit,
-through `record`) or sends to the ledger (through `record` too) is declared
+metrics.jsonl, summary.json, a checkpoint, an export's model card and the
+files of its Hugging Face folder, an audit, through `record`) or sends to the ledger (through `record` too) is declared
 here, with who may read it (docs/threat-model.md's table of outputs is
 `declaration_table`). An output that nobody declared raises
 `UndeclaredOutput` instead of leaving, and so does a run-private one; an
@@ -225,6 +225,20 @@ FIELDS: tuple[Field, ...] = (
     *(Field("model card", key, _M if key != "test_metrics" else _N, "the export's guarantee and how to load it")
       for key in ("format", "dpfleet_version", "weights", "model", "dataset", "privacy", "test_metrics",
                   "warnings")),
+    *(Field("export folder", name, kind, why) for name, kind, why in (
+        ("model.safetensors", _N, "the released model (its moving average with ema_decay), merged or fully "
+                                  "fine-tuned: every tensor of it and nothing else"),
+        ("adapter_model.safetensors", _N, "the released LoRA factors and a classifier's new head, nothing of the "
+                                          "frozen base or of the checkpoint"),
+        ("config.json", _C, "the pretrained model's configuration from its folder, with the task's head"),
+        ("generation_config.json", _C, "the pretrained model's generation defaults from its folder"),
+        ("adapter_config.json", _C, "the config's adapter table and the pretrained model's folder"),
+        ("model-card.json", _M, "the model card, whose keys are declared as the model card's"),
+        *((name, _C, "the tokenizer of the pretrained model's folder, as it was given") for name in (
+            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+            "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+            "chat_template.jinja", "chat_template.json")),
+    )),
     *(Field("audit.json", key, _N if key in ("test_accuracy",) else _M,
             "the canaries' scores: the released model on made-up examples, and the plan") for key in (
         "epsilon_lower", "epsilon_upper", "confidence", "delta", "canaries", "guesses", "correct", "guesses_in",

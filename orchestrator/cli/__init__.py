@@ -54,7 +54,8 @@ COMMANDS = {
                       "orchestrator.cli.submit:add_submit_arguments"),
     "data": Command("write datasets into the file formats training reads, and check a config's data by its rules",
                     "orchestrator.cli.data_parser:add_data_arguments"),
-    "export": Command("write a finished run's model as safetensors, with a model card, to share",
+    "export": Command("write a finished run's model as safetensors (a pretrained model's as a Hugging Face "
+                      "folder), with a model card, to share",
                       "orchestrator.cli.export:add_export_arguments"),
     "predict": Command("write a released model's predictions on a file of examples",
                        "orchestrator.cli.predict:add_predict_arguments"),

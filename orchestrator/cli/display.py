@@ -64,9 +64,11 @@ def quiet_third_party(environ: MutableMapping[str, str]) -> None:
     """Silence what the libraries under dpfleet print that is not the user's concern.
 
     gRPC's and absl's C++ logs below errors (set before grpc loads; a value
-    the user set stands) and absl's Python warnings.
+    the user set stands), absl's Python warnings, and the progress bars of
+    transformers and the Hugging Face hub (saving an export's weights).
     """
     environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     environ.setdefault("GLOG_minloglevel", "2")
     environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # dp_accounting's absl warnings about RDP orders it leaves out: the bound stays valid without them.

@@ -3,7 +3,8 @@
 `train` runs the job exactly as `dpfleet train` does, through the ledger
 (reservation, per-block charges, release); `epsilon` and `noise_multiplier`
 are `dpfleet eps` and `dpfleet noise`; `Ledger` opens a ledger as the
-command line does; `load` rebuilds a model from `dpfleet export`'s file.
+command line does; `load` rebuilds a model from `dpfleet export`'s file (a
+pretrained model's as its transformers model).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from accounting.calibration import noise_multiplier_for
 from accounting.events import SampledGaussian, steps_for_epochs
 
 EXPORT_NAME = "model.safetensors"
+# A pretrained model's export is a Hugging Face folder (orchestrator/pretrained_export.py).
+EXPORT_FOLDER = "model"
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ def train(config_or_path: str | Path | Mapping[str, Any], *, ledger: str | None 
     ``ledger`` and ``token`` are the command line's --ledger and --token
     (default: the config's ledger, DPFLEET_LEDGER, else the embedded one).
     With ``export``, the model is also written to ``run_dir/model.safetensors``
-    with its card. A ``run_dir`` that holds a finished run is refused unless
-    ``overwrite`` (`--overwrite`); Ray's start-up lines show with ``verbose``
+    with its card (a pretrained model's to the folder ``run_dir/model``). A
+    ``run_dir`` that holds a finished run is refused unless ``overwrite``
+    (`--overwrite`); Ray's start-up lines show with ``verbose``
     (`--verbose`). Raises UsageError (a ValueError) for a bad
     config or data, BudgetRefusedError when the ledger refuses the job.
     """
@@ -63,7 +67,8 @@ def train(config_or_path: str | Path | Mapping[str, Any], *, ledger: str | None 
     with redirect_stdout(io.StringIO()):  # the run's log: the summary is the return value
         trainer, summary, _ = run_job(args)
     run_dir = Path(trainer.config.run_dir)
-    export_path = export_run(run_dir, run_dir / EXPORT_NAME).weights_path if export else None
+    export_name = EXPORT_FOLDER if isinstance(trainer.config.model, dict) else EXPORT_NAME
+    export_path = export_run(run_dir, run_dir / export_name).loadable if export else None
     metrics = {key.removeprefix("test_"): value for key, value in summary.items() if key.startswith("test_")}
     return Result(metrics, summary["epsilon"], summary["delta"], run_dir, export_path, summary)
 
@@ -101,13 +106,16 @@ def Ledger(address: str | None = None, token: str | None = None):  # noqa: N802 
 
 
 def load(run_or_export: str | Path):
-    """The model a finished run released, in eval mode, for inference: from the file `dpfleet export` (or
-    ``train(..., export=True)``) wrote, or from the run's directory.
+    """The model a finished run released, in eval mode, for inference: from the file or folder `dpfleet export`
+    (or ``train(..., export=True)``) wrote, or from the run's directory.
 
     An export's card (beside the file) names the model's spec; a model from
-    your own module needs that module on the import path. `dpfleet predict`
+    your own module needs that module on the import path. A pretrained
+    model comes back as its ``transformers`` model (a ``peft`` model with
+    its adapter, unless the export merged it), which takes ``input_ids``
+    and an ``attention_mask`` as transformers models do. `dpfleet predict`
     loads models the same way.
     """
     from orchestrator.export import load_released
 
-    return load_released(run_or_export).model
+    return load_released(run_or_export).user_model
