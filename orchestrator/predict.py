@@ -1,20 +1,27 @@
 """`dpfleet predict`'s core: a released model's predictions on a file of examples, written as CSV.
 
 Predictions are post-processing of the released model: they read the
-model and the examples given, nothing of the run's private data.
+model and the examples given, nothing of the run's private data. A
+pretrained sequence classifier reads token ids (a Parquet table's list
+column, padded with -1) or text (a .txt file, one example a line, or a
+.jsonl file with a text field), which its model folder's tokenizer turns
+into token ids.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 from pathlib import Path
 
 import torch
 
 from orchestrator.errors import UsageError
-from orchestrator.export import load_released
+from orchestrator.export import ReleasedModel, load_released
 from workers.data import write_atomically
+from workers.pretrained import load_tokenizer
+from workers.pretrained_spec import PAD_INPUT
 from workers.sources import PARQUET_SUFFIXES, DataError, read_features, read_ids
 
 # Rows per forward pass: bounds the memory a large file's predictions take.
@@ -23,6 +30,10 @@ PREDICT_BATCH_ROWS = 4096
 ID_COLUMN = "id"
 # The formats `predict` reads, by the file's suffix.
 INPUT_FORMATS = {**{suffix: "parquet" for suffix in PARQUET_SUFFIXES}, ".csv": "csv", ".npy": "npy", ".npz": "npz"}
+# What a pretrained sequence classifier reads, by the file's suffix: token ids, or text its tokenizer reads.
+TOKEN_FORMATS = {**{suffix: "parquet" for suffix in PARQUET_SUFFIXES}, ".txt": "text", ".jsonl": "jsonl"}
+# The column of token ids a Parquet file holds when the model's card names none.
+TOKEN_COLUMN = "input_ids"
 
 
 def input_spec(description: dict, data_file: str | Path) -> dict:
@@ -70,12 +81,8 @@ def predictions_csv(outputs: torch.Tensor, task: str, ids: list | None = None) -
     return text.getvalue().encode()
 
 
-def write_predictions(run_or_export: str | Path, data_file: str | Path, out: str | Path) -> int:
-    """Load the released model (as `dpfleet.load`), predict on every row of ``data_file``, write ``out`` (CSV);
-    return the number of rows. A table's ``id`` column comes first in ``out``, row for row."""
-    if Path(out).suffix.lower() != ".csv":
-        raise UsageError(f"--out must name a .csv file (got {str(out)!r})")
-    released = load_released(run_or_export)
+def feature_inputs(released: ReleasedModel, data_file: str | Path) -> tuple[torch.Tensor, list | None]:
+    """The examples of ``data_file`` as the model takes them, and a table's ``id`` column (None without one)."""
     description = released.description
     spec = input_spec(description, data_file)
     try:
@@ -87,6 +94,89 @@ def write_predictions(run_or_export: str | Path, data_file: str | Path, out: str
     if shape != description["input_shape"]:
         raise UsageError(f"{data_file}: examples of shape {shape}, but the model takes {description['input_shape']}; "
                          "give the file the columns the model trained on")
+    return inputs, ids
+
+
+def text_rows(data_file: str | Path, file_format: str, text_column: str) -> tuple[list[str], list | None]:
+    """The texts of a .txt file (one a line, blank lines skipped, as `dpfleet data tokenize` reads one) or a .jsonl
+    file (``text_column`` of each line's object), and the .jsonl lines' ``id`` (None unless every line has one)."""
+    lines = [line for line in Path(data_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if file_format == "text":
+        return lines, None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{data_file}: line {number} is not JSON ({error.msg}); a .jsonl file holds one object "
+                             "a line") from None
+        if not isinstance(row, dict) or not isinstance(row.get(text_column), str):
+            raise UsageError(f"{data_file}: line {number} has no text field {text_column!r}; name the field that "
+                             "holds the text with --text-column")
+        rows.append(row)
+    ids = [row[ID_COLUMN] for row in rows] if all(ID_COLUMN in row for row in rows) else None
+    return [row[text_column] for row in rows], ids
+
+
+def tokenized(texts: list[str], tokenizer, max_length: int | None) -> torch.Tensor:
+    """Token ids [len(texts), longest] of ``texts`` as the tokenizer gives them (cut to ``max_length`` where the
+    model has one), padded with PAD_INPUT."""
+    encoded = tokenizer(texts, padding=True, truncation=max_length is not None, max_length=max_length,
+                        return_tensors="pt")
+    return torch.where(encoded["attention_mask"].bool(), encoded["input_ids"], PAD_INPUT)
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The most tokens a transformers model takes (its position embeddings), None where its config sets none."""
+    config = model.config
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def token_inputs(released: ReleasedModel, data_file: str | Path, text_column: str) -> tuple[torch.Tensor, list | None]:
+    """A pretrained sequence classifier's inputs from ``data_file``: token ids padded with PAD_INPUT, read from a
+    Parquet list column or made from text by the model folder's tokenizer; and the rows' ids where given."""
+    task = released.description["spec"]["task"]
+    if task != "sequence-classification":
+        fix = "dpfleet generate samples text from it" if task == "causal-lm" else "load it with dpfleet.load"
+        raise UsageError(f"dpfleet predict classifies sequences, and this model's task is {task!r}: {fix}")
+    file_format = TOKEN_FORMATS.get(Path(data_file).suffix.lower())
+    if file_format is None:
+        raise UsageError(f"--data must be a {', '.join(sorted(TOKEN_FORMATS))} file for a pretrained model: token "
+                         f"ids in a Parquet list column, or text (got {str(data_file)!r})")
+    if file_format == "parquet":
+        columns = released.description.get("input_columns") or [TOKEN_COLUMN]
+        spec = {"format": "parquet", "features": columns}
+        try:
+            inputs, ids = read_features(spec, str(data_file)), read_ids(spec, str(data_file), ID_COLUMN)
+        except DataError as error:
+            raise UsageError(str(error)) from None
+        if inputs.is_floating_point() or inputs.dim() != 2:
+            raise UsageError(f"{data_file}: column {columns[0]!r} must hold token ids, lists of integers padded with "
+                             f"{PAD_INPUT} to one length")
+    else:
+        texts, ids = text_rows(data_file, file_format, text_column)
+        if not texts:
+            raise UsageError(f"{data_file}: no rows to predict on")
+        model = released.model.hf
+        inputs = tokenized(texts, load_tokenizer(released.tokenizer_folder), max_positions(model))
+    empty = (inputs == PAD_INPUT).all(dim=1).nonzero().flatten().tolist()
+    if empty:
+        raise UsageError(f"{data_file}: row {empty[0] + 1} has no tokens; give each row some text or token ids")
+    return inputs, ids
+
+
+def write_predictions(run_or_export: str | Path, data_file: str | Path, out: str | Path,
+                      text_column: str = "text") -> int:
+    """Load the released model (as `dpfleet.load`), predict on every row of ``data_file``, write ``out`` (CSV);
+    return the number of rows. A table's ``id`` column comes first in ``out``, row for row (a .jsonl file's
+    ``id`` field too); ``text_column`` is the field of a .jsonl file's text."""
+    if Path(out).suffix.lower() != ".csv":
+        raise UsageError(f"--out must name a .csv file (got {str(out)!r})")
+    released = load_released(run_or_export)
+    if released.pretrained:
+        inputs, ids = token_inputs(released, data_file, text_column)
+    else:
+        inputs, ids = feature_inputs(released, data_file)
     outputs = predict_outputs(released.model, inputs)
-    write_atomically(Path(out), predictions_csv(outputs, description["task"], ids))
+    write_atomically(Path(out), predictions_csv(outputs, released.description["task"], ids))
     return len(inputs)

@@ -2,7 +2,8 @@
 
 Whatever a run prints (its log, through `line`), writes (config.json,
 metrics.jsonl, summary.json, a checkpoint, an export's model card and the
-files of its Hugging Face folder, an audit, through `record`) or sends to the ledger (through `record` too) is declared
+files of its Hugging Face folder, an audit, text a model generated, through
+`record`) or sends to the ledger (through `record` too) is declared
 here, with who may read it (docs/threat-model.md's table of outputs is
 `declaration_table`). An output that nobody declared raises
 `UndeclaredOutput` instead of leaving, and so does a run-private one; an
@@ -239,6 +240,8 @@ FIELDS: tuple[Field, ...] = (
             "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
             "chat_template.jinja", "chat_template.json")),
     )),
+    Field("generated text", "text", _N, "post-processing of the released model: the tokens it sampled after the "
+                                        "user's prompt"),
     *(Field("audit.json", key, _N if key in ("test_accuracy",) else _M,
             "the canaries' scores: the released model on made-up examples, and the plan") for key in (
         "epsilon_lower", "epsilon_upper", "confidence", "delta", "canaries", "guesses", "correct", "guesses_in",

@@ -1,5 +1,5 @@
 """A pretrained model's release as files a transformers user loads: `dpfleet export` (an adapter, merged, or the whole
-model) and `dpfleet.load`.
+model), `dpfleet.load`, `dpfleet predict` on token ids and text, and `dpfleet generate`.
 
 Most runs here are made without training: a run directory as a finished run
 leaves it (config.json, a checkpoint, summary.json), its trainable weights
@@ -35,6 +35,7 @@ from orchestrator.cli import main  # noqa: E402
 from orchestrator.config import build_config  # noqa: E402
 from orchestrator.errors import UsageError  # noqa: E402
 from orchestrator.export import export_run, read_run, released_model  # noqa: E402
+from orchestrator.generate import generated_text  # noqa: E402
 from workers.data import file_sha256  # noqa: E402
 from workers.models import build_model, flat_parameters  # noqa: E402
 from workers.pretrained import PAD_INPUT, TokenModel  # noqa: E402
@@ -336,7 +337,7 @@ def test_an_export_replaces_only_an_earlier_export_and_is_a_folder(setting, runs
 # --- a trained run ------------------------------------------------------------------------------------------------
 
 
-def test_a_trained_lora_classifier_exports_and_loads_as_it_evaluated(local_ray, setting, tmp_path):
+def test_a_trained_lora_classifier_exports_loads_and_predicts_as_it_evaluated(local_ray, setting, tmp_path):
     from orchestrator.trainer import Trainer
 
     config = run_config(setting, "trained", "gpt2", "sequence-classification", True, ema_decay=0.5)
@@ -356,3 +357,87 @@ def test_a_trained_lora_classifier_exports_and_loads_as_it_evaluated(local_ray, 
     # The exported model is the one the run evaluated: its test loss, from plain transformers.
     loss = torch.nn.functional.cross_entropy(logits, labels).item()
     assert loss == pytest.approx(summary["test_loss"], rel=1e-4)
+    _, outputs, _ = predicted(merged, setting[2]["test"], tmp_path / "p.csv")
+    torch.testing.assert_close(outputs, logits, rtol=1e-4, atol=1e-5)
+
+
+# --- predict ------------------------------------------------------------------------------------------------------
+
+
+def predicted(source, data, out) -> tuple[list[str], torch.Tensor, list]:
+    """`dpfleet predict`'s CSV: its header, its outputs and its first column."""
+    assert main(["predict", str(source), "--data", str(data), "--out", str(out)]) == 0
+    header, *lines = out.read_text().splitlines()
+    first = header.split(",").index("prediction")
+    rows = [line.split(",") for line in lines]
+    outputs = torch.tensor([[float(value) for value in row[first + 1:]] for row in rows])
+    predictions = [int(row[first]) for row in rows]
+    assert predictions == outputs.argmax(dim=1).tolist()
+    return header.split(","), outputs, [row[0] for row in rows]
+
+
+def test_predict_classifies_token_ids_and_text_from_a_run_and_its_exports(setting, runs, tmp_path, capsys):
+    run_dir = runs["gpt2", "sequence-classification", True]
+    export_run(run_dir, tmp_path / "adapter")
+    export_run(run_dir, tmp_path / "merged", merged=True)
+    table = token_table(tmp_path / "new.parquet", 7, with_ids=True)
+    ids = torch.tensor(pq.read_table(table).column("input_ids").to_pylist())
+    expected_ids = released_logits(run_dir, ids)
+    texts = ["w1 w2 w3", "w7 w9 w11 w13 w4", "w40"]
+    (tmp_path / "new.txt").write_text("\n".join(texts) + "\n")
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"id": index * 10, "body": text}) + "\n"
+                                                for index, text in enumerate(texts)))
+    tokens = [[VOCABULARY.index(word) for word in text.split()] for text in texts]
+    text_ids = torch.tensor([row + [PAD_INPUT] * (5 - len(row)) for row in tokens])
+    expected_text = released_logits(run_dir, text_ids)
+    for source in (run_dir, tmp_path / "adapter", tmp_path / "merged"):
+        header, outputs, first = predicted(source, table, tmp_path / "p.csv")
+        assert header == ["id", "prediction", "output_0", "output_1"] and first == [f"row-{i}" for i in range(ROWS)]
+        torch.testing.assert_close(outputs, expected_ids, rtol=1e-4, atol=1e-5)
+        header, outputs, _ = predicted(source, tmp_path / "new.txt", tmp_path / "p.csv")
+        assert header == ["prediction", "output_0", "output_1"]
+        torch.testing.assert_close(outputs, expected_text, rtol=1e-4, atol=1e-5)
+    assert main(["predict", str(run_dir), "--data", str(tmp_path / "new.jsonl"), "--out", str(tmp_path / "p.csv"),
+                 "--text-column", "body"]) == 0
+    assert [line.split(",")[0] for line in (tmp_path / "p.csv").read_text().splitlines()] == ["id", "0", "10", "20"]
+    assert main(["predict", str(run_dir), "--data", str(tmp_path / "new.jsonl"), "--out", str(tmp_path / "p.csv")]) == 2
+    assert "line 1 has no text field 'text'" in capsys.readouterr().err
+    assert main(["predict", str(runs["gpt2", "causal-lm", True]), "--data", str(table), "--out",
+                 str(tmp_path / "p.csv")]) == 2
+    assert "dpfleet generate samples text from it" in capsys.readouterr().err
+
+
+# --- generate ------------------------------------------------------------------------------------------------------
+
+
+def plain_generation(folder, prompt: str, seed: int, **options) -> str:
+    """What a transformers user samples from an export folder with the same seed."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
+    encoded = tokenizer(prompt, return_tensors="pt")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        tokens = model.generate(input_ids=encoded["input_ids"], attention_mask=encoded["attention_mask"],
+                                pad_token_id=tokenizer.pad_token_id, **options)
+    return tokenizer.decode(tokens[0], skip_special_tokens=True)
+
+
+def test_generate_samples_from_the_released_model_as_transformers_does(setting, runs, tmp_path, capsys):
+    run_dir = runs["gpt2", "causal-lm", True]
+    merged = tmp_path / "merged"
+    export_run(run_dir, merged, merged=True)
+    with release.observe() as seen:
+        assert main(["generate", str(merged), "--prompt", "w1 w2", "--max-new-tokens", "6", "--seed", "3"]) == 0
+    assert ("generated text", "text") in seen
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("w1 w2 ") and len(printed.split()) > 2
+    sampled = plain_generation(merged, "w1 w2", 3, max_new_tokens=6, do_sample=True, temperature=1.0)
+    assert printed == sampled
+    greedy = plain_generation(merged, "w1 w2", 0, max_new_tokens=6, do_sample=False)
+    for source in (run_dir, merged):
+        assert generated_text(source, "w1 w2", 6, temperature=0.0) == greedy
+    assert len({generated_text(run_dir, "w1 w2", 6, temperature=5.0) for _ in range(4)}) > 1  # fresh draws
+    assert main(["generate", str(runs["bert", "sequence-classification", True]), "--prompt", "w1"]) == 2
+    assert "dpfleet predict classifies with it" in capsys.readouterr().err
+    assert main(["generate", str(merged), "--prompt", "w1", "--temperature", "-1"]) == 2
+    assert "--temperature must be >= 0" in capsys.readouterr().err

@@ -59,6 +59,8 @@ COMMANDS = {
                       "orchestrator.cli.export:add_export_arguments"),
     "predict": Command("write a released model's predictions on a file of examples",
                        "orchestrator.cli.predict:add_predict_arguments"),
+    "generate": Command("sample text from a released causal language model (a pretrained model's run)",
+                        "orchestrator.cli.generate:add_generate_arguments"),
 }
 
 
