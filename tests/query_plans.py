@@ -67,6 +67,7 @@ def listing_statements(ledger, statements):
     ledger.history(None, 50, caller=team)
     ledger.list_jobs("team/mnist")
     ledger.list_jobs("team/mnist", "active")
+    ledger.list_jobs("team/mnist", charges=True)
     ledger.get_budget("team/mnist", caller=ADMIN)
     ledger.get_budget("mnist", caller=team)
     ledger.list_queued("team/mnist")

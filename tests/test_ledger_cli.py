@@ -272,6 +272,55 @@ def test_with_the_filter_basis_the_ledger_charges_at_most_the_target_within_cali
     assert status == 2 and "give target_epsilon" in err
 
 
+def test_ledger_jobs_shows_what_each_job_took_the_first_paying_the_conversion_offset(capsys, server, monkeypatch):
+    """Two jobs of one plan whose commits interleave, then a third: each job's charge is the rise its commits made
+    in the filter's ε of the committed steps, in the order they were charged; the charges add up to spent ε
+    (filter), through the server and the client."""
+    monkeypatch.setenv("DPFLEET_LEDGER", server.address)
+    monkeypatch.setenv("DPFLEET_TOKEN", ADMIN_TOKEN)
+    run_json(capsys, "ledger", "tenant", "create", "acme")
+    run_json(capsys, "ledger", "dataset", "create", "acme/mnist", "--epsilon", "10", "--delta", "1e-5")
+    plan = SampledGaussian(0.004, 1.1, 500)
+    with RemoteLedger(server.address, ADMIN_TOKEN) as ledger:
+        first = ledger.reserve("acme/mnist", "first", plan)
+        second = ledger.reserve("acme/mnist", "second", plan)
+        for sequence in range(2):
+            for job in (first, second):
+                ledger.commit(job.reservation_id, 250, sequence)
+        for job in (first, second):
+            ledger.release(job.reservation_id)
+        third = ledger.reserve("acme/mnist", "third", plan)
+        ledger.commit(third.reservation_id, 100, 0)
+        spent = ledger.get_budget("acme/mnist").spent_epsilon_filter
+    rule = AdmissionRule.for_budget(10.0, DELTA)
+    half, whole, part = (RdpTally.of(plan.with_steps(steps)) for steps in (250, 500, 100))
+
+    def epsilon(*tallies):
+        return rule.epsilon(sum(tallies, RdpTally.zero()))
+
+    jobs = {job["job_id"]: job for job in run_json(capsys, "ledger", "jobs")["jobs"]}
+    charges = {name: job["charges"] for name, job in jobs.items()}
+    assert [charge[name] for charge in charges["first"] for name in ("block", "remaining_before_epsilon")] == [
+        None, 10.0]
+    assert charges["first"][0]["admitted_epsilon"] == epsilon(whole)
+    assert charges["second"][0]["admitted_epsilon"] == epsilon(whole, whole) - epsilon(whole)
+    assert charges["third"][0]["remaining_before_epsilon"] == 10.0 - epsilon(whole, whole)
+    took = {name: charge[0]["charged_epsilon"] for name, charge in charges.items()}
+    assert took["first"] == pytest.approx(epsilon(half) + epsilon(half, half, half) - epsilon(half, half), rel=1e-12)
+    assert took["second"] == pytest.approx(epsilon(half, half) - epsilon(half) + epsilon(whole, whole)
+                                           - epsilon(half, half, half), rel=1e-12)
+    assert took["third"] == pytest.approx(epsilon(whole, whole, part) - epsilon(whole, whole), rel=1e-12)
+    # The first job paid the conversion's offset: the second, of the same plan, took less than a fifth of it.
+    assert took["second"] < took["first"] / 5 and sum(took.values()) == pytest.approx(spent, rel=1e-12)
+    status, table, _ = run(capsys, "ledger", "jobs")
+    header, _, *rows = table.split("\n\n")[0].splitlines()
+    assert status == 0 and "took ε (filter)" in header
+    assert [row.split()[6] for row in rows] == [f"{took[name]:.4g}" for name in ("first", "second", "third")]
+    assert "its first job pays the RDP-to-(ε, δ) conversion's offset" in table
+    (dataset,) = run_json(capsys, "ledger", "status")["datasets"]
+    assert dataset["jobs"][0]["charges"] is None  # a status does not replay them
+
+
 def test_token_rotate_and_revoke_for_tenants_and_the_admin(capsys, server):
     remote = ("--ledger", server.address)
     first = run_json(capsys, "ledger", "tenant", "create", "acme", *remote, "--token", ADMIN_TOKEN)["token"]
@@ -325,7 +374,7 @@ def test_the_ledger_records_and_shows_who_adds_each_jobs_noise(capsys, server, m
     assert (jobs["in-silos"]["noise_placement"], jobs["at-driver"]["noise_placement"]) == ("silos", "driver")
     assert Composition.from_dict(jobs["in-silos"]["planned_events"]) == silos
     status, table, _ = run(capsys, "ledger", "jobs")
-    header, _, *rows = table.splitlines()
+    header, _, *rows = table.split("\n\n")[0].splitlines()  # the table, not the note under it
     assert status == 0 and "noise" in header.split()
     placements = {row.split()[2]: row.split() for row in rows}
     assert "silos" in placements["in-silos"] and "driver" in placements["at-driver"]

@@ -43,7 +43,7 @@ SAMPLES = {
     "state": "released", "job_id": "job-7", "planned": SampledGaussian(0.01, 1.1, 5), "lease_seconds": 30.0,
     "rows_per_person": 4, "blocks": ("day-1", "day-2"), "reservation_id": "reservation-1", "steps": 3,
     "sequence": 5, "block": "day-1", "data": {"rows": [0, 10]}, "priority": 2, "max_wait_seconds": 90.0,
-    "queue_id": "queued-1", "limit": 50, "content": ["a" * 64, "b" * 64],
+    "queue_id": "queued-1", "limit": 50, "content": ["a" * 64, "b" * 64], "charges": True,
 }
 # A queued job's state is another set of words than a reservation's.
 SAMPLE_OVERRIDES = {("list_queued", "state"): "admitted"}
@@ -372,7 +372,7 @@ CLI_EXTRAS = {
         ["--scheduling", "dpf", "--unlock-jobs", "3"], {"scheduling": SchedulingPolicy("dpf", 3, None)}
     ),
     "rotate_token": (["--tenant", "acme"], {"tenant": "acme"}),
-    "list_jobs": (["--active"], {"state": "active"}),
+    "list_jobs": (["--active"], {"state": "active", "charges": True}),
     "list_queued": (["--queued"], {"state": "queued"}),
     "add_block": (["--rows", "0:10"], {"data": {"rows": [0, 10]}}),
 }

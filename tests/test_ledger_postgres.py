@@ -121,6 +121,13 @@ def test_the_ledger_on_postgresql_admits_charges_expires_and_verifies(cluster, c
         blocks = ledger.get_budget("acme/logs").blocks
         assert [block.spent_epsilon_filter for block in blocks] == [
             block.admission.epsilon(RdpTally.of(STEP.with_steps(10))) for block in blocks]
+        # What each job took, replayed from the history: the committed 200 steps of one, each block's share.
+        kept_job, leased_job = ledger.list_jobs("acme/mnist", charges=True)
+        assert (kept_job.charges[0].charged_epsilon, leased_job.charges[0].charged_epsilon) == (
+            status.spent_epsilon_filter, 0.0)
+        (guest_job,) = ledger.list_jobs("acme/logs", charges=True, caller=guest)
+        assert [(charge.block, charge.charged_epsilon) for charge in guest_job.charges] == [
+            (block.name, block.spent_epsilon_filter) for block in blocks]
         assert {quota.block for quota in ledger.get_budget("acme/logs", caller=guest).quotas} == {None, "d1", "d2"}
         assert ledger.verify().findings == ()
         with psycopg.connect(url, autocommit=True) as connection:

@@ -15,7 +15,7 @@ from accounting.lazy import public_face
 
 __getattr__, __dir__, __all__ = public_face(__name__, {
     "caches": ["forget_pld_figures"],
-    "callers": ["ADMIN"],
+    "callers": ["ADMIN", "LOCAL_TENANT"],
     "client": ["RemoteLedger"],
     "databases": ["is_postgresql", "shown_location"],
     "errors": ["AlreadyExists", "BudgetExceeded", "FailedPrecondition", "InvalidArgument", "LedgerError",
@@ -23,7 +23,7 @@ __getattr__, __dir__, __all__ = public_face(__name__, {
     "interface": ["PrivacyLedger"],
     "limits": ["AUTH_FAILURE_BURST", "AUTH_FAILURE_RATE_PER_SECOND", "CURVE_BURST", "CURVE_RATE_PER_SECOND"],
     "operations": ["OPERATIONS"],
-    "records": ["DatasetStatus", "QueuedJob", "Reservation"],
+    "records": ["BlockStatus", "DatasetStatus", "JobCharge", "QueuedJob", "Reservation"],
     "scheduling": ["BlockBudget", "DPACK", "DPF", "FCFS", "POLICIES", "PRIORITY_RANGE", "QueuedDemand",
                    "SchedulingPolicy", "schedule"],
     "service": ["LedgerServer", "serve"],

@@ -223,10 +223,14 @@ class RemoteLedger:
         reply = self._call("ListDatasets", request)
         return [messages.status_from_proto(status) for status in reply.datasets]
 
-    def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
-        """Reservations on the token's datasets, oldest first; optionally of one dataset or state."""
+    def list_jobs(
+        self, dataset: str | None = None, state: str | None = None, charges: bool = False
+    ) -> list[Reservation]:
+        """Reservations on the token's datasets, oldest first; optionally of one dataset or state; with `charges`,
+        what each took from its budgets (see Ledger.list_jobs)."""
         request = self._request(
-            pb.ListJobsRequest, dataset=_optional_field("dataset", dataset) or "", state=messages.state_to_proto(state)
+            pb.ListJobsRequest, dataset=_optional_field("dataset", dataset) or "", state=messages.state_to_proto(state),
+            charges=charges,
         )
         return [messages.reservation_from_proto(job) for job in self._call("ListJobs", request).jobs]
 

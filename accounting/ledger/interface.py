@@ -42,8 +42,11 @@ class PrivacyLedger(Protocol):
     def list_datasets(self, pld_may_be_pending: bool = False) -> list[DatasetStatus]:
         """Every dataset the caller may see."""
 
-    def list_jobs(self, dataset: str | None = None, state: str | None = None) -> list[Reservation]:
-        """Reservations on the caller's datasets, oldest first, optionally of one dataset or state."""
+    def list_jobs(
+        self, dataset: str | None = None, state: str | None = None, charges: bool = False
+    ) -> list[Reservation]:
+        """Reservations on the caller's datasets, oldest first, optionally of one dataset or state; with `charges`,
+        each with what it took from each budget it is charged to (records.JobCharge)."""
 
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,

@@ -29,6 +29,7 @@ from accounting.ledger.records import (
     CommitResult,
     DatasetStatus,
     HistoryEntry,
+    JobCharge,
     QueuedJob,
     QuotaStatus,
     Reservation,
@@ -102,6 +103,11 @@ def reservation_to_proto(reservation: Reservation) -> pb.Reservation:
         expires_at=reservation.expires_at or "",
         lease_expired=reservation.lease_expired,
         blocks=reservation.blocks,
+        charges=None if reservation.charges is None else pb.JobCharges(budgets=[
+            pb.JobCharge(block=charge.block or "", remaining_before_epsilon=charge.remaining_before_epsilon,
+                         admitted_epsilon=charge.admitted_epsilon, charged_epsilon=charge.charged_epsilon)
+            for charge in reservation.charges
+        ]),
     )
 
 
@@ -120,6 +126,11 @@ def reservation_from_proto(message: pb.Reservation) -> Reservation:
         expires_at=message.expires_at or None,
         lease_expired=message.lease_expired,
         blocks=tuple(message.blocks),
+        charges=tuple(
+            JobCharge(charge.block or None, charge.remaining_before_epsilon, charge.admitted_epsilon,
+                      charge.charged_epsilon)
+            for charge in message.charges.budgets
+        ) if message.HasField("charges") else None,
     )
 
 

@@ -165,9 +165,11 @@ _DECLARED = (
         Command(("status",), {"pld_may_be_pending": "no_wait"}),
     ),
     Operation(
-        "list_jobs", (Parameter("dataset", None), Parameter("state", None)), _errors(NotFound, PermissionDenied),
+        "list_jobs", (Parameter("dataset", None), Parameter("state", None), Parameter("charges", False)),
+        _errors(NotFound, PermissionDenied),
         "ListJobs", "ListJobsRequest", "ListJobsReply",
-        Command(("jobs",), {"dataset": "dataset"}, {"state": ("active",)}),
+        # `jobs` shows what each job took from its budgets.
+        Command(("jobs",), {"dataset": "dataset"}, {"state": ("active",), "charges": ()}),
     ),
     Operation(
         "reserve",

@@ -24,6 +24,42 @@ class TenantCreated:
 
 
 @dataclass(frozen=True)
+class JobCharge:
+    """What a job takes from one budget it is charged to (the dataset's, `block` None, or a block's), in that
+    budget's filter ε at its δ.
+
+    `remaining_before_epsilon` is the budget's remaining ε just before the
+    job's reservation was admitted, and `admitted_epsilon` what the
+    reservation took from it: remaining before minus remaining after, which
+    holds the RDP-to-(ε, δ) conversion's offset when the budget held nothing
+    before. `charged_epsilon` is what the job's commits took from it: each
+    commit the rise it made in the filter's ε of the committed steps, in the
+    order the ledger charged them, so that the charges of a budget's jobs
+    add up to its spent ε (filter).
+    """
+
+    block: str | None
+    remaining_before_epsilon: float
+    admitted_epsilon: float
+    charged_epsilon: float
+
+    @property
+    def remaining_after_epsilon(self) -> float:
+        """The budget's remaining ε just after the job's reservation was admitted."""
+        return self.remaining_before_epsilon - self.admitted_epsilon
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "block": self.block,
+            "remaining_before_epsilon": self.remaining_before_epsilon,
+            "admitted_epsilon": self.admitted_epsilon,
+            "remaining_after_epsilon": self.remaining_after_epsilon,
+            "charged_epsilon": self.charged_epsilon,
+        }
+
+
+@dataclass(frozen=True)
 class Reservation:
     """A job's hold on a dataset: its planned events and how many of their steps are committed.
 
@@ -31,6 +67,9 @@ class Reservation:
     8601) unless a commit renews it first; `lease_expired` says the
     reservation was released that way. `blocks` are the dataset's blocks the
     job is charged to, every one of them in full; () for the dataset itself.
+    `charges` are what it takes from each of those budgets (JobCharge, in
+    the order of `blocks`), where the listing replayed them
+    (`list_jobs(charges=True)`); None elsewhere.
     """
 
     reservation_id: str
@@ -45,6 +84,7 @@ class Reservation:
     expires_at: str | None = None
     lease_expired: bool = False
     blocks: tuple[str, ...] = ()
+    charges: tuple[JobCharge, ...] | None = None
 
     @property
     def planned_steps(self) -> int:
@@ -79,6 +119,7 @@ class Reservation:
             "expires_at": self.expires_at,
             "lease_expired": self.lease_expired,
             "blocks": list(self.blocks),
+            "charges": None if self.charges is None else [charge.to_dict() for charge in self.charges],
         }
 
 

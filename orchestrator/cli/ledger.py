@@ -183,19 +183,39 @@ def _queued_table(jobs: list) -> str:
 
 
 def _jobs_table(jobs: list) -> str:
+    """The jobs as a table; with the ε each took from its budgets where the listing replayed them."""
+    charged = any(job.charges is not None for job in jobs)
     headers = [
-        "reservation", "dataset", "blocks", "job", "state", "committed steps", "planned steps", "noise", "created",
-        "lease ends",
+        "reservation", "dataset", "blocks", "job", "state", "committed steps", "planned steps",
+        *(["took ε (filter)"] if charged else []), "noise", "created", "lease ends",
     ]
     rows = [
         [
             job.reservation_id, job.dataset, " ".join(job.blocks), job.job_id,
             "lease expired" if job.lease_expired else job.state, job.committed_steps, job.planned_steps,
-            job.noise_placement, job.created_at, job.expires_at or "",
+            *([_took(job.charges)] if charged else []), job.noise_placement, job.created_at, job.expires_at or "",
         ]
         for job in jobs
     ]
     return format_table(headers, rows)
+
+
+def _took(charges: tuple | None) -> str:
+    """What a job's commits took from its budget, or from each block's (`d1 0.95, d2 0.95`)."""
+    if charges is None:
+        return ""
+    return ", ".join(f"{charge.block + ' ' if charge.block else ''}{format_number(charge.charged_epsilon)}"
+                     for charge in charges)
+
+
+# Under `dpfleet ledger jobs`: what its column is, and what it is not.
+_TOOK_NOTE = (
+    "took ε (filter): what the job's committed steps took from its budget's remaining ε (each block's, for a job "
+    "on blocks), in the filter's ε at the budget's δ: each commit the rise it made in spent ε (filter), in the "
+    "order the ledger charged them. A budget's jobs add up to its spent ε (filter), and its first job pays the "
+    "RDP-to-(ε, δ) conversion's offset, so a later job of the same plan takes less. It is not the job's own "
+    "privacy, its ε by its accountant (dpfleet train prints both)."
+)
 
 
 @ledger_command
@@ -431,7 +451,7 @@ def run_jobs(args: argparse.Namespace) -> int:
         if args.queued:
             queued = ledger.list_queued(args.dataset)
         else:
-            jobs = ledger.list_jobs(args.dataset, "active" if args.active else None)
+            jobs = ledger.list_jobs(args.dataset, "active" if args.active else None, charges=True)
     if args.queued:
         if args.json:
             print_json({"queued": [job.to_dict() for job in queued]})
@@ -440,7 +460,7 @@ def run_jobs(args: argparse.Namespace) -> int:
     elif args.json:
         print_json({"jobs": [job.to_dict() for job in jobs]})
     else:
-        print(_jobs_table(jobs))
+        print(_jobs_table(jobs) + (f"\n\n{_TOOK_NOTE}" if jobs else ""))
     return 0
 
 

@@ -150,7 +150,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
     def ListJobs(self, request: pb.ListJobsRequest, caller: Caller) -> pb.ListJobsReply:
         """Reservations on the caller's datasets."""
         state = messages.state_from_proto(request.state)
-        jobs = self._ledger.list_jobs(request.dataset or None, state, caller=caller)
+        jobs = self._ledger.list_jobs(request.dataset or None, state, request.charges, caller=caller)
         return pb.ListJobsReply(jobs=[messages.reservation_to_proto(job) for job in jobs])
 
     @_rpc

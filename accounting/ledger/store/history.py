@@ -139,6 +139,17 @@ class HistoryChain:
         ]
 
     @staticmethod
+    def of_budgets(connection: Connection, budget_ids: list[int]) -> list[StoredEntry]:
+        """Every entry about the budgets `budget_ids` (a dataset and its blocks), every tenant's, oldest first, as
+        stored: each budget's read along its index (history_by_dataset), merged by id."""
+        return list(heapq.merge(*(
+            map(StoredEntry._make, connection.execute(
+                f"SELECT {HISTORY_COLUMNS} FROM history WHERE dataset_id = ? ORDER BY id", (budget_id,)
+            ).fetchall())
+            for budget_id in budget_ids
+        )))
+
+    @staticmethod
     def head(connection: Connection) -> tuple[int, str]:
         """How many entries the history has, and the hash of the last ("" for none)."""
         (entries,) = connection.execute("SELECT COUNT(*) FROM history").fetchone()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -28,7 +29,7 @@ from accounting.ledger.admission import (
     uncached_mechanisms,
 )
 from accounting.ledger.callers import ADMIN, LOCAL_TENANT, Caller, resolve_dataset
-from accounting.ledger.databases import open_database
+from accounting.ledger.databases import Connection, open_database
 from accounting.ledger.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -38,7 +39,15 @@ from accounting.ledger.errors import (
     PermissionDenied,
 )
 from accounting.ledger.limits import COMPOSED_STEPS_PER_UNIT, TokenBuckets
-from accounting.ledger.records import CommitResult, DatasetStatus, HistoryEntry, QueuedJob, Reservation, TenantCreated
+from accounting.ledger.records import (
+    CommitResult,
+    DatasetStatus,
+    HistoryEntry,
+    JobCharge,
+    QueuedJob,
+    Reservation,
+    TenantCreated,
+)
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.store import admission, queueing
 from accounting.ledger.store.admission import JobRequest
@@ -91,7 +100,7 @@ from accounting.ledger.validation import (
     check_state,
     check_steps,
 )
-from accounting.ledger.verification import SignedHead, Verification, sign_head, stored_token_digest
+from accounting.ledger.verification import SignedHead, Verification, job_charges, sign_head, stored_token_digest
 
 
 class Ledger:
@@ -586,9 +595,16 @@ class Ledger:
     # ------------------------------------------------------------ jobs
 
     def list_jobs(
-        self, dataset: str | None = None, state: str | None = None, *, caller: Caller | None = None
+        self, dataset: str | None = None, state: str | None = None, charges: bool = False, *,
+        caller: Caller | None = None,
     ) -> list[Reservation]:
-        """Reservations on the caller's datasets, oldest first; optionally of one dataset or state."""
+        """Reservations on the caller's datasets, oldest first; optionally of one dataset or state.
+
+        With `charges`, each carries what it took from each budget it is
+        charged to (records.JobCharge), replayed from the whole history of
+        its dataset, every tenant's: a listing whose time grows with that
+        history, where one without them follows what it lists.
+        """
         caller = self._caller(caller)
         state = check_state(state)
         with self._transactions.read() as connection:
@@ -599,7 +615,22 @@ class Ledger:
             rows = self._tables.reservations.listed(
                 connection, dataset_id, None if caller.admin else caller.tenant, state
             )
-        return [row.reservation(caller) for row in rows]
+            replayed = self._job_charges(connection, {row.dataset_id for row in rows}) if charges else {}
+        return [
+            replace(row.reservation(caller), charges=replayed.get(row.reservation_id)) if charges else
+            row.reservation(caller)
+            for row in rows
+        ]
+
+    def _job_charges(self, connection: Connection, dataset_ids: set[int]) -> dict[str, tuple[JobCharge, ...]]:
+        """`job_charges` of every job on the datasets `dataset_ids`, by reservation id."""
+        replayed = {}
+        for dataset_id in sorted(dataset_ids):
+            dataset = self._tables.datasets.by_id(connection, dataset_id)
+            blocks = self._tables.datasets.blocks(connection, dataset_id)
+            entries = self._history.of_budgets(connection, [dataset_id, *(block.dataset_id for block in blocks)])
+            replayed.update(job_charges(entries, dataset.stored(), [block.stored() for block in blocks]))
+        return replayed
 
     @curves_outside_lock
     def reserve(

@@ -16,6 +16,7 @@ from accounting.ledger.verification.findings import (
 )
 from accounting.ledger.verification.history import (
     HistoryReplay,
+    job_charges,
     verify_history,
 )
 from accounting.ledger.verification.replay import (
@@ -61,6 +62,7 @@ __all__ = [
     "head_signature_findings",
     "sealed_version",
     "history_hash",
+    "job_charges",
     "sign_head",
     "stored_token_digest",
     "verify_history",

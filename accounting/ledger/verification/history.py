@@ -10,7 +10,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from accounting.ledger.verification.chain import SignedHead, chain_findings, head_findings
 from accounting.ledger.verification.findings import Finding, Verification
-from accounting.ledger.verification.replay import JOB_ACTIONS, BudgetReplay
+from accounting.ledger.records import JobCharge
+from accounting.ledger.verification.replay import JOB_ACTIONS, BudgetReplay, ChargeReplay
 from accounting.ledger.verification.rows import (
     StoredAdminToken,
     StoredCommit,
@@ -32,6 +33,34 @@ def _budgets_of(entry: StoredEntry, block_ids: dict[tuple[int, str], int]) -> li
         if blocks:
             return [block_ids.get((entry.dataset_id, block), -1) for block in blocks]
     return [entry.dataset_id] if entry.dataset_id is not None else []
+
+
+def job_charges(
+    entries: Sequence[StoredEntry], dataset: StoredDataset, blocks: Sequence[StoredDataset] = (),
+) -> dict[str, tuple[JobCharge, ...]]:
+    """What each job on `dataset` took from each budget it is charged to (JobCharge, one per budget in the
+    order of its blocks, or one for the dataset itself), by reservation id.
+
+    `entries` are the history entries of the dataset and of its `blocks`
+    (their rows), oldest first: every tenant's, from its creation, as
+    `verify` replays them.
+    """
+    replays = {budget.dataset_id: ChargeReplay(dataset.name, budget.block) for budget in (dataset, *blocks)}
+    block_ids = {(dataset.dataset_id, block.block): block.dataset_id for block in blocks}
+    order: dict[str, list[int]] = {}
+    for entry in entries:
+        if entry.action == "set_quota":  # a tenant's quota, not the budget's own
+            continue
+        budget_ids = [budget_id for budget_id in _budgets_of(entry, block_ids) if budget_id in replays]
+        for budget_id in budget_ids:
+            replays[budget_id].replay(entry)
+        if entry.action == "reserve":
+            order[json.loads(entry.details_json)["reservation_id"]] = budget_ids
+    return {
+        reservation_id: tuple(replays[budget_id].charges[reservation_id] for budget_id in budget_ids
+                              if reservation_id in replays[budget_id].charges)
+        for reservation_id, budget_ids in order.items()
+    }
 
 
 class HistoryReplay:

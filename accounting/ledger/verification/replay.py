@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from accounting.events import Composition, EventError, event_of, group_events
 from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, fits_budget, split_steps
-from accounting.ledger.records import HistoryEntry
+from accounting.ledger.records import HistoryEntry, JobCharge
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.rows import StoredDataset, StoredEntry, StoredTenantUse
 
@@ -221,6 +221,38 @@ class BudgetReplay:
                 f"{reservation_id}; its commits give {committed_steps} and {plan.steps - committed_steps}",
             )
         self.held = self.held - RdpTally.of(split_steps(plan, committed_steps)[1])
+
+
+class ChargeReplay(BudgetReplay):
+    """A budget's replay that also keeps what each job took from it (see records.JobCharge), by reservation id.
+
+    At a job's admission, the budget's remaining ε before it and what the
+    admission took (the filter's ε of what is held, after minus before); at
+    each of its commits, the rise in the filter's ε of the committed steps.
+    """
+
+    def __init__(self, dataset: str, block: str | None) -> None:
+        super().__init__(dataset)
+        self.block = block
+        self.charges: dict[str, JobCharge] = {}
+
+    def reserve(self, entry: StoredEntry, details: dict) -> None:
+        held_before = self.admission_epsilon(self.held)
+        super().reserve(entry, details)
+        self.charges[details["reservation_id"]] = JobCharge(
+            self.block, max(0.0, self.budget_epsilon - held_before), self.admission_epsilon(self.held) - held_before,
+            0.0,
+        )
+
+    def commit(self, entry: StoredEntry, details: dict) -> None:
+        committed_before = self.admission_epsilon(self.committed_tally)
+        super().commit(entry, details)
+        charge = self.charges.get(details["reservation_id"])
+        if charge is not None:
+            self.charges[details["reservation_id"]] = replace(
+                charge,
+                charged_epsilon=charge.charged_epsilon + self.admission_epsilon(self.committed_tally) - committed_before,
+            )
 
 
 @dataclass(frozen=True)
