@@ -4,17 +4,17 @@ Predictions are post-processing of the released model: they read the
 model and the examples given, nothing of the run's private data. A
 pretrained sequence classifier reads token ids (a Parquet table's list
 column, padded with -1) or text (a .txt file, one example a line, or a
-.jsonl file with a text field), which its model folder's tokenizer turns
-into token ids.
+.jsonl or .csv file's text column, read as `dpfleet data tokenize` reads
+them), which its model folder's tokenizer turns into token ids.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from orchestrator.errors import UsageError
@@ -23,6 +23,7 @@ from workers.data import write_atomically
 from workers.pretrained import load_tokenizer
 from workers.pretrained_spec import PAD_INPUT
 from workers.sources import PARQUET_SUFFIXES, DataError, read_features, read_ids
+from workers.text import read_text_table
 
 # Rows per forward pass: bounds the memory a large file's predictions take.
 PREDICT_BATCH_ROWS = 4096
@@ -31,7 +32,8 @@ ID_COLUMN = "id"
 # The formats `predict` reads, by the file's suffix.
 INPUT_FORMATS = {**{suffix: "parquet" for suffix in PARQUET_SUFFIXES}, ".csv": "csv", ".npy": "npy", ".npz": "npz"}
 # What a pretrained sequence classifier reads, by the file's suffix: token ids, or text its tokenizer reads.
-TOKEN_FORMATS = {**{suffix: "parquet" for suffix in PARQUET_SUFFIXES}, ".txt": "text", ".jsonl": "jsonl"}
+TOKEN_FORMATS = {**{suffix: "parquet" for suffix in PARQUET_SUFFIXES}, ".txt": "text", ".jsonl": "text",
+                 ".csv": "text"}
 # The column of token ids a Parquet file holds when the model's card names none.
 TOKEN_COLUMN = "input_ids"
 
@@ -97,25 +99,24 @@ def feature_inputs(released: ReleasedModel, data_file: str | Path) -> tuple[torc
     return inputs, ids
 
 
-def text_rows(data_file: str | Path, file_format: str, text_column: str) -> tuple[list[str], list | None]:
-    """The texts of a .txt file (one a line, blank lines skipped, as `dpfleet data tokenize` reads one) or a .jsonl
-    file (``text_column`` of each line's object), and the .jsonl lines' ``id`` (None unless every line has one)."""
-    lines = [line for line in Path(data_file).read_text(encoding="utf-8").splitlines() if line.strip()]
-    if file_format == "text":
-        return lines, None
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{data_file}: line {number} is not JSON ({error.msg}); a .jsonl file holds one object "
-                             "a line") from None
-        if not isinstance(row, dict) or not isinstance(row.get(text_column), str):
-            raise UsageError(f"{data_file}: line {number} has no text field {text_column!r}; name the field that "
-                             "holds the text with --text-column")
-        rows.append(row)
-    ids = [row[ID_COLUMN] for row in rows] if all(ID_COLUMN in row for row in rows) else None
-    return [row[text_column] for row in rows], ids
+def text_rows(data_file: str | Path, text_column: str) -> tuple[list[str], list | None]:
+    """The texts of a .txt file (one a line, blank lines skipped), or of a .jsonl or .csv file's ``text_column``, as
+    `dpfleet data tokenize` reads them (``workers.text.read_text_table``); and the rows' ``id`` where the file has
+    that column."""
+    try:
+        table = read_text_table(str(data_file), text_column=text_column)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if text_column not in table.column_names:
+        raise UsageError(f"{data_file}: no text column {text_column!r} (columns: {', '.join(table.column_names)}); "
+                         "name the one that holds the text with --text-column")
+    if not pa.types.is_string(table.schema.field(text_column).type):
+        raise UsageError(f"{data_file}: column {text_column!r} has type {table.schema.field(text_column).type}; "
+                         "it must hold text: name the column that does with --text-column")
+    texts = table.column(text_column).to_pylist()
+    if None in texts:
+        raise UsageError(f"{data_file}: column {text_column!r} has rows without text (null); fill or drop them")
+    return texts, table.column(ID_COLUMN).to_pylist() if ID_COLUMN in table.column_names else None
 
 
 def tokenized(texts: list[str], tokenizer, max_length: int | None) -> torch.Tensor:
@@ -154,7 +155,7 @@ def token_inputs(released: ReleasedModel, data_file: str | Path, text_column: st
             raise UsageError(f"{data_file}: column {columns[0]!r} must hold token ids, lists of integers padded with "
                              f"{PAD_INPUT} to one length")
     else:
-        texts, ids = text_rows(data_file, file_format, text_column)
+        texts, ids = text_rows(data_file, text_column)
         if not texts:
             raise UsageError(f"{data_file}: no rows to predict on")
         model = released.model.hf
@@ -168,8 +169,8 @@ def token_inputs(released: ReleasedModel, data_file: str | Path, text_column: st
 def write_predictions(run_or_export: str | Path, data_file: str | Path, out: str | Path,
                       text_column: str = "text") -> int:
     """Load the released model (as `dpfleet.load`), predict on every row of ``data_file``, write ``out`` (CSV);
-    return the number of rows. A table's ``id`` column comes first in ``out``, row for row (a .jsonl file's
-    ``id`` field too); ``text_column`` is the field of a .jsonl file's text."""
+    return the number of rows. A table's ``id`` column comes first in ``out``, row for row; ``text_column`` is
+    the column of a .jsonl or .csv file's text."""
     if Path(out).suffix.lower() != ".csv":
         raise UsageError(f"--out must name a .csv file (got {str(out)!r})")
     released = load_released(run_or_export)

@@ -387,6 +387,7 @@ def test_predict_classifies_token_ids_and_text_from_a_run_and_its_exports(settin
     (tmp_path / "new.txt").write_text("\n".join(texts) + "\n")
     (tmp_path / "new.jsonl").write_text("".join(json.dumps({"id": index * 10, "body": text}) + "\n"
                                                 for index, text in enumerate(texts)))
+    (tmp_path / "new.csv").write_text("id,text\n" + "".join(f"r{index},{text}\n" for index, text in enumerate(texts)))
     tokens = [[VOCABULARY.index(word) for word in text.split()] for text in texts]
     text_ids = torch.tensor([row + [PAD_INPUT] * (5 - len(row)) for row in tokens])
     expected_text = released_logits(run_dir, text_ids)
@@ -400,8 +401,12 @@ def test_predict_classifies_token_ids_and_text_from_a_run_and_its_exports(settin
     assert main(["predict", str(run_dir), "--data", str(tmp_path / "new.jsonl"), "--out", str(tmp_path / "p.csv"),
                  "--text-column", "body"]) == 0
     assert [line.split(",")[0] for line in (tmp_path / "p.csv").read_text().splitlines()] == ["id", "0", "10", "20"]
+    header, outputs, first = predicted(run_dir, tmp_path / "new.csv", tmp_path / "p.csv")
+    assert header[0] == "id" and first == ["r0", "r1", "r2"]
+    torch.testing.assert_close(outputs, expected_text, rtol=1e-4, atol=1e-5)
     assert main(["predict", str(run_dir), "--data", str(tmp_path / "new.jsonl"), "--out", str(tmp_path / "p.csv")]) == 2
-    assert "line 1 has no text field 'text'" in capsys.readouterr().err
+    assert "no text column 'text' (columns: id, body); name the one that holds the text with --text-column" in (
+        capsys.readouterr().err)
     assert main(["predict", str(runs["gpt2", "causal-lm", True]), "--data", str(table), "--out",
                  str(tmp_path / "p.csv")]) == 2
     assert "dpfleet generate samples text from it" in capsys.readouterr().err

@@ -19,9 +19,9 @@ def add_predict_arguments(predict: argparse.ArgumentParser) -> None:
         "FILE is Parquet, CSV, npy or npz with the feature columns the model trained on; a label column may be "
         "there and is ignored. For a pretrained sequence classifier (model = { hf, task = "
         "\"sequence-classification\" }), FILE is Parquet with the token ids' list column (padded with -1 to one "
-        "length), a .txt file of one text a line (blank lines skipped), or a .jsonl file of one object a line "
-        "with a text field (and an id field, passed through); the model folder's tokenizer turns text into token "
-        "ids. Predictions read only the released model and FILE."
+        "length), a .txt file of one text a line (blank lines skipped), or a .jsonl or .csv file with a text "
+        "column (and an id column, passed through); the model folder's tokenizer turns text into token ids. "
+        "Predictions read only the released model and FILE."
     )
     predict.add_argument("model", metavar="RUN_OR_EXPORT",
                          help="the run_dir of a finished `dpfleet train` run, or NAME.safetensors or the folder "
@@ -29,7 +29,7 @@ def add_predict_arguments(predict: argparse.ArgumentParser) -> None:
     predict.add_argument("--data", required=True, metavar="FILE", help="the examples to predict on")
     predict.add_argument("--out", required=True, metavar="FILE", help="where to write the predictions (.csv)")
     predict.add_argument("--text-column", default="text", metavar="NAME",
-                         help="the field of a .jsonl file's objects that holds the text (default: text)")
+                         help="the column of a .jsonl or .csv file that holds the text (default: text)")
     predict.set_defaults(handler=f"{__name__}:run_predict_command")
 
 
