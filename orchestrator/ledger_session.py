@@ -15,7 +15,15 @@ from datetime import datetime, timezone
 from typing import Callable, Mapping
 
 from accounting.events import Composition
-from accounting.ledger.admission import RdpTally, charged_plan, check_block_data
+from accounting.ledger.admission import (
+    AdmissionRule,
+    FitReport,
+    RdpTally,
+    assess_admission,
+    charged_plan,
+    check_block_data,
+)
+from accounting.ledger.callers import LOCAL_TENANT
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import (
     AlreadyExists,
@@ -26,7 +34,7 @@ from accounting.ledger.errors import (
     NotFound,
     PermissionDenied,
 )
-from accounting.ledger.records import DatasetStatus, QueuedJob, Reservation
+from accounting.ledger.records import BlockStatus, DatasetStatus, JobCharge, QueuedJob, Reservation
 from accounting.ledger.store import open_embedded_ledger
 from accounting.ledger.validation import ACTIVE, ADMITTED, NAME_LENGTH, QUEUED
 from orchestrator import release
@@ -225,6 +233,13 @@ class JobLedger:
         return with_retries(lambda: self.ledger.get_budget(self.dataset), self.timeout_seconds, self.say,
                             "reading the budget")
 
+    def charges(self) -> tuple[JobCharge, ...]:
+        """What the reservation took from each budget it is charged to as it was admitted, and what its commits
+        took since (records.JobCharge), as the ledger replays them; () from a ledger that does not say."""
+        jobs = with_retries(lambda: self.ledger.list_jobs(self.dataset, ACTIVE, charges=True), self.timeout_seconds,
+                            self.say, "reading the reservation's charge")
+        return next((job.charges or () for job in jobs if job.reservation_id == self.reservation_id), ())
+
 
 def _plan_for_dataset(
     ledger, dataset: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
@@ -374,45 +389,119 @@ def _shown(declaration: dict) -> dict:
         {"user_id": identity["user_id"], "people": len(identity["people"])} if "people" in identity else {})}}
 
 
-def filter_charges(
+def _charged_budgets(
     plan, status: DatasetStatus, blocks: tuple[str, ...], start: int = 0,
-) -> list[tuple[str, float]]:
-    """The RDP-filter ε each budget a job is charged to (the dataset's, or each of `blocks`) takes for `plan`
-    from step `start` on.
-
-    The events are those the ledger charges (`plan.ledger_plan` of the
-    dataset's unit, converted by `charged_plan`), and each ε is the filter's
-    at that budget's orders and δ: what the job takes from an unused budget,
-    and what its admission is decided by. A budget already in use counts
-    the job's divergence at each order on top of what it holds, which can
-    move the filter's ε by a different amount (dpfleet ledger fits shows it).
-    """
+) -> tuple[RdpTally, list[tuple[str | None, DatasetStatus | BlockStatus]]]:
+    """The tally of the events the ledger charges for `plan` from step `start` on (`plan.ledger_plan` of the
+    dataset's unit, converted by `charged_plan`), and the budgets it charges them to: (block name, its status)
+    for each of `blocks`, or (None, the dataset's status)."""
     planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit, start)
     tally = RdpTally.of(charged_plan(status.name, status.privacy_unit, privacy_unit, planned, rows_per_person))
     by_name = {block.name: block for block in status.blocks}
-    budgets = [(f"block {block}", by_name[block]) for block in blocks if block in by_name] or \
-        [(f"dataset {status.name}", status)]
-    return [(name, budget.admission.epsilon(tally)) for name, budget in budgets]
+    return tally, [(block, by_name[block]) for block in blocks if block in by_name] or [(None, status)]
 
 
-def job_fits_now(ledger, dataset: str, config, charge_epsilon: Callable | None = None) -> tuple:
-    """Whether `config`'s job would be admitted on `dataset` now: (its RunPlan, the dataset's status, the ledger's
-    FitReport); nothing is reserved. Blocks the config declares otherwise than the ledger are a UsageError first,
-    as at a reservation. `charge_epsilon` is `plan_run`'s, for a σ calibrated to the budget's filter."""
+def filter_charges(
+    plan, status: DatasetStatus, blocks: tuple[str, ...], start: int = 0,
+) -> list[tuple[str, float]]:
+    """The RDP-filter ε each budget a job is charged to (the dataset's, or each of `blocks`) gives `plan` from
+    step `start` on, as if the budget held nothing: what target_epsilon_basis = "filter" calibrates σ to.
+
+    Each ε is the filter's at that budget's orders and δ. A budget already
+    in use counts the job's divergence at each order on top of what it
+    holds, which moves the filter's ε by a different amount: what the job
+    takes from the budget is the FitReport's (dpfleet ledger fits and the
+    start line of dpfleet train say it, `takes_phrase`).
+    """
+    tally, budgets = _charged_budgets(plan, status, blocks, start)
+    return [(f"block {block}" if block else f"dataset {status.name}", budget.admission.epsilon(tally))
+            for block, budget in budgets]
+
+
+def first_use_status(dataset: str, config) -> DatasetStatus:
+    """The status `dataset` would have once `dpfleet train` registered it, and the config's blocks, in the
+    embedded ledger on first use (`ensure_embedded_dataset`): the config's budget and privacy unit, nothing
+    held."""
+    epsilon, delta = config.dataset_budget_epsilon, config.delta
+    rule = AdmissionRule.for_budget(epsilon, delta)
+    blocks = tuple(BlockStatus(block, epsilon, delta, rule, 0.0, 0.0, 0.0, 0.0, epsilon) for block in config.blocks)
+    return DatasetStatus(dataset, LOCAL_TENANT, epsilon, delta, rule, 0.0, 0.0, 0.0, 0.0, epsilon,
+                         privacy_unit=config.privacy_unit, blocks=blocks)
+
+
+def first_use_fits(plan, status: DatasetStatus, blocks: tuple[str, ...]) -> FitReport:
+    """The ledger's answer to `plan` on a dataset that holds nothing yet (`first_use_status`): each budget's
+    filter checked with nothing held, as `Ledger.fits` checks it."""
+    tally, budgets = _charged_budgets(plan, status, blocks)
+    checks = tuple(
+        assess_admission(f"block {block!r} of dataset {status.name!r}" if block else f"dataset {status.name!r}",
+                         budget.admission, budget.budget_epsilon, RdpTally.zero(), tally)
+        for block, budget in budgets
+    )
+    return FitReport(status.name, blocks, checks)
+
+
+def job_fits_now(ledger, dataset: str, config) -> tuple:
+    """Whether `config`'s job would be admitted on `dataset` now: (its RunPlan, the dataset's status, the
+    ledger's FitReport, whether the dataset is registered); nothing is reserved, nothing registered.
+
+    A dataset the embedded ledger does not hold yet is answered as
+    `dpfleet train` would register it on first use (`first_use_status`).
+    Blocks the config declares otherwise than the ledger are a UsageError
+    first, as at a reservation. With target_epsilon_basis = "filter", σ is
+    calibrated to the budget's filter, as the trainer calibrates it.
+    """
     from orchestrator.planning import plan_run  # the accountants, not torch
 
-    status = ledger.get_budget(dataset, pld_may_be_pending=True)
+    try:
+        status, registered = ledger.get_budget(dataset, pld_may_be_pending=True), True
+    except NotFound:
+        if not is_embedded(ledger):
+            raise
+        status, registered = first_use_status(dataset, config), False
     check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
-    plan = plan_run(config, charge_epsilon=charge_epsilon)
+    plan = plan_run(config, charge_epsilon=status_basis(status, config.blocks)
+                    if config.target_epsilon_basis == "filter" else None)
+    if not registered:
+        return plan, status, first_use_fits(plan, status, config.blocks), False
     planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
     release.sent("ledger", "fits")
-    return plan, status, ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person)
+    return plan, status, ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person), True
 
 
 def filter_basis(ledger, dataset: str, blocks: tuple[str, ...]) -> Callable:
-    """For target_epsilon_basis = "filter": a plan's largest filter charge over the budgets it is charged to."""
-    status = ledger.get_budget(dataset, pld_may_be_pending=True)
+    """For target_epsilon_basis = "filter": `status_basis` of the dataset as the ledger holds it now."""
+    return status_basis(ledger.get_budget(dataset, pld_may_be_pending=True), blocks)
+
+
+def status_basis(status: DatasetStatus, blocks: tuple[str, ...]) -> Callable:
+    """For target_epsilon_basis = "filter": a plan's largest filter charge over the budgets of `status` it is
+    charged to."""
     return lambda plan: max(epsilon for _, epsilon in filter_charges(plan, status, blocks))
+
+
+def takes_phrase(takes: list[tuple[str | None, float, float]]) -> str:
+    """How much of each budget a job takes, as `dpfleet train`'s start line and `dpfleet ledger fits` say it:
+    `ε 1.83 of the budget (remaining 10 → 8.17)`, or one such part per block of a job on blocks.
+
+    `takes` holds, per budget, (its block, or None for the dataset's own;
+    the filter's ε the job takes from it, the conversion offset included
+    where the budget held nothing; the remaining ε before the job).
+    """
+    if not takes:
+        return "an ε this ledger does not report"
+    return ", ".join(
+        f"ε {taken:.3g} of {f'block {block!r}' if block else 'the budget'} (remaining {remaining:.3g} → "
+        f"{remaining - taken:.3g})"
+        for block, taken, remaining in takes
+    )
+
+
+def fits_takes(report: FitReport) -> list[tuple[str | None, float, float]]:
+    """`takes_phrase`'s parts of a FitReport: each budget's (the dataset's or each block's, not a tenant's quota)
+    ε the job needs and remaining ε now."""
+    budgets = report.blocks or (None,)
+    return [(block, check.needed_epsilon, check.remaining_epsilon) for block, check in zip(budgets, report.checks)]
 
 
 def ledger_name(name: str) -> str:

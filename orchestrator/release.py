@@ -140,11 +140,14 @@ LINES: tuple[Line, ...] = (
     Line("ledger_registered_block", "registered block {block} of {dataset} in the embedded ledger with budget "
          "epsilon {epsilon} (first use)", _C, "the config's blocks"),
     Line("ledger_reserved", "ledger: reserved {steps} steps on {dataset}{blocks} (reservation {reservation}); "
-         "{charge}", _M, _PLAN),
+         "this job takes {takes}; its own privacy: ε {epsilon} ({accountant}, δ {delta})", _M,
+         _PLAN + "; the budget's remaining ε before and after the ledger admitted it"),
     Line("ledger_continuing", "ledger: continuing under reservation {reservation}", _M, "the checkpoint's binding"),
     Line("ledger_reserved_again", "ledger: reservation {previous} {how} with {charged} of {steps} steps charged; "
-         "reserved the other {remaining} (reservation {reservation}); {charge}", _M,
-         "the checkpoint's binding and the blocks charged, which the charge clock's schedule sets; " + _PLAN),
+         "reserved the other {remaining} (reservation {reservation}); they take {takes}; the run's own privacy: "
+         "ε {epsilon} ({accountant}, δ {delta})", _M,
+         "the checkpoint's binding and the blocks charged, which the charge clock's schedule sets; " + _PLAN +
+         "; the budget's remaining ε before and after the ledger admitted it"),
     Line("ledger_unreachable", "ledger unreachable while {what}; retrying for up to {seconds} s (no step runs "
          "uncharged)", _M, _OPERATION),
     Line("ledger_reachable", "ledger reachable again; carrying on", _M, _OPERATION),

@@ -284,17 +284,22 @@ def test_training_on_two_parquet_blocks_reads_only_them_and_charges_each(server,
     assert summary["dataset_size"] == 600 and summary["sampling_rate"] == 30 / 600
     with RemoteLedger(server.address, token) as acme:
         status = acme.get_budget("logs")
-        (job,) = acme.list_jobs()
+        (job,) = acme.list_jobs(charges=True)
     d1, d2, d3 = status.blocks
     charged = RdpTally.of(SampledGaussian(30 / 600, 1.0, 4))
     assert job.blocks == ("d1", "d2") and job.committed_steps == 4
     assert d1.spent_epsilon_filter == d2.spent_epsilon_filter == d1.admission.epsilon(charged)
     assert d1.spent_epsilon_filter == pytest.approx(dry_run["checks"][0]["needed_epsilon"], rel=1e-12)
-    # The charge was known before the job: the dry run and train's start line show each block's filter ε.
+    # The charge was known before the job: the dry run and train's start line say what it takes of each block.
     assert dry_run["filter_charges"] == [{"budget": f"block {block.name}", "filter_epsilon": block.spent_epsilon_filter}
                                          for block in (d1, d2)]
-    assert (f"charged filter ε {d1.spent_epsilon_filter:.4g} on block d1, {d2.spent_epsilon_filter:.4g} on block d2"
-            in "\n".join(said))
+    assert [(take["block"], take["epsilon"], take["remaining_epsilon"]) for take in dry_run["takes"]] == [
+        (block.name, block.spent_epsilon_filter, 4.0) for block in (d1, d2)]
+    assert "this job takes " + ", ".join(
+        f"ε {block.spent_epsilon_filter:.3g} of block {block.name!r} (remaining 4 → {4 - block.spent_epsilon_filter:.3g})"
+        for block in (d1, d2)) + "; its own privacy: ε " in "\n".join(said)
+    assert [(charge.block, charge.charged_epsilon) for charge in job.charges] == [
+        (block.name, block.spent_epsilon_filter) for block in (d1, d2)]
     assert d3.spent_epsilon_filter == 0.0 and status.spent_epsilon_filter == 0.0
     assert job.planned == Composition((SampledGaussian(30 / 600, 1.0, 4),))
 

@@ -239,7 +239,8 @@ def test_a_target_by_the_accountant_is_charged_more_by_the_filter_and_fits_says_
     assert charge > 3.0  # the PLD target is not what the RDP filter charges ...
     assert charge == pytest.approx(shown["checks"][0]["needed_epsilon"], rel=1e-12)  # ... and fits shows the charge
     status, out, _ = run(capsys, "ledger", "fits", "--config", mnist_job(tmp_path, target_epsilon=3.0))
-    assert status == 0 and f"charged filter ε {charge:.4g} on dataset mnist" in out
+    assert status == 0 and (f"this job would take ε {charge:.3g} of the budget (remaining 10 → {10 - charge:.3g}); "
+                            f"its own privacy: ε {shown['epsilon']:.3g} (pld, δ 1e-05)") in out
 
 
 def test_with_the_filter_basis_the_ledger_charges_at_most_the_target_within_calibration_tolerance(
@@ -270,6 +271,29 @@ def test_with_the_filter_basis_the_ledger_charges_at_most_the_target_within_cali
     status, _, err = run(capsys, "ledger", "fits", "--config",
                          mnist_job(tmp_path, noise_multiplier=1.0, target_epsilon_basis="filter"))
     assert status == 2 and "give target_epsilon" in err
+
+
+def test_fits_answers_for_a_dataset_train_would_register_as_it_would_and_registers_nothing(capsys, embedded, tmp_path):
+    config = mnist_job(tmp_path, noise_multiplier=1.0, dataset_budget_epsilon=3.0)
+    status, out, _ = run(capsys, "ledger", "fits", "--config", config)
+    plan = RdpTally.of(SampledGaussian(250 / 60000, 1.0, 2000))
+    takes = AdmissionRule.for_budget(3.0, DELTA).epsilon(plan)
+    own = get_accountant("pld").epsilon(SampledGaussian(250 / 60000, 1.0, 2000), DELTA)
+    assert status == 0
+    assert ("dataset 'mnist' is not registered: dpfleet train would register it with budget ε 3 at δ 1e-05 on first "
+            "use; nothing is registered now.") in out
+    assert (f"this job would take ε {takes:.3g} of the budget (remaining 3 → {3 - takes:.3g}); its own privacy: "
+            f"ε {own:.3g} (pld, δ 1e-05)") in out
+    first_use = run_json(capsys, "ledger", "fits", "--config", config)
+    assert not first_use["registered"] and first_use["first_use"]["budget_epsilon"] == 3.0
+    assert first_use["takes"] == [{"block": None, "epsilon": takes, "remaining_epsilon": 3.0,
+                                   "remaining_after_epsilon": 3.0 - takes}]
+    assert run_json(capsys, "ledger", "status")["datasets"] == []
+    assert "create_dataset" not in [entry["action"] for entry in run_json(capsys, "ledger", "history")["history"]]
+    # Registered as dpfleet train registers it, the ledger gives the same answer.
+    run_json(capsys, "ledger", "dataset", "create", "mnist", "--epsilon", "3", "--delta", "1e-5")
+    registered = run_json(capsys, "ledger", "fits", "--config", config)
+    assert registered["registered"] and registered["checks"] == first_use["checks"]
 
 
 def test_ledger_jobs_shows_what_each_job_took_the_first_paying_the_conversion_offset(capsys, server, monkeypatch):

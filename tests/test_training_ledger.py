@@ -58,13 +58,29 @@ def test_a_job_that_does_not_fit_is_refused_before_it_trains(tmp_path, capsys):
 
 
 def test_two_jobs_on_one_dataset_compose_below_the_sum_of_their_epsilons(local_ray, worker_pool, tmp_path, capsys):
+    starts = []
     for name in ("first", "second"):
         config = write_config(tmp_path, f'steps = 20\nrun_dir = "{tmp_path / name}"\n', f"{name}.toml")
         assert main(["train", "--config", config, "--no-progress"]) == 0
+        starts += [line for line in capsys.readouterr().out.splitlines() if line.startswith("ledger: reserved")]
     with open_embedded_ledger() as ledger:
         status = ledger.get_budget("mnist")
+        first_job, second_job = ledger.list_jobs("mnist", charges=True)
     assert status.spent_epsilon < 2 * tiny_job_epsilon(20)
     assert status.spent_epsilon == pytest.approx(tiny_job_epsilon(40), rel=1e-6)
+    # The first job takes the RDP-to-(ε, δ) conversion's offset from the budget (default ε 10) with its own steps;
+    # the second, of the same plan, only what its divergence adds: less than the offset alone.
+    rule = AdmissionRule.for_budget(10.0, 1e-5)
+    plan = RdpTally.of(SampledGaussian(30 / 600, 1.0, 20))
+    first, second = rule.epsilon(plan), rule.epsilon(plan + plan) - rule.epsilon(plan)
+    assert second < rule.epsilon(RdpTally.of(SampledGaussian(30 / 600, 1.0, 1))) < first
+    own = f"its own privacy: ε {tiny_job_epsilon(20):.3g} (pld, δ 1e-05)"
+    assert (f"; this job takes ε {first:.3g} of the budget (remaining 10 → {10 - first:.3g}); {own}"
+            in starts[0]), starts
+    assert (f"; this job takes ε {second:.3g} of the budget (remaining {10 - first:.3g} → {10 - first - second:.3g});"
+            f" {own}" in starts[1]), starts
+    assert [job.charges[0].charged_epsilon for job in (first_job, second_job)] == pytest.approx([first, second])
+    assert first + second == pytest.approx(status.spent_epsilon_filter)
 
 
 @pytest.fixture
@@ -310,6 +326,12 @@ def test_ctrl_c_after_a_checkpoint_then_resume_charges_every_step_once_and_expor
     assert (f"ledger: reservation {stopped.reservation_id} was released with {stopped.committed_steps} of 60 steps "
             f"charged; reserved the other {60 - stopped.committed_steps} (reservation {summary['reservation_id']})"
             in out), out
+    # The new reservation takes the rest's rise in the filter's ε over what the first one charged, not its offset.
+    rule, step = AdmissionRule.for_budget(10.0, 1e-5), SampledGaussian(30 / 600, 1.0, 1)
+    charged = rule.epsilon(RdpTally.of(step.with_steps(stopped.committed_steps)))
+    rest = rule.epsilon(RdpTally.of(step.with_steps(60))) - charged
+    assert (f"; they take ε {rest:.3g} of the budget (remaining {10 - charged:.3g} → {10 - charged - rest:.3g}); the "
+            f"run's own privacy: ε {tiny_job_epsilon(60):.3g} (pld, δ 1e-05)") in out, out
     with open_embedded_ledger() as ledger:
         first, resumed = ledger.list_jobs()
         spent = ledger.get_budget("mnist").spent_epsilon

@@ -25,7 +25,6 @@ from orchestrator.ledger_session import (
     check_declared_blocks,
     ensure_embedded_dataset,
     filter_basis,
-    filter_charges,
     is_embedded,
     job_fits_now,
     ledger_dataset_name,
@@ -34,6 +33,7 @@ from orchestrator.ledger_session import (
     open_ledger,
     reservation_gone,
     resumed_job_id,
+    takes_phrase,
 )
 from orchestrator.stopping import stopped_as_interrupted
 from workers.sources import read_first
@@ -214,7 +214,7 @@ def refuse_what_does_not_fit(args: argparse.Namespace, ledger, dataset: str, con
     if config.shards or args.wait_for_budget or config.target_epsilon is not None:
         return
     try:
-        _, _, report = job_fits_now(ledger, dataset, config)
+        _, _, report, _ = job_fits_now(ledger, dataset, config)
         refused = next((check.refusal(dataset) for check in report.checks if not check.fits), None)
     except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
         refused = error
@@ -388,7 +388,7 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
         job = reserve_steps(args, trainer, ledger, dataset, new_job_id(config.run_dir))
         on_blocks = f" (blocks {', '.join(config.blocks)})" if config.blocks else ""
         say(release.line("ledger_reserved", steps=trainer.plan.steps, dataset=repr(dataset), blocks=on_blocks,
-                         reservation=job.reservation_id, charge=charge_line(trainer, job.status(), config.blocks)))
+                         reservation=job.reservation_id, **cost_fields(trainer, job)))
         return job
     charged = trainer.resumed_reservation["dataset"]
     if charged is not None and charged != dataset:
@@ -408,7 +408,7 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     say(release.line("ledger_reserved_again", previous=held.reservation_id, how=gone,
                      charged=held.committed_steps, steps=trainer.plan.steps,
                      remaining=trainer.plan.steps - held.committed_steps, reservation=job.reservation_id,
-                     charge=charge_line(trainer, job.status(), config.blocks, held.committed_steps)))
+                     **cost_fields(trainer, job)))
     return job
 
 
@@ -435,15 +435,14 @@ def reserve_steps(
     )
 
 
-def charge_line(trainer: Trainer, status, blocks: tuple[str, ...], start: int = 0) -> str:
-    """What the job is charged for its steps from `start` on, in the filter's ε at each budget, beside the whole
-    run's ε by the run's accountant."""
+def cost_fields(trainer: Trainer, job: JobLedger) -> dict[str, str]:
+    """The start line's words on what the job costs: what its reservation took from each budget's remaining ε as
+    the ledger admitted it (`takes_phrase`), and the whole run's own ε by the run's accountant."""
     config = trainer.config
-    charges = ", ".join(f"{epsilon:.4g} on {name}"
-                        for name, epsilon in filter_charges(trainer.plan, status, blocks, start))
     epsilon, shown = labelled_epsilon(trainer.report.accountant, trainer.plan.planned_events, config.delta)
-    return (f"charged filter ε {charges} (at the budget's δ); the run's ε {epsilon:.4g} ({shown}, "
-            f"delta={config.delta:g})")
+    takes = [(charge.block, charge.admitted_epsilon, charge.remaining_before_epsilon) for charge in job.charges()]
+    return {"takes": takes_phrase(takes), "epsilon": f"{epsilon:.3g}", "accountant": shown,
+            "delta": f"{config.delta:g}"}
 
 
 def register_embedded(ledger, dataset_name: str | None, config, say) -> str:
