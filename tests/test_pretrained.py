@@ -170,3 +170,19 @@ def test_the_task_decides_the_loss_and_the_adapter_needs_a_pretrained_model(fold
     with pytest.raises(UsageError, match="adapter.r must be"):
         build_config({**RUN, "model": {"hf": folders["gpt2"], "task": "causal-lm"},
                       "adapter": {"kind": "lora", "r": 0, "target_modules": ["c_attn"]}})
+
+
+def test_every_process_builds_the_same_frozen_weights_the_folder_lacks(folders):
+    """BERT's pooler is not in a masked-LM folder: under LoRA it stays frozen, so the driver and every worker must
+    draw it alike, whatever their generators' states."""
+    spec = {"hf": folders["bert"], "task": "sequence-classification", "num_labels": 3,
+            "adapter": {"kind": "lora", "r": 2, "alpha": 4, "dropout": 0.0, "target_modules": ["query"]}}
+    torch.manual_seed(1)
+    first = build_model(spec).state_dict()
+    torch.manual_seed(2)
+    second = build_model(spec).state_dict()
+    after_build = torch.rand(1)
+    pooler = [name for name in first if "pooler" in name]
+    assert pooler and all(torch.equal(first[name], second[name]) for name in first)
+    torch.manual_seed(2)
+    assert torch.equal(torch.rand(1), after_build)  # the global generator is left as it was

@@ -168,10 +168,21 @@ def _is_decoder_only(model_type: str) -> bool:
     return model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
+INITIALISATION_SEED = 0
+"""The seed of the draws that fill what a pretrained folder does not hold (``build_pretrained``)."""
+
+
 def build_pretrained(spec: Mapping) -> TokenModel:
     """The model a ``model = { hf, task }`` spec (as ``parse_model_table`` left it, with ``adapter`` where the job
-    has one) names, in float32, ready to train: a ``TokenModel`` around it."""
-    with _quietly():
+    has one) names, in float32, ready to train: a ``TokenModel`` around it.
+
+    Weights the folder does not hold (a classifier's new head, a pooler the saved model lacks) and the adapter's
+    factors are drawn from a generator seeded with ``INITIALISATION_SEED``: the driver and every worker build the
+    same model, frozen weights included, which the flat vector of trainable ones would not make so. The draws are
+    public, as any initialisation is, and the global generator is left as it was.
+    """
+    with _quietly(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INITIALISATION_SEED)
         model = _pretrained_model(spec)
         if spec.get("adapter") is not None:
             model = _with_adapter(model, spec["task"], spec["adapter"])
