@@ -1,6 +1,8 @@
-"""When a run's ledger charges are sent: on a fixed clock, never when the steps reach a block.
+"""When a run's ledger charges are sent: on a clock fixed before the first step, never when the steps reach a block.
 
-See ``ChargeClock``; the trainer starts one per run and waits on it before each block.
+``charge_offsets`` is the schedule, a function of the plan and a pace
+alone; ``ChargeClock`` keeps it from a background thread, and the trainer
+starts it at its first step and waits on it before each block.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from accounting.events import Composition
+
+# The clock gives a step this many times a worker's clipping of its share, timed on made-up examples: room for the
+# rest of a step (the round trip to the workers, the noise, the optimizer) where the clipping is most of it.
+PACE_MARGIN = 1.25
+# Seconds a block where the config sets no commit_interval and no step can be timed (made_up_step_seconds is None).
+UNMEASURED_BLOCK_SECONDS = 1.0
 
 
 class ChargedBlocks(Protocol):
@@ -41,6 +49,32 @@ def blocks_covered(charge_ends: Sequence[int], committed_steps: int) -> int:
     return covered
 
 
+def charge_offsets(charge_ends: Sequence[int], first_block: int, first_step: int,
+                   seconds_per_step: float) -> list[float]:
+    """Seconds after the clock starts at which each block from `first_block` on is charged (`charge_ends` are the
+    blocks' end steps): when steps of `seconds_per_step` each, from step `first_step` (where this start of the run
+    begins), would reach the block's first step; the block that holds `first_step` at once.
+
+    A function of the plan and the pace alone, both fixed before the first
+    step: the steps' own times never enter it.
+    """
+    if seconds_per_step <= 0:
+        raise ValueError(f"seconds_per_step must be > 0 (got {seconds_per_step})")
+    starts = [0, *charge_ends[:-1]]
+    return [seconds_per_step * max(0, starts[block] - first_step) for block in range(first_block, len(charge_ends))]
+
+
+def clock_pace(commit_interval: float | None, block_steps: int, measured_step_seconds: float | None) -> float:
+    """The charge clock's pace, in seconds per step: `commit_interval` (seconds a block) over a block's
+    `block_steps` where the config sets it, else PACE_MARGIN times the step time measured on made-up examples
+    (``preflight.made_up_step_seconds``), else UNMEASURED_BLOCK_SECONDS a block."""
+    if commit_interval is not None:
+        return commit_interval / block_steps
+    if measured_step_seconds is not None:
+        return PACE_MARGIN * measured_step_seconds
+    return UNMEASURED_BLOCK_SECONDS / block_steps
+
+
 def uncharged_blocks(plan, charged: int) -> list[tuple[int, Composition]]:
     """(sequence, row-level events) of each block of `plan` (a RunPlan) from block `charged` on, in order."""
     ends = plan.charge_ends
@@ -49,7 +83,8 @@ def uncharged_blocks(plan, charged: int) -> list[tuple[int, Composition]]:
 
 
 class ChargeClock:
-    """Charges a run's blocks on a fixed clock from a background thread: block i of `blocks` at start + i * interval.
+    """Charges a run's blocks on a fixed clock from a background thread: block `blocks[k]` at `offsets[k]` seconds
+    after `start` (``charge_offsets``).
 
     Commit times reach whoever operates the ledger, in its chained history and
     as the calls arrive. Charged when the steps reach a block, the gaps
@@ -57,17 +92,17 @@ class ChargeClock:
     realised batch sizes; sent on a clock at fixed intervals, how many blocks
     each tick carried would still track the steps' progress, and times rounded
     to a coarse grain would keep both. So the schedule is fixed before the
-    first step, from the plan alone: the clock never looks at the steps, and
-    the steps wait for their block's charge (`wait_for`). A clock faster than
-    the steps charges blocks ahead of them, which is safe (a block is never
-    run uncharged) and costs nothing on a resume, since a block's sequence
-    charges once; a slower one makes the steps wait.
+    first step, from the plan and a pace alone: the clock never looks at the
+    steps, and the steps wait for their block's charge (`wait_for`). Steps
+    faster than the clock wait for it; slower ones leave blocks charged ahead
+    of them, which is safe (a block is never run uncharged) and costs nothing
+    on a resume, since a block's sequence charges once.
     """
 
-    def __init__(self, ledger: ChargedBlocks, blocks: Sequence[tuple[int, Composition]], interval_seconds: float):
-        if interval_seconds <= 0:
-            raise ValueError(f"interval_seconds must be > 0 (got {interval_seconds})")
-        self.ledger, self.blocks, self.interval_seconds = ledger, list(blocks), interval_seconds
+    def __init__(self, ledger: ChargedBlocks, blocks: Sequence[tuple[int, Composition]], offsets: Sequence[float]):
+        if len(offsets) != len(blocks) or any(later < earlier for earlier, later in zip(offsets, offsets[1:])):
+            raise ValueError(f"offsets must be one per block, in order (got {list(offsets)} for {len(blocks)} blocks)")
+        self.ledger, self.blocks, self.offsets = ledger, list(blocks), list(offsets)
         self._charged: set[int] = set()
         self._error: BaseException | None = None
         self._changed = threading.Condition()
@@ -75,14 +110,16 @@ class ChargeClock:
         self._thread = threading.Thread(target=self._charge_on_the_clock, name="charge-clock", daemon=True)
 
     def start(self) -> "ChargeClock":
-        """Start the clock now: the first block is charged at once."""
-        self._thread.start()
+        """Start the clock now (the run's first step): blocks at offset 0 are charged at once. A clock already
+        started carries on as it was."""
+        if self._thread.ident is None:
+            self._thread.start()
         return self
 
     def _charge_on_the_clock(self) -> None:
         started = time.monotonic()
-        for tick, (sequence, events) in enumerate(self.blocks):
-            if self._stopping.wait(max(0.0, started + tick * self.interval_seconds - time.monotonic())):
+        for offset, (sequence, events) in zip(self.offsets, self.blocks):
+            if self._stopping.wait(max(0.0, started + offset - time.monotonic())):
                 return
             try:
                 self.ledger.charge(sequence, events)

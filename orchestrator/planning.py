@@ -182,6 +182,21 @@ def evaluation_steps(
     return frozenset(range(interval, steps, interval)) | {steps}
 
 
+# A default ledger block: this many steps, or 1% of the run where that is more (see default_block_steps).
+DEFAULT_BLOCK_STEPS = 100
+DEFAULT_BLOCKS_PER_RUN = 100
+
+
+def default_block_steps(steps: int) -> int:
+    """The steps of a ledger block when commit_every is not set: 100, or 1% of the run's `steps` where that is more.
+
+    A run that stops for good keeps the blocks the charge clock charged
+    ahead of its steps (orchestrator/charge_clock.py), so blocks are small;
+    1% keeps a long run to about 100 commits.
+    """
+    return max(DEFAULT_BLOCK_STEPS, math.ceil(steps / DEFAULT_BLOCKS_PER_RUN))
+
+
 def plan_run(
     config: TrainConfig, dataset_size: int | None = None, charge_epsilon: Callable[[RunPlan], float] | None = None
 ) -> RunPlan:
@@ -212,10 +227,8 @@ def plan_run(
 
     epoch_ends = sorted({min(steps, math.ceil(epoch * steps_per_epoch - 1e-9))
                          for epoch in range(1, math.ceil(steps / steps_per_epoch - 1e-9) + 1)} | {steps})
-    if config.commit_every:
-        charge_ends = sorted(set(range(config.commit_every, steps, config.commit_every)) | {steps})
-    else:
-        charge_ends = epoch_ends
+    block_steps = config.commit_every or default_block_steps(steps)
+    charge_ends = sorted(set(range(block_steps, steps, block_steps)) | {steps})
 
     rounding_ratio = SILO_NOISE_ROUNDING_RATIO if config.noise_placement == "silos" else None
     correlation = correlated_noise_plan(config, dataset_size, steps)

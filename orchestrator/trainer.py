@@ -33,6 +33,7 @@ methods, so that a subclass can watch or change one.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -50,7 +51,8 @@ from orchestrator import release
 from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
-from orchestrator.charge_clock import ChargeClock, LedgerSession, block_at, blocks_covered, uncharged_blocks
+from orchestrator.charge_clock import (ChargeClock, LedgerSession, block_at, blocks_covered, charge_offsets,
+                                      clock_pace, uncharged_blocks)
 from orchestrator.collective import CollectiveFleet, kept_on_driver_by_planned_batches, resolved_aggregation
 from orchestrator.checkpoint import (
     CHECKPOINT_VERSION,
@@ -66,7 +68,7 @@ from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGa
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer
 from orchestrator.planning import RunPlan, plan_run
 from orchestrator.early_stopping import stops_early
-from orchestrator.preflight import CheckedModel, checked_model, lenient_drops, lenient_rows
+from orchestrator.preflight import CheckedModel, checked_model, lenient_drops, lenient_rows, made_up_step_seconds
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.stopping import keep_stop_handlers
@@ -426,9 +428,12 @@ class Trainer:
 
         For the run's length it holds the fleet (`fleet`, without shards),
         the noise being drawn and added (`central_noise`) and, with a
-        ledger, the clock that charges its blocks (`charge_clock`); all are
-        stopped when it ends, as is a Ray it started.
+        ledger, the clock that charges its blocks (`charge_clock`, started
+        with the first step); all are stopped when it ends, as is a Ray it
+        started.
         """
+        # Measured before anything of the run reads a row: its pace is fixed before the first step.
+        pace = None if self.ledger is None else self._charge_pace()
         self.report.start(self.step)
         started_ray = start_ray(self.config, self.say) or self.started_ray
         # The driver allocates and frees the same large buffers every step, as the workers do.
@@ -461,11 +466,25 @@ class Trainer:
             remove_stale_window_folders_on(ray.get([worker.node_id.remote() for worker in workers]))
             self.charge_clock = None
             if self.ledger is not None:
-                self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, self.record.charged_blocks),
-                                                self.config.commit_interval).start()
+                charged = self.record.charged_blocks
+                self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, charged),
+                                                charge_offsets(self.plan.charge_ends, charged, self.step, pace))
                 running.callback(self.charge_clock.stop)
             self._train(workers)
         return self._finish()
+
+    def _charge_pace(self) -> float:
+        """The charge clock's seconds per step (``clock_pace``): the config's commit_interval, else a worker's share
+        of an expected batch of made-up examples timed on the driver's device (``made_up_step_seconds``)."""
+        config, plan = self.config, self.plan
+        measured = None
+        if config.commit_interval is None:
+            # Under privacy_unit = "user" a sampled person gives up to max_examples_per_user rows (without it, one
+            # stands for all of a person's rows, a count of the data's).
+            rows = (config.max_examples_per_user or 1) if plan.privacy_unit == "user" else 1
+            examples = max(1, math.ceil(plan.expected_batch_size * rows / config.workers))
+            measured = made_up_step_seconds(config, self.model, examples, self.device)
+        return clock_pace(config.commit_interval, plan.charge_ends[0], measured)
 
     def close(self) -> None:
         """Stop what constructing the trainer started (a silo's workers, which delete their windows first).
@@ -558,7 +577,10 @@ class Trainer:
         bar.close()
 
     def _charge_block_at(self, step: int) -> None:
-        """Wait until the block that starts at `step` is charged (on the charge clock) before any of its steps run."""
+        """Wait until the block that starts at `step` is charged (on the charge clock, which starts with the run's
+        first step) before any of its steps run."""
+        if self.charge_clock is not None:
+            self.charge_clock.start()
         block = block_at(self.plan.charge_ends, step)
         if block < self.record.charged_blocks:
             return

@@ -131,10 +131,12 @@ def wait_for_line(process, fragment, timeout=180):
 def test_a_ledger_outage_pauses_training_which_then_completes(local_ray, tmp_path, ledger_server):
     run_dir = tmp_path / "outage"
     training = start_training(
-        tmp_path, local_ray, f'steps = 100\ncommit_every = 5\ndataset_name = "digits"\nrun_dir = "{run_dir}"\n'
-        f'ledger = "{ledger_server["address"]}"\nledger_timeout = 120\n', "--token", ledger_server["token"],
+        tmp_path, local_ray, f'steps = 100\ncommit_every = 5\ncommit_interval = 1\ndataset_name = "digits"\n'
+        f'run_dir = "{run_dir}"\nledger = "{ledger_server["address"]}"\nledger_timeout = 120\n', "--token",
+        ledger_server["token"],
     )
-    # 20 steps an epoch: after epoch 1, 80 steps and 16 charges remain to fall into the outage.
+    # 20 steps an epoch, a block of 5 steps a second: after epoch 1, most of the 20 charges remain to fall into the
+    # outage.
     wait_for_line(training, "epoch 1:")
     ledger_server["process"].send_signal(signal.SIGKILL)
     ledger_server["process"].wait(timeout=30)
@@ -192,13 +194,14 @@ def test_the_charge_clock_charges_on_its_own_schedule_and_hands_a_failed_charge_
 
     blocks = [(sequence, SampledGaussian(0.05, 1.0, 5)) for sequence in range(1, 5)]
     ledger = FailsAtBlock2()
-    clock = ChargeClock(ledger, blocks, 0.01).start()
+    offsets = [0.01 * tick for tick in range(4)]
+    clock = ChargeClock(ledger, blocks, offsets).start()
     clock.wait_for(1)
     with pytest.raises(LedgerTimeoutError, match="stayed unreachable"):
         clock.wait_for(3)
     assert [sequence for sequence, _ in ledger.charges] == [1]  # nothing after the failed block
     ahead = CommitTimes()
-    clock = ChargeClock(ahead, blocks, 0.01).start()
+    clock = ChargeClock(ahead, blocks, offsets).start()
     clock.wait_for(4)  # no step waited for blocks 1 to 3: the clock charged them anyway, in order
     assert [sequence for sequence, _ in ahead.charges] == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="block 0 is not on this clock"):
@@ -302,8 +305,8 @@ def test_a_job_that_waits_for_budget_trains_once_the_ledger_admits_it(local_ray,
 def test_ctrl_c_after_a_checkpoint_then_resume_charges_every_step_once_and_exports(local_ray, worker_pool, tmp_path,
                                                                                    capsys, monkeypatch):
     run_dir = tmp_path / "stopped"
-    config = write_config(tmp_path, f'steps = 60\ncommit_every = 10\ncheckpoint_every = 10\nrun_dir = "{run_dir}"\n'
-                                    'seed = 3\n')
+    config = write_config(tmp_path, f'steps = 60\ncommit_every = 10\ncommit_interval = 1\ncheckpoint_every = 10\n'
+                                    f'run_dir = "{run_dir}"\nseed = 3\n')
     save = Trainer._save_checkpoint
 
     def save_then_interrupt(trainer):

@@ -770,14 +770,20 @@ class LedgerSection(Section):
         schema={"uniqueItems": True},  # pydantic has no unique-items constraint; it holds for the list form only
     )
     commit_every: int | None = key(
-        None, "Steps per ledger charge; each block is charged before it runs.", shown_default="one epoch", ge=1,
+        None,
+        "Steps per ledger charge; each block is charged before it runs. A run that stops for good keeps the block "
+        "its steps were in and any the charge clock charged ahead of them (docs/ledger.md).",
+        shown_default="100 steps, or 1% of the run's steps where that is more", ge=1,
     )
-    commit_interval: float = key(
-        1.0,
-        "Seconds between ledger charges. Blocks are charged on this fixed clock from the run's start, whatever the "
-        "steps are doing, so commit times say nothing about the batches; a block's steps wait for its charge. A "
-        "block's wall time is a good value: a shorter interval charges blocks ahead of the steps (a resume runs "
-        "them without charging again), a longer one makes the steps wait.", gt=0,
+    commit_interval: float | None = key(
+        None,
+        "Seconds between ledger charges. Blocks are charged on a clock that starts with the first step and keeps a "
+        "pace fixed before it, whatever the steps are doing, so commit times say nothing about the batches; a "
+        "block's steps wait for its charge. A block's wall time is a good value: a shorter interval charges blocks "
+        "ahead of the steps (a resume runs them without charging again), a longer one makes the steps wait.",
+        shown_default="a block's steps at 1.25 times a worker's clipping of made-up examples, timed before the "
+                      "run (docs/ledger.md)",
+        gt=0,
     )
     ledger_timeout: float = key(
         300.0, "Seconds to wait out a ledger outage before stopping at a checkpoint (exit status 4).", gt=0,

@@ -1,0 +1,172 @@
+"""The charge clock: small default blocks, a schedule fixed before the first step, and what a stop costs."""
+
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from accounting.events import SampledGaussian
+from accounting.ledger.store import open_embedded_ledger
+from orchestrator.charge_clock import (PACE_MARGIN, UNMEASURED_BLOCK_SECONDS, ChargeClock, block_at, charge_offsets,
+                                       clock_pace)
+from orchestrator.cli import main
+from orchestrator.config import build_config
+from orchestrator.planning import default_block_steps, plan_run
+from orchestrator.trainer import Trainer
+from servers import TINY_JOB, tiny_job_epsilon
+
+
+@pytest.mark.parametrize("steps, block", [(1, 100), (60, 100), (2000, 100), (10_000, 100), (10_001, 101),
+                                          (50_000, 500)])
+def test_a_default_block_is_100_steps_or_1_percent_of_the_run_where_that_is_more(steps, block):
+    assert default_block_steps(steps) == block
+    plan = plan_run(build_config({"dataset": "mnist", "batch_size": 64, "noise_multiplier": 1.0, "steps": steps}))
+    assert plan.charge_ends == (*range(block, steps, block), steps)
+
+
+def test_commit_every_still_sets_the_blocks():
+    plan = plan_run(build_config({"dataset": "mnist", "batch_size": 64, "noise_multiplier": 1.0, "steps": 2000,
+                                  "commit_every": 937}))
+    assert plan.charge_ends == (937, 1874, 2000)
+
+
+def test_each_block_is_charged_when_steps_at_the_pace_would_reach_it():
+    assert charge_offsets((100, 200, 250), 0, 0, 0.01) == pytest.approx([0.0, 1.0, 2.0])
+    # A resumed run's clock starts at its checkpoint's step: the block that holds it at once, the next when the
+    # steps from there would reach it.
+    assert charge_offsets((100, 200, 250), 1, 150, 0.01) == pytest.approx([0.0, 0.5])
+    assert charge_offsets((100, 200, 250), 2, 200, 0.01) == [0.0]
+    with pytest.raises(ValueError, match="seconds_per_step must be > 0"):
+        charge_offsets((100,), 0, 0, 0.0)
+
+
+def test_the_pace_is_the_configs_interval_else_the_measured_step_with_its_margin():
+    assert clock_pace(2.0, 100, 0.5) == pytest.approx(0.02)
+    assert clock_pace(None, 100, 0.02) == pytest.approx(PACE_MARGIN * 0.02)
+    assert clock_pace(None, 100, None) == pytest.approx(UNMEASURED_BLOCK_SECONDS / 100)
+
+
+def stopped_run(charge_ends, pace, start_up, step_seconds, stop_at):
+    """(steps run, steps committed) of a run stopped `stop_at` seconds after it began, in simulated time.
+
+    It spends `start_up` seconds before its first step, where the clock
+    starts; step s then takes step_seconds[s] once its block is charged (the
+    trainer waits for the charge), and the clock charges on its schedule
+    whatever the steps do. A step under way at the stop did not run.
+    """
+    offsets = charge_offsets(charge_ends, 0, 0, pace)
+    if stop_at < start_up:
+        return 0, 0
+    now, run = start_up, 0
+    for step, seconds in enumerate(step_seconds):
+        now = max(now, start_up + offsets[block_at(charge_ends, step)]) + seconds
+        if now > stop_at:
+            break
+        run += 1
+    charged = sum(1 for offset in offsets if start_up + offset <= stop_at)
+    return run, charge_ends[charged - 1] if charged else 0
+
+
+@st.composite
+def runs(draw, slowest):
+    """(charge_ends, block, pace, start-up, step times up to `slowest` times the pace, stop time) of a run."""
+    steps = draw(st.integers(1, 600))
+    block = draw(st.integers(1, 60))
+    charge_ends = (*range(block, steps, block), steps)
+    pace = draw(st.floats(1e-3, 1.0))
+    step_seconds = draw(st.lists(st.floats(0.0, slowest * pace), min_size=steps, max_size=steps))
+    start_up = draw(st.floats(0.0, 60.0))
+    stop_at = draw(st.floats(0.0, start_up + slowest * pace * steps + 1.0))
+    return charge_ends, block, pace, start_up, step_seconds, stop_at
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs(slowest=1.0))
+def test_a_stop_costs_at_most_two_blocks_beyond_the_steps_that_ran_while_they_keep_the_pace(run):
+    charge_ends, block, pace, start_up, step_seconds, stop_at = run
+    ran, committed = stopped_run(charge_ends, pace, start_up, step_seconds, stop_at)
+    assert ran <= committed <= ran + 2 * block
+    # Within a block and a step, in fact, and nothing before the first step.
+    assert committed <= ran + block + 1
+    assert committed == 0 or stop_at >= start_up
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs(slowest=3.0))
+def test_steps_slower_than_the_pace_leave_the_clock_ahead_by_what_they_lag(run):
+    charge_ends, block, pace, start_up, step_seconds, stop_at = run
+    ran, committed = stopped_run(charge_ends, pace, start_up, step_seconds, stop_at)
+    lag = max(0.0, (stop_at - start_up) / pace - ran)
+    assert ran <= committed <= ran + block + lag + 1e-6 * (1 + lag)
+
+
+class Charges:
+    """A ledger session that notes when each block is charged."""
+
+    reservation_id = "charges"
+
+    def __init__(self):
+        self.charges = []
+
+    def charge(self, sequence, events):
+        self.charges.append((sequence, time.monotonic()))
+
+
+def test_the_clock_charges_nothing_before_it_starts_and_then_keeps_its_offsets():
+    ledger = Charges()
+    blocks = [(sequence, SampledGaussian(0.05, 1.0, 5)) for sequence in range(3)]
+    clock = ChargeClock(ledger, blocks, [0.0, 0.3, 0.6])
+    time.sleep(0.2)
+    assert ledger.charges == []  # a run stopped during its start-up charges nothing
+    started = time.monotonic()
+    clock.start()
+    clock.start()  # the trainer starts it before every block; the first start counts
+    clock.wait_for(2)
+    assert [sequence for sequence, _ in ledger.charges] == [0, 1, 2]
+    offsets = [at - started for _, at in ledger.charges]
+    assert offsets == pytest.approx([0.0, 0.3, 0.6], abs=0.15)
+    with pytest.raises(ValueError, match="offsets must be one per block, in order"):
+        ChargeClock(ledger, blocks, [0.0, 0.6, 0.3])
+
+
+# A step of 5 to 98 to stop after, drawn once (as a test's parameters are fixed), on a pace set to 60 ms a step.
+RANDOM_STOP = random.Random(51).randint(5, 98)
+
+
+@pytest.mark.parametrize("stop_after, commit_interval", [(None, None), (5, None), (RANDOM_STOP, 6.0)])
+def test_a_2000_step_run_stopped_early_is_charged_at_most_two_blocks_beyond_its_steps(
+        local_ray, worker_pool, tmp_path, monkeypatch, stop_after, commit_interval):
+    # None: stopped during its start-up, at the evaluation before the first step. The measured pace (no
+    # commit_interval) can be faster than this small model's steps, whose round trips and evaluations outweigh its
+    # clipping (docs/ledger.md); 6 s a block of 100 steps is a pace they keep on a loaded 2-core machine.
+    config = tmp_path / "job.toml"
+    config.write_text(TINY_JOB + f'steps = 2000\ndataset_budget_epsilon = 40\nrun_dir = "{tmp_path / "run"}"\n'
+                      + ("" if commit_interval is None else f"commit_interval = {commit_interval}\n"))
+    record, step = Trainer._record_epoch, Trainer._step
+
+    def evaluate_then_stop(trainer, epoch, workers):
+        if stop_after is None:
+            raise KeyboardInterrupt
+        record(trainer, epoch, workers)
+
+    def step_then_stop(trainer, workers):
+        step(trainer, workers)
+        if trainer.step == stop_after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_record_epoch", evaluate_then_stop)
+    monkeypatch.setattr(Trainer, "_step", step_then_stop)
+    assert main(["train", "--config", str(config), "--no-progress"]) == 130
+    with open_embedded_ledger() as ledger:
+        (job,) = ledger.list_jobs()
+        spent = ledger.get_budget("mnist").spent_epsilon
+    ran = stop_after or 0
+    # The clock starts with the first step: a stop before it charges nothing; after it, the block the steps were in
+    # and at most one more.
+    assert job.state == "released" and ran <= job.committed_steps <= ran + 2 * 100, job
+    assert (job.committed_steps == 0) == (ran == 0)
+    # The ledger's ε is the accountant's for the committed steps: between that of the steps that ran and 2 blocks more.
+    assert spent == pytest.approx(tiny_job_epsilon(job.committed_steps) if job.committed_steps else 0.0, rel=1e-6)
+    assert (tiny_job_epsilon(ran) if ran else 0.0) - 1e-9 <= spent <= tiny_job_epsilon(ran + 200) + 1e-9
