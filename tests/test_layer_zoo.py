@@ -277,6 +277,24 @@ def tiny_llama() -> nn.Module:
     return HuggingFaceLanguageModel(transformers.LlamaForCausalLM(config))
 
 
+def tiny_bert_on_padded_tokens() -> tuple[nn.Module, Tensor, Tensor]:
+    """One BERT block classifying padded token ids, wrapped as dpfleet's pretrained models are (``TokenModel``:
+    each example's attention mask, positions and token types from its own ids); skips without transformers."""
+    transformers = pytest.importorskip("transformers")
+    from workers.pretrained import PAD_INPUT, TokenModel
+
+    config = transformers.BertConfig(
+        hidden_size=WIDTH, intermediate_size=6, num_hidden_layers=1, num_attention_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=LENGTH, num_labels=CLASSES, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    ids = tokens()
+    ids[0, 3:] = PAD_INPUT
+    ids[2, 1:] = PAD_INPUT
+    model = TokenModel(transformers.BertForSequenceClassification(config), causal=False, pad_token_id=0,
+                       token_types=True)
+    return model, ids, class_labels()
+
+
 def frozen(module: nn.Module, *names: str) -> nn.Module:
     """``module`` with the named parameters (all when none are named) set to requires_grad=False."""
     for name, parameter in module.named_parameters():
@@ -402,6 +420,7 @@ ZOO: dict[str, ZooCase] = {
     "llama_rms_norm_on_sequences": ZooCase(sequence_layer_model(
         lambda: nn.Sequential(nn.Linear(WIDTH, WIDTH), llama_rms_norm(WIDTH)))),
     "tiny_gpt2_language_model": ZooCase(on_tokens(tiny_gpt2, token_labels=True), token_cross_entropy),
+    "tiny_bert_on_padded_tokens": ZooCase(tiny_bert_on_padded_tokens),
     "tiny_gpt2_tied_language_model": ZooCase(on_tokens(lambda: tiny_gpt2(tied=True), token_labels=True),
                                              token_cross_entropy),
     "tiny_llama_language_model": ZooCase(on_tokens(tiny_llama, token_labels=True), token_cross_entropy),
@@ -611,7 +630,7 @@ def test_the_fast_engine_in_bf16_keeps_every_example_within_the_clip_norm_and_st
 BOOK_KEEPING_ONLY = [
     "rms_norm_on_sequences", "rms_norm_over_two_dimensions_default_eps", "transformers_conv1d_on_sequences",
     "transformers_conv1d_called_twice", "llama_rms_norm_on_sequences", "tiny_gpt2_language_model",
-    "tiny_llama_language_model", "tied_through_modules", "tiny_gpt2_tied_language_model",
+    "tiny_llama_language_model", "tied_through_modules", "tiny_gpt2_tied_language_model", "tiny_bert_on_padded_tokens",
 ]
 
 
