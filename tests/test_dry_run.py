@@ -624,10 +624,10 @@ def test_a_model_that_fails_a_plain_pass_is_refused_by_the_engines_never_handed_
             warnings.simplefilter("always")
             prepare_engine(engine, model, schema, build_loss("cross_entropy"))
         assert not [warning for warning in caught if "vmap" in str(warning.message)]
-    # A model that runs and that the layer rules cannot serve (tied weights) still runs on the vmap engine.
-    embedding = nn.Embedding(7, 7)
-    head = nn.Linear(7, 7)
-    head.weight = embedding.weight
-    tied = nn.Sequential(embedding, nn.Tanh(), head)
+    # A model that runs and that the layer rules cannot serve (two linear layers sharing a weight) still runs on
+    # the vmap engine.
+    first, second = nn.Linear(7, 7), nn.Linear(7, 7)
+    second.weight = first.weight
+    tied = nn.Sequential(first, nn.Tanh(), second)
     with pytest.warns(UserWarning, match="is tied to several modules.*computing this model's clipped sum with the vmap"):
-        prepare_engine("fast", tied, ExampleSchema((), torch.int64, (), torch.int64), build_loss("cross_entropy"))
+        prepare_engine("fast", tied, ExampleSchema((7,), torch.float32, (), torch.int64), build_loss("cross_entropy"))
