@@ -277,25 +277,27 @@ def _out_of_place_residual(block: nn.Module) -> Callable[[torch.Tensor], torch.T
     return forward
 
 
-class _Driver:
-    """The trainer's side of a DP-SGD step on ``device``: noise once on the clipped sum, average, SGD step.
+class DriverUpdate:
+    """The trainer's side of a DP-SGD step: noise once on the clipped sum, average over ``batch_size``, SGD step.
 
-    The weights and the gradient are the model's flat views
-    (``bind_flat_views``), as in ``dpfleet train``; the noise comes from
-    torch's generator, drawn within the step.
+    The weights and the gradient are ``model``'s flat views of its
+    trainable parameters (``bind_flat_views``), as in ``dpfleet train``;
+    the noise comes from torch's generator on the model's device, drawn
+    within the step.
     """
 
-    def __init__(self, setting: Setting, device: torch.device) -> None:
-        self.setting = setting
-        self.model = setting.model(device)
+    def __init__(self, model: nn.Module, batch_size: int) -> None:
+        self.model = model
+        self.batch_size = batch_size
         self.flat, self.gradient = bind_flat_views(self.model)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE)
-        self.generator = torch.Generator(device).manual_seed(1)
+        self.optimizer = torch.optim.SGD([p for p in self.model.parameters() if p.requires_grad], lr=LEARNING_RATE)
+        self.generator = torch.Generator(self.flat.device).manual_seed(1)
 
     def apply(self, summed: torch.Tensor) -> None:
+        """Add N(0, (σC)²) to the clipped sum, divide by the batch size into the gradient, and step."""
         noise = torch.randn(summed.shape, generator=self.generator, device=self.generator.device)
         noisy = summed.to(noise.device).add_(noise, alpha=NOISE_MULTIPLIER * CLIP_NORM)
-        torch.div(noisy, self.setting.case.batch_size, out=self.gradient)
+        torch.div(noisy, self.batch_size, out=self.gradient)
         self.optimizer.step()
 
 
@@ -303,7 +305,7 @@ def in_process(engine: str) -> Callable[[Setting], Callable[[], None]]:
     """One DP-SGD step with dpfleet's ``engine`` computing the clipped sum in this process."""
 
     def make(setting: Setting) -> Callable[[], None]:
-        driver = _Driver(setting, setting.device)
+        driver = DriverUpdate(setting.model(), setting.case.batch_size)
         physical = setting.case.batch_size if engine == "fast" else setting.case.vmap_physical_batch
 
         def step() -> None:
@@ -498,7 +500,7 @@ def breakdown(times: list[tuple[float, float, float, float]]) -> dict[str, float
             "driver_share_of_step": driver / (driver + wait)}
 
 
-def _resident_kib(field: str) -> int:
+def resident_kib(field: str) -> int:
     """A VmRSS/VmHWM line of /proc/self/status, in KiB (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -506,30 +508,35 @@ def _resident_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}; peak memory on the CPU needs Linux")
 
 
-def _peak_memory_of(name: str, variant: str, device: torch.device) -> dict:
-    """Run in a fresh process: memory of ``MEMORY_STEPS`` steps of one variant after set-up.
+def memory_of_steps(step: Callable[[], None], steps: int, device: torch.device) -> dict:
+    """Memory of ``steps`` calls of ``step`` after its set-up, in MB; run it in a fresh process.
 
-    On the CPU: the resident set after set-up, and its high-water mark over the
-    steps (VmHWM, reset after set-up through /proc/self/clear_refs; getrusage's
-    maximum would carry over the parent's through fork and exec).
+    On the CPU: the resident set after set-up (``baseline_mb``), and its
+    high-water mark over the steps (``peak_mb``: VmHWM, reset after set-up
+    through /proc/self/clear_refs; getrusage's maximum would carry over the
+    parent's through fork and exec). On CUDA: allocated memory and its
+    maximum. ``step_mb`` is the peak minus the baseline.
     """
-    setting = Setting(name, device)
-    step = MEMORY_VARIANTS[variant](setting)
     if device.type == "cuda":
         torch.cuda.synchronize()
         baseline = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
         Path("/proc/self/clear_refs").write_text("5")
-        baseline = _resident_kib("VmRSS") * 1024
-    for _ in range(MEMORY_STEPS):
+        baseline = resident_kib("VmRSS") * 1024
+    for _ in range(steps):
         step()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = _resident_kib("VmHWM") * 1024
+        peak = resident_kib("VmHWM") * 1024
     return {"baseline_mb": baseline / 2**20, "peak_mb": peak / 2**20, "step_mb": (peak - baseline) / 2**20}
+
+
+def _peak_memory_of(name: str, variant: str, device: torch.device) -> dict:
+    """Run in a fresh process: memory of ``MEMORY_STEPS`` steps of one variant after set-up (``memory_of_steps``)."""
+    return memory_of_steps(MEMORY_VARIANTS[variant](Setting(name, device)), MEMORY_STEPS, device)
 
 
 def peak_memory(device: torch.device, threads: int) -> dict:
