@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.stamp-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-16)
 
-.PHONY: setup test train bench docs clean
+.PHONY: setup test train bench fine-tune-example docs clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ train: setup
 bench: setup
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench $(BENCH)
+
+# DP fine-tuning of a small pretrained model on Shakespeare's tragedies (examples/fine_tuning/run.sh).
+fine-tune-example: setup
+	$(BIN)/python -m pip install --quiet -e '.[hf]'
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash examples/fine_tuning/run.sh
 
 # Offline: setup's test extra installs the docs extra, and the site fetches nothing as it builds.
 docs: setup
