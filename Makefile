@@ -29,7 +29,7 @@ train: setup
 	$(BIN)/dpfleet train --config examples/mnist.toml --workers 2 --overwrite
 
 bench: setup
-	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python -m pip install --quiet -e '.[bench,hf]'
 	$(BIN)/python -m bench $(BENCH)
 
 # DP fine-tuning of a small pretrained model on Shakespeare's tragedies (examples/fine_tuning/run.sh).

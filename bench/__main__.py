@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 
 from bench import (
-    admission, cli_startup, fan_in, ledger, ledger_commit_profile, ledger_fairness, ledger_growth, mechanisms, mnist,
-    out_of_core, precision, scaling, scheduling, secure_aggregation, seeds, throughput,
+    admission, cli_startup, fan_in, fine_tuning, ledger, ledger_commit_profile, ledger_fairness, ledger_growth,
+    mechanisms, mnist, out_of_core, precision, scaling, scheduling, secure_aggregation, seeds, throughput,
 )
 
 BENCHMARKS = {
     "throughput": throughput.main,
     "precision": precision.main,
+    "fine_tuning": fine_tuning.main,
     "ledger": ledger.main,
     "ledger_fairness": ledger_fairness.main,
     "ledger_commit_profile": ledger_commit_profile.main,
