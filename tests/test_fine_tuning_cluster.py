@@ -7,34 +7,24 @@ fine-tuning every rank holds the same weights after each step, and they moved.
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import ray
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from servers import start_loopback_cluster, stop_loopback_cluster  # noqa: E402
+from test_collective import NoiseOff, RanksAgree, run  # noqa: E402
 from test_pretrained import save_tiny_models  # noqa: E402
 
 from orchestrator.config import build_config  # noqa: E402
-from orchestrator.trainer import Trainer  # noqa: E402
 from workers.models import flat_parameters  # noqa: E402
 from workers.pretrained import PAD_INPUT  # noqa: E402
 
 NODES = 3
 LENGTH = 10
-
-
-class NoiseOff(Trainer):
-    """A seeded run with no noise (tests only): the sums alone move the weights, on either path."""
-
-    def _noise_std(self, step, clip_norm):
-        return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -73,38 +63,21 @@ def fine_tuning_config(setting, name, **overrides):
     return build_config(values)
 
 
-def run(trainer_class, config):
-    """`trainer_class`'s run of `config`: the trainer, with the weights it started from as `initial_weights`."""
-    trainer = trainer_class(config, show_progress=False, out=io.StringIO())
-    assert trainer.aggregation == config.aggregation
-    trainer.initial_weights = flat_parameters(trainer.model).clone()
-    trainer.run()
-    return trainer
-
-
 def test_the_collective_path_fine_tunes_a_lora_adapter_like_the_driver_path(cluster, setting):
     adapter = {"kind": "lora", "r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}
-    driver, collective = (run(NoiseOff, fine_tuning_config(setting, f"lora-{aggregation}", aggregation=aggregation,
-                                                           adapter=adapter))
-                          for aggregation in ("driver", "collective"))
+    (driver, _), (collective, _) = (run(NoiseOff, fine_tuning_config(setting, f"lora-{aggregation}",
+                                                                     aggregation=aggregation, adapter=adapter))
+                                    for aggregation in ("driver", "collective"))
+    assert (driver.aggregation, collective.aggregation) == ("driver", "collective")
     weights = flat_parameters(collective.model)
     np.testing.assert_allclose(weights.numpy(), flat_parameters(driver.model).numpy(), rtol=1e-4, atol=1e-6)
     assert (weights - collective.initial_weights).abs().max() > 1e-4
     assert weights.numel() < 2_000  # the adapter's factors and the new head, not the frozen base
 
 
-class RanksAgree(NoiseOff):
-    """A noiseless run that fetches every rank's weights after each step and keeps whether they were identical."""
-
-    def _step(self, workers):
-        super()._step(workers)
-        weights = ray.get([worker.current_weights.remote() for worker in workers])
-        self.identical = getattr(self, "identical", []) + [all(np.array_equal(weights[0], other)
-                                                                for other in weights[1:])]
-
-
 def test_the_collective_path_carries_full_fine_tuning_with_every_rank_in_step(cluster, setting):
-    trainer = run(RanksAgree, fine_tuning_config(setting, "full-collective", aggregation="collective"))
+    trainer, _ = run(RanksAgree, fine_tuning_config(setting, "full-collective", aggregation="collective"))
+    assert trainer.aggregation == "collective"
     weights = flat_parameters(trainer.model)
     assert trainer.identical == [True, True]
     assert weights.numel() > 5_000 and bool(weights.isfinite().all())
