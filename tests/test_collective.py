@@ -3,7 +3,9 @@
 The head has no CPUs, so each rank runs on a node of its own and the
 reduce-scatter and all-gather cross between them. Every test shares the
 module's cluster, and runs that set up the same thing are made once, in
-module fixtures, and asserted on by each test that needs them.
+module fixtures, and asserted on by each test that needs them. The
+fine-tuning tests, last, add a third node and fine-tune a tiny pretrained
+decoder on three ranks.
 """
 
 import io
@@ -11,8 +13,11 @@ import os
 import shutil
 import signal
 import threading
+import time
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 from hypothesis import given
@@ -266,7 +271,7 @@ class RemoveRankNodeMidStep(Trainer):
 
 def test_a_resumed_run_restores_each_ranks_slices_and_one_whose_rank_dies_mid_step_ends_as_the_whole_run(
         cluster, whole_run):
-    # Last in the module: it leaves the cluster with a node of its own in place of the removed one.
+    # Last but the fine-tuning tests: it leaves the cluster with a node of its own in place of the removed one.
     whole, whole_summary = whole_run
     add_loopback_node(cluster, num_cpus=1)  # where the replacement rank goes
     # Resumed from step 2, it checkpoints step 4 and loses a rank's node in step 5. It only ends where the whole
@@ -286,3 +291,79 @@ def test_a_resumed_run_restores_each_ranks_slices_and_one_whose_rank_dies_mid_st
     assert resumed.record.clip_norm == whole.record.clip_norm != 1.0
     np.testing.assert_allclose(flat_parameters(resumed.model), flat_parameters(whole.model), atol=1e-6, rtol=0)
     np.testing.assert_allclose(resumed.ema_weights, whole.ema_weights, atol=1e-6, rtol=0)
+
+
+# --- fine-tuning a tiny pretrained decoder on three nodes -----------------------------------------------------------
+# Noiseless seeded runs (tests only): with a LoRA adapter the collective path gives the driver path's weights; with
+# full fine-tuning every rank holds the same weights after each step, and they moved.
+
+FINE_TUNING_RANKS = 3
+TOKENS = 10
+
+
+def token_table(path, rows: int, seed: int) -> str:
+    """Token ids [rows, TOKENS] of varying lengths padded with -1, labelled by their first token's parity."""
+    from workers.pretrained_spec import PAD_INPUT
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, 64, (rows, TOKENS))
+    ids[np.arange(TOKENS)[None, :] >= rng.integers(3, TOKENS + 1, rows)[:, None]] = PAD_INPUT
+    column = pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), TOKENS)
+    pq.write_table(pa.table({"input_ids": column, "label": ids[:, 0] % 2}), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def fine_tuning(cluster, tmp_path_factory):
+    """A third node of one CPU, a tiny Llama's folder and its token data: what a fine-tuning config is made of."""
+    pytest.importorskip("peft")
+    from test_pretrained import save_tiny_models
+
+    add_loopback_node(cluster, num_cpus=1)  # the module's two nodes, or the resumption test's survivor and its own
+    wait_for_free_cpus(FINE_TUNING_RANKS)
+    folder = tmp_path_factory.mktemp("fine-tuning")
+    return folder, save_tiny_models(str(folder / "models"))["llama"], {
+        "format": "parquet", "train": token_table(folder / "train.parquet", 120, 1),
+        "test": token_table(folder / "test.parquet", 30, 2)}
+
+
+def wait_for_free_cpus(count: int, seconds: float = 60.0) -> None:
+    """Wait until the cluster's live nodes have `count` CPUs free: a removed node's are no longer counted."""
+    deadline = time.monotonic() + seconds
+    while ray.available_resources().get("CPU", 0) < count:
+        assert time.monotonic() < deadline, f"the cluster never had {count} CPUs free: {ray.available_resources()}"
+        time.sleep(0.2)
+
+
+def fine_tuning_config(fine_tuning, name, **overrides):
+    folder, model, dataset = fine_tuning
+    values = dict(
+        model={"hf": model, "task": "sequence-classification", "num_labels": 2}, dataset=dataset,
+        workers=FINE_TUNING_RANKS, steps=2, batch_size=30, noise_multiplier=1.0, clip_norm=0.5, learning_rate=0.5,
+        seed=3, run_dir=str(folder / name), max_physical_batch=16, plan_ahead_steps="off",
+    )
+    values.update(overrides)
+    return build_config(values)
+
+
+def test_the_collective_path_fine_tunes_a_lora_adapter_like_one_worker_on_the_driver_path(fine_tuning):
+    adapter = {"kind": "lora", "r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]}
+    driver, _ = run(NoiseOff, fine_tuning_config(fine_tuning, "lora-driver", aggregation="driver", workers=1,
+                                                 adapter=adapter))
+    collective, _ = run(NoiseOff, fine_tuning_config(fine_tuning, "lora-collective", aggregation="collective",
+                                                     adapter=adapter))
+    assert (driver.aggregation, collective.aggregation) == ("driver", "collective")
+    weights = flat_parameters(collective.model)
+    np.testing.assert_allclose(weights.numpy(), flat_parameters(driver.model).numpy(), rtol=1e-4, atol=1e-6)
+    assert (weights - collective.initial_weights).abs().max() > 1e-4
+    assert weights.numel() < 2_000  # the adapter's factors and the new head, not the frozen base
+
+
+def test_the_collective_path_carries_full_fine_tuning_with_every_rank_in_step(fine_tuning):
+    trainer, _ = run(RanksAgree, fine_tuning_config(fine_tuning, "full-collective", aggregation="collective"))
+    assert trainer.aggregation == "collective"
+    assert f"collective path: {FINE_TUNING_RANKS} ranks over gloo" in trainer.out.getvalue()
+    weights = flat_parameters(trainer.model)
+    assert trainer.identical == [True, True]
+    assert weights.numel() > 5_000 and bool(weights.isfinite().all())
+    assert (weights - trainer.initial_weights).abs().max() > 1e-4

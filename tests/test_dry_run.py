@@ -379,16 +379,11 @@ def test_a_model_that_fails_under_the_runs_clipping_engine_is_refused_before_res
                                     f"{tmp_path / 'engine_model.py'}:", "No budget was reserved")
 
 
-def test_bf16_trains_with_the_fast_engine_and_is_refused_with_microbatches(tmp_path, capsys, toy_budget):
+def test_bf16_runs_on_the_fast_engine_and_is_refused_with_microbatches():
+    # A bf16 run on the fast engine, LoRA's rules included: test_text_data trains a tiny GPT-2 so.
     from orchestrator.config import build_config
     from orchestrator.errors import UsageError
 
-    config = newcomer_job(tmp_path, LINEAR_MODEL.format(features=FEATURES, classes=CLASSES), "bf16_model")
-    text = open(config).read().replace("run_dir =", 'precision = "bf16"\nrun_dir =')
-    open(config, "w").write(text)
-    assert main(["train", "--config", config, "--no-progress", "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
-    assert summary["steps"] == 2 and 0 <= summary["test_accuracy"] <= 1
     job = {"dataset": "mnist", "steps": 1, "batch_size": 10, "noise_multiplier": 1.0, "precision": "bf16"}
     assert build_config(job).engine == "fast"
     with pytest.raises(UsageError, match='precision = "bf16" cannot be combined with microbatch_size: change those'):

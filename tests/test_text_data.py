@@ -281,7 +281,7 @@ def test_the_dry_run_sees_token_ids_and_a_label_per_token_of_the_datas_length(fo
         dry_run(config, build_model(config.model_spec))
 
 
-def test_a_tiny_gpt2_with_lora_trains_on_tokenized_text(local_ray, folders, tmp_path, capsys):
+def test_a_tiny_gpt2_with_lora_trains_in_bf16_on_tokenized_text(local_ray, folders, tmp_path, capsys):
     generator = random.Random(0)
     for split, count in (("train", 40), ("test", 10)):
         (tmp_path / f"{split}.txt").write_text("".join(
@@ -294,10 +294,13 @@ def test_a_tiny_gpt2_with_lora_trains_on_tokenized_text(local_ray, folders, tmp_
         f'model = {{ hf = "{folders["gpt2"]}", task = "causal-lm" }}\n'
         'adapter = { kind = "lora", r = 2, alpha = 4, target_modules = ["c_attn"] }\n'
         f'steps = 3\nbatch_size = 8\nnoise_multiplier = 1.0\nmax_physical_batch = 4\nworkers = 1\n'
+        'precision = "bf16"\n'
         f'run_dir = "{tmp_path / "run"}"\n'
         f'dataset = {{ format = "parquet", train = "{tmp_path / "train.parquet"}", test = '
         f'"{tmp_path / "test.parquet"}", features = "input_ids" }}\n')
     assert main(["train", "--config", str(config), "--no-progress", "--json"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and summary["dataset_size"] == 40
+    assert "c_attn.lora_A.default (Linear): fast" in out  # LoRA's factors on the fast engine's rules, in bf16
     assert 0 < summary["epsilon"] < 10 and np.isfinite(summary["test_loss"])
