@@ -7,18 +7,18 @@ starts it at its first step and waits on it before each block.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from accounting.events import Composition
 
-# The clock gives a step this many times a worker's clipping of its share, timed on made-up examples: room for the
-# rest of a step (the round trip to the workers, the noise, the optimizer) where the clipping is most of it.
-PACE_MARGIN = 1.25
-# Seconds a block where the config sets no commit_interval and no step can be timed (made_up_step_seconds is None).
-UNMEASURED_BLOCK_SECONDS = 1.0
+# The clock gives a step, and each pause, this many times what it took as the run started on made-up examples
+# (orchestrator.fleet.made_up_step_seconds, Trainer._pauses): room for the driver's optimizer step and bookkeeping.
+PACE_MARGIN = 1.4
 
 
 class ChargedBlocks(Protocol):
@@ -49,30 +49,48 @@ def blocks_covered(charge_ends: Sequence[int], committed_steps: int) -> int:
     return covered
 
 
-def charge_offsets(charge_ends: Sequence[int], first_block: int, first_step: int,
-                   seconds_per_step: float) -> list[float]:
+def charge_offsets(charge_ends: Sequence[int], first_block: int, first_step: int, seconds_per_step: float,
+                   pauses: Mapping[int, float] | None = None) -> list[float]:
     """Seconds after the clock starts at which each block from `first_block` on is charged (`charge_ends` are the
     blocks' end steps): when steps of `seconds_per_step` each, from step `first_step` (where this start of the run
-    begins), would reach the block's first step; the block that holds `first_step` at once.
+    begins), would reach the block's first step; the block that holds `first_step` at once. `pauses` maps a step
+    count to the seconds the run spends after that many steps outside them (an evaluation, the progress line's ε):
+    those after `first_step` and up to the block's first step are added to its offset.
 
-    A function of the plan and the pace alone, both fixed before the first
-    step: the steps' own times never enter it.
+    A function of the plan, the pace and the pauses alone, all fixed before
+    the first step: the steps' own times never enter it.
     """
     if seconds_per_step <= 0:
         raise ValueError(f"seconds_per_step must be > 0 (got {seconds_per_step})")
+    pause_steps = sorted(step for step in (pauses or {}) if step > first_step)
+    paused = list(itertools.accumulate((pauses[step] for step in pause_steps), initial=0.0))
     starts = [0, *charge_ends[:-1]]
-    return [seconds_per_step * max(0, starts[block] - first_step) for block in range(first_block, len(charge_ends))]
+    return [seconds_per_step * max(0, starts[block] - first_step)
+            + paused[bisect.bisect_right(pause_steps, starts[block])] for block in range(first_block, len(charge_ends))]
+
+
+def progress_refresh_steps(epoch_ends: Sequence[int], first_step: int) -> list[int]:
+    """The step counts after which a run that starts at step `first_step` redraws its progress line's ε: each
+    epoch's steps from there are split in four (at least a step each), as ``Trainer._train_epoch`` counts them."""
+    refreshes, start = [], first_step
+    for end in epoch_ends:
+        if end <= first_step:
+            continue
+        every = max(1, (end - start) // 4)
+        refreshes.extend(range(start + every, end + 1, every))
+        start = end
+    return refreshes
 
 
 def clock_pace(commit_interval: float | None, block_steps: int, measured_step_seconds: float | None) -> float:
     """The charge clock's pace, in seconds per step: `commit_interval` (seconds a block) over a block's
-    `block_steps` where the config sets it, else PACE_MARGIN times the step time measured on made-up examples
-    (``preflight.made_up_step_seconds``), else UNMEASURED_BLOCK_SECONDS a block."""
+    `block_steps` where the config sets it, else PACE_MARGIN times the step's round trip measured on made-up
+    examples (``fleet.made_up_step_seconds``)."""
     if commit_interval is not None:
         return commit_interval / block_steps
-    if measured_step_seconds is not None:
-        return PACE_MARGIN * measured_step_seconds
-    return UNMEASURED_BLOCK_SECONDS / block_steps
+    if measured_step_seconds is None:
+        raise ValueError("a pace needs commit_interval or a measured step time")
+    return PACE_MARGIN * measured_step_seconds
 
 
 def uncharged_blocks(plan, charged: int) -> list[tuple[int, Composition]]:

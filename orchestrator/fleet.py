@@ -7,6 +7,8 @@ serve both: they take the actors that are up.
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import Callable
 
 import numpy as np
@@ -20,6 +22,8 @@ from workers.planned_batches import PlannedDataset
 
 WORKER_RESTARTS = 2
 WORKER_REPLACEMENTS = 2
+# Passes made_up_step_seconds times after one that warms up (the workers' engines, the allocators): their median.
+TIMED_PASSES = 9
 
 
 def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: int = WORKER_RESTARTS,
@@ -54,6 +58,27 @@ def gradient_worker(config: TrainConfig, actor=GradientWorkerActor, restarts: in
         planned_dataset=planned_dataset,
         precision=config.precision,
     )
+
+
+def made_up_step_seconds(workers: list, parameters: int, examples: int, clip_norm: float) -> float:
+    """Seconds a step's round trip takes on made-up examples: weights of `parameters` zeros put in the object
+    store, each worker's sum of `examples` made-up examples clipped to `clip_norm` (``made_up_clipped_sum``,
+    by the run's engine, physical batch and precision), the sums fetched and added, and a noise vector of their
+    size drawn; the median of TIMED_PASSES after one that warms up.
+
+    No row of the data is read and no trained weight is used, so the figure
+    is the same whatever the data holds: the charge clock's pace comes from
+    it (orchestrator/charge_clock.py).
+    """
+    weights, noise = np.zeros(parameters, dtype=np.float32), np.random.default_rng(0)
+    seconds = []
+    for _ in range(1 + TIMED_PASSES):
+        started = time.perf_counter()
+        reference = ray.put(weights)
+        sums = ray.get([worker.made_up_clipped_sum.remote(reference, examples, clip_norm) for worker in workers])
+        np.sum(sums, axis=0)[:parameters] + noise.standard_normal(parameters, dtype=np.float32)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[1:])
 
 
 class WorkerFleet:

@@ -9,9 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import math
-import statistics
 import sysconfig
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -411,10 +409,8 @@ def _shape_fix(entered: list[tuple[str, nn.Module, tuple[int, ...] | None]], dat
     return f"make the {which} {name!r} take {got} {unit} (nn.{type(layer).__name__}({got}, ...)){also}", why
 
 
-def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
-                physical_batch: int = DRY_RUN_EXAMPLES) -> None:
-    """One clipped sum of ``inputs`` by the engine the run's workers will use, at the run's precision, at most
-    ``physical_batch`` examples at a time.
+def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    """One clipped sum of ``inputs`` by the engine the run's workers will use, at the run's precision.
 
     That is the microbatch engine with microbatch_size, else the config's
     engine (fast or vmap), on the model behind any fixed feature map, as the
@@ -436,44 +432,8 @@ def engine_pass(config: TrainConfig, model: nn.Module, inputs: torch.Tensor, lab
             views = config.augmentations_per_example
             if views != 1:
                 inputs = inputs.unsqueeze(1).expand(-1, views, *inputs.shape[1:]).contiguous()
-            clipped_sum(config.engine, gradient_model, weights, inputs, labels, 1.0, physical_batch, loss_fn,
+            clipped_sum(config.engine, gradient_model, weights, inputs, labels, 1.0, DRY_RUN_EXAMPLES, loss_fn,
                         augmentations=views, precision=config.precision)
-
-
-# Passes made_up_step_seconds times after one that warms up (the engine's plan, the allocator): it takes their median.
-TIMED_PASSES = 3
-
-
-def made_up_step_seconds(config: TrainConfig, model: nn.Module, examples: int, device: torch.device) -> float | None:
-    """Seconds one gradient worker takes to clip and sum `examples` made-up examples of the data's schema, as the
-    dry run makes them: by the run's engine, physical batch (max_physical_batch), precision and torch threads
-    (cpus_per_worker), on `device`; the median of TIMED_PASSES after one to warm up.
-
-    No example of the data takes part, and the model is at its initial
-    weights, so the figure is the same whatever the data holds: the charge
-    clock's pace comes from it (orchestrator/charge_clock.py). None where the
-    schema is not known without the data's values (see training_schemas).
-    """
-    schemas = [schema for _, schema in training_schemas(config) if schema is not None]
-    if not schemas:
-        return None
-    data_schema = _example_schema(schemas[0])
-    trial = copy.deepcopy(model).to(device).train()
-    random_state, threads = torch.get_rng_state(), torch.get_num_threads()
-    try:
-        inputs, labels = synthetic_examples(trial, _model_schema(config, data_schema), examples)
-        torch.set_num_threads(config.cpus_per_worker)
-        seconds = []
-        for _ in range(1 + TIMED_PASSES):
-            started = time.perf_counter()
-            engine_pass(config, trial, inputs, labels, config.max_physical_batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(threads)
-        torch.set_rng_state(random_state)
-    return statistics.median(seconds[1:])
 
 
 def _difference(train: SplitSchema, test: SplitSchema) -> str:

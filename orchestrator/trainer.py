@@ -51,8 +51,8 @@ from orchestrator import release
 from orchestrator.adaptive_clipping import adapted_clip_norm
 from orchestrator.aggregation import Gathered, split_counts
 from orchestrator.binding import bound_config, run_binding
-from orchestrator.charge_clock import (ChargeClock, LedgerSession, block_at, blocks_covered, charge_offsets,
-                                      clock_pace, uncharged_blocks)
+from orchestrator.charge_clock import (PACE_MARGIN, ChargeClock, LedgerSession, block_at, blocks_covered,
+                                      charge_offsets, clock_pace, progress_refresh_steps, uncharged_blocks)
 from orchestrator.collective import CollectiveFleet, kept_on_driver_by_planned_batches, resolved_aggregation
 from orchestrator.checkpoint import (
     CHECKPOINT_VERSION,
@@ -63,12 +63,13 @@ from orchestrator.checkpoint import (
 )
 from orchestrator.config import TrainConfig, test_set_size
 from orchestrator.errors import LedgerTimeoutError, ShardTimeoutError, UsageError
-from orchestrator.fleet import WorkerFleet, engine_report, gradient_worker, merge_evaluation, start_evaluation
+from orchestrator.fleet import (WorkerFleet, engine_report, gradient_worker, made_up_step_seconds, merge_evaluation,
+                               start_evaluation)
 from orchestrator.noise import COUNT_NOISE, CentralNoise, GaussianNoise, TorchGaussianNoise
 from orchestrator.optimizers import build_lr_scheduler, build_optimizer
 from orchestrator.planning import RunPlan, plan_run
 from orchestrator.early_stopping import stops_early
-from orchestrator.preflight import CheckedModel, checked_model, lenient_drops, lenient_rows, made_up_step_seconds
+from orchestrator.preflight import CheckedModel, checked_model, lenient_drops, lenient_rows
 from orchestrator.report import RunReport
 from orchestrator.run_record import RunRecord
 from orchestrator.stopping import keep_stop_handlers
@@ -432,8 +433,6 @@ class Trainer:
         with the first step); all are stopped when it ends, as is a Ray it
         started.
         """
-        # Measured before anything of the run reads a row: its pace is fixed before the first step.
-        pace = None if self.ledger is None else self._charge_pace()
         self.report.start(self.step)
         started_ray = start_ray(self.config, self.say) or self.started_ray
         # The driver allocates and frees the same large buffers every step, as the workers do.
@@ -460,31 +459,63 @@ class Trainer:
                     lambda step: worker_shares(*self._draw_sample(step), self.config.workers)[0],
                     self.config.workers, self.plan.microbatches)
                 running.callback(self.planned_windows.close)
-                self.planned_windows.start()
             workers = self._start_workers(running)
             # Killed runs' windows on these nodes (sealed, but sampled rows) go as any run starts.
             remove_stale_window_folders_on(ray.get([worker.node_id.remote() for worker in workers]))
             self.charge_clock = None
             if self.ledger is not None:
+                # Timed before any window gathers sampled rows: nothing of the data's shares the machine with it.
                 charged = self.record.charged_blocks
                 self.charge_clock = ChargeClock(self.ledger, uncharged_blocks(self.plan, charged),
-                                                charge_offsets(self.plan.charge_ends, charged, self.step, pace))
+                                                charge_offsets(self.plan.charge_ends, charged, self.step,
+                                                               self._charge_pace(workers), self._pauses(workers)))
                 running.callback(self.charge_clock.stop)
+            if self.planned_windows is not None:
+                self.planned_windows.start()
             self._train(workers)
         return self._finish()
 
-    def _charge_pace(self) -> float:
-        """The charge clock's seconds per step (``clock_pace``): the config's commit_interval, else a worker's share
-        of an expected batch of made-up examples timed on the driver's device (``made_up_step_seconds``)."""
+    def _charge_pace(self, workers: list) -> float:
+        """The charge clock's seconds per step (``clock_pace``): the config's commit_interval, else the round trip
+        of a step of made-up examples through `workers`, each given its share of an expected batch
+        (``made_up_step_seconds``)."""
         config, plan = self.config, self.plan
         measured = None
         if config.commit_interval is None:
             # Under privacy_unit = "user" a sampled person gives up to max_examples_per_user rows (without it, one
             # stands for all of a person's rows, a count of the data's).
             rows = (config.max_examples_per_user or 1) if plan.privacy_unit == "user" else 1
-            examples = max(1, math.ceil(plan.expected_batch_size * rows / config.workers))
-            measured = made_up_step_seconds(config, self.model, examples, self.device)
+            actors = self._workers_now(workers)
+            examples = max(1, math.ceil(plan.expected_batch_size * rows / len(actors)))
+            measured = made_up_step_seconds(actors, self.flat_weights.numel(), examples, self.record.clip_norm)
         return clock_pace(config.commit_interval, plan.charge_ends[0], measured)
+
+    def _pauses(self, workers: list) -> dict[int, float]:
+        """The seconds the run spends outside its steps, by the step count they follow (``charge_offsets``): at
+        each evaluation, an evaluation and the accountant's ε; at each redraw of a shown progress line, the ε. Each
+        is PACE_MARGIN times its time here, before the first step: an evaluation (unreleased) at the current
+        weights after one that warms up, and the slowest of the ε of the plan's events at three step counts.
+        Neither reads a training row (but under non_private_train_loss, the same number as every evaluation
+        reads). None where the config sets commit_interval, which covers them.
+        """
+        if self.config.commit_interval is not None:
+            return {}
+        self._evaluate(workers)  # the workers' first evaluation reads and holds the test split: it is not timed
+        started = time.perf_counter()
+        self._evaluate(workers)
+        evaluation = time.perf_counter() - started
+        epsilon = max(map(self._epsilon_seconds, {self.step + 1, self.plan.steps // 2, self.plan.steps}))
+        refreshes = progress_refresh_steps(self.plan.epoch_ends, self.step) if self.report.show_progress else []
+        pauses = dict.fromkeys(refreshes, PACE_MARGIN * epsilon)
+        for step in self.plan.evaluation_steps:
+            pauses[step] = pauses.get(step, 0.0) + PACE_MARGIN * (evaluation + epsilon)
+        return pauses
+
+    def _epsilon_seconds(self, steps: int) -> float:
+        """Seconds the accountant takes for the ε of the plan's first `steps` steps (a function of the plan)."""
+        started = time.perf_counter()
+        self.report.epsilon(self.plan.events_between(0, max(1, steps)))
+        return time.perf_counter() - started
 
     def close(self) -> None:
         """Stop what constructing the trainer started (a silo's workers, which delete their windows first).
@@ -554,16 +585,15 @@ class Trainer:
         """Run the steps of epoch `epoch` (1-based) up to step `epoch_end`: its bar, rows within it, checkpoints."""
         plan, config = self.plan, self.config
         bar = self.report.progress_bar(epoch, epoch_end - self.step)
-        bar_steps = 0
-        refresh_every = max(1, (epoch_end - self.step) // 4)
+        # The ε on the bar costs an accountant's call: not made for a bar that is not shown.
+        refreshes = set(progress_refresh_steps((epoch_end,), self.step)) if self.report.show_progress else set()
         while self.step < epoch_end:
             self._charge_block_at(self.step)
             self._step(workers)
             if not self.engine_reported:
                 self._report_engine(workers)
             bar.update(1)
-            bar_steps += 1
-            if bar_steps % refresh_every == 0:
+            if self.step in refreshes:
                 bar.set_postfix_str(release.line("progress", epsilon=f"{self.epsilon():.3f}"))
             if self.step in plan.evaluation_steps and self.step < epoch_end:
                 self._record_epoch(self.step * config.batch_size / plan.dataset_size, workers)
@@ -823,25 +853,25 @@ class Trainer:
         return start_evaluation(self._workers_now(workers), self._weights(evaluated=True), split, size,
                                 self.config.metrics)
 
-    def _record_epoch(self, epoch: float, workers: list) -> None:
-        """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
-        self._collect_weights()
+    def _evaluate(self, workers: list, epsilon: Callable[[], float] | None = None) -> dict:
+        """The test metrics at the current weights ("test_" names), with ``non_private_train_loss`` the training
+        loss too, and with `epsilon` its figure, computed while the workers evaluate."""
         test = self._start_evaluation(workers, "test", test_set_size(self.config))
         if self.non_private_train_loss:
             # Under check_data = "lenient" the workers' training split is the rows kept, fewer than N.
             held = self.plan.dataset_size if self.kept_rows is None else len(self.kept_rows.kept)
             train = self._start_evaluation(workers, "train", min(_TRAIN_LOSS_EXAMPLES, held))
-        # The accountant runs while the workers evaluate.
-        epsilon = self.epsilon()
-        row = {
-            "epoch": epoch,
-            "step": self.step,
-            **{f"test_{name}": value for name, value in merge_evaluation(test).items()},
-            "epsilon": epsilon,
-        }
+        row = {} if epsilon is None else {"epsilon": epsilon()}
+        row = {**{f"test_{name}": value for name, value in merge_evaluation(test).items()}, **row}
         if self.non_private_train_loss:
             row["train_loss_non_private"] = merge_evaluation(train)["loss"]
-        self.report.add_row(self.record.metrics, row)
+        return row
+
+    def _record_epoch(self, epoch: float, workers: list) -> None:
+        """Evaluate and log one row of metrics; ``epoch`` is fractional for a row within an epoch."""
+        self._collect_weights()
+        self.report.add_row(self.record.metrics, {"epoch": epoch, "step": self.step,
+                                                  **self._evaluate(workers, self.epsilon)})
         config = self.config
         if config.early_stopping_patience is not None and self.step < self.plan.steps:
             self.stopped_early = stops_early(self.record.metrics, config.early_stopping_metric,

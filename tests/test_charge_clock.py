@@ -3,14 +3,15 @@
 import random
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accounting.events import SampledGaussian
 from accounting.ledger.store import open_embedded_ledger
-from orchestrator.charge_clock import (PACE_MARGIN, UNMEASURED_BLOCK_SECONDS, ChargeClock, block_at, charge_offsets,
-                                       clock_pace)
+from orchestrator.charge_clock import (PACE_MARGIN, ChargeClock, block_at, charge_offsets, clock_pace,
+                                       progress_refresh_steps)
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.planning import default_block_steps, plan_run
@@ -38,6 +39,18 @@ def test_each_block_is_charged_when_steps_at_the_pace_would_reach_it():
     # steps from there would reach it.
     assert charge_offsets((100, 200, 250), 1, 150, 0.01) == pytest.approx([0.0, 0.5])
     assert charge_offsets((100, 200, 250), 2, 200, 0.01) == [0.0]
+    # Pauses (an evaluation after 100 steps, the progress line's ε after 50 and 200) push back the blocks after
+    # them; those at or before where this start begins are behind it.
+    pauses = {50: 0.25, 100: 2.0, 200: 0.5}
+    assert charge_offsets((100, 200, 250), 0, 0, 0.01, pauses) == pytest.approx([0.0, 1.0 + 2.25, 2.0 + 2.75])
+    assert charge_offsets((100, 200, 250), 1, 100, 0.01, pauses) == pytest.approx([0.0, 1.0 + 0.5])
+
+
+def test_the_progress_line_is_redrawn_four_times_an_epoch_from_where_the_run_starts():
+    assert progress_refresh_steps((20, 40), 0) == [5, 10, 15, 20, 25, 30, 35, 40]
+    # Resumed at step 7: the rest of the first epoch split in four (3 steps each, the last part shorter).
+    assert progress_refresh_steps((20, 40), 7) == [10, 13, 16, 19, 25, 30, 35, 40]
+    assert progress_refresh_steps((3, 5), 0) == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="seconds_per_step must be > 0"):
         charge_offsets((100,), 0, 0, 0.0)
 
@@ -45,18 +58,21 @@ def test_each_block_is_charged_when_steps_at_the_pace_would_reach_it():
 def test_the_pace_is_the_configs_interval_else_the_measured_step_with_its_margin():
     assert clock_pace(2.0, 100, 0.5) == pytest.approx(0.02)
     assert clock_pace(None, 100, 0.02) == pytest.approx(PACE_MARGIN * 0.02)
-    assert clock_pace(None, 100, None) == pytest.approx(UNMEASURED_BLOCK_SECONDS / 100)
+    with pytest.raises(ValueError, match="a pace needs commit_interval or a measured step time"):
+        clock_pace(None, 100, None)
 
 
-def stopped_run(charge_ends, pace, start_up, step_seconds, stop_at):
+def stopped_run(charge_ends, pace, start_up, step_seconds, stop_at, pauses=None, paused=None):
     """(steps run, steps committed) of a run stopped `stop_at` seconds after it began, in simulated time.
 
     It spends `start_up` seconds before its first step, where the clock
     starts; step s then takes step_seconds[s] once its block is charged (the
-    trainer waits for the charge), and the clock charges on its schedule
-    whatever the steps do. A step under way at the stop did not run.
+    trainer waits for the charge), and after s + 1 steps it spends
+    paused[s + 1] seconds outside them (an evaluation), where the clock
+    allows pauses[s + 1]. The clock charges on its schedule whatever the
+    steps do. A step or pause under way at the stop did not run.
     """
-    offsets = charge_offsets(charge_ends, 0, 0, pace)
+    offsets = charge_offsets(charge_ends, 0, 0, pace, pauses)
     if stop_at < start_up:
         return 0, 0
     now, run = start_up, 0
@@ -65,6 +81,7 @@ def stopped_run(charge_ends, pace, start_up, step_seconds, stop_at):
         if now > stop_at:
             break
         run += 1
+        now += (paused or {}).get(run, 0.0)
     charged = sum(1 for offset in offsets if start_up + offset <= stop_at)
     return run, charge_ends[charged - 1] if charged else 0
 
@@ -78,15 +95,18 @@ def runs(draw, slowest):
     pace = draw(st.floats(1e-3, 1.0))
     step_seconds = draw(st.lists(st.floats(0.0, slowest * pace), min_size=steps, max_size=steps))
     start_up = draw(st.floats(0.0, 60.0))
-    stop_at = draw(st.floats(0.0, start_up + slowest * pace * steps + 1.0))
-    return charge_ends, block, pace, start_up, step_seconds, stop_at
+    # Evaluations after some step counts, each allowed up to 50 steps' time and taking up to `slowest` times that.
+    pauses = draw(st.dictionaries(st.integers(1, steps), st.floats(0.0, 50 * pace), max_size=10))
+    paused = {at: draw(st.floats(0.0, slowest * allowed)) for at, allowed in sorted(pauses.items())}
+    stop_at = draw(st.floats(0.0, start_up + slowest * (pace * steps + sum(pauses.values())) + 1.0))
+    return charge_ends, block, pace, start_up, step_seconds, stop_at, pauses, paused
 
 
 @settings(max_examples=200, deadline=None)
 @given(runs(slowest=1.0))
 def test_a_stop_costs_at_most_two_blocks_beyond_the_steps_that_ran_while_they_keep_the_pace(run):
-    charge_ends, block, pace, start_up, step_seconds, stop_at = run
-    ran, committed = stopped_run(charge_ends, pace, start_up, step_seconds, stop_at)
+    charge_ends, block, pace, start_up, step_seconds, stop_at, pauses, paused = run
+    ran, committed = stopped_run(charge_ends, pace, start_up, step_seconds, stop_at, pauses, paused)
     assert ran <= committed <= ran + 2 * block
     # Within a block and a step, in fact, and nothing before the first step.
     assert committed <= ran + block + 1
@@ -96,7 +116,7 @@ def test_a_stop_costs_at_most_two_blocks_beyond_the_steps_that_ran_while_they_ke
 @settings(max_examples=200, deadline=None)
 @given(runs(slowest=3.0))
 def test_steps_slower_than_the_pace_leave_the_clock_ahead_by_what_they_lag(run):
-    charge_ends, block, pace, start_up, step_seconds, stop_at = run
+    charge_ends, block, pace, start_up, step_seconds, stop_at, pauses, paused = run
     ran, committed = stopped_run(charge_ends, pace, start_up, step_seconds, stop_at)
     lag = max(0.0, (stop_at - start_up) / pace - ran)
     assert ran <= committed <= ran + block + lag + 1e-6 * (1 + lag)
@@ -131,19 +151,17 @@ def test_the_clock_charges_nothing_before_it_starts_and_then_keeps_its_offsets()
         ChargeClock(ledger, blocks, [0.0, 0.6, 0.3])
 
 
-# A step of 5 to 98 to stop after, drawn once (as a test's parameters are fixed), on a pace set to 60 ms a step.
-RANDOM_STOP = random.Random(51).randint(5, 98)
+# A step past two blocks to stop after, drawn once (as a test's parameters are fixed).
+RANDOM_STOP = random.Random(51).randint(201, 300)
 
 
-@pytest.mark.parametrize("stop_after, commit_interval", [(None, None), (5, None), (RANDOM_STOP, 6.0)])
+@pytest.mark.parametrize("stop_after", [None, 5, RANDOM_STOP])
 def test_a_2000_step_run_stopped_early_is_charged_at_most_two_blocks_beyond_its_steps(
-        local_ray, worker_pool, tmp_path, monkeypatch, stop_after, commit_interval):
-    # None: stopped during its start-up, at the evaluation before the first step. The measured pace (no
-    # commit_interval) can be faster than this small model's steps, whose round trips and evaluations outweigh its
-    # clipping (docs/ledger.md); 6 s a block of 100 steps is a pace they keep on a loaded 2-core machine.
+        local_ray, worker_pool, tmp_path, monkeypatch, stop_after):
+    # None: stopped during its start-up, at the evaluation before the first step. The pace and the pauses are
+    # measured as the run starts: a step's round trip on made-up examples, an evaluation and the accountant's ε.
     config = tmp_path / "job.toml"
-    config.write_text(TINY_JOB + f'steps = 2000\ndataset_budget_epsilon = 40\nrun_dir = "{tmp_path / "run"}"\n'
-                      + ("" if commit_interval is None else f"commit_interval = {commit_interval}\n"))
+    config.write_text(TINY_JOB + f'steps = 2000\ndataset_budget_epsilon = 40\nrun_dir = "{tmp_path / "run"}"\n')
     record, step = Trainer._record_epoch, Trainer._step
 
     def evaluate_then_stop(trainer, epoch, workers):
@@ -170,3 +188,20 @@ def test_a_2000_step_run_stopped_early_is_charged_at_most_two_blocks_beyond_its_
     # The ledger's ε is the accountant's for the committed steps: between that of the steps that ran and 2 blocks more.
     assert spent == pytest.approx(tiny_job_epsilon(job.committed_steps) if job.committed_steps else 0.0, rel=1e-6)
     assert (tiny_job_epsilon(ran) if ran else 0.0) - 1e-9 <= spent <= tiny_job_epsilon(ran + 200) + 1e-9
+
+
+def test_the_made_up_step_the_pace_is_timed_on_reads_no_row_and_is_the_same_whatever_the_data_holds(monkeypatch):
+    # Whoever operates the ledger sees the commit times, which follow the pace: a pace timed on rows could carry
+    # what they hold. Two workers on different data of one schema give the same made-up sum, and read no row.
+    from workers.actor import GradientWorker
+
+    workers = [GradientWorker("gdp_cnn", dataset, 64, 16) for dataset in ("mnist", "fashion-mnist")]
+    weights = np.zeros(workers[0].parameter_count(), dtype=np.float32)
+    for worker in workers:
+        read = worker.source.read
+        monkeypatch.setattr(worker.source, "read", lambda indices, read=read: (
+            read(indices) if len(indices) == 0 else pytest.fail("the made-up step read a row of the data")))
+    first, second = (worker.made_up_clipped_sum(weights, 12, 1.0) for worker in workers)
+    assert first.shape == (weights.size + 1,) and first[-1] == 0  # the sum, then the count of zeroed examples
+    np.testing.assert_array_equal(first, second)
+    assert 0 < np.linalg.norm(first[:-1]) <= 12 * 1.0 * (1 + 1e-6)

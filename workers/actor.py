@@ -23,7 +23,8 @@ import torch
 from torch.func import functional_call
 
 from workers.clipping import check_precision, functional_parameters
-from workers.engines import ExampleSchema, check_engine, clipped_sum, engine_plan, prepare_engine
+from workers.engines import (ExampleSchema, check_engine, clipped_sum, engine_plan, prepare_engine,
+                             synthetic_examples)
 from workers.features import FeatureCache, compute_features, feature_map
 from workers.losses import per_example_losses
 from workers.vmap_engine import microbatch_clipped_sum
@@ -157,6 +158,7 @@ class GradientWorker:
         self.feature_cache = (FeatureCache(self.source, self.feature_map, self.device)
                               if self.feature_map is not None and self.transform is None else None)
         self.users = users
+        self.made_up_examples: tuple[torch.Tensor, torch.Tensor] | None = None
         self.planned_reader = None if planned_dataset is None else PlannedBatchReader(planned_dataset)
         self.user_index = None if users is None else user_index(users, dataset, self.train_size)
         if self.augmentations == 1:
@@ -228,10 +230,26 @@ class GradientWorker:
         (``workers.planned_batches``), and ``next_planned`` is read ahead.
         """
         indices = self._checked_indices(indices)
-        flat_weights = _as_tensor(weights)
-        wants_norms = count_unclipped or count_zeroed
         inputs, labels = self._step_examples(indices, next_indices, planned, next_planned)
         inputs, labels = self._model_inputs(inputs.to(self.device)), labels.to(self.device)
+        return self._clipped_sum_of(inputs, labels, _as_tensor(weights), clip_norm, group_ids, count_unclipped,
+                                    count_zeroed)
+
+    def made_up_clipped_sum(self, weights: np.ndarray, count: int, clip_norm: float) -> np.ndarray:
+        """What ``clipped_grad_sum`` returns (with the count of zeroed examples) for ``count`` made-up examples of
+        the model's input schema (``synthetic_examples``) in place of rows of the data: a step's work on as many
+        examples, with no row read. The charge clock's pace is timed on it
+        (``orchestrator.fleet.made_up_step_seconds``).
+        """
+        if self.made_up_examples is None or len(self.made_up_examples[1]) != count:
+            self.made_up_examples = synthetic_examples(self.gradient_model, self._example_schema(), count)
+        return self._clipped_sum_of(*self.made_up_examples, _as_tensor(weights), clip_norm, count_zeroed=True)
+
+    def _clipped_sum_of(self, inputs: torch.Tensor, labels: torch.Tensor, flat_weights: torch.Tensor,
+                        clip_norm: float, group_ids: np.ndarray | None = None, count_unclipped: bool = False,
+                        count_zeroed: bool = False) -> np.ndarray:
+        """``clipped_grad_sum``'s answer for the examples (``inputs``, ``labels``) as the gradient model takes them."""
+        wants_norms = count_unclipped or count_zeroed
         if group_ids is not None:
             if self.augmentations != 1:
                 raise ValueError("microbatches clip each microbatch's mean gradient; they cannot be combined with "
@@ -253,7 +271,7 @@ class GradientWorker:
                 summed, norms_by_parameter = result
                 # Each example's total norm from its per-parameter norms; not finite for an example left out.
                 norms = (torch.stack(list(norms_by_parameter.values())).pow(2).sum(0).sqrt() if norms_by_parameter
-                         else summed.new_zeros(len(indices)))
+                         else summed.new_zeros(len(labels)))
                 zeroed = int((~norms.isfinite()).sum())
         if not wants_norms:
             # On the CPU this is a view of the sum itself; Ray then ships that one buffer.
