@@ -446,3 +446,14 @@ def test_generate_samples_from_the_released_model_as_transformers_does(setting, 
     assert "dpfleet predict classifies with it" in capsys.readouterr().err
     assert main(["generate", str(merged), "--prompt", "w1", "--temperature", "-1"]) == 2
     assert "--temperature must be >= 0" in capsys.readouterr().err
+    # Top-k 1 is the likeliest token each time; top-k and top-p reach transformers' sampling as given.
+    assert generated_text(merged, "w1 w2", 6, temperature=1.0, top_k=1) == greedy
+    assert main(["generate", str(merged), "--prompt", "w1 w2", "--max-new-tokens", "6", "--seed", "3", "--top-k",
+                 "3", "--top-p", "0.9"]) == 0
+    assert capsys.readouterr().out.strip() == plain_generation(merged, "w1 w2", 3, max_new_tokens=6, do_sample=True,
+                                                               temperature=1.0, top_k=3, top_p=0.9)
+    for flags, message in ((["--top-k", "0"], "--top-k must be >= 1"),
+                           (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+                           (["--temperature", "0", "--top-p", "0.5"], "--top-p would change nothing")):
+        assert main(["generate", str(merged), "--prompt", "w1", *flags]) == 2
+        assert message in capsys.readouterr().err

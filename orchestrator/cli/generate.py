@@ -16,7 +16,7 @@ def add_generate_arguments(generate: argparse.ArgumentParser) -> None:
         "decodes them."
     )
     generate.epilog = (
-        "Sampling takes the model folder's generation_config.json for the rest (top-k, top-p). Generation reads "
+        "Sampling takes the model folder's generation_config.json for what is not given here. Generation reads "
         "only the released model, its tokenizer and PROMPT."
     )
     generate.add_argument("model", metavar="RUN_OR_EXPORT",
@@ -26,6 +26,11 @@ def add_generate_arguments(generate: argparse.ArgumentParser) -> None:
                           help="the most tokens to add (default: 20)")
     generate.add_argument("--temperature", type=float, default=1.0, metavar="T",
                           help="the sampling temperature; 0 takes the likeliest token each time (default: 1.0)")
+    generate.add_argument("--top-k", type=int, default=None, metavar="K",
+                          help="sample only from the K likeliest tokens (default: the model folder's setting)")
+    generate.add_argument("--top-p", type=float, default=None, metavar="P",
+                          help="sample only from the fewest likeliest tokens whose probabilities reach P (nucleus "
+                               "sampling; default: the model folder's setting)")
     generate.add_argument("--seed", type=int, default=None, metavar="N",
                           help="makes the sampling reproducible (default: fresh randomness each time)")
     generate.set_defaults(handler=f"{__name__}:run_generate_command")
@@ -33,5 +38,6 @@ def add_generate_arguments(generate: argparse.ArgumentParser) -> None:
 
 def run_generate_command(args: argparse.Namespace) -> int:
     """Print the prompt and the text the model continued it with."""
-    print(generated_text(args.model, args.prompt, args.max_new_tokens, args.temperature, args.seed))
+    print(generated_text(args.model, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.top_k,
+                         args.top_p))
     return 0
