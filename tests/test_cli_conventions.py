@@ -163,3 +163,28 @@ def test_a_piped_training_prints_one_line_per_epoch_and_no_carriage_returns(tmp_
     assert [line.split(":")[0] for line in lines if line.startswith("epoch ")] == ["epoch 1", "epoch 2", "epoch 3"]
     summary = lines.index(next(line for line in lines if line.startswith("summary ")))
     assert summary <= 20, "\n".join(lines[:summary])
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly_as_sigpipe_would(tmp_path):
+    # `dpfleet ... | head -c 0`: the reader is gone before the first line; no error paragraph, status 141.
+    command = [sys.executable, "-m", "orchestrator.cli", "eps", "--noise-multiplier", "1.0", "--dataset-size",
+               "60000", "--batch-size", "256", "--steps", "100", "--delta", "1e-5", "--accountant", "rdp"]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "DPFLEET_HOME": str(tmp_path / "home")}
+    reader, writer = os.pipe()
+    os.close(reader)
+    with subprocess.Popen(command, cwd=tmp_path, env=environ, stdout=writer, stderr=subprocess.PIPE,
+                          text=True) as started:
+        os.close(writer)
+        _, err = started.communicate(timeout=120)
+    assert started.returncode == 141 and err == "", err
+
+
+def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch, capsys):
+    # A closed socket (a ledger, a worker) is not a reader that left: it is reported.
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("orchestrator.cli.privacy.run_eps", broken)
+    assert main(["eps", "--noise-multiplier", "1", "--dataset-size", "10", "--batch-size", "2", "--steps", "1",
+                 "--delta", "1e-5"]) == 1
+    assert "error: BrokenPipeError: [Errno 32] Broken pipe" in capsys.readouterr().err

@@ -15,9 +15,10 @@ import argparse
 import importlib
 import os
 import re
+import select
 import sys
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Sequence, TextIO
 
 from accounting.lazy import public_face
 from orchestrator import __version__
@@ -107,6 +108,8 @@ def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.Argume
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 # The last line of a traceback: the exception's class and its message.
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b")
+# What a shell reports for a command that SIGPIPE ended: 128 + the signal's number.
+SIGPIPE_EXIT_STATUS = 141
 DEBUG_HELP = "on an unexpected error, show the whole traceback instead of one paragraph"
 VERBOSE_HELP = "also show Ray's own lines as it starts (a local instance started, token authentication)"
 
@@ -140,10 +143,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpfleet {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - one paragraph, not a traceback, unless --debug asks for it
+        if isinstance(error, BrokenPipeError) and reader_left(sys.stdout):
+            # Whoever read the output stopped (`| head`): nothing more goes there, and the command ends as a Unix
+            # tool that SIGPIPE stops does.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return SIGPIPE_EXIT_STATUS
         if args.debug:
             raise
         print(f"dpfleet {args.command}: error: {one_paragraph(error)}", file=sys.stderr)
         return 1
+
+
+def reader_left(stream: TextIO) -> bool:
+    """Whether `stream` is a pipe whose reader has closed its end (poll reports an error on the write end)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor, or no poll on this platform
+        return False
 
 
 def one_paragraph(error: BaseException) -> str:
