@@ -135,7 +135,8 @@ def max_positions(model: torch.nn.Module) -> int | None:
 
 def token_inputs(released: ReleasedModel, data_file: str | Path, text_column: str) -> tuple[torch.Tensor, list | None]:
     """A pretrained sequence classifier's inputs from ``data_file``: token ids padded with PAD_INPUT, read from a
-    Parquet list column or made from text by the model folder's tokenizer; and the rows' ids where given."""
+    Parquet list column (lists of any length, cut and padded to the length the run trained on) or made from text
+    by the model folder's tokenizer; and the rows' ids where given."""
     task = released.description["spec"]["task"]
     if task != "sequence-classification":
         fix = "dpfleet generate samples text from it" if task == "causal-lm" else "load it with dpfleet.load"
@@ -146,7 +147,10 @@ def token_inputs(released: ReleasedModel, data_file: str | Path, text_column: st
                          f"ids in a Parquet list column, or text (got {str(data_file)!r})")
     if file_format == "parquet":
         columns = released.description.get("input_columns") or [TOKEN_COLUMN]
-        spec = {"format": "parquet", "features": columns}
+        # Lists of any length are cut and padded to the length the run trained on, as its dataset's max_length did.
+        trained_shape = released.description.get("input_shape") or []
+        spec = {"format": "parquet", "features": columns,
+                **({"max_length": trained_shape[0]} if len(trained_shape) == 1 else {})}
         try:
             inputs, ids = read_features(spec, str(data_file)), read_ids(spec, str(data_file), ID_COLUMN)
         except DataError as error:

@@ -398,6 +398,11 @@ def test_predict_classifies_token_ids_and_text_from_a_run_and_its_exports(settin
         header, outputs, _ = predicted(source, tmp_path / "new.txt", tmp_path / "p.csv")
         assert header == ["prediction", "output_0", "output_1"]
         torch.testing.assert_close(outputs, expected_text, rtol=1e-4, atol=1e-5)
+    # The same token ids unpadded, as lists of their own lengths: cut and padded to the length the run trained on.
+    unpadded = pa.table({"input_ids": [[token for token in row if token != PAD_INPUT] for row in ids.tolist()]})
+    pq.write_table(unpadded, tmp_path / "unpadded.parquet")
+    _, outputs, _ = predicted(run_dir, tmp_path / "unpadded.parquet", tmp_path / "p.csv")
+    torch.testing.assert_close(outputs, expected_ids, rtol=1e-4, atol=1e-5)
     assert main(["predict", str(run_dir), "--data", str(tmp_path / "new.jsonl"), "--out", str(tmp_path / "p.csv"),
                  "--text-column", "body"]) == 0
     assert [line.split(",")[0] for line in (tmp_path / "p.csv").read_text().splitlines()] == ["id", "0", "10", "20"]
