@@ -27,7 +27,8 @@ from accounting.ledger.verification import burn_down
 from orchestrator.cli import main
 from orchestrator.config import build_config
 from orchestrator.errors import UsageError
-from orchestrator.ledger_session import ensure_embedded_dataset, ledger_dataset_name, name_origin, with_identity
+from orchestrator.ledger_session import (ensure_embedded_dataset, job_fits_now, ledger_dataset_name, name_origin,
+                                         with_identity)
 from workers.sources import (
     DataError,
     canonical_user_id,
@@ -746,6 +747,11 @@ def test_the_same_rows_moved_or_renamed_get_no_second_budget_on_first_use(tmp_pa
         with pytest.raises(UsageError, match="already registered as dataset local/day1"):
             ensure_embedded_dataset(ledger, "both", 10.0, DELTA, "example", said.append,
                                     spec={"format": "parquet", "train": [locations["day2"], str(moved)]})
+        # `dpfleet ledger fits` before the first use answers as the first use would, and registers nothing.
+        moved_job = build_config({"steps": 1, "noise_multiplier": 1.0, "batch_size": 4,
+                                  "dataset": {"format": "parquet", "train": str(moved), "test": str(moved)}})
+        with pytest.raises(UsageError, match="already registered as dataset local/day1 .*--dataset-name day1"):
+            job_fits_now(ledger, "moved", moved_job)
         ensure_embedded_dataset(ledger, "day2", 10.0, DELTA, "example", said.append,
                                 spec={"format": "parquet", "train": locations["day2"]})
         assert [status.name for status in ledger.list_datasets()] == ["day1", "day2"]

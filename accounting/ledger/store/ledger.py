@@ -386,17 +386,7 @@ class Ledger:
                 raise NotFound(
                     f"tenant {reference.tenant!r} does not exist; create it with dpfleet ledger tenant create"
                 )
-            holder = self._tables.datasets.holding_content(connection, content) if content is not None else None
-            registered = None if holder is None else self._tables.datasets.by_id(connection, holder[0])
-            if registered is not None and (registered.tenant, registered.name) == (reference.tenant, reference.name):
-                holder = None  # the dataset itself: the insert below says it exists
-            if holder is not None:
-                raise FailedPrecondition(
-                    f"the data of dataset {dataset!r} is already registered as dataset "
-                    f"{registered.tenant}/{registered.name} (a file of SHA-256 {holder[1][:16]}… is in both): rows "
-                    f"get one budget, whatever their dataset is called and wherever their files are; train under "
-                    f"that name (--dataset-name {registered.name})"
-                )
+            self._refuse_content_held_elsewhere(connection, reference, dataset, content)
             dataset_id = self._tables.datasets.insert_dataset(
                 connection, reference.tenant, reference.name, epsilon, delta, rule, privacy_unit, scheduling
             )
@@ -415,6 +405,28 @@ class Ledger:
                 self._tables, connection, caller, visible_dataset(self._tables, connection, caller, dataset)
             )
         return self._status(caller, rows)
+
+    def check_registrable(self, dataset: str, content: list[str], *, caller: Caller | None = None) -> None:
+        """Refuse (FailedPrecondition), as `register_dataset` would, `content` (training files' SHA-256s) of which
+        another dataset already registered a file; reads only (`dpfleet ledger fits` before a first use)."""
+        caller = self._caller(caller)
+        content = check_dataset_content(content)
+        reference = resolve_dataset(caller, dataset)
+        with self._transactions.read() as connection:
+            self._refuse_content_held_elsewhere(connection, reference, dataset, content)
+
+    def _refuse_content_held_elsewhere(self, connection, reference, dataset: str, content: list[str] | None) -> None:
+        """FailedPrecondition when a dataset other than `reference` registered a file of `content`, naming it."""
+        holder = self._tables.datasets.holding_content(connection, content) if content is not None else None
+        registered = None if holder is None else self._tables.datasets.by_id(connection, holder[0])
+        if registered is None or (registered.tenant, registered.name) == (reference.tenant, reference.name):
+            return  # nothing held, or by the dataset itself (registering it again says it exists)
+        raise FailedPrecondition(
+            f"the data of dataset {dataset!r} is already registered as dataset "
+            f"{registered.tenant}/{registered.name} (a file of SHA-256 {holder[1][:16]}… is in both): rows "
+            f"get one budget, whatever their dataset is called and wherever their files are; train under "
+            f"that name (--dataset-name {registered.name})"
+        )
 
     def raise_budget(self, dataset: str, epsilon: float, *, caller: Caller | None = None) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only); refused below what is committed and reserved."""
