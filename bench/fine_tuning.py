@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from bench.throughput import CLIP_NORM, LEARNING_RATE, NOISE_MULTIPLIER, DriverUpdate, memory_of_steps
+from bench.throughput import (CLIP_NORM, LEARNING_RATE, NOISE_MULTIPLIER, DriverUpdate, autograd_step,
+                              memory_of_steps)
 from workers.actor import retain_freed_memory
 from workers.engines import clipped_sum
 from workers.models import build_model
@@ -91,13 +92,7 @@ def non_private(lora: bool) -> Callable[[Setting], Callable[[], None]]:
     def make(setting: Setting) -> Callable[[], None]:
         model = setting.model(lora)
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            TOKEN_LOSS(model(setting.ids), setting.labels).backward()
-            optimizer.step()
-
-        return step
+        return autograd_step(optimizer, lambda: TOKEN_LOSS(model(setting.ids), setting.labels))
 
     return make
 
@@ -133,13 +128,11 @@ def opacus_ghost(lora: bool) -> Callable[[Setting], Callable[[], None]]:
             noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP_NORM, poisson_sampling=False,
             grad_sample_mode="ghost")
 
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
+        def loss() -> torch.Tensor:
             logits = model(setting.ids)
-            criterion(logits.flatten(0, 1), setting.labels.flatten(), shape=logits.shape).backward()
-            optimizer.step()
+            return criterion(logits.flatten(0, 1), setting.labels.flatten(), shape=logits.shape)
 
-        return step
+        return autograd_step(optimizer, loss)
 
     return make
 

@@ -216,17 +216,22 @@ class Setting:
         return copy.deepcopy(self.initial).to(device or self.device).train()
 
 
-def non_private(setting: Setting) -> Callable[[], None]:
-    """One SGD step on the mean loss."""
-    model = setting.model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+def autograd_step(optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """A training step by plain autograd: clear the gradients, backpropagate ``loss()``, let ``optimizer`` step."""
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(setting.batch_inputs), setting.batch_labels).backward()
+        loss().backward()
         optimizer.step()
 
     return step
+
+
+def non_private(setting: Setting) -> Callable[[], None]:
+    """One SGD step on the mean loss."""
+    model = setting.model()
+    return autograd_step(torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
+                         lambda: F.cross_entropy(model(setting.batch_inputs), setting.batch_labels))
 
 
 def opacus_variant(mode: str) -> Callable[[Setting], Callable[[], None]]:
@@ -255,13 +260,7 @@ def opacus_variant(mode: str) -> Callable[[Setting], Callable[[], None]]:
         )
         model, optimizer = private[0], private[1]
         criterion = private[2] if mode == "ghost" else nn.CrossEntropyLoss()
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            criterion(model(setting.batch_inputs), setting.batch_labels).backward()
-            optimizer.step()
-
-        return step
+        return autograd_step(optimizer, lambda: criterion(model(setting.batch_inputs), setting.batch_labels))
 
     return make
 

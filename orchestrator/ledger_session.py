@@ -460,11 +460,12 @@ def job_fits_now(ledger, dataset: str, config) -> tuple:
             raise
         status, registered = first_use_status(dataset, config), False
         content = file_digests(config.dataset)
-        try:  # as the first use would refuse it: rows another dataset registered get no second budget
-            if content is not None:
+        # As the first use would refuse it: rows that another dataset registered get no second budget.
+        if content is not None:
+            try:
                 ledger.check_registrable(dataset, content)
-        except FailedPrecondition as error:
-            raise UsageError(str(error)) from None
+            except FailedPrecondition as error:
+                raise UsageError(str(error)) from None
     check_declared_blocks(status, config.blocks, block_declarations(config), config.user_id)
     plan = plan_run(config, charge_epsilon=status_basis(status, config.blocks)
                     if config.target_epsilon_basis == "filter" else None)
