@@ -16,8 +16,6 @@ import threading
 import time
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import ray
 from hypothesis import given
@@ -301,30 +299,18 @@ FINE_TUNING_RANKS = 3
 TOKENS = 10
 
 
-def token_table(path, rows: int, seed: int) -> str:
-    """Token ids [rows, TOKENS] of varying lengths padded with -1, labelled by their first token's parity."""
-    from workers.pretrained_spec import PAD_INPUT
-
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(5, 64, (rows, TOKENS))
-    ids[np.arange(TOKENS)[None, :] >= rng.integers(3, TOKENS + 1, rows)[:, None]] = PAD_INPUT
-    column = pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), TOKENS)
-    pq.write_table(pa.table({"input_ids": column, "label": ids[:, 0] % 2}), path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def fine_tuning(cluster, tmp_path_factory):
     """A third node of one CPU, a tiny Llama's folder and its token data: what a fine-tuning config is made of."""
     pytest.importorskip("peft")
-    from test_pretrained import save_tiny_models
+    from test_pretrained import save_tiny_models, token_table
 
     add_loopback_node(cluster, num_cpus=1)  # the module's two nodes, or the resumption test's survivor and its own
     wait_for_free_cpus(FINE_TUNING_RANKS)
     folder = tmp_path_factory.mktemp("fine-tuning")
     return folder, save_tiny_models(str(folder / "models"))["llama"], {
-        "format": "parquet", "train": token_table(folder / "train.parquet", 120, 1),
-        "test": token_table(folder / "test.parquet", 30, 2)}
+        "format": "parquet", "train": token_table(folder / "train.parquet", 120, TOKENS, 1),
+        "test": token_table(folder / "test.parquet", 30, TOKENS, 2)}
 
 
 def wait_for_free_cpus(count: int, seconds: float = 60.0) -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,6 +57,19 @@ def save_tiny_models(root: str) -> dict[str, str]:
         model.save_pretrained(folders[name])
         fast.save_pretrained(folders[name])
     return folders
+
+
+def token_table(path, rows: int, length: int, seed: int, with_ids: bool = False) -> str:
+    """A Parquet file of token ids [rows, length] from VOCABULARY's words, of lengths 3 to `length` padded with -1,
+    labelled by their first token's parity; with `with_ids`, an `id` column first (row-0, row-1, ...)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(5, len(VOCABULARY), (rows, length))
+    ids[np.arange(length)[None, :] >= rng.integers(3, length + 1, rows)[:, None]] = PAD_INPUT
+    columns = {"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), length), "label": ids[:, 0] % 2}
+    if with_ids:
+        columns = {"id": [f"row-{index}" for index in range(rows)], **columns}
+    pq.write_table(pa.table(columns), path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")

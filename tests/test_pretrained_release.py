@@ -14,7 +14,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -25,7 +24,7 @@ peft = pytest.importorskip("peft")
 
 from safetensors.torch import load_file  # noqa: E402
 from test_api import import_dpfleet  # noqa: E402
-from test_pretrained import LORA_TARGETS, VOCABULARY, save_tiny_models  # noqa: E402
+from test_pretrained import LORA_TARGETS, VOCABULARY, save_tiny_models, token_table  # noqa: E402
 
 from accounting.accountants import get_accountant  # noqa: E402
 from accounting.events import SampledGaussian  # noqa: E402
@@ -47,24 +46,12 @@ AUTO_CLASSES = {"causal-lm": transformers.AutoModelForCausalLM,
                 "sequence-classification": transformers.AutoModelForSequenceClassification}
 
 
-def token_table(path, seed: int, with_ids: bool = False) -> str:
-    """Token ids [ROWS, LENGTH] of lengths 3 to LENGTH, padded with -1, labelled by their first token's parity."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(5, len(VOCABULARY), (ROWS, LENGTH))
-    ids[np.arange(LENGTH)[None, :] >= rng.integers(3, LENGTH + 1, ROWS)[:, None]] = PAD_INPUT
-    columns = {"input_ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.ravel()), LENGTH), "label": ids[:, 0] % 2}
-    if with_ids:
-        columns = {"id": [f"row-{index}" for index in range(ROWS)], **columns}
-    pq.write_table(pa.table(columns), path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def setting(tmp_path_factory):
     """The tiny pretrained models' folders and a token-id dataset."""
     root = tmp_path_factory.mktemp("pretrained-release")
-    dataset = {"format": "parquet", "train": token_table(root / "train.parquet", 1),
-               "test": token_table(root / "test.parquet", 2), "num_classes": 2}
+    dataset = {"format": "parquet", "train": token_table(root / "train.parquet", ROWS, LENGTH, 1),
+               "test": token_table(root / "test.parquet", ROWS, LENGTH, 2), "num_classes": 2}
     return root, save_tiny_models(str(root / "models")), dataset
 
 
@@ -380,7 +367,7 @@ def test_predict_classifies_token_ids_and_text_from_a_run_and_its_exports(settin
     run_dir = runs["gpt2", "sequence-classification", True]
     export_run(run_dir, tmp_path / "adapter")
     export_run(run_dir, tmp_path / "merged", merged=True)
-    table = token_table(tmp_path / "new.parquet", 7, with_ids=True)
+    table = token_table(tmp_path / "new.parquet", ROWS, LENGTH, 7, with_ids=True)
     ids = torch.tensor(pq.read_table(table).column("input_ids").to_pylist())
     expected_ids = released_logits(run_dir, ids)
     texts = ["w1 w2 w3", "w7 w9 w11 w13 w4", "w40"]
