@@ -163,5 +163,9 @@ class ChargeClock:
                 self._changed.wait(0.5)
 
     def stop(self) -> None:
-        """Charge no more blocks; a charge under way (retrying through an outage, perhaps) may still finish."""
+        """Charge no more blocks, and return once the clock's thread has ended: a charge under way (retrying
+        through an outage, perhaps) finishes first. The process may end next, and a thread still inside the
+        ledger's arithmetic as Python shuts down can abort it."""
         self._stopping.set()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join()

@@ -212,6 +212,11 @@ class JobLedger:
             )
         return found[0]
 
+    def close(self) -> None:
+        """Close the ledger it charges; an embedded one first ends the composition it runs in the background
+        after commits, so that no thread of it is still computing as the process ends."""
+        self.ledger.close()
+
     def charge(self, sequence: int, events: Composition) -> None:
         """Commit block `sequence` before it runs; a repeat of the same block charges nothing more."""
         release.sent("ledger", "commit")

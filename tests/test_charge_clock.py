@@ -151,6 +151,32 @@ def test_the_clock_charges_nothing_before_it_starts_and_then_keeps_its_offsets()
         ChargeClock(ledger, blocks, [0.0, 0.6, 0.3])
 
 
+class SlowCharges(Charges):
+    """A ledger session whose charges take `seconds` each (a commit through a slow ledger)."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def charge(self, sequence, events):
+        time.sleep(self.seconds)
+        super().charge(sequence, events)
+
+
+def test_a_stopped_clock_returns_once_its_charge_under_way_has_ended_and_charges_no_more():
+    """The process may end right after a stop: no thread of the clock is left inside the ledger's arithmetic."""
+    ledger = SlowCharges(0.5)
+    clock = ChargeClock(ledger, [(sequence, SampledGaussian(0.05, 1.0, 5)) for sequence in range(3)], [0.0] * 3)
+    clock.start()
+    time.sleep(0.1)  # block 0's charge is under way
+    clock.stop()
+    assert not clock._thread.is_alive()
+    assert [sequence for sequence, _ in ledger.charges] == [0]
+    with pytest.raises(RuntimeError, match="stopped before block 1 was charged"):
+        clock.wait_for(1)
+    ChargeClock(ledger, [], []).stop()  # a clock never started stops at once
+
+
 # A step past two blocks to stop after, drawn once (as a test's parameters are fixed).
 RANDOM_STOP = random.Random(51).randint(201, 300)
 

@@ -121,6 +121,16 @@ def marked_arrow_rows(data: bytes) -> int:
     return 0
 
 
+# Lines that say why a process ended otherwise than it should: an abort's cause, a fatal error, a traceback's end.
+WHY_LINES = re.compile(r"Check failed|terminate called|Fatal|FATAL|received at time|Aborted|Error:|Traceback")
+
+
+def why_it_ended(output: str) -> str:
+    """The first lines of `output` that say why its process ended (an abort's cause comes before its long stack)."""
+    lines = [line[:300] for line in output.splitlines() if WHY_LINES.search(line)][:8]
+    return "\n".join(lines) + "\n...\n" if lines else ""
+
+
 def attack(roots: list[Path], window_parents: list[Path], since: float) -> list[str]:
     """What an attacker finds in `roots` and in the window folders of `window_parents`: rows, samples, sizes.
 
@@ -202,7 +212,8 @@ def test_runs_stopped_at_a_random_step_leave_no_row_sample_or_step_size(ray_in_a
     for mode, job in jobs.items():
         status = job.wait(timeout=120)
         output = (tmp_path / mode / "train.log").read_text()
-        context[mode] = f"{mode}, {stop.name} {waits[mode]:.2f} s into training (seed {seed}): {output[-2000:]}"
+        context[mode] = (f"{mode}, {stop.name} {waits[mode]:.2f} s into training (seed {seed}): "
+                         f"{why_it_ended(output)}{output[-1500:]}")
         assert status == (-signal.SIGKILL if stop == signal.SIGKILL else 130), context[mode]
         if stop == signal.SIGTERM:
             # Ctrl-C's path: the windows were closed and the steps not run released.

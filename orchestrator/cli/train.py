@@ -238,8 +238,11 @@ def reserve_and_run(args: argparse.Namespace, trainer: Trainer) -> tuple[Trainer
         trainer.ledger = job_ledger(args, trainer)
     except BudgetRefusedError as refused:
         raise BudgetRefusedError(f"{refused}{privacy_unit_note(args, config)}") from None
-    summary = run_reserved(trainer)
-    budget = trainer.ledger.status()
+    try:
+        summary = run_reserved(trainer)
+        budget = trainer.ledger.status()
+    finally:
+        trainer.ledger.close()
     if args.non_private_mia:
         summary["membership_inference_non_private"] = _membership_inference(trainer)
     return trainer, summary, budget

@@ -53,8 +53,11 @@ def run_tune(args: argparse.Namespace) -> int:
         print(f"tune: trial {index + 1} of {len(trials)}: {json.dumps(overrides, sort_keys=True)}", flush=True)
         trainer = Trainer(config, show_progress=show_progress(args.no_progress, sys.stderr))
         trainer.ledger = job_ledger(args, trainer)
-        summary = trainer.run()
-        trainer.ledger.release()
+        try:
+            summary = trainer.run()
+            trainer.ledger.release()
+        finally:
+            trainer.ledger.close()
         trial_events.append(Composition.from_dict(summary["events"]))
         results.append({"trial": index, "overrides": overrides, "run_dir": config.run_dir,
                         **{key: summary[key] for key in summary if key.startswith("test_")},
