@@ -22,7 +22,7 @@ from orchestrator.config import TrainConfig
 UNBOUND_KEYS = frozenset({
     "workers", "cpus_per_worker", "gpus_per_worker", "max_physical_batch", "engine",
     "run_dir", "checkpoint_every", "data_root", "check_data",
-    "ledger", "ledger_timeout", "ledger_lease", "dataset_budget_epsilon",
+    "ledger", "ledger_timeout", "ledger_lease", "dataset_budget_epsilon", "dataset_plan_share",
     "on_shard_loss", "shard_timeout",
     "early_stopping_patience", "early_stopping_metric", "early_stopping_min_delta",
 })

@@ -16,13 +16,13 @@ from typing import Callable, Mapping
 
 from accounting.events import Composition
 from accounting.ledger.admission import (
-    AdmissionRule,
     FitReport,
     RdpTally,
     assess_admission,
     charged_plan,
     check_block_data,
 )
+from accounting.ledger.admission.pools import rule_with_pool, split_budget
 from accounting.ledger.callers import LOCAL_TENANT
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import (
@@ -117,36 +117,40 @@ def with_retries(call: Callable, timeout_seconds: float, say: Callable[[str], No
 class JobLedger:
     """One job's reservation: the trainer's LedgerSession."""
 
-    def __init__(self, ledger, dataset: str, reservation_id: str, timeout_seconds: float, say: Callable[[str], None]):
+    def __init__(self, ledger, dataset: str, reservation_id: str, timeout_seconds: float, say: Callable[[str], None],
+                 plan: str | None = None):
         self.ledger = ledger
         self.dataset = dataset
         self.reservation_id = reservation_id
         self.timeout_seconds = timeout_seconds
         self.say = say
+        # The pre-registered plan the job runs in (it takes nothing from the filter), or None.
+        self.plan = plan
 
     @classmethod
     def reserve(
         cls, ledger, dataset: str, job_id: str, plan_for_unit: Callable[[str], tuple[Composition, str, int | None]],
         timeout_seconds: float, say: Callable[[str], None], lease_seconds: float | None = None,
-        blocks: tuple[str, ...] = (),
+        blocks: tuple[str, ...] = (), plan: str | None = None,
     ) -> "JobLedger":
         """Hold the whole planned run on `dataset` (each of `blocks` in full), or raise BudgetRefusedError (exit 3).
 
         `plan_for_unit(privacy unit of the dataset)` gives the events to
         reserve, the unit they protect and the rows-per-person bound (see
         RunPlan.ledger_plan). With `lease_seconds`, the hold lapses unless a
-        charge renews it that often.
+        charge renews it that often. With `plan`, the run is the next job of
+        that pre-registered plan, paid for with it.
         """
         def reserve():
             planned, privacy_unit, rows_per_person = _plan_for_dataset(ledger, dataset, plan_for_unit)
             release.sent("ledger", "reserve")
-            return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person, blocks)
+            return ledger.reserve(dataset, job_id, planned, lease_seconds, privacy_unit, rows_per_person, blocks, plan)
 
         try:
             reservation = with_retries(reserve, timeout_seconds, say, "reserving budget")
         except (BudgetExceeded, PermissionDenied, FailedPrecondition, NotFound) as error:
             raise BudgetRefusedError(f"the ledger refused to start the job: {error}") from None
-        return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say)
+        return cls(ledger, dataset, reservation.reservation_id, timeout_seconds, say, plan)
 
     @classmethod
     def wait_for_budget(
@@ -283,9 +287,10 @@ def bind_dataset_content(ledger, dataset: str, content: list[str] | None) -> Non
 def ensure_embedded_dataset(
     ledger, dataset: str, budget_epsilon: float, delta: float, privacy_unit: str, say: Callable[[str], None],
     blocks: tuple[str, ...] = (), declarations: Mapping[str, dict] | None = None, user_id: str | None = None,
-    spec: str | Mapping | None = None, named_after: str | None = None,
+    spec: str | Mapping | None = None, named_after: str | None = None, plan_share: float = 0.0,
 ) -> None:
-    """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget.
+    """Register `dataset` and each of its `blocks` in the embedded ledger on first use, with the given budget
+    (`plan_share` of it set aside as its plan pool).
 
     `named_after` is the train location the name was made from (`name_origin`), which the line that says so names.
 
@@ -302,10 +307,12 @@ def ensure_embedded_dataset(
     except (NotFound, PermissionDenied):
         content = file_digests(spec) if spec is not None else None
         try:
-            status = ledger.register_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content)
+            status = ledger.register_dataset(dataset, budget_epsilon, delta, privacy_unit, content=content,
+                                             plan_share=plan_share)
             per = " per person" if privacy_unit == "user" else ""
+            pool = f" ({plan_share:.0%} of it set aside as its plan pool)" if plan_share else ""
             say(release.line("ledger_registered", dataset=repr(dataset), epsilon=f"{budget_epsilon:g}{per}",
-                             delta=f"{delta:g}", origin=origin_note(dataset, named_after)))
+                             delta=f"{delta:g}{pool}", origin=origin_note(dataset, named_after)))
         except AlreadyExists:
             # Another job's first use registered it since this one looked: the same dataset, registered once.
             status = ledger.get_budget(dataset, pld_may_be_pending=True)
@@ -427,8 +434,8 @@ def first_use_status(dataset: str, config) -> DatasetStatus:
     """The status `dataset` would have once `dpfleet train` registered it, and the config's blocks, in the
     embedded ledger on first use (`ensure_embedded_dataset`): the config's budget and privacy unit, nothing
     held."""
-    epsilon, delta = config.dataset_budget_epsilon, config.delta
-    rule = AdmissionRule.for_budget(epsilon, delta)
+    rule = rule_with_pool(config.dataset_budget_epsilon, config.delta, config.dataset_plan_share)
+    (epsilon, delta), _ = split_budget(config.dataset_budget_epsilon, config.delta, config.dataset_plan_share)
     blocks = tuple(BlockStatus(block, epsilon, delta, rule, 0.0, 0.0, 0.0, 0.0, epsilon) for block in config.blocks)
     return DatasetStatus(dataset, LOCAL_TENANT, epsilon, delta, rule, 0.0, 0.0, 0.0, 0.0, epsilon,
                          privacy_unit=config.privacy_unit, blocks=blocks)
@@ -479,6 +486,32 @@ def job_fits_now(ledger, dataset: str, config) -> tuple:
     planned, privacy_unit, rows_per_person = plan.ledger_plan(status.privacy_unit)
     release.sent("ledger", "fits")
     return plan, status, ledger.fits(dataset, planned, config.blocks, privacy_unit, rows_per_person), True
+
+
+def register_plan_of(ledger, dataset: str, plan: str, configs: list, delta: float | None = None):
+    """Register the jobs of `configs`, in order, as the pre-registered `plan` on `dataset` (PlanStatus), each
+    planned as `dpfleet train` plans it and charged in the dataset's privacy unit; a refusal of the ledger is
+    raised as it is (BudgetExceeded past the pool).
+
+    UsageError for a config whose plan is only known once it runs (shards,
+    whose size comes from the silos) or that names blocks (a plan is
+    charged to the dataset's own pool).
+    """
+    from orchestrator.planning import plan_run  # the accountants, not torch
+
+    for config in configs:
+        if config.shards or config.blocks:
+            raise UsageError("a plan's jobs are fixed before any runs, on the dataset's own pool: a config with "
+                             f"{'shards' if config.shards else 'blocks'} cannot be part of one")
+    unit = ledger.get_budget(dataset, pld_may_be_pending=True).privacy_unit
+    planned = [plan_run(config).ledger_plan(unit) for config in configs]
+    units = {(privacy_unit, rows_per_person) for _, privacy_unit, rows_per_person in planned}
+    if len(units) > 1:
+        raise UsageError("a plan's jobs protect one privacy unit with one bound on rows per person; these differ")
+    ((privacy_unit, rows_per_person),) = units
+    release.sent("ledger", "register_plan")
+    return ledger.register_plan(dataset, plan, [events for events, _, _ in planned], delta, privacy_unit,
+                                rows_per_person)
 
 
 def filter_basis(ledger, dataset: str, blocks: tuple[str, ...]) -> Callable:

@@ -255,6 +255,8 @@ FIELDS: tuple[Field, ...] = (
         ("fits", "the job's plan of events, asked about before Ray loads (nothing is held), " + _PLAN),
         ("reserve", "the job's plan of events, " + _PLAN),
         ("enqueue", "the job's plan of events and priority, " + _PLAN),
+        ("register_plan", "the plan of events of each job of a pre-registered plan, fixed before any runs, "
+                          + _PLAN),
         ("commit", "a block of the plan, sent on a clock fixed before the first step (orchestrator/charge_clock.py)"),
         ("release", "the job's end: the steps that did not run"),
         ("bind_content", "the SHA-256 of each training file, which names the files, not a row: the ledger gives "

@@ -76,7 +76,9 @@ def test_a_job_cut_from_a_rebuilt_plain_chain_claiming_version_8_is_refused_by_o
     refused = refusal(ledger.path)
     assert refused.startswith(f"the ledger {ledger.path} says schema version 8, but it holds the table composed_pld, "
                               "which schema version 10 and later create; it holds the table verified_state, which "
-                              f"schema version 11 and later create; its history entry 1 (create_ledger) records "
+                              "schema version 11 and later create; it holds the table plans, which schema version 13 "
+                              "and later create; it holds the table plan_jobs, which schema version 13 and later "
+                              f"create; its history entry 1 (create_ledger) records "
                               f"schema version {SCHEMA_VERSION}: it was changed by hand")
     assert version_of(ledger.path) == 8  # nothing was migrated
     for full in ([], ["--full"]):
@@ -108,7 +110,7 @@ def test_a_keyed_history_claiming_version_11_to_migrate_a_forged_admin_token_int
                            (admin_key_id(ADMIN_TOKEN), token_digest(ADMIN_TOKEN)))
         connection.execute("UPDATE schema_version SET version = 11")
         connection.execute("DELETE FROM verified_state")
-    assert "its history entry 1 (create_ledger) records schema version 12" in refusal(ledger.path)
+    assert f"its history entry 1 (create_ledger) records schema version {SCHEMA_VERSION}" in refusal(ledger.path)
 
 
 def test_a_lowered_version_with_the_keyed_state_kept_is_refused_naming_the_state(ledger):
@@ -149,6 +151,8 @@ def as_keyed_version_11(path, admin_tokens=()):
                                (previous, entry_hash, row[0]))
             previous = entry_hash
         connection.execute("DELETE FROM verified_state")
+        for table in LATER_TABLES[13].split():
+            connection.execute(f"DROP TABLE {table}")
         connection.execute("UPDATE schema_version SET version = 11")
 
 
@@ -159,7 +163,7 @@ def test_a_version_11_file_migrates_adopting_its_admin_tokens_and_verifies_clean
         adopted, migration = migrated.history()[-2:]
         assert (adopted.action, migration.action) == ("adopt_admin_tokens", "migrate_schema")
         assert [token["key_id"] for token in adopted.details["admin_tokens"]] == [admin_key_id(ADMIN_TOKEN)]
-        assert ADMIN_TOKEN not in json.dumps(adopted.details) and migration.details == {"from": 11, "to": 12}
+        assert ADMIN_TOKEN not in json.dumps(adopted.details) and migration.details == {"from": 11, "to": SCHEMA_VERSION}
         assert migrated.verify().findings == ()
         assert migrated.authenticate(ADMIN_TOKEN).admin
 

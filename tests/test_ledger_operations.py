@@ -43,7 +43,8 @@ SAMPLES = {
     "state": "released", "job_id": "job-7", "planned": SampledGaussian(0.01, 1.1, 5), "lease_seconds": 30.0,
     "rows_per_person": 4, "blocks": ("day-1", "day-2"), "reservation_id": "reservation-1", "steps": 3,
     "sequence": 5, "block": "day-1", "data": {"rows": [0, 10]}, "priority": 2, "max_wait_seconds": 90.0,
-    "queue_id": "queued-1", "limit": 50, "content": ["a" * 64, "b" * 64], "charges": True,
+    "queue_id": "queued-1", "limit": 50, "content": ["a" * 64, "b" * 64], "charges": True, "plan_share": 0.25,
+    "plan": "sweep-1", "jobs": [SampledGaussian(0.01, 1.1, 5), SampledGaussian(0.02, 1.3, 7)],
 }
 # A queued job's state is another set of words than a reservation's.
 SAMPLE_OVERRIDES = {("list_queued", "state"): "admitted"}
@@ -59,6 +60,8 @@ def comparable(name, value):
         return None
     if name == "planned":
         return check_plan(value).to_json()
+    if name == "jobs":
+        return [check_plan(job).to_json() for job in value]
     if name == "scheduling":
         return check_scheduling(value)
     if name == "data":
@@ -378,8 +381,9 @@ CLI_EXTRAS = {
 }
 # The command refuses a tenant and a key id at once.
 CLI_LEFT_OUT = {"revoke_token": {"tenant"}}
-# The plan of `fits` comes from a training config, planned as dpfleet train plans it (tests/test_ledger_cli.py).
-CLI_NOT_RUN = {"fits"}
+# The plan of `fits` and the jobs of `plan register` come from a training config, planned as dpfleet train plans it
+# (tests/test_ledger_cli.py, tests/test_ledger_plans.py).
+CLI_NOT_RUN = {"fits", "register_plan"}
 
 
 def command_line(operation):

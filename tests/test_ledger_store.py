@@ -99,7 +99,7 @@ def version_2_file(path, version=2):
 
 
 # The tables each schema version created, newest first (accounting/ledger/store/schema.py).
-LATER_TABLES = {11: "verified_state", 10: "composed_pld", 8: "admin_tokens token_generation", 6: "queued_jobs",
+LATER_TABLES = {13: "plans plan_jobs", 11: "verified_state", 10: "composed_pld", 8: "admin_tokens token_generation", 6: "queued_jobs",
                 5: "tenant_use"}
 
 

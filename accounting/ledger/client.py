@@ -22,7 +22,10 @@ from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
 from accounting.ledger.admission import FitReport, check_plan
 from accounting.ledger.errors import BudgetExceeded, InvalidArgument, LedgerError, LedgerUnavailable, RateLimited
-from accounting.ledger.records import CommitResult, DatasetStatus, HistoryEntry, QueuedJob, Reservation, TenantCreated
+from accounting.ledger.admission.pools import check_plan_share
+from accounting.ledger.records import (
+    CommitResult, DatasetStatus, HistoryEntry, PlanStatus, QueuedJob, Reservation, TenantCreated,
+)
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.messages import (
     BUDGET_KEY,
@@ -189,16 +192,18 @@ class RemoteLedger:
 
     def create_dataset(
         self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE,
-        scheduling: SchedulingPolicy | dict | None = None,
+        scheduling: SchedulingPolicy | dict | None = None, plan_share: float = 0.0,
     ) -> DatasetStatus:
         """Create a dataset with a budget of `epsilon` at `delta` per `privacy_unit` ('example' or 'user').
 
-        `scheduling` serves its queue of waiting jobs (None: the server's default).
+        `scheduling` serves its queue of waiting jobs (None: the server's default); `plan_share` of the budget
+        is set aside as its plan pool (see the embedded Ledger.create_dataset).
         """
         policy = check_scheduling(scheduling) if scheduling is not None else None
         request = self._request(
             pb.CreateDatasetRequest, dataset=dataset, epsilon=epsilon, delta=delta,
             privacy_unit=check_privacy_unit(privacy_unit), scheduling=messages.scheduling_to_proto(policy),
+            plan_share=check_plan_share(plan_share),
         )
         return messages.status_from_proto(self._call("CreateDataset", request))
 
@@ -237,19 +242,42 @@ class RemoteLedger:
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
         privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, blocks: tuple[str, ...] | list[str] = (),
+        plan: str | None = None,
     ) -> Reservation:
         """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
 
         `privacy_unit` and `rows_per_person` as in the embedded Ledger.reserve. With `blocks`, the job is
-        charged in full to each of those blocks of the dataset.
+        charged in full to each of those blocks of the dataset; with `plan`, it is the next job of that
+        pre-registered plan.
         """
         planned_json = check_plan(planned).to_json()
         request = self._request(
             pb.ReserveRequest, dataset=dataset, job_id=job_id, planned_events_json=planned_json,
             lease_seconds=check_lease_seconds(lease_seconds) or 0.0, privacy_unit=check_privacy_unit(privacy_unit),
             rows_per_person=check_rows_per_person(rows_per_person) or 0, blocks=check_block_names(blocks),
+            plan=_optional_field("plan", plan) or "",
         )
         return messages.reservation_from_proto(self._call("Reserve", request))
+
+    def register_plan(
+        self, dataset: str, plan: str, jobs: list[EventsLike] | tuple[EventsLike, ...], delta: float | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+    ) -> PlanStatus:
+        """Pre-register a plan of `jobs` (each one's planned events, in order), charged its PLD ε at `delta`
+        from the dataset's plan pool now (see the embedded Ledger.register_plan)."""
+        if not isinstance(jobs, (list, tuple)):
+            raise InvalidArgument("a plan's jobs are a list of planned events")
+        request = self._request(
+            pb.RegisterPlanRequest, dataset=dataset, plan=plan, jobs_json=[check_plan(job).to_json() for job in jobs],
+            delta=_optional_field("delta", delta) or 0.0, privacy_unit=check_privacy_unit(privacy_unit),
+            rows_per_person=check_rows_per_person(rows_per_person) or 0,
+        )
+        return messages.plan_from_proto(self._call("RegisterPlan", request))
+
+    def list_plans(self, dataset: str) -> list[PlanStatus]:
+        """The dataset's pre-registered plans the caller may see, oldest first."""
+        reply = self._call("ListPlans", self._request(pb.ListPlansRequest, dataset=dataset))
+        return [messages.plan_from_proto(plan) for plan in reply.plans]
 
     def add_block(
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None

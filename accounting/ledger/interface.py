@@ -6,7 +6,9 @@ from typing import Protocol
 
 from accounting.events import EventsLike
 from accounting.ledger.admission import FitReport
-from accounting.ledger.records import CommitResult, DatasetStatus, HistoryEntry, QueuedJob, Reservation, TenantCreated
+from accounting.ledger.records import (
+    CommitResult, DatasetStatus, HistoryEntry, PlanStatus, QueuedJob, Reservation, TenantCreated,
+)
 from accounting.ledger.scheduling import SchedulingPolicy
 from accounting.ledger.validation import EXAMPLE, QUEUED
 
@@ -29,9 +31,10 @@ class PrivacyLedger(Protocol):
 
     def create_dataset(
         self, dataset: str, epsilon: float, delta: float, privacy_unit: str = EXAMPLE,
-        scheduling: SchedulingPolicy | dict | None = None,
+        scheduling: SchedulingPolicy | dict | None = None, plan_share: float = 0.0,
     ) -> DatasetStatus:
-        """Create a dataset with a budget of (epsilon, delta) per `privacy_unit` ('example' or 'user')."""
+        """Create a dataset with a budget of (epsilon, delta) per `privacy_unit` ('example' or 'user'), of which
+        `plan_share` is set aside as the pool pre-registered plans are charged from."""
 
     def raise_budget(self, dataset: str, epsilon: float) -> DatasetStatus:
         """Set a dataset's budget epsilon (admin only; never below what is committed and reserved)."""
@@ -51,13 +54,25 @@ class PrivacyLedger(Protocol):
     def reserve(
         self, dataset: str, job_id: str, planned: EventsLike, lease_seconds: float | None = None,
         privacy_unit: str = EXAMPLE, rows_per_person: int | None = None, blocks: tuple[str, ...] | list[str] = (),
+        plan: str | None = None,
     ) -> Reservation:
         """Hold budget for a job's planned events, or raise BudgetExceeded; with a lease of `lease_seconds`.
 
         `privacy_unit` is what the events protect; `rows_per_person` bounds
         each person's rows for an example-level job (see `charged_plan`).
         With `blocks`, the job is charged in full to each of those blocks, all or nothing.
+        With `plan`, it is the next job of that pre-registered plan, admitted without the filter.
         """
+
+    def register_plan(
+        self, dataset: str, plan: str, jobs: list[EventsLike] | tuple[EventsLike, ...], delta: float | None = None,
+        privacy_unit: str = EXAMPLE, rows_per_person: int | None = None,
+    ) -> PlanStatus:
+        """Pre-register a plan of `jobs` fixed before any runs, charged its PLD ε at `delta` from the dataset's
+        plan pool now (BudgetExceeded past the pool)."""
+
+    def list_plans(self, dataset: str) -> list[PlanStatus]:
+        """The dataset's pre-registered plans the caller may see, oldest first."""
 
     def add_block(
         self, dataset: str, block: str, epsilon: float, delta: float | None = None, data: dict | str | None = None

@@ -134,6 +134,16 @@ class LedgerStub:
                 request_serializer=accounting_dot_ledger__pb2.BindContentRequest.SerializeToString,
                 response_deserializer=accounting_dot_ledger__pb2.DatasetStatus.FromString,
                 _registered_method=True)
+        self.RegisterPlan = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/RegisterPlan',
+                request_serializer=accounting_dot_ledger__pb2.RegisterPlanRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.Plan.FromString,
+                _registered_method=True)
+        self.ListPlans = channel.unary_unary(
+                '/dpfleet.ledger.v1.Ledger/ListPlans',
+                request_serializer=accounting_dot_ledger__pb2.ListPlansRequest.SerializeToString,
+                response_deserializer=accounting_dot_ledger__pb2.ListPlansReply.FromString,
+                _registered_method=True)
 
 
 class LedgerServicer:
@@ -288,6 +298,22 @@ class LedgerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterPlan(self, request, context):
+        """The dataset's owner: pre-registers a plan of jobs fixed before any runs,
+        charged its PLD (epsilon, delta) from the dataset's plan pool now, by basic
+        composition; RESOURCE_EXHAUSTED past the pool, FAILED_PRECONDITION without
+        one. Its jobs then reserve with ReserveRequest.plan.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPlans(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LedgerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -390,6 +416,16 @@ def add_LedgerServicer_to_server(servicer, server):
                     servicer.BindContent,
                     request_deserializer=accounting_dot_ledger__pb2.BindContentRequest.FromString,
                     response_serializer=accounting_dot_ledger__pb2.DatasetStatus.SerializeToString,
+            ),
+            'RegisterPlan': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterPlan,
+                    request_deserializer=accounting_dot_ledger__pb2.RegisterPlanRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.Plan.SerializeToString,
+            ),
+            'ListPlans': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPlans,
+                    request_deserializer=accounting_dot_ledger__pb2.ListPlansRequest.FromString,
+                    response_serializer=accounting_dot_ledger__pb2.ListPlansReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -932,6 +968,60 @@ class Ledger:
             '/dpfleet.ledger.v1.Ledger/BindContent',
             accounting_dot_ledger__pb2.BindContentRequest.SerializeToString,
             accounting_dot_ledger__pb2.DatasetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterPlan(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/RegisterPlan',
+            accounting_dot_ledger__pb2.RegisterPlanRequest.SerializeToString,
+            accounting_dot_ledger__pb2.Plan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPlans(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dpfleet.ledger.v1.Ledger/ListPlans',
+            accounting_dot_ledger__pb2.ListPlansRequest.SerializeToString,
+            accounting_dot_ledger__pb2.ListPlansReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,7 @@ from accounting.ledger.records import (
     DatasetStatus,
     HistoryEntry,
     JobCharge,
+    PlanStatus,
     QueuedJob,
     QuotaStatus,
     Reservation,
@@ -108,6 +109,7 @@ def reservation_to_proto(reservation: Reservation) -> pb.Reservation:
                          admitted_epsilon=charge.admitted_epsilon, charged_epsilon=charge.charged_epsilon)
             for charge in reservation.charges
         ]),
+        plan=reservation.plan or "",
     )
 
 
@@ -131,15 +133,34 @@ def reservation_from_proto(message: pb.Reservation) -> Reservation:
                       charge.charged_epsilon)
             for charge in message.charges.budgets
         ) if message.HasField("charges") else None,
+        plan=message.plan or None,
+    )
+
+
+def plan_to_proto(plan: PlanStatus) -> pb.Plan:
+    """A PlanStatus as its message."""
+    return pb.Plan(
+        name=plan.name, dataset=plan.dataset, tenant=plan.tenant, jobs_json=[job.to_json() for job in plan.jobs],
+        epsilon=plan.epsilon, delta=plan.delta, started_jobs=plan.started_jobs, created_at=plan.created_at,
+    )
+
+
+def plan_from_proto(message: pb.Plan) -> PlanStatus:
+    """Inverse of plan_to_proto."""
+    return PlanStatus(
+        name=message.name, dataset=message.dataset, tenant=message.tenant,
+        jobs=tuple(Composition.from_json(job) for job in message.jobs_json), epsilon=message.epsilon,
+        delta=message.delta, started_jobs=message.started_jobs, created_at=message.created_at,
     )
 
 
 def _rule_to_proto(rule: AdmissionRule) -> pb.AdmissionRule:
-    return pb.AdmissionRule(rule=rule.name, orders=rule.orders, delta_per_order=rule.delta_per_order)
+    return pb.AdmissionRule(rule=rule.name, orders=rule.orders, delta_per_order=rule.delta_per_order,
+                            plan_epsilon=rule.plan_epsilon, plan_delta=rule.plan_delta)
 
 
 def _rule_from_proto(message: pb.AdmissionRule, delta: float) -> AdmissionRule:
-    return AdmissionRule(tuple(message.orders), delta, message.rule)
+    return AdmissionRule(tuple(message.orders), delta, message.rule, message.plan_epsilon, message.plan_delta)
 
 
 def _budget_to_proto(status: BlockStatus | DatasetStatus) -> dict:
@@ -274,6 +295,9 @@ def status_to_proto(status: DatasetStatus) -> pb.DatasetStatus:
         privacy_unit=status.privacy_unit,
         scheduling=scheduling_to_proto(status.scheduling),
         queued_jobs=status.queued_jobs,
+        plans=status.plans,
+        plans_epsilon=status.plans_epsilon,
+        plans_delta=status.plans_delta,
     )
 
 
@@ -292,6 +316,9 @@ def status_from_proto(message: pb.DatasetStatus) -> DatasetStatus:
             scheduling_from_proto(message.scheduling) or SchedulingPolicy().to_dict()
         ),
         queued_jobs=message.queued_jobs,
+        plans=message.plans,
+        plans_epsilon=message.plans_epsilon,
+        plans_delta=message.plans_delta,
     )
 
 

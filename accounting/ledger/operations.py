@@ -140,12 +140,14 @@ _DECLARED = (
     ),
     Operation(
         "create_dataset",
-        (Parameter("dataset"), Parameter("epsilon"), Parameter("delta"), _PRIVACY_UNIT, Parameter("scheduling", None)),
+        (Parameter("dataset"), Parameter("epsilon"), Parameter("delta"), _PRIVACY_UNIT, Parameter("scheduling", None),
+         Parameter("plan_share", 0.0)),
         _errors(AlreadyExists, NotFound, PermissionDenied),
         "CreateDataset", "CreateDatasetRequest", "DatasetStatus",
         Command(
             ("dataset", "create"),
-            {"dataset": "name", "epsilon": "epsilon", "delta": "delta", "privacy_unit": "privacy_unit"},
+            {"dataset": "name", "epsilon": "epsilon", "delta": "delta", "privacy_unit": "privacy_unit",
+             "plan_share": "plan_share"},
             {"scheduling": ("scheduling", "unlock_jobs", "unlock_seconds")},
         ),
     ),
@@ -173,9 +175,29 @@ _DECLARED = (
     ),
     Operation(
         "reserve",
-        (Parameter("dataset"), Parameter("job_id"), _PLAN, _LEASE, _PRIVACY_UNIT, _ROWS_PER_PERSON, _BLOCKS),
+        (Parameter("dataset"), Parameter("job_id"), _PLAN, _LEASE, _PRIVACY_UNIT, _ROWS_PER_PERSON, _BLOCKS,
+         Parameter("plan", None)),
         _errors(BudgetExceeded, NotFound, PermissionDenied),
         "Reserve", "ReserveRequest", "Reservation",
+    ),
+    Operation(
+        # A plan's jobs travel as their JSON, one string each.
+        "register_plan",
+        (Parameter("dataset"), Parameter("plan"), Parameter("jobs", fields=("jobs_json",)), Parameter("delta", None),
+         _PRIVACY_UNIT, _ROWS_PER_PERSON),
+        _errors(AlreadyExists, BudgetExceeded, NotFound, PermissionDenied),
+        "RegisterPlan", "RegisterPlanRequest", "Plan",
+        # The jobs are planned from the training config (its `runs` copies) as dpfleet train plans it.
+        Command(("plan", "register"), {"plan": "name"}, {
+            "delta": ("delta",),
+            "dataset": ("dataset_name", "config"), "jobs": ("config", "runs"), "privacy_unit": ("config",),
+            "rows_per_person": ("config",),
+        }),
+    ),
+    Operation(
+        "list_plans", (Parameter("dataset"),), _errors(NotFound, PermissionDenied),
+        "ListPlans", "ListPlansRequest", "ListPlansReply",
+        Command(("plan", "list"), {"dataset": "dataset"}),
     ),
     Operation(
         "commit", (Parameter("reservation_id"), Parameter("steps"), Parameter("sequence")),

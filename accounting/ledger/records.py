@@ -69,7 +69,10 @@ class Reservation:
     job is charged to, every one of them in full; () for the dataset itself.
     `charges` are what it takes from each of those budgets (JobCharge, in
     the order of `blocks`), where the listing replayed them
-    (`list_jobs(charges=True)`); None elsewhere.
+    (`list_jobs(charges=True)`); None elsewhere. `plan` names the
+    pre-registered plan the job runs in: its steps were paid for when the plan
+    was admitted, so its commits take nothing more and its release refunds
+    nothing.
     """
 
     reservation_id: str
@@ -85,6 +88,7 @@ class Reservation:
     lease_expired: bool = False
     blocks: tuple[str, ...] = ()
     charges: tuple[JobCharge, ...] | None = None
+    plan: str | None = None
 
     @property
     def planned_steps(self) -> int:
@@ -120,6 +124,41 @@ class Reservation:
             "lease_expired": self.lease_expired,
             "blocks": list(self.blocks),
             "charges": None if self.charges is None else [charge.to_dict() for charge in self.charges],
+            "plan": self.plan,
+        }
+
+
+@dataclass(frozen=True)
+class PlanStatus:
+    """A pre-registered plan: its jobs' charged events in order, the (epsilon, delta) its dataset's plan pool was
+    charged for all of them when it was admitted, and how many have started.
+
+    Jobs of the plan that never start are not refunded: whether to run them
+    may depend on the results of the ones that ran, so a refund would be an
+    adaptive choice the plan's guarantee does not cover.
+    """
+
+    name: str
+    dataset: str
+    tenant: str
+    jobs: tuple[Composition, ...]
+    epsilon: float
+    delta: float
+    started_jobs: int
+    created_at: str
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return {
+            "name": self.name,
+            "dataset": self.dataset,
+            "tenant": self.tenant,
+            "jobs": [job.to_dict() for job in self.jobs],
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "started_jobs": self.started_jobs,
+            "unstarted_jobs_not_refunded": len(self.jobs) - self.started_jobs,
+            "created_at": self.created_at,
         }
 
 
@@ -301,6 +340,10 @@ class DatasetStatus:
     `privacy_unit` is what one unit of protection is: a row ('example') or a
     person with all its rows ('user'); every epsilon is per that unit.
     `scheduling` is how its queue is served; `queued_jobs` counts the jobs waiting.
+    With a plan pool (`admission.plan_epsilon`, `admission.plan_delta`, set
+    aside at creation), `budget_epsilon` and `delta` are the filter's part,
+    and `plans_epsilon` and `plans_delta` what the `plans` pre-registered
+    plans were charged from the pool, by basic composition.
     """
 
     name: str
@@ -321,6 +364,9 @@ class DatasetStatus:
     quotas: tuple[QuotaStatus, ...] = ()
     scheduling: SchedulingPolicy = SchedulingPolicy()
     queued_jobs: int = 0
+    plans: int = 0
+    plans_epsilon: float = 0.0
+    plans_delta: float = 0.0
 
     def to_dict(self) -> dict:
         """JSON-ready dict (the `dpfleet ledger status --json` shape)."""
@@ -335,6 +381,12 @@ class DatasetStatus:
             "quotas": [quota.to_dict() for quota in self.quotas],
             "scheduling": self.scheduling.to_dict(),
             "queued_jobs": self.queued_jobs,
+            **({"plan_pool": {
+                "epsilon": self.admission.plan_epsilon, "delta": self.admission.plan_delta, "plans": self.plans,
+                "charged_epsilon": self.plans_epsilon, "charged_delta": self.plans_delta,
+                "remaining_epsilon": self.admission.plan_epsilon - self.plans_epsilon,
+                "remaining_delta": self.admission.plan_delta - self.plans_delta,
+            }} if self.admission.has_plan_pool else {}),
         }
 
 

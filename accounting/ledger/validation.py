@@ -18,6 +18,8 @@ MAX_PLAN_RECORDS = 1000
 # RDP curve (milliseconds of CPU, up to some 0.2 s at a small noise multiplier), so the cap bounds what one
 # request can make a server compute; a noise schedule changing sigma every epoch for 100 epochs fits.
 MAX_PLAN_MECHANISMS = 100
+# Jobs of one pre-registered plan: a grid of a few hundred trials, or daily retrains for years, fits.
+MAX_PLAN_JOBS = 2000
 MAX_SEQUENCE = 2**63 - 1
 MAX_STEPS = 2**63 - 1  # a row index or count: what a database integer holds
 # Steps of one plan in total, so of one reservation and one commit. A long DP-SGD job is 10**4 to 10**6 steps

@@ -18,6 +18,7 @@ from typing import Callable
 
 from accounting.events import Composition, noise_placement
 from accounting.lazy import LazyModule
+from accounting.ledger.admission.pools import check_plan_share
 from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.databases import is_postgresql, shown_location
@@ -155,6 +156,15 @@ def _status_table(statuses: list[DatasetStatus]) -> str:
         text += "\n\ntenant quotas (an extra filter on the tenant's own use):\n" + format_table(
             ["dataset", "block", "tenant", "quota ε", "spent ε (filter)", "reserved ε", "remaining ε"], quotas
         )
+    pools = [
+        [status.name, status.admission.plan_epsilon, status.admission.plan_delta, status.plans, status.plans_epsilon,
+         status.plans_delta, status.admission.plan_epsilon - status.plans_epsilon]
+        for status in statuses if status.admission.has_plan_pool
+    ]
+    if pools:
+        text += ("\n\nplan pools (set aside at creation; budget ε and δ above are the filter's part):\n"
+                 + format_table(["dataset", "pool ε", "pool δ", "plans", "charged ε", "charged δ", "remaining ε"],
+                                pools))
     jobs = [job for status in statuses for job in status.jobs]
     if jobs:
         text += "\n\njobs holding budget:\n" + _jobs_table(jobs)
@@ -193,7 +203,8 @@ def _jobs_table(jobs: list) -> str:
         [
             job.reservation_id, job.dataset, " ".join(job.blocks), job.job_id,
             "lease expired" if job.lease_expired else job.state, job.committed_steps, job.planned_steps,
-            *([_took(job.charges)] if charged else []), job.noise_placement, job.created_at, job.expires_at or "",
+            *([f"paid with plan {job.plan}" if job.plan else _took(job.charges)] if charged else []),
+            job.noise_placement, job.created_at, job.expires_at or "",
         ]
         for job in jobs
     ]
@@ -214,7 +225,9 @@ _TOOK_NOTE = (
     "on blocks), in the filter's ε at the budget's δ: each commit the rise it made in spent ε (filter), in the "
     "order the ledger charged them. A budget's jobs add up to its spent ε (filter), and its first job pays the "
     "RDP-to-(ε, δ) conversion's offset, so a later job of the same plan takes less. It is not the job's own "
-    "privacy, its ε by its accountant (dpfleet train prints both)."
+    "privacy, its ε by its accountant (dpfleet train prints both). A job of a pre-registered plan was paid for "
+    "when its plan was admitted (dpfleet ledger plan list): it takes nothing here, and its unrun steps are not "
+    "refunded."
 )
 
 
@@ -308,7 +321,8 @@ def run_dataset_create(args: argparse.Namespace) -> int:
     if warning is not None:
         print(f"warning: {warning}", file=sys.stderr)
     with ledger_from_flags(args) as ledger:
-        status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit, _scheduling(args))
+        status = ledger.create_dataset(args.name, epsilon, delta, args.privacy_unit, _scheduling(args),
+                                       _ledger_number("--plan-share", args.plan_share, check_plan_share))
     _print_statuses([status], args.json)
     return 0
 
@@ -461,6 +475,31 @@ def run_jobs(args: argparse.Namespace) -> int:
         print_json({"jobs": [job.to_dict() for job in jobs]})
     else:
         print(_jobs_table(jobs) + (f"\n\n{_TOOK_NOTE}" if jobs else ""))
+    return 0
+
+
+def _plans_table(plans: list) -> str:
+    headers = ["plan", "dataset", "tenant", "jobs", "started", "unstarted (not refunded)", "ε", "δ", "registered"]
+    rows = [
+        [plan.name, plan.dataset, plan.tenant, len(plan.jobs), plan.started_jobs, len(plan.jobs) - plan.started_jobs,
+         plan.epsilon, plan.delta, plan.created_at]
+        for plan in plans
+    ]
+    return format_table(headers, rows)
+
+
+@ledger_command
+def run_plan_list(args: argparse.Namespace) -> int:
+    """A dataset's pre-registered plans, oldest first."""
+    with ledger_from_flags(args) as ledger:
+        plans = ledger.list_plans(args.dataset)
+    if args.json:
+        print_json({"plans": [plan.to_dict() for plan in plans]})
+    elif not plans:
+        print(f"dataset {args.dataset!r} has no plan")
+    else:
+        print(_plans_table(plans) + "\n\nε, δ: what the plan pool was charged at registration, the PLD ε of all "
+              "the plan's jobs composed; plans add up by basic composition. Jobs that never start are not refunded.")
     return 0
 
 

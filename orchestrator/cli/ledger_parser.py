@@ -199,6 +199,12 @@ def _add_budget_commands(commands: argparse._SubParsersAction) -> None:
         help="what the budget protects: one row (example, the default) or one person with all its rows (user); "
         "an example-level job is charged on a user-level dataset by group privacy, given max_examples_per_user",
     )
+    dataset_create.add_argument(
+        "--plan-share", default=str(OPERATIONS["create_dataset"].default("plan_share")),
+        help="share of the budget (epsilon and delta alike, 0 to 0.99) set aside for good as the pool that "
+        "pre-registered plans are charged their PLD ε from (dpfleet ledger plan register); the filter admits "
+        "single jobs within the rest (default 0: no pool)",
+    )
     _add_scheduling_flags(dataset_create, "the dataset's")
     _add_client_flags(dataset_create)
     dataset_create.set_defaults(handler=_HANDLERS + "run_dataset_create")
@@ -252,6 +258,35 @@ def _add_budget_commands(commands: argparse._SubParsersAction) -> None:
     )
     _add_client_flags(quota_set)
     quota_set.set_defaults(handler=_HANDLERS + "run_quota_set")
+
+
+def _add_plan_commands(commands: argparse._SubParsersAction) -> None:
+    """Pre-registered plans: jobs fixed before any runs, charged their PLD ε from a dataset's plan pool."""
+    plan = _command_group(commands, "plan", "pre-registered plans, charged their PLD ε from a plan pool")
+    register = plan.add_parser(
+        "register",
+        help="pre-register RUNS runs of a training config as a plan, charged its PLD ε from the plan pool now",
+        description="Plan the job of a training config as dpfleet train would, and register RUNS runs of it (daily "
+        "retrains, or repeats) as one plan, fixed before any runs. The dataset's plan pool is charged now the PLD "
+        "ε of all of them composed; each then runs with dpfleet train --plan NAME, admitted without the filter. "
+        "Runs that never start are not refunded. dpfleet tune registers its grid the same way. Exits 3 when the "
+        "pool has too little left.",
+    )
+    register.add_argument("name", help="the plan's name: 1-128 letters, digits, '.', '_' or '-'")
+    register.add_argument("--config", required=True, help="the training config (TOML) of each run")
+    register.add_argument("--runs", default="1", help="how many runs of it the plan holds (default 1)")
+    register.add_argument(
+        "--delta", help="the plan's δ, taken from the pool's (default: a tenth of the pool's δ); its ε is the PLD "
+        "ε of its runs at this δ",
+    )
+    register.add_argument("--dataset-name",
+                          help="the dataset's name in the ledger (default: as dpfleet train names it)")
+    _add_client_flags(register)
+    register.set_defaults(handler="orchestrator.cli.ledger_plans:run_plan_register")
+    listed = plan.add_parser("list", help="a dataset's plans: what each cost, and how many of its jobs started")
+    listed.add_argument("dataset", help="dataset name (admins: TENANT/NAME)")
+    _add_client_flags(listed)
+    listed.set_defaults(handler=_HANDLERS + "run_plan_list")
 
 
 def _add_fits_command(commands: argparse._SubParsersAction) -> None:
@@ -393,6 +428,7 @@ def add_ledger_arguments(ledger: argparse.ArgumentParser) -> None:
     _add_serve_command(commands)
     _add_tenant_and_token_commands(commands)
     _add_budget_commands(commands)
+    _add_plan_commands(commands)
     _add_fits_command(commands)
     _add_job_commands(commands)
     _add_audit_commands(commands)

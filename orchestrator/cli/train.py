@@ -116,6 +116,10 @@ def add_job_ledger_flags(parser: argparse.ArgumentParser) -> None:
                              "(default: the config's ledger, DPFLEET_LEDGER, else embedded)")
     parser.add_argument("--token", help="ledger token (default: DPFLEET_TOKEN)")
     parser.add_argument("--dataset-name", help="the dataset's name in the ledger (default: the config's dataset)")
+    parser.add_argument("--plan", metavar="NAME",
+                        help="run as the next job of this pre-registered plan (dpfleet ledger plan register): paid "
+                             "for when the plan was registered, admitted without the filter if its events are those "
+                             "the plan declared for it")
     parser.add_argument("--wait-for-budget", action="store_true",
                         help="when the plan does not fit the dataset's budget now, wait in its queue until the "
                              "ledger's scheduling policy admits it (instead of exiting with status 3)")
@@ -211,7 +215,7 @@ def refuse_what_does_not_fit(args: argparse.Namespace, ledger, dataset: str, con
     Only where the plan is known without the run: not with shards (their N comes from the silos), nor with
     --wait-for-budget (the job queues), nor with a target ε (its σ is calibrated once, by the trainer).
     """
-    if config.shards or args.wait_for_budget or config.target_epsilon is not None:
+    if config.shards or args.wait_for_budget or config.target_epsilon is not None or args.plan:
         return
     try:
         _, _, report, _ = job_fits_now(ledger, dataset, config)
@@ -406,7 +410,7 @@ def job_ledger(args: argparse.Namespace, trainer: Trainer) -> JobLedger:
     gone = reservation_gone(held)
     if gone is None or held.committed_steps == trainer.plan.steps:
         say(release.line("ledger_continuing", reservation=held.reservation_id))
-        return JobLedger(ledger, dataset, held.reservation_id, config.ledger_timeout, say)
+        return JobLedger(ledger, dataset, held.reservation_id, config.ledger_timeout, say, held.plan)
     job = reserve_steps(args, trainer, ledger, dataset, resumed_job_id(held.job_id), held.committed_steps)
     say(release.line("ledger_reserved_again", previous=held.reservation_id, how=gone,
                      charged=held.committed_steps, steps=trainer.plan.steps,
@@ -427,6 +431,12 @@ def reserve_steps(
     else:
         bind_dataset_content(ledger, dataset, trainer.training_file_digests)
     plan_for_unit = functools.partial(trainer.plan.ledger_plan, start=start)
+    if args.plan is not None:
+        if args.wait_for_budget or config.blocks:
+            raise UsageError("a job of a pre-registered plan was paid for with its plan: it neither waits for budget "
+                             "nor runs on blocks; leave out --wait-for-budget and the config's blocks")
+        return JobLedger.reserve(ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, trainer.say,
+                                 config.ledger_lease, plan=args.plan)
     if args.wait_for_budget:
         return JobLedger.wait_for_budget(
             ledger, dataset, job_id, plan_for_unit, config.ledger_timeout, trainer.say, config.ledger_lease,
@@ -443,9 +453,22 @@ def cost_fields(trainer: Trainer, job: JobLedger) -> dict[str, str]:
     the ledger admitted it (`takes_phrase`), and the whole run's own ε by the run's accountant."""
     config = trainer.config
     epsilon, shown = labelled_epsilon(trainer.report.accountant, trainer.plan.planned_events, config.delta)
-    takes = [(charge.block, charge.admitted_epsilon, charge.remaining_before_epsilon) for charge in job.charges()]
-    return {"takes": takes_phrase(takes), "epsilon": f"{epsilon:.3g}", "accountant": shown,
-            "delta": f"{config.delta:g}"}
+    if job.plan is not None:
+        taken = f"nothing more (plan {job.plan!r} paid for it when it was registered)"
+    else:
+        taken = takes_phrase([(charge.block, charge.admitted_epsilon, charge.remaining_before_epsilon)
+                              for charge in job.charges()])
+    return {"takes": taken, "epsilon": f"{epsilon:.3g}", "accountant": shown, "delta": f"{config.delta:g}"}
+
+
+def register_embedded_ledger_dataset(args: argparse.Namespace, config) -> str:
+    """`register_embedded` on the ledger the job would use (--ledger, the config's, else DPFLEET_LEDGER), opened
+    for it and closed: the dataset's ledger name, registered on first use where the ledger is embedded."""
+    ledger = open_ledger(args.ledger or config.ledger, args.token)
+    try:
+        return register_embedded(ledger, args.dataset_name, config, print)
+    finally:
+        ledger.close()
 
 
 def register_embedded(ledger, dataset_name: str | None, config, say) -> str:
@@ -455,5 +478,5 @@ def register_embedded(ledger, dataset_name: str | None, config, say) -> str:
     if is_embedded(ledger):
         ensure_embedded_dataset(ledger, dataset, config.dataset_budget_epsilon, config.delta, config.privacy_unit, say,
                                 config.blocks, block_declarations(config), config.user_id, config.dataset,
-                                name_origin(dataset_name, config))
+                                name_origin(dataset_name, config), config.dataset_plan_share)
     return dataset

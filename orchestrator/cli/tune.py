@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from accounting.ledger.errors import BudgetExceeded
+
 from accounting.accountants import get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.cli.display import format_table, print_json, show_progress
-from orchestrator.cli.train import add_job_ledger_flags, check_queue_flags, job_ledger
+from orchestrator.cli.train import (
+    add_job_ledger_flags, check_queue_flags, job_ledger, register_embedded_ledger_dataset,
+)
 from orchestrator.config import load_config, read_toml
+from orchestrator.errors import BudgetRefusedError, UsageError
+from orchestrator.ledger_session import ledger_dataset_name, open_ledger, register_plan_of
 from orchestrator.trainer import Trainer
 from orchestrator.tuning import best_trial, grid_trials, parse_grid, random_trials, selection_events
 
@@ -24,7 +31,9 @@ def add_tune_arguments(tune: argparse.ArgumentParser) -> None:
         "Run a grid (or, with --trials, a random subset of it) of configurations, one ordinary dpfleet job\n"
         "after another on Ray, each reserved and charged on the ledger like `dpfleet train`. The best trial\n"
         "by the config's first test metric is reported with the epsilon of all the trials composed: picking\n"
-        "it looked at every trial, so that is what the picked model costs."
+        "it looked at every trial, so that is what the picked model costs. On a dataset with a plan pool\n"
+        "(dpfleet ledger dataset create --plan-share), the trials are registered first as one plan, charged\n"
+        "that ε once; each then runs without the filter, and trials that never run are not refunded."
     )
     tune.add_argument("--config", required=True, help="TOML file with the keys every trial shares")
     tune.add_argument("--grid", required=True,
@@ -39,6 +48,39 @@ def add_tune_arguments(tune: argparse.ArgumentParser) -> None:
     tune.set_defaults(handler=f"{__name__}:run_tune")
 
 
+def grid_plan(args: argparse.Namespace, configs: list) -> str | None:
+    """Register the trials as one pre-registered plan, charged its PLD ε from the dataset's plan pool, and return
+    its name; None, saying why, where each trial is admitted by the filter instead (a dataset without a plan pool,
+    trials on other datasets or on blocks or shards)."""
+    if args.plan is not None:
+        raise UsageError("dpfleet tune registers its trials as a plan of its own; leave out --plan")
+    dataset = register_embedded_ledger_dataset(args, configs[0])
+    if {ledger_dataset_name(args.dataset_name, config) for config in configs} != {dataset} or any(
+        config.shards or config.blocks for config in configs
+    ):
+        print("tune: the trials are not all on one dataset's own budget (other datasets, blocks or shards); each is "
+              "admitted by the filter", flush=True)
+        return None
+    ledger = open_ledger(args.ledger or configs[0].ledger, args.token)
+    try:
+        if not ledger.get_budget(dataset, pld_may_be_pending=True).admission.has_plan_pool:
+            print(f"tune: dataset {dataset!r} has no plan pool, so each trial is admitted by the filter; a dataset "
+                  "created with a plan share (dpfleet ledger dataset create NAME --plan-share 0.5) is charged the "
+                  "grid once, at its PLD ε", flush=True)
+            return None
+        name = f"tune-{secrets.token_hex(4)}"
+        try:
+            plan = register_plan_of(ledger, dataset, name, configs)
+        except BudgetExceeded as error:
+            raise BudgetRefusedError(f"the ledger refused the grid as a plan: {error}") from None
+    finally:
+        ledger.close()
+    print(f"tune: registered the {len(configs)} trials as plan {name!r}, charged ε {plan.epsilon:.4g} at δ "
+          f"{plan.delta:g} (PLD, every trial composed) from the plan pool of {dataset!r}; trials that never run are "
+          "not refunded", flush=True)
+    return name
+
+
 def run_tune(args: argparse.Namespace) -> int:
     """Run every trial as a charged job, then report the trials, the best one and the ε of choosing it."""
     check_queue_flags(args)
@@ -48,6 +90,7 @@ def run_tune(args: argparse.Namespace) -> int:
     configs = [load_config(args.config, {**overrides, "run_dir": str(Path(args.run_dir) / f"trial-{index}")},
                            overrides_from=args.grid)
                for index, overrides in enumerate(trials)]
+    args.plan = grid_plan(args, configs)
     results, trial_events = [], []
     for index, (overrides, config) in enumerate(zip(trials, configs)):
         print(f"tune: trial {index + 1} of {len(trials)}: {json.dumps(overrides, sort_keys=True)}", flush=True)

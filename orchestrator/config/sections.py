@@ -758,6 +758,12 @@ class LedgerSection(Section):
     dataset_budget_epsilon: float = key(
         10.0, "The ε budget given to a dataset the embedded ledger has not seen, at the run's `delta`.", gt=0,
     )
+    dataset_plan_share: float = key(
+        0.0, "The share of that budget (ε and δ alike) a dataset the embedded ledger has not seen sets aside as "
+             "its plan pool, which pre-registered plans (`dpfleet tune`, `dpfleet ledger plan register`) are "
+             "charged their PLD ε from; the filter admits single jobs within the rest (docs/ledger.md).",
+        ge=0, le=0.99,
+    )
     # The names a range stands for are the dataset's, so TrainConfig settles a range into names.
     blocks: tuple[str, ...] | BlockRange = key(
         (),

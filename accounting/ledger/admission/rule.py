@@ -72,6 +72,10 @@ class AdmissionRule:
     orders: tuple[float, ...]
     delta: float
     name: str = FILTER_RULE
+    # The plan pool set aside at creation (`plan_pool`): pre-registered plans are charged their PLD (epsilon,
+    # delta) from it, by basic composition; none when both are 0.
+    plan_epsilon: float = 0.0
+    plan_delta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name != FILTER_RULE:
@@ -80,6 +84,11 @@ class AdmissionRule:
             raise ValueError(f"an RDP filter needs one or more distinct orders (got {self.orders!r})")
         for order in self.orders:
             _order_index(order)
+        if not (0.0 <= self.plan_epsilon < math.inf and 0.0 <= self.plan_delta < 1.0) or (
+            (self.plan_epsilon > 0.0) != (self.plan_delta > 0.0)
+        ):
+            raise ValueError(f"a plan pool needs an epsilon and a delta in [0, 1) both above 0, or neither "
+                             f"(got {self.plan_epsilon!r}, {self.plan_delta!r})")
 
     @classmethod
     def for_budget(cls, budget_epsilon: float, delta: float) -> "AdmissionRule":
@@ -104,6 +113,11 @@ class AdmissionRule:
             }
         )
         return cls(tuple(orders), delta)
+
+    @property
+    def has_plan_pool(self) -> bool:
+        """Whether the dataset set a plan pool aside when it was created."""
+        return self.plan_epsilon > 0.0
 
     @property
     def delta_per_order(self) -> float:
@@ -140,14 +154,18 @@ class AdmissionRule:
 
     def to_dict(self) -> dict:
         """JSON-ready dict, as stored with the dataset and in its history."""
+        pool = {"plan_pool": {"epsilon": self.plan_epsilon, "delta": self.plan_delta}} if self.has_plan_pool else {}
         return {
             "rule": self.name,
             "orders": list(self.orders),
             "delta": self.delta,
             "delta_per_order": self.delta_per_order,
+            **pool,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "AdmissionRule":
         """Inverse of `to_dict`."""
-        return cls(tuple(float(order) for order in data["orders"]), float(data["delta"]), data["rule"])
+        pool = data.get("plan_pool") or {"epsilon": 0.0, "delta": 0.0}
+        return cls(tuple(float(order) for order in data["orders"]), float(data["delta"]), data["rule"],
+                   float(pool["epsilon"]), float(pool["delta"]))

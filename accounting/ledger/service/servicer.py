@@ -125,7 +125,7 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         return messages.status_to_proto(
             self._ledger.create_dataset(
                 request.dataset, request.epsilon, request.delta, request.privacy_unit or EXAMPLE, scheduling,
-                caller=caller,
+                request.plan_share, caller=caller,
             )
         )
 
@@ -159,9 +159,25 @@ class LedgerServicer(ledger_pb2_grpc.LedgerServicer):
         planned = parse_plan(request.planned_events_json)
         reservation = self._ledger.reserve(
             request.dataset, request.job_id, planned, request.lease_seconds or None,
-            request.privacy_unit or EXAMPLE, request.rows_per_person or None, tuple(request.blocks), caller=caller,
+            request.privacy_unit or EXAMPLE, request.rows_per_person or None, tuple(request.blocks),
+            request.plan or None, caller=caller,
         )
         return messages.reservation_to_proto(reservation)
+
+    @_rpc
+    def RegisterPlan(self, request: pb.RegisterPlanRequest, caller: Caller) -> pb.Plan:
+        """Pre-register a plan of jobs, charged its PLD epsilon from the dataset's plan pool (its owner)."""
+        plan = self._ledger.register_plan(
+            request.dataset, request.plan, [parse_plan(job) for job in request.jobs_json], request.delta or None,
+            request.privacy_unit or EXAMPLE, request.rows_per_person or None, caller=caller,
+        )
+        return messages.plan_to_proto(plan)
+
+    @_rpc
+    def ListPlans(self, request: pb.ListPlansRequest, caller: Caller) -> pb.ListPlansReply:
+        """The dataset's pre-registered plans the caller may see."""
+        plans = self._ledger.list_plans(request.dataset, caller=caller)
+        return pb.ListPlansReply(plans=[messages.plan_to_proto(plan) for plan in plans])
 
     @_rpc
     def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitReply:

@@ -194,6 +194,55 @@ def hold(
     return reservation_id
 
 
+def events_in_words(events: Composition) -> str:
+    """A job's events as a refusal names them: steps, sampling rate, noise multiplier and sensitivity of each."""
+    return "; ".join(
+        f"{event.steps} steps at q {event.sampling_rate:.6g}, σ {event.noise_multiplier:.6g}"
+        f"{f', sensitivity ×{event.sensitivity_factor:g}' if event.sensitivity_factor != 1.0 else ''}"
+        for event in events.events
+    ) or "no steps"
+
+
+def hold_in_plan(
+    tables: Tables, connection: Connection, caller: Caller, reference: str, dataset: DatasetRow, job: JobRequest,
+    plan: str,
+) -> str:
+    """Start the next job of the pre-registered `plan` on `dataset`: its charged events must be those the plan
+    declared for it (else FailedPrecondition), and it holds nothing in the filter, the plan's pool having paid
+    for it when the plan was admitted. The new reservation's id; its `reserve` entry names the plan and the job's
+    place in it."""
+    if job.blocks:
+        raise FailedPrecondition(f"a job of plan {plan!r} runs on dataset {reference!r}'s own budget; name no blocks")
+    row = tables.plans.by_name(connection, dataset.dataset_id, plan)
+    if row is None or row.tenant != job.tenant:
+        raise NotFound(f"dataset {reference!r} has no plan {plan!r} of tenant {job.tenant!r}; dpfleet ledger plan "
+                       "list shows its plans")
+    declared = row.job_events()
+    if row.started_jobs >= len(declared):
+        raise FailedPrecondition(f"all {len(declared)} jobs of plan {plan!r} have started, and a plan runs each of "
+                                 "its jobs once; register a new plan for more")
+    expected = declared[row.started_jobs]
+    if job.planned != expected:
+        raise FailedPrecondition(
+            f"job {job.job_id!r} does not run what plan {plan!r} declared for its job {row.started_jobs + 1} of "
+            f"{len(declared)}: the plan declared {events_in_words(expected)}; the job plans "
+            f"{events_in_words(job.planned)}. A plan's guarantee covers only the mechanisms it declared: register a "
+            "new plan for other jobs, or run this one through the filter"
+        )
+    reservation_id = f"r-{secrets.token_hex(8)}"
+    tables.reservations.insert(
+        connection, reservation_id, dataset.dataset_id, job.tenant, job.job_id, job.planned, (), job.lease_seconds,
+        expiry(job.lease_seconds),
+    )
+    tables.history.record(
+        connection, caller, "reserve", job.tenant, dataset.dataset_id,
+        {"reservation_id": reservation_id, "job_id": job.job_id, "planned_events": job.planned.to_dict(),
+         "lease_seconds": job.lease_seconds, "plan": plan, "plan_job": row.started_jobs},
+    )
+    tables.plans.start_job(connection, row, reservation_id)
+    return reservation_id
+
+
 def charge(
     tables: Tables, connection: Connection, caller: Caller, row: ReservationRow, sequence: int, steps: int
 ) -> int:
@@ -207,14 +256,18 @@ def charge(
     reservation = row.reservation(caller)
     _, unrun = split_steps(reservation.planned, reservation.committed_steps)
     block, _ = split_steps(unrun, steps)
-    dataset = tables.datasets.by_id(connection, row.dataset_id)
-    budgets = budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset)
-    refuse_past_the_step_cap(budgets, steps, reservation.dataset)
-    block_tally = RdpTally.of(block)
-    checks, quota_checks = admission_checks(
-        tables, connection, row.tenant, dataset, budgets, block_tally, reservation.dataset, committed=True
-    )
-    refuse_unless_admitted([*checks, *quota_checks], reservation.dataset)
+    # A job of a plan was paid for when its plan was admitted: its commits record its progress, and charge no
+    # budget's filter.
+    budgets = []
+    if reservation.plan is None:
+        dataset = tables.datasets.by_id(connection, row.dataset_id)
+        budgets = budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset)
+        refuse_past_the_step_cap(budgets, steps, reservation.dataset)
+        block_tally = RdpTally.of(block)
+        checks, quota_checks = admission_checks(
+            tables, connection, row.tenant, dataset, budgets, block_tally, reservation.dataset, committed=True
+        )
+        refuse_unless_admitted([*checks, *quota_checks], reservation.dataset)
     for budget in budgets:
         # The committed events' tallies follow from those before, for the next commit's check.
         before = stored_tally(budget.committed_events)
@@ -247,13 +300,18 @@ def free(tables: Tables, connection: Connection, caller: Caller, row: Reservatio
     if reservation.state != ACTIVE:
         return
     _, unrun = split_steps(reservation.planned, reservation.committed_steps)
-    unrun_tally = RdpTally.of(unrun)
-    dataset = tables.datasets.by_id(connection, row.dataset_id)
-    for budget in budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset):
-        held = tables.datasets.held(connection, budget.dataset_id)
-        tables.datasets.set_held(connection, budget.dataset_id, held - unrun_tally)
-        use_held = tables.uses.held(connection, budget.dataset_id, row.tenant)
-        tables.uses.set_held(connection, budget.dataset_id, row.tenant, use_held - unrun_tally)
+    if reservation.plan is None:
+        unrun_tally = RdpTally.of(unrun)
+        dataset = tables.datasets.by_id(connection, row.dataset_id)
+        for budget in budget_rows(tables, connection, dataset, reservation.blocks, reservation.dataset):
+            held = tables.datasets.held(connection, budget.dataset_id)
+            tables.datasets.set_held(connection, budget.dataset_id, held - unrun_tally)
+            use_held = tables.uses.held(connection, budget.dataset_id, row.tenant)
+            tables.uses.set_held(connection, budget.dataset_id, row.tenant, use_held - unrun_tally)
+        freed = {"freed_steps": unrun.steps}
+    else:
+        # Paid for with its plan: nothing goes back (a refund would depend on what the plan's jobs found).
+        freed = {"freed_steps": 0, "plan": reservation.plan, "unrun_steps_not_refunded": unrun.steps}
     tables.datasets.count_released(connection, row.dataset_id)
     tables.reservations.mark_released(connection, reservation.reservation_id, action == "expire")
     tables.history.record(
@@ -262,7 +320,7 @@ def free(tables: Tables, connection: Connection, caller: Caller, row: Reservatio
             "reservation_id": reservation.reservation_id,
             "job_id": reservation.job_id,
             "committed_steps": reservation.committed_steps,
-            "freed_steps": unrun.steps,
+            **freed,
             **blocks_detail(reservation.blocks),
         },
     )

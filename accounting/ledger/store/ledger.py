@@ -28,6 +28,16 @@ from accounting.ledger.admission import (
     fits_budget,
     uncached_mechanisms,
 )
+from accounting.ledger.admission.pools import (
+    check_plan_delta,
+    check_plan_share,
+    PoolUse,
+    check_pool_admits,
+    plan_epsilon,
+    plan_jobs_json,
+    rule_with_pool,
+    split_budget,
+)
 from accounting.ledger.callers import ADMIN, LOCAL_TENANT, Caller, resolve_dataset
 from accounting.ledger.databases import Connection, open_database
 from accounting.ledger.errors import (
@@ -44,6 +54,7 @@ from accounting.ledger.records import (
     DatasetStatus,
     HistoryEntry,
     JobCharge,
+    PlanStatus,
     QueuedJob,
     Reservation,
     TenantCreated,
@@ -90,6 +101,7 @@ from accounting.ledger.validation import (
     check_history_limit,
     check_lease_seconds,
     check_max_wait_seconds,
+    MAX_PLAN_JOBS,
     check_name,
     check_priority,
     check_privacy_unit,
@@ -347,6 +359,7 @@ class Ledger:
         delta: float,
         privacy_unit: str = EXAMPLE,
         scheduling: SchedulingPolicy | dict | None = None,
+        plan_share: float = 0.0,
         *,
         caller: Caller | None = None,
     ) -> DatasetStatus:
@@ -355,8 +368,12 @@ class Ledger:
         The budget is per `privacy_unit`: one row ('example') or one person
         with all its rows ('user'); see `charged_plan` for jobs of the other unit.
         `scheduling` is how its queue of waiting jobs is served (default: the ledger's).
+        `plan_share` of the budget (epsilon and delta alike) is set aside, for
+        good, as the pool pre-registered plans are charged from
+        (`register_plan`); the filter admits jobs within the rest.
         """
-        return self.register_dataset(dataset, epsilon, delta, privacy_unit, scheduling, None, caller=caller)
+        return self.register_dataset(dataset, epsilon, delta, privacy_unit, scheduling, None, plan_share,
+                                     caller=caller)
 
     def register_dataset(
         self,
@@ -366,6 +383,7 @@ class Ledger:
         privacy_unit: str = EXAMPLE,
         scheduling: SchedulingPolicy | dict | None = None,
         content: list[str] | None = None,
+        plan_share: float = 0.0,
         *,
         caller: Caller | None = None,
     ) -> DatasetStatus:
@@ -379,8 +397,11 @@ class Ledger:
         privacy_unit = check_privacy_unit(privacy_unit)
         scheduling = check_scheduling(scheduling) if scheduling is not None else self._default_scheduling
         content = check_dataset_content(content) if content is not None else None
+        plan_share = check_plan_share(plan_share)
         reference = resolve_dataset(caller, dataset)
-        rule = AdmissionRule.for_budget(epsilon, delta)
+        rule = rule_with_pool(epsilon, delta, plan_share)
+        # The row's and the entry's budget are the filter's part; the pool is recorded with the rule.
+        (epsilon, delta), _ = split_budget(epsilon, delta, plan_share)
         with self._transactions.change() as connection:
             if not self._tables.tenants.exists(connection, reference.tenant):
                 raise NotFound(
@@ -487,7 +508,8 @@ class Ledger:
         person) with another block's is refused, so each unit is in one
         block at most and its guarantee is that block's budget. The block's
         (epsilon, delta) is at most the dataset's, and a dataset whose own
-        budget was charged (its jobs read every row) takes no block.
+        budget was charged (its jobs read every row), or that has a plan
+        pool, takes no block.
         `delta` defaults to the dataset's; the block protects the dataset's
         privacy unit. The dataset's owner or an admin may add one. Jobs on
         the dataset then name the blocks they train on, and each is charged
@@ -500,6 +522,11 @@ class Ledger:
             row = visible_dataset(self._tables, connection, caller, dataset)
             delta = row.delta if delta is None else check_delta(delta)
             data = check_block_data(data, row.privacy_unit)
+            if row.rule().has_plan_pool:
+                raise FailedPrecondition(
+                    f"dataset {dataset!r} set a plan pool aside, whose plans' jobs read every row; it takes no "
+                    "block. Create a dataset of blocks without a plan share"
+                )
             admission.check_new_block(self._tables, connection, dataset, row, block, epsilon, delta, data)
             rule = AdmissionRule.for_budget(epsilon, delta)
             block_id = self._tables.datasets.insert_block(connection, row, block, epsilon, delta, rule, data)
@@ -644,6 +671,77 @@ class Ledger:
             replayed.update(job_charges(entries, dataset.stored(), [block.stored() for block in blocks]))
         return replayed
 
+    # ------------------------------------------------------------ plans
+
+    def register_plan(
+        self,
+        dataset: str,
+        plan: str,
+        jobs: list[EventsLike] | tuple[EventsLike, ...],
+        delta: float | None = None,
+        privacy_unit: str = EXAMPLE,
+        rows_per_person: int | None = None,
+        *,
+        caller: Caller | None = None,
+    ) -> PlanStatus:
+        """Pre-register `plan`: `jobs`, each one's planned events in the order they will run, all fixed before any
+        runs. The dataset's plan pool is charged now, once, the PLD epsilon of all of them composed at `delta`
+        (default a tenth of the pool's delta), or BudgetExceeded when the pool's plans would then pass its epsilon
+        or delta (basic composition; docs/ledger.md proves the rule).
+
+        Its jobs then reserve with `plan`, one after another, each with the
+        events the plan declared for it (any other is refused), and take
+        nothing from the filter: they were paid for here. Stopping early is
+        the tenant's choice at any point; the jobs that never start are not
+        refunded. Only the dataset's owner registers plans, on a dataset
+        without blocks. Events of `privacy_unit` are charged as `reserve`
+        charges them (`charged_plan`).
+        """
+        caller = self._caller(caller)
+        check_name("plan", plan)
+        if not isinstance(jobs, (list, tuple)) or not jobs:
+            raise InvalidArgument("a plan needs one or more jobs, each its planned events")
+        if len(jobs) > MAX_PLAN_JOBS:
+            raise InvalidArgument(f"a plan holds at most {MAX_PLAN_JOBS} jobs (got {len(jobs)})")
+        charged = tuple(self._charged(caller, dataset, job, privacy_unit, rows_per_person)[1] for job in jobs)
+        with self._transactions.read() as connection:
+            rule = visible_dataset(self._tables, connection, caller, dataset, shared=True).rule()
+        check_pool_admits(dataset, plan, rule, PoolUse(), 0.0, 0.0)  # a dataset without a pool, refused at once
+        delta = check_plan_delta(rule, delta)
+        epsilon = plan_epsilon(charged, delta)  # the costly part, outside the write lock
+        with self._transactions.change() as connection:
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            tenant = job_tenant(caller, row)
+            if tenant != row.tenant:
+                raise PermissionDenied(
+                    f"plans are charged to a dataset's own plan pool, and dataset {dataset!r} is tenant "
+                    f"{row.tenant!r}'s; another tenant runs its jobs through the filter, within its quota"
+                )
+            if self._tables.datasets.blocks(connection, row.dataset_id):
+                raise FailedPrecondition(
+                    f"dataset {dataset!r} is made of blocks, and a plan is charged to the dataset's own pool; run "
+                    "its jobs on the blocks through their filters"
+                )
+            if self._tables.plans.by_name(connection, row.dataset_id, plan) is not None:
+                raise AlreadyExists(f"dataset {dataset!r} already has a plan {plan!r}; name the new one otherwise")
+            used = self._tables.plans.pool_use(connection, row.dataset_id)
+            check_pool_admits(dataset, plan, row.rule(), used, epsilon, delta)
+            self._tables.plans.insert(connection, row.dataset_id, plan, tenant, plan_jobs_json(charged), epsilon, delta)
+            self._history.record(connection, caller, "register_plan", tenant, row.dataset_id, {
+                "plan": plan, "jobs": [job.to_dict() for job in charged], "epsilon": epsilon, "delta": delta,
+            })
+            registered = self._tables.plans.by_name(connection, row.dataset_id, plan)
+        return registered.status(caller)
+
+    def list_plans(self, dataset: str, *, caller: Caller | None = None) -> list[PlanStatus]:
+        """The dataset's pre-registered plans the caller may see (an admin: all; a tenant: its own), oldest
+        first."""
+        caller = self._caller(caller)
+        with self._transactions.read() as connection:
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+            rows = self._tables.plans.of_dataset(connection, row.dataset_id, None if caller.admin else caller.tenant)
+        return [plan.status(caller) for plan in rows]
+
     @curves_outside_lock
     def reserve(
         self,
@@ -654,6 +752,7 @@ class Ledger:
         privacy_unit: str = EXAMPLE,
         rows_per_person: int | None = None,
         blocks: tuple[str, ...] | list[str] = (),
+        plan: str | None = None,
         *,
         caller: Caller | None = None,
     ) -> Reservation:
@@ -671,10 +770,14 @@ class Ledger:
         reservation (a retried reserve holds budget once); a different one is
         refused until it is released. With `lease_seconds`, the reservation
         expires that long after this call or its last commit, and its unrun
-        steps are released.
+        steps are released. With `plan`, the job is the next job of that
+        pre-registered plan (`register_plan`): its events must be the ones
+        the plan declared for it, and it is admitted without the filter.
         """
         caller = self._caller(caller)
         check_name("job id", job_id)
+        if plan is not None:
+            check_name("plan", plan)
         blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
@@ -687,12 +790,15 @@ class Ledger:
             existing = self._tables.reservations.active_of_job(connection, row.dataset_id, job.tenant, job_id)
             if existing is not None:
                 reservation = existing.reservation(caller)
-                if reservation.planned != planned or reservation.blocks != blocks:
+                if reservation.planned != planned or reservation.blocks != blocks or reservation.plan != plan:
                     raise FailedPrecondition(
                         f"job {job_id!r} already holds reservation {reservation.reservation_id} on dataset "
                         f"{dataset!r} with another plan or blocks; release it first or use another job id"
                     )
                 return reservation
+            if plan is not None:
+                reservation_id = admission.hold_in_plan(self._tables, connection, caller, dataset, row, job, plan)
+                return self._tables.reservations.by_id(connection, reservation_id).reservation(caller)
             budgets = admission.budget_rows(self._tables, connection, row, blocks, dataset, new_job=True)
             reservation_id = admission.hold(
                 self._tables, connection, caller, dataset, row, budgets, job,

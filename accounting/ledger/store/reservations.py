@@ -15,9 +15,9 @@ from accounting.ledger.verification import StoredCommit, StoredReservation
 
 _RESERVATION_COLUMNS = (
     "r.id, d.tenant, d.name, r.job_id, r.state, r.planned_events, r.committed_steps, r.created_at, r.released_at, "
-    "r.lease_seconds, r.expires_at, r.lease_expired, r.tenant, r.blocks, r.dataset_id"
+    "r.lease_seconds, r.expires_at, r.lease_expired, r.tenant, r.blocks, r.dataset_id, p.plan"
 )
-_FROM = "FROM reservations r JOIN datasets d ON d.id = r.dataset_id"
+_FROM = "FROM reservations r JOIN datasets d ON d.id = r.dataset_id LEFT JOIN plan_jobs p ON p.reservation_id = r.id"
 
 
 class ReservationRow(NamedTuple):
@@ -38,6 +38,7 @@ class ReservationRow(NamedTuple):
     tenant: str
     blocks: str
     dataset_id: int
+    plan: str | None
 
     def reservation(self, caller: Caller) -> Reservation:
         """The reservation as `caller` sees it: its dataset named as the caller names it."""
@@ -54,6 +55,7 @@ class ReservationRow(NamedTuple):
             expires_at=self.expires_at,
             lease_expired=bool(self.lease_expired),
             blocks=tuple(json.loads(self.blocks)),
+            plan=self.plan,
         )
 
 

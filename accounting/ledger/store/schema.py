@@ -38,7 +38,8 @@ from accounting.ledger.verification import (
     stored_token_digest,
 )
 
-SCHEMA_VERSION = SEALED_SINCE_VERSION
+# Version 13 added pre-registered plans (`_PLAN_TABLES`).
+SCHEMA_VERSION = 13
 # The first schema version whose history entries carry an HMAC under the history key.
 KEYED_SINCE_VERSION = 9
 
@@ -50,6 +51,7 @@ _TABLES_SINCE = {
     8: ("admin_tokens", "token_generation"),
     10: ("composed_pld",),
     11: ("verified_state",),
+    13: ("plans", "plan_jobs"),
 }
 
 # The indexes each listing reads in order (schema version 10), so that its time follows what it lists, not the
@@ -137,6 +139,30 @@ _TOKEN_TABLES = (
     "INSERT INTO token_generation (generation) VALUES (0)",
 )
 
+# Pre-registered plans (schema version 13): each plan a dataset's pool admitted, with its jobs' charged events
+# (a JSON list of compositions), the (epsilon, delta) it was charged and how many of its jobs have started; and,
+# per job of a plan that started, its reservation and its place in the plan.
+_PLAN_TABLES = (
+    """CREATE TABLE plans (
+        dataset_id {integer} NOT NULL REFERENCES datasets(id),
+        name TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        jobs TEXT NOT NULL,
+        epsilon {float} NOT NULL,
+        delta {float} NOT NULL,
+        started_jobs {integer} NOT NULL DEFAULT 0,
+        created_at TEXT NOT NULL,
+        PRIMARY KEY (dataset_id, name)
+    )""",
+    """CREATE TABLE plan_jobs (
+        reservation_id TEXT PRIMARY KEY REFERENCES reservations(id),
+        dataset_id {integer} NOT NULL,
+        plan TEXT NOT NULL,
+        job_index {integer} NOT NULL,
+        UNIQUE (dataset_id, plan, job_index)
+    )""",
+)
+
 # The schema in the SQL both kinds of database read; Database.types fills in the names of types that differ.
 _TABLES = (
     "CREATE TABLE schema_version (version {integer} NOT NULL)",
@@ -210,6 +236,7 @@ _TABLES = (
     *_LISTING_INDEXES,
     _COMPOSED_PLD,
     _VERIFIED_STATE,
+    *_PLAN_TABLES,
 )
 
 
@@ -433,6 +460,13 @@ def _adopt_admin_tokens(
         history.record(connection, caller, "adopt_admin_tokens", None, None, by_key(caller, {"admin_tokens": tokens}))
 
 
+def _add_plans(connection: Connection, caller: Caller, database: Database, history: HistoryChain) -> None:
+    """Version 13: the tables of pre-registered plans (`_PLAN_TABLES`), empty: no dataset of an older file has a
+    plan pool."""
+    for statement in _PLAN_TABLES:
+        connection.execute(formatted(statement, database))
+
+
 # Each version's step brings a file of the previous version up to it, in the transaction that opens it; the steps
 # that append to the history append to `history` (the one that re-chains it under the key uses the key).
 _MIGRATIONS = {
@@ -447,6 +481,7 @@ _MIGRATIONS = {
     10: _index_listings_and_keep_composed_plds,
     11: _keep_the_verified_state,
     12: _adopt_admin_tokens,
+    13: _add_plans,
 }
 
 

@@ -8,6 +8,7 @@ from typing import Callable, Hashable, NamedTuple
 
 from accounting.events import Composition
 from accounting.ledger.admission import AdmissionRule, RdpTally, budget_figures, stored_tally
+from accounting.ledger.admission.pools import PoolUse
 from accounting.ledger.callers import Caller, DatasetRef, display_name
 from accounting.ledger.databases import Connection
 from accounting.ledger.records import BlockStatus, DatasetStatus, QuotaStatus, quota_status
@@ -21,13 +22,14 @@ from accounting.ledger.validation import ACTIVE
 
 class StatusRows(NamedTuple):
     """What a dataset's status is computed from: its row, its active jobs, its blocks, the uses of it and of
-    its blocks, and how many jobs wait on it."""
+    its blocks, how many jobs wait on it, and what its plans took from its plan pool."""
 
     dataset: DatasetRow
     jobs: list[ReservationRow]
     blocks: list[DatasetRow]
     uses: list[UseRow]
     queued: int
+    pool_use: PoolUse
 
 
 def read_status(tables: Tables, connection: Connection, caller: Caller, dataset: DatasetRow) -> StatusRows:
@@ -39,6 +41,7 @@ def read_status(tables: Tables, connection: Connection, caller: Caller, dataset:
         tables.datasets.blocks(connection, dataset.dataset_id),
         tables.uses.of_dataset(connection, dataset.dataset_id, mine),
         tables.queue.count_waiting(connection, dataset.dataset_id),
+        tables.plans.pool_use(connection, dataset.dataset_id),
     )
     tables.composed.recall(connection, [rows.dataset, *rows.blocks])
     return rows
@@ -76,6 +79,9 @@ def dataset_status(
         privacy_unit=dataset.privacy_unit,
         scheduling=SchedulingPolicy.from_dict(json.loads(dataset.scheduling)),
         queued_jobs=rows.queued,
+        plans=rows.pool_use.plans,
+        plans_epsilon=rows.pool_use.epsilon,
+        plans_delta=rows.pool_use.delta,
     )
 
 

@@ -24,6 +24,8 @@ from accounting.ledger.verification import (
     StoredCommit,
     StoredDataset,
     StoredEntry,
+    StoredPlan,
+    StoredPlanJob,
     StoredReservation,
     StoredTenant,
     StoredTenantUse,
@@ -46,11 +48,13 @@ class StoredLedger(NamedTuple):
     admin_tokens: list[StoredAdminToken]
     verified: bytes | None
     schema_version: int
+    plans: list[StoredPlan]
+    plan_jobs: list[StoredPlanJob]
 
 
 def read_stored(tables: Tables, connection: Connection) -> StoredLedger:
-    """Every history entry, dataset and block, tenant use, reservation, commit, tenant and admin token, as
-    stored, the verified state and the schema version."""
+    """Every history entry, dataset and block, tenant use, reservation, commit, tenant and admin token, plan and
+    plan job, as stored, the verified state and the schema version."""
     verified = connection.execute("SELECT state FROM verified_state WHERE id = 1").fetchone()
     (schema_version,) = connection.execute("SELECT version FROM schema_version").fetchone()
     return StoredLedger(
@@ -63,6 +67,8 @@ def read_stored(tables: Tables, connection: Connection) -> StoredLedger:
         admin_tokens=tables.tenants.every_admin_token(connection),
         verified=bytes(verified[0]) if verified is not None else None,
         schema_version=schema_version,
+        plans=tables.plans.every(connection),
+        plan_jobs=tables.plans.every_job(connection),
     )
 
 
@@ -77,7 +83,7 @@ def verify_stored(
         stored.entries, stored.datasets, stored.uses, key=key, reservations=stored.reservations,
         commits=stored.commits, tenants=stored.tenants, admin_tokens=stored.admin_tokens,
         schema_version=stored.schema_version, head=head, verified=stored.verified, full=full,
-        head_public_key=head_public_key,
+        head_public_key=head_public_key, plans=stored.plans, plan_jobs=stored.plan_jobs,
     )
 
 

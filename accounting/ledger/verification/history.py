@@ -17,6 +17,8 @@ from accounting.ledger.verification.rows import (
     StoredCommit,
     StoredDataset,
     StoredEntry,
+    StoredPlan,
+    StoredPlanJob,
     StoredReservation,
     StoredTenant,
     StoredTenantUse,
@@ -126,6 +128,8 @@ class HistoryReplay:
         commits: Sequence[StoredCommit],
         tenants: Sequence[StoredTenant],
         admin_tokens: Sequence[StoredAdminToken] = (),
+        plans: Sequence[StoredPlan] = (),
+        plan_jobs: Sequence[StoredPlanJob] = (),
     ) -> list[Finding]:
         """What the replays noted, and where the tables' rows differ from what they replay to."""
         names = {dataset.dataset_id: dataset.name for dataset in datasets}
@@ -133,6 +137,12 @@ class HistoryReplay:
         for dataset in datasets:
             replay = self.budgets.get(dataset.dataset_id) or BudgetReplay.of_budget(dataset)
             findings += replay.budget_findings(dataset)
+            findings += replay.plan_findings(
+                dataset, [plan for plan in plans if plan.dataset_id == dataset.dataset_id],
+                [job for job in plan_jobs if job.dataset_id == dataset.dataset_id],
+            )
+        for orphan in sorted({row.dataset_id for row in (*plans, *plan_jobs)} - set(names)):
+            findings.append(Finding(None, None, f"plans of dataset id {orphan}, which has no row", row="plan"))
         for budget_id in sorted(set(self.first_entry) - set(names)):
             findings.append(Finding(self.first_entry[budget_id], None, "it is about a dataset or block that has no "
                                                                        "row (the row was removed)"))
@@ -163,6 +173,8 @@ def verify_history(
     head_public_key: Ed25519PublicKey | None = None,
     verified: bytes | None = None,
     full: bool = False,
+    plans: Sequence[StoredPlan] = (),
+    plan_jobs: Sequence[StoredPlanJob] = (),
 ) -> tuple[Verification, VerifiedState | None]:
     """Check the hash chain of every entry under the history `key`, then replay each dataset's, block's and
     tenant use's history, and every reservation, commit and tenant, against the tables' rows.
@@ -187,7 +199,8 @@ def verify_history(
     SEALED_SINCE_VERSION on every ledger keeps a state, so no state, or one
     of another version, is a finding (a state deleted, or a version number
     changed by hand). `admin_tokens` are compared with the tokens the
-    history creates, rotates and revokes, as `tenants` are.
+    history creates, rotates and revokes, as `tenants` are; `plans` and
+    `plan_jobs` with the plans each dataset's history registers and starts.
     """
     names = {dataset.dataset_id: dataset.name for dataset in datasets}
     findings = chain_findings(entries, names, key)
@@ -212,7 +225,7 @@ def verify_history(
     else:
         replay, replayed = HistoryReplay(), entries
     replay.extend(replayed, datasets)
-    findings += replay.findings(datasets, uses, reservations, commits, tenants, admin_tokens)
+    findings += replay.findings(datasets, uses, reservations, commits, tenants, admin_tokens, plans, plan_jobs)
     head_hash = entries[-1].entry_hash if entries else ""
     verification = Verification(len(entries), len(datasets), head_hash, tuple(findings), len(replayed))
     if findings or not entries:

@@ -9,9 +9,12 @@ from typing import Callable
 
 from accounting.events import Composition, EventError, event_of, group_events
 from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, fits_budget, split_steps
+from accounting.ledger.admission.pools import PoolUse, plan_epsilon, plan_jobs_json, pool_admits
 from accounting.ledger.records import HistoryEntry, JobCharge
 from accounting.ledger.verification.findings import Finding
-from accounting.ledger.verification.rows import StoredDataset, StoredEntry, StoredTenantUse
+from accounting.ledger.verification.rows import (
+    StoredDataset, StoredEntry, StoredPlan, StoredPlanJob, StoredTenantUse,
+)
 
 # The actions of a job's history entries.
 JOB_ACTIONS = ("reserve", "commit", "release", "expire")
@@ -41,8 +44,11 @@ class BudgetReplay:
     """
 
     def __init__(self, dataset: str, recorded_held: Callable[[dict], float | None] | None = None,
-                 quota: bool = False) -> None:
+                 quota: bool = False, plan_costs: bool = True) -> None:
         self.dataset = dataset
+        # Whether each plan's recorded ε is checked against its jobs' PLD ε (verify's; a listing's replay trusts
+        # what verify checks, and computes no PLD).
+        self.plan_costs = plan_costs
         self.recorded_held = recorded_held or _nothing_recorded
         self.quota = quota
         self.findings: list[Finding] = []
@@ -58,6 +64,11 @@ class BudgetReplay:
         self.committed_tally = RdpTally.zero()
         self.plans: dict[str, Composition] = {}
         self.committed_steps: dict[str, int] = {}
+        # Pre-registered plans: each one's jobs and how many started, what the pool paid for them, and the
+        # reservations of their jobs (which hold and commit nothing in the filter).
+        self.registered_plans: dict[str, dict] = {}
+        self.pool_used = (0.0, 0.0)
+        self.plan_jobs: dict[str, tuple[str, int]] = {}
 
     @classmethod
     def of_budget(cls, dataset: StoredDataset) -> "BudgetReplay":
@@ -89,6 +100,32 @@ class BudgetReplay:
         ):
             if replayed != stored:
                 findings.append(Finding(None, dataset.name, f"the row's {what} is not what its history replays to"))
+        return findings
+
+    def plan_findings(self, dataset: StoredDataset, plans: list[StoredPlan], jobs: list[StoredPlanJob]) -> list[Finding]:
+        """Where the dataset's rows of plans and of their started jobs differ from what its history replays to."""
+        findings = []
+        stored = {plan.name: plan for plan in plans}
+        for name in sorted(set(stored) | set(self.registered_plans)):
+            row, replayed = stored.get(name), self.registered_plans.get(name)
+            if row is None or replayed is None:
+                where = "has a row but no history entry" if replayed is None else "is in the history but has no row"
+                findings.append(Finding(None, dataset.name, f"plan {name!r} {where}", row="plan"))
+                continue
+            expected = (replayed["tenant"], plan_jobs_json(replayed["jobs"]), replayed["epsilon"], replayed["delta"],
+                        replayed["started"])
+            if (row.tenant, row.jobs_json, row.epsilon, row.delta, row.started_jobs) != expected:
+                findings.append(Finding(None, dataset.name, f"plan {name!r}: its row differs from what its history "
+                                                            "replays to", row="plan"))
+        stored_jobs = {job.reservation_id: (job.plan, job.job_index) for job in jobs}
+        for reservation_id in sorted(set(stored_jobs) ^ set(self.plan_jobs)):
+            where = "has a row but no history entry" if reservation_id in stored_jobs else \
+                "is in the history but has no row"
+            findings.append(Finding(None, dataset.name, f"job {reservation_id} of a plan {where}", row="plan job"))
+        for reservation_id in sorted(set(stored_jobs) & set(self.plan_jobs)):
+            if stored_jobs[reservation_id] != self.plan_jobs[reservation_id]:
+                findings.append(Finding(None, dataset.name, f"job {reservation_id} of a plan: its row differs from "
+                                                            "what its history replays to", row="plan job"))
         return findings
 
     def use_findings(self, use: StoredTenantUse) -> list[Finding]:
@@ -147,12 +184,52 @@ class BudgetReplay:
             self.admission = AdmissionRule.from_dict(details["admission"])
         elif action == "raise_budget":
             self.budget_epsilon = float(details["to"])
+        elif action == "register_plan":
+            self.register_plan(entry, details)
+        elif action == "reserve" and "plan" in details:
+            self.reserve_in_plan(entry, details)
         elif action == "reserve":
             self.reserve(entry, details)
         elif action == "commit":
             self.commit(entry, details)
         elif action in ("release", "expire"):
             self.release(entry, details)
+
+    def register_plan(self, entry: StoredEntry, details: dict) -> None:
+        jobs = tuple(Composition.from_dict(job) for job in details["jobs"])
+        epsilon, delta = float(details["epsilon"]), float(details["delta"])
+        if details["plan"] in self.registered_plans:
+            self.note(entry, f"registers plan {details['plan']!r} a second time")
+        computed = plan_epsilon(jobs, delta) if self.plan_costs else epsilon
+        if epsilon < computed:
+            self.note(entry, f"charges plan {details['plan']!r} ε {epsilon!r}; its jobs' PLD ε is {computed!r}")
+        rule = self.admission
+        used = PoolUse(*self.pool_used)
+        if rule is None or not pool_admits(rule, used, epsilon, delta):
+            pool = "no plan pool" if rule is None or not rule.has_plan_pool else \
+                f"the plan pool ε {rule.plan_epsilon:g} at δ {rule.plan_delta:g}"
+            self.note(entry, f"admitted plan {details['plan']!r} to ε {used.epsilon + epsilon:.6g} at δ "
+                             f"{used.delta + delta:.3g}, over {pool}")
+        self.registered_plans[details["plan"]] = {
+            "tenant": entry.tenant, "jobs": jobs, "epsilon": epsilon, "delta": delta, "started": 0,
+        }
+        self.pool_used = (used.epsilon + epsilon, used.delta + delta)
+
+    def reserve_in_plan(self, entry: StoredEntry, details: dict) -> None:
+        # A tenant's use replays the job without its plan (registered on the dataset): the budget's replay checks it.
+        planned = Composition.from_dict(details["planned_events"])
+        if not self.quota:
+            plan = self.registered_plans.get(details["plan"], {"tenant": None, "jobs": (), "started": 0})
+            started = plan["started"]
+            if (details["plan_job"], entry.tenant) != (started, plan["tenant"]) or started >= len(plan["jobs"]) or \
+                    plan["jobs"][started] != planned:
+                self.note(entry, f"starts job {details['plan_job'] + 1} of plan {details['plan']!r} with events "
+                                 "the plan did not declare for its next job")
+            else:
+                plan["started"] = started + 1
+        self.plans[details["reservation_id"]] = planned
+        self.committed_steps[details["reservation_id"]] = 0
+        self.plan_jobs[details["reservation_id"]] = (details["plan"], details["plan_job"])
 
     def reserve(self, entry: StoredEntry, details: dict) -> None:
         planned = Composition.from_dict(details["planned_events"])
@@ -194,6 +271,9 @@ class BudgetReplay:
             self.note_structure(
                 entry, f"charges events that are not the next {block.steps} planned steps of {reservation_id}"
             )
+        if reservation_id in self.plan_jobs:  # paid for with its plan
+            self.committed_steps[reservation_id] += block.steps
+            return
         block_tally = RdpTally.of(block)
         limit = self.limit()
         if limit is not None and limit[1] is not None:
@@ -214,13 +294,16 @@ class BudgetReplay:
             return
         plan = self.plans.pop(reservation_id)
         committed_steps = self.committed_steps.pop(reservation_id)
-        if (details["committed_steps"], details["freed_steps"]) != (committed_steps, plan.steps - committed_steps):
+        in_plan = reservation_id in self.plan_jobs
+        freed = 0 if in_plan else plan.steps - committed_steps
+        if (details["committed_steps"], details["freed_steps"]) != (committed_steps, freed):
             self.note_structure(
                 entry,
                 f"records {details['committed_steps']} committed and {details['freed_steps']} freed steps of "
-                f"{reservation_id}; its commits give {committed_steps} and {plan.steps - committed_steps}",
+                f"{reservation_id}; its commits give {committed_steps} and {freed}",
             )
-        self.held = self.held - RdpTally.of(split_steps(plan, committed_steps)[1])
+        if not in_plan:
+            self.held = self.held - RdpTally.of(split_steps(plan, committed_steps)[1])
 
 
 class ChargeReplay(BudgetReplay):
@@ -232,11 +315,12 @@ class ChargeReplay(BudgetReplay):
     """
 
     def __init__(self, dataset: str, block: str | None) -> None:
-        super().__init__(dataset)
+        super().__init__(dataset, plan_costs=False)
         self.block = block
         self.charges: dict[str, JobCharge] = {}
 
     def reserve(self, entry: StoredEntry, details: dict) -> None:
+        # (A job of a plan takes nothing from the filter: `reserve_in_plan` replays it, and it has no charge.)
         held_before = self.admission_epsilon(self.held)
         super().reserve(entry, details)
         self.charges[details["reservation_id"]] = JobCharge(
@@ -288,7 +372,7 @@ def burn_down(entries: list[HistoryEntry]) -> list[BurnDownPoint]:
     """
     if not entries or entries[0].action != "create_dataset":
         raise ValueError("a burn-down replays a dataset's history from its creation; the first entry is not it")
-    replay = BudgetReplay(entries[0].dataset or "")
+    replay = BudgetReplay(entries[0].dataset or "", plan_costs=False)
     points = []
     for entry in entries:
         if entry.action in ("add_block", "set_quota") or entry.details.get("blocks"):

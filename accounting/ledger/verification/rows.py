@@ -84,6 +84,28 @@ class StoredCommit(NamedTuple):
     committed_steps: int
 
 
+class StoredPlan(NamedTuple):
+    """A row of the plans table: a plan's jobs as the stored JSON text, the (epsilon, delta) charged, the jobs
+    started; compared with the replay of its history."""
+
+    dataset_id: int
+    name: str
+    tenant: str
+    jobs_json: str
+    epsilon: float
+    delta: float
+    started_jobs: int
+
+
+class StoredPlanJob(NamedTuple):
+    """A row of the plan_jobs table: the reservation of one started job of a plan, and its place in the plan."""
+
+    reservation_id: str
+    dataset_id: int
+    plan: str
+    job_index: int
+
+
 @dataclass(frozen=True)
 class StoredTenant:
     """A row of the tenants table: its token's key id and a digest of its salt and token hash (None: no token)."""
