@@ -151,6 +151,12 @@ def test_the_command_line_splits_a_budget_registers_runs_of_a_config_and_lists_t
     monkeypatch.delenv("DPFLEET_LEDGER", raising=False)
     config = tmp_path / "job.toml"
     config.write_text('dataset = "mnist"\nbatch_size = 256\nsteps = 2000\nnoise_multiplier = 1.1\n')
+    # Before the dataset exists, fits says how a first use would split the budget it registers.
+    first_use = tmp_path / "first-use.toml"
+    first_use.write_text(config.read_text() + "dataset_plan_share = 0.5\n")
+    assert main(["ledger", "fits", "--config", str(first_use)]) == 0
+    assert ("would register it with budget ε 5 at δ 5e-06 for the filter, and a plan pool of ε 5 at δ 5e-06 beside "
+            "it on first use") in capsys.readouterr().out
     assert main(["ledger", "dataset", "create", "mnist", "--epsilon", "10", "--delta", "1e-5", "--plan-share",
                  "0.99"]) == 0
     assert "plan pools (set aside at creation" in capsys.readouterr().out

@@ -25,6 +25,14 @@ from orchestrator.ledger_session import (
 )
 
 
+def pool_note(status) -> str:
+    """Beside a dataset's budget in words: the plan pool it set aside, when it has one ('' otherwise)."""
+    if not status.admission.has_plan_pool:
+        return ""
+    return (f" for the filter, and a plan pool of ε {status.admission.plan_epsilon:g} at δ "
+            f"{status.admission.plan_delta:g} beside it")
+
+
 @ledger_command
 def run_fits(args: argparse.Namespace) -> int:
     """Say whether a training config's job would be admitted now, what it takes from each budget and what would
@@ -60,6 +68,7 @@ def run_fits(args: argparse.Namespace) -> int:
     registration = "" if registered else (
         f"dataset {dataset!r} is not registered: dpfleet train would register it with budget ε "
         f"{status.budget_epsilon:g} at δ {status.delta:g}{' per person' if status.privacy_unit == 'user' else ''}"
+        f"{pool_note(status)}"
         f"{' and blocks ' + ', '.join(config.blocks) if config.blocks else ''} on first use; nothing is registered "
         "now.\n"
     )
