@@ -7,10 +7,12 @@ import sqlite3
 import pytest
 
 from accounting.accountants import get_accountant
-from accounting.events import SampledGaussian
+from accounting.events import Composition, SampledGaussian
 from accounting.ledger.admission import AdmissionRule, RdpTally
 from accounting.ledger.admission.pools import PoolUse, pool_admits, rule_with_pool, split_budget
+from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import BudgetExceeded, FailedPrecondition, InvalidArgument, PermissionDenied
+from accounting.ledger.service import start_server
 from accounting.ledger.store import open_embedded_ledger
 from orchestrator.cli import main
 from orchestrator.config import load_config
@@ -18,6 +20,7 @@ from orchestrator.planning import plan_run
 from servers import TINY_JOB
 
 DELTA = 1e-5
+ADMIN_TOKEN = "admin-token-for-plan-tests-0123456789"
 # The main MNIST job's mechanism (examples/mnist.toml): q = 256/60000, σ 1.1, 2,000 steps... at a tenth of its steps.
 JOB = SampledGaussian(256 / 60000, 1.1, 200)
 OTHER = SampledGaussian(256 / 60000, 1.0, 200)
@@ -122,6 +125,28 @@ def test_only_the_owner_registers_a_plan_and_runs_its_jobs(tmp_path):
             ledger.register_plan("acme/mnist", "mine", [JOB], caller=rival)
         with pytest.raises(Exception, match="has no plan 'sweep' of tenant 'rival'"):
             ledger.reserve("acme/mnist", "job", JOB, plan="sweep", caller=rival)
+
+
+def test_a_served_ledger_splits_registers_and_admits_a_plans_job_as_the_embedded_one_does(tmp_path):
+    server = start_server(tmp_path / "served.db", "127.0.0.1", 0, ADMIN_TOKEN, allow_key_beside_database=True)
+    try:
+        with RemoteLedger(server.address, ADMIN_TOKEN) as admin:
+            token = admin.create_tenant("acme").token
+        with RemoteLedger(server.address, token) as ledger:
+            created = ledger.create_dataset("mnist", 10.0, DELTA, plan_share=0.5)
+            assert (created.budget_epsilon, created.admission.plan_epsilon) == (5.0, 5.0)
+            plan = ledger.register_plan("mnist", "sweep", [JOB, OTHER], delta=DELTA / 4)
+            assert plan.epsilon == get_accountant("pld").epsilon(Composition((JOB, OTHER)), DELTA / 4)
+            with pytest.raises(FailedPrecondition, match="does not run what plan 'sweep' declared"):
+                ledger.reserve("mnist", "job-1", OTHER, plan="sweep")
+            job = ledger.reserve("mnist", "job-1", JOB, plan="sweep")
+            assert job.plan == "sweep"
+            ledger.commit(job.reservation_id, 200, 0)
+            status = ledger.get_budget("mnist")
+            assert (status.plans, status.plans_epsilon, status.spent_epsilon_filter) == (1, plan.epsilon, 0.0)
+            assert [listed.started_jobs for listed in ledger.list_plans("mnist")] == [1]
+    finally:
+        server.stop(grace_seconds=1.0)
 
 
 def plan_rows(path, statement, *parameters):
