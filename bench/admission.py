@@ -33,8 +33,7 @@ from typing import Callable
 
 from accounting.accountants import get_accountant
 from accounting.events import SampledGaussian
-from accounting.ledger.admission import RdpTally, fits_budget
-from accounting.ledger.admission.pools import PoolUse, plan_epsilon, pool_admits
+from accounting.ledger.admission import PoolUse, RdpTally, fits_budget, plan_epsilon, pool_admits
 from accounting.ledger.errors import BudgetExceeded
 from accounting.ledger.store import open_embedded_ledger
 

@@ -21,8 +21,9 @@ from accounting.ledger.admission import (
     assess_admission,
     charged_plan,
     check_block_data,
+    rule_with_pool,
+    split_budget,
 )
-from accounting.ledger.admission.pools import rule_with_pool, split_budget
 from accounting.ledger.callers import LOCAL_TENANT
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.errors import (

@@ -20,9 +20,8 @@ from accounting.events import EventsLike
 from accounting.ledger import ledger_pb2 as pb
 from accounting.ledger import ledger_pb2_grpc
 from accounting.ledger import messages
-from accounting.ledger.admission import FitReport, check_plan
+from accounting.ledger.admission import FitReport, check_plan, check_plan_share
 from accounting.ledger.errors import BudgetExceeded, InvalidArgument, LedgerError, LedgerUnavailable, RateLimited
-from accounting.ledger.admission.pools import check_plan_share
 from accounting.ledger.records import (
     CommitResult, DatasetStatus, HistoryEntry, PlanStatus, QueuedJob, Reservation, TenantCreated,
 )

@@ -18,7 +18,7 @@ from typing import Callable
 
 from accounting.events import Composition, noise_placement
 from accounting.lazy import LazyModule
-from accounting.ledger.admission.pools import check_plan_share
+from accounting.ledger.admission import check_plan_share
 from accounting.ledger.callers import ADMIN
 from accounting.ledger.client import RemoteLedger
 from accounting.ledger.databases import is_postgresql, shown_location

@@ -19,24 +19,22 @@ from accounting.events import Composition, EventsLike
 from accounting.ledger.admission import (
     AdmissionRule,
     FitReport,
+    PoolUse,
     RdpTally,
     charged_plan,
     check_block_data,
     check_dataset_content,
     check_new_budget,
     check_plan,
-    fits_budget,
-    uncached_mechanisms,
-)
-from accounting.ledger.admission.pools import (
     check_plan_delta,
     check_plan_share,
-    PoolUse,
     check_pool_admits,
+    fits_budget,
     plan_epsilon,
     plan_jobs_json,
     rule_with_pool,
     split_budget,
+    uncached_mechanisms,
 )
 from accounting.ledger.callers import ADMIN, LOCAL_TENANT, Caller, resolve_dataset
 from accounting.ledger.databases import Connection, open_database

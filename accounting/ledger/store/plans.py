@@ -6,7 +6,7 @@ import json
 from typing import NamedTuple
 
 from accounting.events import Composition
-from accounting.ledger.admission.pools import PoolUse
+from accounting.ledger.admission import PoolUse
 from accounting.ledger.callers import Caller, DatasetRef, display_name
 from accounting.ledger.databases import Connection
 from accounting.ledger.records import PlanStatus

@@ -7,8 +7,7 @@ import json
 from typing import Callable, Hashable, NamedTuple
 
 from accounting.events import Composition
-from accounting.ledger.admission import AdmissionRule, RdpTally, budget_figures, stored_tally
-from accounting.ledger.admission.pools import PoolUse
+from accounting.ledger.admission import AdmissionRule, PoolUse, RdpTally, budget_figures, stored_tally
 from accounting.ledger.callers import Caller, DatasetRef, display_name
 from accounting.ledger.databases import Connection
 from accounting.ledger.records import BlockStatus, DatasetStatus, QuotaStatus, quota_status

@@ -8,8 +8,9 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from accounting.events import Composition, EventError, event_of, group_events
-from accounting.ledger.admission import AdmissionRule, RdpTally, canonical, fits_budget, split_steps
-from accounting.ledger.admission.pools import PoolUse, plan_epsilon, plan_jobs_json, pool_admits
+from accounting.ledger.admission import (
+    AdmissionRule, PoolUse, RdpTally, canonical, fits_budget, plan_epsilon, plan_jobs_json, pool_admits, split_steps,
+)
 from accounting.ledger.records import HistoryEntry, JobCharge
 from accounting.ledger.verification.findings import Finding
 from accounting.ledger.verification.rows import (
