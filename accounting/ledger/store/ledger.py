@@ -702,6 +702,8 @@ class Ledger:
         if len(jobs) > MAX_PLAN_JOBS:
             raise InvalidArgument(f"a plan holds at most {MAX_PLAN_JOBS} jobs (got {len(jobs)})")
         charged = tuple(self._charged(caller, dataset, job, privacy_unit, rows_per_person)[1] for job in jobs)
+        # Its PLD composes every step of every job: costed as commits of as many steps are, before any work.
+        self._charge_curves(caller, 1 + sum(job.steps for job in charged) / COMPOSED_STEPS_PER_UNIT)
         with self._transactions.read() as connection:
             rule = visible_dataset(self._tables, connection, caller, dataset, shared=True).rule()
         check_pool_admits(dataset, plan, rule, PoolUse(), 0.0, 0.0)  # a dataset without a pool, refused at once
@@ -830,6 +832,7 @@ class Ledger:
 
         A request costs one per mechanism whose RDP curve it would compute,
         and a Fits one more, a commit one per COMPOSED_STEPS_PER_UNIT steps,
+        a plan's registration one more than a commit of all its jobs' steps,
         taken before it does any work. Admins are not charged.
         """
         if self.curve_limits is not None and not caller.admin:
