@@ -24,7 +24,7 @@ from workers.models import flat_parameters
 SILOS = ("silo-a", "silo-b", "silo-c")
 # The ledger arguments `dpfleet train` gets with no flags: the embedded ledger, the config's dataset name.
 NO_LEDGER_FLAGS = argparse.Namespace(ledger=None, token=None, dataset_name=None, wait_for_budget=False, max_wait=None,
-                                     priority=0)
+                                     priority=0, plan=None)
 
 
 @pytest.fixture(scope="module")
