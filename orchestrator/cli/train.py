@@ -461,16 +461,6 @@ def cost_fields(trainer: Trainer, job: JobLedger) -> dict[str, str]:
     return {"takes": taken, "epsilon": f"{epsilon:.3g}", "accountant": shown, "delta": f"{config.delta:g}"}
 
 
-def register_embedded_ledger_dataset(args: argparse.Namespace, config) -> str:
-    """`register_embedded` on the ledger the job would use (--ledger, the config's, else DPFLEET_LEDGER), opened
-    for it and closed: the dataset's ledger name, registered on first use where the ledger is embedded."""
-    ledger = open_ledger(args.ledger or config.ledger, args.token)
-    try:
-        return register_embedded(ledger, args.dataset_name, config, print)
-    finally:
-        ledger.close()
-
-
 def register_embedded(ledger, dataset_name: str | None, config, say) -> str:
     """The dataset's ledger name (`ledger_dataset_name` of --dataset-name); in the embedded ledger, the dataset and
     its chosen blocks are registered on first use."""

@@ -15,9 +15,7 @@ from accounting.ledger.errors import BudgetExceeded
 from accounting.accountants import get_accountant, labelled_epsilon
 from accounting.events import Composition
 from orchestrator.cli.display import format_table, print_json, show_progress
-from orchestrator.cli.train import (
-    add_job_ledger_flags, check_queue_flags, job_ledger, register_embedded_ledger_dataset,
-)
+from orchestrator.cli.train import add_job_ledger_flags, check_queue_flags, job_ledger, register_embedded
 from orchestrator.config import load_config, read_toml
 from orchestrator.errors import BudgetRefusedError, UsageError
 from orchestrator.ledger_session import ledger_dataset_name, open_ledger, register_plan_of
@@ -54,15 +52,15 @@ def grid_plan(args: argparse.Namespace, configs: list) -> str | None:
     trials on other datasets or on blocks or shards)."""
     if args.plan is not None:
         raise UsageError("dpfleet tune registers its trials as a plan of its own; leave out --plan")
-    dataset = register_embedded_ledger_dataset(args, configs[0])
-    if {ledger_dataset_name(args.dataset_name, config) for config in configs} != {dataset} or any(
-        config.shards or config.blocks for config in configs
-    ):
-        print("tune: the trials are not all on one dataset's own budget (other datasets, blocks or shards); each is "
-              "admitted by the filter", flush=True)
-        return None
     ledger = open_ledger(args.ledger or configs[0].ledger, args.token)
     try:
+        dataset = register_embedded(ledger, args.dataset_name, configs[0], print)
+        if {ledger_dataset_name(args.dataset_name, config) for config in configs} != {dataset} or any(
+            config.shards or config.blocks for config in configs
+        ):
+            print("tune: the trials are not all on one dataset's own budget (other datasets, blocks or shards); "
+                  "each is admitted by the filter", flush=True)
+            return None
         if not ledger.get_budget(dataset, pld_may_be_pending=True).admission.has_plan_pool:
             print(f"tune: dataset {dataset!r} has no plan pool, so each trial is admitted by the filter; a dataset "
                   "created with a plan share (dpfleet ledger dataset create NAME --plan-share 0.5) is charged the "

@@ -42,6 +42,7 @@ from accounting.ledger.admission.pools import (
     plan_epsilon,
     plan_jobs_json,
     pool_admits,
+    refuse_without_pool,
     rule_with_pool,
     split_budget,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "plan_jobs_json",
     "pool_admits",
     "rdp_figures",
+    "refuse_without_pool",
     "remember_stored_tally",
     "remembered_tally",
     "rule_with_pool",

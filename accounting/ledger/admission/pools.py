@@ -92,26 +92,36 @@ def check_plan_delta(rule: AdmissionRule, delta: float | None) -> float:
     return float(delta)
 
 
+def _delta_fits(rule: AdmissionRule, used: PoolUse, delta: float) -> bool:
+    """Whether the plans' deltas, with one more of `delta`, stay within the pool's (to a last-bit margin)."""
+    return used.delta + delta <= rule.plan_delta * (1.0 + 1e-12)
+
+
 def pool_admits(rule: AdmissionRule, used: PoolUse, epsilon: float, delta: float) -> bool:
     """Whether a plan of (`epsilon`, `delta`) fits the pool after `used`: both sums within the pool's (with the
     filter's margin on epsilon)."""
     return (rule.has_plan_pool and fits_budget(used.epsilon + epsilon, rule.plan_epsilon)
-            and used.delta + delta <= rule.plan_delta * (1.0 + 1e-12))
+            and _delta_fits(rule, used, delta))
 
 
-def check_pool_admits(reference: str, plan: str, rule: AdmissionRule, used: PoolUse, epsilon: float,
-                      delta: float) -> None:
-    """Raise, in words, unless `pool_admits`: FailedPrecondition for a dataset without a pool, BudgetExceeded for
-    a plan past what its pool has left (of epsilon, or of delta)."""
+def refuse_without_pool(reference: str, plan: str, rule: AdmissionRule) -> None:
+    """Raise FailedPrecondition, in words, when the dataset set no plan pool aside."""
     if not rule.has_plan_pool:
         raise FailedPrecondition(
             f"dataset {reference!r} has no plan pool, so plan {plan!r} cannot be charged its PLD ε; create a "
             "dataset with a plan share (dpfleet ledger dataset create NAME --plan-share 0.5), or run the jobs one "
             "by one through the filter"
         )
+
+
+def check_pool_admits(reference: str, plan: str, rule: AdmissionRule, used: PoolUse, epsilon: float,
+                      delta: float) -> None:
+    """Raise, in words, unless `pool_admits`: FailedPrecondition for a dataset without a pool, BudgetExceeded for
+    a plan past what its pool has left (of epsilon, or of delta)."""
+    refuse_without_pool(reference, plan, rule)
     if not pool_admits(rule, used, epsilon, delta):
         left_delta = max(0.0, rule.plan_delta - used.delta)
-        short_of = "" if used.delta + delta <= rule.plan_delta * (1.0 + 1e-12) else \
+        short_of = "" if _delta_fits(rule, used, delta) else \
             f"; δ {left_delta:.3g} left, where the plan asks δ {delta:.3g}"
         raise BudgetExceeded(reference, max(0.0, rule.plan_epsilon - used.epsilon), epsilon, delta,
                              budget=f"the plan pool of dataset {reference!r} ({used.plans} plan(s) so far"

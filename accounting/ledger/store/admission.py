@@ -164,11 +164,6 @@ def hold(
     refuse_past_the_step_cap(budgets, job.planned.steps, reference)
     checks, quota_checks = admission_checks(tables, connection, job.tenant, dataset, budgets, job.tally, reference)
     refuse_unless_admitted([*checks, *quota_checks], reference)
-    reservation_id = f"r-{secrets.token_hex(8)}"
-    tables.reservations.insert(
-        connection, reservation_id, dataset.dataset_id, job.tenant, job.job_id, job.planned, job.blocks,
-        job.lease_seconds, expiry(job.lease_seconds),
-    )
     for budget in budgets:
         held = tables.datasets.held(connection, budget.dataset_id)
         tables.datasets.set_held(connection, budget.dataset_id, held + job.tally)
@@ -180,6 +175,19 @@ def hold(
         {"blocks": list(job.blocks), "held_epsilon_filter_by_block": dict(zip(job.blocks, held_after))}
         if job.blocks else {"held_epsilon_filter": held_after[0]}
     )
+    return record_reservation(tables, connection, caller, dataset, job, {**placement, **details})
+
+
+def record_reservation(
+    tables: Tables, connection: Connection, caller: Caller, dataset: DatasetRow, job: JobRequest, details: dict,
+) -> str:
+    """Add an active reservation of `job` on `dataset` and its `reserve` history entry, which records the job's
+    plan and `details` (where it is held); the new reservation's id."""
+    reservation_id = f"r-{secrets.token_hex(8)}"
+    tables.reservations.insert(
+        connection, reservation_id, dataset.dataset_id, job.tenant, job.job_id, job.planned, job.blocks,
+        job.lease_seconds, expiry(job.lease_seconds),
+    )
     tables.history.record(
         connection, caller, "reserve", job.tenant, dataset.dataset_id,
         {
@@ -187,7 +195,6 @@ def hold(
             "job_id": job.job_id,
             "planned_events": job.planned.to_dict(),
             "lease_seconds": job.lease_seconds,
-            **placement,
             **details,
         },
     )
@@ -229,15 +236,8 @@ def hold_in_plan(
             f"{events_in_words(job.planned)}. A plan's guarantee covers only the mechanisms it declared: register a "
             "new plan for other jobs, or run this one through the filter"
         )
-    reservation_id = f"r-{secrets.token_hex(8)}"
-    tables.reservations.insert(
-        connection, reservation_id, dataset.dataset_id, job.tenant, job.job_id, job.planned, (), job.lease_seconds,
-        expiry(job.lease_seconds),
-    )
-    tables.history.record(
-        connection, caller, "reserve", job.tenant, dataset.dataset_id,
-        {"reservation_id": reservation_id, "job_id": job.job_id, "planned_events": job.planned.to_dict(),
-         "lease_seconds": job.lease_seconds, "plan": plan, "plan_job": row.started_jobs},
+    reservation_id = record_reservation(
+        tables, connection, caller, dataset, job, {"plan": plan, "plan_job": row.started_jobs}
     )
     tables.plans.start_job(connection, row, reservation_id)
     return reservation_id

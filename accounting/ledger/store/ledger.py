@@ -19,7 +19,6 @@ from accounting.events import Composition, EventsLike
 from accounting.ledger.admission import (
     AdmissionRule,
     FitReport,
-    PoolUse,
     RdpTally,
     charged_plan,
     check_block_data,
@@ -32,6 +31,7 @@ from accounting.ledger.admission import (
     fits_budget,
     plan_epsilon,
     plan_jobs_json,
+    refuse_without_pool,
     rule_with_pool,
     split_budget,
     uncached_mechanisms,
@@ -701,12 +701,10 @@ class Ledger:
             raise InvalidArgument("a plan needs one or more jobs, each its planned events")
         if len(jobs) > MAX_PLAN_JOBS:
             raise InvalidArgument(f"a plan holds at most {MAX_PLAN_JOBS} jobs (got {len(jobs)})")
-        charged = tuple(self._charged(caller, dataset, job, privacy_unit, rows_per_person)[1] for job in jobs)
+        _, charged, _, rule = self._charged_jobs(caller, dataset, jobs, privacy_unit, rows_per_person)
         # Its PLD composes every step of every job: costed as commits of as many steps are, before any work.
         self._charge_curves(caller, 1 + sum(job.steps for job in charged) / COMPOSED_STEPS_PER_UNIT)
-        with self._transactions.read() as connection:
-            rule = visible_dataset(self._tables, connection, caller, dataset, shared=True).rule()
-        check_pool_admits(dataset, plan, rule, PoolUse(), 0.0, 0.0)  # a dataset without a pool, refused at once
+        refuse_without_pool(dataset, plan, rule)
         delta = check_plan_delta(rule, delta)
         epsilon = plan_epsilon(charged, delta)  # the costly part, outside the write lock
         with self._transactions.change() as connection:
@@ -781,8 +779,11 @@ class Ledger:
         blocks = check_block_names(blocks)
         lease_seconds = check_lease_seconds(lease_seconds)
         job_events, planned, rows_per_person = self._charged(caller, dataset, planned, privacy_unit, rows_per_person)
-        self._charge_curves(caller, uncached_mechanisms(planned))
-        planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
+        # A job of a plan takes nothing from the filter, so it needs no RDP curve.
+        planned_tally = RdpTally.zero()
+        if plan is None:
+            self._charge_curves(caller, uncached_mechanisms(planned))
+            planned_tally = RdpTally.of(planned)  # the costly part, outside the write lock
         with self._transactions.change() as connection:
             row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
             job = JobRequest(job_tenant(caller, row), job_id, blocks, planned, planned_tally, lease_seconds)
@@ -813,13 +814,24 @@ class Ledger:
         self, caller: Caller, dataset: str, planned: EventsLike, privacy_unit: str, rows_per_person: int | None
     ) -> tuple[Composition, Composition, int | None]:
         """A job's own events, the events the dataset charges for them (see `charged_plan`), and the checked bound."""
-        job_events = check_plan(planned)
+        (job_events,), (charged,), rows_per_person, _ = self._charged_jobs(
+            caller, dataset, [planned], privacy_unit, rows_per_person
+        )
+        return job_events, charged, rows_per_person
+
+    def _charged_jobs(
+        self, caller: Caller, dataset: str, jobs: list[EventsLike] | tuple[EventsLike, ...], privacy_unit: str,
+        rows_per_person: int | None,
+    ) -> tuple[list[Composition], list[Composition], int | None, AdmissionRule]:
+        """`_charged` of each of `jobs`, from one read of the dataset; and the dataset's admission rule."""
+        job_events = [check_plan(planned) for planned in jobs]
         privacy_unit = check_privacy_unit(privacy_unit)
         rows_per_person = check_rows_per_person(rows_per_person)
         with self._transactions.read() as connection:
-            dataset_unit = visible_dataset(self._tables, connection, caller, dataset, shared=True).privacy_unit
-        charged = charged_plan(dataset, dataset_unit, privacy_unit, job_events, rows_per_person)
-        return job_events, charged, rows_per_person
+            row = visible_dataset(self._tables, connection, caller, dataset, shared=True)
+        charged = [charged_plan(dataset, row.privacy_unit, privacy_unit, events, rows_per_person)
+                   for events in job_events]
+        return job_events, charged, rows_per_person, row.rule()
 
     def refuse_while_limited(self, caller: Caller) -> None:
         """Raise RateLimited when the tenant's bucket of costly requests is empty (a server, before it parses a

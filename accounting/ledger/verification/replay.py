@@ -68,7 +68,7 @@ class BudgetReplay:
         # Pre-registered plans: each one's jobs and how many started, what the pool paid for them, and the
         # reservations of their jobs (which hold and commit nothing in the filter).
         self.registered_plans: dict[str, dict] = {}
-        self.pool_used = (0.0, 0.0)
+        self.pool_used = PoolUse()
         self.plan_jobs: dict[str, tuple[str, int]] = {}
 
     @classmethod
@@ -204,8 +204,7 @@ class BudgetReplay:
         computed = plan_epsilon(jobs, delta) if self.plan_costs else epsilon
         if epsilon < computed:
             self.note(entry, f"charges plan {details['plan']!r} ε {epsilon!r}; its jobs' PLD ε is {computed!r}")
-        rule = self.admission
-        used = PoolUse(*self.pool_used)
+        rule, used = self.admission, self.pool_used
         if rule is None or not pool_admits(rule, used, epsilon, delta):
             pool = "no plan pool" if rule is None or not rule.has_plan_pool else \
                 f"the plan pool ε {rule.plan_epsilon:g} at δ {rule.plan_delta:g}"
@@ -214,7 +213,7 @@ class BudgetReplay:
         self.registered_plans[details["plan"]] = {
             "tenant": entry.tenant, "jobs": jobs, "epsilon": epsilon, "delta": delta, "started": 0,
         }
-        self.pool_used = (used.epsilon + epsilon, used.delta + delta)
+        self.pool_used = used.plus(epsilon, delta)
 
     def reserve_in_plan(self, entry: StoredEntry, details: dict) -> None:
         # A tenant's use replays the job without its plan (registered on the dataset): the budget's replay checks it.
